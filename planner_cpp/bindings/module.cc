@@ -1,0 +1,101 @@
+// harts_planner._native: a table of definitions; conversion lives in glue.{h,cc}.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include "glue.h"
+#include "harts/errors.h"
+#include "harts/rollout_batch.h"
+
+namespace py = pybind11;
+using harts::RolloutBatch;
+using harts::py_glue::RequireArray;
+using harts::py_glue::View;
+
+namespace {
+
+std::unique_ptr<RolloutBatch> Ingest(const py::handle& tokens_obj, const py::handle& offsets_obj,
+                                     const py::handle& tree_ids_obj) {
+  auto tokens = RequireArray<int32_t>(tokens_obj, "tokens");
+  auto offsets = RequireArray<int64_t>(offsets_obj, "offsets");
+  py::array_t<int64_t> tree_ids;
+  const bool has_tree_ids = !tree_ids_obj.is_none();
+  if (has_tree_ids) tree_ids = RequireArray<int64_t>(tree_ids_obj, "tree_ids");
+  py::gil_scoped_release release;
+  return RolloutBatch::Ingest(tokens.data(), tokens.size(), offsets.data(), offsets.size(),
+                              has_tree_ids ? tree_ids.data() : nullptr, has_tree_ids ? tree_ids.size() : 0);
+}
+
+template <typename Getter>
+auto ViewOf(Getter getter) {
+  return [getter](py::object self) { return View((self.cast<const RolloutBatch&>().*getter)(), self); };
+}
+
+template <typename Member>
+auto ForestView(Member member) {
+  return [member](py::object self) { return View(self.cast<const RolloutBatch&>().forest().*member, self); };
+}
+
+int64_t SubsetWork(const RolloutBatch& b, const py::handle& ids_obj) {
+  auto ids = RequireArray<int32_t>(ids_obj, "trajectories");
+  py::gil_scoped_release release;
+  return b.SubsetWork(ids.data(), ids.size());
+}
+
+void CheckTrajectory(const RolloutBatch& b, int64_t i, const char* field) {
+  if (i < 0 || i >= b.num_trajectories())
+    throw harts::InvalidArgument(field, "trajectory index " + std::to_string(i) + " is out of range [0, " +
+                                            std::to_string(b.num_trajectories()) + ")");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "HARTS planner core (C++). Use the harts_planner package, not this module.";
+  harts::py_glue::RegisterErrors(m);
+  m.attr("MAX_TRAJECTORIES") = harts::kMaxTrajectories;
+  m.attr("MAX_SEMANTIC_TOKENS") = harts::kMaxSemanticTokens;
+
+  py::class_<RolloutBatch>(m, "CompactBatch")
+      .def_property_readonly("num_trajectories", &RolloutBatch::num_trajectories)
+      .def_property_readonly("semantic_tokens", &RolloutBatch::semantic_tokens)
+      .def_property_readonly("compact_tokens", &RolloutBatch::compact_tokens)
+      .def_property_readonly("num_segments", [](const RolloutBatch& b) { return b.forest().size(); })
+      .def_property_readonly("lengths", ViewOf(&RolloutBatch::lengths))
+      .def_property_readonly("tree_ids", ViewOf(&RolloutBatch::tree_ids))
+      .def_property_readonly("order", ViewOf(&RolloutBatch::order))
+      .def_property_readonly("rank", ViewOf(&RolloutBatch::rank))
+      .def_property_readonly("adjacent_lcp", ViewOf(&RolloutBatch::adjacent_lcp))
+      .def_property_readonly("compact_map", ViewOf(&RolloutBatch::row_of_position))
+      .def_property_readonly("multiplicity", ViewOf(&RolloutBatch::multiplicity))
+      .def_property_readonly("row_parent", ViewOf(&RolloutBatch::row_parent))
+      .def_property_readonly("row_depth", ViewOf(&RolloutBatch::row_depth))
+      .def_property_readonly("row_segment", ViewOf(&RolloutBatch::row_segment))
+      .def_property_readonly("component", ViewOf(&RolloutBatch::component))
+      .def_property_readonly("segment_root", ViewOf(&RolloutBatch::segment_root))
+      .def_property_readonly("segment_start", ForestView(&harts::SegmentForest::start))
+      .def_property_readonly("segment_end", ForestView(&harts::SegmentForest::end))
+      .def_property_readonly("segment_parent", ForestView(&harts::SegmentForest::parent))
+      .def_property_readonly("segment_subtree_end", ForestView(&harts::SegmentForest::subtree_end))
+      .def_property_readonly("segment_row_begin", ForestView(&harts::SegmentForest::row_begin))
+      .def_property_readonly("segment_multiplicity", ForestView(&harts::SegmentForest::multiplicity))
+      .def_property_readonly("segment_child_offsets", ForestView(&harts::SegmentForest::child_offsets))
+      .def_property_readonly("segment_children", ForestView(&harts::SegmentForest::children))
+      .def_property_readonly("segment_end_offsets", ForestView(&harts::SegmentForest::end_offsets))
+      .def_property_readonly("segment_ending", ForestView(&harts::SegmentForest::ending))
+      .def_property_readonly("segment_roots", ForestView(&harts::SegmentForest::roots))
+      .def("lcp", [](const RolloutBatch& b, int64_t i, int64_t j) {
+             CheckTrajectory(b, i, "i");
+             CheckTrajectory(b, j, "j");
+             return b.Lcp(i, j);
+           }, py::arg("i"), py::arg("j"))
+      .def("interval_work", [](const RolloutBatch& b, int64_t lo, int64_t hi) {
+             if (lo < 0 || hi > b.num_trajectories() || lo >= hi)
+               throw harts::InvalidArgument("lo, hi", "need 0 <= lo < hi <= " + std::to_string(b.num_trajectories()) +
+                                                          ", got [" + std::to_string(lo) + ", " + std::to_string(hi) + ")");
+             return b.IntervalWork(lo, hi);
+           }, py::arg("lo"), py::arg("hi"))
+      .def("subset_work", &SubsetWork, py::arg("trajectories"));
+
+  m.def("ingest", &Ingest, py::arg("tokens"), py::arg("offsets"), py::arg("tree_ids") = py::none(),
+        "Validate and ingest a packed batch (int32 tokens, int64 offsets, optional int64 tree ids).");
+}

@@ -1,0 +1,171 @@
+#include "harts/rollout_batch.h"
+
+#include <algorithm>
+#include <string>
+
+#include "harts/errors.h"
+
+namespace harts {
+namespace {
+
+std::string Idx(const char* name, int64_t i) { return std::string(name) + "[" + std::to_string(i) + "]"; }
+
+}  // namespace
+
+void ValidateTrajectories(const int32_t* tokens, int64_t num_tokens, const int64_t* offsets,
+                          int64_t num_offsets, const int64_t* tree_ids, int64_t num_tree_ids) {
+  if (num_offsets < 2)
+    throw InvalidArgument("offsets", "needs N + 1 >= 2 entries (at least one trajectory), got " +
+                                         std::to_string(num_offsets));
+  const int64_t n = num_offsets - 1;
+  if (n > kMaxTrajectories)
+    throw ResourceExhausted("offsets", std::to_string(n) + " trajectories exceed the limit of " +
+                                           std::to_string(kMaxTrajectories));
+  if (num_tokens > kMaxSemanticTokens)
+    throw ResourceExhausted("tokens", std::to_string(num_tokens) +
+                                          " semantic tokens exceed the limit of " +
+                                          std::to_string(kMaxSemanticTokens));
+  if (offsets[0] != 0)
+    throw InvalidArgument("offsets[0]", "must be 0, got " + std::to_string(offsets[0]));
+  for (int64_t i = 0; i < n; ++i) {
+    if (offsets[i + 1] <= offsets[i])
+      throw InvalidArgument(Idx("offsets", i + 1),
+                            offsets[i + 1] == offsets[i]
+                                ? "trajectory " + std::to_string(i) + " is empty"
+                                : "offsets must be strictly increasing, got " +
+                                      std::to_string(offsets[i + 1]) + " after " +
+                                      std::to_string(offsets[i]));
+  }
+  if (offsets[n] != num_tokens)
+    throw InvalidArgument(Idx("offsets", n), "must equal len(tokens) = " + std::to_string(num_tokens) +
+                                                 ", got " + std::to_string(offsets[n]));
+  int32_t min_token = 0;
+  for (int64_t s = 0; s < num_tokens; ++s) min_token = std::min(min_token, tokens[s]);
+  if (min_token < 0) {
+    const int64_t s = std::find_if(tokens, tokens + num_tokens, [](int32_t t) { return t < 0; }) - tokens;
+    const int64_t i = std::upper_bound(offsets, offsets + num_offsets, s) - offsets - 1;
+    throw InvalidArgument(Idx("tokens", s), "token ids must be >= 0, got " + std::to_string(tokens[s]) +
+                                                " (trajectory " + std::to_string(i) + ", position " +
+                                                std::to_string(s - offsets[i]) + ")");
+  }
+  if (tree_ids != nullptr) {
+    if (num_tree_ids != n)
+      throw InvalidArgument("tree_ids", "needs one entry per trajectory (" + std::to_string(n) +
+                                            "), got " + std::to_string(num_tree_ids));
+    for (int64_t i = 0; i < n; ++i)
+      if (tree_ids[i] < 0)
+        throw InvalidArgument(Idx("tree_ids", i), "must be >= 0, got " + std::to_string(tree_ids[i]));
+  }
+}
+
+std::unique_ptr<RolloutBatch> RolloutBatch::Ingest(const int32_t* tokens, int64_t num_tokens,
+                                                   const int64_t* offsets, int64_t num_offsets,
+                                                   const int64_t* tree_ids, int64_t num_tree_ids) {
+  ValidateTrajectories(tokens, num_tokens, offsets, num_offsets, tree_ids, num_tree_ids);
+  std::unique_ptr<RolloutBatch> b(new RolloutBatch());
+  const int64_t n = num_offsets - 1;
+  b->offsets_.assign(offsets, offsets + num_offsets);
+  b->lengths_.resize(n);
+  for (int64_t i = 0; i < n; ++i) b->lengths_[i] = offsets[i + 1] - offsets[i];
+
+  const TrajectoryView view{tokens, offsets, n};
+  b->order_ = LexicographicOrder(view);
+  b->lcp_ = AdjacentLcp(view, b->order_);
+  b->rank_.resize(n);
+  b->prefix_length_.assign(n + 1, 0);
+  b->prefix_lcp_.assign(n + 1, 0);
+  std::vector<int64_t> sorted_lengths(n);
+  for (int64_t r = 0; r < n; ++r) {
+    b->rank_[b->order_[r]] = static_cast<int32_t>(r);
+    sorted_lengths[r] = b->lengths_[b->order_[r]];
+    b->prefix_length_[r + 1] = b->prefix_length_[r] + sorted_lengths[r];
+    b->prefix_lcp_[r + 1] = b->prefix_lcp_[r] + b->lcp_[r];
+  }
+  b->rmq_ = SparseTableRmq(b->lcp_);
+  b->forest_ = BuildSegmentForest(b->order_.data(), sorted_lengths.data(), b->lcp_.data(), n);
+  b->BuildCompactTrie();
+
+  const SegmentForest& f = b->forest_;
+  b->segment_root_.resize(f.size());
+  std::vector<int32_t> root_index(f.size(), -1);
+  for (int64_t v = 0; v < f.size(); ++v)  // preorder: parents come first
+    b->segment_root_[v] = f.parent[v] < 0 ? static_cast<int32_t>(v) : b->segment_root_[f.parent[v]];
+  for (size_t k = 0; k < f.roots.size(); ++k) root_index[f.roots[k]] = static_cast<int32_t>(k);
+  b->component_.resize(n);
+  for (int64_t r = 0; r < n; ++r)
+    b->component_[b->order_[r]] = root_index[b->segment_root_[f.item_segment[r]]];
+  if (tree_ids != nullptr) b->tree_ids_.assign(tree_ids, tree_ids + n);
+  else b->tree_ids_.assign(b->component_.begin(), b->component_.end());
+  return b;
+}
+
+void RolloutBatch::BuildCompactTrie() {
+  const int64_t n = num_trajectories();
+  const SegmentForest& f = forest_;
+  const int64_t num_rows = f.num_rows;
+  row_of_position_.resize(offsets_[n]);
+  row_parent_.resize(num_rows);
+  row_depth_.resize(num_rows);
+  multiplicity_.resize(num_rows);
+  row_segment_.resize(num_rows);
+  int64_t next_row = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t i = order_[r];
+    const int64_t l = r == 0 ? 0 : lcp_[r];
+    int32_t* m = row_of_position_.data() + offsets_[i];
+    if (l > 0) {
+      const int32_t* prev = row_of_position_.data() + offsets_[order_[r - 1]];
+      std::copy(prev, prev + l, m);
+    }
+    for (int64_t p = l; p < lengths_[i]; ++p) {
+      const int32_t c = static_cast<int32_t>(next_row++);
+      m[p] = c;
+      row_parent_[c] = p == 0 ? -1 : m[p - 1];
+      row_depth_[c] = static_cast<int32_t>(p);
+    }
+  }
+  for (int64_t v = 0; v < f.size(); ++v) {
+    const int64_t begin = f.row_begin[v], len = f.end[v] - f.start[v];
+    std::fill(multiplicity_.begin() + begin, multiplicity_.begin() + begin + len, f.multiplicity[v]);
+    std::fill(row_segment_.begin() + begin, row_segment_.begin() + begin + len, static_cast<int32_t>(v));
+  }
+}
+
+int64_t RolloutBatch::RankLcp(int64_t a, int64_t b) const {
+  if (a == b) return lengths_[order_[a]];
+  if (a > b) std::swap(a, b);
+  return rmq_.Min(a + 1, b + 1);
+}
+
+int64_t RolloutBatch::Lcp(int64_t i, int64_t j) const { return RankLcp(rank_[i], rank_[j]); }
+
+int64_t RolloutBatch::IntervalWork(int64_t lo, int64_t hi) const {
+  return (prefix_length_[hi] - prefix_length_[lo]) - (prefix_lcp_[hi] - prefix_lcp_[lo + 1]);
+}
+
+std::vector<int32_t> RolloutBatch::SortedRanks(const int32_t* ids, int64_t k, const char* field) const {
+  const int64_t n = num_trajectories();
+  std::vector<int32_t> ranks(k);
+  for (int64_t j = 0; j < k; ++j) {
+    if (ids[j] < 0 || ids[j] >= n)
+      throw InvalidArgument(Idx(field, j), "trajectory index " + std::to_string(ids[j]) +
+                                               " is out of range [0, " + std::to_string(n) + ")");
+    ranks[j] = rank_[ids[j]];
+  }
+  std::sort(ranks.begin(), ranks.end());
+  for (int64_t j = 1; j < k; ++j)
+    if (ranks[j] == ranks[j - 1])
+      throw InvalidArgument(field, "trajectory index " + std::to_string(order_[ranks[j]]) +
+                                       " appears more than once");
+  return ranks;
+}
+
+int64_t RolloutBatch::SubsetWork(const int32_t* ids, int64_t k, const char* field) const {
+  const std::vector<int32_t> ranks = SortedRanks(ids, k, field);
+  int64_t work = 0;
+  for (int64_t j = 0; j < k; ++j)
+    work += lengths_[order_[ranks[j]]] - (j == 0 ? 0 : RankLcp(ranks[j - 1], ranks[j]));
+  return work;
+}
+
+}  // namespace harts

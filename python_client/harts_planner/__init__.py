@@ -1,0 +1,24 @@
+"""harts_planner: HARTS prefix-aware planning for rollout-tree training.
+
+Public API::
+
+    from harts_planner import RolloutBatch
+    batch = RolloutBatch.from_token_lists([[1, 2, 3], [1, 2, 4]])
+    batch.compact_tokens  # 4
+"""
+
+from harts_planner._native import MAX_SEMANTIC_TOKENS, MAX_TRAJECTORIES
+from harts_planner.batch import RolloutBatch
+from harts_planner.errors import HartsError, InfeasibleError, InvalidArgumentError, ResourceLimitError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RolloutBatch",
+    "HartsError",
+    "InvalidArgumentError",
+    "ResourceLimitError",
+    "InfeasibleError",
+    "MAX_TRAJECTORIES",
+    "MAX_SEMANTIC_TOKENS",
+]

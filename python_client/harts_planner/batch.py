@@ -1,0 +1,323 @@
+"""`RolloutBatch`: a batch of trajectories ingested into its compact form.
+
+Glossary (Sections 2.1, 3.1 and 3.2 of the paper):
+
+* trajectory ``i``: ``tokens[offsets[i]:offsets[i+1]]``, a root-to-leaf path of a rollout tree.
+* semantic position ``s``: flat index ``offsets[i] + p`` of token ``p`` of trajectory ``i``;
+  ``S = semantic_tokens``.
+* compact row ``c``: one unique token prefix; positions with the same actual token prefix share
+  a row whichever tree they came from. ``C = compact_tokens``. Rows are numbered in the
+  lexicographic DFS preorder of the compact trie.
+* rank: position in the stable lexicographic order of the trajectories.
+* segment: a maximal fork-free path of the compact trie (no fork and no trajectory end strictly
+  inside), positions ``[start, end)`` of every trajectory through it; numbered in preorder.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from harts_planner import _native
+from harts_planner.errors import invalid
+
+
+def _as_array(values, dtype, field: str) -> np.ndarray:
+    """Return ``values`` as a C-contiguous 1-D array of ``dtype`` (zero copy when it already is)."""
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise invalid(field, f"must be one-dimensional, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise invalid(field, f"must hold integers, got dtype {arr.dtype}")
+    if arr.dtype != dtype and arr.size:
+        info = np.iinfo(dtype)
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < info.min or hi > info.max:
+            bad = lo if lo < info.min else hi
+            raise invalid(field, f"value {bad} does not fit {np.dtype(dtype).name}")
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
+class RolloutBatch:
+    """A batch of trajectories and its compact trie, LCP/RMQ index and segment forest.
+
+    Build one with :meth:`from_arrays`, :meth:`from_token_lists` or :meth:`load`. All array
+    properties are read-only numpy views of memory owned by the C++ core (no copies).
+    """
+
+    def __init__(self, native: _native.CompactBatch, tokens: np.ndarray, offsets: np.ndarray,
+                 tree_ids: np.ndarray | None):
+        self._native = native
+        self._tokens = tokens
+        self._offsets = offsets
+        self._input_tree_ids = tree_ids
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_arrays(cls, tokens, offsets, tree_ids=None) -> "RolloutBatch":
+        """Ingest a packed batch.
+
+        Parameters
+        ----------
+        tokens : array_like of int, shape [S]
+            All trajectories concatenated; ids >= 0. Passed zero-copy when already int32.
+        offsets : array_like of int, shape [N + 1]
+            ``offsets[0] = 0``, strictly increasing, ``offsets[N] = S``. Zero-copy when int64.
+        tree_ids : array_like of int, shape [N], optional
+            Rollout-tree id of each trajectory (metadata; sharing follows actual tokens).
+
+        Raises
+        ------
+        InvalidArgumentError
+            Empty trajectories, bad offsets, negative token ids, wrong dtypes or shapes;
+            the message names the field (``"offsets[3]: trajectory 2 is empty"``).
+        ResourceLimitError
+            More than ``MAX_TRAJECTORIES`` trajectories or ``MAX_SEMANTIC_TOKENS`` tokens.
+        """
+        tokens = _as_array(tokens, np.int32, "tokens")
+        offsets = _as_array(offsets, np.int64, "offsets")
+        if tree_ids is not None:
+            tree_ids = _as_array(tree_ids, np.int64, "tree_ids")
+        native = _native.ingest(tokens, offsets, tree_ids)
+        return cls(native, tokens, offsets, tree_ids)
+
+    @classmethod
+    def from_token_lists(cls, trajectories: Iterable[Sequence[int]], tree_ids=None) -> "RolloutBatch":
+        """Ingest a list of token lists (one per trajectory). Same errors as :meth:`from_arrays`,
+        with fields named ``trajectories[i]``."""
+        trajectories = list(trajectories)
+        if not trajectories:
+            raise invalid("trajectories", "a batch needs at least one trajectory")
+        lengths = np.empty(len(trajectories), dtype=np.int64)
+        for i, t in enumerate(trajectories):
+            lengths[i] = len(t)
+            if lengths[i] == 0:
+                raise invalid(f"trajectories[{i}]", "trajectory is empty")
+        offsets = np.zeros(len(trajectories) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        pieces = [_as_array(t, np.int64, f"trajectories[{i}]") for i, t in enumerate(trajectories)]
+        return cls.from_arrays(_as_array(np.concatenate(pieces), np.int32, "tokens"), offsets, tree_ids)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "RolloutBatch":
+        """Load a batch saved by :meth:`save` (``.hrb`` binary or ``.jsonl``)."""
+        from harts_planner.batch_io import load_batch
+
+        tokens, offsets, tree_ids = load_batch(path)
+        return cls.from_arrays(tokens, offsets, tree_ids)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Save the input trajectories (format from the extension: ``.hrb`` or ``.jsonl``)."""
+        from harts_planner.batch_io import save_batch
+
+        save_batch(path, self._tokens, self._offsets, self._input_tree_ids)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_trajectories(self) -> int:
+        """N, the number of trajectories."""
+        return self._native.num_trajectories
+
+    @property
+    def semantic_tokens(self) -> int:
+        """S, the number of semantic positions (sum of trajectory lengths)."""
+        return self._native.semantic_tokens
+
+    @property
+    def compact_tokens(self) -> int:
+        """C, the number of compact rows (unique token prefixes) of the whole batch."""
+        return self._native.compact_tokens
+
+    @property
+    def num_segments(self) -> int:
+        """V, the number of segments of the segment forest."""
+        return self._native.num_segments
+
+    @property
+    def compression(self) -> float:
+        """S / C."""
+        return self.semantic_tokens / self.compact_tokens
+
+    # ------------------------------------------------------------------ inputs
+    @property
+    def tokens(self) -> np.ndarray:
+        """int32 [S]: the input token buffer."""
+        return self._tokens
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """int64 [N + 1]: the input offsets."""
+        return self._offsets
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """int64 [N]: trajectory lengths |x_i|."""
+        return self._native.lengths
+
+    @property
+    def tree_ids(self) -> np.ndarray:
+        """int64 [N]: the given tree ids, or (if none were given) the index of the trajectory's
+        compact component (its rollout tree as recovered from shared tokens)."""
+        return self._native.tree_ids
+
+    @property
+    def component(self) -> np.ndarray:
+        """int32 [N]: index into :attr:`segment_roots` of the trajectory's compact component."""
+        return self._native.component
+
+    def trajectory(self, i: int) -> np.ndarray:
+        """int32 view of trajectory ``i``'s tokens."""
+        return self._tokens[self._offsets[i]:self._offsets[i + 1]]
+
+    # ------------------------------------------------------------------ order and LCP
+    @property
+    def order(self) -> np.ndarray:
+        """int32 [N]: ``order[r]`` is the trajectory of rank ``r`` (stable lexicographic order)."""
+        return self._native.order
+
+    @property
+    def rank(self) -> np.ndarray:
+        """int32 [N]: inverse of :attr:`order`."""
+        return self._native.rank
+
+    @property
+    def adjacent_lcp(self) -> np.ndarray:
+        """int32 [N]: ``adjacent_lcp[r] = LCP(x[order[r-1]], x[order[r]])``; entry 0 is 0."""
+        return self._native.adjacent_lcp
+
+    def lcp(self, i: int, j: int) -> int:
+        """LCP(x_i, x_j) of two trajectory indices, O(1) by RMQ (|x_i| when ``i == j``)."""
+        return self._native.lcp(i, j)
+
+    def interval_work(self, lo: int, hi: int) -> int:
+        """W: compact work of the trajectories of ranks ``[lo, hi)`` (Equation 5), O(1)."""
+        return self._native.interval_work(lo, hi)
+
+    def subset_work(self, trajectories) -> int:
+        """Compact work C(M) of a set of distinct trajectory indices (Equation 5 after sorting).
+
+        Raises InvalidArgumentError for an index out of range or repeated."""
+        return self._native.subset_work(_as_array(trajectories, np.int32, "trajectories"))
+
+    # ------------------------------------------------------------------ compact trie
+    @property
+    def compact_map(self) -> np.ndarray:
+        """int32 [S]: m, the compact row of every semantic position (Equation 3)."""
+        return self._native.compact_map
+
+    @property
+    def multiplicity(self) -> np.ndarray:
+        """int32 [C]: q_c, semantic positions per compact row; sums to S (Equation 20)."""
+        return self._native.multiplicity
+
+    @property
+    def row_parent(self) -> np.ndarray:
+        """int32 [C]: parent row of each compact row, -1 for a first token."""
+        return self._native.row_parent
+
+    @property
+    def row_depth(self) -> np.ndarray:
+        """int32 [C]: position of each row in its trajectories (0-based)."""
+        return self._native.row_depth
+
+    @property
+    def row_segment(self) -> np.ndarray:
+        """int32 [C]: segment containing each compact row."""
+        return self._native.row_segment
+
+    # ------------------------------------------------------------------ segment forest
+    @property
+    def segment_start(self) -> np.ndarray:
+        """int32 [V]: first position s_v of each segment."""
+        return self._native.segment_start
+
+    @property
+    def segment_end(self) -> np.ndarray:
+        """int32 [V]: exclusive end position e_v of each segment."""
+        return self._native.segment_end
+
+    @property
+    def segment_parent(self) -> np.ndarray:
+        """int32 [V]: parent segment, -1 for a root (one root per compact component)."""
+        return self._native.segment_parent
+
+    @property
+    def segment_subtree_end(self) -> np.ndarray:
+        """int32 [V]: the subtree of v is the preorder id range ``[v, segment_subtree_end[v])``."""
+        return self._native.segment_subtree_end
+
+    @property
+    def segment_row_begin(self) -> np.ndarray:
+        """int64 [V]: segment v holds compact rows ``[row_begin, row_begin + end - start)``."""
+        return self._native.segment_row_begin
+
+    @property
+    def segment_multiplicity(self) -> np.ndarray:
+        """int32 [V]: number of trajectories through each segment."""
+        return self._native.segment_multiplicity
+
+    @property
+    def segment_child_offsets(self) -> np.ndarray:
+        """int64 [V + 1]: CSR offsets into :attr:`segment_children`."""
+        return self._native.segment_child_offsets
+
+    @property
+    def segment_children(self) -> np.ndarray:
+        """int32 [V - roots]: children of each segment, lexicographic order, CSR."""
+        return self._native.segment_children
+
+    @property
+    def segment_end_offsets(self) -> np.ndarray:
+        """int64 [V + 1]: CSR offsets into :attr:`segment_ending`."""
+        return self._native.segment_end_offsets
+
+    @property
+    def segment_ending(self) -> np.ndarray:
+        """int32 [N]: trajectories ending at each segment's end, rank order, CSR."""
+        return self._native.segment_ending
+
+    @property
+    def segment_roots(self) -> np.ndarray:
+        """int32 [R]: root segments (one per compact component), lexicographic order."""
+        return self._native.segment_roots
+
+    def children(self, v: int) -> np.ndarray:
+        """Children of segment ``v``."""
+        o = self.segment_child_offsets
+        return self.segment_children[o[v]:o[v + 1]]
+
+    def ending(self, v: int) -> np.ndarray:
+        """Trajectories ending at the end of segment ``v``."""
+        o = self.segment_end_offsets
+        return self.segment_ending[o[v]:o[v + 1]]
+
+    # ------------------------------------------------------------------ summaries
+    def stats(self) -> dict:
+        """Shape summary: sizes, compression, tree depth (segments and tokens) and fan-out."""
+        parent = self.segment_parent
+        depth = np.zeros(len(parent), dtype=np.int64)
+        for v in range(len(parent)):  # preorder: parents first
+            if parent[v] >= 0:
+                depth[v] = depth[parent[v]] + 1
+        fanout = np.diff(self.segment_child_offsets)
+        forks = fanout[fanout >= 2]
+        return {
+            "trajectories": self.num_trajectories,
+            "trees": int(len(self.segment_roots)),
+            "semantic_tokens": self.semantic_tokens,
+            "compact_tokens": self.compact_tokens,
+            "compression": self.compression,
+            "segments": self.num_segments,
+            "max_depth_segments": int(depth.max()) + 1 if len(depth) else 0,
+            "max_trajectory_tokens": int(self.lengths.max()),
+            "mean_trajectory_tokens": float(self.lengths.mean()),
+            "forks": int(len(forks)),
+            "max_fanout": int(fanout.max()) if len(fanout) else 0,
+            "mean_fanout_at_forks": float(forks.mean()) if len(forks) else 0.0,
+        }
+
+    def __repr__(self) -> str:
+        return (f"RolloutBatch(trajectories={self.num_trajectories}, semantic_tokens={self.semantic_tokens}, "
+                f"compact_tokens={self.compact_tokens}, segments={self.num_segments})")
