@@ -216,26 +216,27 @@ def _check_range(value: IntRange, name: str, lo: int, hi: int | None) -> None:
 
 PRESETS: dict[str, SynthConfig] = {
     "tiny": SynthConfig(
-        trees=(2, 4), trajectories=None, prompt_len=(1, 6), main_turns=(1, 4),
-        side_turns=(0, 2), max_depth=6, fork_min_depth=1, fork_prob=0.6, fanout=(0.5, 0.3, 0.2),
-        retry_prob=0.4, retry_len=(1, 3), retry_leaf_prob=0.5, tool_prob=0.2, tool_len=(5, 12),
-        turn_len=(1, 4), prefix_prob=0.2, duplicate_prob=0.2, vocab_size=16),
+        trees=(2, 4), trajectories=None, prompt_len=(1, 6), main_turns=(1, 4), side_turns=(0, 1),
+        max_depth=6, fork_min_depth=1, fork_prob=0.3, fanout=(0.6, 0.3, 0.1), retry_prob=0.4,
+        retry_len=(1, 3), retry_leaf_prob=0.6, tool_prob=0.2, tool_len=(5, 12), turn_len=(1, 4),
+        prefix_prob=0.2, duplicate_prob=0.2, vocab_size=16),
     "small": SynthConfig(
-        trees=(4, 40), trajectories=(80, 120), prompt_len=(100, 1500), main_turns=(3, 10),
-        side_turns=(0, 3), max_depth=16, fork_min_depth=2, fork_prob=0.3, fanout=(0.5, 0.2, 0.1, 0.1, 0.1),
-        retry_prob=0.4, retry_len=(1, 20), retry_leaf_prob=0.6, tool_prob=0.25,
-        tool_len=(300, 3000), turn_len=(10, 200), prefix_prob=0.03, duplicate_prob=0.03),
+        trees=(4, 100), trajectories=(80, 120), prompt_len=(300, 1500), main_turns=(6, 14),
+        side_turns=(0, 1), max_depth=24, fork_min_depth=5, fork_prob=0.32,
+        fanout=(0.55, 0.2, 0.1, 0.05, 0.04, 0.03, 0.02, 0.01), retry_prob=0.55, retry_len=(1, 20),
+        retry_leaf_prob=0.8, tool_prob=0.15, tool_len=(100, 3000), turn_len=(5, 100),
+        prefix_prob=0.03, duplicate_prob=0.03),
     "medium": SynthConfig(
-        trees=(10, 200), trajectories=(450, 550), prompt_len=(500, 4000), main_turns=(4, 16),
-        side_turns=(0, 4), max_depth=32, fork_min_depth=3, fork_prob=0.25,
-        fanout=(0.5, 0.2, 0.1, 0.08, 0.06, 0.04, 0.02), retry_prob=0.4, retry_len=(1, 20),
-        retry_leaf_prob=0.6, tool_prob=0.25, tool_len=(500, 8000), turn_len=(20, 400),
+        trees=(10, 400), trajectories=(450, 550), prompt_len=(1000, 4000), main_turns=(8, 18),
+        side_turns=(0, 1), max_depth=32, fork_min_depth=7, fork_prob=0.32,
+        fanout=(0.55, 0.2, 0.1, 0.05, 0.04, 0.03, 0.02, 0.01), retry_prob=0.55, retry_len=(1, 20),
+        retry_leaf_prob=0.8, tool_prob=0.13, tool_len=(300, 8000), turn_len=(10, 300),
         prefix_prob=0.01, duplicate_prob=0.01),
     "swe-like": SynthConfig(
-        trees=(50, 1000), trajectories=(1300, 2300), prompt_len=(1500, 8000),
-        main_turns=(4, 24), side_turns=(1, 6), max_depth=48, fork_min_depth=5, fork_prob=0.25,
-        fanout=(0.55, 0.2, 0.1, 0.05, 0.04, 0.03, 0.02, 0.01), retry_prob=0.4,
-        retry_len=(1, 20), retry_leaf_prob=0.7, tool_prob=0.25, tool_len=(1000, 30_000),
+        trees=(50, 1000), trajectories=(1280, 2250), prompt_len=(4000, 16_000),
+        main_turns=(10, 22), side_turns=(0, 1), max_depth=48, fork_min_depth=9, fork_prob=0.32,
+        fanout=(0.55, 0.2, 0.1, 0.05, 0.04, 0.03, 0.02, 0.01), retry_prob=0.55,
+        retry_len=(1, 20), retry_leaf_prob=0.8, tool_prob=0.13, tool_len=(1000, 30_000),
         turn_len=(20, 800), prefix_prob=0.005, duplicate_prob=0.005),
 }
 
@@ -386,15 +387,6 @@ def _emission_order(rng: np.random.Generator, cfg: SynthConfig, forest: _Forest,
     return order
 
 
-def _tree_count_reached(cfg: SynthConfig, target: int | None, trees: int, emitted: int) -> bool:
-    """Whether generation stops after ``trees`` trees holding ``emitted`` trajectories."""
-    if trees >= cfg.trees[1]:
-        return True
-    if target is None:
-        return False
-    return trees >= cfg.trees[0] and emitted >= target
-
-
 def _grow_forest(rng: np.random.Generator, cfg: SynthConfig) -> tuple[_Forest, list[int],
                                                                       list[list[int]]]:
     """Grow all trees and fix each tree's trajectory order.
@@ -406,12 +398,13 @@ def _grow_forest(rng: np.random.Generator, cfg: SynthConfig) -> tuple[_Forest, l
         node of each trajectory in emission order.
     """
     if cfg.trajectories is None:
-        target, tree_cap = None, _uniform(rng, cfg.trees)
+        min_trees = max_trees = _uniform(rng, cfg.trees)
+        target = 0
     else:
-        target, tree_cap = _uniform(rng, cfg.trajectories), cfg.trees[1]
+        (min_trees, max_trees), target = cfg.trees, _uniform(rng, cfg.trajectories)
     forest, roots, orders = _Forest(), [], []
     emitted = 0
-    while not _tree_count_reached(cfg, target, len(roots), emitted) and len(roots) < tree_cap:
+    while len(roots) < max_trees and (len(roots) < min_trees or emitted < target):
         roots.append(_grow_tree(rng, cfg, forest))
         orders.append(_emission_order(rng, cfg, forest, roots[-1]))
         emitted += len(orders[-1])
