@@ -176,8 +176,8 @@ def test_batch_format_error_is_a_value_error() -> None:
     ('{"tokens": [1], "tree_id": "a"}\n', "line 1: tree_id: expected an int64"),
     ('{"tokens": [1], "tree_id": null}\n', "line 1: tree_id: expected an int64"),
     ('{"tokens": [1], "tree_id": 9223372036854775808}\n', "line 1: tree_id: expected an int64"),
-    ('{"tokens": [1], "tree_id": 0}\n{"tokens": [2]}\n', "line 2: tree_id: missing"),
-    ('{"tokens": [1]}\n{"tokens": [2], "tree_id": 0}\n', "line 2: tree_id: present"),
+    ('{"tokens": [1], "tree_id": 0}\n{"tokens": [2]}\n', "line 2: tree_id: missing here but given"),
+    ('{"tokens": [1]}\n{"tokens": [2], "tree_id": 0}\n', "line 2: tree_id: given here but missing"),
     ('{"tokens": [1], "reward": 1.0}\n', "line 1: reward: unknown field"),
 ])
 def test_malformed_jsonl_names_line_and_field(tmp_path: Path, text: str, message: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -154,7 +155,7 @@ def test_trees_start_with_distinct_tokens(preset: str) -> None:
     batch = synth.generate(preset, 5)
     first_tokens = batch.tokens[batch.offsets[:-1]]
     per_tree = {}
-    for tree, token in zip(batch.tree_ids.tolist(), first_tokens.tolist()):
+    for tree, token in zip(batch.tree_ids.tolist(), first_tokens.tolist(), strict=True):
         assert per_tree.setdefault(tree, token) == token
     assert len(set(per_tree.values())) == len(per_tree)
 
@@ -198,7 +199,7 @@ def test_fork_positions_are_not_chunk_aligned() -> None:
     batch = synth.generate("medium", 0)
     seqs = trajectories(batch)
     forks = []
-    for a, b in zip(seqs, seqs[1:]):
+    for a, b in itertools.pairwise(seqs):
         common = min(len(a), len(b))
         mismatch = np.flatnonzero(a[:common] != b[:common])
         if mismatch.size:

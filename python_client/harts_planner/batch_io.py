@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["BatchFormatError", "FORMATS", "load_batch", "save_batch", "validate_batch"]
+__all__ = ["FORMATS", "BatchFormatError", "load_batch", "save_batch", "validate_batch"]
 
 MAGIC = b"HARTSRB\0"
 VERSION = 1
@@ -289,8 +289,8 @@ def _load_jsonl(path: Path) -> Batch:
             if first_has_tree_id is None:
                 first_has_tree_id = tree_id is not None
             elif first_has_tree_id != (tree_id is not None):
-                state = "missing" if tree_id is None else "present"
-                raise BatchFormatError(f"line {number}: tree_id: {state} here but not on the "
+                here, first = ("missing", "given") if tree_id is None else ("given", "missing")
+                raise BatchFormatError(f"line {number}: tree_id: {here} here but {first} on the "
                                        f"first trajectory line; give it on every line or none")
             trajectories.append(tokens)
             if tree_id is not None:

@@ -12,11 +12,11 @@ Generative model (one tree)
 * A *chain* extends a node by a number of turns. Each turn is one segment: a tool output (probability
   ``tool_prob``, length log-uniform in ``tool_len``) or an agent turn (length log-uniform in
   ``turn_len``). The root starts the main chain with ``main_turns`` turns.
-* Before each turn, with probability ``fork_prob``, the current chain end forks: ``k`` side branches
-  (``P(k = i + 1) = fanout[i]``) start next to the chain's own continuation. A side branch opens with
-  a short retry segment (probability ``retry_prob``, length uniform in ``retry_len``) that ends there
-  with probability ``retry_leaf_prob``, or else with an ordinary turn; it then runs its own chain of
-  ``side_turns`` turns, which may fork again.
+* Before each turn, a chain end at depth ``fork_min_depth`` or deeper forks with probability
+  ``fork_prob``: ``k`` side branches (``P(k = i + 1) = fanout[i]``) start next to the chain's own
+  continuation. A side branch opens with a short retry segment (probability ``retry_prob``, length
+  uniform in ``retry_len``) that ends there with probability ``retry_leaf_prob``, or else with an
+  ordinary turn; it then runs its own chain of ``side_turns`` turns, which may fork again.
 * No root-to-leaf path has more than ``max_depth`` segments.
 
 Segment lengths are never aligned to any chunk grid, so forks land anywhere inside a 64-token chunk.
@@ -36,6 +36,14 @@ child order is shuffled, so the batch is deterministic but not lexicographically
 internal node also ends a trajectory with probability ``prefix_prob`` (a strict prefix of another
 trajectory), and each leaf trajectory is repeated with probability ``duplicate_prob`` at a random
 position inside its tree's block.
+
+Presets
+-------
+``"tiny"`` (a few trees of tens of tokens, vocabulary 16, for unit tests), ``"small"`` (about 100
+trajectories, 0.1-0.5M tokens), ``"medium"`` (about 500 trajectories, a few million tokens) and
+``"swe-like"``, calibrated to the per-step scale of the paper's Table 2: 1.3k-2.3k trajectories,
+about 40-60M tokens, S / C about 5-6 and about 26k tokens per trajectory, with trees of mostly
+under 65,536 compact tokens (roughly one in ten is larger).
 
 Determinism: the same preset, seed and overrides give byte-identical arrays (one
 ``numpy.random.Generator(PCG64(seed))`` drives every draw).
@@ -125,6 +133,11 @@ class SynthConfig:
     shared_prefix_tokens: int = 0
     """Length of a token prefix identical across all trees (for example a common system prompt)."""
 
+    max_trajectory_tokens: int | None = None
+    """Upper bound on every trajectory's length (shared prefix included); segments that would cross
+    it are shortened and chains stop there. None: unbounded. A step planner with microbatch capacity
+    T needs every trajectory to fit, so presets used at T = 65,536 set 65,536."""
+
     def __post_init__(self) -> None:
         for name in ("trees", "prompt_len", "main_turns", "side_turns", "retry_len", "tool_len",
                      "turn_len"):
@@ -161,6 +174,8 @@ class SynthConfig:
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name}: must lie in [0, 1], got {value!r}")
         _check(self.shared_prefix_tokens, "shared_prefix_tokens", 0, None)
+        if self.max_trajectory_tokens is not None:
+            _check(self.max_trajectory_tokens, "max_trajectory_tokens", self.shared_prefix_tokens + 1, None)
 
 
 def _set(config: SynthConfig, name: str, value: object) -> None:
@@ -237,7 +252,7 @@ PRESETS: dict[str, SynthConfig] = {
         main_turns=(10, 22), side_turns=(0, 1), max_depth=48, fork_min_depth=9, fork_prob=0.32,
         fanout=(0.55, 0.2, 0.1, 0.05, 0.04, 0.03, 0.02, 0.01), retry_prob=0.55,
         retry_len=(1, 20), retry_leaf_prob=0.8, tool_prob=0.13, tool_len=(1000, 30_000),
-        turn_len=(20, 800), prefix_prob=0.005, duplicate_prob=0.005),
+        turn_len=(20, 800), prefix_prob=0.005, duplicate_prob=0.005, max_trajectory_tokens=65_536),
 }
 
 
@@ -281,14 +296,22 @@ class _Forest:
     INVARIANT: a node's id is larger than its parent's id, and the nodes of one tree are contiguous.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_path_len: int | None = None) -> None:
+        self.max_path_len = max_path_len
         self.parent: list[int] = []
         self.length: list[int] = []
         self.path_len: list[int] = []  # tokens from the tree root through the node
         self.children: list[list[int]] = []
 
     def add(self, parent: int, length: int) -> int:
-        """Append a segment of ``length`` tokens under ``parent`` (-1 for a root); return its id."""
+        """Append a segment of ``length`` tokens under ``parent`` (-1 for a root); return its id.
+
+        The segment is shortened so that its path stays within ``max_path_len``; returns -1 (and
+        adds nothing) when the parent's path is already that long."""
+        if self.max_path_len is not None:
+            length = min(length, self.max_path_len - (self.path_len[parent] if parent >= 0 else 0))
+            if length <= 0:
+                return -1
         node = len(self.parent)
         self.parent.append(parent)
         self.length.append(length)
@@ -315,7 +338,7 @@ def _uniform(rng: np.random.Generator, bounds: IntRange) -> int:
 def _log_uniform(rng: np.random.Generator, bounds: IntRange) -> int:
     """Integer whose logarithm is uniform over ``[lo, hi + 1)``, clipped to ``[lo, hi]``."""
     value = math.exp(rng.uniform(math.log(bounds[0]), math.log(bounds[1] + 1)))
-    return min(bounds[1], int(value))
+    return min(bounds[1], max(bounds[0], int(value)))
 
 
 def _turn_length(rng: np.random.Generator, cfg: SynthConfig) -> int:
@@ -326,13 +349,14 @@ def _turn_length(rng: np.random.Generator, cfg: SynthConfig) -> int:
 
 
 def _start_side_branch(rng: np.random.Generator, cfg: SynthConfig, forest: _Forest, parent: int,
-                       depth: int) -> tuple[int, int, int]:
+                       depth: int) -> tuple[int, int, int] | None:
     """Add the first segment of a side branch under ``parent`` (at ``depth``).
 
     Returns
     -------
     tuple[int, int, int]
-        ``(node, depth, turns)``: the new chain end, its depth and the turns its chain still takes.
+        ``(node, depth, turns)``: the new chain end, its depth and the turns its chain still takes;
+        None when the parent's path has reached ``max_trajectory_tokens``.
     """
     if rng.random() < cfg.retry_prob:
         node = forest.add(parent, _uniform(rng, cfg.retry_len))
@@ -340,7 +364,7 @@ def _start_side_branch(rng: np.random.Generator, cfg: SynthConfig, forest: _Fore
     else:
         node = forest.add(parent, _turn_length(rng, cfg))
         turns = _uniform(rng, cfg.side_turns)
-    return node, depth + 1, turns
+    return None if node < 0 else (node, depth + 1, turns)
 
 
 def _grow_tree(rng: np.random.Generator, cfg: SynthConfig, forest: _Forest) -> int:
@@ -354,10 +378,12 @@ def _grow_tree(rng: np.random.Generator, cfg: SynthConfig, forest: _Forest) -> i
                 break
             if depth >= cfg.fork_min_depth and rng.random() < cfg.fork_prob:
                 sides = 1 + int(rng.choice(len(cfg.fanout), p=cfg.fanout))
-                chains.extend(_start_side_branch(rng, cfg, forest, node, depth)
-                              for _ in range(sides))
-            node = forest.add(node, _turn_length(rng, cfg))
-            depth += 1
+                branches = (_start_side_branch(rng, cfg, forest, node, depth) for _ in range(sides))
+                chains.extend(b for b in branches if b is not None)
+            child = forest.add(node, _turn_length(rng, cfg))
+            if child < 0:
+                break
+            node, depth = child, depth + 1
     return root
 
 
@@ -402,7 +428,8 @@ def _grow_forest(rng: np.random.Generator, cfg: SynthConfig) -> tuple[_Forest, l
         target = 0
     else:
         (min_trees, max_trees), target = cfg.trees, _uniform(rng, cfg.trajectories)
-    forest, roots, orders = _Forest(), [], []
+    cap = None if cfg.max_trajectory_tokens is None else cfg.max_trajectory_tokens - cfg.shared_prefix_tokens
+    forest, roots, orders = _Forest(cap), [], []
     emitted = 0
     while len(roots) < max_trees and (len(roots) < min_trees or emitted < target):
         roots.append(_grow_tree(rng, cfg, forest))
