@@ -71,7 +71,9 @@ def main() -> None:
     runs = []
     for seed in args.seeds:
         out = subprocess.run([sys.executable, __file__, "--child", args.preset, str(seed),
-                              "--repeats", str(args.repeats)], check=True, capture_output=True, text=True)
+                              "--repeats", str(args.repeats)], capture_output=True, text=True)
+        if out.returncode != 0:
+            sys.exit(f"seed {seed}: measurement failed:\n{out.stderr}")
         r = json.loads(out.stdout)
         runs.append(r)
         print(f"seed {seed}: N={r['trajectories']:,} S={r['semantic_tokens']:,} C={r['compact_tokens']:,} "
