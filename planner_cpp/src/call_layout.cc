@@ -1,0 +1,185 @@
+#include "harts/call_layout.h"
+
+#include <algorithm>
+#include <cassert>
+#include <limits>
+#include <string>
+
+#include "harts/errors.h"
+
+namespace harts {
+
+void ValidateConvWidth(int64_t conv_width) {
+  if (conv_width < 1 || conv_width > kMaxConvWidth)
+    throw InvalidArgument("conv_width", "must be in [1, " + std::to_string(kMaxConvWidth) + "], got " +
+                                            std::to_string(conv_width));
+}
+
+CallLayout BuildCallLayout(const SegmentForest& f, const MinCallPlan& plan, int64_t conv_width) {
+  const int64_t num_rows = f.num_rows;
+  const int64_t num_segments = f.size();
+  const int64_t num_sequences = plan.num_sequences();
+  const int64_t num_rounds = plan.num_calls;
+  const int64_t ctx = conv_width - 1;
+  const int64_t chunk = plan.chunk_size;
+  CallLayout l;
+  l.conv_width = static_cast<int32_t>(conv_width);
+
+  // Physical order: sequences are numbered round by round, so walking them in order visits
+  // rounds in order; each chain is a path, so its rows come out in position order.
+  l.physical_to_row.resize(num_rows);
+  l.position_ids.resize(num_rows);
+  l.segment_physical_begin.assign(num_segments, -1);
+  l.sequence_offsets.assign(num_sequences + 1, 0);
+  l.round_offsets.assign(num_rounds + 1, 0);
+  int32_t next = 0;
+  for (int64_t q = 0; q < num_sequences; ++q) {
+    l.sequence_offsets[q] = next;
+    for (int32_t i = plan.chain_offsets[q]; i < plan.chain_offsets[q + 1]; ++i) {
+      const int32_t v = plan.chain[i];
+      l.segment_physical_begin[v] = next;
+      const int64_t row = f.row_begin[v];
+      for (int32_t p = f.start[v]; p < f.end[v]; ++p, ++next) {
+        l.physical_to_row[next] = static_cast<int32_t>(row + (p - f.start[v]));
+        l.position_ids[next] = p;
+      }
+    }
+  }
+  l.sequence_offsets[num_sequences] = next;
+  assert(next == num_rows);
+  for (int64_t r = 0; r <= num_rounds; ++r) l.round_offsets[r] = l.sequence_offsets[plan.round_offsets[r]];
+  l.row_to_physical.resize(num_rows);
+  for (int32_t p = 0; p < next; ++p) l.row_to_physical[l.physical_to_row[p]] = p;
+
+  // Packed inputs, conv contexts. One walk up the path per sequence collects the physical rows
+  // of positions [max(0, b_q - w + 1), s_head), nearest first; each step up covers at least one
+  // position, so the walk costs O(s_head - b_q + w).
+  l.packed_offsets.assign(num_rounds + 1, 0);
+  l.cu_offsets.assign(num_rounds + 1, 0);
+  l.gather_index.reserve(num_rows + plan.replay_tokens);
+  l.packed_output_row.reserve(num_rows + plan.replay_tokens);
+  l.cu_seqlens.reserve(num_sequences + num_rounds);
+  l.sequence_replay_length.resize(num_sequences);
+  l.conv_context.assign(num_sequences * ctx, -1);
+  l.own_conv_context.assign(num_sequences * ctx, -1);
+  std::vector<int32_t> walk;  // walk[i]: physical row of position s_head - 1 - i
+  for (int64_t r = 0; r < num_rounds; ++r) {
+    l.packed_offsets[r] = static_cast<int64_t>(l.gather_index.size());
+    l.cu_offsets[r] = static_cast<int32_t>(l.cu_seqlens.size());
+    l.cu_seqlens.push_back(0);
+    int64_t packed = 0;
+    for (int32_t q = plan.round_offsets[r]; q < plan.round_offsets[r + 1]; ++q) {
+      const int32_t head = plan.chain[plan.chain_offsets[q]];
+      const int64_t s = plan.sequence_start[q], b = plan.sequence_anchor[q];
+      const int64_t lowest = std::max<int64_t>(0, b - ctx);
+      walk.clear();
+      int32_t w = f.parent[head];
+      for (int64_t p = s - 1; p >= lowest; --p) {
+        while (p < f.start[w]) w = f.parent[w];
+        walk.push_back(static_cast<int32_t>(l.segment_physical_begin[w] + (p - f.start[w])));
+      }
+      auto at = [&](int64_t p) { return p < 0 ? -1 : walk[s - 1 - p]; };
+      for (int64_t p = b; p < s; ++p) {
+        l.gather_index.push_back(at(p));
+        l.packed_output_row.push_back(-1);
+      }
+      for (int32_t row = l.sequence_offsets[q]; row < l.sequence_offsets[q + 1]; ++row) {
+        l.gather_index.push_back(row);
+        l.packed_output_row.push_back(row);
+      }
+      for (int64_t i = 0; i < ctx; ++i) {
+        l.conv_context[q * ctx + i] = at(b - ctx + i);
+        l.own_conv_context[q * ctx + i] = at(s - ctx + i);  // s - ctx >= b - ctx: in the walk
+      }
+      l.sequence_replay_length[q] = static_cast<int32_t>(s - b);
+      packed += (s - b) + (l.sequence_offsets[q + 1] - l.sequence_offsets[q]);
+      if (packed > std::numeric_limits<int32_t>::max())
+        throw ResourceExhausted("chunk_size", "round " + std::to_string(r) + " packs more than 2^31 - 1 rows");
+      l.cu_seqlens.push_back(static_cast<int32_t>(packed));
+    }
+  }
+  l.packed_offsets[num_rounds] = static_cast<int64_t>(l.gather_index.size());
+  l.cu_offsets[num_rounds] = static_cast<int32_t>(l.cu_seqlens.size());
+
+  for (int64_t q = 0; q < num_sequences; ++q) {
+    for (int32_t i = plan.request_offsets[q]; i < plan.request_offsets[q + 1]; ++i) {
+      const int32_t slot = plan.request_slot[i];
+      l.request_sequence.push_back(static_cast<int32_t>(q));
+      l.request_position.push_back(plan.slot_position[slot]);
+      l.request_chunk.push_back(static_cast<int32_t>((plan.slot_position[slot] - plan.sequence_anchor[q]) / chunk));
+      l.request_slot.push_back(slot);
+    }
+  }
+  return l;
+}
+
+MicrobatchCallPlan PlanSegmentForest(SegmentForest forest, int64_t chunk_size, int64_t conv_width) {
+  ValidateChunkSize(chunk_size);
+  ValidateConvWidth(conv_width);
+  MicrobatchCallPlan m;
+  m.forest = std::move(forest);
+  m.plan = PlanMinCalls(m.forest, chunk_size);
+  m.layout = BuildCallLayout(m.forest, m.plan, conv_width);
+  return m;
+}
+
+MicrobatchCallPlan PlanMicrobatch(const RolloutBatch& batch, const int32_t* ids, int64_t k, int64_t chunk_size,
+                                  int64_t conv_width) {
+  ValidateChunkSize(chunk_size);
+  ValidateConvWidth(conv_width);
+  const int64_t n = batch.num_trajectories();
+  std::vector<int32_t> ranks;
+  std::vector<int32_t> trajectories;
+  if (ids == nullptr) {
+    ranks.resize(n);
+    trajectories.resize(n);
+    for (int32_t i = 0; i < n; ++i) ranks[i] = trajectories[i] = i;
+  } else {
+    if (k == 0) throw InvalidArgument("trajectories", "a microbatch needs at least one trajectory");
+    ranks = batch.SortedRanks(ids, k, "trajectories");
+    trajectories.assign(ids, ids + k);
+  }
+  const int64_t items = static_cast<int64_t>(ranks.size());
+  std::vector<int32_t> item_ids(items), lcp(items, 0);
+  std::vector<int64_t> lengths(items);
+  for (int64_t j = 0; j < items; ++j) {
+    item_ids[j] = batch.order()[ranks[j]];
+    lengths[j] = batch.lengths()[item_ids[j]];
+    if (j > 0) lcp[j] = static_cast<int32_t>(batch.RankLcp(ranks[j - 1], ranks[j]));
+  }
+  MicrobatchCallPlan m = PlanSegmentForest(BuildSegmentForest(item_ids.data(), lengths.data(), lcp.data(), items),
+                                           chunk_size, conv_width);
+  m.trajectories = std::move(trajectories);
+  const SegmentForest& f = m.forest;
+  const CallLayout& l = m.layout;
+  const std::vector<int32_t>& compact_map = batch.row_of_position();
+
+  m.row_to_global.resize(f.num_rows);
+  for (int64_t v = 0; v < f.size(); ++v) {
+    const int64_t base = batch.offsets()[item_ids[f.owner[v]]];
+    for (int64_t p = f.start[v]; p < f.end[v]; ++p)
+      m.row_to_global[f.row_begin[v] + (p - f.start[v])] = compact_map[base + p];
+  }
+  m.physical_to_global.resize(f.num_rows);
+  for (int64_t p = 0; p < f.num_rows; ++p) m.physical_to_global[p] = m.row_to_global[l.physical_to_row[p]];
+
+  // Semantic positions -> physical rows, walking each trajectory up from its last segment.
+  const int64_t count = static_cast<int64_t>(m.trajectories.size());
+  m.semantic_offsets.assign(count + 1, 0);
+  for (int64_t j = 0; j < count; ++j)
+    m.semantic_offsets[j + 1] = m.semantic_offsets[j] + batch.lengths()[m.trajectories[j]];
+  m.semantic_to_physical.resize(m.semantic_offsets[count]);
+  for (int64_t j = 0; j < count; ++j) {
+    const int32_t id = m.trajectories[j];
+    const int64_t item = std::lower_bound(ranks.begin(), ranks.end(), batch.rank()[id]) - ranks.begin();
+    int32_t v = f.item_segment[item];
+    int32_t* out = m.semantic_to_physical.data() + m.semantic_offsets[j];
+    for (int64_t p = batch.lengths()[id] - 1; p >= 0; --p) {
+      while (p < f.start[v]) v = f.parent[v];
+      out[p] = static_cast<int32_t>(l.segment_physical_begin[v] + (p - f.start[v]));
+    }
+  }
+  return m;
+}
+
+}  // namespace harts

@@ -1,0 +1,293 @@
+#include "harts/min_call.h"
+
+#include <algorithm>
+#include <cassert>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "harts/errors.h"
+
+namespace harts {
+namespace {
+
+std::string Idx(const char* name, int64_t i) { return std::string(name) + "[" + std::to_string(i) + "]"; }
+
+// Segments with every parent before its children: the ids themselves when parent < child
+// throughout (a preorder numbering, as BuildSegmentForest gives; sequential memory access),
+// otherwise breadth-first from the roots. Returns fewer than forest.size() ids when some
+// segments are unreachable (a cycle).
+std::vector<int32_t> ParentsFirstOrder(const SegmentForest& f) {
+  std::vector<int32_t> order;
+  order.reserve(static_cast<size_t>(f.size()));
+  bool increasing = true;
+  for (int64_t v = 0; v < f.size() && increasing; ++v) increasing = f.parent[v] < v;
+  if (increasing) {
+    for (int64_t v = 0; v < f.size(); ++v) order.push_back(static_cast<int32_t>(v));
+    return order;
+  }
+  order.insert(order.end(), f.roots.begin(), f.roots.end());
+  for (size_t i = 0; i < order.size(); ++i) {
+    const int32_t v = order[i];
+    order.insert(order.end(), f.children.begin() + f.child_offsets[v],
+                 f.children.begin() + f.child_offsets[v + 1]);
+  }
+  return order;
+}
+
+// True when v stays inside its entry chunk (Equation 11).
+bool SameChunk(const SegmentForest& f, int64_t v, int64_t chunk_size) {
+  return f.end[v] < Anchor(f.start[v], chunk_size) + chunk_size;
+}
+
+}  // namespace
+
+void ValidateChunkSize(int64_t chunk_size) {
+  if (chunk_size < 1 || chunk_size > kMaxChunkSize)
+    throw InvalidArgument("chunk_size", "must be in [1, " + std::to_string(kMaxChunkSize) + "], got " +
+                                            std::to_string(chunk_size));
+}
+
+SegmentForest SegmentForestFromArrays(const int32_t* parent, const int32_t* start, const int32_t* end,
+                                      int64_t n) {
+  if (n < 1) throw InvalidArgument("parent", "a segment forest needs at least one segment");
+  if (n > std::numeric_limits<int32_t>::max())
+    throw ResourceExhausted("parent", std::to_string(n) + " segments exceed the int32 limit");
+  SegmentForest f;
+  f.start.assign(start, start + n);
+  f.end.assign(end, end + n);
+  f.parent.assign(parent, parent + n);
+  f.child_offsets.assign(n + 1, 0);
+  int64_t rows = 0;
+  for (int64_t v = 0; v < n; ++v) {
+    if (parent[v] < -1 || parent[v] >= n || parent[v] == v)
+      throw InvalidArgument(Idx("parent", v), "must be -1 or another segment id in [0, " + std::to_string(n) +
+                                                  "), got " + std::to_string(parent[v]));
+    if (start[v] < 0) throw InvalidArgument(Idx("start", v), "must be >= 0, got " + std::to_string(start[v]));
+    if (end[v] <= start[v])
+      throw InvalidArgument(Idx("end", v), "must exceed start (" + std::to_string(start[v]) + "), got " +
+                                               std::to_string(end[v]));
+    rows += end[v] - start[v];
+    if (parent[v] >= 0) ++f.child_offsets[parent[v] + 1];
+    else f.roots.push_back(static_cast<int32_t>(v));
+  }
+  if (rows > std::numeric_limits<int32_t>::max())
+    throw ResourceExhausted("end", std::to_string(rows) + " compact rows exceed the int32 limit");
+  for (int64_t v = 0; v < n; ++v) {
+    const int64_t expected = parent[v] < 0 ? 0 : end[parent[v]];
+    if (start[v] != expected)
+      throw InvalidArgument(Idx("start", v), parent[v] < 0
+                                                 ? "a root segment must start at position 0, got " +
+                                                       std::to_string(start[v])
+                                                 : "must equal end[" + std::to_string(parent[v]) + "] = " +
+                                                       std::to_string(expected) + " (its parent's end), got " +
+                                                       std::to_string(start[v]));
+  }
+  for (int64_t v = 0; v < n; ++v) f.child_offsets[v + 1] += f.child_offsets[v];
+  f.children.resize(static_cast<size_t>(f.child_offsets[n]));
+  std::vector<int64_t> fill(f.child_offsets.begin(), f.child_offsets.end() - 1);
+  for (int64_t v = 0; v < n; ++v)  // increasing id within each parent
+    if (parent[v] >= 0) f.children[fill[parent[v]]++] = static_cast<int32_t>(v);
+
+  const std::vector<int32_t> order = ParentsFirstOrder(f);
+  if (static_cast<int64_t>(order.size()) < n) {
+    std::vector<char> seen(n, 0);
+    for (int32_t v : order) seen[v] = 1;
+    const int64_t v = std::find(seen.begin(), seen.end(), 0) - seen.begin();
+    throw InvalidArgument(Idx("parent", v), "segment " + std::to_string(v) +
+                                                " lies on a parent cycle (no root above it)");
+  }
+  // Rows in DFS preorder (children in CSR order), with an explicit stack.
+  f.row_begin.assign(n, 0);
+  f.num_rows = rows;
+  std::vector<int32_t> stack(f.roots.rbegin(), f.roots.rend());
+  int64_t next_row = 0;
+  while (!stack.empty()) {
+    const int32_t v = stack.back();
+    stack.pop_back();
+    f.row_begin[v] = next_row;
+    next_row += f.end[v] - f.start[v];
+    for (int64_t i = f.child_offsets[v + 1]; i-- > f.child_offsets[v];) stack.push_back(f.children[i]);
+  }
+  assert(next_row == rows);
+  return f;
+}
+
+MinCallCounts ComputeMinCallCounts(const SegmentForest& f, int64_t chunk_size) {
+  const int64_t n = f.size();
+  MinCallCounts c;
+  c.t_pre.assign(n, 1);
+  c.t_in.assign(n, 1);
+  const std::vector<int32_t> order = ParentsFirstOrder(f);
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {  // children before parents
+    const int32_t v = *it;
+    const int64_t lo = f.child_offsets[v], hi = f.child_offsets[v + 1];
+    if (lo == hi) continue;  // leaf: Equation (12)
+    // Largest and second-largest child T_pre (Algorithm 1, line 5); empty max = 0.
+    int32_t first = 0, second = 0, arg_first = -1;
+    for (int64_t i = lo; i < hi; ++i) {
+      const int32_t t = c.t_pre[f.children[i]];
+      if (t > first) {
+        second = first;
+        first = t;
+        arg_first = f.children[i];
+      } else if (t > second) {
+        second = t;
+      }
+    }
+    int32_t best = std::numeric_limits<int32_t>::max();
+    for (int64_t i = lo; i < hi; ++i) {  // Equation (13)
+      const int32_t o = f.children[i];
+      const int32_t h = o == arg_first ? second : first;
+      best = std::min(best, std::max(c.t_in[o], 1 + h));
+    }
+    c.t_in[v] = best;
+    c.t_pre[v] = SameChunk(f, v, chunk_size) ? first : best;  // Equation (14)
+  }
+  return c;
+}
+
+int64_t MandatoryReplay(const SegmentForest& f, int64_t chunk_size) {
+  int64_t r = 0;
+  for (int64_t v = 0; v < f.size(); ++v) {
+    const int64_t k = f.num_children(v);
+    if (k > 0) r += (k - 1) * (f.end[v] % chunk_size);
+  }
+  return r;
+}
+
+MinCallPlan PlanMinCalls(const SegmentForest& f, int64_t chunk_size) {
+  const int64_t n = f.size();
+  MinCallPlan p;
+  p.chunk_size = chunk_size;
+  MinCallCounts counts = ComputeMinCallCounts(f, chunk_size);
+  p.t_pre = std::move(counts.t_pre);
+  p.t_in = std::move(counts.t_in);
+
+  // Recovery (Algorithm 1, lines 8-21). Each segment receives (ready, budget, round) from its
+  // parent, so one pass in parents-first order replaces the recursion.
+  const std::vector<int32_t> order = ParentsFirstOrder(f);
+  std::vector<char> ready(n, 0), is_head(n, 0);
+  std::vector<int32_t> budget(n, 0), round(n, 0);
+  p.direct_child.assign(n, -1);
+  for (int32_t root : f.roots) {
+    ready[root] = 1;
+    is_head[root] = 1;
+    budget[root] = p.t_pre[root];
+    p.num_calls = std::max(p.num_calls, p.t_pre[root]);
+  }
+  for (const int32_t v : order) {
+    const int64_t lo = f.child_offsets[v], hi = f.child_offsets[v + 1];
+    if (lo == hi) continue;
+    const bool same = ready[v] && SameChunk(f, v, chunk_size);
+    const int32_t delta = same ? 0 : 1;
+    const int32_t k_round = budget[v], k_side = k_round - delta;
+    int64_t over = 0;  // f: children whose T_pre exceeds the side budget
+    for (int64_t i = lo; i < hi; ++i) over += p.t_pre[f.children[i]] > k_side;
+    int32_t o = -1;
+    for (int64_t i = lo; i < hi && o < 0; ++i) {
+      const int32_t u = f.children[i];
+      const int32_t h = same ? p.t_pre[u] : p.t_in[u];
+      if (h <= k_round && over - (p.t_pre[u] > k_side) == 0) o = u;
+    }
+    if (o < 0) throw std::logic_error("PlanMinCalls: no feasible direct continuation (budget invariant broken)");
+    p.direct_child[v] = o;
+    ready[o] = same;
+    budget[o] = k_round;
+    round[o] = round[v];
+    for (int64_t i = lo; i < hi; ++i) {
+      const int32_t u = f.children[i];
+      if (u == o) continue;
+      is_head[u] = 1;
+      ready[u] = 1;
+      budget[u] = k_side;
+      round[u] = round[v] + delta;
+    }
+  }
+
+  // Sequences: heads bucketed by round, increasing head id within a round.
+  p.round_offsets.assign(p.num_calls + 1, 0);
+  int64_t num_sequences = 0;
+  for (int64_t v = 0; v < n; ++v) {
+    if (!is_head[v]) continue;
+    assert(round[v] < p.num_calls);
+    ++p.round_offsets[round[v] + 1];
+    ++num_sequences;
+  }
+  for (int32_t r = 0; r < p.num_calls; ++r) p.round_offsets[r + 1] += p.round_offsets[r];
+  std::vector<int32_t> heads(num_sequences);
+  {
+    std::vector<int32_t> fill(p.round_offsets.begin(), p.round_offsets.end() - 1);
+    for (int64_t v = 0; v < n; ++v)
+      if (is_head[v]) heads[fill[round[v]]++] = static_cast<int32_t>(v);
+  }
+  p.sequence_round.resize(num_sequences);
+  p.chain_offsets.assign(num_sequences + 1, 0);
+  p.chain.reserve(n);
+  p.sequence_anchor.resize(num_sequences);
+  p.sequence_start.resize(num_sequences);
+  p.sequence_end.resize(num_sequences);
+  p.segment_sequence.assign(n, -1);
+  for (int64_t q = 0; q < num_sequences; ++q) {
+    const int32_t head = heads[q];
+    p.sequence_round[q] = round[head];
+    p.sequence_start[q] = f.start[head];
+    p.sequence_anchor[q] = static_cast<int32_t>(Anchor(f.start[head], chunk_size));
+    p.replay_tokens += f.start[head] - p.sequence_anchor[q];
+    int32_t v = head;
+    for (;;) {
+      p.chain.push_back(v);
+      p.segment_sequence[v] = static_cast<int32_t>(q);
+      p.own_tokens += f.end[v] - f.start[v];
+      if (p.direct_child[v] < 0) break;
+      v = p.direct_child[v];
+    }
+    p.sequence_end[q] = f.end[v];
+    p.chain_offsets[q + 1] = static_cast<int32_t>(p.chain.size());
+  }
+  assert(static_cast<int64_t>(p.chain.size()) == n);
+  assert(p.replay_tokens == MandatoryReplay(f, chunk_size));
+
+  // State sources. anchor_segment[v] is the segment on v's path holding position a(s_v) - 1
+  // (-1 when a(s_v) = 0): a child whose anchor moved past its parent's entry anchor finds it
+  // in the parent, otherwise it inherits the parent's. A head consumes S_{a(s_head)}, which
+  // is returned by the sequence outputting that segment; every consumer of one segment needs
+  // the same state, S_{a(e_P)}, so there is at most one slot per producing segment P.
+  std::vector<int32_t> anchor_segment(n, -1);
+  for (const int32_t v : order) {
+    const int32_t par = f.parent[v];
+    if (par < 0) continue;
+    anchor_segment[v] = Anchor(f.start[v], chunk_size) == Anchor(f.start[par], chunk_size)
+                            ? anchor_segment[par]
+                            : par;
+  }
+  std::vector<int32_t> slot_of_segment(n, -1);
+  for (int32_t head : heads)
+    if (anchor_segment[head] >= 0) slot_of_segment[anchor_segment[head]] = 0;  // mark
+  p.request_offsets.assign(num_sequences + 1, 0);
+  for (int64_t q = 0; q < num_sequences; ++q) {
+    for (int32_t i = p.chain_offsets[q]; i < p.chain_offsets[q + 1]; ++i) {
+      const int32_t seg = p.chain[i];
+      if (slot_of_segment[seg] < 0) continue;
+      const int32_t slot = static_cast<int32_t>(p.slot_producer.size());
+      slot_of_segment[seg] = slot;
+      p.slot_producer.push_back(static_cast<int32_t>(q));
+      p.slot_position.push_back(static_cast<int32_t>(Anchor(f.end[seg], chunk_size)));
+      p.slot_segment.push_back(seg);
+      p.request_slot.push_back(slot);
+    }
+    p.request_offsets[q + 1] = static_cast<int32_t>(p.request_slot.size());
+  }
+  p.sequence_slot.assign(num_sequences, -1);
+  for (int64_t q = 0; q < num_sequences; ++q) {
+    const int32_t src = anchor_segment[heads[q]];
+    if (src < 0) continue;
+    const int32_t slot = slot_of_segment[src];
+    p.sequence_slot[q] = slot;
+    assert(p.slot_position[slot] == p.sequence_anchor[q]);
+    assert(p.sequence_round[p.slot_producer[slot]] < p.sequence_round[q]);
+  }
+  return p;
+}
+
+}  // namespace harts
