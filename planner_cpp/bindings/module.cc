@@ -7,6 +7,8 @@
 #include "harts/rollout_batch.h"
 
 namespace py = pybind11;
+void DefineMinCall(py::module_& m);  // min_call_bindings.cc
+void DefineStepPlan(py::module_& m);  // step_plan_bindings.cc
 using harts::RolloutBatch;
 using harts::py_glue::RequireArray;
 using harts::py_glue::View;
@@ -52,6 +54,7 @@ void CheckTrajectory(const RolloutBatch& b, int64_t i, const char* field) {
 PYBIND11_MODULE(_native, m) {
   m.doc() = "HARTS planner core (C++). Use the harts_planner package, not this module.";
   harts::py_glue::RegisterErrors(m);
+  DefineStepPlan(m);
   m.attr("MAX_TRAJECTORIES") = harts::kMaxTrajectories;
   m.attr("MAX_SEMANTIC_TOKENS") = harts::kMaxSemanticTokens;
 
@@ -98,4 +101,5 @@ PYBIND11_MODULE(_native, m) {
 
   m.def("ingest", &Ingest, py::arg("tokens"), py::arg("offsets"), py::arg("tree_ids") = py::none(),
         "Validate and ingest a packed batch (int32 tokens, int64 offsets, optional int64 tree ids).");
+  DefineMinCall(m);
 }

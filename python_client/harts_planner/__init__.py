@@ -9,12 +9,18 @@ Public API::
 
 from harts_planner._native import MAX_SEMANTIC_TOKENS, MAX_TRAJECTORIES
 from harts_planner.batch import RolloutBatch
+from harts_planner.call_plan import CallPlan, plan_calls
 from harts_planner.errors import HartsError, InfeasibleError, InvalidArgumentError, ResourceLimitError
+from harts_planner.step_plan import StepPlan, plan_step
 
 __version__ = "0.1.0"
 
 __all__ = [
     "RolloutBatch",
+    "CallPlan",
+    "plan_calls",
+    "StepPlan",
+    "plan_step",
     "HartsError",
     "InvalidArgumentError",
     "ResourceLimitError",

@@ -1,0 +1,132 @@
+// Bindings of the step planner (harts/step_plan.h): a table of definitions.
+// The Python wrapper is harts_planner.step_plan (StepPlan, plan_step).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "glue.h"
+#include "harts/contiguous_dp.h"
+#include "harts/errors.h"
+#include "harts/microbatch.h"
+#include "harts/natural_partition.h"
+#include "harts/rollout_batch.h"
+#include "harts/step_plan.h"
+
+namespace py = pybind11;
+using harts::RolloutBatch;
+using harts::StepPlan;
+using harts::py_glue::View;
+
+namespace {
+
+py::tuple ObjectiveTuple(const harts::Objective& o) {
+  return py::make_tuple(o.total_work, o.slot_critical_work, o.max_replica_work);
+}
+
+template <typename Member>
+auto PlanView(Member member) {
+  return [member](py::object self) { return View(self.cast<const StepPlan&>().*member, self); };
+}
+
+StepPlan Plan(const RolloutBatch& batch, int64_t dp_size, int64_t capacity, int64_t exact_threshold,
+              int64_t max_sampled_k, int64_t refine_window, int64_t refine_sweeps, int64_t max_anchors,
+              int64_t repair_window, int64_t repair_iterations, bool greedy, bool refine,
+              bool component_greedy, const std::string& search) {
+  harts::PlannerOptions o;
+  o.dp_size = dp_size;
+  o.capacity = capacity;
+  o.exact_threshold = exact_threshold;
+  o.max_sampled_k = max_sampled_k;
+  o.refine_window = refine_window;
+  o.refine_sweeps = refine_sweeps;
+  o.max_anchors = max_anchors;
+  o.repair_window = repair_window;
+  o.repair_iterations = repair_iterations;
+  o.greedy = greedy;
+  o.refine = refine;
+  o.component_greedy = component_greedy;
+  o.search = search;
+  py::gil_scoped_release release;
+  return harts::PlanStep(batch, o);
+}
+
+std::vector<int32_t> NaturalCuts(const RolloutBatch& batch, int64_t capacity) {
+  if (capacity < 1) throw harts::InvalidArgument("capacity", "must be >= 1, got " + std::to_string(capacity));
+  py::gil_scoped_release release;
+  harts::CheckTrajectoriesFit(batch, capacity);
+  return harts::NaturalPartition(harts::PlanContext(batch, capacity));
+}
+
+py::list ExactPartitions(const RolloutBatch& batch, int64_t capacity, const std::vector<int64_t>& ks) {
+  if (capacity < 1) throw harts::InvalidArgument("capacity", "must be >= 1, got " + std::to_string(capacity));
+  for (size_t i = 0; i < ks.size(); ++i)
+    if (ks[i] < 1) throw harts::InvalidArgument("ks[" + std::to_string(i) + "]", "must be >= 1");
+  std::vector<harts::ContiguousResult> results;
+  {
+    py::gil_scoped_release release;
+    harts::CheckTrajectoriesFit(batch, capacity);
+    results = harts::ExactContiguousPartitions(harts::PlanContext(batch, capacity), ks);
+  }
+  py::list out;
+  for (const harts::ContiguousResult& r : results) {
+    py::dict item;
+    item["k"] = r.k;
+    item["feasible"] = r.feasible;
+    item["total_work"] = r.total_work;
+    item["max_work"] = r.max_work;
+    item["cuts"] = r.cuts;
+    out.append(item);
+  }
+  return out;
+}
+
+}  // namespace
+
+void DefineStepPlan(py::module_& m) {
+  py::class_<StepPlan>(m, "StepPlan")
+      .def_readonly("dp_size", &StepPlan::dp_size)
+      .def_readonly("capacity", &StepPlan::capacity)
+      .def_readonly("num_trajectories", &StepPlan::num_trajectories)
+      .def_property_readonly("num_microbatches", &StepPlan::num_microbatches)
+      .def_property_readonly("member_offsets", PlanView(&StepPlan::member_offsets))
+      .def_property_readonly("members", PlanView(&StepPlan::members))
+      .def_property_readonly("work", PlanView(&StepPlan::work))
+      .def_property_readonly("replica", PlanView(&StepPlan::replica))
+      .def_property_readonly("slot", PlanView(&StepPlan::slot))
+      .def_property_readonly("objective", [](const StepPlan& p) { return ObjectiveTuple(p.objective); })
+      .def_readonly("source", &StepPlan::source)
+      .def_readonly("search_mode", &StepPlan::search_mode)
+      .def_readonly("natural_k", &StepPlan::natural_k)
+      .def_readonly("k_min", &StepPlan::k_min)
+      .def_readonly("k_max", &StepPlan::k_max)
+      .def_readonly("compact_tokens", &StepPlan::compact_tokens)
+      .def_readonly("selected", &StepPlan::selected)
+      .def_readonly("planning_seconds", &StepPlan::planning_seconds)
+      .def_property_readonly("phase_seconds",
+                             [](const StepPlan& p) {
+                               py::dict d;
+                               for (const auto& [name, s] : p.phase_seconds) d[py::str(name)] = s;
+                               return d;
+                             })
+      .def_property_readonly("candidates", [](const StepPlan& p) {
+        py::list out;
+        for (const harts::CandidateSummary& c : p.candidates) {
+          py::dict item;
+          item["source"] = c.source;
+          item["k"] = c.k;
+          item["objective"] = ObjectiveTuple(c.objective);
+          out.append(item);
+        }
+        return out;
+      });
+
+  m.def("plan_step", &Plan, py::arg("batch"), py::arg("dp_size"), py::arg("capacity"),
+        py::arg("exact_threshold") = 512, py::arg("max_sampled_k") = 32, py::arg("refine_window") = 8,
+        py::arg("refine_sweeps") = 2, py::arg("max_anchors") = 3, py::arg("repair_window") = 8,
+        py::arg("repair_iterations") = 4, py::arg("greedy") = true, py::arg("refine") = true,
+        py::arg("component_greedy") = true, py::arg("search") = "auto", "Plan one step (harts/step_plan.h); releases the GIL.");
+  m.def("natural_partition", &NaturalCuts, py::arg("batch"), py::arg("capacity"),
+        "Cuts (int32 ranks, K0 + 1 entries) of the natural partition P0.");
+  m.def("exact_contiguous_partitions", &ExactPartitions, py::arg("batch"), py::arg("capacity"), py::arg("ks"),
+        "Exact contiguous DP (Eq. 9) for each k: dicts k, feasible, total_work, max_work, cuts.");
+}

@@ -1,0 +1,88 @@
+// Scale-independent trie-aware greedy (Section 3.2, Eq. 10).
+//
+// Builds groupings directly from the trajectories, without a fixed K. Each trajectory,
+// taken in a processing order, goes into an existing microbatch that can hold it
+// (work + dC <= T, dC by Eq. 10), chosen by a placement policy, or into a new one.
+//
+// Processing orders (GreedyOrder):
+//   kLexAscending    ascending rank.
+//   kLexDescending   descending rank.
+//   kLengthDesc      descending |x|, ties by ascending rank.
+//   kUniqueSuffix    descending u(x) = |x| - max(LCP(p_x, x), LCP(x, q_x)) with p_x, q_x the
+//                    global lexicographic neighbours (rare branches first), ties by rank.
+// Placement policies (GreedyPolicy):
+//   kBestFit         the destination with the largest work after insertion.
+//   kMaxShared       the destination with the largest shared amount |x| - dC; ties by the
+//                    largest work after insertion.
+// Remaining ties go to the lowest microbatch index (creation order).
+//
+// Post-processing of each plan (FinishGreedy):
+//   1. small-microbatch elimination: microbatches are visited once in ascending work
+//      (ties by index); a visited microbatch is dissolved when every member can move,
+//      one at a time in rank order, into another surviving microbatch within capacity
+//      (each to the destination with the smallest dC, ties by largest resulting work,
+//      then lowest index); otherwise it is kept unchanged.
+//   2. alignment to D: while K mod D != 0, split off as a new singleton microbatch the
+//      member of a non-singleton microbatch whose removal increases work least (its
+//      shared amount), ties by lowest rank. Fails when the next multiple of D exceeds N.
+//
+// RunGreedy runs all 4 x 2 plans and keeps the one with the fewest microbatches, then
+// the least total work, then the first in (order, policy) enumeration order.
+//
+// Complexity: O(N * K * log(N / K)) per plan (each trajectory probes every microbatch),
+// plus O(N * K * log) for elimination and O(N) per alignment split.
+#ifndef HARTS_GREEDY_H_
+#define HARTS_GREEDY_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "harts/microbatch.h"
+
+namespace harts {
+
+enum class GreedyOrder { kLexAscending = 0, kLexDescending = 1, kLengthDesc = 2, kUniqueSuffix = 3 };
+enum class GreedyPolicy { kBestFit = 0, kMaxShared = 1 };
+
+const char* GreedyOrderName(GreedyOrder order);
+const char* GreedyPolicyName(GreedyPolicy policy);
+
+// The processing order of ranks for `order`.
+std::vector<int32_t> ProcessingOrder(const PlanContext& ctx, GreedyOrder order);
+
+// Places every rank in `sequence` (a permutation of [0, N)) by `policy`.
+Grouping GreedyPlace(const PlanContext& ctx, const std::vector<int32_t>& sequence, GreedyPolicy policy);
+
+// Steps 1 and 2 above, in place; false when K cannot be aligned to dp_size.
+bool EliminateSmallMicrobatches(const PlanContext& ctx, Grouping& g);
+bool AlignToDp(const PlanContext& ctx, Grouping& g, int64_t dp_size);
+
+struct GreedyResult {
+  bool feasible = false;
+  Grouping grouping;
+  std::string name;  // e.g. "lex-ascending/best-fit"
+};
+
+GreedyResult RunGreedy(const PlanContext& ctx, int64_t dp_size);
+
+// Component greedy (an extension beyond the paper; PlannerOptions::component_greedy).
+// The compact trie's connected components (rollout trees as recovered from shared tokens)
+// are contiguous rank ranges that share no token, so the work of a microbatch is the sum
+// of the works of its parts from each component. This candidate
+//   1. keeps every component with W <= T whole;
+//   2. partitions every larger component on its own: the 4 x 2 greedy plans above run on
+//      the component's ranks only, each followed by small-microbatch elimination, and the
+//      plan with the least work (then fewer pieces, then enumeration order) is kept;
+//   3. packs the whole components and the pieces by best-fit decreasing work (ties by
+//      first rank) into microbatches of capacity T (the fullest bin that fits);
+//   4. eliminates small microbatches and aligns K to D as in FinishGreedy.
+// Rationale: the global greedy lets trees interfere and contiguous candidates cannot pick
+// the best subset of a large tree's branches; per-tree partitions fix both (on the
+// swe-like preset they match CP-SAT's per-tree optimum).
+// Complexity: O(sum_c 8 * n_c * k_c * log) for the components plus O(I * K) packing.
+GreedyResult RunComponentGreedy(const PlanContext& ctx, int64_t dp_size);
+
+}  // namespace harts
+
+#endif  // HARTS_GREEDY_H_

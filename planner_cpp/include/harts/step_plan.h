@@ -1,0 +1,126 @@
+// The step planner: microbatch membership, DP-replica assignment and slot schedule for
+// one training step (Section 3.2 of the paper, all of it).
+//
+// Inputs: an ingested RolloutBatch, the DP degree D and the microbatch capacity T in
+// compact tokens. Output: a StepPlan in which every trajectory belongs to exactly one
+// non-empty microbatch of at most T compact tokens, K mod D = 0, each replica runs
+// exactly K / D microbatches, one per slot, and the plan is the best candidate found
+// under J of Equation (4) (see replica_assignment.h).
+//
+// Candidate search (defaults are the paper's parameters):
+//   1. natural partition P0 (natural_partition.h) and its count K0;
+//      the K range of Equations (7)-(8) (candidate_range.h).
+//   2. base candidates:
+//        N <= exact_threshold (N0 = 512): the exact contiguous DP (Eq. 9) for every K of
+//          the range (contiguous_dp.h); these are never modified;
+//        otherwise: up to max_sampled_k (Q_max = 32) sampled K values, each reached by
+//          merge/split evolution of P0 (evolution.h).
+//   3. the trie-aware greedy candidate: 4 orders x 2 policies, small-microbatch
+//      elimination, singleton-split alignment to D, preselected by (K, total work)
+//      (greedy.h); kept in the comparison whatever its K.
+//   4. refinement (refine = true). The greedy candidate is refined by sparse repair
+//      (sparse_repair.h: moves, then swaps, within repair_window H = 8, at most
+//      repair_iterations = 4 updates). For N > N0, at most max_anchors (B_ref = 3) anchors
+//      are refined, counting the greedy candidate as the first; the others are base
+//      candidates: the one with the lowest total work, then the remaining one whose K is
+//      closest to the greedy K (K0 without a greedy candidate; ties to the smaller K).
+//      A contiguous anchor gets boundary refinement first (refinement.h: window
+//      refine_window H = 8, refine_sweeps = 2) and then sparse repair. Refined plans are
+//      added as new candidates; the originals stay.
+//   +  extension (component_greedy = true, not in the paper): the component-greedy candidate
+//      of greedy.h (per-tree greedy partitions packed best-fit decreasing), sparse-repaired
+//      like the greedy candidate, outside the anchor budget. It only adds a candidate, so
+//      it can never worsen J; component_greedy = false gives the paper's candidate set.
+//   5. every candidate gets the replica/slot schedule of AssignReplicas; the plan with
+//      the lexicographically smallest J wins, ties to the earlier candidate in the order
+//      above (base in ascending K, greedy, component greedy, refined).
+// The plan is deterministic: no randomness, every tie broken by a fixed rule.
+//
+// Errors:
+//   InvalidArgument     dp_size < 1, capacity < 1, a bad option (field = its name), or a
+//                       trajectory longer than T (field "trajectories[i]", i its index).
+//   FailedPrecondition  N < D (field "dp_size"); K_min > D * floor(N / D), i.e. the batch
+//                       needs more microbatches than it has trajectories (field
+//                       "capacity"); or no candidate reached a feasible grouping with K a
+//                       multiple of D (field "capacity"); the message says why.
+//   ResourceExhausted   search = "exact" on a batch whose DP table would exceed
+//                       kMaxExactCells cells (field "search").
+//
+// Complexity (N trajectories, K microbatches): O(N * K0) natural partition; exact DP as
+// in contiguous_dp.h; O(K0^2 + N * D) evolution; O(8 * N * K * log) greedy;
+// O(N * H * log) per repair iteration; O(K log K) per schedule. A 2k-trajectory, 50M-token
+// step plans in well under a second on one core.
+#ifndef HARTS_STEP_PLAN_H_
+#define HARTS_STEP_PLAN_H_
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "harts/replica_assignment.h"
+#include "harts/rollout_batch.h"
+
+namespace harts {
+
+inline constexpr int64_t kMaxExactCells = int64_t{1} << 23;
+
+struct PlannerOptions {
+  int64_t dp_size = 1;            // D
+  int64_t capacity = 65536;       // T, compact tokens per microbatch
+  int64_t exact_threshold = 512;  // N0: exact DP when N <= N0 (search = "auto")
+  int64_t max_sampled_k = 32;     // Q_max, >= 2
+  int64_t refine_window = 8;      // H of boundary refinement
+  int64_t refine_sweeps = 2;
+  int64_t max_anchors = 3;        // B_ref
+  int64_t repair_window = 8;      // H of sparse repair
+  int64_t repair_iterations = 4;
+  bool greedy = true;             // run the trie-aware greedy path
+  bool refine = true;             // boundary refinement and sparse repair
+  bool component_greedy = true;   // extension: per-tree greedy candidate (not in the paper)
+  std::string search = "auto";    // "auto" | "exact" | "heuristic"
+};
+
+struct CandidateSummary {
+  std::string source;  // "exact", "evolved", "greedy:<order>/<policy>", "... +repair", ...
+  int64_t k = 0;
+  Objective objective;
+};
+
+struct StepPlan {
+  int64_t dp_size = 0;
+  int64_t capacity = 0;
+  int64_t num_trajectories = 0;
+  // Microbatch m, ordered by (slot, replica): members are the trajectory indices
+  // members[member_offsets[m], member_offsets[m + 1]) in lexicographic order.
+  std::vector<int64_t> member_offsets;  // K + 1
+  std::vector<int32_t> members;         // N
+  std::vector<int64_t> work;            // K, compact work w(M)
+  std::vector<int32_t> replica;         // K
+  std::vector<int32_t> slot;            // K
+  Objective objective;                  // J (Eq. 4)
+  std::string source;                   // source of the selected candidate
+  std::string search_mode;              // "exact" or "heuristic"
+  int64_t natural_k = 0;                // K0
+  int64_t k_min = 0, k_max = 0;         // Eq. (7)-(8)
+  int64_t compact_tokens = 0;           // G = C(X), a lower bound on objective.total_work
+  std::vector<CandidateSummary> candidates;  // in generation order
+  int64_t selected = -1;                     // index into candidates
+  double planning_seconds = 0;
+  std::vector<std::pair<std::string, double>> phase_seconds;
+
+  int64_t num_microbatches() const { return static_cast<int64_t>(work.size()); }
+};
+
+// Validates options (InvalidArgument naming the option).
+void ValidatePlannerOptions(const PlannerOptions& options);
+
+// Throws InvalidArgument("trajectories[i]", ...) for the first trajectory i longer than
+// `capacity`. O(N).
+void CheckTrajectoriesFit(const RolloutBatch& batch, int64_t capacity);
+
+StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& options);
+
+}  // namespace harts
+
+#endif  // HARTS_STEP_PLAN_H_

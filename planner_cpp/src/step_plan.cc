@@ -1,0 +1,243 @@
+#include "harts/step_plan.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <numeric>
+#include <optional>
+
+#include "harts/candidate_range.h"
+#include "harts/contiguous_dp.h"
+#include "harts/errors.h"
+#include "harts/evolution.h"
+#include "harts/greedy.h"
+#include "harts/microbatch.h"
+#include "harts/natural_partition.h"
+#include "harts/refinement.h"
+#include "harts/sparse_repair.h"
+
+namespace harts {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+void RequireAtLeast(int64_t value, int64_t lo, const char* field) {
+  if (value < lo)
+    throw InvalidArgument(field, "must be >= " + std::to_string(lo) + ", got " + std::to_string(value));
+}
+
+struct Candidate {
+  std::string source;
+  Grouping grouping;
+  std::optional<std::vector<int32_t>> cuts;  // set for contiguous candidates
+  Schedule schedule;
+};
+
+}  // namespace
+
+void ValidatePlannerOptions(const PlannerOptions& o) {
+  RequireAtLeast(o.dp_size, 1, "dp_size");
+  RequireAtLeast(o.capacity, 1, "capacity");
+  RequireAtLeast(o.exact_threshold, 0, "exact_threshold");
+  RequireAtLeast(o.max_sampled_k, 2, "max_sampled_k");
+  RequireAtLeast(o.refine_window, 0, "refine_window");
+  RequireAtLeast(o.refine_sweeps, 0, "refine_sweeps");
+  RequireAtLeast(o.max_anchors, 0, "max_anchors");
+  RequireAtLeast(o.repair_window, 0, "repair_window");
+  RequireAtLeast(o.repair_iterations, 0, "repair_iterations");
+  if (o.search != "auto" && o.search != "exact" && o.search != "heuristic")
+    throw InvalidArgument("search", "must be \"auto\", \"exact\" or \"heuristic\", got \"" + o.search + "\"");
+}
+
+void CheckTrajectoriesFit(const RolloutBatch& batch, int64_t capacity) {
+  for (int64_t i = 0; i < batch.num_trajectories(); ++i)
+    if (batch.lengths()[i] > capacity)
+      throw InvalidArgument("trajectories[" + std::to_string(i) + "]",
+                            "trajectory " + std::to_string(i) + " has " + std::to_string(batch.lengths()[i]) +
+                                " tokens, more than the microbatch capacity T = " + std::to_string(capacity) +
+                                "; a trajectory cannot be split between microbatches");
+}
+
+StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o) {
+  const Clock::time_point start = Clock::now();
+  ValidatePlannerOptions(o);
+  const int64_t n = batch.num_trajectories();
+  const int64_t d = o.dp_size;
+  const int64_t cap = o.capacity;
+  CheckTrajectoriesFit(batch, cap);
+  if (n < d)
+    throw FailedPrecondition("dp_size", "the batch has " + std::to_string(n) + " trajectories but D = " +
+                                            std::to_string(d) + " replicas each need at least one non-empty "
+                                            "microbatch (N >= D is required)");
+
+  StepPlan plan;
+  plan.dp_size = d;
+  plan.capacity = cap;
+  plan.num_trajectories = n;
+  const PlanContext ctx(batch, cap);
+  Clock::time_point phase = Clock::now();
+
+  // 1. Natural partition and K range.
+  const std::vector<int32_t> natural = NaturalPartition(ctx);
+  const int64_t k0 = static_cast<int64_t>(natural.size()) - 1;
+  const int64_t g_total = ctx.Work(0, n);
+  const KRange range = CandidateRange(g_total, n, d, cap, k0);
+  plan.natural_k = k0;
+  plan.k_min = range.k_min;
+  plan.k_max = range.k_max;
+  plan.compact_tokens = g_total;
+  if (range.k_min > d * (n / d))
+    throw FailedPrecondition("capacity", "the batch needs at least K_min = " + std::to_string(range.k_min) +
+                                             " microbatches (G = " + std::to_string(g_total) +
+                                             " compact tokens at T = " + std::to_string(cap) + ", D = " +
+                                             std::to_string(d) + ") but its " + std::to_string(n) +
+                                             " trajectories fill at most " + std::to_string(d * (n / d)) +
+                                             " non-empty microbatches with K a multiple of D");
+  plan.phase_seconds.push_back({"natural_partition", Since(phase)});
+  phase = Clock::now();
+
+  // 2. Base candidates.
+  std::vector<Candidate> cands;
+  const bool exact = o.search == "exact" || (o.search == "auto" && n <= o.exact_threshold);
+  plan.search_mode = exact ? "exact" : "heuristic";
+  if (exact) {
+    if ((range.k_max + 1) * (n + 1) > kMaxExactCells)
+      throw ResourceExhausted("search", "exact search over N = " + std::to_string(n) + " trajectories and K <= " +
+                                            std::to_string(range.k_max) + " needs " +
+                                            std::to_string((range.k_max + 1) * (n + 1)) +
+                                            " table cells, more than the limit of " +
+                                            std::to_string(kMaxExactCells) + "; use search=\"auto\"");
+    for (ContiguousResult& r : ExactContiguousPartitions(ctx, range.Values())) {
+      if (!r.feasible) continue;
+      Candidate c{"exact", GroupingFromCuts(ctx, r.cuts), std::move(r.cuts), {}};
+      cands.push_back(std::move(c));
+    }
+  } else {
+    for (EvolvedPartition& e : EvolvePartition(ctx, natural, SampleK(range, o.max_sampled_k))) {
+      if (!e.feasible) continue;
+      Candidate c{"evolved", GroupingFromCuts(ctx, e.cuts), std::move(e.cuts), {}};
+      cands.push_back(std::move(c));
+    }
+  }
+  const size_t num_base = cands.size();
+  plan.phase_seconds.push_back({exact ? "exact_dp" : "evolution", Since(phase)});
+  phase = Clock::now();
+
+  // 3. Trie-aware greedy.
+  int64_t greedy_index = -1;
+  if (o.greedy) {
+    GreedyResult gr = RunGreedy(ctx, d);
+    if (gr.feasible) {
+      greedy_index = static_cast<int64_t>(cands.size());
+      cands.push_back(Candidate{"greedy:" + gr.name, std::move(gr.grouping), std::nullopt, {}});
+    }
+  }
+  int64_t component_index = -1;
+  if (o.component_greedy) {
+    GreedyResult cr = RunComponentGreedy(ctx, d);
+    if (cr.feasible) {
+      component_index = static_cast<int64_t>(cands.size());
+      cands.push_back(Candidate{"greedy:" + cr.name, std::move(cr.grouping), std::nullopt, {}});
+    }
+  }
+  plan.phase_seconds.push_back({"greedy", Since(phase)});
+  phase = Clock::now();
+
+  // 4. Refinement.
+  if (o.refine) {
+    std::vector<int64_t> anchors;
+    if (greedy_index >= 0 && o.max_anchors >= 1) anchors.push_back(greedy_index);
+    if (!exact && num_base > 0) {
+      std::vector<char> taken(num_base, 0);
+      // Lowest base total work (ties: smaller K, i.e. earlier).
+      if (static_cast<int64_t>(anchors.size()) < o.max_anchors) {
+        size_t best = 0;
+        for (size_t i = 1; i < num_base; ++i)
+          if (cands[i].grouping.TotalWork() < cands[best].grouping.TotalWork()) best = i;
+        taken[best] = 1;
+        anchors.push_back(static_cast<int64_t>(best));
+      }
+      const int64_t ref_k = greedy_index >= 0 ? cands[greedy_index].grouping.size() : k0;
+      while (static_cast<int64_t>(anchors.size()) < o.max_anchors) {
+        int64_t best = -1, best_dist = 0;
+        for (size_t i = 0; i < num_base; ++i) {
+          if (taken[i]) continue;
+          const int64_t dist = std::llabs(cands[i].grouping.size() - ref_k);
+          if (best < 0 || dist < best_dist) {
+            best = static_cast<int64_t>(i);
+            best_dist = dist;
+          }
+        }
+        if (best < 0) break;
+        taken[best] = 1;
+        anchors.push_back(best);
+      }
+    }
+    if (component_index >= 0) anchors.push_back(component_index);  // outside the B_ref budget
+    for (int64_t a : anchors) {
+      int64_t changes = 0;
+      Grouping g;
+      std::string source = cands[a].source;
+      if (cands[a].cuts) {
+        std::vector<int32_t> cuts = *cands[a].cuts;
+        const int64_t moves = RefineBoundaries(ctx, cuts, o.refine_window, o.refine_sweeps);
+        changes += moves;
+        if (moves > 0) source += "+boundary";
+        g = GroupingFromCuts(ctx, cuts);
+      } else {
+        g = cands[a].grouping;
+      }
+      const int64_t updates = SparseRepair(ctx, g, o.repair_window, o.repair_iterations);
+      changes += updates;
+      if (updates > 0) source += "+repair";
+      if (changes > 0) cands.push_back(Candidate{source, std::move(g), std::nullopt, {}});
+    }
+  }
+  plan.phase_seconds.push_back({"refinement", Since(phase)});
+  phase = Clock::now();
+
+  // 5. Schedules and selection.
+  if (cands.empty()) {
+    throw FailedPrecondition(
+        "capacity", "no candidate reached a capacity-feasible grouping with K a multiple of D = " +
+                        std::to_string(d) + ": the natural partition needs K0 = " + std::to_string(k0) +
+                        " microbatches, the candidate range is K in [" + std::to_string(range.k_min) + ", " +
+                        std::to_string(range.k_max) + "] and N = " + std::to_string(n) +
+                        " trajectories allow at most K = " + std::to_string(d * (n / d)) +
+                        "; merging enough trajectories to reach a multiple of D exceeds T = " +
+                        std::to_string(cap));
+  }
+  int64_t best = -1;
+  for (size_t i = 0; i < cands.size(); ++i) {
+    cands[i].schedule = AssignReplicas(cands[i].grouping.work, d);
+    plan.candidates.push_back({cands[i].source, cands[i].grouping.size(), cands[i].schedule.objective});
+    if (best < 0 || cands[i].schedule.objective < cands[best].schedule.objective) best = static_cast<int64_t>(i);
+  }
+  plan.selected = best;
+  const Candidate& c = cands[best];
+  plan.source = c.source;
+  plan.objective = c.schedule.objective;
+  const int64_t k = c.grouping.size();
+  std::vector<int32_t> by_position(k);  // microbatches ordered by (slot, replica)
+  std::iota(by_position.begin(), by_position.end(), 0);
+  std::sort(by_position.begin(), by_position.end(), [&](int32_t a, int32_t b) {
+    return std::make_pair(c.schedule.slot[a], c.schedule.replica[a]) <
+           std::make_pair(c.schedule.slot[b], c.schedule.replica[b]);
+  });
+  plan.member_offsets.assign(1, 0);
+  plan.members.reserve(n);
+  for (int32_t m : by_position) {
+    for (int32_t r : c.grouping.groups[m]) plan.members.push_back(batch.order()[r]);
+    plan.member_offsets.push_back(static_cast<int64_t>(plan.members.size()));
+    plan.work.push_back(c.grouping.work[m]);
+    plan.replica.push_back(c.schedule.replica[m]);
+    plan.slot.push_back(c.schedule.slot[m]);
+  }
+  plan.phase_seconds.push_back({"schedule", Since(phase)});
+  plan.planning_seconds = Since(start);
+  return plan;
+}
+
+}  // namespace harts

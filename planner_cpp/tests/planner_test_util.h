@@ -1,0 +1,71 @@
+// Shared helpers of the step-planner C++ tests: random rollout-like batches and a
+// checker of grouping invariants.
+#ifndef HARTS_TESTS_PLANNER_TEST_UTIL_H_
+#define HARTS_TESTS_PLANNER_TEST_UTIL_H_
+
+#include <algorithm>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "check.h"
+#include "harts/microbatch.h"
+#include "harts/rollout_batch.h"
+
+namespace harts::testing {
+
+using Traj = std::vector<int32_t>;
+
+inline std::unique_ptr<RolloutBatch> MakeBatch(const std::vector<Traj>& trajs) {
+  std::vector<int32_t> tokens;
+  std::vector<int64_t> offsets = {0};
+  for (const Traj& t : trajs) {
+    tokens.insert(tokens.end(), t.begin(), t.end());
+    offsets.push_back(static_cast<int64_t>(tokens.size()));
+  }
+  return RolloutBatch::Ingest(tokens.data(), tokens.size(), offsets.data(), offsets.size(), nullptr, 0);
+}
+
+// n trajectories: each either a fresh random sequence or a random prefix of an earlier
+// one extended by a random suffix (so prefixes are shared at random depths); with
+// probability `dup` an exact copy of an earlier trajectory.
+inline std::vector<Traj> RandomTrajectories(std::mt19937& rng, int n, int max_len, int alphabet,
+                                            double dup = 0.1) {
+  std::vector<Traj> out;
+  std::uniform_real_distribution<double> u(0, 1);
+  for (int i = 0; i < n; ++i) {
+    Traj t;
+    if (!out.empty() && u(rng) < dup) {
+      t = out[rng() % out.size()];
+    } else {
+      if (!out.empty() && u(rng) < 0.7) {
+        const Traj& base = out[rng() % out.size()];
+        t.assign(base.begin(), base.begin() + rng() % base.size());
+      }
+      const int extra = 1 + static_cast<int>(rng() % max_len);
+      for (int j = 0; j < extra && static_cast<int>(t.size()) < max_len; ++j)
+        t.push_back(static_cast<int32_t>(rng() % alphabet));
+      if (t.empty()) t.push_back(static_cast<int32_t>(rng() % alphabet));
+    }
+    out.push_back(t);
+  }
+  return out;
+}
+
+// Checks that `g` partitions [0, N) into non-empty sorted groups of exact work <= cap.
+inline void CheckGrouping(const PlanContext& ctx, const Grouping& g) {
+  std::vector<int> seen(ctx.size(), 0);
+  CHECK_EQ(g.groups.size(), g.work.size());
+  for (size_t k = 0; k < g.groups.size(); ++k) {
+    CHECK(!g.groups[k].empty());
+    CHECK(std::is_sorted(g.groups[k].begin(), g.groups[k].end()));
+    for (int32_t r : g.groups[k]) ++seen[r];
+    CHECK_EQ(g.work[k], GroupWork(ctx, g.groups[k]));
+    CHECK(g.work[k] <= ctx.capacity());
+  }
+  for (int s : seen) CHECK_EQ(s, 1);
+}
+
+}  // namespace harts::testing
+
+#endif  // HARTS_TESTS_PLANNER_TEST_UTIL_H_

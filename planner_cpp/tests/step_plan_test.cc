@@ -1,0 +1,132 @@
+// PlanStep end to end: the guarantees on random batches (exact and heuristic search,
+// D not dividing N, T barely above the longest trajectory, identical trajectories),
+// determinism, selection against the exact candidates, and the error cases.
+#include "harts/step_plan.h"
+
+#include <algorithm>
+#include <functional>
+#include <random>
+#include <string>
+
+#include "check.h"
+#include "harts/contiguous_dp.h"
+#include "harts/errors.h"
+#include "planner_test_util.h"
+
+namespace harts {
+namespace {
+
+void CheckPlan(const RolloutBatch& batch, const StepPlan& p, int64_t d, int64_t cap) {
+  const int64_t n = batch.num_trajectories();
+  const int64_t k = p.num_microbatches();
+  CHECK(k > 0 && k % d == 0);
+  CHECK_EQ(static_cast<int64_t>(p.member_offsets.size()), k + 1);
+  CHECK_EQ(static_cast<int64_t>(p.members.size()), n);
+  std::vector<int> seen(n, 0), per_replica(d, 0), pair(k, 0);
+  int64_t total = 0;
+  for (int64_t m = 0; m < k; ++m) {
+    CHECK(p.member_offsets[m] < p.member_offsets[m + 1]);
+    std::vector<int32_t> ids(p.members.begin() + p.member_offsets[m], p.members.begin() + p.member_offsets[m + 1]);
+    for (int32_t i : ids) ++seen[i];
+    CHECK_EQ(p.work[m], batch.SubsetWork(ids.data(), ids.size()));
+    CHECK(p.work[m] <= cap);
+    CHECK(p.replica[m] >= 0 && p.replica[m] < d);
+    CHECK(p.slot[m] >= 0 && p.slot[m] < k / d);
+    ++per_replica[p.replica[m]];
+    ++pair[p.slot[m] * d + p.replica[m]];
+    total += p.work[m];
+    if (m > 0) CHECK(std::make_pair(p.slot[m - 1], p.replica[m - 1]) < std::make_pair(p.slot[m], p.replica[m]));
+  }
+  for (int s : seen) CHECK_EQ(s, 1);
+  for (int c : per_replica) CHECK_EQ(c, k / d);
+  for (int c : pair) CHECK_EQ(c, 1);
+  CHECK_EQ(p.objective.total_work, total);
+  CHECK(p.objective == EvaluateSchedule(p.work, p.replica, p.slot, d));
+  CHECK(total >= p.compact_tokens);
+}
+
+template <typename E>
+std::string ExpectThrow(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.field();
+  }
+  CHECK(false);
+  return "";
+}
+
+}  // namespace
+}  // namespace harts
+
+int main() {
+  using namespace harts;
+  std::mt19937 rng(17);
+  int planned = 0, infeasible = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const int n = 1 + static_cast<int>(rng() % 24);
+    auto trajs = testing::RandomTrajectories(rng, n, 12, 3, trial % 5 == 0 ? 0.6 : 0.1);
+    auto batch = testing::MakeBatch(trajs);
+    int64_t longest = 0;
+    for (auto& t : trajs) longest = std::max<int64_t>(longest, t.size());
+    PlannerOptions o;
+    o.dp_size = 1 + rng() % 4;
+    o.capacity = longest + (trial % 3 == 0 ? 0 : static_cast<int64_t>(rng() % 30));
+    o.exact_threshold = trial % 2 == 0 ? 512 : 0;  // exact or heuristic search
+    o.max_sampled_k = 2 + rng() % 6;
+    try {
+      const StepPlan p = PlanStep(*batch, o);
+      CheckPlan(*batch, p, o.dp_size, o.capacity);
+      const StepPlan again = PlanStep(*batch, o);
+      CHECK(again.members == p.members && again.replica == p.replica && again.slot == p.slot);
+      CHECK_EQ(p.search_mode, std::string(o.exact_threshold >= n ? "exact" : "heuristic"));
+      CHECK(p.selected >= 0 && p.selected < static_cast<int64_t>(p.candidates.size()));
+      for (const CandidateSummary& c : p.candidates) CHECK(!(c.objective < p.objective));
+      if (p.search_mode == "exact") {
+        // The selected total is at most every exact contiguous candidate's.
+        const PlanContext ctx(*batch, o.capacity);
+        std::vector<int64_t> ks;
+        for (int64_t k = p.k_min; k <= p.k_max; k += o.dp_size) ks.push_back(k);
+        for (const ContiguousResult& r : ExactContiguousPartitions(ctx, ks))
+          if (r.feasible) CHECK(p.objective.total_work <= r.total_work);
+      }
+      PlannerOptions paper = o;
+      paper.component_greedy = false;
+      try {
+        const StepPlan q = PlanStep(*batch, paper);
+        CheckPlan(*batch, q, o.dp_size, o.capacity);
+        CHECK(!(q.objective < p.objective));  // the extension only adds a candidate
+      } catch (const FailedPrecondition&) {
+      }
+      ++planned;
+    } catch (const FailedPrecondition& e) {
+      CHECK(e.field() == "dp_size" || e.field() == "capacity");
+      ++infeasible;
+    }
+  }
+  CHECK(planned > 300);
+
+  // Errors.
+  auto batch = testing::MakeBatch({{1, 2, 3}, {1, 2, 4, 5, 6}, {7}});
+  PlannerOptions o;
+  o.capacity = 4;
+  CHECK_EQ(ExpectThrow<InvalidArgument>([&] { PlanStep(*batch, o); }), std::string("trajectories[1]"));
+  o.capacity = 5;
+  o.dp_size = 4;
+  CHECK_EQ(ExpectThrow<FailedPrecondition>([&] { PlanStep(*batch, o); }), std::string("dp_size"));
+  o.dp_size = 0;
+  CHECK_EQ(ExpectThrow<InvalidArgument>([&] { PlanStep(*batch, o); }), std::string("dp_size"));
+  o.dp_size = 2;
+  o.search = "fast";
+  CHECK_EQ(ExpectThrow<InvalidArgument>([&] { PlanStep(*batch, o); }), std::string("search"));
+  // Three disjoint trajectories of 5 tokens at T = 5, D = 2: K must be 4 > N = 3.
+  auto three = testing::MakeBatch({{1, 1, 1, 1, 1}, {2, 2, 2, 2, 2}, {3, 3, 3, 3, 3}});
+  o = PlannerOptions();
+  o.capacity = 5;
+  o.dp_size = 2;
+  CHECK_EQ(ExpectThrow<FailedPrecondition>([&] { PlanStep(*three, o); }), std::string("capacity"));
+  o.capacity = 10;
+  CheckPlan(*three, PlanStep(*three, o), 2, 10);
+  (void)infeasible;
+  return 0;
+}

@@ -1,0 +1,397 @@
+"""Step planning: microbatch membership, DP-replica assignment and slot schedule (paper Section 3.2).
+
+Glossary
+--------
+* ``D`` (``dp_size``): data-parallel degree; a *replica* is one logical model copy.
+* ``T`` (``capacity``): the most compact tokens one microbatch may hold.
+* microbatch ``M``: a non-empty set of trajectories; its work ``w(M) = C(M)`` is the number of unique
+  token prefixes of its members (Equation 5).
+* slot ``j``: the ``j``-th local microbatch of every replica; the ``D`` microbatches of a slot run in
+  lockstep, so the heaviest one is the slot's critical path.
+* ``J`` (Equation 4): ``(sum_M w(M), sum_j max_d w(M_dj), max_d sum_j w(M_dj))``, compared
+  lexicographically: total compact work, aggregate slot-critical work, maximum replica work.
+* imbalance (Equation 23): ``I = max_d w_d / mean_d w_d - 1`` over one slot (``w_d = w(M_dj)``) or over
+  the whole step (``w_d = sum_j w(M_dj)``).
+
+Every plan returned by :func:`plan_step` guarantees exact coverage, non-empty microbatches of at most
+``T`` compact tokens, ``K mod D = 0`` and exactly ``K / D`` microbatches (one per slot) per replica.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from harts_planner import _native
+from harts_planner.batch import RolloutBatch
+from harts_planner.errors import invalid
+
+__all__ = ["StepPlan", "imbalance", "plan_step", "schedule_metrics", "verify_schedule"]
+
+#: Options of :func:`plan_step` and their defaults (the paper's parameters).
+DEFAULT_OPTIONS: dict[str, object] = {
+    "exact_threshold": 512,   # N0: exact contiguous DP when N <= N0
+    "max_sampled_k": 32,      # Q_max: sampled K values of heuristic search
+    "refine_window": 8,       # H of boundary refinement
+    "refine_sweeps": 2,       # boundary-refinement sweeps
+    "max_anchors": 3,         # B_ref: refined anchors (the greedy candidate counts as one)
+    "repair_window": 8,       # H of sparse repair
+    "repair_iterations": 4,   # sparse-repair iterations
+    "greedy": True,           # run the trie-aware greedy path
+    "refine": True,           # boundary refinement and sparse repair
+    "component_greedy": True,  # extension, not in the paper: per-tree greedy candidate (False = paper)
+    "search": "auto",         # "auto" | "exact" | "heuristic"
+}
+
+
+def _check_int(value, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise invalid(field, f"must be an integer, got {value!r}")
+    return int(value)
+
+
+def plan_step(batch: RolloutBatch, dp_size: int, capacity: int, chunk_size: int = 64,
+              **options) -> StepPlan:
+    """Plan one training step: microbatches, their DP replicas and their slots.
+
+    Parameters
+    ----------
+    batch : RolloutBatch
+        The step's trajectories.
+    dp_size : int
+        D >= 1, the data-parallel degree.
+    capacity : int
+        T >= 1, the most compact tokens (unique token prefixes) per microbatch.
+    chunk_size : int, default 64
+        Linear-attention chunk size B; only used by :meth:`StepPlan.call_plans`.
+    **options
+        Search parameters, defaults in :data:`DEFAULT_OPTIONS`: ``exact_threshold`` (N0 = 512),
+        ``max_sampled_k`` (Q_max = 32), ``refine_window`` (H = 8), ``refine_sweeps`` (2),
+        ``max_anchors`` (B_ref = 3), ``repair_window`` (H = 8), ``repair_iterations`` (4),
+        ``greedy`` (True), ``refine`` (True), ``search`` (``"auto"``, ``"exact"`` or ``"heuristic"``),
+        and ``component_greedy`` (True): an extension beyond the paper that adds one candidate, per-tree
+        greedy partitions packed best-fit decreasing (``harts/greedy.h``); it can only lower J.
+        ``component_greedy=False`` compares exactly the paper's candidate set.
+
+    Returns
+    -------
+    StepPlan
+
+    Raises
+    ------
+    InvalidArgumentError
+        A bad argument or option (``.field`` names it), or a trajectory longer than ``capacity``
+        (``.field == "trajectories[i]"``).
+    InfeasibleError
+        No valid plan: fewer trajectories than replicas, more microbatches needed than there are
+        trajectories, or no candidate reached a feasible grouping; the message says why.
+    ResourceLimitError
+        ``search="exact"`` on a batch too large for the exact table.
+
+    The GIL is released while planning; the result is deterministic.
+    """
+    if not isinstance(batch, RolloutBatch):
+        raise invalid("batch", f"must be a harts_planner.RolloutBatch, got {type(batch).__name__}")
+    dp_size = _check_int(dp_size, "dp_size")
+    capacity = _check_int(capacity, "capacity")
+    chunk_size = _check_int(chunk_size, "chunk_size")
+    if chunk_size < 1:
+        raise invalid("chunk_size", f"must be >= 1, got {chunk_size}")
+    merged = dict(DEFAULT_OPTIONS)
+    for name, value in options.items():
+        if name not in DEFAULT_OPTIONS:
+            raise invalid(name, f"unknown option; choose from {sorted(DEFAULT_OPTIONS)}")
+        default = DEFAULT_OPTIONS[name]
+        if isinstance(default, bool):
+            if not isinstance(value, (bool, np.bool_)):
+                raise invalid(name, f"must be a bool, got {value!r}")
+            value = bool(value)
+        elif isinstance(default, int):
+            value = _check_int(value, name)
+        elif not isinstance(value, str):
+            raise invalid(name, f"must be a string, got {value!r}")
+        merged[name] = value
+    start = time.perf_counter()
+    native = _native.plan_step(batch._native, dp_size, capacity, **merged)
+    wall = time.perf_counter() - start
+    return StepPlan(native, batch, chunk_size, merged, wall)
+
+
+def imbalance(per_replica_work) -> float:
+    """Equation (23): ``max_d w_d / mean_d w_d - 1`` (0 for all-zero work)."""
+    w = np.asarray(per_replica_work, dtype=np.float64)
+    mean = w.mean()
+    return float(w.max() / mean - 1.0) if mean > 0 else 0.0
+
+
+def schedule_metrics(work, replica, slot, dp_size: int) -> dict:
+    """J (Equation 4) and the imbalance metrics (Equation 23) of any schedule.
+
+    Parameters are per-microbatch arrays: ``work`` (compact work), ``replica`` in ``[0, D)`` and ``slot``
+    in ``[0, K / D)``, with every ``(replica, slot)`` pair used once.
+
+    Returns a dict with ``total_work``, ``slot_critical_work``, ``max_replica_work``, ``slot_imbalance``
+    (list, one per slot), ``slot_imbalance_p50`` / ``_p95`` (``numpy.percentile``, linear),
+    ``step_imbalance``, ``replica_work`` (list) and ``num_slots``.
+    """
+    work = np.asarray(work, dtype=np.int64)
+    replica = np.asarray(replica, dtype=np.int64)
+    slot = np.asarray(slot, dtype=np.int64)
+    num_slots = int(slot.max()) + 1 if len(slot) else 0
+    grid = np.zeros((num_slots, dp_size), dtype=np.int64)
+    grid[slot, replica] = work
+    slot_imb = [imbalance(row) for row in grid]
+    replica_work = grid.sum(axis=0)
+    return {
+        "total_work": int(work.sum()),
+        "slot_critical_work": int(grid.max(axis=1).sum()) if num_slots else 0,
+        "max_replica_work": int(replica_work.max()) if dp_size else 0,
+        "num_slots": num_slots,
+        "slot_imbalance": slot_imb,
+        "slot_imbalance_p50": float(np.percentile(slot_imb, 50)) if slot_imb else 0.0,
+        "slot_imbalance_p95": float(np.percentile(slot_imb, 95)) if slot_imb else 0.0,
+        "step_imbalance": imbalance(replica_work),
+        "replica_work": [int(x) for x in replica_work],
+    }
+
+
+def verify_schedule(batch: RolloutBatch, microbatches: Sequence[np.ndarray], replica, slot,
+                    dp_size: int, capacity: int) -> np.ndarray:
+    """Check every guarantee of a step plan; return the per-microbatch compact work.
+
+    Raises ``AssertionError`` naming the first violated guarantee: exact coverage, non-empty
+    microbatches, capacity, ``K mod D = 0``, ``K / D`` microbatches per replica, each
+    ``(replica, slot)`` pair used exactly once.
+    """
+    k = len(microbatches)
+    n = batch.num_trajectories
+    assert k > 0 and k % dp_size == 0, f"K = {k} is not a positive multiple of D = {dp_size}"
+    replica = np.asarray(replica)
+    slot = np.asarray(slot)
+    assert len(replica) == k and len(slot) == k, "replica/slot need one entry per microbatch"
+    seen = np.zeros(n, dtype=np.int64)
+    work = np.zeros(k, dtype=np.int64)
+    for m, members in enumerate(microbatches):
+        members = np.asarray(members)
+        assert len(members) > 0, f"microbatch {m} is empty"
+        np.add.at(seen, members, 1)
+        work[m] = batch.subset_work(members)
+        assert work[m] <= capacity, f"microbatch {m} has {work[m]} compact tokens > T = {capacity}"
+    assert (seen == 1).all(), f"trajectories covered != once: {np.flatnonzero(seen != 1)[:10]}"
+    assert ((replica >= 0) & (replica < dp_size)).all(), "replica out of range"
+    assert ((slot >= 0) & (slot < k // dp_size)).all(), "slot out of range"
+    assert (np.bincount(replica, minlength=dp_size) == k // dp_size).all(), "unequal microbatches per replica"
+    pairs = slot.astype(np.int64) * dp_size + replica
+    assert len(np.unique(pairs)) == k, "a (replica, slot) pair is used twice"
+    return work
+
+
+class StepPlan:
+    """The plan of one training step (returned by :func:`plan_step`).
+
+    Microbatch ``m`` runs on replica ``replica[m]`` in slot ``slot[m]``; microbatches are ordered by
+    ``(slot, replica)``. Arrays are read-only numpy views of memory owned by the C++ plan.
+
+    Attributes
+    ----------
+    microbatches : list of np.ndarray (int32)
+        Trajectory indices of each microbatch, in lexicographic (rank) order.
+    replica, slot : np.ndarray (int32, shape [K])
+    work : np.ndarray (int64, shape [K])
+        Compact work ``w(M)`` of each microbatch.
+    objective : tuple[int, int, int]
+        J of Equation (4).
+    planning_seconds : float
+        Time spent in the C++ planner.
+    """
+
+    def __init__(self, native, batch: RolloutBatch, chunk_size: int, options: dict, wall_seconds: float):
+        self._native = native
+        self._batch = batch
+        self.chunk_size = chunk_size
+        self.options = dict(options)
+        self.wall_seconds = wall_seconds
+        offsets = native.member_offsets
+        members = native.members
+        self.microbatches: list[np.ndarray] = [members[offsets[m]:offsets[m + 1]]
+                                               for m in range(native.num_microbatches)]
+        self._metrics: dict | None = None
+        self._call_plans: list | None = None
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def batch(self) -> RolloutBatch:
+        return self._batch
+
+    @property
+    def dp_size(self) -> int:
+        """D."""
+        return self._native.dp_size
+
+    @property
+    def capacity(self) -> int:
+        """T."""
+        return self._native.capacity
+
+    @property
+    def num_microbatches(self) -> int:
+        """K (a multiple of D)."""
+        return self._native.num_microbatches
+
+    @property
+    def num_slots(self) -> int:
+        """K / D."""
+        return self.num_microbatches // self.dp_size
+
+    @property
+    def replica(self) -> np.ndarray:
+        return self._native.replica
+
+    @property
+    def slot(self) -> np.ndarray:
+        return self._native.slot
+
+    @property
+    def work(self) -> np.ndarray:
+        return self._native.work
+
+    def microbatch_at(self, replica: int, slot: int) -> np.ndarray:
+        """Trajectory indices of ``M_{replica, slot}``."""
+        return self.microbatches[slot * self.dp_size + replica]
+
+    # ------------------------------------------------------------------ objective and metrics
+    @property
+    def objective(self) -> tuple[int, int, int]:
+        """J = (total work, aggregate slot-critical work, max replica work), Equation (4)."""
+        return self._native.objective
+
+    @property
+    def total_work(self) -> int:
+        return self.objective[0]
+
+    @property
+    def slot_critical_work(self) -> int:
+        return self.objective[1]
+
+    @property
+    def max_replica_work(self) -> int:
+        return self.objective[2]
+
+    @property
+    def compact_tokens(self) -> int:
+        """G = C(X), compact tokens of the whole batch in one trie: a lower bound on total work."""
+        return self._native.compact_tokens
+
+    @property
+    def metrics(self) -> dict:
+        """:func:`schedule_metrics` of this plan (imbalance per slot, P50/P95, step total)."""
+        if self._metrics is None:
+            self._metrics = schedule_metrics(self.work, self.replica, self.slot, self.dp_size)
+        return self._metrics
+
+    @property
+    def slot_imbalance_p50(self) -> float:
+        return self.metrics["slot_imbalance_p50"]
+
+    @property
+    def slot_imbalance_p95(self) -> float:
+        return self.metrics["slot_imbalance_p95"]
+
+    @property
+    def step_imbalance(self) -> float:
+        return self.metrics["step_imbalance"]
+
+    # ------------------------------------------------------------------ provenance
+    @property
+    def planning_seconds(self) -> float:
+        return self._native.planning_seconds
+
+    @property
+    def phase_seconds(self) -> dict:
+        return self._native.phase_seconds
+
+    @property
+    def source(self) -> str:
+        """Which candidate won: ``exact``, ``evolved``, ``greedy:<order>/<policy>``, with ``+boundary`` /
+        ``+repair`` when refined."""
+        return self._native.source
+
+    @property
+    def search_mode(self) -> str:
+        return self._native.search_mode
+
+    @property
+    def natural_k(self) -> int:
+        """K0, microbatches of the natural partition."""
+        return self._native.natural_k
+
+    @property
+    def k_range(self) -> tuple[int, int]:
+        """(K_min, K_max) of Equations (7)-(8)."""
+        return self._native.k_min, self._native.k_max
+
+    @property
+    def candidates(self) -> list[dict]:
+        """Every candidate compared: dicts with ``source``, ``k`` and ``objective``."""
+        return self._native.candidates
+
+    @property
+    def selected(self) -> int:
+        """Index of the selected candidate in :attr:`candidates`."""
+        return self._native.selected
+
+    # ------------------------------------------------------------------ call plans
+    def call_plans(self) -> list:
+        """Per-microbatch minimum-call plans (Section 3.3), computed on first use.
+
+        Calls ``harts_planner.plan_calls(batch, chunk_size, trajectories=microbatch)`` for every
+        microbatch. Raises ``NotImplementedError`` when this build has no minimum-call planner.
+        """
+        if self._call_plans is None:
+            import harts_planner
+
+            plan_calls = getattr(harts_planner, "plan_calls", None)
+            if plan_calls is None:
+                raise NotImplementedError("harts_planner.plan_calls is not available in this build")
+            self._call_plans = [plan_calls(self._batch, self.chunk_size, trajectories=mb)
+                                for mb in self.microbatches]
+        return self._call_plans
+
+    # ------------------------------------------------------------------ export
+    def to_dict(self) -> dict:
+        """A JSON-serializable summary: the schedule, J, imbalance metrics, K range and candidates."""
+        m = self.metrics
+        return {
+            "dp_size": self.dp_size,
+            "capacity": self.capacity,
+            "chunk_size": self.chunk_size,
+            "num_trajectories": self._native.num_trajectories,
+            "num_microbatches": self.num_microbatches,
+            "num_slots": self.num_slots,
+            "microbatches": [mb.tolist() for mb in self.microbatches],
+            "replica": self.replica.tolist(),
+            "slot": self.slot.tolist(),
+            "work": self.work.tolist(),
+            "objective": {"total_work": self.total_work, "slot_critical_work": self.slot_critical_work,
+                          "max_replica_work": self.max_replica_work},
+            "imbalance": {"slot": m["slot_imbalance"], "slot_p50": m["slot_imbalance_p50"],
+                          "slot_p95": m["slot_imbalance_p95"], "step_total": m["step_imbalance"]},
+            "replica_work": m["replica_work"],
+            "compact_tokens": self.compact_tokens,
+            "natural_k": self.natural_k,
+            "k_range": list(self.k_range),
+            "search_mode": self.search_mode,
+            "source": self.source,
+            "candidates": [{"source": c["source"], "k": c["k"], "objective": list(c["objective"])}
+                           for c in self.candidates],
+            "selected": self.selected,
+            "planning_seconds": self.planning_seconds,
+            "phase_seconds": self.phase_seconds,
+            "options": self.options,
+        }
+
+    def __repr__(self) -> str:
+        return (f"StepPlan(K={self.num_microbatches}, D={self.dp_size}, slots={self.num_slots}, "
+                f"J={self.objective}, source={self.source!r}, planning={self.planning_seconds * 1e3:.1f} ms)")
