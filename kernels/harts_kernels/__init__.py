@@ -1,0 +1,1 @@
+"""HARTS kernels: operators with a pure-PyTorch reference beside each fast path."""

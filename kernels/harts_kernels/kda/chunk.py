@@ -1,0 +1,235 @@
+"""KDA ChunkLA operator with selectable, differentiable chunk-boundary states (Equation 16).
+
+``chunk_kda_with_states`` is the public entry point. On CUDA tensors it runs chunk KDA with
+fla 0.6.0's stages (gate cumsum, intra-chunk WY factors, output, dAv, dqkg, intra backward)
+around our own Triton state scan (:mod:`harts_kernels.kda.state_scan`), which writes the
+requested boundary states in fp32 from the forward scan and injects their gradients into the
+backward dh recurrence. On CPU (or with ``backend="naive"``) it runs the pure-PyTorch chunked
+reference :func:`harts_kernels.kda.naive.naive_chunk_kda_with_states`. fla and triton are
+imported only inside the GPU path, so this module imports with torch alone.
+
+Gate convention (the same as fla's ``chunk_kda(use_gate_in_kernel=False,
+use_beta_sigmoid_in_kernel=False, use_qk_l2norm_in_kernel=False)``):
+
+* ``g`` is the per key-dim decay in natural-log space (``g <= 0``; the state row d is multiplied
+  by ``exp(g[t, h, d])`` before token t's delta update). Compute it outside the op, e.g.
+  ``g = -exp(A_log) * softplus(g_raw + dt_bias)`` as fla's ``naive_kda_gate``.
+* ``beta`` is post-sigmoid (``0 < beta < 1``).
+* q and k are used as given: apply the L2 normalisation of KDA outside the op.
+* H == HV (no grouped value heads); K <= 256 on the GPU path; state layout ``[K, V]``.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from harts_kernels.kda.naive import naive_chunk_kda_with_states
+from harts_kernels.kda.utils import (
+    PackedRequests,
+    check_initial_state,
+    pack_inputs,
+    seq_lens_from_cu_seqlens,
+    validate_requests,
+)
+
+RCP_LN2 = 1.4426950408889634  # 1 / ln(2): fla's gates are log2 inside the kernels
+
+
+class _Plan:
+    """Device-side index tensors of one packed call, built on the host without a device sync."""
+
+    def __init__(self, req: PackedRequests, cu: list[int], device: torch.device):
+        n = len(req.seq_lens)
+        self.num_seqs = n
+        self.num_chunks = req.chunk_offsets[-1]
+        self.cu_seqlens = torch.tensor(cu, dtype=torch.long).to(device, non_blocking=True)
+        self.chunk_offsets = torch.tensor(req.chunk_offsets, dtype=torch.long).to(device, non_blocking=True)
+        seq_id = [i for i in range(n) for _ in range(req.num_chunks[i])]
+        local = [c for i in range(n) for c in range(req.num_chunks[i])]
+        self.chunk_indices = torch.tensor([seq_id, local], dtype=torch.long).t().contiguous().to(
+            device, non_blocking=True)                                        # [NT, 2] (seq, chunk)
+        uniq, inverse = req.unique_boundaries()
+        self.num_boundaries = len(uniq)
+        self.boundary_map = None
+        self.inverse = None
+        if uniq:
+            bmap = torch.full((self.num_chunks + n,), -1, dtype=torch.int32)
+            bmap[torch.tensor(uniq)] = torch.arange(len(uniq), dtype=torch.int32)
+            self.boundary_map = bmap.to(device, non_blocking=True)
+            if inverse != list(range(len(uniq))):
+                self.inverse = torch.tensor(inverse, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _fla_fwd(q, k, v, g, beta, scale, initial_state, plan: _Plan, chunk_size, output_final_state):
+    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+
+    from harts_kernels.kda.state_scan import state_scan_fwd
+
+    g_cum = chunk_local_cumsum(g, chunk_size=chunk_size, scale=RCP_LN2, cu_seqlens=plan.cu_seqlens,
+                               chunk_indices=plan.chunk_indices)              # [1, T, H, K] fp32 log2
+    w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(
+        q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale, cu_seqlens=plan.cu_seqlens,
+        chunk_size=chunk_size, chunk_indices=plan.chunk_indices, safe_gate=False, disable_recompute=False)
+    h, v_new, final_state, bstates = state_scan_fwd(
+        kg=kg, w=w, u=u, gk=g_cum, initial_state=initial_state, cu_seqlens=plan.cu_seqlens,
+        chunk_offsets=plan.chunk_offsets, num_chunks=plan.num_chunks, chunk_size=chunk_size,
+        output_final_state=output_final_state, boundary_map=plan.boundary_map,
+        num_boundaries=plan.num_boundaries)
+    o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=g_cum, A=Aqk, h=h, scale=scale, cu_seqlens=plan.cu_seqlens,
+                           chunk_size=chunk_size, chunk_indices=plan.chunk_indices)
+    return o, final_state, bstates, g_cum, Aqk, Akk
+
+
+def _fla_bwd(q, k, v, beta, g_cum, Aqk, Akk, scale, initial_state, do, dht, d_bstates, plan: _Plan,
+             chunk_size):
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
+    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
+    from fla.ops.kda.wy_fast import recompute_w_u_fwd
+    from fla.ops.utils import chunk_local_cumsum
+
+    from harts_kernels.kda.state_scan import state_scan_bwd, state_scan_fwd
+
+    ci, cu = plan.chunk_indices, plan.cu_seqlens
+    w, u, qg, kg = recompute_w_u_fwd(k=k, v=v, beta=beta, A=Akk, gk=g_cum, q=q, cu_seqlens=cu, chunk_indices=ci)
+    # Recompute h and v_new (as fla does by default); no final or boundary states are needed here.
+    h, v_new, _, _ = state_scan_fwd(
+        kg=kg, w=w, u=u, gk=g_cum, initial_state=initial_state, cu_seqlens=cu,
+        chunk_offsets=plan.chunk_offsets, num_chunks=plan.num_chunks, chunk_size=chunk_size,
+        output_final_state=False)
+    dAqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu,
+                                 chunk_size=chunk_size, chunk_indices=ci)
+    dh, dh0, dv = state_scan_bwd(
+        qg=qg, kg=kg, w=w, gk=g_cum, do=do, dv=dv, scale=scale, initial_state=initial_state, dht=dht,
+        cu_seqlens=cu, chunk_offsets=plan.chunk_offsets, num_chunks=plan.num_chunks,
+        chunk_size=chunk_size, boundary_map=plan.boundary_map, d_boundary=d_bstates)
+    dq, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
+        q=q, k=k, v=v, v_new=v_new, g=g_cum, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv, scale=scale,
+        cu_seqlens=cu, chunk_size=chunk_size, chunk_indices=ci, chunk_offsets=plan.chunk_offsets)
+    dq, dk, db, dg = chunk_kda_bwd_intra(
+        q=q, k=k, g=g_cum, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg,
+        cu_seqlens=cu, chunk_indices=ci, chunk_size=chunk_size, safe_gate=False)
+    dg = chunk_local_cumsum(dg, chunk_size=chunk_size, reverse=True, cu_seqlens=cu, chunk_indices=ci)
+    return dq, dk, dv, db, dg, dh0
+
+
+class ChunkKDAWithStatesFunction(torch.autograd.Function):
+    """Packed-varlen chunk KDA returning ``(o, final_state, boundary_states)``.
+
+    ``boundary_states`` has one fp32 row per *distinct* requested boundary (``plan.inverse``
+    maps requests to rows outside). Its gradient is injected into the backward state recurrence;
+    the final-state gradient enters as fla's ``dht``; ``dh0`` is the initial-state gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, plan, chunk_size, output_final_state):
+        o, final_state, bstates, g_cum, Aqk, Akk = _fla_fwd(
+            q, k, v, g, beta, scale, initial_state, plan, chunk_size, output_final_state)
+        ctx.save_for_backward(q, k, v, beta, g_cum, Aqk, Akk, initial_state)
+        ctx.scale, ctx.plan, ctx.chunk_size, ctx.g_dtype = scale, plan, chunk_size, g.dtype
+        ctx.set_materialize_grads(False)
+        if bstates is None:
+            bstates = q.new_zeros(0, *q.shape[2:3], q.shape[3], v.shape[3], dtype=torch.float32)
+        return o.to(q.dtype), final_state, bstates
+
+    @staticmethod
+    def backward(ctx, do, dht, d_bstates):
+        q, k, v, beta, g_cum, Aqk, Akk, initial_state = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(v)
+        dq, dk, dv, db, dg, dh0 = _fla_bwd(
+            q, k, v, beta, g_cum, Aqk, Akk, ctx.scale, initial_state, do.contiguous(), dht,
+            d_bstates, ctx.plan, ctx.chunk_size)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), db.to(beta.dtype),
+                dh0, None, None, None, None)
+
+
+def chunk_kda_with_states(
+    q: torch.Tensor,          # [B, T, H, K]   (B = 1 with cu_seqlens)
+    k: torch.Tensor,          # [B, T, H, K]
+    v: torch.Tensor,          # [B, T, H, V]
+    g: torch.Tensor,          # [B, T, H, K]   log-space per key-dim decay, <= 0
+    beta: torch.Tensor,       # [B, T, H]      post-sigmoid
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,   # [N, H, K, V] fp32
+    cu_seqlens=None,                             # [N + 1] list or int tensor (host copy preferred)
+    chunk_size: int = 64,
+    request_seq=None,                            # [R] sequence of each requested boundary
+    request_chunk=None,                          # [R] boundary index c on that sequence's grid
+    output_final_state: bool = True,
+    backend: str = "auto",
+):
+    """ChunkLA for KDA over a packed varlen call (Equation 16).
+
+    Parameters
+    ----------
+    q, k, v, g, beta
+        Packed ``[1, T, ...]`` tensors with ``cu_seqlens``, or a ``[B, T, ...]`` batch without
+        (then ``N = B`` sequences of length ``T``). Gate convention in the module docstring.
+    scale
+        Query scale, default ``K ** -0.5``.
+    initial_state
+        ``[N, H, K, V]`` fp32 per-sequence initial states (zeros when None); differentiable.
+    cu_seqlens
+        ``[N + 1]`` cumulative lengths; each sequence's chunk grid starts at its first row.
+    chunk_size
+        ``B``. Any ``B >= 1`` on the reference path; 32 or 64 on the GPU path.
+    request_seq, request_chunk
+        ``R`` requested boundaries: row r asks for ``S_[c]`` of sequence ``i``, the state after
+        its first ``c * B`` tokens, ``1 <= c``, ``c * B <= L_i``. Duplicates are allowed.
+    output_final_state
+        Return the ``[N, H, K, V]`` fp32 final states (differentiable).
+    backend
+        ``"auto"`` (Triton on CUDA, reference otherwise), ``"triton"`` or ``"naive"``.
+
+    Returns
+    -------
+    o : ``[B, T, H, V]`` in v's dtype.
+    final_state : ``[N, H, K, V]`` fp32, or None.
+    boundary_states : ``[R, H, K, V]`` fp32, requests in order. Gradients arriving here flow into
+        the chunks before each boundary and into ``initial_state``.
+
+    Raises
+    ------
+    ValueError
+        Bad shapes, ``cu_seqlens`` or requests; the message names the field.
+    """
+    if backend not in ("auto", "triton", "naive"):
+        raise ValueError(f"backend: expected 'auto', 'triton' or 'naive', got {backend!r}")
+    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
+    if not use_triton:
+        return naive_chunk_kda_with_states(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+            chunk_size=chunk_size, request_seq=request_seq, request_chunk=request_chunk,
+            output_final_state=output_final_state)
+
+    q, k, v, g, beta, cu, batch_shape = pack_inputs(q, k, v, g, beta, cu_seqlens)
+    _, T, H, K = q.shape
+    V = v.shape[-1]
+    lens = seq_lens_from_cu_seqlens(cu, T)
+    req = validate_requests(lens, chunk_size, request_seq, request_chunk)
+    check_initial_state(initial_state, len(lens), H, K, V)
+    if chunk_size not in (32, 64):
+        raise ValueError(f"chunk_size: the Triton path supports 32 or 64, got {chunk_size}")
+    if K > 256:
+        raise ValueError(f"q: head dim K must be <= 256 on the Triton path, got {K}")
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        raise ValueError(f"initial_state: must be float32, got {initial_state.dtype}")
+    scale = K ** -0.5 if scale is None else float(scale)
+    plan = _Plan(req, cu, q.device)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    guard = torch.cuda.device(q.device) if q.is_cuda else nullcontext()
+    with guard:
+        o, final_state, bstates = ChunkKDAWithStatesFunction.apply(
+            q, k, v, g, beta, initial_state, scale, plan, chunk_size, output_final_state)
+    if plan.inverse is not None:
+        bstates = bstates.index_select(0, plan.inverse)                       # [R, H, K, V]
+    if batch_shape is not None:
+        o = o.reshape(*batch_shape, H, V)
+    return o, (final_state if output_final_state else None), bstates

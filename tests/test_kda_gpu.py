@@ -1,0 +1,203 @@
+"""KDA ChunkLA on the GPU path (Triton state scan + fla 0.6.0 stages). Skipped without CUDA,
+except the interpreter check at the end, which runs on CPU when triton and fla are installed.
+
+Errors are reported as ``rmse(got - ref) / rms(ref)`` per tensor (fla's test metric) against
+named tolerances, and printed, so one batch run on the device shows every number.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from harts_kernels.kda import chunk_kda_with_states, naive_chunk_kda_with_states
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu
+
+NAMES = ("o", "final", "states", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+# Tolerances on the error ratio, per dtype and tensor. fp32 inputs still go through TF32 dots.
+TOL = {
+    torch.bfloat16: {"o": 6e-3, "final": 6e-3, "states": 6e-3, "dq": 1e-2, "dk": 1e-2, "dv": 1e-2,
+                     "dg": 2e-2, "dbeta": 2e-2, "dh0": 1e-2},
+    torch.float32: {"o": 3e-3, "final": 3e-3, "states": 3e-3, "dq": 5e-3, "dk": 5e-3, "dv": 5e-3,
+                    "dg": 1e-2, "dbeta": 1e-2, "dh0": 5e-3},
+}
+
+
+def err_ratio(ref, got):
+    ref, got = ref.double(), got.double()
+    return ((got - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def assert_close(name, ref, got, tol):
+    assert ref.shape == got.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    e = err_ratio(ref, got)
+    print(f"  {name:7s} err_ratio={e:.3e} (tol {tol:.1e})")
+    assert e <= tol, f"{name}: err_ratio {e:.3e} > {tol:.1e}"
+
+
+def make(lens, H, K, V, dtype, seed=0, device="cuda"):
+    g_ = torch.Generator(device="cpu").manual_seed(seed)
+    T = sum(lens)
+    q = torch.randn(1, T, H, K, generator=g_)
+    k = torch.nn.functional.normalize(torch.randn(1, T, H, K, generator=g_), dim=-1)
+    v = torch.randn(1, T, H, V, generator=g_)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, H, K, generator=g_) + 3.0)   # decays in (0, 1)
+    beta = torch.rand(1, T, H, generator=g_)
+    h0 = torch.randn(len(lens), H, K, V, generator=g_) * 0.1
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    xs = [t.to(device, dtype) for t in (q, k, v, g, beta)]
+    return xs, h0.to(device), cu
+
+
+def fwd_bwd(xs, h0, cu, B, rs, rc, backend, seed=1):
+    leaves = [t.detach().clone().requires_grad_(True) for t in xs + [h0]]
+    o, ft, bs = chunk_kda_with_states(*leaves[:5], initial_state=leaves[5], cu_seqlens=cu, chunk_size=B,
+                                      request_seq=rs, request_chunk=rc, backend=backend)
+    g_ = torch.Generator(device=o.device).manual_seed(seed)
+    w_o = torch.randn(o.shape, generator=g_, device=o.device)
+    w_f = torch.randn(ft.shape, generator=g_, device=o.device)
+    w_s = torch.randn(bs.shape, generator=g_, device=o.device)
+    loss = (o.float() * w_o).sum() + (ft * w_f).sum() + (bs * w_s).sum()
+    loss.backward()
+    return [o.float(), ft, bs] + [t.grad.float() for t in leaves]
+
+
+CASES = [
+    # (lens, H, K, V, chunk_size, requests (seq, chunk))
+    ([512], 2, 64, 64, 64, [(0, 1), (0, 4), (0, 8)]),
+    ([300, 64, 1, 129, 200], 4, 128, 128, 64, [(0, 1), (0, 4), (1, 1), (3, 2), (4, 3), (0, 1)]),
+    ([100, 250, 33], 2, 128, 64, 32, [(0, 3), (1, 7), (1, 1), (2, 1)]),
+    ([64, 64, 64], 2, 32, 32, 64, []),
+]
+IDS = [f"lens{len(c[0])}-H{c[1]}-K{c[2]}-V{c[3]}-B{c[4]}-R{len(c[5])}" for c in CASES]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("lens,H,K,V,B,req", CASES, ids=IDS)
+def test_triton_matches_reference(lens, H, K, V, B, req, dtype):
+    xs, h0, cu = make(lens, H, K, V, dtype)
+    rs, rc = [r[0] for r in req], [r[1] for r in req]
+    ref = fwd_bwd([t.float() for t in xs], h0, cu, B, rs, rc, "naive")
+    tri = fwd_bwd(xs, h0, cu, B, rs, rc, "triton")
+    print(f"\n[{dtype}] lens={lens} H={H} K={K} V={V} B={B} R={len(req)}")
+    for name, a, b in zip(NAMES, ref, tri):
+        if a.numel():
+            assert_close(name, a, b, TOL[dtype][name])
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_matches_fla_chunk_kda_when_nothing_requested(dtype):
+    from fla.ops.kda import chunk_kda
+
+    xs, h0, cu = make([700, 64, 333, 1], 4, 128, 128, dtype, seed=2)
+    ours = fwd_bwd(xs, h0, cu, 64, [], [], "triton", seed=5)
+    leaves = [t.detach().clone().requires_grad_(True) for t in xs + [h0]]
+    o, ft = chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                      cu_seqlens=torch.tensor(cu, device="cuda", dtype=torch.long))
+    g_ = torch.Generator(device="cuda").manual_seed(5)
+    w_o = torch.randn(o.shape, generator=g_, device="cuda")
+    w_f = torch.randn(ft.shape, generator=g_, device="cuda")
+    ((o.float() * w_o).sum() + (ft * w_f).sum()).backward()
+    theirs = [o.float(), ft] + [t.grad.float() for t in leaves]
+    print(f"\n[{dtype}] vs fla.ops.kda.chunk_kda")
+    for name, a, b in zip(("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0"), theirs, ours[:2] + ours[3:]):
+        assert_close(name, a, b, 2e-3)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_split_at_boundary_and_resume_reproduces_unsplit(dtype):
+    """Forward: the tail resumed from the returned S_c gives the unsplit outputs and final state.
+    Backward: the gradients through the handoff equal the unsplit gradients."""
+    B, L, c = 64, 777, 5
+    cut = c * B
+    xs, h0, _ = make([L], 4, 128, 128, dtype, seed=3)
+    g_ = torch.Generator(device="cuda").manual_seed(4)
+    w_o = torch.randn(1, L, 4, 128, generator=g_, device="cuda")
+    w_f = torch.randn(1, 4, 128, 128, generator=g_, device="cuda")
+
+    def run(split):
+        leaves = [t.detach().clone().requires_grad_(True) for t in xs + [h0]]
+        if split:
+            o1, _, st = chunk_kda_with_states(*[t[:, :cut] for t in leaves[:5]], initial_state=leaves[5],
+                                              chunk_size=B, request_seq=[0], request_chunk=[c],
+                                              backend="triton")
+            o2, ft, _ = chunk_kda_with_states(*[t[:, cut:] for t in leaves[:5]], initial_state=st,
+                                              chunk_size=B, backend="triton")
+            o = torch.cat([o1, o2], 1)
+        else:
+            o, ft, _ = chunk_kda_with_states(*leaves[:5], initial_state=leaves[5], chunk_size=B,
+                                             request_seq=[0], request_chunk=[c], backend="triton")
+        ((o.float() * w_o).sum() + (ft * w_f).sum()).backward()
+        return [o.float(), ft] + [t.grad.float() for t in leaves]
+
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    print(f"\n[{dtype}] split at boundary {c} and resume")
+    for name, a, b in zip(("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0"), run(False), run(True)):
+        assert_close(name, a, b, tol)
+
+
+@needs_cuda
+def test_requested_state_equals_reference_state_exactly_in_fp32_layout():
+    xs, h0, cu = make([256, 130], 2, 64, 64, torch.float32, seed=6)
+    _, _, bs = chunk_kda_with_states(*xs, initial_state=h0, cu_seqlens=cu, request_seq=[0, 1, 0],
+                                     request_chunk=[4, 2, 1], backend="triton")
+    _, _, ref = naive_chunk_kda_with_states(*xs, initial_state=h0, cu_seqlens=cu, request_seq=[0, 1, 0],
+                                            request_chunk=[4, 2, 1])
+    assert bs.dtype == torch.float32 and bs.shape == (3, 2, 64, 64)
+    assert_close("states", ref, bs, 3e-3)
+
+
+# --------------------------------------------------------------------------- interpreter (CPU)
+def _have(mod):
+    try:
+        __import__(mod)
+        return True
+    except Exception:  # noqa: BLE001 - any import failure means: skip
+        return False
+
+
+@pytest.mark.skipif(not (_have("triton") and _have("fla")), reason="needs triton and fla-core (interpreter check)")
+def test_triton_path_under_interpreter_matches_reference():
+    """The whole GPU path (fla stages + our state-scan kernels) under TRITON_INTERPRET=1 on CPU."""
+    code = textwrap.dedent("""
+        import os, torch
+        import triton.runtime.autotuner as at
+        at.Autotuner._bench = lambda self, *a, **k: [0.0, 0.0, 0.0]   # the interpreter cannot time
+        from harts_kernels.kda import chunk_kda_with_states
+        g_ = torch.Generator().manual_seed(0)
+        H, K, V, cu = 1, 32, 32, [0, 70, 100, 164]
+        T = cu[-1]
+        xs = [torch.randn(1, T, H, K, generator=g_),
+              torch.nn.functional.normalize(torch.randn(1, T, H, K, generator=g_), dim=-1),
+              torch.randn(1, T, H, V, generator=g_), -torch.rand(1, T, H, K, generator=g_) * 0.3,
+              torch.rand(1, T, H, generator=g_), torch.randn(3, H, K, V, generator=g_)]
+        outs = {}
+        for backend in ("naive", "triton"):
+            lv = [t.clone().requires_grad_(True) for t in xs]
+            o, ft, bs = chunk_kda_with_states(*lv[:5], initial_state=lv[5], cu_seqlens=cu, chunk_size=64,
+                                              request_seq=[0, 2, 2, 0], request_chunk=[1, 1, 1, 1],
+                                              backend=backend)
+            w = torch.Generator().manual_seed(1)
+            ((o * torch.randn(o.shape, generator=w)).sum() + (ft * torch.randn(ft.shape, generator=w)).sum()
+             + (bs * torch.randn(bs.shape, generator=w)).sum()).backward()
+            outs[backend] = [o, ft, bs] + [t.grad for t in lv]
+        for name, a, b in zip(("o", "final", "states", "dq", "dk", "dv", "dg", "dbeta", "dh0"),
+                              outs["naive"], outs["triton"]):
+            e = ((a - b).double().pow(2).mean().sqrt() / a.double().pow(2).mean().sqrt()).item()
+            print(name, e)
+            assert e < 1e-5, (name, e)
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, check=False)
+    print(r.stdout)
+    assert r.returncode == 0, r.stderr[-3000:]
