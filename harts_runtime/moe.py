@@ -1,0 +1,304 @@
+"""Mixture-of-experts FFN on compact tokens with multiplicity-weighted router statistics.
+
+Paper Sections 3.5 ("MoE semantics without expert expansion") and 4.2 ("MoE execution and
+objectives"). The router sees the C compact hidden rows; each row gets one deterministic top-k
+decision, one dispatch and one computation per selected expert, with no token dropping, and its
+output returns to the same row. Rows never expand by their multiplicity ``q_c`` (the number of
+semantic positions that share row ``c``; ``sum_c q_c = S``, padding rows have ``q_c = 0``).
+
+``q_c`` only weights the statistics, so that each equals what trajectory-wise training on the S
+expanded rows computes (``p`` = routing probabilities, ``a`` = top-k assignment indicator):
+
+* router z-loss (Megatron ``z_loss_func``): ``(1 / S) sum_c q_c logsumexp(logits_c)^2``;
+* load-balancing loss (Switch / Megatron ``switch_load_balancing_loss_func``):
+  ``E / (k S^2) * sum_e P_e f_e`` with mass ``P_e = sum_c q_c p_{c,e}`` and counts
+  ``f_e = sum_c q_c a_{c,e}`` (gradient through ``P`` only);
+* expert-load counts for the aux-loss-free bias update: ``f_e`` again, accumulated in
+  ``local_tokens_per_expert``; :meth:`CompactMoE.update_expert_bias` applies
+  ``bias += rate * sign(mean(f) - f)`` (Megatron ``get_updated_expert_bias``).
+
+Determinism: top-k is a stable descending sort of the (biased) scores, so ties go to the lower
+expert id, and a row's decision depends only on that row. Sequence-level aux losses (per-trajectory
+balance) are not implemented: they need per-trajectory mass, which a compact row shares across
+trajectories (doable with path sums over the segment tree; not needed by the paper's objective).
+
+Expert computation, chosen by ``MoEConfig.grouped``:
+
+* ``grouped=False``: a loop over experts (the reference, as torchtitan ``_run_experts_for_loop``);
+* ``grouped=True``: assignments sorted by expert, then three grouped matmuls
+  (``torch._grouped_mm`` where it is available and the shapes are 16-byte aligned, else a
+  padded batched matmul over experts), then an unsort and a fixed-order sum over the k slots.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["CompactMoE", "MoEConfig", "MoEOutput", "grouped_mm", "route", "router_losses"]
+
+
+@dataclass
+class MoEConfig:
+    """Routed-expert FFN (SwiGLU experts)."""
+
+    hidden_size: int
+    """Model width D."""
+    num_experts: int
+    """E."""
+    top_k: int
+    """Experts per token k."""
+    intermediate_size: int
+    """Expert FFN width I."""
+    score_func: str = "softmax"
+    """``softmax`` or ``sigmoid`` routing scores."""
+    norm_topk_prob: bool = False
+    """Renormalise the k selected scores to sum to one (usual with sigmoid)."""
+    routed_scaling_factor: float = 1.0
+    """Multiplier on the combine weights."""
+    use_expert_bias: bool = False
+    """Aux-loss-free balancing: a non-trained bias added to the scores for selection only."""
+    bias_update_rate: float = 1e-3
+    """Step of the sign update of the expert bias."""
+    aux_loss_coef: float = 0.0
+    """Weight of the load-balancing loss in :attr:`MoEOutput.router_loss`."""
+    z_loss_coef: float = 0.0
+    """Weight of the router z-loss in :attr:`MoEOutput.router_loss`."""
+    grouped: bool = True
+    """Grouped-matmul expert path (True) or the per-expert loop reference (False)."""
+
+
+@dataclass
+class MoEOutput:
+    """Result of :meth:`CompactMoE.forward` on N rows."""
+
+    hidden: torch.Tensor
+    """[N, D] combined expert outputs, one per row."""
+    aux_loss: torch.Tensor
+    """Scalar load-balancing loss (unscaled, multiplicity-weighted)."""
+    z_loss: torch.Tensor
+    """Scalar router z-loss (unscaled, multiplicity-weighted)."""
+    tokens_per_expert: torch.Tensor
+    """float32 [E] multiplicity-weighted assignment counts ``f_e``."""
+    topk_idx: torch.Tensor
+    """int64 [N, k] selected experts, best first."""
+    topk_weight: torch.Tensor
+    """[N, k] combine weights."""
+    router_loss: torch.Tensor
+    """``aux_loss_coef * aux_loss + z_loss_coef * z_loss``."""
+
+
+def route(logits: torch.Tensor, top_k: int, score_func: str = "softmax", expert_bias=None,
+          norm_topk_prob: bool = False, scaling: float = 1.0):
+    """Deterministic top-k routing of N rows.
+
+    Parameters
+    ----------
+    logits : Tensor, float32, shape [N, E]
+    expert_bias : Tensor, shape [E], optional
+        Added to the scores for selection only.
+
+    Returns
+    -------
+    probs : Tensor, [N, E]
+        Routing probabilities for the aux loss (softmax; sigmoid scores normalised per row).
+    topk_idx : Tensor, int64, [N, k]
+        Stable descending order: ties go to the lower expert id.
+    topk_weight : Tensor, [N, k]
+        Combine weights (unbiased scores of the selected experts, optionally renormalised, scaled).
+    """
+    if score_func == "softmax":
+        scores = logits.softmax(-1)
+        probs = scores
+    elif score_func == "sigmoid":
+        scores = logits.sigmoid()
+        probs = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"score_func: unknown {score_func!r}; choose softmax or sigmoid")
+    select = scores.detach() if expert_bias is None else scores.detach() + expert_bias
+    topk_idx = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weight = scores.gather(1, topk_idx)
+    if norm_topk_prob:
+        weight = weight / (weight.sum(-1, keepdim=True) + 1e-20)
+    return probs, topk_idx, weight * scaling
+
+
+def router_losses(logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Tensor, multiplicity=None):
+    """Multiplicity-weighted router statistics of N rows.
+
+    Parameters
+    ----------
+    logits : Tensor, float32 (or float64), [N, E]
+    probs : Tensor, [N, E]
+    topk_idx : Tensor, int64, [N, k]
+    multiplicity : Tensor, [N], optional
+        ``q_c`` (None: every row once, i.e. trajectory-wise training on expanded rows).
+
+    Returns
+    -------
+    (aux_loss, z_loss, tokens_per_expert) : scalar, scalar, float32 [E]
+        As defined in the module docstring; ``S = sum q``.
+    """
+    n, e = probs.shape
+    k = topk_idx.shape[1]
+    dt = logits.dtype
+    q = torch.ones(n, device=logits.device, dtype=dt) if multiplicity is None else multiplicity.to(dt)
+    s = q.sum()
+    assigned = torch.zeros(n, e, device=logits.device, dtype=dt).scatter_(1, topk_idx, 1.0)  # a_{c,e}
+    tokens_per_expert = q @ assigned                                                # [E] f_e
+    mass = (q[:, None] * probs.to(dt)).sum(0)                                       # [E] P_e
+    aux = (mass * tokens_per_expert).sum() * (e / (k * s * s))
+    z = (q * torch.logsumexp(logits, dim=-1).square()).sum() / s
+    return aux, z, tokens_per_expert.float()
+
+
+# ------------------------------------------------------------------------------ grouped matmul
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (``_grouped_mm`` needs it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+@functools.cache
+def _has_grouped_mm() -> bool:
+    return hasattr(torch, "_grouped_mm")
+
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    if not _has_grouped_mm():
+        return False
+    aligned = all((d * x.element_size()) % 16 == 0 for d in (x.shape[-1], w.shape[-1]))
+    if x.is_cuda:
+        return aligned and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return aligned and x.dtype in (torch.float32, torch.bfloat16)
+
+
+def _padded_bmm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Segmented matmul by padding each expert's rows into [E, max_count, K] and one bmm."""
+    e = w.shape[0]
+    counts_l = counts.tolist()
+    m = max(counts_l) if counts_l else 0
+    starts = torch.cumsum(counts, 0) - counts
+    expert = torch.repeat_interleave(torch.arange(e, device=x.device), counts)
+    slot = torch.arange(x.shape[0], device=x.device) - starts[expert]
+    padded = x.new_zeros(e, m, x.shape[1]).index_put((expert, slot), x)
+    return torch.bmm(padded, w)[expert, slot]
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """Rows of ``x`` [M, K] grouped by expert (``counts`` int [E], summing to M) times ``w`` [E, K, N].
+
+    Returns [M, N]: group ``e``'s rows times ``w[e]``. ``impl``: ``"grouped_mm"``
+    (``torch._grouped_mm``), ``"bmm"`` (padded batched matmul) or ``"auto"`` (the first when the
+    dtype, device and 16-byte alignment allow it). Both are differentiable.
+    """
+    if impl not in ("auto", "grouped_mm", "bmm"):
+        raise ValueError(f"impl: unknown {impl!r}; choose auto, grouped_mm or bmm")
+    if impl == "grouped_mm" or (impl == "auto" and _grouped_mm_ok(x, w)):
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        return torch._grouped_mm(x, w, offs=offs)
+    return _padded_bmm(x, w, counts)
+
+
+# ---------------------------------------------------------------------------------- module
+class CompactMoE(nn.Module):
+    """Routed SwiGLU experts on compact rows.
+
+    Parameters: ``router`` [E, D]; ``w_gate``, ``w_up`` [E, D, I]; ``w_down`` [E, I, D]. Buffers:
+    ``expert_bias`` [E] (selection only) and ``local_tokens_per_expert`` [E] (float32, weighted
+    counts accumulated since the last :meth:`update_expert_bias`).
+    """
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        c = self.config = config
+        self.router = nn.Parameter(torch.empty(c.num_experts, c.hidden_size))
+        self.w_gate = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, c.intermediate_size))
+        self.w_up = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, c.intermediate_size))
+        self.w_down = nn.Parameter(torch.empty(c.num_experts, c.intermediate_size, c.hidden_size))
+        self.register_buffer("expert_bias", torch.zeros(c.num_experts))
+        self.register_buffer("local_tokens_per_expert", torch.zeros(c.num_experts))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for w, fan_in in ((self.router, self.config.hidden_size), (self.w_gate, self.config.hidden_size),
+                          (self.w_up, self.config.hidden_size), (self.w_down, self.config.intermediate_size)):
+            nn.init.normal_(w, std=fan_in ** -0.5)
+
+    def forward(self, hidden: torch.Tensor, multiplicity: torch.Tensor | None = None) -> MoEOutput:
+        """Route and run experts once per row.
+
+        Parameters
+        ----------
+        hidden : Tensor, shape [N, D]
+            Compact rows (or expanded rows for the trajectory-wise baseline).
+        multiplicity : Tensor, int or float, shape [N], optional
+            ``q_c`` of each row; None weights every row once.
+
+        Returns
+        -------
+        MoEOutput
+            ``hidden`` [N, D] and the weighted router statistics; in training mode the counts are
+            also added to ``local_tokens_per_expert``.
+        """
+        c = self.config
+        dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        logits = hidden.to(dt) @ self.router.to(dt).t()                                # [N, E]
+        probs, topk_idx, weight = route(logits, c.top_k, c.score_func,
+                                        self.expert_bias if c.use_expert_bias else None,
+                                        c.norm_topk_prob, c.routed_scaling_factor)
+        aux, z, counts = router_losses(logits, probs, topk_idx, multiplicity)
+        if self.training:
+            self.local_tokens_per_expert += counts.detach()
+        experts = self._experts_grouped if c.grouped else self._experts_loop
+        out = experts(hidden, topk_idx, weight.to(hidden.dtype))
+        return MoEOutput(out, aux, z, counts.detach(), topk_idx, weight,
+                         c.aux_loss_coef * aux + c.z_loss_coef * z)
+
+    def _ffn(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        return (F.silu(x @ self.w_gate[e]) * (x @ self.w_up[e])) @ self.w_down[e]
+
+    def _experts_loop(self, x, topk_idx, weight):
+        """Reference: for each expert, its rows, its FFN, weighted ``index_add`` into the rows."""
+        out = torch.zeros_like(x)
+        for e in range(self.config.num_experts):
+            rows, slot = (topk_idx == e).nonzero(as_tuple=True)
+            if rows.numel():
+                out = out.index_add(0, rows, self._ffn(x[rows], e) * weight[rows, slot, None])
+        return out
+
+    def _experts_grouped(self, x, topk_idx, weight):
+        """Fast path: sort the N*k assignments by expert, grouped matmuls, unsort, sum over slots."""
+        n, k = topk_idx.shape
+        flat = topk_idx.reshape(-1)                                                   # [N*k]
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.config.num_experts)
+        xs = x[order // k]                                                           # [N*k, D]
+        h = F.silu(grouped_mm(xs, self.w_gate, counts)) * grouped_mm(xs, self.w_up, counts)
+        ys = _ContiguousGrad.apply(grouped_mm(h, self.w_down, counts))               # [N*k, D]
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        y = ys[inverse].view(n, k, -1)                                               # [N, k, D]
+        return (y * weight[..., None]).sum(1)
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor:
+        """Aux-loss-free bias step ``bias += rate * sign(mean(f) - f)``; resets the accumulator.
+
+        ``tokens_per_expert`` overrides the local accumulator (e.g. after an all-reduce over DP).
+        Returns the counts used.
+        """
+        f = self.local_tokens_per_expert.clone() if tokens_per_expert is None else tokens_per_expert
+        self.expert_bias += self.config.bias_update_rate * torch.sign(f.mean() - f)
+        self.local_tokens_per_expert.zero_()
+        return f

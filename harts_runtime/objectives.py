@@ -1,0 +1,242 @@
+"""GRPO and PPO objectives over per-token log-probs and metadata, as a trajectory-wise trainer has them.
+
+Paper Section 3.5, Equation 18: ``L_policy = F(lambda, xi)``. These functions see only the current
+log-probs ``lambda`` (from :func:`harts_runtime.logprobs.mapped_logprobs`, original batch order)
+and per-token metadata ``xi`` (advantages, masks, old/reference log-probs, trajectory boundaries);
+nothing in them knows about prefix sharing, so they are the objectives an ordinary trainer runs.
+
+Layout: tokens are flat, trajectory by trajectory; trajectory ``i`` owns ``[cu[i], cu[i + 1])``
+(``cu_seqlens``, int64 [N + 1]). Per-token tensors are [T]; masks select the action tokens.
+
+Reductions (``loss_agg_mode``, as in verl's ``agg_loss``), for a per-token loss ``l`` and mask ``m``:
+
+* ``token-mean``: ``sum(l m) / sum(m)`` over the whole batch;
+* ``seq-mean-token-mean``: the mean over trajectories with a masked token of
+  ``sum_i(l m) / sum_i(m)``;
+* ``seq-mean-token-sum``: the mean over trajectories of ``sum_i(l m)``;
+* ``seq-mean-token-sum-norm``: ``sum(l m) / norm`` (Dr. GRPO; ``norm`` defaults to the longest
+  trajectory, the padded width of a [N, L] batch);
+* ``sum``: ``sum(l m)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "PolicyLossConfig",
+    "aggregate",
+    "gae",
+    "grpo_advantages",
+    "grpo_loss",
+    "kl_penalty",
+    "per_token",
+    "policy_loss",
+    "ppo_loss",
+    "value_loss",
+]
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "sum")
+
+
+def _seq_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """int64 [T]: trajectory of every token."""
+    cu = cu_seqlens.long()
+    return torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu.diff())
+
+
+def per_token(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Broadcast per-trajectory values [N] to their tokens [T]."""
+    return values[_seq_ids(cu_seqlens)]
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor,
+              mode: str = "token-mean", norm: float | None = None) -> torch.Tensor:
+    """Reduce a per-token loss [T] under ``mask`` [T] (bool or 0/1 float) to a scalar (module docstring)."""
+    m = mask.to(loss.dtype)
+    lm = loss * m
+    if mode == "token-mean":
+        return lm.sum() / m.sum().clamp_min(1.0)
+    if mode == "sum":
+        return lm.sum()
+    if mode == "seq-mean-token-sum-norm":
+        if norm is None:
+            norm = float(cu_seqlens.long().diff().max())
+        return lm.sum() / norm
+    seq = _seq_ids(cu_seqlens)
+    n = cu_seqlens.numel() - 1
+    seq_loss = torch.zeros(n, dtype=loss.dtype, device=loss.device).index_add(0, seq, lm)
+    seq_tokens = torch.zeros(n, dtype=loss.dtype, device=loss.device).index_add(0, seq, m)
+    if mode == "seq-mean-token-sum":
+        return seq_loss.mean()
+    if mode == "seq-mean-token-mean":
+        active = seq_tokens > 0
+        return (seq_loss[active] / seq_tokens[active]).sum() / active.sum().clamp_min(1)
+    raise ValueError(f"loss_agg_mode: unknown {mode!r}; choose one of {AGG_MODES}")
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token KL(current || reference) estimate [T].
+
+    ``k1``: ``lp - ref``; ``k2``: ``(lp - ref)^2 / 2``; ``k3`` (low-variance, as GRPO):
+    ``exp(ref - lp) - (ref - lp) - 1`` clamped to [-10, 10].
+    """
+    d = logprobs - ref_logprobs
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d.square()
+    if estimator == "k3":
+        r = (-d).clamp(-20.0, 20.0)
+        return (torch.exp(r) - r - 1.0).clamp(-10.0, 10.0)
+    raise ValueError(f"kl_estimator: unknown {estimator!r}; choose k1, k2 or k3")
+
+
+@dataclass
+class PolicyLossConfig:
+    """Clipped policy-gradient loss (PPO / GRPO / DAPO variants)."""
+
+    clip_ratio_low: float = 0.2
+    """Lower clip: ratio >= 1 - clip_ratio_low."""
+    clip_ratio_high: float | None = None
+    """Upper clip: ratio <= 1 + clip_ratio_high (None: same as low; DAPO uses a larger one)."""
+    clip_ratio_c: float | None = None
+    """Dual-clip bound c > 1 for negative advantages (None: off)."""
+    kl_coef: float = 0.0
+    """Weight of the KL-to-reference penalty in the loss (GRPO); needs ``ref_logprobs``."""
+    kl_estimator: str = "k3"
+    """``k1``, ``k2`` or ``k3``."""
+    loss_agg_mode: str = "token-mean"
+    """One of :data:`AGG_MODES`."""
+    loss_norm: float | None = None
+    """Constant for ``seq-mean-token-sum-norm``."""
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, cu_seqlens: torch.Tensor, config: PolicyLossConfig | None = None,
+                ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Clipped surrogate plus an optional KL penalty, reduced by ``config.loss_agg_mode``.
+
+    Parameters
+    ----------
+    logprobs : Tensor, float, [T]
+        Current log-probs of the taken tokens (attached to the graph).
+    old_logprobs, advantages : Tensor, [T]
+        From the rollout policy and the advantage estimator (no gradient).
+    mask : Tensor, bool or float, [T]
+        Action/loss mask.
+    cu_seqlens : Tensor, int, [N + 1]
+        Trajectory boundaries.
+    ref_logprobs : Tensor, [T], optional
+        Reference-policy log-probs, for ``config.kl_coef > 0``.
+
+    Returns
+    -------
+    (loss, metrics) : scalar Tensor, dict of detached scalars
+        ``pg_loss``, ``kl`` (when used), ``clipfrac``, ``approx_kl`` (k3 of old vs current).
+    """
+    cfg = config or PolicyLossConfig()
+    high = cfg.clip_ratio_low if cfg.clip_ratio_high is None else cfg.clip_ratio_high
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + high)
+    pg = torch.maximum(pg1, pg2)
+    if cfg.clip_ratio_c is not None:
+        pg = torch.where(advantages < 0, torch.minimum(pg, -advantages * cfg.clip_ratio_c), pg)
+    pg_loss = aggregate(pg, mask, cu_seqlens, cfg.loss_agg_mode, cfg.loss_norm)
+    loss = pg_loss
+    m = mask.to(logprobs.dtype)
+    metrics = {
+        "pg_loss": pg_loss.detach(),
+        "clipfrac": ((pg2 > pg1).to(m.dtype) * m).sum().detach() / m.sum().clamp_min(1.0),
+        "approx_kl": ((kl_penalty(logprobs, old_logprobs, "k3") * m).sum() / m.sum().clamp_min(1.0)).detach(),
+    }
+    if cfg.kl_coef:
+        if ref_logprobs is None:
+            raise ValueError("ref_logprobs: required when kl_coef != 0")
+        kl = aggregate(kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator), mask, cu_seqlens,
+                       cfg.loss_agg_mode, cfg.loss_norm)
+        loss = loss + cfg.kl_coef * kl
+        metrics["kl"] = kl.detach()
+    return loss, metrics
+
+
+def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """Group-relative advantages [N]: ``(r - mean_g(r)) / (std_g(r) + eps)`` per group (unbiased std;
+    0 for a single-member or all-equal group); ``scale_by_std=False`` drops the division (Dr. GRPO)."""
+    g = torch.unique(group_ids, return_inverse=True)[1]
+    n_groups = int(g.max()) + 1 if g.numel() else 0
+    r = rewards.double()
+    count = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add(0, g, torch.ones_like(r))
+    mean = torch.zeros_like(count).index_add(0, g, r) / count
+    dev = r - mean[g]
+    var = torch.zeros_like(count).index_add(0, g, dev.square()) / (count - 1).clamp_min(1)
+    std = var.sqrt()[g]
+    adv = torch.where(std > 0, dev / (std + eps), dev) if scale_by_std else dev   # all-equal group: 0
+    return adv.to(rewards.dtype)
+
+
+def grpo_loss(logprobs, old_logprobs, advantages, mask, cu_seqlens, ref_logprobs=None,
+              config: PolicyLossConfig | None = None) -> tuple[torch.Tensor, dict]:
+    """GRPO: clipped surrogate with per-token (group-relative, broadcast) advantages plus
+    ``kl_coef * KL_k3(current || reference)``. Default config: clip 0.2, ``kl_coef=0.001``,
+    ``seq-mean-token-mean`` (the GRPO paper's reduction)."""
+    cfg = config or PolicyLossConfig(kl_coef=0.001, loss_agg_mode="seq-mean-token-mean")
+    return policy_loss(logprobs, old_logprobs, advantages, mask, cu_seqlens, cfg, ref_logprobs)
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               cu_seqlens: torch.Tensor, clip: float | None = 0.2, mode: str = "token-mean") -> torch.Tensor:
+    """Clipped value loss ``0.5 * max((v - R)^2, (clip(v, v_old +- clip) - R)^2)``, reduced."""
+    err = (values - returns).square()
+    if clip is not None:
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        err = torch.maximum(err, (clipped - returns).square())
+    return aggregate(0.5 * err, mask, cu_seqlens, mode)
+
+
+def ppo_loss(logprobs, old_logprobs, advantages, mask, cu_seqlens, config: PolicyLossConfig | None = None,
+             ref_logprobs=None, values=None, old_values=None, returns=None, value_clip: float | None = 0.2,
+             vf_coef: float = 0.5) -> tuple[torch.Tensor, dict]:
+    """PPO: clipped surrogate (optionally dual-clip / KL penalty per ``config``) plus, when ``values``
+    are given, ``vf_coef`` times the clipped value loss. Values of compact rows map to tokens like
+    log-probs do (``value_rows[targets.row_index]``: a gather of scalars)."""
+    loss, metrics = policy_loss(logprobs, old_logprobs, advantages, mask, cu_seqlens, config, ref_logprobs)
+    if values is not None:
+        mode = (config or PolicyLossConfig()).loss_agg_mode
+        vl = value_loss(values, old_values, returns, mask, cu_seqlens, value_clip, mode)
+        loss = loss + vf_coef * vl
+        metrics["vf_loss"] = vl.detach()
+    return loss, metrics
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor,
+        gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation per trajectory over masked tokens (verl-style: unmasked tokens
+    are skipped, the value after the last token is 0).
+
+    rewards, values, mask [T] -> (advantages [T], returns [T]); no gradient.
+    """
+    with torch.no_grad():
+        cu = cu_seqlens.long().tolist()
+        n, width = len(cu) - 1, max((cu[i + 1] - cu[i] for i in range(len(cu) - 1)), default=0)
+        seq = _seq_ids(cu_seqlens)
+        col = torch.arange(rewards.numel(), device=rewards.device) - cu_seqlens.long()[seq]
+        pad = (lambda x: torch.zeros(n, width, dtype=torch.float64, device=x.device).index_put((seq, col), x.double()))
+        r, v, m = pad(rewards), pad(values), pad(mask.double())
+        adv = torch.zeros_like(r)
+        next_v = torch.zeros(n, dtype=r.dtype, device=r.device)
+        last = torch.zeros_like(next_v)
+        for t in reversed(range(width)):
+            delta = r[:, t] + gamma * next_v - v[:, t]
+            cur = delta + gamma * lam * last
+            adv[:, t] = cur
+            mt = m[:, t]
+            next_v = mt * v[:, t] + (1 - mt) * next_v
+            last = mt * cur + (1 - mt) * last
+        ret = adv + v
+        return adv[seq, col].to(rewards.dtype), ret[seq, col].to(rewards.dtype)
