@@ -201,3 +201,50 @@ def test_triton_path_under_interpreter_matches_reference():
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, check=False)
     print(r.stdout)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- layer over a plan (GPU)
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_layer_compact_equals_trajectory_wise_on_triton(dtype):
+    """The KDA layer over a real call plan (replay, handoffs, conv context) on the Triton path
+    equals every trajectory run unshared through the same layer, forward and backward."""
+    import harts_planner as hp
+    import numpy as np
+    import random
+    from harts_runtime.kda import KDAConfig, KDAExecutionPlan, KDALayer
+
+    B, rng, nxt = 64, random.Random(0), [1]
+
+    def fresh(n):
+        out = list(range(nxt[0], nxt[0] + n))
+        nxt[0] += n
+        return out
+
+    trajs = [fresh(400)]
+    for p in (B - 1, B, B + 1, 2 * B + 5, 2 * B + 7, 300):           # forks around chunk edges
+        trajs.append(trajs[0][:p] + fresh(rng.randint(1, 200)))
+    trajs.append(trajs[-1][:330] + fresh(90))                      # nested fork
+    trajs += [fresh(70), fresh(1)]                                 # another tree, a single token
+    batch = hp.RolloutBatch.from_token_lists(trajs)
+    plan = hp.plan_calls(batch, chunk_size=B, conv_width=4)
+    assert plan.num_calls >= 2 and plan.replay_tokens > 0
+    torch.manual_seed(0)
+    layer = KDALayer(KDAConfig(hidden_size=256, num_heads=4, head_k_dim=64, head_v_dim=64, chunk_size=B,
+                               backend="triton")).cuda().to(dtype)
+    ep = KDAExecutionPlan.from_call_plan(plan, device="cuda")
+    s2p = torch.from_numpy(np.asarray(plan.semantic_to_physical, dtype=np.int64)).cuda()
+    x = torch.randn(plan.compact_tokens, 256, device="cuda", dtype=dtype)
+    w = torch.randn(len(s2p), 256, device="cuda", dtype=dtype)
+    params = [p for _, p in layer.named_parameters()]
+    xc = x.clone().requires_grad_(True)
+    y = layer(xc, ep)[s2p]
+    gc = torch.autograd.grad((y.float() * w.float()).sum(), [xc] + params)
+    xt = x.clone().requires_grad_(True)
+    yt = layer.forward_trajectories(xt[s2p], plan.semantic_offsets)
+    gt = torch.autograd.grad((yt.float() * w.float()).sum(), [xt] + params)
+    tol = {torch.float32: {"y": 3e-3, "grad": 6e-3}, torch.bfloat16: {"y": 2e-2, "grad": 3e-2}}[dtype]
+    assert_close("y", yt, y, tol["y"])
+    names = ["x"] + [n for n, _ in layer.named_parameters()]
+    for name, a, b in zip(names, gt, gc):
+        assert_close(f"d{name}", a, b, tol["grad"])
