@@ -12,6 +12,20 @@ import textwrap
 
 import pytest
 import torch
+
+if torch.cuda.is_available() and os.environ.get("HARTS_TEST_FULL_AUTOTUNE", "0") != "1":
+    # Correctness tests only: tune nothing (first config of every kernel, ours and fla's), so a
+    # cold machine compiles one variant per kernel instead of every autotune candidate.
+    # Speed is measured in benchmarks/kda_rounds.py with full autotuning.
+    from triton.runtime.autotuner import Autotuner
+
+    _init = Autotuner.__init__
+
+    def _first_config_only(self, fn, arg_names, configs, *args, **kw):
+        _init(self, fn, arg_names, list(configs)[:1], *args, **kw)
+
+    Autotuner.__init__ = _first_config_only
+
 from harts_kernels.kda import chunk_kda_with_states, naive_chunk_kda_with_states
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

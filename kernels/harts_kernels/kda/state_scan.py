@@ -32,6 +32,7 @@ Interpreter-friendly (TRITON_INTERPRET=1): no ``.to()`` on loop variables, no au
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -51,8 +52,11 @@ def _autotune(key):
         for num_stages in (2, 3, 4)
     ]
 
+    # Keep tuned choices in Triton's cache dir (as fla does), so a warm cache skips benchmarking.
+    cache = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+
     def deco(fn):
-        return fn if _INTERPRET else triton.autotune(configs=configs, key=key)(fn)
+        return fn if _INTERPRET else triton.autotune(configs=configs, key=key, **cache)(fn)
 
     return deco
 
