@@ -171,7 +171,7 @@ def _ling_tiny(num_layers: int = 24) -> ModelConfig:
 
 def _debug(num_layers: int = 4) -> ModelConfig:
     mixers = ("kda", "mla", "kda", "gqa")
-    return ModelConfig(mixers=(mixers * 8)[:num_layers], ffns=(("dense", "moe", "moe", "dense") * 8)[:num_layers],
+    return ModelConfig(vocab_size=512, mixers=(mixers * 8)[:num_layers], ffns=(("dense", "moe", "moe", "dense") * 8)[:num_layers],
                        num_kv_heads=1, lm_head_rows=16)
 
 
