@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from harts_runtime.attention import AttentionConfig, CompactAttention, CompactMLA, MLAConfig
@@ -280,17 +281,19 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, layout: RowLayout, no_replay: bool):
         """x [N, D] -> (x [N, D], router_loss scalar fp32, tokens_per_expert [E] or empty)."""
         h = self.norm1(x)
-        if self.mixer_kind == "kda":
-            h = self.mixer(h, layout.kda, no_replay=no_replay, recompute=False)
-        else:
-            h = self.mixer(h, layout.views, layout.positions)
+        with record_function(f"harts.mixer.{self.mixer_kind}"):
+            if self.mixer_kind == "kda":
+                h = self.mixer(h, layout.kda, no_replay=no_replay, recompute=False)
+            else:
+                h = self.mixer(h, layout.views, layout.positions)
         x = x + h
         h = self.norm2(x)
-        if self.ffn_kind == "moe":
-            out = self.ffn(h, layout.multiplicity, count=False)
-            return x + out.hidden, out.router_loss.float(), out.tokens_per_expert
-        zero = x.new_zeros((), dtype=torch.float32)
-        return x + self.ffn(h), zero, x.new_zeros(0, dtype=torch.float32)
+        with record_function(f"harts.ffn.{self.ffn_kind}"):
+            if self.ffn_kind == "moe":
+                out = self.ffn(h, layout.multiplicity, count=False)
+                return x + out.hidden, out.router_loss.float(), out.tokens_per_expert
+            zero = x.new_zeros((), dtype=torch.float32)
+            return x + self.ffn(h), zero, x.new_zeros(0, dtype=torch.float32)
 
 
 class HybridModel(nn.Module):
@@ -309,6 +312,10 @@ class HybridModel(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self._init_weights()
         self.to(device=dev, dtype=c.torch_dtype)
+        for block in self.blocks:            # expert-load counts and the bias stay fp32 (exact counts)
+            if block.ffn_kind == "moe":
+                block.ffn.expert_bias.data = block.ffn.expert_bias.data.float()
+                block.ffn.local_tokens_per_expert.data = block.ffn.local_tokens_per_expert.data.float()
 
     def _init_weights(self):
         std = self.config.init_std
@@ -350,8 +357,9 @@ class HybridModel(nn.Module):
         if chunks is None:
             chunks = lm_chunks(row_index.cpu().numpy(), hidden.shape[0], self.config.lm_head_rows)
         order, bounds = chunks[0].to(hidden.device), chunks[1]
-        return ChunkedLMHeadLogProbs.apply(hidden, self.lm_head.weight, row_index, labels, order, bounds,
-                                           self.config.lm_head_rows)
+        with record_function("harts.lm_head"):
+            return ChunkedLMHeadLogProbs.apply(hidden, self.lm_head.weight, row_index, labels, order, bounds,
+                                               self.config.lm_head_rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full logits of some rows (evaluation only): [n, D] -> [n, V] in the model dtype."""

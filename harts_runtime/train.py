@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.profiler
 
 from harts_runtime.kda import KDAExecutionPlan
 from harts_runtime.model import HybridModel, ModelConfig, RowLayout, lm_chunks, model_config
@@ -357,6 +358,11 @@ def pack_trajectories(lengths, capacity: int) -> list[np.ndarray]:
 
 
 def _make_microbatch(model, step, traj_indices, mode, call_plan=None) -> Microbatch:
+    with torch.profiler.record_function("harts.layout"):
+        return _make_microbatch_impl(model, step, traj_indices, mode, call_plan)
+
+
+def _make_microbatch_impl(model, step, traj_indices, mode, call_plan=None) -> Microbatch:
     cfg = model.config
     if mode == "compact":
         if call_plan is None:
@@ -380,7 +386,7 @@ def forward_microbatch(model: HybridModel, mb: Microbatch, *, recompute: bool = 
 
 def run_microbatch(model: HybridModel, step: StepInputs, traj_indices=None, mode: str = "compact",
                    recompute: bool = False, *, call_plan=None, microbatch: Microbatch | None = None,
-                   no_replay: bool = False, backward: bool = True):
+                   no_replay: bool = False, backward: bool = True, return_hidden: bool = False):
     """Forward and backward of one microbatch; returns ``(loss_contribution, stats)``.
 
     Parameters
@@ -396,6 +402,9 @@ def run_microbatch(model: HybridModel, step: StepInputs, traj_indices=None, mode
         A prebuilt microbatch (from :func:`compact_microbatch` / :func:`trajectory_microbatch`).
     backward : bool
         Backpropagate the contribution (gradients accumulate into ``.grad``).
+    return_hidden : bool
+        Also return the final normed hidden rows (detached) as ``stats["hidden"]`` with
+        ``stats["row_index"]`` (evaluation).
 
     Returns
     -------
@@ -411,7 +420,7 @@ def run_microbatch(model: HybridModel, step: StepInputs, traj_indices=None, mode
         raise StepInputsError("mode", f"unknown {mode!r}; choose one of {MODES}")
     mb = microbatch if microbatch is not None else _make_microbatch(model, step, traj_indices, mode, call_plan)
     meta = step.device_metadata(model.device)
-    _, lp, router = forward_microbatch(model, mb, recompute=recompute, no_replay=no_replay)
+    hidden, lp, router = forward_microbatch(model, mb, recompute=recompute, no_replay=no_replay)
     ti = mb.target_index
     ref = meta["ref_logprobs"]
     cfg = dataclasses.replace(step.config, loss_agg_mode="sum", loss_norm=None)
@@ -423,6 +432,8 @@ def run_microbatch(model: HybridModel, step: StepInputs, traj_indices=None, mode
         loss.backward()
     stats = dict(mb.stats, policy_loss=pol.detach(), router_loss=rl.detach(), logprobs=lp.detach(),
                  target_index=ti)
+    if return_hidden:
+        stats.update(hidden=hidden.detach(), row_index=mb.row_index, labels=mb.labels)
     return loss.detach(), stats
 
 

@@ -203,3 +203,26 @@ def test_cli_runs_both_modes(capsys):
     assert main(["--preset", "tiny", "--steps", "2", "--mode", "both", "--device", "cpu", "--capacity", "64"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 4 and out[0].startswith("step 0 compact") and "compression=" in out[0] and "loss=" in out[0]
+
+
+def test_gpu_eval_script_smoke_on_cpu(tmp_path):
+    """benchmarks/train_eval.py end to end at CPU smoke sizes: every section runs and reports."""
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "train_eval.py")
+    spec = importlib.util.spec_from_file_location("train_eval", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--device", "cpu", "--flavor", "debug", "--tiny", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "train_eval.json").read_text())
+    for name in ("speedup", "fidelity", "replay", "breakdown"):
+        assert "error" not in res[name], res[name].get("traceback")
+    s = res["speedup"]
+    assert s["non_replay_row_compression"] > 1 and s["ideal_work_compression"] > 1 and s["fbg_speedup"] > 0
+    assert res["fidelity"]["no_recompute"]["harts_cos"] > 0.9999
+    replay = res["replay"]
+    assert replay["replay"][0]["tokens"] > 0 and sum(d["tokens"] for d in replay["replay"][1:]) > 0
+    assert "harts.kda.core" in res["breakdown"]["ranges"]
+    assert "## Speedup (Table 4)" in (tmp_path / "train_eval.md").read_text()
