@@ -3,8 +3,8 @@
 
 Sections (each catches its own errors; JSON and a markdown table are rewritten after each one):
 
-* ``speedup``: a slice of a synthetic ``swe-like`` step (whole trees, about ``--slice-rows`` compact
-  rows, each tree fitting T) at capacity T; ``ling-tiny`` (``--layers`` of its pattern) with
+* ``speedup``: a slice of a synthetic ``swe-like`` step (the trajectories of ``--slice-microbatches``
+  HARTS microbatches of the planned step, those with median compression) at capacity T; ``ling-tiny`` (``--layers`` of its pattern) with
   full-layer recomputation; one warm-up microbatch per mode, then ``--repeats`` timed steps per
   mode. Reports non-replay row compression, F/B/Grad and Core speedups, and the ideal work
   compression (``harts_runtime.flops``), with F/B/Grad speedup / ideal.
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import sys
@@ -46,15 +45,15 @@ for extra in (os.path.join(ROOT, "kernels"), ROOT):
     sys.path.insert(0, extra)
 sys.path.append(os.path.join(ROOT, "python_client"))
 
-import harts_planner as hp  # noqa: E402
-from harts_planner import synth  # noqa: E402
+import harts_planner as hp
+from harts_planner import synth
 
-from harts_runtime.flops import work_compression  # noqa: E402
-from harts_runtime.model import HybridModel, model_config  # noqa: E402
-from harts_runtime.train import (StepInputs, _make_microbatch, plan_microbatches, run_microbatch,  # noqa: E402
-                                 train_step)
+from harts_runtime.flops import work_compression
+from harts_runtime.model import HybridModel, model_config
+from harts_runtime.train import StepInputs, _make_microbatch, plan_microbatches, run_microbatch, train_step
 
 DEPTHS = 6
+GRAD_SAMPLE = 16_000_000     # gradient entries kept per run for the gradient cosine
 
 
 def log(msg: str) -> None:
@@ -67,46 +66,46 @@ def sync(dev) -> None:
 
 
 # ------------------------------------------------------------------------------ data
-def make_slice(args, target_rows: int, seed: int, vocab: int) -> StepInputs:
-    """Whole trees of a synthetic step, in generation order, until about ``target_rows`` compact
-    rows (each tree at most T compact rows)."""
+def make_slice(args, capacity: int, max_len: int | None, microbatches: int, seed: int, vocab: int) -> StepInputs:
+    """A slice of a synthetic step that HARTS would actually execute: plan the whole step at
+    ``capacity`` (``plan_step``, D = 1) and keep the trajectories of ``microbatches`` microbatches
+    whose compression S/C is around the step's median."""
     over = {"vocab_size": vocab}
     if args.tiny:
-        over.update(trees=(8, 8), max_trajectory_tokens=args.capacity)
-    else:
-        over.update(trajectories=(args.gen_trajectories, args.gen_trajectories))
+        over["trees"] = (8, 8)
+    if max_len is not None:
+        over["max_trajectory_tokens"] = max_len
     sb = synth.generate(args.preset, seed, **over)
     full = hp.RolloutBatch.from_arrays(sb.tokens, sb.offsets, sb.tree_ids)
-    comp = np.asarray(full.component)
-    chosen, rows = [], 0
-    for t in np.unique(comp):
-        members = np.nonzero(comp == t)[0]
-        w = full.subset_work(members)
-        if w > args.capacity:
-            continue
-        if rows and rows + w > target_rows:
-            break
-        chosen.append(members)
-        rows += w
-    traj = np.concatenate(chosen)
-    off = np.asarray(sb.offsets)
+    plan = hp.plan_step(full, 1, capacity, model_config(args.flavor).chunk_size)
+    lengths = np.asarray(full.lengths, dtype=np.int64)
+    ratio = np.array([lengths[m].sum() / w for m, w in zip(plan.microbatches, plan.work)])
+    order = np.argsort(ratio, kind="stable")
+    lo = max(0, min(len(order) - microbatches, len(order) // 2 - microbatches // 2))
+    traj = np.sort(np.concatenate([plan.microbatches[i] for i in order[lo:lo + microbatches]]).astype(np.int64))
+    off = np.asarray(sb.offsets, dtype=np.int64)
     toks = np.concatenate([sb.tokens[off[i]:off[i + 1]] for i in traj])
     offsets = np.concatenate([[0], np.cumsum(off[traj + 1] - off[traj])]).astype(np.int64)
     batch = hp.RolloutBatch.from_arrays(toks.astype(np.int32), offsets, np.asarray(sb.tree_ids)[traj])
-    return StepInputs.synthetic(batch, seed, vocab_size=vocab)
+    step = StepInputs.synthetic(batch, seed, vocab_size=vocab)
+    step._cache["source"] = {"preset": args.preset, "seed": seed, "step_trajectories": full.num_trajectories,
+                             "step_semantic_tokens": full.semantic_tokens, "step_compression": full.compression,
+                             "step_microbatches": plan.num_microbatches, "slice_microbatches": microbatches,
+                             "capacity": capacity, "max_trajectory_tokens": max_len}
+    return step
 
 
 def batch_info(step: StepInputs) -> dict:
     b = step.batch
     return {"trajectories": b.num_trajectories, "semantic_tokens": b.semantic_tokens,
             "compact_tokens": b.compact_tokens, "compression": b.compression,
-            "max_trajectory": int(np.max(b.lengths))}
+            "max_trajectory": int(np.max(b.lengths)), "source": step._cache.get("source")}
 
 
 # ------------------------------------------------------------------------------ sections
 def section_speedup(args, model, dev, shared):
     cfg = model.config
-    step = make_slice(args, args.slice_rows, args.seed, cfg.vocab_size)
+    step = make_slice(args, args.capacity, None, args.slice_microbatches, args.seed, cfg.vocab_size)
     shared["speedup_step"] = step
     info = batch_info(step)
     log(f"speedup slice: {info}")
@@ -170,8 +169,10 @@ def _run_collect(model, step, mode, recompute, capacity, no_replay=False, grad=T
             labels[st["target_index"]] = st["labels"]
             base += st["hidden"].shape[0]
     g = None
-    if grad:
-        g = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+    if grad:      # a fixed strided subsample of every parameter's gradient (bounded memory)
+        total = sum(p.numel() for p in model.parameters())
+        stride = max(1, total // GRAD_SAMPLE)
+        g = torch.cat([p.grad.flatten()[::stride].float() for p in model.parameters() if p.grad is not None])
         model.zero_grad(set_to_none=True)
     return {"hidden": torch.cat(hidden), "rowmap": rowmap, "labels": labels, "loss": loss, "grad": g}
 
@@ -212,8 +213,13 @@ def _grad_cos(a, b) -> float:
     return float(torch.nn.functional.cosine_similarity(a["grad"][None], b["grad"][None])[0])
 
 
+def _fidelity_step(args, model) -> StepInputs:
+    cap = args.fidelity_rows
+    return make_slice(args, cap, None if args.tiny else cap, 1, args.seed + 1, model.config.vocab_size)
+
+
 def section_fidelity(args, model, dev, shared):
-    step = make_slice(args, args.fidelity_rows, args.seed + 1, model.config.vocab_size)
+    step = _fidelity_step(args, model)
     shared["fidelity_step"] = step
     out = {"batch": batch_info(step)}
     for rc in (False, True):
@@ -247,7 +253,7 @@ def handoff_depth(batch) -> torch.Tensor:
 
 
 def section_replay(args, model, dev, shared):
-    step = shared.get("fidelity_step") or make_slice(args, args.fidelity_rows, args.seed + 1, model.config.vocab_size)
+    step = shared.get("fidelity_step") or _fidelity_step(args, model)
     runs = shared.get("fidelity_runs")
     if runs is None:
         runs = {"A": _run_collect(model, step, "trajectory", False, args.capacity, grad=False),
@@ -265,7 +271,7 @@ def section_breakdown(args, model, dev, shared):
     from torch.profiler import ProfilerActivity, profile
 
     cfg = model.config
-    step = shared.get("speedup_step") or make_slice(args, args.slice_rows, args.seed, cfg.vocab_size)
+    step = shared.get("speedup_step") or make_slice(args, args.capacity, None, 1, args.seed, cfg.vocab_size)
     mbs, plans, plan_s = plan_microbatches(step, "compact", args.capacity, cfg)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     sync(dev)
@@ -314,12 +320,12 @@ def markdown(res: dict) -> str:
     if isinstance(s, dict) and "fbg_speedup" in s:
         b = s["batch"]
         lines += ["## Speedup (Table 4)", "",
-                  f"Slice: {b['trajectories']} trajectories, S = {b['semantic_tokens']:,}, C = {b['compact_tokens']:,}, "
-                  f"T = {s['capacity']:,}, recomputation on.", "",
+                  (f"Slice: {b['trajectories']} trajectories, S = {b['semantic_tokens']:,}, C = {b['compact_tokens']:,}, "
+                  f"T = {s['capacity']:,}, recomputation on."), "",
                   "| non-replay row compression | ideal work compression | F/B/Grad speedup | Core speedup | F/B/Grad / ideal |",
                   "|---:|---:|---:|---:|---:|",
-                  f"| {s['non_replay_row_compression']:.3f}x | {s['ideal_work_compression']:.3f}x | {s['fbg_speedup']:.3f}x | "
-                  f"{s['core_speedup']:.3f}x | {s['fbg_speedup_over_ideal']:.3f} |", ""]
+                  (f"| {s['non_replay_row_compression']:.3f}x | {s['ideal_work_compression']:.3f}x | {s['fbg_speedup']:.3f}x | "
+                  f"{s['core_speedup']:.3f}x | {s['fbg_speedup_over_ideal']:.3f} |"), ""]
         c, t = (min(s["runs"][m], key=lambda d: d["fbg_seconds"]) for m in ("compact", "trajectory"))
         lines += ["| mode | microbatches | rows | replay | F/B/Grad s | planner s | TFLOP/s |", "|---|---:|---:|---:|---:|---:|---:|"]
         for m, d in (("compact", c), ("trajectory", t)):
@@ -339,8 +345,8 @@ def markdown(res: dict) -> str:
         lines.append("")
     r = res.get("replay")
     if isinstance(r, dict) and "replay" in r:
-        lines += ["## Replay ablation (Figure 4)", "", "| d | tokens | SymKL rerun | SymKL replay | SymKL no-replay | "
-                  "|dNLL| rerun | |dNLL| replay | |dNLL| no-replay |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += ["## Replay ablation (Figure 4)", "", ("| d | tokens | SymKL rerun | SymKL replay | SymKL no-replay | "
+                  "|dNLL| rerun | |dNLL| replay | |dNLL| no-replay |"), "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for i in range(DEPTHS + 1):
             a, b, c = r["rerun"][i], r["replay"][i], r["no_replay"][i]
             lines.append(f"| {a['depth']} | {a['tokens']:,} | {a['symkl']:.3e} | {b['symkl']:.3e} | {c['symkl']:.3e} | "
@@ -349,9 +355,9 @@ def markdown(res: dict) -> str:
     k = res.get("breakdown")
     if isinstance(k, dict) and "ranges" in k:
         lines += ["## Breakdown (one compact microbatch, forward + backward, recompute)", "",
-                  f"wall {k['wall_s']:.3f} s; device kernels {k['device_kernels']} taking {k['device_kernel_s']:.3f} s; "
+                  (f"wall {k['wall_s']:.3f} s; device kernels {k['device_kernels']} taking {k['device_kernel_s']:.3f} s; "
                   f"planner {k['planner_s']:.3f} s; KDA replay share of packed rows {k['kda_replay_share_of_packed_rows']:.4f} "
-                  f"(~{k['kda_replay_s_estimate']:.3f} s of KDA core)", "", "| range | calls | device s | cpu s |", "|---|---:|---:|---:|"]
+                  f"(~{k['kda_replay_s_estimate']:.3f} s of KDA core)"), "", "| range | calls | device s | cpu s |", "|---|---:|---:|---:|"]
         for name, d in sorted(k["ranges"].items()):
             lines.append(f"| {name} | {d['calls']} | {d['device_s']:.4f} | {d['cpu_s']:.4f} |")
         lines.append("")
@@ -380,15 +386,16 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="swe-like")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--capacity", type=int, default=65_536, help="T")
-    ap.add_argument("--slice-rows", type=int, default=65_536, help="compact rows of the speedup slice")
-    ap.add_argument("--fidelity-rows", type=int, default=12_000, help="compact rows of the fidelity/replay slice")
-    ap.add_argument("--gen-trajectories", type=int, default=160, help="trajectories generated before slicing")
+    ap.add_argument("--slice-microbatches", type=int, default=1,
+                    help="HARTS microbatches (at T) of the swe-like step kept for the speedup slice")
+    ap.add_argument("--fidelity-rows", type=int, default=16_384,
+                    help="capacity and trajectory cap of the fidelity/replay slice (one microbatch)")
     ap.add_argument("--repeats", type=int, default=2, help="timed steps per mode")
     ap.add_argument("--sections", default="speedup,fidelity,replay,breakdown")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke sizes (preset tiny, T = 64)")
     args = ap.parse_args(argv)
     if args.tiny:
-        args.preset, args.capacity, args.slice_rows, args.fidelity_rows, args.repeats = "tiny", 64, 120, 60, 1
+        args.preset, args.capacity, args.slice_microbatches, args.fidelity_rows, args.repeats = "tiny", 64, 2, 64, 1
         args.layers = min(args.layers, 4)
     start = time.perf_counter()
     dev = torch.device(args.device)

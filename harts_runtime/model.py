@@ -306,11 +306,12 @@ class HybridModel(nn.Module):
         backend = c.attn_backend
         if backend == "auto":
             backend = "varlen" if dev.type == "cuda" else "reference"
-        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.blocks = nn.ModuleList(Block(c, m, f, backend) for m, f in zip(c.mixers, c.ffns))
-        self.norm = RMSNorm(c.hidden_size, c.norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        self._init_weights()
+        with dev:                            # build and initialise on the target device
+            self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+            self.blocks = nn.ModuleList(Block(c, m, f, backend) for m, f in zip(c.mixers, c.ffns))
+            self.norm = RMSNorm(c.hidden_size, c.norm_eps)
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+            self._init_weights()
         self.to(device=dev, dtype=c.torch_dtype)
         for block in self.blocks:            # expert-load counts and the bias stay fp32 (exact counts)
             if block.ffn_kind == "moe":

@@ -12,8 +12,15 @@ import torch
 
 from harts_runtime.model import HybridModel, model_config
 from harts_runtime.objectives import AGG_MODES, PolicyLossConfig, policy_loss
-from harts_runtime.train import (StepInputs, StepInputsError, main, pack_trajectories, run_microbatch,
-                                 step_logprobs, train_step)
+from harts_runtime.train import (
+    StepInputs,
+    StepInputsError,
+    main,
+    pack_trajectories,
+    run_microbatch,
+    step_logprobs,
+    train_step,
+)
 
 B = 8                 # debug flavor chunk size
 # Named tolerances (atol, rtol), fp32 compact vs trajectory-wise.
