@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from harts_runtime.rope import apply_rope, rope_cos_sin
 from harts_runtime.views import AttentionViews
@@ -343,10 +344,14 @@ def compact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, views: 
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if spec.kind == "tree":
         return spec.fn(q, k, v, views, scale)
-    qp = q.index_select(0, views.q_index)                                  # [Lq, Hq, Dqk]
-    kp = k.index_select(0, views.kv_index)                                 # [Lk, Hkv, Dqk]
-    vp = v.index_select(0, views.kv_index)                                 # [Lk, Hkv, Dv]
-    return scatter_rows(spec.fn(qp, kp, vp, views, scale), views)
+    with record_function("harts.attn.views"):
+        qp = q.index_select(0, views.q_index)                              # [Lq, Hq, Dqk]
+        kp = k.index_select(0, views.kv_index)                             # [Lk, Hkv, Dqk]
+        vp = v.index_select(0, views.kv_index)                             # [Lk, Hkv, Dv]
+    with record_function("harts.attn.core"):
+        out = spec.fn(qp, kp, vp, views, scale)
+    with record_function("harts.attn.views"):
+        return scatter_rows(out, views)
 
 
 # -------------------------------------------------------------------------------- modules

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from harts_kernels.kda import chunk_kda_with_states
 from torch import nn
+from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from harts_runtime._conv import causal_conv, sequence_conv_index, trajectory_conv_index
@@ -152,6 +153,23 @@ class KDAExecutionPlan:
                   {"num_calls": int(plan.num_calls), "replay_tokens": int(plan.replay_tokens),
                    "compact_tokens": C, "num_sequences": int(plan.num_sequences),
                    "num_state_slots": int(plan.num_state_slots)})
+        return out.to(device) if device is not None else out
+
+    @classmethod
+    def trivial(cls, offsets, chunk_size: int, conv_width: int, device=None) -> KDAExecutionPlan:
+        """The trajectory-wise baseline's plan: rows are trajectories packed back to back
+        (``[offsets[j], offsets[j + 1])``), one packed call from zero states, no replay, no
+        handoffs, convolution windows inside each trajectory."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        S, n = int(offsets[-1]), len(offsets) - 1
+        rows = torch.arange(S, dtype=torch.int64)
+        rd = KDARound(gather=rows, cu_seqlens=offsets.tolist(), init_slots=[-1] * n, request_seq=[],
+                      request_chunk=[], request_slot=[], final_slots=[-1] * n, out_pos=rows)
+        sched = KDASchedule([rd], 0, rows)
+        conv_index = torch.from_numpy(trajectory_conv_index(offsets, conv_width))
+        out = cls(chunk_size, conv_width, S, conv_index, sched, sched,
+                  {"num_calls": 1, "replay_tokens": 0, "compact_tokens": S, "num_sequences": n,
+                   "num_state_slots": 0})
         return out.to(device) if device is not None else out
 
 
@@ -277,7 +295,8 @@ class KDALayer(nn.Module):
         zero = None
         outs = []
         for rd in sched.rounds:
-            packed = [x.index_select(0, rd.gather).unsqueeze(0) for x in (q, k, v, g, beta)]
+            with record_function("harts.kda.gather"):
+                packed = [x.index_select(0, rd.gather).unsqueeze(0) for x in (q, k, v, g, beta)]
             init = None
             if any(s >= 0 for s in rd.init_slots):
                 if zero is None:
@@ -285,12 +304,14 @@ class KDALayer(nn.Module):
                 missing = [s for s in rd.init_slots if s >= 0 and slots[s] is None]
                 if missing:
                     raise RuntimeError(f"plan: round reads state slot {missing[0]} before it is produced")
-                init = torch.stack([slots[s] if s >= 0 else zero for s in rd.init_slots])
+                with record_function("harts.kda.states"):
+                    init = torch.stack([slots[s] if s >= 0 else zero for s in rd.init_slots])
             want_final = any(s >= 0 for s in rd.final_slots)
-            o, final, bstates = chunk_kda_with_states(
-                *packed, initial_state=init, cu_seqlens=rd.cu_seqlens, chunk_size=c.chunk_size,
-                request_seq=rd.request_seq, request_chunk=rd.request_chunk,
-                output_final_state=want_final, backend=c.backend)
+            with record_function("harts.kda.core"):
+                o, final, bstates = chunk_kda_with_states(
+                    *packed, initial_state=init, cu_seqlens=rd.cu_seqlens, chunk_size=c.chunk_size,
+                    request_seq=rd.request_seq, request_chunk=rd.request_chunk,
+                    output_final_state=want_final, backend=c.backend)
             for j, s in enumerate(rd.request_slot):
                 slots[s] = bstates[j]
             for j, s in enumerate(rd.final_slots):

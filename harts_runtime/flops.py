@@ -1,0 +1,101 @@
+"""Model FLOPs of a training step, for the ideal work compression of Section 5.3 / Table 4.
+
+Row compression ``S / C`` is not the ceiling of the speedup: full-attention work grows with
+position and shared tokens sit early in their trajectories. The *ideal work compression* is
+
+    FLOPs(trajectory execution) / FLOPs(compact execution)
+
+with the same per-row cost model on both sides:
+
+* every executed row pays the per-row forward FLOPs of every layer (projections, short convolution,
+  KDA core, dense or MoE FFN with ``top_k`` experts, router) and of the LM head;
+* every full-attention layer additionally pays ``attn_flops_per_key`` for each key a query reads:
+  a row at absolute position ``p`` reads ``p + 1`` keys (itself and its ancestors) in both
+  executions, so a trajectory row and a compact row at the same position cost the same;
+* KDA replay rows, ancestor-KV view copies, padding and recomputation are excluded (recomputation
+  multiplies both sides alike; training FLOPs are taken as 3x forward).
+
+Matmul FLOPs are ``2 * in * out``. The KDA core is estimated per row and head as
+``4 B K + 2 B V + 6 K V`` (intra-chunk Q K^T and K K^T blocks, intra-chunk output, state read,
+WY state correction and state update), independent of position.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from harts_runtime.model import ModelConfig
+
+__all__ = ["attended_keys", "layer_costs", "model_flops", "work_compression"]
+
+
+def layer_costs(cfg: ModelConfig) -> dict:
+    """Forward FLOPs per row: ``row`` (all per-row work of the model, LM head included) and
+    ``attn_per_key`` (summed over full-attention layers, per query-key pair), plus a breakdown."""
+    d, h = cfg.hidden_size, cfg.num_heads
+    k = v = cfg.kda_head_dim
+    mm = (lambda i, o: 2 * i * o)
+    kda = (mm(d, h * k) * 2 + mm(d, h * v) + mm(d, v) + mm(v, h * k) + mm(d, h) + mm(d, v) + mm(v, h * v)
+           + mm(h * v, d) + 2 * cfg.conv_size * (2 * h * k + h * v)
+           + h * (4 * cfg.chunk_size * k + 2 * cfg.chunk_size * v + 6 * k * v))
+    dqk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    if cfg.q_lora_rank is None:
+        mla_q = mm(d, h * dqk)
+    else:
+        mla_q = mm(d, cfg.q_lora_rank) + mm(cfg.q_lora_rank, h * dqk)
+    mla = (mla_q + mm(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+           + mm(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim)) + mm(h * cfg.v_head_dim, d))
+    mla_key = 2 * h * (dqk + cfg.v_head_dim)
+    hd = d // h
+    hkv = cfg.num_kv_heads or h
+    gqa = mm(d, h * hd) + 2 * mm(d, hkv * hd) + mm(h * hd, d)
+    gqa_key = 2 * h * (2 * hd)
+    dense = 3 * mm(d, cfg.dense_intermediate)
+    moe = mm(d, cfg.num_experts) + cfg.top_k * 3 * mm(d, cfg.expert_intermediate)
+    mixer = {"kda": kda, "mla": mla, "gqa": gqa}
+    key = {"kda": 0, "mla": mla_key, "gqa": gqa_key}
+    ffn = {"dense": dense, "moe": moe}
+    row = sum(mixer[m] + ffn[f] for m, f in zip(cfg.mixers, cfg.ffns)) + mm(d, cfg.vocab_size)
+    return {"row": row, "attn_per_key": sum(key[m] for m in cfg.mixers),
+            "per_layer": {"kda": kda, "mla": mla, "gqa": gqa, "dense": dense, "moe": moe,
+                          "mla_per_key": mla_key, "gqa_per_key": gqa_key, "lm_head": mm(d, cfg.vocab_size)}}
+
+
+def attended_keys(positions) -> int:
+    """Query-key pairs of causal (or tree-ancestor) attention over rows at these absolute
+    positions: ``sum(p + 1)``."""
+    p = np.asarray(positions, dtype=np.int64)
+    return int(p.sum() + p.size)
+
+
+def model_flops(cfg: ModelConfig, num_rows: int, keys: int, training: bool = True) -> float:
+    """FLOPs of ``num_rows`` rows reading ``keys`` query-key pairs per full-attention layer
+    (forward; x3 for forward + backward when ``training``)."""
+    c = layer_costs(cfg)
+    f = float(num_rows) * c["row"] + float(keys) * c["attn_per_key"]
+    return 3.0 * f if training else f
+
+
+def work_compression(cfg: ModelConfig, lengths, compact_positions) -> dict:
+    """Ideal work compression of a step.
+
+    Parameters
+    ----------
+    lengths : array_like of int
+        Trajectory lengths (the baseline executes ``sum(L)`` rows, ``sum L (L + 1) / 2`` keys).
+    compact_positions : list of array_like of int
+        Absolute positions of the non-replay compact rows of every microbatch
+        (``CallPlan.position_ids``).
+
+    Returns a dict: rows and keys of both executions, their training FLOPs, ``row_compression``
+    and ``ideal_work_compression``.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    t_rows = int(lengths.sum())
+    t_keys = int((lengths * (lengths + 1) // 2).sum())
+    c_rows = sum(int(np.asarray(p).size) for p in compact_positions)
+    c_keys = sum(attended_keys(p) for p in compact_positions)
+    tf, cf = model_flops(cfg, t_rows, t_keys), model_flops(cfg, c_rows, c_keys)
+    return {"trajectory_rows": t_rows, "trajectory_keys": t_keys, "trajectory_flops": tf,
+            "compact_rows": c_rows, "compact_keys": c_keys, "compact_flops": cf,
+            "row_compression": t_rows / max(c_rows, 1), "ideal_work_compression": tf / max(cf, 1.0)}

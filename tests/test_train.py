@@ -1,0 +1,235 @@
+"""Train step: compact (HARTS) and trajectory-wise execution of the same model and batch give the
+same per-token log-probs, loss and parameter gradients (fp32), with and without recomputation;
+the step-level loss normalisation makes microbatch contributions add up to the unchanged
+whole-step objective; a few optimizer steps learn a synthetic task; the CLI runs."""
+
+import random
+
+import harts_planner as hp
+import numpy as np
+import pytest
+import torch
+
+from harts_runtime.model import HybridModel, model_config
+from harts_runtime.objectives import AGG_MODES, PolicyLossConfig, policy_loss
+from harts_runtime.train import (
+    StepInputs,
+    StepInputsError,
+    main,
+    pack_trajectories,
+    run_microbatch,
+    step_logprobs,
+    train_step,
+)
+
+B = 8                 # debug flavor chunk size
+# Named tolerances (atol, rtol), fp32 compact vs trajectory-wise.
+TOL = {"logprobs": (2e-5, 1e-5), "loss": (1e-6, 1e-5), "grad": (2e-6, 2e-3)}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These graphs are tiny: intra-op threads only add contention (10x slower on a busy 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class Tokens:
+    def __init__(self):
+        self.next = 1
+
+    def __call__(self, n):
+        out = list(range(self.next, self.next + n))
+        self.next += n
+        return [x % 500 + 1 for x in out]
+
+
+def forks_at_chunk_boundaries():
+    t = Tokens()
+    trunk = t(3 * B + 5)
+    return [trunk] + [trunk[:p] + t(B + 3) for p in (B - 1, B, B + 1, 2 * B - 1, 2 * B, 2 * B + 1)]
+
+
+def many_trees(seed=0):
+    t, rng = Tokens(), random.Random(seed)
+    out = []
+    for _ in range(5):
+        trajs = [t(rng.randint(B, 4 * B))]
+        for _ in range(rng.randint(1, 6)):
+            parent = rng.choice(trajs)
+            p = rng.choice([B - 1, B, B + 1, rng.randint(1, len(parent) - 1)])
+            p = min(max(p, 1), len(parent) - 1)
+            trajs.append(parent[:p] + t(rng.randint(1, 2 * B)))
+        nested = trajs[-1][:min(len(trajs[-1]) - 1, 2 * B + 1)] + t(3)       # nested fork
+        out += trajs + [nested]
+    return out + [t(1), t(B), trajs[0]]                                          # single token, duplicate
+
+
+SCENARIOS = {"forks_B-1_B_B+1": forks_at_chunk_boundaries, "many_trees_0": many_trees,
+             "many_trees_1": lambda: many_trees(1)}
+
+
+def make(trajs, seed=0, **cfg):
+    batch = hp.RolloutBatch.from_token_lists(trajs)
+    torch.manual_seed(seed)
+    model = HybridModel(model_config("debug", **cfg))
+    return model, StepInputs.synthetic(batch, seed, vocab_size=model.config.vocab_size)
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(a, b, what):
+    assert a.keys() == b.keys()
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], atol=TOL["grad"][0], rtol=TOL["grad"][1],
+                                   msg=lambda m, n=n: f"{what}: d{n}: {m}")
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_compact_equals_trajectory(scenario, recompute):
+    model, step = make(SCENARIOS[scenario]())
+    all_traj = np.arange(step.batch.num_trajectories)
+    out = {}
+    for mode in ("compact", "trajectory"):
+        model.zero_grad(set_to_none=True)
+        loss, st = run_microbatch(model, step, all_traj, mode, recompute)
+        lp = torch.empty(step.num_targets)
+        lp[st["target_index"]] = st["logprobs"]
+        out[mode] = (loss, lp, grads(model), st)
+    (lc, pc, gc, sc), (lt, pt, gt, st) = out["compact"], out["trajectory"]
+    assert sc["rows"] == step.batch.compact_tokens < st["rows"] == step.batch.semantic_tokens
+    assert sc["num_calls"] >= 2 and sc["replay_tokens"] > 0                  # handoffs and replay exercised
+    torch.testing.assert_close(pc, pt, atol=TOL["logprobs"][0], rtol=TOL["logprobs"][1],
+                               msg=lambda m: f"logprobs: {m}")
+    torch.testing.assert_close(lc, lt, atol=TOL["loss"][0], rtol=TOL["loss"][1], msg=lambda m: f"loss: {m}")
+    assert_grads_close(gc, gt, "compact vs trajectory")
+    assert len(gc) == len(list(model.parameters()))                          # every parameter gets a gradient
+
+
+def test_train_step_over_different_microbatchings_agrees():
+    """Whole steps: compact microbatches from plan_step at T=48 vs the baseline's first-fit packing
+    at T=48 (different groupings; aux loss off since it is per microbatch by definition)."""
+    model, step = make(many_trees(2), aux_loss_coef=0.0)
+    res = {}
+    for mode in ("compact", "trajectory"):
+        for recompute in (False, True):
+            model.zero_grad(set_to_none=True)
+            r = train_step(model, None, step, None, mode, recompute, capacity=48)
+            res[mode, recompute] = (r, grads(model))
+    ref_r, ref_g = res["trajectory", False]
+    assert res["compact", False][0].num_microbatches >= 2 and ref_r.num_microbatches >= 3
+    assert res["compact", False][0].compression > 1.5
+    for key, (r, g) in res.items():
+        assert r.loss == pytest.approx(ref_r.loss, abs=TOL["loss"][0], rel=TOL["loss"][1]), key
+        assert_grads_close(g, ref_g, str(key))
+        assert r.plan_seconds >= 0 and r.fbg_seconds > 0
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_microbatch_contributions_sum_to_the_unchanged_step_objective(mode):
+    model, step = make(many_trees(3), aux_loss_coef=0.0, z_loss_coef=0.0)
+    step.loss_config = PolicyLossConfig(kl_coef=0.01, loss_agg_mode=mode, clip_ratio_c=3.0)
+    n = step.batch.num_trajectories
+    parts = [np.arange(0, n, 3), np.arange(1, n, 3), np.arange(2, n, 3)]
+    total = sum(float(run_microbatch(model, step, p, "compact", backward=False)[0]) for p in parts)
+    lp = step_logprobs(model, step, "trajectory")
+    ref, _ = policy_loss(lp, step.old_logprobs, step.advantages, step.loss_mask, step.cu_seqlens,
+                         step.loss_config, step.ref_logprobs)
+    assert total == pytest.approx(float(ref), rel=1e-5, abs=1e-7)
+
+
+def test_z_loss_is_grouping_invariant():
+    model, step = make(many_trees(4), aux_loss_coef=0.0, z_loss_coef=1.0)
+    n = step.batch.num_trajectories
+    whole = run_microbatch(model, step, np.arange(n), "compact", backward=False)[1]["router_loss"]
+    split = sum(run_microbatch(model, step, p, "trajectory", backward=False)[1]["router_loss"]
+                for p in (np.arange(n // 2), np.arange(n // 2, n)))
+    assert float(whole) == pytest.approx(float(split), rel=1e-5)
+
+
+def test_a_few_steps_learn_a_synthetic_task():
+    """Trajectories follow ``next = (3 * cur + 1) mod 97`` from random starts (shared prefixes,
+    forks); positive advantages; old log-probs from the initial model. The clipped surrogate must
+    fall and the targets' log-probs must rise."""
+    rng = np.random.default_rng(0)
+    trajs = []
+    for _ in range(4):
+        x = [int(rng.integers(97))]
+        for _ in range(40):
+            x.append((3 * x[-1] + 1) % 97)
+        trajs += [x[:int(rng.integers(20, 41))] for _ in range(3)]
+    batch = hp.RolloutBatch.from_token_lists(trajs)
+    torch.manual_seed(0)
+    model = HybridModel(model_config("debug"))
+    p = batch.semantic_tokens - batch.num_trajectories
+    probe = StepInputs.synthetic(batch, 0)
+    old = step_logprobs(model, probe, "compact")
+    step = StepInputs(batch, torch.ones(p), torch.ones(p, dtype=torch.bool), old, objective="ppo",
+                      loss_config=PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=10.0))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = [train_step(model, opt, step, None, "compact", recompute=i % 2 == 1).loss for i in range(6)]
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert float(step_logprobs(model, step, "compact").mean()) > float(old.mean()) + 0.5
+
+
+def test_step_inputs_and_packing_errors_name_the_field():
+    batch = hp.RolloutBatch.from_token_lists([[1, 2, 3], [1, 2, 4]])
+    p = 4
+    with pytest.raises(StepInputsError) as e:
+        StepInputs(batch, torch.zeros(p + 1), torch.ones(p), torch.zeros(p))
+    assert e.value.field == "advantages"
+    with pytest.raises(StepInputsError) as e:
+        StepInputs(batch, torch.zeros(p), torch.ones(p), torch.zeros(p))          # grpo KL needs ref
+    assert e.value.field == "ref_logprobs"
+    with pytest.raises(StepInputsError) as e:
+        StepInputs([[1, 2]], torch.zeros(p), torch.ones(p), torch.zeros(p))
+    assert e.value.field == "batch"
+    with pytest.raises(StepInputsError) as e:
+        pack_trajectories([3, 9, 2], 8)
+    assert e.value.field == "trajectories[1]"
+    step = StepInputs.synthetic(batch, 0)
+    with pytest.raises(StepInputsError) as e:
+        run_microbatch(HybridModel(model_config("debug")), step, [0, 1], "tree")
+    assert e.value.field == "mode"
+
+
+def test_pack_trajectories_first_fit_decreasing():
+    lengths = np.array([5, 3, 8, 2, 2, 6, 1])
+    bins = pack_trajectories(lengths, 8)
+    assert sorted(np.concatenate(bins).tolist()) == list(range(len(lengths)))
+    assert all(lengths[b].sum() <= 8 for b in bins)
+    assert len(bins) == int(np.ceil(lengths.sum() / 8))                        # tight here
+
+
+def test_cli_runs_both_modes(capsys):
+    assert main(["--preset", "tiny", "--steps", "2", "--mode", "both", "--device", "cpu", "--capacity", "64"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 4 and out[0].startswith("step 0 compact") and "compression=" in out[0] and "loss=" in out[0]
+
+
+def test_gpu_eval_script_smoke_on_cpu(tmp_path):
+    """benchmarks/train_eval.py end to end at CPU smoke sizes: every section runs and reports."""
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "train_eval.py")
+    spec = importlib.util.spec_from_file_location("train_eval", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--device", "cpu", "--flavor", "debug", "--tiny", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "train_eval.json").read_text())
+    for name in ("speedup", "fidelity", "replay", "breakdown"):
+        assert "error" not in res[name], res[name].get("traceback")
+    s = res["speedup"]
+    assert s["non_replay_row_compression"] > 1 and s["ideal_work_compression"] > 1 and s["fbg_speedup"] > 0
+    assert res["fidelity"]["no_recompute"]["harts_cos"] > 0.9999
+    replay = res["replay"]
+    assert replay["replay"][0]["tokens"] > 0 and sum(d["tokens"] for d in replay["replay"][1:]) > 0
+    assert "harts.kda.core" in res["breakdown"]["ranges"]
+    assert "## Speedup (Table 4)" in (tmp_path / "train_eval.md").read_text()
