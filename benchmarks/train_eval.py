@@ -35,6 +35,19 @@ import sys
 import time
 import traceback
 
+if "--fast-autotune" in sys.argv:
+    # Short device leases: compile one config per Triton kernel (ours and fla's) instead of
+    # benchmarking every candidate. Both executions use the same kernels, so ratios stay fair;
+    # absolute times may be slower than tuned ones. Must run before fla is imported.
+    from triton.runtime.autotuner import Autotuner
+
+    _autotuner_init = Autotuner.__init__
+
+    def _first_config_only(self, fn, arg_names, configs, *args, **kw):
+        _autotuner_init(self, fn, arg_names, list(configs)[:1], *args, **kw)
+
+    Autotuner.__init__ = _first_config_only
+
 import numpy as np
 import torch
 
@@ -392,6 +405,8 @@ def main(argv=None) -> int:
                     help="capacity and trajectory cap of the fidelity/replay slice (one microbatch)")
     ap.add_argument("--repeats", type=int, default=2, help="timed steps per mode")
     ap.add_argument("--sections", default="speedup,fidelity,replay,breakdown")
+    ap.add_argument("--fast-autotune", action="store_true",
+                    help="one Triton config per kernel (no autotuning); recorded in the output")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke sizes (preset tiny, T = 64)")
     args = ap.parse_args(argv)
     if args.tiny:
