@@ -79,10 +79,12 @@ def sync(dev) -> None:
 
 
 # ------------------------------------------------------------------------------ data
-def make_slice(args, capacity: int, max_len: int | None, microbatches: int, seed: int, vocab: int) -> StepInputs:
+def make_slice(args, capacity: int, max_len: int | None, microbatches: int, seed: int, vocab: int,
+               pick: str = "median") -> StepInputs:
     """A slice of a synthetic step that HARTS would actually execute: plan the whole step at
     ``capacity`` (``plan_step``, D = 1) and keep the trajectories of ``microbatches`` microbatches
-    whose compression S/C is around the step's median."""
+    whose compression S/C is around the step's median (``pick="median"``) or the highest
+    (``pick="max"``: the most sharing, hence the most state handoffs, for fidelity)."""
     over = {"vocab_size": vocab}
     if args.tiny:
         over["trees"] = (8, 8)
@@ -95,6 +97,8 @@ def make_slice(args, capacity: int, max_len: int | None, microbatches: int, seed
     ratio = np.array([lengths[m].sum() / w for m, w in zip(plan.microbatches, plan.work)])
     order = np.argsort(ratio, kind="stable")
     lo = max(0, min(len(order) - microbatches, len(order) // 2 - microbatches // 2))
+    if pick == "max":
+        lo = max(0, len(order) - microbatches)
     traj = np.sort(np.concatenate([plan.microbatches[i] for i in order[lo:lo + microbatches]]).astype(np.int64))
     off = np.asarray(sb.offsets, dtype=np.int64)
     toks = np.concatenate([sb.tokens[off[i]:off[i + 1]] for i in traj])
@@ -227,8 +231,11 @@ def _grad_cos(a, b) -> float:
 
 
 def _fidelity_step(args, model) -> StepInputs:
+    # Trajectories capped at a quarter of the slice, so that a microbatch holds a branching tree
+    # (at cap = rows a single unshared trajectory can fill it, with no handoff to measure).
     cap = args.fidelity_rows
-    return make_slice(args, cap, None if args.tiny else cap, 1, args.seed + 1, model.config.vocab_size)
+    return make_slice(args, cap, None if args.tiny else max(cap // 4, 64), 1, args.seed + 1,
+                      model.config.vocab_size, pick="max")
 
 
 def section_fidelity(args, model, dev, shared):
