@@ -173,3 +173,15 @@ def test_packed_tokens_and_tuples_are_accepted():
     assert a == planner.plan_step(PackedTokens(batch.tokens, batch.offsets), 1, 8)
     with pytest.raises(hp.InvalidArgumentError, match="trajectories: must be a RolloutBatch"):
         planner.plan_step([1, 2, 3], 1, 8)
+
+
+@settings(max_examples=100, deadline=None)
+@given(trajectories, st.booleans(), st.booleans(), st.none() | st.lists(st.integers(0, 13), min_size=1, max_size=3))
+def test_fast_request_serialization_equals_protobuf(trajs, as_tree, with_ids, microbatch):
+    batch = RolloutBatch.from_token_lists(trajs, tree_ids=np.arange(len(trajs)) if with_ids else None)
+    source = batch.segment_tree() if as_tree else PackedTokens(batch.tokens, batch.offsets, batch._input_tree_ids)
+    options = {"max_sampled_k": 5, "greedy": False, "search": "heuristic"}
+    fast = codec.serialize_plan_step_request(source, 2, 99, 8, options, True, 3)
+    assert pb.PlanStepRequest.FromString(fast) == codec.plan_step_request(source, 2, 99, 8, options, True, 3)
+    fast = codec.serialize_plan_calls_request(source, microbatch, 16, 2)
+    assert pb.PlanCallsRequest.FromString(fast) == codec.plan_calls_request(source, microbatch, 16, 2)

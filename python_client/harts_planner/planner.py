@@ -156,7 +156,8 @@ class Planner:
             plan.wall_seconds = time.perf_counter() - start
             return plan
         wire = source.segment_tree() if isinstance(source, RolloutBatch) else source
-        request = codec.plan_step_request(wire, dp_size, capacity, chunk_size, options, call_plans, conv_width)
+        request = codec.serialize_plan_step_request(wire, dp_size, capacity, chunk_size, options, call_plans,
+                                                    conv_width)
         start = time.perf_counter()
         response = self._client.plan_step(request, timeout=self._timeout(timeout))
         wall = time.perf_counter() - start
@@ -181,7 +182,7 @@ class Planner:
             batch = source if isinstance(source, RolloutBatch) else codec.ingest(source)
             return plan_calls(batch, chunk_size, trajectories=microbatch, conv_width=conv_width)
         wire = source.segment_tree() if isinstance(source, RolloutBatch) else source
-        request = codec.plan_calls_request(wire, microbatch, chunk_size, conv_width)
+        request = codec.serialize_plan_calls_request(wire, microbatch, chunk_size, conv_width)
         response = self._client.plan_calls(request, timeout=self._timeout(timeout))
         plan = codec.decode_call_plan(response.plan)
         plan.server_stats = codec.stats_dict(response.stats)

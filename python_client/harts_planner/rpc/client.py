@@ -91,6 +91,10 @@ def translate(err: grpc.RpcError) -> Exception:
     return SidecarError(f"sidecar call failed with {code.name}: {message}", code)
 
 
+def _serialize(request) -> bytes:
+    return request if isinstance(request, bytes) else request.SerializeToString()
+
+
 class SidecarClient:
     """Stubs of ``harts.planner.v1.PlannerService`` over one channel (thread-safe)."""
 
@@ -99,18 +103,17 @@ class SidecarClient:
         self.target = target
         self._channel = grpc.insecure_channel(target, options=[
             ("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)])
+        # Requests are messages or bytes already serialized (codec.serialize_*_request).
         self._plan_step = self._channel.unary_unary(
-            codec.PLAN_STEP, request_serializer=pb.PlanStepRequest.SerializeToString,
-            response_deserializer=pb.PlanStepResponse.FromString)
+            codec.PLAN_STEP, request_serializer=_serialize, response_deserializer=pb.PlanStepResponse.FromString)
         self._plan_calls = self._channel.unary_unary(
-            codec.PLAN_CALLS, request_serializer=pb.PlanCallsRequest.SerializeToString,
-            response_deserializer=pb.PlanCallsResponse.FromString)
+            codec.PLAN_CALLS, request_serializer=_serialize, response_deserializer=pb.PlanCallsResponse.FromString)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
-    def plan_step(self, request: pb.PlanStepRequest, timeout: float | None) -> pb.PlanStepResponse:
+    def plan_step(self, request: pb.PlanStepRequest | bytes, timeout: float | None) -> pb.PlanStepResponse:
         return self._call(self._plan_step, request, timeout)
 
-    def plan_calls(self, request: pb.PlanCallsRequest, timeout: float | None) -> pb.PlanCallsResponse:
+    def plan_calls(self, request: pb.PlanCallsRequest | bytes, timeout: float | None) -> pb.PlanCallsResponse:
         return self._call(self._plan_calls, request, timeout)
 
     def health(self, service: str = "", timeout: float = 5.0) -> str:
