@@ -46,3 +46,50 @@ def test_synth_then_load_round_trip(tmp_path, suffix, capsys):
 def test_cli_reports_bad_input_without_traceback(capsys):
     assert cli.main(["demo", "--preset", "nope", "--quiet"]) == 2
     assert "preset" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------- plan, show, bench
+@pytest.fixture
+def small_file(tmp_path):
+    path = tmp_path / "small.hrb"
+    assert cli.main(["synth", str(path), "--preset", "small", "--seed", "1", "--quiet"]) == 0
+    return path
+
+
+def test_plan_table_and_json(small_file, capsys):
+    capsys.readouterr()
+    assert cli.main(["plan", str(small_file), "--dp", "2", "--capacity", "30000", "--call-plans"]) == 0
+    text = capsys.readouterr().out
+    for label in ("microbatches K", "J (total, slot-critical, max replica)", "slot imbalance", "replica", "calls"):
+        assert label in text
+    assert cli.main(["plan", str(small_file), "--dp", "2", "--capacity", "30000", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    expected = hp.plan_step(hp.RolloutBatch.load(small_file), 2, 30000)
+    assert out["microbatches"] == [m.tolist() for m in expected.microbatches]
+    assert out["objective"]["total_work"] == expected.total_work
+
+
+def test_plan_errors_are_clear(small_file, capsys):
+    assert cli.main(["plan", str(small_file), "--capacity", "3"]) == 2
+    assert "capacity T = 3" in capsys.readouterr().err
+
+
+def test_show_writes_a_page(small_file, tmp_path, capsys):
+    out = tmp_path / "plan.html"
+    assert cli.main(["show", str(small_file), "--dp", "2", "--capacity", "30000", "-o", str(out)]) == 0
+    page = out.read_text()
+    assert page.startswith("<!DOCTYPE html>") and "Microbatches by replica and slot" in page
+
+
+def test_bench_in_process_and_grpc(small_file, tmp_path, capsys):
+    report = tmp_path / "bench.json"
+    assert cli.main(["bench", "--batch", str(small_file), "--dp", "2", "--capacity", "30000", "--clients", "2",
+                     "--requests", "4", "--warmup", "1", "--workers", "2", "--json", str(report), "--quiet"]) == 0
+    data = json.loads(report.read_text())
+    rows = {(r["transport"], r["request"]) for r in data["results"]}
+    assert rows == {(t, k) for t in ("inprocess", "grpc") for k in ("tokens", "tree")}
+    for r in data["results"]:
+        assert r["mismatches"] == 0 and r["requests"] == 4 and r["clients"] == 2
+        assert 0 < r["p50_ms"] <= r["p95_ms"] <= r["p99_ms"] <= r["max_ms"] and r["throughput_per_s"] > 0
+    assert set(data["grpc_over_inprocess"]) == {"tokens", "tree"}
+    assert "gRPC / in-process (tree)" in capsys.readouterr().out

@@ -16,3 +16,40 @@ def test_quickstart_has_exactly_two_lines_and_ci_runs_the_test_line():
     assert len(lines) == 2
     assert "harts-planner demo" in lines[0]
     assert lines[1] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_protocol_is_source_and_generated_code_is_not_committed():
+    import shutil
+    import subprocess
+
+    proto = (ROOT / "proto" / "harts" / "planner" / "v1" / "planner.proto").read_text()
+    assert "package harts.planner.v1;" in proto and "service PlannerService" in proto
+    from harts_planner.rpc import planner_pb2
+
+    assert planner_pb2.DESCRIPTOR.package == "harts.planner.v1"  # generated at build time
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        return
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert not [f for f in tracked if f.endswith(("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))]
+
+
+def test_wire_tables_cover_every_plan_field():
+    """Every array field of the wire CallPlan / StepPlan is in the tables the codec and ``==`` use, and the
+    native plans expose each with the table's dtype."""
+    import numpy as np
+
+    import harts_planner as hp
+    from harts_planner import call_plan, step_plan
+    from harts_planner.rpc import planner_pb2 as pb
+
+    wire = {f.name for f in pb.CallPlan.DESCRIPTOR.fields}
+    assert wire == set(call_plan.ARRAY_FIELDS) | set(call_plan.SCALAR_FIELDS)
+    batch = hp.RolloutBatch.from_token_lists([[1, 2, 3], [1, 2, 4], [1, 5]])
+    plan = hp.plan_calls(batch, 2)
+    for name, dtype in call_plan.ARRAY_FIELDS.items():
+        assert getattr(plan._native, name).dtype == np.dtype(dtype), name
+    step = hp.plan_step(batch, 1, 8)
+    wire_step = {f.name for f in pb.StepPlan.DESCRIPTOR.fields}
+    assert set(step_plan.ARRAY_FIELDS) <= wire_step
+    for name, dtype in step_plan.ARRAY_FIELDS.items():
+        assert getattr(step._native, name).dtype == np.dtype(dtype), name

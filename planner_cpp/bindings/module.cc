@@ -27,9 +27,36 @@ std::unique_ptr<RolloutBatch> Ingest(const py::handle& tokens_obj, const py::han
                               has_tree_ids ? tree_ids.data() : nullptr, has_tree_ids ? tree_ids.size() : 0);
 }
 
+std::unique_ptr<RolloutBatch> IngestSegmentTree(const py::handle& parent_obj, const py::handle& length_obj,
+                                                const py::handle& ends_obj, const py::handle& tree_ids_obj) {
+  auto parent = RequireArray<int32_t>(parent_obj, "parent");
+  auto length = RequireArray<int32_t>(length_obj, "length");
+  auto ends = RequireArray<int32_t>(ends_obj, "trajectory_end");
+  if (length.size() != parent.size())
+    throw harts::InvalidArgument("length", "needs one entry per segment (len(parent) = " +
+                                               std::to_string(parent.size()) + "), got " + std::to_string(length.size()));
+  py::array_t<int64_t> tree_ids;
+  const bool has_tree_ids = !tree_ids_obj.is_none();
+  if (has_tree_ids) tree_ids = RequireArray<int64_t>(tree_ids_obj, "tree_ids");
+  py::gil_scoped_release release;
+  const harts::SegmentTreeView view{parent.data(), length.data(), parent.size(), ends.data(), ends.size()};
+  return RolloutBatch::FromSegmentTree(view, has_tree_ids ? tree_ids.data() : nullptr,
+                                       has_tree_ids ? tree_ids.size() : 0);
+}
+
+// A getter returning a view; the per-row arrays of a batch built from a tree are built on
+// first use (O(S)), so the getter runs without the GIL.
 template <typename Getter>
 auto ViewOf(Getter getter) {
-  return [getter](py::object self) { return View((self.cast<const RolloutBatch&>().*getter)(), self); };
+  return [getter](py::object self) {
+    const RolloutBatch& b = self.cast<const RolloutBatch&>();
+    const std::remove_reference_t<decltype((b.*getter)())>* out;
+    {
+      py::gil_scoped_release release;
+      out = &(b.*getter)();
+    }
+    return View(*out, self);
+  };
 }
 
 template <typename Member>
@@ -99,6 +126,10 @@ PYBIND11_MODULE(_native, m) {
            }, py::arg("lo"), py::arg("hi"))
       .def("subset_work", &SubsetWork, py::arg("trajectories"));
 
+  m.def("ingest_segment_tree", &IngestSegmentTree, py::arg("parent"), py::arg("length"), py::arg("trajectory_end"),
+        py::arg("tree_ids") = py::none(),
+        "Validate and build a batch from a compacted segment tree (int32 parent, length per segment; int32 "
+        "trajectory_end per trajectory; optional int64 tree ids).");
   m.def("ingest", &Ingest, py::arg("tokens"), py::arg("offsets"), py::arg("tree_ids") = py::none(),
         "Validate and ingest a packed batch (int32 tokens, int64 offsets, optional int64 tree ids).");
   DefineMinCall(m);

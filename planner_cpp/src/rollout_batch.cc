@@ -71,35 +71,163 @@ std::unique_ptr<RolloutBatch> RolloutBatch::Ingest(const int32_t* tokens, int64_
   const TrajectoryView view{tokens, offsets, n};
   b->order_ = LexicographicOrder(view);
   b->lcp_ = AdjacentLcp(view, b->order_);
-  b->rank_.resize(n);
-  b->prefix_length_.assign(n + 1, 0);
-  b->prefix_lcp_.assign(n + 1, 0);
-  std::vector<int64_t> sorted_lengths(n);
-  for (int64_t r = 0; r < n; ++r) {
-    b->rank_[b->order_[r]] = static_cast<int32_t>(r);
-    sorted_lengths[r] = b->lengths_[b->order_[r]];
-    b->prefix_length_[r + 1] = b->prefix_length_[r] + sorted_lengths[r];
-    b->prefix_lcp_[r + 1] = b->prefix_lcp_[r] + b->lcp_[r];
-  }
-  b->rmq_ = SparseTableRmq(b->lcp_);
-  b->forest_ = BuildSegmentForest(b->order_.data(), sorted_lengths.data(), b->lcp_.data(), n);
-  b->BuildCompactTrie();
-
-  const SegmentForest& f = b->forest_;
-  b->segment_root_.resize(f.size());
-  std::vector<int32_t> root_index(f.size(), -1);
-  for (int64_t v = 0; v < f.size(); ++v)  // preorder: parents come first
-    b->segment_root_[v] = f.parent[v] < 0 ? static_cast<int32_t>(v) : b->segment_root_[f.parent[v]];
-  for (size_t k = 0; k < f.roots.size(); ++k) root_index[f.roots[k]] = static_cast<int32_t>(k);
-  b->component_.resize(n);
-  for (int64_t r = 0; r < n; ++r)
-    b->component_[b->order_[r]] = root_index[b->segment_root_[f.item_segment[r]]];
-  if (tree_ids != nullptr) b->tree_ids_.assign(tree_ids, tree_ids + n);
-  else b->tree_ids_.assign(b->component_.begin(), b->component_.end());
+  b->BuildIndex(tree_ids);
+  b->EnsureRows();
   return b;
 }
 
-void RolloutBatch::BuildCompactTrie() {
+std::vector<int32_t> ValidateSegmentTree(const SegmentTreeView& t, std::vector<int64_t>* end_position) {
+  const int64_t v_count = t.num_segments, n = t.num_trajectories;
+  if (v_count < 1) throw InvalidArgument("parent", "a segment tree needs at least one segment");
+  if (v_count > kMaxTreeSegments)
+    throw ResourceExhausted("parent", std::to_string(v_count) + " segments exceed the limit of " +
+                                          std::to_string(kMaxTreeSegments));
+  if (n < 1) throw InvalidArgument("trajectory_end", "needs at least one trajectory");
+  if (n > kMaxTrajectories)
+    throw ResourceExhausted("trajectory_end", std::to_string(n) + " trajectories exceed the limit of " +
+                                                  std::to_string(kMaxTrajectories));
+  // Children CSR (increasing id within a parent), roots by increasing id.
+  std::vector<int64_t> child_offsets(v_count + 1, 0);
+  std::vector<int32_t> roots;
+  for (int64_t v = 0; v < v_count; ++v) {
+    const int32_t p = t.parent[v];
+    if (p < -1 || p >= v_count)
+      throw InvalidArgument(Idx("parent", v), "must be -1 (a root) or a segment id in [0, " +
+                                                  std::to_string(v_count) + "), got " + std::to_string(p));
+    if (p == v) throw InvalidArgument(Idx("parent", v), "segment " + std::to_string(v) + " is its own parent");
+    if (t.length[v] < 1)
+      throw InvalidArgument(Idx("length", v), "a segment holds at least one token, got " + std::to_string(t.length[v]));
+    if (p < 0) roots.push_back(static_cast<int32_t>(v)); else ++child_offsets[p + 1];
+  }
+  for (int64_t v = 0; v < v_count; ++v) child_offsets[v + 1] += child_offsets[v];
+  std::vector<int32_t> children(child_offsets[v_count]);
+  {
+    std::vector<int64_t> fill(child_offsets.begin(), child_offsets.end() - 1);
+    for (int64_t v = 0; v < v_count; ++v)
+      if (t.parent[v] >= 0) children[fill[t.parent[v]]++] = static_cast<int32_t>(v);
+  }
+  // Preorder with an explicit stack; segments never reached lie on a parent cycle.
+  std::vector<int32_t> preorder;
+  preorder.reserve(v_count);
+  end_position->assign(v_count, -1);
+  std::vector<int32_t> stack(roots.rbegin(), roots.rend());
+  while (!stack.empty()) {
+    const int32_t v = stack.back();
+    stack.pop_back();
+    preorder.push_back(v);
+    const int64_t start = t.parent[v] < 0 ? 0 : (*end_position)[t.parent[v]];
+    (*end_position)[v] = start + t.length[v];  // <= V * 2^31: no int64 overflow
+    for (int64_t i = child_offsets[v + 1]; i-- > child_offsets[v];) stack.push_back(children[i]);
+  }
+  if (static_cast<int64_t>(preorder.size()) < v_count) {
+    int64_t v = 0;
+    while ((*end_position)[v] >= 0) ++v;
+    throw InvalidArgument(Idx("parent", v), "segment " + std::to_string(v) +
+                                                " lies on a parent cycle (no root above it)");
+  }
+  std::vector<char> ends_here(v_count, 0);
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t v = t.trajectory_end[i];
+    if (v < 0 || v >= v_count)
+      throw InvalidArgument(Idx("trajectory_end", i), "must be a segment id in [0, " + std::to_string(v_count) +
+                                                          "), got " + std::to_string(v));
+    ends_here[v] = 1;
+    total += (*end_position)[v];
+    if (total > kMaxSemanticTokens)
+      throw ResourceExhausted(Idx("trajectory_end", i),
+                              "the trajectories up to " + std::to_string(i) + " hold " + std::to_string(total) +
+                                  " semantic tokens, over the limit of " + std::to_string(kMaxSemanticTokens));
+  }
+  for (int64_t v = 0; v < v_count; ++v)
+    if (child_offsets[v + 1] == child_offsets[v] && !ends_here[v])
+      throw InvalidArgument("trajectory_end", "leaf segment " + std::to_string(v) +
+                                                  " ends no trajectory (every leaf must end one)");
+  return preorder;
+}
+
+std::unique_ptr<RolloutBatch> RolloutBatch::FromSegmentTree(const SegmentTreeView& t, const int64_t* tree_ids,
+                                                            int64_t num_tree_ids) {
+  std::vector<int64_t> end_position;
+  const std::vector<int32_t> preorder = ValidateSegmentTree(t, &end_position);
+  const int64_t n = t.num_trajectories, v_count = t.num_segments;
+  if (tree_ids != nullptr) {
+    if (num_tree_ids != n)
+      throw InvalidArgument("tree_ids", "needs one entry per trajectory (" + std::to_string(n) + "), got " +
+                                            std::to_string(num_tree_ids));
+    for (int64_t i = 0; i < n; ++i)
+      if (tree_ids[i] < 0) throw InvalidArgument(Idx("tree_ids", i), "must be >= 0, got " + std::to_string(tree_ids[i]));
+  }
+  std::unique_ptr<RolloutBatch> b(new RolloutBatch());
+  b->lengths_.resize(n);
+  b->offsets_.assign(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    b->lengths_[i] = end_position[t.trajectory_end[i]];
+    b->offsets_[i + 1] = b->offsets_[i] + b->lengths_[i];
+  }
+  // Trajectories ending at each segment, by index (a stable counting sort).
+  std::vector<int64_t> end_offsets(v_count + 1, 0);
+  for (int64_t i = 0; i < n; ++i) ++end_offsets[t.trajectory_end[i] + 1];
+  for (int64_t v = 0; v < v_count; ++v) end_offsets[v + 1] += end_offsets[v];
+  std::vector<int32_t> ending(n);
+  {
+    std::vector<int64_t> fill(end_offsets.begin(), end_offsets.end() - 1);
+    for (int64_t i = 0; i < n; ++i) ending[fill[t.trajectory_end[i]]++] = static_cast<int32_t>(i);
+  }
+  // Lexicographic order = preorder of the ends (a prefix precedes its extensions, siblings by
+  // id). Adjacent LCP: the shallowest position the walk climbs to between two ends, i.e. the
+  // start of every segment it leaves since the previous end; that is the end of their LCA.
+  b->order_.reserve(n);
+  b->lcp_.assign(n, 0);
+  std::vector<int32_t> path;  // ancestors of the current segment, root first
+  int64_t climb = 0;          // min start of the segments left since the previous end
+  for (const int32_t v : preorder) {
+    while (!path.empty() && path.back() != t.parent[v]) {  // leave finished segments
+      const int32_t u = path.back();
+      path.pop_back();
+      climb = std::min<int64_t>(climb, end_position[u] - t.length[u]);
+    }
+    if (t.parent[v] < 0) climb = 0;  // a new root shares nothing with earlier trees
+    path.push_back(v);
+    for (int64_t k = end_offsets[v]; k < end_offsets[v + 1]; ++k) {
+      const int64_t r = static_cast<int64_t>(b->order_.size());
+      if (r > 0) b->lcp_[r] = static_cast<int32_t>(k == end_offsets[v] ? climb : end_position[v]);
+      b->order_.push_back(ending[k]);
+      climb = end_position[v];
+    }
+  }
+  b->BuildIndex(tree_ids);
+  return b;
+}
+
+void RolloutBatch::BuildIndex(const int64_t* tree_ids) {
+  const int64_t n = num_trajectories();
+  rank_.resize(n);
+  prefix_length_.assign(n + 1, 0);
+  prefix_lcp_.assign(n + 1, 0);
+  std::vector<int64_t> sorted_lengths(n);
+  for (int64_t r = 0; r < n; ++r) {
+    rank_[order_[r]] = static_cast<int32_t>(r);
+    sorted_lengths[r] = lengths_[order_[r]];
+    prefix_length_[r + 1] = prefix_length_[r] + sorted_lengths[r];
+    prefix_lcp_[r + 1] = prefix_lcp_[r] + lcp_[r];
+  }
+  rmq_ = SparseTableRmq(lcp_);
+  forest_ = BuildSegmentForest(order_.data(), sorted_lengths.data(), lcp_.data(), n);
+
+  const SegmentForest& f = forest_;
+  segment_root_.resize(f.size());
+  std::vector<int32_t> root_index(f.size(), -1);
+  for (int64_t v = 0; v < f.size(); ++v)  // preorder: parents come first
+    segment_root_[v] = f.parent[v] < 0 ? static_cast<int32_t>(v) : segment_root_[f.parent[v]];
+  for (size_t k = 0; k < f.roots.size(); ++k) root_index[f.roots[k]] = static_cast<int32_t>(k);
+  component_.resize(n);
+  for (int64_t r = 0; r < n; ++r) component_[order_[r]] = root_index[segment_root_[f.item_segment[r]]];
+  if (tree_ids != nullptr) tree_ids_.assign(tree_ids, tree_ids + n);
+  else tree_ids_.assign(component_.begin(), component_.end());
+}
+
+void RolloutBatch::BuildCompactTrie() const {
   const int64_t n = num_trajectories();
   const SegmentForest& f = forest_;
   const int64_t num_rows = f.num_rows;

@@ -2,21 +2,27 @@
 
 Public API::
 
-    from harts_planner import RolloutBatch
+    from harts_planner import Planner, RolloutBatch
     batch = RolloutBatch.from_token_lists([[1, 2, 3], [1, 2, 4]])
     batch.compact_tokens  # 4
+    plan = Planner().plan_step(batch, dp_size=1, capacity=8)        # in-process
+    # Planner("127.0.0.1:50051").plan_step(...) asks a `harts-planner serve` sidecar instead
 """
 
 from harts_planner._native import MAX_SEMANTIC_TOKENS, MAX_TRAJECTORIES
-from harts_planner.batch import RolloutBatch
+from harts_planner.batch import PackedTokens, RolloutBatch, SegmentTree
 from harts_planner.call_plan import CallPlan, plan_calls
 from harts_planner.errors import HartsError, InfeasibleError, InvalidArgumentError, ResourceLimitError
+from harts_planner.planner import Planner
 from harts_planner.step_plan import StepPlan, plan_step
 
 __version__ = "0.1.0"
 
 __all__ = [
     "RolloutBatch",
+    "PackedTokens",
+    "SegmentTree",
+    "Planner",
     "CallPlan",
     "plan_calls",
     "StepPlan",

@@ -11,10 +11,16 @@ Glossary (Sections 2.1, 3.1 and 3.2 of the paper):
 * rank: position in the stable lexicographic order of the trajectories.
 * segment: a maximal fork-free path of the compact trie (no fork and no trajectory end strictly
   inside), positions ``[start, end)`` of every trajectory through it; numbered in preorder.
+
+A batch comes from tokens (:meth:`RolloutBatch.from_arrays`) or from an already compacted
+:class:`SegmentTree` (:meth:`RolloutBatch.from_segment_tree`): per segment its parent and token
+count, per trajectory the segment it ends at. The tree of a batch (:meth:`RolloutBatch.segment_tree`)
+rebuilds that batch exactly, without its tokens, so it can stand for them on the wire.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable, Sequence
 
@@ -40,14 +46,94 @@ def _as_array(values, dtype, field: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=dtype)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedTokens:
+    """Trajectories as packed tokens: trajectory ``i`` is ``tokens[offsets[i]:offsets[i + 1]]``.
+
+    Attributes
+    ----------
+    tokens : np.ndarray, int32 [S]
+        Token ids >= 0.
+    offsets : np.ndarray, int64 [N + 1]
+        ``offsets[0] = 0``, strictly increasing, ``offsets[N] = S``.
+    tree_ids : np.ndarray or None, int64 [N]
+        Optional rollout-tree id of each trajectory.
+
+    The arrays are converted (zero copy when the dtype already matches) but not validated here;
+    :meth:`RolloutBatch.from_arrays` validates them.
+    """
+
+    tokens: np.ndarray
+    offsets: np.ndarray
+    tree_ids: np.ndarray | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "tokens", _as_array(self.tokens, np.int32, "tokens"))
+        object.__setattr__(self, "offsets", _as_array(self.offsets, np.int64, "offsets"))
+        if self.tree_ids is not None:
+            object.__setattr__(self, "tree_ids", _as_array(self.tree_ids, np.int64, "tree_ids"))
+
+    @property
+    def num_trajectories(self) -> int:
+        """N (from the offsets)."""
+        return max(len(self.offsets) - 1, 0)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SegmentTree:
+    """An already compacted segment tree: a batch's prefix structure without its tokens.
+
+    Segment ``v`` is a fork-free run of ``length[v]`` tokens below segment ``parent[v]`` (-1 for a
+    root). Siblings are distinct and ordered by increasing id (roots likewise): that order stands for
+    their lexicographic order. Trajectory ``i`` is the path from a root down to the end of segment
+    ``trajectory_end[i]``, so its length is the sum of ``length`` along that path.
+
+    Attributes
+    ----------
+    parent : np.ndarray, int32 [V]
+        Parent segment in ``[0, V)`` or -1; no cycles.
+    length : np.ndarray, int32 [V]
+        Tokens per segment, >= 1.
+    trajectory_end : np.ndarray, int32 [N]
+        Segment at whose end each trajectory ends; every leaf segment must end one.
+    tree_ids : np.ndarray or None, int64 [N]
+        Optional rollout-tree id of each trajectory.
+
+    Validation happens in :meth:`RolloutBatch.from_segment_tree` (errors name ``parent[v]``,
+    ``length[v]``, ``trajectory_end[i]``...).
+    """
+
+    parent: np.ndarray
+    length: np.ndarray
+    trajectory_end: np.ndarray
+    tree_ids: np.ndarray | None = None
+
+    def __post_init__(self):
+        for name in ("parent", "length", "trajectory_end"):
+            object.__setattr__(self, name, _as_array(getattr(self, name), np.int32, name))
+        if self.tree_ids is not None:
+            object.__setattr__(self, "tree_ids", _as_array(self.tree_ids, np.int64, "tree_ids"))
+
+    @property
+    def num_segments(self) -> int:
+        """V."""
+        return len(self.parent)
+
+    @property
+    def num_trajectories(self) -> int:
+        """N."""
+        return len(self.trajectory_end)
+
+
 class RolloutBatch:
     """A batch of trajectories and its compact trie, LCP/RMQ index and segment forest.
 
-    Build one with :meth:`from_arrays`, :meth:`from_token_lists` or :meth:`load`. All array
-    properties are read-only numpy views of memory owned by the C++ core (no copies).
+    Build one with :meth:`from_arrays`, :meth:`from_token_lists`, :meth:`from_segment_tree` or
+    :meth:`load`. All array properties are read-only numpy views of memory owned by the C++ core
+    (no copies). A batch built from a segment tree has no tokens (:attr:`tokens` is None).
     """
 
-    def __init__(self, native: _native.CompactBatch, tokens: np.ndarray, offsets: np.ndarray,
+    def __init__(self, native: _native.CompactBatch, tokens: np.ndarray | None, offsets: np.ndarray,
                  tree_ids: np.ndarray | None):
         self._native = native
         self._tokens = tokens
@@ -101,6 +187,47 @@ class RolloutBatch:
         return cls.from_arrays(_as_array(np.concatenate(pieces), np.int32, "tokens"), offsets, tree_ids)
 
     @classmethod
+    def from_segment_tree(cls, tree: SegmentTree) -> "RolloutBatch":
+        """Build the batch a compacted :class:`SegmentTree` stands for, without tokens.
+
+        O(V + N log N): no per-token work until a per-row array (:attr:`compact_map`,
+        :attr:`multiplicity`, ...) is first read. The batch equals, array for array, the one
+        ingested from tokens with that tree; in particular
+        ``RolloutBatch.from_segment_tree(b.segment_tree())`` plans exactly like ``b``.
+
+        Raises
+        ------
+        InvalidArgumentError
+            ``parent[v]`` out of range or on a cycle, ``length[v] < 1``, ``trajectory_end[i]`` out of
+            range, a leaf segment no trajectory ends at (``trajectory_end``), no segments or no
+            trajectories, arrays of different lengths, bad ``tree_ids``.
+        ResourceLimitError
+            More than ``MAX_TRAJECTORIES`` trajectories, ``2 * MAX_TRAJECTORIES`` segments, or
+            ``MAX_SEMANTIC_TOKENS`` semantic tokens in all.
+        """
+        if not isinstance(tree, SegmentTree):
+            raise invalid("tree", f"must be a harts_planner.SegmentTree, got {type(tree).__name__}")
+        native = _native.ingest_segment_tree(tree.parent, tree.length, tree.trajectory_end, tree.tree_ids)
+        offsets = np.zeros(native.num_trajectories + 1, dtype=np.int64)
+        np.cumsum(native.lengths, out=offsets[1:])
+        return cls(native, None, offsets, tree.tree_ids)
+
+    def segment_tree(self) -> SegmentTree:
+        """The compacted tree of this batch: its segment forest's parents and lengths, the segment
+        each trajectory ends at, and the input tree ids (if any). O(V + N)."""
+        end_offsets = self.segment_end_offsets
+        trajectory_end = np.empty(self.num_trajectories, dtype=np.int32)
+        trajectory_end[self.segment_ending] = np.repeat(
+            np.arange(self.num_segments, dtype=np.int32), np.diff(end_offsets))
+        length = (self.segment_end - self.segment_start).astype(np.int32)
+        return SegmentTree(self.segment_parent, length, trajectory_end, self._input_tree_ids)
+
+    @property
+    def has_tokens(self) -> bool:
+        """False for a batch built from a segment tree."""
+        return self._tokens is not None
+
+    @classmethod
     def load(cls, path: str | os.PathLike) -> "RolloutBatch":
         """Load a batch saved by :meth:`save` (``.hrb`` binary or ``.jsonl``)."""
         from harts_planner.batch_io import load_batch
@@ -112,6 +239,8 @@ class RolloutBatch:
         """Save the input trajectories (format from the extension: ``.hrb`` or ``.jsonl``)."""
         from harts_planner.batch_io import save_batch
 
+        if self._tokens is None:
+            raise invalid("tokens", "a batch built from a segment tree has no tokens to save")
         save_batch(path, self._tokens, self._offsets, self._input_tree_ids)
 
     # ------------------------------------------------------------------ sizes
@@ -142,13 +271,13 @@ class RolloutBatch:
 
     # ------------------------------------------------------------------ inputs
     @property
-    def tokens(self) -> np.ndarray:
-        """int32 [S]: the input token buffer."""
+    def tokens(self) -> np.ndarray | None:
+        """int32 [S]: the input token buffer (None for a batch built from a segment tree)."""
         return self._tokens
 
     @property
     def offsets(self) -> np.ndarray:
-        """int64 [N + 1]: the input offsets."""
+        """int64 [N + 1]: the input offsets (the prefix sums of :attr:`lengths`)."""
         return self._offsets
 
     @property
@@ -168,7 +297,9 @@ class RolloutBatch:
         return self._native.component
 
     def trajectory(self, i: int) -> np.ndarray:
-        """int32 view of trajectory ``i``'s tokens."""
+        """int32 view of trajectory ``i``'s tokens (InvalidArgumentError without tokens)."""
+        if self._tokens is None:
+            raise invalid("tokens", "a batch built from a segment tree has no tokens")
         return self._tokens[self._offsets[i]:self._offsets[i + 1]]
 
     # ------------------------------------------------------------------ order and LCP

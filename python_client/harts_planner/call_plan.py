@@ -29,6 +29,31 @@ from harts_planner.errors import invalid
 MAX_CHUNK_SIZE: int = _native.MAX_CHUNK_SIZE
 MAX_CONV_WIDTH: int = _native.MAX_CONV_WIDTH
 
+_I32, _I64 = np.dtype("<i4"), np.dtype("<i8")
+
+#: Scalars of a call plan (names of the native plan, of the wire message and of the properties).
+SCALAR_FIELDS: tuple[str, ...] = ("chunk_size", "conv_width", "num_calls", "replay_tokens", "compact_tokens",
+                                  "num_segments", "num_sequences", "num_state_slots")
+
+#: Every array of a call plan: name on the native plan (and field of the wire message
+#: ``harts.planner.v1.CallPlan``) -> little-endian dtype. Equality and the wire codec use this table.
+ARRAY_FIELDS: dict[str, np.dtype] = {
+    "segment_start": _I32, "segment_end": _I32, "segment_parent": _I32, "segment_child_offsets": _I64,
+    "segment_children": _I32, "segment_roots": _I32, "segment_row_begin": _I64,
+    "t_pre": _I32, "t_in": _I32, "direct_child": _I32, "segment_sequence": _I32,
+    "round_sequence_offsets": _I32, "sequence_round": _I32, "sequence_chain_offsets": _I32,
+    "sequence_chain": _I32, "sequence_anchor": _I32, "sequence_start": _I32, "sequence_end": _I32,
+    "sequence_state_slot": _I32, "sequence_request_offsets": _I32, "slot_producer": _I32,
+    "slot_position": _I32, "slot_segment": _I32,
+    "physical_to_row": _I32, "row_to_physical": _I32, "position_ids": _I32, "segment_physical_begin": _I32,
+    "sequence_physical_offsets": _I32, "round_physical_offsets": _I32, "packed_offsets": _I64,
+    "gather_index": _I32, "packed_output_row": _I32, "cu_offsets": _I32, "cu_seqlens": _I32,
+    "request_sequence": _I32, "request_position": _I32, "request_chunk": _I32, "request_slot": _I32,
+    "sequence_replay_length": _I32, "conv_context": _I32, "own_conv_context": _I32,
+    "trajectories": _I32, "row_to_global": _I32, "physical_to_global": _I32, "semantic_offsets": _I64,
+    "semantic_to_physical": _I32,
+}
+
 
 def _check_int(value, field: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -58,14 +83,27 @@ def _int32_ids(values, field: str) -> np.ndarray:
 class CallPlan:
     """The rounds, sequences, state handoffs and physical layout of one microbatch.
 
-    Build one with :func:`plan_calls` (or :func:`plan_segment_forest`). Every array property is
-    a read-only numpy view of memory owned by the C++ plan (no copies). Shapes use ``V``
-    segments, ``C`` compact rows, ``Q`` sequences, ``K`` rounds (= :attr:`num_calls`),
-    ``P`` state slots, ``w`` the convolution width.
+    Build one with :func:`plan_calls` (or :func:`plan_segment_forest`, or a
+    :class:`harts_planner.Planner`). Every array property is a read-only numpy view of memory owned
+    by the C++ plan (no copies), or of the response bytes for a plan received from a sidecar.
+    Shapes use ``V`` segments, ``C`` compact rows, ``Q`` sequences, ``K`` rounds
+    (= :attr:`num_calls`), ``P`` state slots, ``w`` the convolution width.
+
+    Two plans compare equal (``==``) when every scalar of :data:`SCALAR_FIELDS` and every array of
+    :data:`ARRAY_FIELDS` is equal.
     """
 
-    def __init__(self, native: _native.CallPlan):
+    def __init__(self, native):
         self._native = native
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, CallPlan):
+            return NotImplemented
+        a, b = self._native, other._native
+        return (all(getattr(a, f) == getattr(b, f) for f in SCALAR_FIELDS)
+                and all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ARRAY_FIELDS))
+
+    __hash__ = None  # mutable-looking value object: equality by content, no hashing
 
     # ------------------------------------------------------------------ scalars
     @property
@@ -506,4 +544,5 @@ def plan_segment_forest(parent, start, end, chunk_size: int = 64, conv_width: in
     return CallPlan(_native.plan_segment_forest(*arrays, chunk_size, conv_width))
 
 
-__all__ = ["CallPlan", "plan_calls", "plan_segment_forest", "MAX_CHUNK_SIZE", "MAX_CONV_WIDTH"]
+__all__ = ["CallPlan", "plan_calls", "plan_segment_forest", "MAX_CHUNK_SIZE", "MAX_CONV_WIDTH",
+           "ARRAY_FIELDS", "SCALAR_FIELDS"]

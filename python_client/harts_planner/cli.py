@@ -4,6 +4,10 @@ Subcommands
 -----------
 demo    generate the built-in SWE-like synthetic step, ingest it and print what was found.
 synth   write a synthetic batch to a file (``.hrb`` binary or ``.jsonl``).
+plan    plan a saved batch (in-process or on a sidecar); a summary table, or the full plan as JSON.
+serve   run the gRPC planner sidecar (SIGTERM drains it).
+bench   planning latency in-process and over gRPC, N concurrent clients, tokens or tree requests.
+show    render a plan as a self-contained HTML/SVG page (trees coloured by call round).
 """
 
 from __future__ import annotations
@@ -76,6 +80,152 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_batch(path: str):
+    from harts_planner.batch import RolloutBatch
+
+    return RolloutBatch.load(path)
+
+
+def _plan_file(args: argparse.Namespace, call_plans: bool):
+    """Plan args.file with the step arguments of ``plan`` / ``show``."""
+    from harts_planner.bench import payload
+    from harts_planner.planner import Planner
+
+    batch = _load_batch(args.file)
+    with Planner(args.target) as planner:
+        source = batch if args.target is None else payload(batch, args.request)
+        return batch, planner.plan_step(source, args.dp, args.capacity, args.chunk_size, call_plans=call_plans)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    batch, plan = _plan_file(args, call_plans=args.call_plans)
+    if args.json:
+        out = plan.to_dict()
+        if args.call_plans:
+            out["call_plans"] = [c.to_dict(segments=False) for c in plan.call_plans()]
+        print(json.dumps(out, indent=2))
+        return 0
+    j, m = plan.objective, plan.metrics
+    where = f"sidecar {args.target} ({args.request} request)" if args.target else "in-process"
+    print(f"HARTS step plan of {args.file}: {batch.num_trajectories:,} trajectories, "
+          f"{batch.semantic_tokens:,} tokens, {batch.compact_tokens:,} compact ({where})")
+    rows = [("D / T / B", f"{plan.dp_size} / {plan.capacity:,} / {plan.chunk_size}"),
+            ("microbatches K (slots)", f"{plan.num_microbatches} ({plan.num_slots})"),
+            ("J (total, slot-critical, max replica)", f"({j[0]:,}, {j[1]:,}, {j[2]:,})"),
+            ("total work / batch compact tokens", f"{j[0] / plan.compact_tokens:.4f}"),
+            ("slot imbalance P50 / P95", f"{m['slot_imbalance_p50']:.3%} / {m['slot_imbalance_p95']:.3%}"),
+            ("step imbalance", f"{m['step_imbalance']:.3%}"),
+            ("selected candidate", f"{plan.source} ({len(plan.candidates)} compared)"),
+            ("time", f"{plan.wall_seconds * 1e3:.1f} ms (planner {plan.planning_seconds * 1e3:.1f} ms)")]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+    calls = plan.call_plans() if args.call_plans else None
+    print(f"\n  {'mb':>4} {'replica':>7} {'slot':>5} {'traj':>6} {'work':>10} {'of T':>6}"
+          + (f" {'calls':>5} {'replay':>8}" if calls else ""))
+    for i in range(plan.num_microbatches):
+        line = (f"  {i:>4} {int(plan.replica[i]):>7} {int(plan.slot[i]):>5} {len(plan.microbatches[i]):>6} "
+                f"{int(plan.work[i]):>10,} {int(plan.work[i]) / plan.capacity:>6.1%}")
+        if calls:
+            line += f" {calls[i].num_calls:>5} {calls[i].replay_tokens:>8,}"
+        print(line)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from harts_planner.rpc.server import serve
+
+    limit = args.max_message_bytes if args.max_message_bytes else args.max_message_mb * (1 << 20)
+    return serve(args.host, args.port, workers=args.workers, max_message_bytes=limit, grace=args.grace,
+                 log_format=args.log_format)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from harts_planner import bench, synth
+    from harts_planner.batch import RolloutBatch
+    from harts_planner.planner import Planner
+
+    if args.batch:
+        batch, label = _load_batch(args.batch), args.batch
+    else:
+        syn = synth.generate(args.preset, seed=args.seed, progress=Progress("generate", enabled=not args.quiet))
+        batch, label = RolloutBatch.from_arrays(syn.tokens, syn.offsets, syn.tree_ids), f"{args.preset}/{args.seed}"
+    kinds = bench.REQUEST_KINDS if args.request == "both" else (args.request,)
+    transports = bench.TRANSPORTS if args.transport == "both" else (args.transport,)
+    sidecar = None
+    if "grpc" in transports and args.target is None:
+        from harts_planner.rpc.server import SidecarProcess
+
+        sidecar = SidecarProcess(workers=args.workers)
+    target = args.target or (sidecar.address if sidecar else None)
+    results = []
+    try:
+        for kind in kinds:
+            request = bench.payload(batch, kind)
+            reference = Planner().plan_step(request, args.dp, args.capacity, call_plans=args.call_plans)
+            for transport in transports:
+                bar = Progress(f"{transport}/{kind}", enabled=not args.quiet)
+                make = (lambda: Planner()) if transport == "inprocess" else (lambda: Planner(target))
+                r = bench.run(make, request, args.dp, args.capacity, clients=args.clients, requests=args.requests,
+                              warmup=args.warmup, reference=reference, progress=bar, call_plans=args.call_plans)
+                bar.close()
+                results.append({"transport": transport, "request": kind, **r})
+    finally:
+        if sidecar is not None:
+            sidecar.terminate()
+    ratios = {}
+    for kind in kinds:
+        by = {r["transport"]: r for r in results if r["request"] == kind}
+        if len(by) == 2:
+            ratios[kind] = {q: by["grpc"][f"{q}_ms"] / by["inprocess"][f"{q}_ms"] for q in ("p50", "p95", "p99")}
+    report = {"batch": label, "trajectories": batch.num_trajectories, "semantic_tokens": batch.semantic_tokens,
+              "compact_tokens": batch.compact_tokens, "segments": batch.num_segments, "dp_size": args.dp,
+              "capacity": args.capacity, "call_plans": args.call_plans, "target": args.target,
+              "results": results, "grpc_over_inprocess": ratios, "machine": bench.machine()}
+    if args.json is not None:
+        text = json.dumps(report, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    if args.json != "-":
+        print(f"bench {label}: {batch.num_trajectories:,} trajectories, {batch.semantic_tokens:,} tokens, "
+              f"D = {args.dp}, T = {args.capacity:,}, {args.clients} client(s), {args.requests} requests each row")
+        print(f"  {'transport':<10} {'request':<7} {'p50 ms':>9} {'p95 ms':>9} {'p99 ms':>9} {'plans/s':>8} "
+              f"{'mismatch':>8}")
+        for r in results:
+            print(f"  {r['transport']:<10} {r['request']:<7} {r['p50_ms']:>9.1f} {r['p95_ms']:>9.1f} "
+                  f"{r['p99_ms']:>9.1f} {r['throughput_per_s']:>8.2f} {r['mismatches']:>8}")
+        for kind, q in ratios.items():
+            print(f"  gRPC / in-process ({kind}): p50 {q['p50']:.3f}x, p95 {q['p95']:.3f}x, p99 {q['p99']:.3f}x")
+    return 1 if any(r["mismatches"] for r in results) else 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from harts_planner import viewer
+
+    _, plan = _plan_file(args, call_plans=True)
+    html = viewer.render_step_plan(plan, title=args.title or f"HARTS plan of {args.file}",
+                                   max_segments=args.max_segments)
+    output = args.output or (str(args.file).rsplit(".", 1)[0] + ".html")
+    with open(output, "w", encoding="utf-8") as f:
+        f.write(html)
+    print(f"wrote {output}: {plan.num_microbatches} microbatches, "
+          f"{sum(c.num_segments for c in plan.call_plans()):,} segments")
+    return 0
+
+
+def _step_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="a batch file (.hrb or .jsonl, see `harts-planner synth`)")
+    p.add_argument("--dp", type=int, default=1, help="DP degree D (default 1)")
+    p.add_argument("--capacity", type=int, default=65536, help="compact tokens per microbatch T (default 65536)")
+    p.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk size B (default 64)")
+    p.add_argument("--target", help="host:port of a sidecar (default: plan in-process)")
+    p.add_argument("--request", choices=("tree", "tokens"), default="tree",
+                   help="what to send a sidecar: the compacted tree (default) or the tokens")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="harts-planner", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -94,6 +244,50 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=cmd_synth)
+
+    pl = sub.add_parser("plan", help="plan a saved batch; print a summary table (or --json)")
+    _step_args(pl)
+    pl.add_argument("--call-plans", action="store_true", help="also plan every microbatch's calls")
+    pl.add_argument("--json", action="store_true", help="print the full plan as JSON")
+    pl.set_defaults(func=cmd_plan)
+
+    sv = sub.add_parser("serve", help="run the gRPC planner sidecar")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    sv.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 picks a free one)")
+    sv.add_argument("--workers", type=int, default=None, help="planner threads (default: one per core, >= 2)")
+    sv.add_argument("--max-message-mb", type=int, default=1024,
+                    help="largest request/response in MiB (default 1024: a 59M-token step is 236 MB)")
+    sv.add_argument("--max-message-bytes", type=int, default=None, help=argparse.SUPPRESS)
+    sv.add_argument("--grace", type=float, default=300.0,
+                    help="seconds in-flight plans get to finish after SIGTERM (default 300)")
+    sv.add_argument("--log-format", choices=("json", "text"), default="json", help="log lines on stderr")
+    sv.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="planning latency in-process and over gRPC (p50/p95/p99, throughput)")
+    b.add_argument("--preset", default="swe-like", help="synthetic preset (default swe-like)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--batch", help="plan this batch file instead of a synthetic one")
+    b.add_argument("--dp", type=int, default=2, help="DP degree D (default 2)")
+    b.add_argument("--capacity", type=int, default=65536, help="T (default 65536)")
+    b.add_argument("--request", choices=("tokens", "tree", "both"), default="both")
+    b.add_argument("--transport", choices=("inprocess", "grpc", "both"), default="both")
+    b.add_argument("--target", help="host:port of a running sidecar (default: start one)")
+    b.add_argument("--workers", type=int, default=None, help="worker threads of the started sidecar")
+    b.add_argument("--clients", type=int, default=1, help="concurrent clients (default 1)")
+    b.add_argument("--requests", type=int, default=20, help="timed requests per row (default 20)")
+    b.add_argument("--warmup", type=int, default=1, help="untimed requests per client first (default 1)")
+    b.add_argument("--call-plans", action="store_true", help="also plan every microbatch's calls")
+    b.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write the report as JSON to PATH (or stdout with no PATH)")
+    b.add_argument("--quiet", action="store_true", help="no progress bars")
+    b.set_defaults(func=cmd_bench)
+
+    sh = sub.add_parser("show", help="render a plan as a self-contained HTML/SVG page")
+    _step_args(sh)
+    sh.add_argument("-o", "--output", help="HTML file to write (default: FILE with .html)")
+    sh.add_argument("--title", help="page title")
+    sh.add_argument("--max-segments", type=int, default=5000, help="largest tree drawn per microbatch")
+    sh.set_defaults(func=cmd_show)
     return p
 
 

@@ -28,7 +28,18 @@ from harts_planner import _native
 from harts_planner.batch import RolloutBatch
 from harts_planner.errors import invalid
 
-__all__ = ["StepPlan", "imbalance", "plan_step", "schedule_metrics", "verify_schedule"]
+__all__ = ["StepPlan", "imbalance", "plan_step", "schedule_metrics", "verify_schedule", "ARRAY_FIELDS",
+           "SCALAR_FIELDS"]
+
+_I32, _I64 = np.dtype("<i4"), np.dtype("<i8")
+
+#: Arrays of a step plan: name on the native plan (and field of ``harts.planner.v1.StepPlan``) -> dtype.
+ARRAY_FIELDS: dict[str, np.dtype] = {"member_offsets": _I64, "members": _I32, "work": _I64, "replica": _I32,
+                                     "slot": _I32}
+#: Scalars of the native plan compared by ``StepPlan.__eq__`` (timings excluded).
+SCALAR_FIELDS: tuple[str, ...] = ("dp_size", "capacity", "num_trajectories", "num_microbatches", "objective",
+                                  "source", "search_mode", "natural_k", "k_min", "k_max", "compact_tokens",
+                                  "candidates", "selected")
 
 #: Options of :func:`plan_step` and their defaults (the paper's parameters).
 DEFAULT_OPTIONS: dict[str, object] = {
@@ -205,9 +216,15 @@ class StepPlan:
         J of Equation (4).
     planning_seconds : float
         Time spent in the C++ planner.
+
+    Two plans compare equal (``==``) when their schedule, objective, candidates, provenance, chunk
+    size and options are equal (:data:`ARRAY_FIELDS`, :data:`SCALAR_FIELDS`), and, when both carry
+    call plans already, those too; timings (``planning_seconds``, ``phase_seconds``,
+    ``wall_seconds``) are not compared. A plan received from a sidecar has no :attr:`batch`.
     """
 
-    def __init__(self, native, batch: RolloutBatch, chunk_size: int, options: dict, wall_seconds: float):
+    def __init__(self, native, batch: RolloutBatch | None, chunk_size: int, options: dict,
+                 wall_seconds: float, call_plans: list | None = None):
         self._native = native
         self._batch = batch
         self.chunk_size = chunk_size
@@ -218,12 +235,32 @@ class StepPlan:
         self.microbatches: list[np.ndarray] = [members[offsets[m]:offsets[m + 1]]
                                                for m in range(native.num_microbatches)]
         self._metrics: dict | None = None
-        self._call_plans: list | None = None
+        self._call_plans: list | None = None if call_plans is None else list(call_plans)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, StepPlan):
+            return NotImplemented
+        a, b = self._native, other._native
+        if not (self.chunk_size == other.chunk_size and self.options == other.options
+                and all(getattr(a, f) == getattr(b, f) for f in SCALAR_FIELDS)
+                and all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ARRAY_FIELDS)):
+            return False
+        if self._call_plans is not None and other._call_plans is not None:
+            return self._call_plans == other._call_plans
+        return True
+
+    __hash__ = None
 
     # ------------------------------------------------------------------ shape
     @property
-    def batch(self) -> RolloutBatch:
+    def batch(self) -> RolloutBatch | None:
+        """The planned batch (None for a plan received from a sidecar)."""
         return self._batch
+
+    @property
+    def has_call_plans(self) -> bool:
+        """True once the per-microbatch call plans are computed or were received."""
+        return self._call_plans is not None
 
     @property
     def dp_size(self) -> int:
@@ -347,8 +384,13 @@ class StepPlan:
         """Per-microbatch minimum-call plans (Section 3.3), computed on first use.
 
         Calls ``harts_planner.plan_calls(batch, chunk_size, trajectories=microbatch)`` for every
-        microbatch. Raises ``NotImplementedError`` when this build has no minimum-call planner.
+        microbatch. A plan received from a sidecar has them only when requested with
+        ``call_plans=True`` (``Planner.plan_step``); otherwise this raises InvalidArgumentError
+        (field ``call_plans``).
         """
+        if self._call_plans is None and self._batch is None:
+            raise invalid("call_plans", "this plan came from a sidecar without call plans; request them "
+                                        "with Planner.plan_step(..., call_plans=True) or Planner.plan_calls")
         if self._call_plans is None:
             import harts_planner
 

@@ -19,15 +19,27 @@
 //   offsets has N + 1 entries, offsets[0] = 0, offsets[N] = len(tokens), strictly
 //   increasing (no empty trajectory); tokens >= 0; tree_ids, if given, has N entries >= 0.
 //
+// A batch can also be built from an already compacted segment tree (FromSegmentTree):
+// per segment its parent and token count, per trajectory the segment at whose end it
+// ends. The tree stands for the tokens: sibling order (increasing segment id, roots
+// likewise) is the lexicographic order, siblings are distinct, and trajectories ending at
+// the same segment are identical. The result equals, array for array, the batch ingested
+// from any token buffer with that tree (such as the tree of a batch's own segment forest:
+// parent, end - start, and the segment each trajectory ends at), so every plan made from
+// it is identical too.
+//
 // Complexity: Ingest is O(N log N) trajectory comparisons (each O(LCP / 16)), plus O(S)
-// for the map m, plus O(N log N) for the RMQ index. Lcp and IntervalWork are O(1);
-// SubsetWork is O(k log k) for k trajectories.
+// for the map m, plus O(N log N) for the RMQ index. FromSegmentTree is O(V + N log N),
+// independent of S: the per-row arrays (row_of_position, multiplicity, row_parent,
+// row_depth, row_segment) are then built on first use, O(S), thread-safe. Lcp and
+// IntervalWork are O(1); SubsetWork is O(k log k) for k trajectories.
 #ifndef HARTS_ROLLOUT_BATCH_H_
 #define HARTS_ROLLOUT_BATCH_H_
 
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "harts/lex_order.h"
@@ -38,10 +50,35 @@ namespace harts {
 
 inline constexpr int64_t kMaxTrajectories = int64_t{1} << 24;
 inline constexpr int64_t kMaxSemanticTokens = std::numeric_limits<int32_t>::max();
+// Segments of a compacted tree: a canonical tree has at most 2N of them.
+inline constexpr int64_t kMaxTreeSegments = 2 * kMaxTrajectories;
 
 // Checks the preconditions above; throws InvalidArgument / ResourceExhausted.
 void ValidateTrajectories(const int32_t* tokens, int64_t num_tokens, const int64_t* offsets,
                           int64_t num_offsets, const int64_t* tree_ids, int64_t num_tree_ids);
+
+// An already compacted segment tree (the sidecar's "compacted tree" request).
+//   parent[v]          parent segment of v in [0, V), or -1 for a root; no cycles.
+//   length[v]          tokens of segment v, >= 1.
+//   trajectory_end[i]  the segment at whose last token trajectory i ends, in [0, V).
+// Every leaf segment must end at least one trajectory (no token belongs to no trajectory).
+// Unary segments at which no trajectory ends are allowed; they are merged with their
+// child, as ingestion from tokens would.
+struct SegmentTreeView {
+  const int32_t* parent;
+  const int32_t* length;
+  int64_t num_segments;
+  const int32_t* trajectory_end;
+  int64_t num_trajectories;
+};
+
+// Checks a SegmentTreeView. InvalidArgument naming "parent[v]" (out of range, or on a
+// cycle), "length[v]" (< 1), "trajectory_end[i]" (out of range), "trajectory_end" (a leaf
+// no trajectory ends at; N = 0), "length" (sizes differ); ResourceExhausted naming
+// "parent" (V > kMaxTreeSegments), "trajectory_end" (N > kMaxTrajectories, or S >
+// kMaxSemanticTokens). O(V + N). Returns the segments in DFS preorder (children and roots
+// by increasing id) and, in `end_position`, the absolute end position of every segment.
+std::vector<int32_t> ValidateSegmentTree(const SegmentTreeView& tree, std::vector<int64_t>* end_position);
 
 class RolloutBatch {
  public:
@@ -51,9 +88,15 @@ class RolloutBatch {
                                               const int64_t* offsets, int64_t num_offsets,
                                               const int64_t* tree_ids, int64_t num_tree_ids);
 
+  // Validates (ValidateSegmentTree, tree_ids as in ValidateTrajectories) and builds the
+  // batch of a compacted segment tree; trajectory i is the root-to-trajectory_end[i] path,
+  // offsets are the prefix sums of the lengths. O(V + N log N); no per-token work.
+  static std::unique_ptr<RolloutBatch> FromSegmentTree(const SegmentTreeView& tree, const int64_t* tree_ids,
+                                                       int64_t num_tree_ids);
+
   int64_t num_trajectories() const { return static_cast<int64_t>(lengths_.size()); }
-  int64_t semantic_tokens() const { return static_cast<int64_t>(row_of_position_.size()); }
-  int64_t compact_tokens() const { return static_cast<int64_t>(multiplicity_.size()); }
+  int64_t semantic_tokens() const { return offsets_.back(); }
+  int64_t compact_tokens() const { return forest_.num_rows; }
 
   // LCP(x_i, x_j) of trajectory indices i, j in [0, N). O(1).
   int64_t Lcp(int64_t i, int64_t j) const;
@@ -73,18 +116,23 @@ class RolloutBatch {
   const std::vector<int32_t>& order() const { return order_; }
   const std::vector<int32_t>& rank() const { return rank_; }
   const std::vector<int32_t>& adjacent_lcp() const { return lcp_; }
-  const std::vector<int32_t>& row_of_position() const { return row_of_position_; }
-  const std::vector<int32_t>& multiplicity() const { return multiplicity_; }
-  const std::vector<int32_t>& row_parent() const { return row_parent_; }
-  const std::vector<int32_t>& row_depth() const { return row_depth_; }
-  const std::vector<int32_t>& row_segment() const { return row_segment_; }
+  // Per-row arrays; the first call builds them (O(S)) when FromSegmentTree made the batch.
+  const std::vector<int32_t>& row_of_position() const { EnsureRows(); return row_of_position_; }
+  const std::vector<int32_t>& multiplicity() const { EnsureRows(); return multiplicity_; }
+  const std::vector<int32_t>& row_parent() const { EnsureRows(); return row_parent_; }
+  const std::vector<int32_t>& row_depth() const { EnsureRows(); return row_depth_; }
+  const std::vector<int32_t>& row_segment() const { EnsureRows(); return row_segment_; }
   const std::vector<int32_t>& segment_root() const { return segment_root_; }
   const std::vector<int32_t>& component() const { return component_; }
   const SegmentForest& forest() const { return forest_; }
 
  private:
   RolloutBatch() = default;
-  void BuildCompactTrie();
+  // From offsets_, lengths_, order_ and lcp_: rank, prefix sums, RMQ, forest, components
+  // and tree ids (the input ids, or the component index when tree_ids is null).
+  void BuildIndex(const int64_t* tree_ids);
+  void BuildCompactTrie() const;
+  void EnsureRows() const { std::call_once(rows_once_, [this] { BuildCompactTrie(); }); }
 
   std::vector<int64_t> offsets_;          // N + 1
   std::vector<int64_t> lengths_;          // N
@@ -94,11 +142,13 @@ class RolloutBatch {
   std::vector<int64_t> prefix_length_;    // N + 1, prefix sums of lengths in rank order
   std::vector<int64_t> prefix_lcp_;       // N + 1, prefix sums of lcp_
   SparseTableRmq rmq_;                    // over lcp_
-  std::vector<int32_t> row_of_position_;  // S
-  std::vector<int32_t> multiplicity_;     // C
-  std::vector<int32_t> row_parent_;       // C, -1 for a root row
-  std::vector<int32_t> row_depth_;        // C
-  std::vector<int32_t> row_segment_;      // C
+  // Built once by EnsureRows (INVARIANT: only read after it).
+  mutable std::once_flag rows_once_;
+  mutable std::vector<int32_t> row_of_position_;  // S
+  mutable std::vector<int32_t> multiplicity_;     // C
+  mutable std::vector<int32_t> row_parent_;       // C, -1 for a root row
+  mutable std::vector<int32_t> row_depth_;        // C
+  mutable std::vector<int32_t> row_segment_;      // C
   std::vector<int32_t> segment_root_;     // V: root segment of v's tree
   std::vector<int32_t> component_;        // N: index into forest_.roots of x_i's tree
   SegmentForest forest_;

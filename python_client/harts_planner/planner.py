@@ -1,0 +1,199 @@
+"""`Planner`: one planning API over two transports, in-process or a gRPC sidecar.
+
+::
+
+    from harts_planner import Planner, RolloutBatch
+
+    batch = RolloutBatch.load("step.hrb")
+    with Planner() as local, Planner("127.0.0.1:50051") as sidecar:
+        a = local.plan_step(batch, dp_size=2, capacity=65536)
+        b = sidecar.plan_step(batch, dp_size=2, capacity=65536)
+        assert a == b                       # equal field by field (timings aside)
+        calls = sidecar.plan_calls(batch, chunk_size=64, microbatch=a.microbatches[0])
+
+Trajectories can be given as
+
+* a :class:`RolloutBatch` (in-process: planned as is; sidecar: sent as its compacted
+  :meth:`~RolloutBatch.segment_tree`, which plans identically),
+* a :class:`SegmentTree` (a compacted tree built client-side: a few bytes per segment), or
+* :class:`PackedTokens` / a ``(tokens, offsets[, tree_ids])`` tuple (the raw step: 4 bytes per token).
+
+Both transports run the same code on the same arrays (the sidecar runs this module's in-process
+path behind ``harts_planner.rpc.server``), so the returned :class:`StepPlan` / :class:`CallPlan`
+objects compare equal. Errors are the same classes: :class:`InvalidArgumentError`,
+:class:`ResourceLimitError`, :class:`InfeasibleError` (``.field`` names the argument; for the
+sidecar, the request field path such as ``trajectories.tree.parent[3]``), plus
+:class:`harts_planner.rpc.client.SidecarError` for transport failures (unavailable, deadline).
+"""
+
+from __future__ import annotations
+
+import time
+
+from harts_planner.batch import PackedTokens, RolloutBatch, SegmentTree
+from harts_planner.call_plan import CallPlan, plan_calls
+from harts_planner.errors import invalid
+from harts_planner.step_plan import StepPlan, plan_step
+
+#: Default deadline of a sidecar call, seconds.
+DEFAULT_TIMEOUT = 600.0
+
+
+def as_source(trajectories) -> RolloutBatch | PackedTokens | SegmentTree:
+    """Normalize the accepted trajectory forms (see the module docstring)."""
+    if isinstance(trajectories, (RolloutBatch, PackedTokens, SegmentTree)):
+        return trajectories
+    if isinstance(trajectories, tuple) and len(trajectories) in (2, 3):
+        return PackedTokens(*trajectories)
+    raise invalid("trajectories", "must be a RolloutBatch, SegmentTree, PackedTokens or a (tokens, offsets"
+                                  f"[, tree_ids]) tuple, got {type(trajectories).__name__}")
+
+
+def local_plan_step(batch: RolloutBatch, dp_size: int, capacity: int, chunk_size: int, options: dict,
+                    call_plans: bool, conv_width: int, check=None) -> StepPlan:
+    """The step plan (and, with ``call_plans``, every microbatch's call plan) of a batch.
+    ``check()`` is called between microbatches (the sidecar's deadline check)."""
+    plan = plan_step(batch, dp_size, capacity, chunk_size, **options)
+    if call_plans:
+        plans = []
+        for mb in plan.microbatches:
+            if check is not None:
+                check()
+            plans.append(plan_calls(batch, chunk_size, trajectories=mb, conv_width=conv_width))
+        plan._call_plans = plans
+    return plan
+
+
+class Planner:
+    """Plans steps and microbatch calls in-process (``Planner()``) or on a sidecar
+    (``Planner("host:port")``); both return equal :class:`StepPlan` / :class:`CallPlan` objects.
+
+    Parameters
+    ----------
+    target : str, optional
+        ``"host:port"`` of a ``harts-planner serve`` sidecar; None plans in this process (the C++
+        core releases the GIL, so threads may share one Planner).
+    timeout : float, default 600
+        Deadline of each sidecar call in seconds (per call override: ``timeout=``).
+    max_message_bytes : int, default 1 GiB
+        Largest request/response this client sends or accepts (the server has its own limit).
+
+    A Planner is thread-safe and a context manager (closing the sidecar channel).
+    """
+
+    def __init__(self, target: str | None = None, *, timeout: float | None = DEFAULT_TIMEOUT,
+                 max_message_bytes: int | None = None):
+        self.target = target
+        self.timeout = timeout
+        self._client = None
+        if target is not None:
+            from harts_planner.rpc.client import SidecarClient
+
+            self._client = SidecarClient(target, max_message_bytes=max_message_bytes)
+
+    @property
+    def is_remote(self) -> bool:
+        """True for a sidecar planner."""
+        return self._client is not None
+
+    def close(self) -> None:
+        """Close the sidecar channel (no-op in-process)."""
+        if self._client is not None:
+            self._client.close()
+
+    def __enter__(self) -> "Planner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Planner({self.target!r})" if self.target else "Planner()"
+
+    # ------------------------------------------------------------------ planning
+    def plan_step(self, trajectories, dp_size: int, capacity: int, chunk_size: int = 64, *,
+                  call_plans: bool = False, conv_width: int = 4, timeout: float | None = None,
+                  **options) -> StepPlan:
+        """Plan one training step (see :func:`harts_planner.plan_step` for the arguments and options).
+
+        Parameters
+        ----------
+        trajectories : RolloutBatch | SegmentTree | PackedTokens | tuple
+            The step's trajectories.
+        dp_size, capacity : int
+            D >= 1 and T >= 1 (compact tokens per microbatch).
+        chunk_size : int, default 64
+            B in ``[1, MAX_CHUNK_SIZE]`` for the call plans.
+        call_plans : bool, default False
+            Also plan every microbatch's calls (:meth:`StepPlan.call_plans` is then filled; for a sidecar
+            they travel in the response, which a large step can push over the message-size limit).
+        conv_width : int, default 4
+            w for the call plans' convolution context.
+        timeout : float, optional
+            Sidecar deadline for this call (default: the Planner's).
+        **options
+            Search options (``harts_planner.step_plan.DEFAULT_OPTIONS``).
+
+        Returns
+        -------
+        StepPlan
+
+        Raises
+        ------
+        InvalidArgumentError, ResourceLimitError, InfeasibleError
+            As :func:`harts_planner.plan_step` and the batch constructors; ``.field`` names the input.
+        harts_planner.rpc.client.SidecarError
+            Sidecar unreachable, draining, or past the deadline.
+        """
+        from harts_planner.rpc import codec
+
+        source = as_source(trajectories)
+        chunk_size, conv_width = codec.check_call_args(chunk_size, conv_width)
+        if self._client is None:
+            start = time.perf_counter()
+            batch = source if isinstance(source, RolloutBatch) else codec.ingest(source)
+            plan = local_plan_step(batch, dp_size, capacity, chunk_size, options, call_plans, conv_width)
+            plan.wall_seconds = time.perf_counter() - start
+            return plan
+        wire = source.segment_tree() if isinstance(source, RolloutBatch) else source
+        request = codec.serialize_plan_step_request(wire, dp_size, capacity, chunk_size, options, call_plans,
+                                                    conv_width)
+        start = time.perf_counter()
+        response = self._client.plan_step(request, timeout=self._timeout(timeout))
+        wall = time.perf_counter() - start
+        calls = [codec.decode_call_plan(c) for c in response.call_plans] if call_plans else None
+        plan = codec.decode_step_plan(response.plan, calls, wall)
+        plan.server_stats = codec.stats_dict(response.stats)
+        return plan
+
+    def plan_calls(self, trajectories, chunk_size: int = 64, microbatch=None, conv_width: int = 4, *,
+                   timeout: float | None = None) -> CallPlan:
+        """Minimum-call plan and physical layout of one microbatch (see :func:`harts_planner.plan_calls`).
+
+        ``microbatch`` holds distinct trajectory indices (None: every trajectory). Raises as
+        :meth:`plan_step`; a bad index is reported on field ``microbatch[j]`` by the sidecar and
+        ``trajectories[j]`` in-process.
+        """
+        from harts_planner.rpc import codec
+
+        source = as_source(trajectories)
+        chunk_size, conv_width = codec.check_call_args(chunk_size, conv_width)
+        if self._client is None:
+            batch = source if isinstance(source, RolloutBatch) else codec.ingest(source)
+            return plan_calls(batch, chunk_size, trajectories=microbatch, conv_width=conv_width)
+        wire = source.segment_tree() if isinstance(source, RolloutBatch) else source
+        request = codec.serialize_plan_calls_request(wire, microbatch, chunk_size, conv_width)
+        response = self._client.plan_calls(request, timeout=self._timeout(timeout))
+        plan = codec.decode_call_plan(response.plan)
+        plan.server_stats = codec.stats_dict(response.stats)
+        return plan
+
+    def health(self, timeout: float = 5.0) -> str:
+        """``"SERVING"`` in-process; the sidecar's health status name otherwise."""
+        return "SERVING" if self._client is None else self._client.health(timeout=timeout)
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+
+__all__ = ["Planner", "DEFAULT_TIMEOUT", "as_source", "local_plan_step"]

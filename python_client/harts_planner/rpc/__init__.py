@@ -1,0 +1,9 @@
+"""The gRPC planner sidecar (``harts.planner.v1.PlannerService``) and its client.
+
+``planner_pb2`` is generated from ``proto/harts/planner/v1/planner.proto`` at build time.
+Use :class:`harts_planner.Planner` rather than these modules directly:
+
+* :mod:`harts_planner.rpc.server`: ``create_server``, ``serve``, ``SidecarProcess``;
+* :mod:`harts_planner.rpc.client`: ``SidecarClient``, status codes -> exceptions;
+* :mod:`harts_planner.rpc.codec`: plans and requests <-> wire messages.
+"""

@@ -1,0 +1,371 @@
+"""Conversion between planner objects and the ``harts.planner.v1`` wire messages.
+
+Arrays travel as packed little-endian bytes (``planner.proto``); the tables
+:data:`harts_planner.call_plan.ARRAY_FIELDS` and :data:`harts_planner.step_plan.ARRAY_FIELDS`
+name every array and its dtype, so a plan decoded here holds exactly the fields of the plan
+that was encoded, and the two compare equal (``==``).
+
+Errors raised while decoding a *request* are :class:`~harts_planner.InvalidArgumentError` /
+:class:`~harts_planner.ResourceLimitError` whose ``field`` is the request field's path, e.g.
+``trajectories.packed.offsets[3]`` or ``options.max_sampled_k``.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+
+from harts_planner import call_plan as _call_plan
+from harts_planner import step_plan as _step_plan
+from harts_planner.batch import PackedTokens, RolloutBatch, SegmentTree
+from harts_planner.call_plan import MAX_CHUNK_SIZE, MAX_CONV_WIDTH, CallPlan
+from harts_planner.errors import HartsError, invalid
+from harts_planner.rpc import planner_pb2 as pb
+from harts_planner.step_plan import DEFAULT_OPTIONS, StepPlan
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PlannerService"].full_name
+PLAN_STEP = f"/{SERVICE_NAME}/PlanStep"
+PLAN_CALLS = f"/{SERVICE_NAME}/PlanCalls"
+
+DEFAULT_CHUNK_SIZE = 64
+DEFAULT_CONV_WIDTH = 4
+
+I32, I64 = np.dtype("<i4"), np.dtype("<i8")
+
+_SEARCH_TO_WIRE = {"auto": pb.SEARCH_MODE_AUTO, "exact": pb.SEARCH_MODE_EXACT,
+                   "heuristic": pb.SEARCH_MODE_HEURISTIC}
+_SEARCH_FROM_WIRE = {pb.SEARCH_MODE_UNSPECIFIED: "auto", **{v: k for k, v in _SEARCH_TO_WIRE.items()}}
+_INT_OPTIONS = [k for k, v in DEFAULT_OPTIONS.items() if isinstance(v, int) and not isinstance(v, bool)]
+_BOOL_OPTIONS = [k for k, v in DEFAULT_OPTIONS.items() if isinstance(v, bool)]
+
+
+# ---------------------------------------------------------------------------------------- arrays
+def pack(values, dtype: np.dtype) -> bytes:
+    """Little-endian bytes of a 1-D array (copied once)."""
+    return np.ascontiguousarray(values, dtype=dtype).tobytes()
+
+
+def unpack(data: bytes, dtype: np.dtype, field: str) -> np.ndarray:
+    """A read-only native-endian array over ``data`` (zero copy on little-endian hosts).
+
+    Raises InvalidArgumentError naming ``field`` when the byte count is not a whole number of values.
+    """
+    dtype = np.dtype(dtype)
+    if len(data) % dtype.itemsize:
+        raise invalid(field, f"{len(data)} bytes is not a whole number of {dtype.itemsize}-byte "
+                             f"little-endian {'int32' if dtype.itemsize == 4 else 'int64'} values")
+    arr = np.frombuffer(data, dtype=dtype)
+    return arr if arr.dtype.isnative else arr.astype(arr.dtype.newbyteorder("="))
+
+
+def renamed(err: HartsError, mapping: dict[str, str]) -> HartsError:
+    """The same error with its field's leading name replaced through ``mapping``
+    (``offsets[3]`` -> ``trajectories.packed.offsets[3]``); unchanged when not in ``mapping``."""
+    field = getattr(err, "field", None) or ""
+    head, bracket, rest = field.partition("[")
+    if head not in mapping:
+        return err
+    new_field = mapping[head] + bracket + rest
+    message = str(err)
+    if message.startswith(field):
+        message = new_field + message[len(field):]
+    out = type(err)(message)
+    out.field = new_field
+    return out
+
+
+# ---------------------------------------------------------------------------------- trajectories
+def encode_trajectories(source: PackedTokens | SegmentTree) -> pb.Trajectories:
+    """Wire form of packed tokens or a compacted tree."""
+    msg = pb.Trajectories()
+    if isinstance(source, SegmentTree):
+        msg.tree.parent = pack(source.parent, I32)
+        msg.tree.length = pack(source.length, I32)
+        msg.tree.trajectory_end = pack(source.trajectory_end, I32)
+    elif isinstance(source, PackedTokens):
+        msg.packed.tokens = pack(source.tokens, I32)
+        msg.packed.offsets = pack(source.offsets, I64)
+    else:
+        raise invalid("trajectories", f"must be PackedTokens or SegmentTree, got {type(source).__name__}")
+    if source.tree_ids is not None:
+        msg.tree_ids = pack(source.tree_ids, I64)
+    return msg
+
+
+_PACKED_FIELDS = {"tokens": "trajectories.packed.tokens", "offsets": "trajectories.packed.offsets",
+                  "tree_ids": "trajectories.tree_ids", "trajectories": "trajectories"}
+_TREE_FIELDS = {"parent": "trajectories.tree.parent", "length": "trajectories.tree.length",
+                "trajectory_end": "trajectories.tree.trajectory_end", "tree_ids": "trajectories.tree_ids",
+                "tree": "trajectories.tree"}
+
+
+def decode_trajectories(msg: pb.Trajectories) -> PackedTokens | SegmentTree:
+    """Arrays of a request's trajectories (views of the message bytes, not yet validated)."""
+    which = msg.WhichOneof("source")
+    if which is None:
+        raise invalid("trajectories", "required: set trajectories.packed (tokens and offsets) or "
+                                      "trajectories.tree (a compacted segment tree)")
+    tree_ids = unpack(msg.tree_ids, I64, "trajectories.tree_ids") if msg.tree_ids else None
+    if which == "packed":
+        return PackedTokens(unpack(msg.packed.tokens, I32, "trajectories.packed.tokens"),
+                            unpack(msg.packed.offsets, I64, "trajectories.packed.offsets"), tree_ids)
+    t = msg.tree
+    return SegmentTree(unpack(t.parent, I32, "trajectories.tree.parent"),
+                       unpack(t.length, I32, "trajectories.tree.length"),
+                       unpack(t.trajectory_end, I32, "trajectories.tree.trajectory_end"), tree_ids)
+
+
+def ingest(source: PackedTokens | SegmentTree, *, wire: bool = False) -> RolloutBatch:
+    """The batch of packed tokens or of a compacted tree. With ``wire``, error fields are
+    request paths (``trajectories.tree.parent[4]``)."""
+    try:
+        if isinstance(source, SegmentTree):
+            return RolloutBatch.from_segment_tree(source)
+        return RolloutBatch.from_arrays(source.tokens, source.offsets, source.tree_ids)
+    except HartsError as e:
+        if not wire:
+            raise
+        raise renamed(e, _TREE_FIELDS if isinstance(source, SegmentTree) else _PACKED_FIELDS) from None
+
+
+# ---------------------------------------------------------------------------------- options
+def check_call_args(chunk_size, conv_width) -> tuple[int, int]:
+    """Validated (chunk_size, conv_width); InvalidArgumentError naming the argument."""
+    out = []
+    for name, value, hi in (("chunk_size", chunk_size, MAX_CHUNK_SIZE), ("conv_width", conv_width, MAX_CONV_WIDTH)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise invalid(name, f"must be an integer, got {value!r}")
+        if not 1 <= int(value) <= hi:
+            raise invalid(name, f"must be in [1, {hi}], got {int(value)}")
+        out.append(int(value))
+    return out[0], out[1]
+
+
+def encode_options(options: dict) -> pb.StepOptions:
+    """StepOptions with every given option set (names as in ``DEFAULT_OPTIONS``)."""
+    msg = pb.StepOptions()
+    for name, value in options.items():
+        if name not in DEFAULT_OPTIONS:
+            raise invalid(name, f"unknown option; choose from {sorted(DEFAULT_OPTIONS)}")
+        if name == "search":
+            if value not in _SEARCH_TO_WIRE:
+                raise invalid("search", f"must be one of {sorted(_SEARCH_TO_WIRE)}, got {value!r}")
+            msg.search = _SEARCH_TO_WIRE[value]
+        elif name in _BOOL_OPTIONS:
+            if not isinstance(value, (bool, np.bool_)):
+                raise invalid(name, f"must be a bool, got {value!r}")
+            setattr(msg, name, bool(value))
+        else:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise invalid(name, f"must be an integer, got {value!r}")
+            if not -(2**63) <= int(value) < 2**63:
+                raise invalid(name, f"must fit int64, got {value}")
+            setattr(msg, name, int(value))
+    return msg
+
+
+def decode_options(msg: pb.StepOptions, prefix: str = "options.") -> dict:
+    """The options set in ``msg`` (unset ones are left to the defaults)."""
+    out: dict = {}
+    for name in _INT_OPTIONS + _BOOL_OPTIONS:
+        if msg.HasField(name):
+            out[name] = getattr(msg, name)
+    if msg.search not in _SEARCH_FROM_WIRE:
+        raise invalid(prefix + "search", f"unknown SearchMode value {msg.search}")
+    if msg.search != pb.SEARCH_MODE_UNSPECIFIED:
+        out["search"] = _SEARCH_FROM_WIRE[msg.search]
+    return out
+
+
+OPTION_FIELDS = {name: "options." + name for name in DEFAULT_OPTIONS}
+
+
+# ---------------------------------------------------------------------------------- requests
+def plan_step_request(source: PackedTokens | SegmentTree, dp_size: int, capacity: int, chunk_size: int,
+                      options: dict, call_plans: bool, conv_width: int) -> pb.PlanStepRequest:
+    """The PlanStep request of a client call."""
+    for name, value in (("dp_size", dp_size), ("capacity", capacity)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise invalid(name, f"must be an integer, got {value!r}")
+        if not 1 <= int(value) < 2**63:
+            raise invalid(name, f"must be >= 1, got {int(value)}")
+    return pb.PlanStepRequest(trajectories=encode_trajectories(source), dp_size=int(dp_size),
+                              capacity=int(capacity), chunk_size=chunk_size, options=encode_options(options),
+                              include_call_plans=bool(call_plans), conv_width=conv_width)
+
+
+def plan_calls_request(source: PackedTokens | SegmentTree, microbatch, chunk_size: int,
+                       conv_width: int) -> pb.PlanCallsRequest:
+    """The PlanCalls request of a client call (``microbatch`` None = every trajectory)."""
+    msg = pb.PlanCallsRequest(trajectories=encode_trajectories(source), chunk_size=chunk_size,
+                              conv_width=conv_width)
+    if microbatch is not None:
+        from harts_planner.call_plan import _int32_ids
+
+        msg.microbatch = pack(_int32_ids(microbatch, "microbatch"), I32)
+    return msg
+
+
+# ------------------------------------------------------------------ fast serialization
+# A request's trajectories are written in protobuf wire format by hand, straight from the numpy
+# buffers (one copy, in the final join), and appended to the protobuf bytes of the other fields.
+# Setting a bytes field and serializing would copy a step's 200+ MB of tokens three times. The
+# result parses to exactly the message the *_request functions build (tested).
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | 0x80 if n else b)
+        if not n:
+            return bytes(out)
+
+
+def _len_header(number: int, length: int) -> bytes:
+    return _varint(number << 3 | 2) + _varint(length)
+
+
+def _bytes_fields(fields) -> list:
+    parts = []
+    for number, values, dtype in fields:
+        buf = memoryview(np.ascontiguousarray(values, dtype=dtype)).cast("B")
+        if len(buf):
+            parts += [_len_header(number, len(buf)), buf]
+    return parts
+
+
+def _trajectories_parts(source: PackedTokens | SegmentTree) -> list:
+    if isinstance(source, SegmentTree):
+        number, inner = 2, [(1, source.parent, I32), (2, source.length, I32), (3, source.trajectory_end, I32)]
+    elif isinstance(source, PackedTokens):
+        number, inner = 1, [(1, source.tokens, I32), (2, source.offsets, I64)]
+    else:
+        raise invalid("trajectories", f"must be PackedTokens or SegmentTree, got {type(source).__name__}")
+    body = _bytes_fields(inner)
+    parts = [_len_header(number, sum(len(p) for p in body)), *body]
+    if source.tree_ids is not None:
+        parts += _bytes_fields([(3, source.tree_ids, I64)])
+    return [_len_header(1, sum(len(p) for p in parts)), *parts]  # field 1 of both requests
+
+
+def serialize_plan_step_request(source, dp_size, capacity, chunk_size, options, call_plans, conv_width) -> bytes:
+    """Wire bytes of :func:`plan_step_request` with the arrays copied once."""
+    head = plan_step_request(SegmentTree([], [], []), dp_size, capacity, chunk_size, options, call_plans,
+                             conv_width)
+    head.ClearField("trajectories")
+    return b"".join([head.SerializeToString(), *_trajectories_parts(source)])
+
+
+def serialize_plan_calls_request(source, microbatch, chunk_size, conv_width) -> bytes:
+    """Wire bytes of :func:`plan_calls_request` with the arrays copied once."""
+    head = plan_calls_request(SegmentTree([], [], []), microbatch, chunk_size, conv_width)
+    head.ClearField("trajectories")
+    return b"".join([head.SerializeToString(), *_trajectories_parts(source)])
+
+
+def _required_positive(value: int, field: str) -> int:
+    if value == 0:
+        raise invalid(field, "required: must be >= 1 (0 means unset)")
+    if value < 0:
+        raise invalid(field, f"must be >= 1, got {value}")
+    return value
+
+
+def _defaulted(value: int, default: int, field: str, hi: int) -> int:
+    value = default if value == 0 else value
+    if not 1 <= value <= hi:
+        raise invalid(field, f"must be in [1, {hi}] (0 means {default}), got {value}")
+    return value
+
+
+def decode_plan_step_request(req: pb.PlanStepRequest) -> dict:
+    """Validated scalar arguments of a PlanStep request: dp_size, capacity, chunk_size,
+    conv_width, call_plans, options (the trajectories are decoded by :func:`decode_trajectories`)."""
+    return {
+        "dp_size": _required_positive(req.dp_size, "dp_size"),
+        "capacity": _required_positive(req.capacity, "capacity"),
+        "chunk_size": _defaulted(req.chunk_size, DEFAULT_CHUNK_SIZE, "chunk_size", MAX_CHUNK_SIZE),
+        "conv_width": _defaulted(req.conv_width, DEFAULT_CONV_WIDTH, "conv_width", MAX_CONV_WIDTH),
+        "call_plans": req.include_call_plans,
+        "options": decode_options(req.options),
+    }
+
+
+def decode_plan_calls_request(req: pb.PlanCallsRequest) -> dict:
+    """Validated scalar arguments of a PlanCalls request: chunk_size, conv_width, microbatch."""
+    microbatch = unpack(req.microbatch, I32, "microbatch") if req.microbatch else None
+    return {
+        "chunk_size": _defaulted(req.chunk_size, DEFAULT_CHUNK_SIZE, "chunk_size", MAX_CHUNK_SIZE),
+        "conv_width": _defaulted(req.conv_width, DEFAULT_CONV_WIDTH, "conv_width", MAX_CONV_WIDTH),
+        "microbatch": microbatch,
+    }
+
+
+# ---------------------------------------------------------------------------------- plans
+def encode_call_plan(plan: CallPlan) -> pb.CallPlan:
+    native = plan._native
+    msg = pb.CallPlan(**{f: int(getattr(native, f)) for f in _call_plan.SCALAR_FIELDS})
+    for name, dtype in _call_plan.ARRAY_FIELDS.items():
+        setattr(msg, name, pack(getattr(native, name), dtype))
+    return msg
+
+
+def decode_call_plan(msg: pb.CallPlan) -> CallPlan:
+    fields = {f: int(getattr(msg, f)) for f in _call_plan.SCALAR_FIELDS}
+    for name, dtype in _call_plan.ARRAY_FIELDS.items():
+        fields[name] = unpack(getattr(msg, name), dtype, f"plan.{name}")
+    return CallPlan(types.SimpleNamespace(**fields))
+
+
+def _objective(msg: pb.Objective) -> tuple[int, int, int]:
+    return (msg.total_work, msg.slot_critical_work, msg.max_replica_work)
+
+
+def encode_step_plan(plan: StepPlan) -> pb.StepPlan:
+    n = plan._native
+    msg = pb.StepPlan(dp_size=n.dp_size, capacity=n.capacity, chunk_size=plan.chunk_size,
+                      num_trajectories=n.num_trajectories, source=n.source, search_mode=n.search_mode,
+                      natural_k=n.natural_k, k_min=n.k_min, k_max=n.k_max, compact_tokens=n.compact_tokens,
+                      selected=n.selected, planning_seconds=n.planning_seconds,
+                      options=encode_options(plan.options))
+    for name, dtype in _step_plan.ARRAY_FIELDS.items():
+        setattr(msg, name, pack(getattr(n, name), dtype))
+    msg.objective.CopyFrom(pb.Objective(**dict(zip(("total_work", "slot_critical_work", "max_replica_work"),
+                                                    n.objective))))
+    for c in n.candidates:
+        cand = msg.candidates.add(source=c["source"], k=c["k"])
+        t, s, r = c["objective"]
+        cand.objective.CopyFrom(pb.Objective(total_work=t, slot_critical_work=s, max_replica_work=r))
+    for name, seconds in n.phase_seconds.items():
+        msg.phase_seconds[name] = seconds
+    return msg
+
+
+def decode_step_plan(msg: pb.StepPlan, call_plans: list[CallPlan] | None, wall_seconds: float) -> StepPlan:
+    fields = {name: unpack(getattr(msg, name), dtype, f"plan.{name}")
+              for name, dtype in _step_plan.ARRAY_FIELDS.items()}
+    native = types.SimpleNamespace(
+        dp_size=msg.dp_size, capacity=msg.capacity, num_trajectories=msg.num_trajectories,
+        num_microbatches=len(fields["work"]), objective=_objective(msg.objective), source=msg.source,
+        search_mode=msg.search_mode, natural_k=msg.natural_k, k_min=msg.k_min, k_max=msg.k_max,
+        compact_tokens=msg.compact_tokens, selected=msg.selected, planning_seconds=msg.planning_seconds,
+        phase_seconds=dict(msg.phase_seconds),
+        candidates=[{"source": c.source, "k": c.k, "objective": _objective(c.objective)} for c in msg.candidates],
+        **fields)
+    options = dict(DEFAULT_OPTIONS)
+    options.update(decode_options(msg.options))
+    return StepPlan(native, None, msg.chunk_size, options, wall_seconds, call_plans)
+
+
+def stats_message(batch: RolloutBatch | None, **seconds) -> pb.PlanStats:
+    msg = pb.PlanStats(**{k: v for k, v in seconds.items()})
+    if batch is not None:
+        msg.trajectories = batch.num_trajectories
+        msg.semantic_tokens = batch.semantic_tokens
+        msg.compact_tokens = batch.compact_tokens
+        msg.segments = batch.num_segments
+    return msg
+
+
+def stats_dict(msg: pb.PlanStats) -> dict:
+    return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}

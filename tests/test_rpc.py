@@ -1,0 +1,325 @@
+"""The gRPC sidecar: round trips equal the in-process plans, health, reflection, every bad-request
+class with its status code and field, size limits, deadlines, concurrent clients, malformed bytes,
+and the SIGTERM drain of a real `harts-planner serve` process."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import harts_planner as hp
+from harts_planner import PackedTokens, Planner, RolloutBatch, SegmentTree, synth
+from harts_planner.rpc import codec
+from harts_planner.rpc import planner_pb2 as pb
+from harts_planner.rpc.client import SidecarTimeoutError, SidecarUnavailableError
+from harts_planner.rpc.server import SidecarProcess, create_server
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = create_server("127.0.0.1:0", workers=4)
+    yield srv
+    srv.stop(grace=None)
+
+
+@pytest.fixture(scope="module")
+def remote(server):
+    with Planner(server.address, timeout=60) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def small_batch():
+    syn = synth.generate("small", seed=2)
+    return RolloutBatch.from_arrays(syn.tokens, syn.offsets, syn.tree_ids)
+
+
+def _raw_channel(server):
+    channel = grpc.insecure_channel(server.address)
+    return channel, channel.unary_unary(codec.PLAN_STEP, request_serializer=lambda b: b,
+                                        response_deserializer=lambda b: b)
+
+
+# ---------------------------------------------------------------------------------- round trips
+@pytest.mark.parametrize("kind", ["tree", "tokens", "batch"])
+def test_round_trip_equals_in_process(server, remote, small_batch, kind):
+    b = small_batch
+    source = {"tree": b.segment_tree(), "tokens": PackedTokens(b.tokens, b.offsets, b.tree_ids), "batch": b}[kind]
+    cap = int(b.lengths.max()) + 500
+    local = Planner().plan_step(b, 2, cap, 32, call_plans=True, conv_width=3)
+    got = remote.plan_step(source, 2, cap, 32, call_plans=True, conv_width=3)
+    assert got.batch is None and got.server_stats["trajectories"] == b.num_trajectories
+    assert got == local and got.call_plans() == local.call_plans()
+    assert got.to_dict().keys() == local.to_dict().keys()
+    for key in ("microbatches", "replica", "slot", "work", "objective", "candidates", "options", "k_range"):
+        assert got.to_dict()[key] == local.to_dict()[key], key
+    # Without call plans the remote plan says how to get them.
+    bare = remote.plan_step(source, 2, cap, 32, max_sampled_k=4, search="heuristic")
+    assert bare == Planner().plan_step(b, 2, cap, 32, max_sampled_k=4, search="heuristic")
+    with pytest.raises(hp.InvalidArgumentError, match="call_plans"):
+        bare.call_plans()
+    # One microbatch's calls.
+    mb = local.microbatches[1][::-1]
+    assert remote.plan_calls(source, 16, mb, conv_width=2) == hp.plan_calls(b, 16, mb, conv_width=2)
+    assert remote.plan_calls(source, 16) == hp.plan_calls(b, 16)
+
+
+def test_plans_are_deterministic_bytes(server, small_batch):
+    request = codec.plan_step_request(small_batch.segment_tree(), 2, 40000, 64, {}, True, 4)
+    channel, call = _raw_channel(server)
+    with channel:
+        a, b = (pb.PlanStepResponse.FromString(call(request.SerializeToString(), timeout=30)) for _ in range(2))
+    for r in (a, b):
+        r.ClearField("stats")
+        r.plan.planning_seconds = 0
+        r.plan.ClearField("phase_seconds")
+    assert a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)
+
+
+# ---------------------------------------------------------------------------------- health, reflection
+def test_health(server, remote):
+    assert remote.health() == "SERVING"
+    from harts_planner.rpc.client import SidecarClient
+
+    client = SidecarClient(server.address)
+    assert client.health(codec.SERVICE_NAME) == "SERVING"
+    with pytest.raises(hp.rpc.client.SidecarError) as e:  # unknown service: NOT_FOUND
+        client.health("no.such.Service")
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    client.close()
+
+
+def test_reflection_lists_the_service(server):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(server.address) as channel:
+        db = ProtoReflectionDescriptorDatabase(channel)
+        services = db.get_services()
+        assert "harts.planner.v1.PlannerService" in services and "grpc.health.v1.Health" in services
+        proto = db.FindFileContainingSymbol("harts.planner.v1.PlannerService")
+        assert proto.name == "harts/planner/v1/planner.proto"
+        assert [m.name for m in proto.service[0].method] == ["PlanStep", "PlanCalls"]
+
+
+# ---------------------------------------------------------------------------------- bad requests
+def _tree(parent, length, ends, ids=None):
+    return pb.Trajectories(tree=pb.SegmentTree(parent=np.array(parent, "<i4").tobytes(),
+                                               length=np.array(length, "<i4").tobytes(),
+                                               trajectory_end=np.array(ends, "<i4").tobytes()),
+                           tree_ids=b"" if ids is None else np.array(ids, "<i8").tobytes())
+
+
+def _packed(tokens, offsets):
+    return pb.Trajectories(packed=pb.PackedTokens(tokens=np.array(tokens, "<i4").tobytes(),
+                                                  offsets=np.array(offsets, "<i8").tobytes()))
+
+
+GOOD = _tree([-1, 0, 0], [3, 2, 4], [1, 2])
+INV, RES, PRE = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION
+
+BAD_STEP = [  # (case id, request, code, field, message fragment)
+    ("no trajectories", pb.PlanStepRequest(dp_size=1, capacity=10), INV, "trajectories", "required"),
+    ("misaligned tokens", pb.PlanStepRequest(trajectories=pb.Trajectories(packed=pb.PackedTokens(
+        tokens=b"\x01\x00\x00", offsets=np.array([0, 1], "<i8").tobytes())), dp_size=1, capacity=10),
+     INV, "trajectories.packed.tokens", "3 bytes is not a whole number"),
+    ("empty trajectory", pb.PlanStepRequest(trajectories=_packed([1, 2, 3], [0, 1, 1, 3]), dp_size=1, capacity=10),
+     INV, "trajectories.packed.offsets[2]", "trajectory 1 is empty"),
+    ("offsets not ending at S", pb.PlanStepRequest(trajectories=_packed([1, 2, 3], [0, 1, 2]), dp_size=1,
+                                                   capacity=10), INV, "trajectories.packed.offsets[2]", "len(tokens)"),
+    ("offsets not from 0", pb.PlanStepRequest(trajectories=_packed([1, 2, 3], [1, 3]), dp_size=1, capacity=10),
+     INV, "trajectories.packed.offsets[0]", "must be 0"),
+    ("negative token", pb.PlanStepRequest(trajectories=_packed([1, -2, 3], [0, 3]), dp_size=1, capacity=10),
+     INV, "trajectories.packed.tokens[1]", ">= 0"),
+    ("tree cycle", pb.PlanStepRequest(trajectories=_tree([-1, 2, 1], [1, 1, 1], [0]), dp_size=1, capacity=10),
+     INV, "trajectories.tree.parent[1]", "cycle"),
+    ("dangling parent", pb.PlanStepRequest(trajectories=_tree([-1, 9], [1, 1], [1]), dp_size=1, capacity=10),
+     INV, "trajectories.tree.parent[1]", "got 9"),
+    ("empty segment", pb.PlanStepRequest(trajectories=_tree([-1, 0], [1, 0], [1]), dp_size=1, capacity=10),
+     INV, "trajectories.tree.length[1]", "at least one token"),
+    ("end out of range", pb.PlanStepRequest(trajectories=_tree([-1, 0], [1, 1], [5]), dp_size=1, capacity=10),
+     INV, "trajectories.tree.trajectory_end[0]", "got 5"),
+    ("leaf without end", pb.PlanStepRequest(trajectories=_tree([-1, 0, 0], [1, 1, 1], [1]), dp_size=1, capacity=10),
+     INV, "trajectories.tree.trajectory_end", "leaf segment 2"),
+    ("sizes differ", pb.PlanStepRequest(trajectories=_tree([-1, 0], [1], [1]), dp_size=1, capacity=10),
+     INV, "trajectories.tree.length", "one entry per segment"),
+    ("negative tree id", pb.PlanStepRequest(trajectories=_tree([-1], [2], [0], ids=[-1]), dp_size=1, capacity=10),
+     INV, "trajectories.tree_ids[0]", ">= 0"),
+    ("dp_size unset", pb.PlanStepRequest(trajectories=GOOD, capacity=10), INV, "dp_size", "required"),
+    ("capacity negative", pb.PlanStepRequest(trajectories=GOOD, dp_size=1, capacity=-4), INV, "capacity", "got -4"),
+    ("chunk too large", pb.PlanStepRequest(trajectories=GOOD, dp_size=1, capacity=10, chunk_size=2**21),
+     INV, "chunk_size", "[1, 1048576]"),
+    ("conv width", pb.PlanStepRequest(trajectories=GOOD, dp_size=1, capacity=10, conv_width=-1), INV, "conv_width", ""),
+    ("option out of range", pb.PlanStepRequest(trajectories=GOOD, dp_size=1, capacity=10,
+                                               options=pb.StepOptions(max_sampled_k=1)),
+     INV, "options.max_sampled_k", ">= 2"),
+    ("unknown search mode", pb.PlanStepRequest(trajectories=GOOD, dp_size=1, capacity=10,
+                                               options=pb.StepOptions(search=7)), INV, "options.search", "7"),
+    ("trajectory over capacity", pb.PlanStepRequest(trajectories=GOOD, dp_size=1, capacity=5),
+     INV, "trajectories[1]", "capacity T = 5"),
+    ("too many replicas", pb.PlanStepRequest(trajectories=GOOD, dp_size=3, capacity=10), PRE, "dp_size", "N >= D"),
+    ("too many tokens", pb.PlanStepRequest(trajectories=_tree([-1, 0], [2**30, 2**30 - 2], [1, 1]), dp_size=1,
+                                           capacity=10), RES, "trajectories.tree.trajectory_end[1]", "limit"),
+]
+
+
+@pytest.mark.parametrize("case,request_,code,field,fragment", BAD_STEP, ids=[c[0] for c in BAD_STEP])
+def test_bad_plan_step_requests(server, remote, case, request_, code, field, fragment):
+    channel, call = _raw_channel(server)
+    with channel, pytest.raises(grpc.RpcError) as e:
+        call(request_.SerializeToString(), timeout=30)
+    assert e.value.code() == code, e.value.details()
+    assert e.value.details().startswith(field + ":") and fragment in e.value.details()
+    from harts_planner.rpc.client import translate
+
+    err = translate(e.value)  # the client maps status + detail back to the planner error and field
+    assert err.field == field and isinstance(err, {INV: hp.InvalidArgumentError, RES: hp.ResourceLimitError,
+                                                   PRE: hp.InfeasibleError}[code])
+    assert remote.health() == "SERVING"  # the server keeps serving
+
+
+def test_bad_plan_calls_requests(remote):
+    tree = SegmentTree([-1, 0, 0], [3, 2, 4], [1, 2])
+    with pytest.raises(hp.InvalidArgumentError, match=r"microbatch\[1\]: trajectory index 7 is out of range") as e:
+        remote.plan_calls(tree, 4, [0, 7])
+    assert e.value.field == "microbatch[1]"
+    with pytest.raises(hp.InvalidArgumentError, match="appears more than once"):
+        remote.plan_calls(tree, 4, [1, 1])
+    with pytest.raises(hp.InvalidArgumentError, match="chunk_size: must be in"):
+        remote.plan_calls(tree, 0)
+
+
+def test_unparsable_bytes_are_invalid_argument(server):
+    channel, call = _raw_channel(server)
+    with channel, pytest.raises(grpc.RpcError) as e:
+        call(b"\xff\xff\xff\xff\x0f", timeout=30)
+    assert e.value.code() == INV and e.value.details().startswith("request: not a valid harts.planner.v1.PlanStepRequest")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(max_size=64))
+def test_fuzz_raw_request_bytes(server, data):
+    """Arbitrary bytes on the wire get OK or a planner status code, never INTERNAL or UNKNOWN."""
+    channel, call = _raw_channel(server)
+    with channel:
+        try:
+            call(data, timeout=30)
+        except grpc.RpcError as e:
+            assert e.code() in (INV, RES, PRE), (e.code(), e.details())
+            assert ":" in e.details()
+
+
+# ---------------------------------------------------------------------------------- limits, deadlines
+def test_over_limit_request_is_refused_and_server_keeps_serving():
+    with create_server("127.0.0.1:0", workers=2, max_message_bytes=64 << 10) as srv, \
+            Planner(srv.address, timeout=30) as p:
+        tokens = np.arange(40_000, dtype=np.int32)  # 160 KB of tokens > 64 KiB
+        with pytest.raises(hp.ResourceLimitError, match="request") as e:
+            p.plan_step((tokens, np.array([0, 40_000])), 1, 50_000)
+        assert e.value.field == "request"
+        # The same step as a compacted tree is a few bytes; its call plans are not.
+        tree = SegmentTree([-1], [40_000], [0])
+        assert p.plan_step(tree, 1, 50_000).num_microbatches == 1
+        with pytest.raises(hp.ResourceLimitError, match="include_call_plans: the response would be") as e:
+            p.plan_step(tree, 1, 50_000, call_plans=True)
+        assert e.value.field == "include_call_plans"
+        assert p.health() == "SERVING"
+
+
+def test_deadline_is_honoured(remote, small_batch):
+    with pytest.raises(SidecarTimeoutError):
+        remote.plan_step(small_batch, 1, 40000, timeout=1e-4)
+    assert remote.plan_step(small_batch, 1, 40000).num_microbatches >= 1
+
+
+def test_unreachable_sidecar():
+    with Planner("127.0.0.1:9", timeout=2) as p, pytest.raises(SidecarUnavailableError):
+        p.plan_step(SegmentTree([-1], [2], [0]), 1, 4)
+
+
+# ---------------------------------------------------------------------------------- concurrency
+def test_sixteen_concurrent_clients_get_correct_plans(server):
+    batches = []
+    for seed in range(16):
+        syn = synth.generate("tiny" if seed % 2 else "small", seed=seed)
+        batches.append(RolloutBatch.from_arrays(syn.tokens, syn.offsets, syn.tree_ids))
+    expected = [Planner().plan_step(b, 1 + i % 2, int(b.lengths.max()) + 7 * i, call_plans=True)
+                for i, b in enumerate(batches)]
+    results: list = [None] * 16
+    barrier = threading.Barrier(16)
+
+    def client(i: int) -> None:
+        with Planner(server.address, timeout=60) as p:
+            barrier.wait()
+            b = batches[i]
+            source = b.segment_tree() if i % 3 else PackedTokens(b.tokens, b.offsets, b.tree_ids)
+            results[i] = [p.plan_step(source, 1 + i % 2, int(b.lengths.max()) + 7 * i, call_plans=True)
+                          for _ in range(3)]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i in range(16):
+        assert results[i] is not None and all(r == expected[i] for r in results[i]), i
+
+
+# ---------------------------------------------------------------------------------- SIGTERM
+def slow_tree(n: int = 15_000, seed: int = 0) -> SegmentTree:
+    """A random tree whose step takes seconds to plan (random parents, lengths 1-199)."""
+    rng = np.random.default_rng(seed)
+    parent = np.floor(rng.random(n) * np.arange(n)).astype(np.int32)
+    parent[0] = -1
+    length = rng.integers(1, 200, size=n).astype(np.int32)
+    has_child = np.zeros(n, dtype=bool)
+    has_child[parent[1:]] = True
+    return SegmentTree(parent, length, np.flatnonzero(~has_child).astype(np.int32))
+
+
+def test_sigterm_drains(tmp_path):
+    tree = slow_tree()
+    cap = int(RolloutBatch.from_segment_tree(tree).lengths.max()) * 2
+    log = tmp_path / "serve.log"
+    sidecar = SidecarProcess(workers=2, grace=60, log_path=str(log))
+    try:
+        box: dict = {}
+
+        def slow() -> None:
+            with Planner(sidecar.address, timeout=120) as p:
+                t0 = time.perf_counter()
+                box["plan"] = p.plan_step(tree, 2, cap)
+                box["seconds"] = time.perf_counter() - t0
+
+        worker = threading.Thread(target=slow)
+        worker.start()
+        time.sleep(0.6)  # the plan is in flight (it takes seconds)
+        sidecar.proc.send_signal(15)
+        with Planner(sidecar.address, timeout=10) as p:
+            deadline = time.time() + 10
+            while p.health() != "NOT_SERVING" and time.time() < deadline:
+                time.sleep(0.05)
+            assert p.health() == "NOT_SERVING"
+            with pytest.raises(SidecarUnavailableError, match="shutting down"):
+                p.plan_step(SegmentTree([-1], [2], [0]), 1, 4)
+        worker.join(120)
+        assert sidecar.proc.wait(60) == 0
+    finally:
+        if sidecar.proc.poll() is None:
+            sidecar.proc.kill()
+    assert box["plan"] == Planner().plan_step(tree, 2, cap)  # the in-flight plan finished, correct
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    drain = next(r for r in records if r.get("event") == "drain")
+    assert drain["inflight"] == 1
+    rpcs = [r for r in records if r.get("event") == "rpc"]
+    ok = [r for r in rpcs if r["method"] == "PlanStep" and r["code"] == "OK"]
+    assert ok and ok[0]["input"] == "tree" and ok[0]["trajectories"] == tree.num_trajectories
+    assert {"plan_ms", "ingest_ms", "decode_ms", "total_ms", "microbatches", "request_bytes"} <= ok[0].keys()
+    assert any(r["code"] == "UNAVAILABLE" for r in rpcs)
+    assert records[-1]["event"] == "stopped" and records[-1]["drained"] is True
