@@ -154,6 +154,23 @@ class KDAExecutionPlan:
                    "num_state_slots": int(plan.num_state_slots)})
         return out.to(device) if device is not None else out
 
+    @classmethod
+    def trivial(cls, offsets, chunk_size: int, conv_width: int, device=None) -> KDAExecutionPlan:
+        """The trajectory-wise baseline's plan: rows are trajectories packed back to back
+        (``[offsets[j], offsets[j + 1])``), one packed call from zero states, no replay, no
+        handoffs, convolution windows inside each trajectory."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        S, n = int(offsets[-1]), len(offsets) - 1
+        rows = torch.arange(S, dtype=torch.int64)
+        rd = KDARound(gather=rows, cu_seqlens=offsets.tolist(), init_slots=[-1] * n, request_seq=[],
+                      request_chunk=[], request_slot=[], final_slots=[-1] * n, out_pos=rows)
+        sched = KDASchedule([rd], 0, rows)
+        conv_index = torch.from_numpy(trajectory_conv_index(offsets, conv_width))
+        out = cls(chunk_size, conv_width, S, conv_index, sched, sched,
+                  {"num_calls": 1, "replay_tokens": 0, "compact_tokens": S, "num_sequences": n,
+                   "num_state_slots": 0})
+        return out.to(device) if device is not None else out
+
 
 def _segment_schedule(plan, C: int) -> KDASchedule:
     """No-replay ablation: rounds by segment depth, each segment one sequence over its own rows,

@@ -235,7 +235,8 @@ class CompactMoE(nn.Module):
                           (self.w_up, self.config.hidden_size), (self.w_down, self.config.intermediate_size)):
             nn.init.normal_(w, std=fan_in ** -0.5)
 
-    def forward(self, hidden: torch.Tensor, multiplicity: torch.Tensor | None = None) -> MoEOutput:
+    def forward(self, hidden: torch.Tensor, multiplicity: torch.Tensor | None = None, *,
+                count: bool = True) -> MoEOutput:
         """Route and run experts once per row.
 
         Parameters
@@ -244,6 +245,10 @@ class CompactMoE(nn.Module):
             Compact rows (or expanded rows for the trajectory-wise baseline).
         multiplicity : Tensor, int or float, shape [N], optional
             ``q_c`` of each row; None weights every row once.
+        count : bool
+            Add the counts to ``local_tokens_per_expert`` in training mode. A caller that
+            recomputes this forward (activation checkpointing) passes False and accumulates
+            :attr:`MoEOutput.tokens_per_expert` itself, once.
 
         Returns
         -------
@@ -258,7 +263,7 @@ class CompactMoE(nn.Module):
                                         self.expert_bias if c.use_expert_bias else None,
                                         c.norm_topk_prob, c.routed_scaling_factor)
         aux, z, counts = router_losses(logits, probs, topk_idx, multiplicity)
-        if self.training:
+        if self.training and count:
             self.local_tokens_per_expert += counts.detach()
         experts = self._experts_grouped if c.grouped else self._experts_loop
         out = experts(hidden, topk_idx, weight.to(hidden.dtype))
