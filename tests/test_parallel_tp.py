@@ -35,6 +35,7 @@ def _layers():
 
     return {
         "gqa": lambda: CompactAttention(AttentionConfig(hidden_size=D, num_heads=4, num_kv_heads=2)),
+        "mqa": lambda: CompactAttention(AttentionConfig(hidden_size=D, num_heads=4, num_kv_heads=1)),
         "mla": lambda: CompactMLA(MLAConfig(hidden_size=D, num_heads=2, kv_lora_rank=12, qk_nope_head_dim=6,
                                             qk_rope_head_dim=4, v_head_dim=5)),
         "mla_q_lora": lambda: CompactMLA(MLAConfig(hidden_size=D, num_heads=4, kv_lora_rank=8, qk_nope_head_dim=4,
@@ -105,7 +106,7 @@ def _tp_worker(rank, world, kinds):
     return out
 
 
-KINDS = ["gqa", "mla", "mla_q_lora", "kda", "ffn"]
+KINDS = ["gqa", "mqa", "mla", "mla_q_lora", "kda", "ffn"]
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,7 @@ def test_tensor_parallel_layer_matches_single_process(tp_results, kind, sp):
 
 
 def test_tp_degree_must_divide_heads():
-    layer = CompactAttention(AttentionConfig(hidden_size=D, num_heads=4, num_kv_heads=1))
+    layer = CompactAttention(AttentionConfig(hidden_size=D, num_heads=6, num_kv_heads=3))
     with pytest.raises(ParallelConfigError) as e:
         tensor_parallel_layer(layer, None, 0, 2)
     assert e.value.field == "tp"

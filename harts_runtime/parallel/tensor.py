@@ -88,14 +88,22 @@ def _mark_partial(*modules_or_params) -> None:
 
 
 def _shard_attention(m: CompactAttention, rank: int, tp: int) -> None:
+    """KV heads are sharded when ``tp`` divides them; a single KV head (MQA) is replicated on every
+    rank, with partial gradients (each rank's query heads read it). Other splits are rejected."""
     c = m.config
-    if c.num_kv_heads % tp:
-        raise ParallelConfigError("tp", f"{tp} does not divide num_kv_heads={c.num_kv_heads}")
     shard_columns(m.q_proj, rank, tp, "num_heads")
-    shard_columns(m.k_proj, rank, tp, "num_kv_heads")
-    shard_columns(m.v_proj, rank, tp, "num_kv_heads")
+    if c.num_kv_heads % tp == 0:
+        shard_columns(m.k_proj, rank, tp, "num_kv_heads")
+        shard_columns(m.v_proj, rank, tp, "num_kv_heads")
+        kv_local = c.num_kv_heads // tp
+    elif c.num_kv_heads == 1:
+        _mark_partial(m.k_proj, m.v_proj)
+        kv_local = 1
+    else:
+        raise ParallelConfigError("tp", f"{tp} does not divide num_kv_heads={c.num_kv_heads} "
+                                        "(and there is more than one KV head to replicate)")
     shard_rows(m.o_proj, rank, tp, "num_heads")
-    m.config = dataclasses.replace(c, num_heads=c.num_heads // tp, num_kv_heads=c.num_kv_heads // tp)
+    m.config = dataclasses.replace(c, num_heads=c.num_heads // tp, num_kv_heads=kv_local)
 
 
 def _shard_mla(m: CompactMLA, rank: int, tp: int) -> None:
