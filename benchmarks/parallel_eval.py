@@ -187,7 +187,7 @@ def run_config(name, args, dev, step, world) -> dict:
     out.update(harts_fbg_s=h, baseline_fbg_s=b, planner_s=pl, plan_step_s=plan_step_s,
                fbg_speedup=b / h, core_speedup=b / (h + pl),
                compression=step.batch.semantic_tokens / step.batch.compact_tokens)
-    del model
+    model = None   # free before the next configuration
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     from harts_runtime.model import model_config
     from harts_runtime.train import _synthetic_step
 
-    local = int(os.environ.get("LOCAL_RANK", 0))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
     if args.device == "cuda":
         torch.cuda.set_device(local)
         dev = torch.device("cuda", local)

@@ -82,7 +82,7 @@ def _check(results, ref, dims):
                 dim = next(i for i in range(got.dim()) if got.shape[i] != want.shape[i])
                 idx = r["coords"]["ep"] if r["expert"][name] else r["coords"]["tp"]
                 want = want.narrow(dim, idx * got.shape[dim], got.shape[dim])
-            torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"rank {r['coords']} d{n}: {m}")
+            torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name, c=r['coords']: f"rank {c} d{n}: {m}")
 
 
 CONFIGS = {
@@ -129,3 +129,21 @@ def test_replica_schedule_is_slot_ordered_and_covers_the_step():
     with pytest.raises(ParallelConfigError) as e:
         replica_schedule(plan, 2)
     assert e.value.field == "replica"
+
+
+def test_apply_recompute_keeps_loss_and_gradients():
+    from harts_runtime.parallel import apply_recompute
+    from harts_runtime.train import train_step
+
+    grads, losses = [], []
+    for wrap in (False, True):
+        model, step, plan = _setup(1)
+        if wrap:
+            apply_recompute(model)
+            assert all(type(b).__name__ == "_Checkpointed" for b in model.blocks)
+        losses.append(train_step(model.train(), None, step, step_plan=plan).loss)
+        grads.append({n.replace(".block.", "."): p.grad for n, p in model.named_parameters()})
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"d{n}: {m}")

@@ -121,8 +121,8 @@ def test_tensor_parallel_layer_matches_single_process(tp_results, kind, sp):
     tol = dict(rtol=1e-5, atol=1e-6) if kind == "kda" else dict(rtol=1e-9, atol=1e-9)
     for rank, res in enumerate(tp_results):
         r = res[(kind, sp)]
-        torch.testing.assert_close(r["y"], r["y_ref"], **tol, msg=lambda m: f"rank {rank} output: {m}")
-        torch.testing.assert_close(r["dx"], r["dx_ref"], **tol, msg=lambda m: f"rank {rank} d hidden: {m}")
+        torch.testing.assert_close(r["y"], r["y_ref"], **tol, msg=lambda m, rank=rank: f"rank {rank} output: {m}")
+        torch.testing.assert_close(r["dx"], r["dx_ref"], **tol, msg=lambda m, rank=rank: f"rank {rank} d hidden: {m}")
     names = tp_results[0][(kind, sp)]["grads"].keys()
     kinds_seen = set()
     for name in names:

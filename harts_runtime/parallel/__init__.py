@@ -11,13 +11,24 @@ Entry points::
     result = run_replica_step(plan, groups.dp_rank, microbatch_fn, params=model.parameters(), groups=groups)
 """
 
-from harts_runtime.parallel.data import (ReplicaStepResult, allreduce_gradients, replica_schedule,
-                                         run_replica_step, sync_expert_load)
+from harts_runtime.parallel.data import (
+                                         ReplicaStepResult,
+                                         allreduce_gradients,
+                                         replica_schedule,
+                                         run_replica_step,
+                                         sync_expert_load,
+)
 from harts_runtime.parallel.dims import ParallelConfigError, ParallelDims, ParallelGroups
 from harts_runtime.parallel.expert import ExpertParallelMoE
 from harts_runtime.parallel.launch import run_distributed
-from harts_runtime.parallel.parallelize import (apply_dp, apply_ep, apply_recompute, apply_tp, megatron_groups,
-                                                parallelize)
+from harts_runtime.parallel.parallelize import (
+                                         apply_dp,
+                                         apply_ep,
+                                         apply_recompute,
+                                         apply_tp,
+                                         megatron_groups,
+                                         parallelize,
+)
 from harts_runtime.parallel.tensor import tensor_parallel_layer
 from harts_runtime.parallel.vocab import vocab_parallel_logprobs, vocab_range
 

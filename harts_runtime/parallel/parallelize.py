@@ -93,7 +93,10 @@ class _Checkpointed(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["block"], name)
+            modules = self.__dict__.get("_modules")       # absent while copying / unpickling
+            if not modules or "block" not in modules:
+                raise
+            return getattr(modules["block"], name)
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
@@ -103,11 +106,15 @@ class _Checkpointed(nn.Module):
 
 def apply_recompute(model: nn.Module) -> None:
     """Full-block activation recomputation: each block's forward is re-run in backward."""
-    for parent in model.modules():
+    for parent in list(model.modules()):
+        if isinstance(parent, _Checkpointed):
+            continue
         for name, child in list(parent.named_children()):
             if hasattr(child, "mixer") and hasattr(child, "ffn") and not isinstance(child, _Checkpointed):
-                setattr(parent, name, _Checkpointed(child)) if not isinstance(parent, nn.ModuleList) \
-                    else parent.__setitem__(int(name), _Checkpointed(child))
+                if isinstance(parent, nn.ModuleList):
+                    parent[int(name)] = _Checkpointed(child)
+                else:
+                    setattr(parent, name, _Checkpointed(child))
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, groups: ParallelGroups, *,
