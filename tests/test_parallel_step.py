@@ -1,0 +1,149 @@
+"""2-process gloo runs of the ``debug`` model vs the single-process step on the same batch and plan.
+
+* DP2: each rank runs its replica's microbatches slot by slot (``run_replica_step``), gradients
+  summed over DP; the loss and every gradient equal ``train_step`` on one process with the same step
+  plan (same microbatches, so even the per-microbatch load-balancing loss is identical).
+* DP2 + EP2: MoE experts sharded over the two replicas (all-to-all dispatch).
+* TP2: one replica, mixers and dense FFNs sharded over two ranks.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from harts_runtime.parallel import ParallelConfigError, ParallelDims, replica_schedule
+from harts_runtime.parallel.launch import run_distributed
+
+CAPACITY = 30     # 4 microbatches for D = 2 (2 slots), 2-3 for D = 1
+
+
+def _setup(dp):
+    import harts_planner as hp
+
+    from harts_runtime.model import HybridModel, model_config
+    from harts_runtime.testing import random_batch
+    from harts_runtime.train import StepInputs
+
+    cfg = model_config("debug", use_expert_bias=True)
+    torch.manual_seed(0)
+    model = HybridModel(cfg)
+    batch = random_batch(3, num=16, vocab=cfg.vocab_size, max_new=10)
+    step = StepInputs.synthetic(batch, seed=1, vocab_size=cfg.vocab_size)
+    plan = hp.plan_step(batch, dp, CAPACITY, cfg.chunk_size)
+    return model, step, plan
+
+
+def _parallel_worker(rank, world, dims_kw, recompute):
+    from harts_runtime.parallel import parallelize, run_replica_step, sync_expert_load
+    from harts_runtime.train import run_microbatch
+
+    dims = ParallelDims(world_size=world, **dims_kw)
+    groups = dims.build_groups()
+    model, step, plan = _setup(dims.dp)
+    parallelize(model, dims, groups)
+    model.train()
+
+    def microbatch(slot, traj):
+        loss, _ = run_microbatch(model, step, traj, "compact", recompute)
+        return loss
+
+    res = run_replica_step(plan, groups.dp_rank, microbatch, params=model.parameters(), groups=groups,
+                           backward=False)
+    sync_expert_load([b.ffn for b in model.blocks], groups)
+    return {"loss": res.loss, "slots": len(res.slot_seconds), "coords": groups.coords,
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+            "expert": {n: getattr(p, "_harts_expert", False) for n, p in model.named_parameters()},
+            "counts": {f"blocks.{i}": b.ffn.local_tokens_per_expert.clone()
+                       for i, b in enumerate(model.blocks) if b.ffn_kind == "moe"}}
+
+
+def _reference(dp, recompute):
+    from harts_runtime.train import train_step
+
+    model, step, plan = _setup(dp)
+    model.train()
+    res = train_step(model, None, step, step_plan=plan, recompute=recompute)
+    return {"loss": res.loss, "num_microbatches": res.num_microbatches,
+            "grads": {n: p.grad for n, p in model.named_parameters()},
+            "counts": {f"blocks.{i}": b.ffn.local_tokens_per_expert.clone()
+                       for i, b in enumerate(model.blocks) if b.ffn_kind == "moe"}}
+
+
+def _check(results, ref, dims):
+    tol = dict(rtol=2e-4, atol=2e-6)
+    for r in results:
+        assert abs(r["loss"] - ref["loss"]) <= 1e-5 * max(1.0, abs(ref["loss"])), (r["loss"], ref["loss"])
+        assert r["slots"] * dims.dp == ref["num_microbatches"]
+        for name, want in ref["counts"].items():
+            torch.testing.assert_close(r["counts"][name], want, msg=lambda m, n=name: f"{n} expert load: {m}")
+        for name, want in ref["grads"].items():
+            got = r["grads"][name]
+            if got.shape != want.shape:        # a TP or EP shard: compare with its slice
+                dim = next(i for i in range(got.dim()) if got.shape[i] != want.shape[i])
+                idx = r["coords"]["ep"] if r["expert"][name] else r["coords"]["tp"]
+                want = want.narrow(dim, idx * got.shape[dim], got.shape[dim])
+            torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name, c=r['coords']: f"rank {c} d{n}: {m}")
+
+
+CONFIGS = {
+    "dp2": (dict(dp=2), False),
+    "dp2-recompute": (dict(dp=2), True),
+    "dp2-ep2": (dict(dp=2, ep=2), False),
+    "tp2": (dict(tp=2), False),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_two_process_step_matches_single_process(name):
+    dims_kw, recompute = CONFIGS[name]
+    results = run_distributed(_parallel_worker, 2, dims_kw, recompute, timeout=120)
+    dims = ParallelDims(world_size=2, **dims_kw)
+    _check(results, _reference(dims.dp, recompute), dims)
+
+
+def test_parallel_dims_validation_names_the_field():
+    cases = [(dict(dp=2, world_size=4), "world_size"), (dict(dp=2, ep=4, world_size=2), "ep"),
+             (dict(pp=2, world_size=2), "pp"), (dict(tp=0), "tp"), (dict(dp=1.5), "dp"),
+             (dict(sequence_parallel=True), "sequence_parallel")]
+    for kw, field in cases:
+        with pytest.raises(ParallelConfigError) as e:
+            ParallelDims(**kw)
+        assert e.value.field == field and field in str(e.value)
+    dims = ParallelDims(dp=2, tp=2, ep=2, world_size=4)
+    assert dims.coords(3) == {"pp": 0, "dp": 1, "tp": 1, "ep": 1}
+    g = dims.group_ranks()
+    assert g["tp"] == [[0, 1], [2, 3]] and g["dp"] == [[0, 2], [1, 3]] and g["ep"] == [[0, 2], [1, 3]]
+    assert g["edp"] == [[0], [2], [1], [3]]
+
+
+def test_replica_schedule_is_slot_ordered_and_covers_the_step():
+    _, _, plan = _setup(2)
+    seen = []
+    for d in range(2):
+        sched = replica_schedule(plan, d)
+        assert len(sched) == plan.num_slots
+        for j, members in enumerate(sched):
+            np.testing.assert_array_equal(members, plan.microbatch_at(d, j))
+            seen.extend(members.tolist())
+    assert sorted(seen) == list(range(plan.batch.num_trajectories))
+    with pytest.raises(ParallelConfigError) as e:
+        replica_schedule(plan, 2)
+    assert e.value.field == "replica"
+
+
+def test_apply_recompute_keeps_loss_and_gradients():
+    from harts_runtime.parallel import apply_recompute
+    from harts_runtime.train import train_step
+
+    grads, losses = [], []
+    for wrap in (False, True):
+        model, step, plan = _setup(1)
+        if wrap:
+            apply_recompute(model)
+            assert all(type(b).__name__ == "_Checkpointed" for b in model.blocks)
+        losses.append(train_step(model.train(), None, step, step_plan=plan).loss)
+        grads.append({n.replace(".block.", "."): p.grad for n, p in model.named_parameters()})
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"d{n}: {m}")
