@@ -253,10 +253,10 @@ def section_fidelity(args, model, dev, shared):
     # execution noise comes from (different GEMM shapes, bf16 rounding, near-tie router flips).
     repack = max(int(np.max(step.batch.lengths)), args.fidelity_rows // 4)
     for rc in (False, True):
-        a = _run_collect(model, step, "trajectory", rc, args.capacity)
-        b = _run_collect(model, step, "trajectory", rc, args.capacity)
+        a = _run_collect(model, step, "trajectory", rc, args.fidelity_rows)
+        b = _run_collect(model, step, "trajectory", rc, args.fidelity_rows)
         p = _run_collect(model, step, "trajectory", rc, repack)
-        c = _run_collect(model, step, "compact", rc, args.capacity)
+        c = _run_collect(model, step, "compact", rc, args.fidelity_rows)
         key = "recompute" if rc else "no_recompute"
         out[key] = {"baseline_self_rerun_cos": _compare(model, a, b)["mean_cos"],
                     "baseline_repack_cos": _compare(model, a, p)["mean_cos"],
@@ -290,12 +290,12 @@ def section_replay(args, model, dev, shared):
     step = shared.get("fidelity_step") or _fidelity_step(args, model)
     runs = shared.get("fidelity_runs")
     if runs is None:
-        runs = {"A": _run_collect(model, step, "trajectory", False, args.capacity, grad=False),
-                "B": _run_collect(model, step, "trajectory", False, args.capacity, grad=False),
+        runs = {"A": _run_collect(model, step, "trajectory", False, args.fidelity_rows, grad=False),
+                "B": _run_collect(model, step, "trajectory", False, args.fidelity_rows, grad=False),
                 "P": _run_collect(model, step, "trajectory", False,
                                   max(int(np.max(step.batch.lengths)), args.fidelity_rows // 4), grad=False),
-                "R": _run_collect(model, step, "compact", False, args.capacity, grad=False)}
-    runs["N"] = _run_collect(model, step, "compact", False, args.capacity, no_replay=True, grad=False)
+                "R": _run_collect(model, step, "compact", False, args.fidelity_rows, grad=False)}
+    runs["N"] = _run_collect(model, step, "compact", False, args.fidelity_rows, no_replay=True, grad=False)
     depth = handoff_depth(step.batch).to(dev)
     out = {"batch": batch_info(step)}
     for name, key in (("rerun", "B"), ("repack", "P"), ("replay", "R"), ("no_replay", "N")):
@@ -371,6 +371,8 @@ def markdown(res: dict) -> str:
     f = res.get("fidelity")
     if isinstance(f, dict) and "no_recompute" in f:
         lines += ["## Fidelity (Table 5)", "",
+                  "Trajectory runs packed at T = --fidelity-rows (the compact microbatch's size); the repacked "
+                  "baseline packs at about a quarter of that.", "",
                   "| recompute | baseline self-rerun cos | baseline repacked cos | HARTS cos | abs loss diff "
                   "(HARTS / repacked) | grad cos HARTS | grad cos rerun | grad cos repacked |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|"]
