@@ -40,6 +40,7 @@ Command line: ``harts-train`` / ``python -m harts_runtime.train`` (see :func:`ma
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import sys
@@ -600,13 +601,20 @@ def main(argv=None) -> int:
     model = HybridModel(cfg, device=dev)
     print(f"model: {flavor} layers={cfg.num_layers} params={sum(p.numel() for p in model.parameters()):,} "
           f"dtype={cfg.dtype} device={dev}", file=sys.stderr)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     modes = MODES if args.mode == "both" else (args.mode,)
+    # "both": two identical copies of the model, each with its own optimizer, so that every step
+    # of the compact and the trajectory execution starts from the same weights and the two loss
+    # curves can be compared step by step (they agree to float rounding: the same math).
+    models = {m: (model if k == 0 else copy.deepcopy(model)) for k, m in enumerate(modes)}
+    opts = {m: torch.optim.AdamW(models[m].parameters(), lr=args.lr) for m in modes}
     for i in range(args.steps):
+        losses = {}
         for mode in modes:
             bar = Progress(f"step {i} {mode[:4]}", enabled=not args.json)
-            r = train_step(model, opt, step, None, mode, args.recompute, capacity=capacity, progress=bar)
+            r = train_step(models[mode], opts[mode], step, None, mode, args.recompute, capacity=capacity,
+                           progress=bar)
             bar.close()
+            losses[mode] = r.loss
             if args.json:
                 print(json.dumps(dict(r.to_dict(), step=i)))
             else:
@@ -614,6 +622,8 @@ def main(argv=None) -> int:
                       f"compression={r.compression:.2f}x microbatches={r.num_microbatches} calls={r.num_calls} "
                       f"replay={r.replay_tokens:,} plan={r.plan_seconds * 1e3:.1f}ms "
                       f"fbg={r.fbg_seconds:.2f}s loss={r.loss:.6f}")
+        if len(losses) == 2 and not args.json:
+            print(f"step {i} |loss(compact) - loss(trajectory)| = {abs(losses['compact'] - losses['trajectory']):.3e}")
     return 0
 
 

@@ -20,14 +20,21 @@ def test_demo_json_reports_what_ingestion_found(capsys):
     assert out["compact_tokens"] == syn.compact_tokens_expected
     assert out["compression"] == pytest.approx(syn.semantic_tokens / syn.compact_tokens_expected)
     assert out["max_fanout"] >= 2 and out["max_depth_segments"] >= 2
+    plan = out["plan"]         # the step plan covers every trajectory once: work >= C, each <= T
+    assert plan["step_compact_tokens"] >= out["compact_tokens"]
+    assert plan["microbatches"] % plan["dp_size"] == 0 and plan["slots"] == plan["microbatches"] // plan["dp_size"]
+    assert plan["kda_calls_total"] >= plan["microbatches"] and plan["kda_calls_max"] >= 1
 
 
 def test_demo_table(capsys):
-    assert cli.main(["demo", "--preset", "tiny", "--quiet"]) == 0
+    assert cli.main(["demo", "--preset", "tiny", "--quiet", "--model-steps", "2"]) == 0
     text = capsys.readouterr().out
     for label in ("trajectories", "semantic tokens S", "compact tokens C", "compression S/C",
-                  "tree depth", "fan-out", "time"):
+                  "tree depth", "fan-out", "step plan", "KDA call plans", "time"):
         assert label in text
+    # the whole pipeline: the debug model trained compact and trajectory-wise from the same weights
+    diffs = [float(line.rsplit("=", 1)[1]) for line in text.splitlines() if "|loss(compact) - loss(trajectory)|" in line]
+    assert len(diffs) == 2 and max(diffs) < 1e-4
 
 
 @pytest.mark.parametrize("suffix", [".hrb", ".jsonl"])

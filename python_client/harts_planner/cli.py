@@ -17,6 +17,8 @@ import json
 import sys
 import time
 
+import numpy as np
+
 from harts_planner._progress import Progress
 
 
@@ -30,6 +32,52 @@ def _ingest_with_progress(tokens, offsets, tree_ids, quiet: bool):
     return batch, bar.close()
 
 
+def _demo_plans(batch, args) -> dict:
+    """Step plan (Section 3.2) and per-microbatch minimum-call plans (Section 3.3) of the demo step."""
+    from harts_planner.call_plan import plan_calls
+    from harts_planner.step_plan import plan_step
+
+    longest = int(np.max(batch.lengths))
+    capacity = max(args.capacity, longest)          # small presets: T never below one trajectory
+    t = time.perf_counter()
+    plan = plan_step(batch, args.dp, capacity, args.chunk_size)
+    step_s = time.perf_counter() - t
+    bar = Progress("call plans", enabled=not args.quiet)
+    t = time.perf_counter()
+    calls, replay, packed = [], 0, 0
+    for i, mb in enumerate(plan.microbatches):
+        cp = plan_calls(batch, args.chunk_size, trajectories=mb)
+        calls.append(int(cp.num_calls))
+        replay += int(cp.replay_tokens)
+        bar(i + 1, plan.num_microbatches)
+    calls_s = time.perf_counter() - t
+    bar.close()
+    m = plan.metrics
+    return {"dp_size": args.dp, "capacity": capacity, "chunk_size": args.chunk_size,
+            "microbatches": plan.num_microbatches, "slots": plan.num_slots,
+            "step_compact_tokens": plan.total_work, "step_compression": batch.semantic_tokens / plan.total_work,
+            "slot_critical_work": plan.slot_critical_work, "max_replica_work": plan.max_replica_work,
+            "slot_imbalance_p95": m.get("slot_imbalance_p95"), "step_imbalance": plan.step_imbalance,
+            "step_plan_seconds": step_s, "kda_calls_total": int(sum(calls)), "kda_calls_max": max(calls),
+            "replay_tokens": replay, "call_plan_seconds": calls_s}
+
+
+def _demo_model(args) -> None:
+    """A few training steps of the `debug` hybrid model, compact and trajectory-wise side by side
+    (needs the runtime extra: torch)."""
+    try:
+        from harts_runtime import train
+    except ImportError as e:     # the base install has no torch: say how to get the model step
+        print(f"model step skipped ({e.name or e} is not installed): pip install '.[runtime]' torch==2.13.0, "
+              "then harts-planner demo or harts-train")
+        return
+    print("HARTS demo: debug hybrid model (KDA + MLA + GQA, dense + MoE), compact vs trajectory-wise")
+    sys.stdout.flush()
+    preset = "tiny" if args.preset == "tiny" else "small"      # CPU-sized: the small preset, capped
+    train.main(["--flavor", "debug", "--preset", preset, "--max-len", "1024", "--steps", str(args.model_steps),
+                "--mode", "both", "--device", "cpu"])
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from harts_planner import synth
 
@@ -40,31 +88,44 @@ def cmd_demo(args: argparse.Namespace) -> int:
     batch, ingest_s = _ingest_with_progress(syn.tokens, syn.offsets, syn.tree_ids, args.quiet)
     stats = batch.stats()
     stats.update(preset=args.preset, seed=args.seed, generate_seconds=gen_s, ingest_seconds=ingest_s,
-                 ingest_tokens_per_second=batch.semantic_tokens / ingest_s if ingest_s else None,
-                 total_seconds=time.perf_counter() - t0)
+                 ingest_tokens_per_second=batch.semantic_tokens / ingest_s if ingest_s else None)
+    plans = _demo_plans(batch, args)
+    stats["plan"] = plans
+    stats["total_seconds"] = time.perf_counter() - t0
     if args.json:
         print(json.dumps(stats, indent=2))
-        return 0
-    rows = [
-        ("preset", f"{args.preset} (seed {args.seed})"),
-        ("trajectories", f"{stats['trajectories']:,}"),
-        ("rollout trees", f"{stats['trees']:,}"),
-        ("semantic tokens S", f"{stats['semantic_tokens']:,}"),
-        ("compact tokens C", f"{stats['compact_tokens']:,}"),
-        ("compression S/C", f"{stats['compression']:.2f}x"),
-        ("segments", f"{stats['segments']:,}"),
-        ("tree depth", f"{stats['max_depth_segments']} segments max, "
-                       f"{stats['max_trajectory_tokens']:,} tokens max "
-                       f"({stats['mean_trajectory_tokens']:,.0f} mean per trajectory)"),
-        ("fan-out", f"{stats['forks']:,} forks, max {stats['max_fanout']}, "
-                    f"mean {stats['mean_fanout_at_forks']:.2f} at forks"),
-        ("time", f"generate {gen_s:.2f}s, ingest {ingest_s:.2f}s "
-                 f"({stats['ingest_tokens_per_second'] / 1e6:.1f}M tokens/s)"),
-    ]
-    width = max(len(k) for k, _ in rows)
-    print("HARTS demo: synthetic rollout step -> compact trie")
-    for k, v in rows:
-        print(f"  {k:<{width}}  {v}")
+    else:
+        p = plans
+        rows = [
+            ("preset", f"{args.preset} (seed {args.seed})"),
+            ("trajectories", f"{stats['trajectories']:,}"),
+            ("rollout trees", f"{stats['trees']:,}"),
+            ("semantic tokens S", f"{stats['semantic_tokens']:,}"),
+            ("compact tokens C", f"{stats['compact_tokens']:,}"),
+            ("compression S/C", f"{stats['compression']:.2f}x"),
+            ("segments", f"{stats['segments']:,}"),
+            ("tree depth", f"{stats['max_depth_segments']} segments max, "
+                           f"{stats['max_trajectory_tokens']:,} tokens max "
+                           f"({stats['mean_trajectory_tokens']:,.0f} mean per trajectory)"),
+            ("fan-out", f"{stats['forks']:,} forks, max {stats['max_fanout']}, "
+                        f"mean {stats['mean_fanout_at_forks']:.2f} at forks"),
+            ("step plan", f"D = {p['dp_size']}, T = {p['capacity']:,}: {p['microbatches']} microbatches in "
+                          f"{p['slots']} slots, {p['step_compact_tokens']:,} compact tokens "
+                          f"(S / work = {p['step_compression']:.2f}x), step imbalance {p['step_imbalance']:.2%}"),
+            ("KDA call plans", f"chunk {p['chunk_size']}: {p['kda_calls_total']:,} calls in all, at most "
+                               f"{p['kda_calls_max']} per microbatch, replay {p['replay_tokens']:,} tokens "
+                               f"({p['replay_tokens'] / max(p['step_compact_tokens'], 1):.3%} of the work)"),
+            ("time", f"generate {gen_s:.2f}s, ingest {ingest_s:.2f}s "
+                     f"({stats['ingest_tokens_per_second'] / 1e6:.1f}M tokens/s), step plan "
+                     f"{p['step_plan_seconds']:.2f}s, call plans {p['call_plan_seconds']:.2f}s"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        print("HARTS demo: synthetic rollout step -> compact trie -> step plan -> KDA call plans")
+        for k, v in rows:
+            print(f"  {k:<{width}}  {v}")
+    if args.model_steps > 0 and not args.json:
+        sys.stdout.flush()
+        _demo_model(args)
     return 0
 
 
@@ -236,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", action="store_true", help="print the summary as JSON")
     d.add_argument("--quiet", action="store_true", help="no progress bars")
+    d.add_argument("--dp", type=int, default=2, help="DP degree D of the step plan (default 2)")
+    d.add_argument("--capacity", type=int, default=65_536, help="microbatch capacity T in compact tokens")
+    d.add_argument("--chunk-size", type=int, default=64, help="KDA chunk size B")
+    d.add_argument("--model-steps", type=int, default=1,
+                   help="training steps of the debug model, compact vs trajectory (needs torch; 0 = skip; "
+                        "not with --json)")
     d.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("synth", help="write a synthetic batch (.hrb or .jsonl)")
