@@ -209,7 +209,11 @@ def test_pack_trajectories_first_fit_decreasing():
 def test_cli_runs_both_modes(capsys):
     assert main(["--preset", "tiny", "--steps", "2", "--mode", "both", "--device", "cpu", "--capacity", "64"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 4 and out[0].startswith("step 0 compact") and "compression=" in out[0] and "loss=" in out[0]
+    # per step: one line per mode, then the loss difference of the two identical model copies
+    assert len(out) == 6 and out[0].startswith("step 0 compact") and "compression=" in out[0] and "loss=" in out[0]
+    assert out[1].startswith("step 0 trajectory") and out[4].startswith("step 1 trajectory")
+    for line in (out[2], out[5]):
+        assert "|loss(compact) - loss(trajectory)|" in line and float(line.rsplit("=", 1)[1]) < 1e-3, line
 
 
 def test_gpu_eval_script_smoke_on_cpu(tmp_path):
