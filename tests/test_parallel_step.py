@@ -7,6 +7,7 @@
 * TP2: one replica, mixers and dense FFNs sharded over two ranks, embedding and LM head sharded over
   the vocabulary (masked lookup + all-reduce; fused chunked log-probs reducing per-row max / sum-exp
   and one target logit per position).
+* DP2 x TP2 + SP x EP2 on 4 processes.
 * TP2 + SP: as TP2 with the compact rows split over the two ranks between TP regions (embedding
   reduce-scatter, LM-head all-gather, MoE multiplicity slice and TP-summed router statistics).
 
@@ -115,6 +116,17 @@ def test_two_process_step_matches_single_process(name):
     results = run_distributed(_parallel_worker, 2, dims_kw, recompute, timeout=120)
     dims = ParallelDims(world_size=2, **dims_kw)
     _check(results, _reference(dims.dp, recompute), dims)
+
+
+def test_four_process_dp2_tp2_sp_ep2_matches_single_process():
+    """All of it at once (4 gloo processes, ~8 s): two replicas, each TP2 with sequence parallelism,
+    experts sharded over the replicas. Checks that EP keeps what SP set on the MoE (the row shard and
+    the TP-partial tags of router and experts), and the TP -> DP / expert-DP gradient sums."""
+    dims_kw = dict(dp=2, tp=2, ep=2, sequence_parallel=True)
+    results = run_distributed(_parallel_worker, 4, dims_kw, False, timeout=180)
+    dims = ParallelDims(world_size=4, **dims_kw)
+    assert sorted((r["coords"]["dp"], r["coords"]["tp"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    _check(results, _reference(dims.dp, False), dims)
 
 
 def test_parallel_dims_validation_names_the_field():
