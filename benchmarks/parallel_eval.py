@@ -1,4 +1,4 @@
-"""DP2 / TP2 / EP2 of a reduced ``ling-tiny`` vs the single-GPU step, and speedup over the
+"""DP2 / TP2 / EP2 (and TP2 + SP, ``--configs tp2-sp``) of a reduced ``ling-tiny`` vs the single-GPU step, and speedup over the
 trajectory baseline under each configuration (paper Table 4 style). Writes JSON.
 
 Run on a 2-GPU host (each configuration uses both ranks)::
@@ -39,7 +39,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-CONFIGS = {"dp2": dict(dp=2), "tp2": dict(tp=2), "ep2": dict(dp=2, ep=2)}
+CONFIGS = {"dp2": dict(dp=2), "tp2": dict(tp=2), "ep2": dict(dp=2, ep=2),
+           "tp2-sp": dict(tp=2, sequence_parallel=True)}
 
 
 def _sync(dev):
@@ -78,7 +79,10 @@ def _grad_report(model, ref_grads, groups) -> dict:
             continue
         got = p.grad.float()
         want = want.to(got.device).float()
-        if got.shape != want.shape:
+        if hasattr(p, "_harts_vocab_range"):              # vocabulary shard (embedding / LM head)
+            a, b = p._harts_vocab_range
+            want = want[a:b]
+        elif got.shape != want.shape:
             dim = next(i for i in range(got.dim()) if got.shape[i] != want.shape[i])
             idx = groups.ep_rank if getattr(p, "_harts_expert", False) else groups.tp_rank
             want = want.narrow(dim, idx * got.shape[dim], got.shape[dim])

@@ -354,7 +354,16 @@ class HybridModel(nn.Module):
     def logprobs(self, hidden: torch.Tensor, row_index: torch.Tensor, labels: torch.Tensor,
                  chunks: list | None = None) -> torch.Tensor:
         """Mapped log-probs ``log_softmax(hidden @ W^T)[row_index, labels]`` (Equation 17) without
-        ``[N, V]`` logits; see :class:`ChunkedLMHeadLogProbs`. ``chunks`` from :func:`lm_chunks`."""
+        ``[N, V]`` logits; see :class:`ChunkedLMHeadLogProbs`. ``chunks`` from :func:`lm_chunks`.
+
+        A head that provides its own ``mapped_logprobs(hidden, row_index, labels, chunks, rows)``
+        (the vocabulary-parallel head installed by ``harts_runtime.parallel``) computes them instead;
+        this keeps the single-process path free of any parallel import.
+        """
+        head = getattr(self.lm_head, "mapped_logprobs", None)
+        if head is not None:
+            with record_function("harts.lm_head"):
+                return head(hidden, row_index, labels, chunks, self.config.lm_head_rows)
         if chunks is None:
             chunks = lm_chunks(row_index.cpu().numpy(), hidden.shape[0], self.config.lm_head_rows)
         order, bounds = chunks[0].to(hidden.device), chunks[1]
@@ -363,7 +372,8 @@ class HybridModel(nn.Module):
                                                self.config.lm_head_rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full logits of some rows (evaluation only): [n, D] -> [n, V] in the model dtype."""
+        """Full logits of some rows (evaluation only): [n, D] -> [n, V] in the model dtype (under
+        vocabulary parallelism the rows must be the same on every TP rank; the columns are gathered)."""
         return self.lm_head(hidden)
 
     @torch.no_grad()

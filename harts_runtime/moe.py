@@ -127,7 +127,8 @@ def route(logits: torch.Tensor, top_k: int, score_func: str = "softmax", expert_
     return probs, topk_idx, weight * scaling
 
 
-def router_losses(logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Tensor, multiplicity=None):
+def router_losses(logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Tensor, multiplicity=None,
+                  reduce=None):
     """Multiplicity-weighted router statistics of N rows.
 
     Parameters
@@ -137,11 +138,19 @@ def router_losses(logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Ten
     topk_idx : Tensor, int64, [N, k]
     multiplicity : Tensor, [N], optional
         ``q_c`` (None: every row once, i.e. trajectory-wise training on expanded rows).
+    reduce : callable, optional
+        For rows sharded over ranks (sequence parallelism): sums a 1-D tensor of per-shard partial
+        sums over the shards, differentiably (forward all-reduce, backward identity). The losses are
+        nonlinear in the row sums (``P_e f_e / S^2``, ``z / S``), so the mass ``P``, counts ``f``,
+        ``S`` and the z-loss numerator are summed first (one call, ``2E + 2`` scalars) and the
+        losses formed from the totals; they are then the whole row set's, equal on every shard.
 
     Returns
     -------
     (aux_loss, z_loss, tokens_per_expert) : scalar, scalar, float32 [E]
-        As defined in the module docstring; ``S = sum q``.
+        As defined in the module docstring; ``S = sum q``. ``tokens_per_expert`` is always these
+        N rows' counts (partial under ``reduce``), so that accumulating them per shard and summing
+        the accumulators later counts every row once.
     """
     n, e = probs.shape
     k = topk_idx.shape[1]
@@ -151,8 +160,14 @@ def router_losses(logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Ten
     assigned = torch.zeros(n, e, device=logits.device, dtype=dt).scatter_(1, topk_idx, 1.0)  # a_{c,e}
     tokens_per_expert = q @ assigned                                                # [E] f_e
     mass = (q[:, None] * probs.to(dt)).sum(0)                                       # [E] P_e
-    aux = (mass * tokens_per_expert).sum() * (e / (k * s * s))
-    z = (q * torch.logsumexp(logits, dim=-1).square()).sum() / s
+    z_sum = (q * torch.logsumexp(logits, dim=-1).square()).sum()
+    counts = tokens_per_expert
+    if reduce is not None:
+        total = reduce(torch.cat([mass, z_sum[None], tokens_per_expert, s[None]]))
+        mass, z_sum, counts, s = total[:e], total[e], total[e + 1:2 * e + 1], total[2 * e + 1]
+        counts, s = counts.detach(), s.detach()
+    aux = (mass * counts).sum() * (e / (k * s * s))
+    z = z_sum / s
     return aux, z, tokens_per_expert.float()
 
 
@@ -217,7 +232,15 @@ class CompactMoE(nn.Module):
     Parameters: ``router`` [E, D]; ``w_gate``, ``w_up`` [E, D, I]; ``w_down`` [E, I, D]. Buffers:
     ``expert_bias`` [E] (selection only) and ``local_tokens_per_expert`` [E] (float32, weighted
     counts accumulated since the last :meth:`update_expert_bias`).
+
+    ``row_shard`` is None in the single-process path. Sequence parallelism
+    (``harts_runtime.parallel``) sets it to an object with ``select(multiplicity [N_all], n) -> [n]``
+    (this rank's contiguous block of the replica's per-row multiplicities, for its ``n`` hidden rows)
+    and ``reduce(partial_sums) -> sums`` (see :func:`router_losses`); it is a plain attribute so this
+    module needs no parallel import.
     """
+
+    row_shard = None
 
     def __init__(self, config: MoEConfig):
         super().__init__()
@@ -262,7 +285,11 @@ class CompactMoE(nn.Module):
         probs, topk_idx, weight = route(logits, c.top_k, c.score_func,
                                         self.expert_bias if c.use_expert_bias else None,
                                         c.norm_topk_prob, c.routed_scaling_factor)
-        aux, z, counts = router_losses(logits, probs, topk_idx, multiplicity)
+        shard = self.row_shard
+        if shard is not None and multiplicity is not None:
+            multiplicity = shard.select(multiplicity, hidden.shape[0])
+        aux, z, counts = router_losses(logits, probs, topk_idx, multiplicity,
+                                       reduce=None if shard is None else shard.reduce)
         if self.training and count:
             self.local_tokens_per_expert += counts.detach()
         experts = self._experts_grouped if c.grouped else self._experts_loop

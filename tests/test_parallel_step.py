@@ -4,7 +4,15 @@
   summed over DP; the loss and every gradient equal ``train_step`` on one process with the same step
   plan (same microbatches, so even the per-microbatch load-balancing loss is identical).
 * DP2 + EP2: MoE experts sharded over the two replicas (all-to-all dispatch).
-* TP2: one replica, mixers and dense FFNs sharded over two ranks.
+* TP2: one replica, mixers and dense FFNs sharded over two ranks, embedding and LM head sharded over
+  the vocabulary (masked lookup + all-reduce; fused chunked log-probs reducing per-row max / sum-exp
+  and one target logit per position).
+* DP2 x TP2 + SP x EP2 on 4 processes.
+* TP2 + SP: as TP2 with the compact rows split over the two ranks between TP regions (embedding
+  reduce-scatter, LM-head all-gather, MoE multiplicity slice and TP-summed router statistics).
+
+Shards are compared with the matching slice of the reference gradient (vocabulary shards by their
+recorded ``_harts_vocab_range``); replicated parameters must have the reference gradient on every rank.
 """
 
 import numpy as np
@@ -53,6 +61,7 @@ def _parallel_worker(rank, world, dims_kw, recompute):
     return {"loss": res.loss, "slots": len(res.slot_seconds), "coords": groups.coords,
             "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
             "expert": {n: getattr(p, "_harts_expert", False) for n, p in model.named_parameters()},
+            "vocab": {n: p._harts_vocab_range for n, p in model.named_parameters() if hasattr(p, "_harts_vocab_range")},
             "counts": {f"blocks.{i}": b.ffn.local_tokens_per_expert.clone()
                        for i, b in enumerate(model.blocks) if b.ffn_kind == "moe"}}
 
@@ -76,9 +85,15 @@ def _check(results, ref, dims):
         assert r["slots"] * dims.dp == ref["num_microbatches"]
         for name, want in ref["counts"].items():
             torch.testing.assert_close(r["counts"][name], want, msg=lambda m, n=name: f"{n} expert load: {m}")
+        if dims.tp > 1:
+            assert set(r["vocab"]) == {"embed.weight", "lm_head.weight"}, r["vocab"]
         for name, want in ref["grads"].items():
             got = r["grads"][name]
-            if got.shape != want.shape:        # a TP or EP shard: compare with its slice
+            if name in r["vocab"]:             # a vocabulary shard (embedding / LM head rows)
+                a, b = r["vocab"][name]
+                assert got.shape[0] == b - a < want.shape[0], (name, got.shape, (a, b))
+                want = want[a:b]
+            elif got.shape != want.shape:      # a TP or EP shard: compare with its slice
                 dim = next(i for i in range(got.dim()) if got.shape[i] != want.shape[i])
                 idx = r["coords"]["ep"] if r["expert"][name] else r["coords"]["tp"]
                 want = want.narrow(dim, idx * got.shape[dim], got.shape[dim])
@@ -90,6 +105,8 @@ CONFIGS = {
     "dp2-recompute": (dict(dp=2), True),
     "dp2-ep2": (dict(dp=2, ep=2), False),
     "tp2": (dict(tp=2), False),
+    "tp2-sp": (dict(tp=2, sequence_parallel=True), False),
+    "tp2-sp-recompute": (dict(tp=2, sequence_parallel=True), True),
 }
 
 
@@ -99,6 +116,17 @@ def test_two_process_step_matches_single_process(name):
     results = run_distributed(_parallel_worker, 2, dims_kw, recompute, timeout=120)
     dims = ParallelDims(world_size=2, **dims_kw)
     _check(results, _reference(dims.dp, recompute), dims)
+
+
+def test_four_process_dp2_tp2_sp_ep2_matches_single_process():
+    """All of it at once (4 gloo processes, ~8 s): two replicas, each TP2 with sequence parallelism,
+    experts sharded over the replicas. Checks that EP keeps what SP set on the MoE (the row shard and
+    the TP-partial tags of router and experts), and the TP -> DP / expert-DP gradient sums."""
+    dims_kw = dict(dp=2, tp=2, ep=2, sequence_parallel=True)
+    results = run_distributed(_parallel_worker, 4, dims_kw, False, timeout=180)
+    dims = ParallelDims(world_size=4, **dims_kw)
+    assert sorted((r["coords"]["dp"], r["coords"]["tp"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    _check(results, _reference(dims.dp, False), dims)
 
 
 def test_parallel_dims_validation_names_the_field():
@@ -147,3 +175,20 @@ def test_apply_recompute_keeps_loss_and_gradients():
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+def test_sequence_parallel_needs_an_embedding_and_lm_head():
+    from torch import nn
+
+    from harts_runtime.parallel import ParallelGroups, apply_tp
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mixer, self.ffn = nn.Identity(), nn.Identity()
+
+    model = nn.Sequential(Block())
+    dims = ParallelDims(tp=2, world_size=2, sequence_parallel=True)
+    with pytest.raises(ParallelConfigError) as e:
+        apply_tp(model, ParallelGroups(dims, 0, dp=None, tp=None, ep=None, edp=None))
+    assert e.value.field == "sequence_parallel" and "embed" in str(e.value)

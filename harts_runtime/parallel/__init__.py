@@ -1,4 +1,5 @@
-"""Parallel training: DP replicas from the step plan, TP/SP, EP, vocabulary-parallel log-probs.
+"""Parallel training: DP replicas from the step plan, TP/SP (vocabulary-parallel embedding and fused
+LM-head log-probs included), EP.
 
 Nothing in the single-process path imports this package; megatron-core (optional extra
 ``megatron``) is imported only by :func:`megatron_groups`.
@@ -29,11 +30,17 @@ from harts_runtime.parallel.parallelize import (
                                          megatron_groups,
                                          parallelize,
 )
-from harts_runtime.parallel.tensor import tensor_parallel_layer
-from harts_runtime.parallel.vocab import vocab_parallel_logprobs, vocab_range
+from harts_runtime.parallel.tensor import SequenceParallelRows, tensor_parallel_layer
+from harts_runtime.parallel.vocab import (
+                                         VocabParallelEmbedding,
+                                         VocabParallelLMHead,
+                                         vocab_parallel_logprobs,
+                                         vocab_range,
+)
 
 __all__ = [
     "ExpertParallelMoE", "ParallelConfigError", "ParallelDims", "ParallelGroups", "ReplicaStepResult",
+    "SequenceParallelRows", "VocabParallelEmbedding", "VocabParallelLMHead",
     "allreduce_gradients", "apply_dp", "apply_ep", "apply_recompute", "apply_tp", "megatron_groups",
     "parallelize", "replica_schedule", "run_distributed", "run_replica_step", "sync_expert_load",
     "tensor_parallel_layer", "vocab_parallel_logprobs", "vocab_range",

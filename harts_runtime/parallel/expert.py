@@ -61,6 +61,13 @@ class ExpertParallelMoE(CompactMoE):
             p = nn.Parameter(getattr(moe, name).detach()[lo:lo + self.num_local].clone())
             p._harts_expert = True
             setattr(self, name, p)
+        # Keep what tensor/sequence parallelism set on the dense layer (apply_tp runs first): the
+        # row shard (SP multiplicity slice + router-statistics reduction) and the TP-partial tags.
+        if "row_shard" in moe.__dict__:
+            self.row_shard = moe.row_shard
+        for name in ("router", "w_gate", "w_up", "w_down"):
+            if getattr(getattr(moe, name), "_harts_tp_partial", False):
+                getattr(self, name)._harts_tp_partial = True
         self.register_buffer("expert_bias", moe.expert_bias.detach().clone())
         self.register_buffer("local_tokens_per_expert", moe.local_tokens_per_expert.detach().clone())
         self.train(moe.training)

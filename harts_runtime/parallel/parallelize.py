@@ -3,7 +3,10 @@
 :func:`parallelize` applies, in this order:
 
 1. :func:`apply_tp`: shard every mixer (GQA/MHA, MLA, KDA) and dense SwiGLU FFN over the TP group
-   (:mod:`harts_runtime.parallel.tensor`); MoE layers stay replicated over TP (or go to EP);
+   (:mod:`harts_runtime.parallel.tensor`), and the embedding and LM head over the vocabulary
+   (:mod:`harts_runtime.parallel.vocab`); with sequence parallelism also split the rows between
+   regions (embedding reduce-scatter, LM-head all-gather, MoE multiplicity slice and TP-summed router
+   statistics); MoE layers stay replicated over TP (or go to EP);
 2. :func:`apply_ep`: replace every :class:`CompactMoE` by an :class:`ExpertParallelMoE` holding
    ``num_experts / ep`` experts (:mod:`harts_runtime.parallel.expert`);
 3. :func:`apply_dp`: make the replicas identical (broadcast from DP rank 0 of each group) and tag the
@@ -13,8 +16,9 @@
    ``torch.utils.checkpoint`` (non-reentrant). Use it *or* the train step's own ``recompute`` flag.
 
 The model is any module whose blocks have ``.mixer`` and ``.ffn`` children (``harts_runtime.model``'s
-``HybridModel.blocks``); layers are recognised by type, so the single-process model code is unchanged
-and never imports this package.
+``HybridModel.blocks``); layers are recognised by type. The single-process code never imports this
+package: it only offers two plain hooks that the parallel path fills in (an LM head with
+``mapped_logprobs``, used by ``HybridModel.logprobs``, and ``CompactMoE.row_shard``).
 
 Why not megatron-core's recomputation (``tensor_parallel.checkpoint``): it is reentrant and restores
 CUDA RNG tracker state; our layers have no dropout, so there is no RNG state to restore, and the
@@ -23,10 +27,7 @@ during backward. The megatron-core parts that fit are optional: process groups c
 ``megatron.core.parallel_state`` (:func:`megatron_groups`) on the GPU machine.
 
 Not yet built (see ``docs/parallel.md``): pipeline parallelism (``pp > 1`` is rejected by
-:class:`ParallelDims`); model-level sequence parallelism (the layers support it and are tested, but
-the model's embedding/LM-head row scatter/gather and the TP reduction of MoE router statistics
-on SP rows are not wired); the vocabulary-parallel LM head inside the model (the vocab-parallel
-mapped log-probs are built and tested, :mod:`harts_runtime.parallel.vocab`).
+:class:`ParallelDims`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from torch.utils.checkpoint import checkpoint
 from harts_runtime.moe import CompactMoE
 from harts_runtime.parallel.dims import ParallelConfigError, ParallelDims, ParallelGroups
 from harts_runtime.parallel.expert import ExpertParallelMoE
-from harts_runtime.parallel.tensor import _is_swiglu, tensor_parallel_layer
+from harts_runtime.parallel.tensor import SequenceParallelRows, _is_swiglu, tensor_parallel_layer
+from harts_runtime.parallel.vocab import VocabParallelEmbedding, VocabParallelLMHead
 
 __all__ = ["apply_dp", "apply_ep", "apply_recompute", "apply_tp", "megatron_groups", "parallelize"]
 
@@ -52,15 +54,50 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_tp(model: nn.Module, groups: ParallelGroups) -> None:
-    """Tensor parallelism over ``groups.tp``: mixers and dense FFNs, in place."""
+    """Tensor (and, with ``dims.sequence_parallel``, sequence) parallelism over ``groups.tp``, in place.
+
+    * every mixer and dense SwiGLU FFN becomes a TP region (:func:`tensor_parallel_layer`);
+    * ``model.embed`` (``nn.Embedding``) becomes a :class:`VocabParallelEmbedding` and ``model.lm_head``
+      (bias-free ``nn.Linear``) a :class:`VocabParallelLMHead`: both hold ``V / tp`` vocabulary rows, and
+      the model's fused chunked log-probs reduce only per-row max / sum-exp and one target logit per
+      semantic position over TP (Section 3.5);
+    * sequence parallelism additionally: the embedding reduce-scatters its rows (each TP rank keeps its
+      :func:`row_split` block), the LM head all-gathers them back, every MoE layer gets a
+      :class:`SequenceParallelRows` (multiplicity slice + TP-summed router statistics), and every
+      parameter that acts on the local row block outside a region (norms, router, experts) is tagged
+      ``_harts_tp_partial`` so its gradient is summed over TP.
+
+    MoE layers stay replicated over TP (or go to EP, :func:`apply_ep`).
+    """
     dims = groups.dims
-    if dims.sequence_parallel:
-        raise ParallelConfigError("sequence_parallel", "model-level sequence parallelism is not wired yet "
-                                                       "(layers support it; see docs/parallel.md)")
-    for block in _blocks(model):
-        tensor_parallel_layer(block.mixer, groups.tp, groups.tp_rank, dims.tp)
+    sp = dims.sequence_parallel
+    blocks = _blocks(model)
+    embed, head = getattr(model, "embed", None), getattr(model, "lm_head", None)
+    if sp and not (isinstance(embed, nn.Embedding) and isinstance(head, nn.Linear)):
+        raise ParallelConfigError("sequence_parallel", f"needs a model whose .embed is an nn.Embedding and "
+                                                       f".lm_head an nn.Linear (rows are split at the embedding and "
+                                                       f"gathered at the LM head); {type(model).__name__} has not")
+    for i, block in enumerate(blocks):
+        tensor_parallel_layer(block.mixer, groups.tp, groups.tp_rank, dims.tp, sequence_parallel=sp)
         if _is_swiglu(block.ffn):
-            tensor_parallel_layer(block.ffn, groups.tp, groups.tp_rank, dims.tp)
+            tensor_parallel_layer(block.ffn, groups.tp, groups.tp_rank, dims.tp, sequence_parallel=sp)
+        elif isinstance(block.ffn, CompactMoE):
+            if sp:
+                block.ffn.row_shard = SequenceParallelRows(groups.tp, groups.tp_rank, dims.tp)
+        elif sp:
+            raise ParallelConfigError(f"blocks[{i}].ffn", f"no sequence-parallel plan for {type(block.ffn).__name__}")
+    if isinstance(embed, nn.Embedding):
+        model.embed = VocabParallelEmbedding.from_dense(embed, groups.tp, groups.tp_rank, dims.tp, sp)
+    if isinstance(head, nn.Linear):
+        model.lm_head = VocabParallelLMHead.from_dense(head, groups.tp, groups.tp_rank, dims.tp, sp)
+    if sp:
+        in_region = set()
+        for m in model.modules():
+            if hasattr(m, "_harts_tp") or isinstance(m, (VocabParallelEmbedding, VocabParallelLMHead)):
+                in_region.update(id(p) for p in m.parameters())
+        for p in model.parameters():
+            if id(p) not in in_region:
+                p._harts_tp_partial = True
 
 
 def apply_ep(model: nn.Module, groups: ParallelGroups) -> None:

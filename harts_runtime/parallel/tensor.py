@@ -39,10 +39,10 @@ from torch import nn
 
 from harts_runtime.attention import CompactAttention, CompactMLA
 from harts_runtime.kda import KDALayer
-from harts_runtime.parallel.comm import copy_to_tp, gather_rows, reduce_from_tp, scatter_rows_sum
+from harts_runtime.parallel.comm import copy_to_tp, gather_rows, reduce_from_tp, row_split, scatter_rows_sum
 from harts_runtime.parallel.dims import ParallelConfigError
 
-__all__ = ["shard_columns", "shard_rows", "tensor_parallel_layer"]
+__all__ = ["SequenceParallelRows", "shard_columns", "shard_rows", "tensor_parallel_layer"]
 
 
 def _block(n: int, rank: int, world: int, field: str) -> slice:
@@ -171,3 +171,30 @@ def tensor_parallel_layer(m: nn.Module, group, rank: int, tp: int, sequence_para
     m.register_forward_hook(post_hook)
     m._harts_tp = {"rank": rank, "size": tp, "sequence_parallel": sequence_parallel}
     return m
+
+
+class SequenceParallelRows:
+    """The ``row_shard`` of a :class:`harts_runtime.moe.CompactMoE` under sequence parallelism.
+
+    Between TP regions each TP rank holds the contiguous :func:`row_split` block of the replica's N
+    rows, so the MoE routes only those rows; but the layout's multiplicities ``q_c`` cover all N rows
+    and the router losses are nonlinear in row sums (``E / (k S^2) sum_e P_e f_e``, ``z / S``).
+    ``select`` slices ``q`` to this rank's block; ``reduce`` sums the per-block partial statistics over
+    the TP group with :func:`reduce_from_tp` (forward all-reduce; backward identity, because every TP
+    rank evaluates the same replicated loss from the summed statistics).
+    """
+
+    def __init__(self, group, rank: int, size: int):
+        self.group, self.rank, self.size = group, int(rank), int(size)
+
+    def select(self, multiplicity: torch.Tensor, n: int) -> torch.Tensor:
+        sizes = row_split(multiplicity.shape[0], self.size)
+        if sizes[self.rank] != n:
+            raise ParallelConfigError("multiplicity", f"{multiplicity.shape[0]} rows split over tp={self.size} give "
+                                                      f"rank {self.rank} {sizes[self.rank]} rows, but the MoE "
+                                                      f"input has {n}")
+        start = sum(sizes[:self.rank])
+        return multiplicity[start:start + n]
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tp(partial, self.group)
