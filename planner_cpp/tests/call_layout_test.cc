@@ -10,22 +10,15 @@
 #include <vector>
 
 #include "check.h"
+#include "planner_test_util.h"
 #include "harts/errors.h"
 
 namespace harts {
 namespace {
 
-using Traj = std::vector<int32_t>;
+using testing::ExpectError;
 
-std::unique_ptr<RolloutBatch> Ingest(const std::vector<Traj>& trajs) {
-  std::vector<int32_t> tokens;
-  std::vector<int64_t> offsets = {0};
-  for (const Traj& t : trajs) {
-    tokens.insert(tokens.end(), t.begin(), t.end());
-    offsets.push_back(static_cast<int64_t>(tokens.size()));
-  }
-  return RolloutBatch::Ingest(tokens.data(), tokens.size(), offsets.data(), offsets.size(), nullptr, 0);
-}
+using Traj = std::vector<int32_t>;
 
 // Batch row of the ancestor at position `pos` of batch row `row` (pos <= depth(row)).
 int32_t AncestorAt(const RolloutBatch& b, int32_t row, int64_t pos) {
@@ -145,7 +138,7 @@ void TestRandomBatches() {
       for (int i = 0; i < len; ++i) t.push_back(std::uniform_int_distribution<int>(0, alphabet - 1)(rng));
     }
     if (iter % 7 == 0) trajs.push_back(trajs[0]);  // identical trajectories
-    auto b = Ingest(trajs);
+    auto b = testing::MakeBatch(trajs);
     std::vector<int32_t> ids(trajs.size());
     for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i);
     std::shuffle(ids.begin(), ids.end(), rng);
@@ -169,30 +162,19 @@ void TestRandomBatches() {
   }
 }
 
-template <typename Fn>
-void ExpectError(Fn fn, const std::string& field) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    CHECK_EQ(e.field(), field);
-    return;
-  }
-  CHECK(false && "expected an error");
-}
-
 void TestErrors() {
-  auto b = Ingest({{1, 2, 3}, {1, 2, 4}, {5}});
+  auto b = testing::MakeBatch({{1, 2, 3}, {1, 2, 4}, {5}});
   const std::vector<int32_t> ok = {0, 2};
-  ExpectError([&] { PlanMicrobatch(*b, ok.data(), 0, 64, 4); }, "trajectories");
+  ExpectError<Error>([&] { PlanMicrobatch(*b, ok.data(), 0, 64, 4); }, "trajectories");
   const std::vector<int32_t> out = {0, 3};
-  ExpectError([&] { PlanMicrobatch(*b, out.data(), 2, 64, 4); }, "trajectories[1]");
+  ExpectError<Error>([&] { PlanMicrobatch(*b, out.data(), 2, 64, 4); }, "trajectories[1]");
   const std::vector<int32_t> neg = {-1};
-  ExpectError([&] { PlanMicrobatch(*b, neg.data(), 1, 64, 4); }, "trajectories[0]");
+  ExpectError<Error>([&] { PlanMicrobatch(*b, neg.data(), 1, 64, 4); }, "trajectories[0]");
   const std::vector<int32_t> rep = {2, 0, 2};
-  ExpectError([&] { PlanMicrobatch(*b, rep.data(), 3, 64, 4); }, "trajectories");
-  ExpectError([&] { PlanMicrobatch(*b, ok.data(), 2, 0, 4); }, "chunk_size");
-  ExpectError([&] { PlanMicrobatch(*b, ok.data(), 2, kMaxChunkSize + 1, 4); }, "chunk_size");
-  ExpectError([&] { PlanMicrobatch(*b, ok.data(), 2, 64, 0); }, "conv_width");
+  ExpectError<Error>([&] { PlanMicrobatch(*b, rep.data(), 3, 64, 4); }, "trajectories");
+  ExpectError<Error>([&] { PlanMicrobatch(*b, ok.data(), 2, 0, 4); }, "chunk_size");
+  ExpectError<Error>([&] { PlanMicrobatch(*b, ok.data(), 2, kMaxChunkSize + 1, 4); }, "chunk_size");
+  ExpectError<Error>([&] { PlanMicrobatch(*b, ok.data(), 2, 64, 0); }, "conv_width");
   const MicrobatchCallPlan m = PlanMicrobatch(*b, ok.data(), 2, 64, 4);
   CHECK_EQ(m.plan.num_calls, 1);
   CHECK_EQ(m.forest.num_rows, int64_t{4});

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
+#include <string>
 
 #define CHECK(cond)                                                          \
   do {                                                                       \
@@ -26,5 +27,22 @@
       std::exit(1);                                                          \
     }                                                                        \
   } while (0)
+
+namespace harts::testing {
+
+// Runs fn() and checks that it throws E (a harts::Error subclass) naming `field`; exits otherwise.
+template <typename E, typename Fn>
+void ExpectError(Fn&& fn, const std::string& field) {
+  try {
+    fn();
+  } catch (const E& e) {
+    CHECK_EQ(e.field(), field);
+    return;
+  }
+  std::fprintf(stderr, "expected an error for field %s\n", field.c_str());
+  std::exit(1);
+}
+
+}  // namespace harts::testing
 
 #endif  // HARTS_TESTS_CHECK_H_

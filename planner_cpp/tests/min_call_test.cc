@@ -15,6 +15,8 @@
 namespace harts {
 namespace {
 
+using testing::ExpectError;
+
 struct Tree {
   std::vector<int32_t> parent, start, end;
   SegmentForest Forest() const {
@@ -296,36 +298,25 @@ void TestDeepChain() {
   CHECK_EQ(p.replay_tokens, MandatoryReplay(f, 64));
 }
 
-template <typename Fn>
-void ExpectInvalid(Fn fn, const std::string& field) {
-  try {
-    fn();
-  } catch (const InvalidArgument& e) {
-    CHECK_EQ(e.field(), field);
-    return;
-  }
-  CHECK(false && "expected InvalidArgument");
-}
-
 void TestErrors() {
-  ExpectInvalid([] { ValidateChunkSize(0); }, "chunk_size");
-  ExpectInvalid([] { ValidateChunkSize(-3); }, "chunk_size");
-  ExpectInvalid([] { ValidateChunkSize(kMaxChunkSize + 1); }, "chunk_size");
+  ExpectError<InvalidArgument>([] { ValidateChunkSize(0); }, "chunk_size");
+  ExpectError<InvalidArgument>([] { ValidateChunkSize(-3); }, "chunk_size");
+  ExpectError<InvalidArgument>([] { ValidateChunkSize(kMaxChunkSize + 1); }, "chunk_size");
   ValidateChunkSize(kMaxChunkSize);
   ValidateChunkSize(1);
-  ExpectInvalid([] { Tree{{-1, 5}, {0, 2}, {2, 3}}.Forest(); }, "parent[1]");
-  ExpectInvalid([] { Tree{{-1, 1}, {0, 2}, {2, 3}}.Forest(); }, "parent[1]");
-  ExpectInvalid([] { Tree{{-1, 0}, {0, 3}, {2, 4}}.Forest(); }, "start[1]");
-  ExpectInvalid([] { Tree{{1, 0}, {0, 2}, {2, 4}}.Forest(); }, "start[0]");  // cycle has no root
-  ExpectInvalid([] { Tree{{2, 0, 1, -1}, {4, 4, 4, 0}, {4, 4, 4, 4}}.Forest(); }, "end[0]");
-  ExpectInvalid([] { Tree{{}, {}, {}}.Forest(); }, "parent");
+  ExpectError<InvalidArgument>([] { Tree{{-1, 5}, {0, 2}, {2, 3}}.Forest(); }, "parent[1]");
+  ExpectError<InvalidArgument>([] { Tree{{-1, 1}, {0, 2}, {2, 3}}.Forest(); }, "parent[1]");
+  ExpectError<InvalidArgument>([] { Tree{{-1, 0}, {0, 3}, {2, 4}}.Forest(); }, "start[1]");
+  ExpectError<InvalidArgument>([] { Tree{{1, 0}, {0, 2}, {2, 4}}.Forest(); }, "start[0]");  // cycle has no root
+  ExpectError<InvalidArgument>([] { Tree{{2, 0, 1, -1}, {4, 4, 4, 0}, {4, 4, 4, 4}}.Forest(); }, "end[0]");
+  ExpectError<InvalidArgument>([] { Tree{{}, {}, {}}.Forest(); }, "parent");
 }
 
 void TestCycle() {
   // Along a parent cycle start[v] = end[parent[v]] > start[parent[v]] would grow forever, so
   // every cycle violates a start check; the first violating segment is named.
-  ExpectInvalid([] { Tree{{-1, 2, 1}, {0, 4, 6}, {4, 6, 8}}.Forest(); }, "start[1]");
-  ExpectInvalid([] { Tree{{0}, {0}, {3}}.Forest(); }, "parent[0]");
+  ExpectError<InvalidArgument>([] { Tree{{-1, 2, 1}, {0, 4, 6}, {4, 6, 8}}.Forest(); }, "start[1]");
+  ExpectError<InvalidArgument>([] { Tree{{0}, {0}, {3}}.Forest(); }, "parent[0]");
 }
 
 }  // namespace

@@ -15,6 +15,8 @@
 namespace harts {
 namespace {
 
+using testing::ExpectError;
+
 using Traj = std::vector<int32_t>;
 
 int64_t NaiveLcp(const Traj& a, const Traj& b) {
@@ -151,18 +153,6 @@ void RandomLarger() {
     }
     CheckBatch(trajs);
   }
-}
-
-template <typename E, typename F>
-void ExpectError(F f, const std::string& field) {
-  try {
-    f();
-  } catch (const E& e) {
-    CHECK_EQ(e.field(), field);
-    return;
-  }
-  std::fprintf(stderr, "expected an error for field %s\n", field.c_str());
-  std::exit(1);
 }
 
 void Errors() {

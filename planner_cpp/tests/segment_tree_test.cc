@@ -20,6 +20,8 @@
 namespace harts {
 namespace {
 
+using testing::ExpectError;
+
 struct Tree {
   std::vector<int32_t> parent, length, trajectory_end;
   SegmentTreeView view() const {
@@ -153,18 +155,6 @@ void NonCanonicalTrees() {
     CheckSameBatch(*a, *b);
     CheckSamePlans(*a, *b, rng);
   }
-}
-
-template <typename E>
-void ExpectError(const std::function<void()>& f, const std::string& field) {
-  try {
-    f();
-  } catch (const E& e) {
-    CHECK_EQ(e.field(), field);
-    return;
-  }
-  std::fprintf(stderr, "expected an error for field %s\n", field.c_str());
-  std::exit(1);
 }
 
 void Errors() {

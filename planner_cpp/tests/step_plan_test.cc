@@ -45,17 +45,6 @@ void CheckPlan(const RolloutBatch& batch, const StepPlan& p, int64_t d, int64_t 
   CHECK(total >= p.compact_tokens);
 }
 
-template <typename E>
-std::string ExpectThrow(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.field();
-  }
-  CHECK(false);
-  return "";
-}
-
 }  // namespace
 }  // namespace harts
 
@@ -110,21 +99,21 @@ int main() {
   auto batch = testing::MakeBatch({{1, 2, 3}, {1, 2, 4, 5, 6}, {7}});
   PlannerOptions o;
   o.capacity = 4;
-  CHECK_EQ(ExpectThrow<InvalidArgument>([&] { PlanStep(*batch, o); }), std::string("trajectories[1]"));
+  testing::ExpectError<InvalidArgument>([&] { PlanStep(*batch, o); }, "trajectories[1]");
   o.capacity = 5;
   o.dp_size = 4;
-  CHECK_EQ(ExpectThrow<FailedPrecondition>([&] { PlanStep(*batch, o); }), std::string("dp_size"));
+  testing::ExpectError<FailedPrecondition>([&] { PlanStep(*batch, o); }, "dp_size");
   o.dp_size = 0;
-  CHECK_EQ(ExpectThrow<InvalidArgument>([&] { PlanStep(*batch, o); }), std::string("dp_size"));
+  testing::ExpectError<InvalidArgument>([&] { PlanStep(*batch, o); }, "dp_size");
   o.dp_size = 2;
   o.search = "fast";
-  CHECK_EQ(ExpectThrow<InvalidArgument>([&] { PlanStep(*batch, o); }), std::string("search"));
+  testing::ExpectError<InvalidArgument>([&] { PlanStep(*batch, o); }, "search");
   // Three disjoint trajectories of 5 tokens at T = 5, D = 2: K must be 4 > N = 3.
   auto three = testing::MakeBatch({{1, 1, 1, 1, 1}, {2, 2, 2, 2, 2}, {3, 3, 3, 3, 3}});
   o = PlannerOptions();
   o.capacity = 5;
   o.dp_size = 2;
-  CHECK_EQ(ExpectThrow<FailedPrecondition>([&] { PlanStep(*three, o); }), std::string("capacity"));
+  testing::ExpectError<FailedPrecondition>([&] { PlanStep(*three, o); }, "capacity");
   o.capacity = 10;
   CheckPlan(*three, PlanStep(*three, o), 2, 10);
   (void)infeasible;
