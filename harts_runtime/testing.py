@@ -8,8 +8,23 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["SimpleBatch", "make_batch", "random_batch", "random_trajectories", "synthetic_tree_batch",
+__all__ = ["FreshTokens", "SimpleBatch", "make_batch", "random_batch", "random_trajectories", "synthetic_tree_batch",
            "trajectory_rows"]
+
+
+class FreshTokens:
+    """Hands out token ids never used before (1, 2, 3, ...), so that the only sharing between the
+    trajectories a test builds is the prefixes it copies on purpose. With ``wrap`` the ids are
+    ``x % wrap + 1`` (to stay inside a small vocabulary; ids then repeat every ``wrap`` tokens)."""
+
+    def __init__(self, wrap: int | None = None):
+        self.next = 1
+        self.wrap = wrap
+
+    def __call__(self, n: int) -> list[int]:
+        out = list(range(self.next, self.next + n))
+        self.next += n
+        return out if self.wrap is None else [x % self.wrap + 1 for x in out]
 
 
 class SimpleBatch:

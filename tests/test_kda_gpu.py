@@ -228,12 +228,9 @@ def test_layer_compact_equals_trajectory_wise_on_triton(dtype):
     import random
     from harts_runtime.kda import KDAConfig, KDAExecutionPlan, KDALayer
 
-    B, rng, nxt = 64, random.Random(0), [1]
+    from harts_runtime.testing import FreshTokens
 
-    def fresh(n):
-        out = list(range(nxt[0], nxt[0] + n))
-        nxt[0] += n
-        return out
+    B, rng, fresh = 64, random.Random(0), FreshTokens()
 
     trajs = [fresh(400)]
     for p in (B - 1, B, B + 1, 2 * B + 5, 2 * B + 7, 300):           # forks around chunk edges

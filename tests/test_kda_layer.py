@@ -15,24 +15,13 @@ import torch
 
 import harts_runtime.kda as kda_mod
 from harts_runtime.kda import KDAConfig, KDAExecutionPlan, KDALayer
+from harts_runtime.testing import FreshTokens as Tokens
 
 B = 8      # small chunk so that trees stay small
 D = 16
 
 # Named tolerances (atol, rtol) for compact vs trajectory-wise, fp32.
 TOL = {"y": (2e-6, 1e-5), "dx": (1e-5, 1e-4), "param": (2e-5, 1e-4)}
-
-
-class Tokens:
-    """Fresh token ids, so that sharing is exactly the prefixes a builder makes."""
-
-    def __init__(self):
-        self.next = 1
-
-    def __call__(self, n):
-        out = list(range(self.next, self.next + n))
-        self.next += n
-        return out
 
 
 def forks_around_chunk_boundary(t=None):

@@ -14,13 +14,7 @@ from harts_runtime.views import TreeOrder
 TOL_LP = (1e-12, 1e-10)      # float64 chunked vs materialised log-probs and their gradients
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These graphs are tiny: intra-op threads only add contention (10x slower on a busy 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_ling_tiny_matches_table_1():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from harts_runtime.model import HybridModel, model_config
+from harts_runtime.testing import FreshTokens
 from harts_runtime.objectives import AGG_MODES, PolicyLossConfig, policy_loss
 from harts_runtime.train import (
     StepInputs,
@@ -27,33 +28,20 @@ B = 8                 # debug flavor chunk size
 TOL = {"logprobs": (2e-5, 1e-5), "loss": (1e-6, 1e-5), "grad": (2e-6, 2e-3)}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These graphs are tiny: intra-op threads only add contention (10x slower on a busy 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-class Tokens:
-    def __init__(self):
-        self.next = 1
-
-    def __call__(self, n):
-        out = list(range(self.next, self.next + n))
-        self.next += n
-        return [x % 500 + 1 for x in out]
+VOCAB_WRAP = 500     # token ids stay inside the debug vocabulary (512)
 
 
 def forks_at_chunk_boundaries():
-    t = Tokens()
+    t = FreshTokens(wrap=VOCAB_WRAP)
     trunk = t(3 * B + 5)
     return [trunk] + [trunk[:p] + t(B + 3) for p in (B - 1, B, B + 1, 2 * B - 1, 2 * B, 2 * B + 1)]
 
 
 def many_trees(seed=0):
-    t, rng = Tokens(), random.Random(seed)
+    t, rng = FreshTokens(wrap=VOCAB_WRAP), random.Random(seed)
     out = []
     for _ in range(5):
         trajs = [t(rng.randint(B, 4 * B))]
