@@ -80,7 +80,7 @@ def sync(dev) -> None:
 
 # ------------------------------------------------------------------------------ data
 def make_slice(args, capacity: int, max_len: int | None, microbatches: int, seed: int, vocab: int,
-               pick: str = "median") -> StepInputs:
+               pick: str = "median", preset: str | None = None) -> StepInputs:
     """A slice of a synthetic step that HARTS would actually execute: plan the whole step at
     ``capacity`` (``plan_step``, D = 1) and keep the trajectories of ``microbatches`` microbatches
     whose compression S/C is around the step's median (``pick="median"``) or the highest
@@ -90,7 +90,8 @@ def make_slice(args, capacity: int, max_len: int | None, microbatches: int, seed
         over["trees"] = (8, 8)
     if max_len is not None:
         over["max_trajectory_tokens"] = max_len
-    sb = synth.generate(args.preset, seed, **over)
+    preset = preset or args.preset
+    sb = synth.generate(preset, seed, **over)
     full = hp.RolloutBatch.from_arrays(sb.tokens, sb.offsets, sb.tree_ids)
     plan = hp.plan_step(full, 1, capacity, model_config(args.flavor).chunk_size)
     lengths = np.asarray(full.lengths, dtype=np.int64)
@@ -105,7 +106,7 @@ def make_slice(args, capacity: int, max_len: int | None, microbatches: int, seed
     offsets = np.concatenate([[0], np.cumsum(off[traj + 1] - off[traj])]).astype(np.int64)
     batch = hp.RolloutBatch.from_arrays(toks.astype(np.int32), offsets, np.asarray(sb.tree_ids)[traj])
     step = StepInputs.synthetic(batch, seed, vocab_size=vocab)
-    step._cache["source"] = {"preset": args.preset, "seed": seed, "step_trajectories": full.num_trajectories,
+    step._cache["source"] = {"preset": preset, "seed": seed, "step_trajectories": full.num_trajectories,
                              "step_semantic_tokens": full.semantic_tokens, "step_compression": full.compression,
                              "step_microbatches": plan.num_microbatches, "slice_microbatches": microbatches,
                              "capacity": capacity, "max_trajectory_tokens": max_len}
@@ -235,13 +236,8 @@ def _fidelity_step(args, model) -> StepInputs:
     # whole (default `small`: real branching trees, forks everywhere on the chunk grid), picking
     # the most-shared microbatch, so that handoffs at every depth are measured.
     cap = args.fidelity_rows
-    preset = "tiny" if args.tiny else args.fidelity_preset
-    saved, args.preset = args.preset, preset
-    try:
-        return make_slice(args, cap, None if args.tiny else cap, 1, args.seed + 1,
-                          model.config.vocab_size, pick="max")
-    finally:
-        args.preset = saved
+    return make_slice(args, cap, None if args.tiny else cap, 1, args.seed + 1, model.config.vocab_size,
+                      pick="max", preset="tiny" if args.tiny else args.fidelity_preset)
 
 
 def section_fidelity(args, model, dev, shared):

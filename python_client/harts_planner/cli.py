@@ -34,7 +34,6 @@ def _ingest_with_progress(tokens, offsets, tree_ids, quiet: bool):
 
 def _demo_plans(batch, args) -> dict:
     """Step plan (Section 3.2) and per-microbatch minimum-call plans (Section 3.3) of the demo step."""
-    from harts_planner.call_plan import plan_calls
     from harts_planner.step_plan import plan_step
 
     longest = int(np.max(batch.lengths))
@@ -42,16 +41,11 @@ def _demo_plans(batch, args) -> dict:
     t = time.perf_counter()
     plan = plan_step(batch, args.dp, capacity, args.chunk_size)
     step_s = time.perf_counter() - t
-    bar = Progress("call plans", enabled=not args.quiet)
     t = time.perf_counter()
-    calls, replay, packed = [], 0, 0
-    for i, mb in enumerate(plan.microbatches):
-        cp = plan_calls(batch, args.chunk_size, trajectories=mb)
-        calls.append(int(cp.num_calls))
-        replay += int(cp.replay_tokens)
-        bar(i + 1, plan.num_microbatches)
+    call_plans = plan.call_plans()
     calls_s = time.perf_counter() - t
-    bar.close()
+    calls = [int(cp.num_calls) for cp in call_plans]
+    replay = sum(int(cp.replay_tokens) for cp in call_plans)
     m = plan.metrics
     return {"dp_size": args.dp, "capacity": capacity, "chunk_size": args.chunk_size,
             "microbatches": plan.num_microbatches, "slots": plan.num_slots,
