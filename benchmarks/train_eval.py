@@ -39,14 +39,9 @@ if "--fast-autotune" in sys.argv:
     # Short device leases: compile one config per Triton kernel (ours and fla's) instead of
     # benchmarking every candidate. Both executions use the same kernels, so ratios stay fair;
     # absolute times may be slower than tuned ones. Must run before fla is imported.
-    from triton.runtime.autotuner import Autotuner
+    from harts_kernels.tuning import use_first_config_only
 
-    _autotuner_init = Autotuner.__init__
-
-    def _first_config_only(self, fn, arg_names, configs, *args, **kw):
-        _autotuner_init(self, fn, arg_names, list(configs)[:1], *args, **kw)
-
-    Autotuner.__init__ = _first_config_only
+    use_first_config_only()
 
 import numpy as np
 import torch

@@ -17,14 +17,9 @@ if torch.cuda.is_available() and os.environ.get("HARTS_TEST_FULL_AUTOTUNE", "0")
     # Correctness tests only: tune nothing (first config of every kernel, ours and fla's), so a
     # cold machine compiles one variant per kernel instead of every autotune candidate.
     # Speed is measured in benchmarks/kda_rounds.py with full autotuning.
-    from triton.runtime.autotuner import Autotuner
+    from harts_kernels.tuning import use_first_config_only
 
-    _init = Autotuner.__init__
-
-    def _first_config_only(self, fn, arg_names, configs, *args, **kw):
-        _init(self, fn, arg_names, list(configs)[:1], *args, **kw)
-
-    Autotuner.__init__ = _first_config_only
+    use_first_config_only()
 
 from harts_kernels.kda import chunk_kda_with_states, naive_chunk_kda_with_states
 
@@ -259,3 +254,20 @@ def test_layer_compact_equals_trajectory_wise_on_triton(dtype):
     names = ["x"] + [n for n, _ in layer.named_parameters()]
     for name, a, b in zip(names, gt, gc):
         assert_close(f"d{name}", a, b, tol["grad"])
+
+
+@pytest.mark.skipif(not _have("triton"), reason="needs triton")
+def test_use_first_config_only_keeps_one_candidate():
+    import triton
+    import triton.language as tl
+    from harts_kernels.tuning import use_first_config_only
+
+    use_first_config_only()
+    configs = [triton.Config({"B": b}, num_warps=w) for b in (16, 32) for w in (2, 4)]
+
+    @triton.autotune(configs=configs, key=["n"])
+    @triton.jit
+    def kernel(x, n, B: tl.constexpr):
+        pass
+
+    assert len(kernel.configs) == 1 and kernel.configs[0].kwargs == {"B": 16}
