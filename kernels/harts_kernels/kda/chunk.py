@@ -38,28 +38,38 @@ RCP_LN2 = 1.4426950408889634  # 1 / ln(2): fla's gates are log2 inside the kerne
 
 
 class _Plan:
-    """Device-side index tensors of one packed call, built on the host without a device sync."""
+    """Device-side index tensors of one packed call, built on the host and sent in one copy.
+
+    ``req_off [N + 1]`` / ``req_chunk [U]`` (int32) list the distinct requested boundaries per
+    sequence in increasing c (the state scan's row order); ``inverse [R]`` maps the requests,
+    in the caller's order, to those rows (None when they are already distinct and sorted).
+    """
 
     def __init__(self, req: PackedRequests, cu: list[int], device: torch.device):
         n = len(req.seq_lens)
-        self.num_seqs = n
-        self.num_chunks = req.chunk_offsets[-1]
-        self.cu_seqlens = torch.tensor(cu, dtype=torch.long).to(device, non_blocking=True)
-        self.chunk_offsets = torch.tensor(req.chunk_offsets, dtype=torch.long).to(device, non_blocking=True)
-        seq_id = [i for i in range(n) for _ in range(req.num_chunks[i])]
-        local = [c for i in range(n) for c in range(req.num_chunks[i])]
-        self.chunk_indices = torch.tensor([seq_id, local], dtype=torch.long).t().contiguous().to(
-            device, non_blocking=True)                                        # [NT, 2] (seq, chunk)
-        uniq, inverse = req.unique_boundaries()
-        self.num_boundaries = len(uniq)
-        self.boundary_map = None
-        self.inverse = None
-        if uniq:
-            bmap = torch.full((self.num_chunks + n,), -1, dtype=torch.int32)
-            bmap[torch.tensor(uniq)] = torch.arange(len(uniq), dtype=torch.int32)
-            self.boundary_map = bmap.to(device, non_blocking=True)
-            if inverse != list(range(len(uniq))):
-                self.inverse = torch.tensor(inverse, dtype=torch.long).to(device, non_blocking=True)
+        nt = req.chunk_offsets[-1]
+        self.num_seqs, self.num_chunks = n, nt
+        pairs, inverse, req_off = req.distinct_requests()
+        self.num_boundaries = len(pairs)
+        chunk_index = [x for i in range(n) for c in range(req.num_chunks[i]) for x in (i, c)]
+        sections = [cu, req.chunk_offsets, chunk_index, req_off, [c for _, c in pairs], inverse]
+        # One pageable host->device copy (each such copy synchronizes the stream), then views.
+        # Sections start at multiples of 4 elements: aligned pointers keep Triton's
+        # specialization (and so its compiled variants) independent of N.
+        host, starts = [], []
+        for sec in sections:
+            starts.append(len(host))
+            host += sec + [0] * (-len(sec) % 4)
+        dev = torch.tensor(host, dtype=torch.long).to(device)
+        view = [dev[s:s + len(sec)] for s, sec in zip(starts, sections)]
+        self.cu_seqlens, self.chunk_offsets = view[0], view[1]
+        self.chunk_indices = view[2].view(nt, 2)                              # [NT, 2] (seq, chunk)
+        self.req_off = self.req_chunk = self.inverse = None
+        if pairs:
+            self.req_off = view[3].to(torch.int32)
+            self.req_chunk = view[4].to(torch.int32)
+            if inverse != list(range(len(pairs))):
+                self.inverse = view[5]
 
 
 def _fla_fwd(q, k, v, g, beta, scale, initial_state, plan: _Plan, chunk_size, output_final_state):
@@ -77,8 +87,7 @@ def _fla_fwd(q, k, v, g, beta, scale, initial_state, plan: _Plan, chunk_size, ou
     h, v_new, final_state, bstates = state_scan_fwd(
         kg=kg, w=w, u=u, gk=g_cum, initial_state=initial_state, cu_seqlens=plan.cu_seqlens,
         chunk_offsets=plan.chunk_offsets, num_chunks=plan.num_chunks, chunk_size=chunk_size,
-        output_final_state=output_final_state, boundary_map=plan.boundary_map,
-        num_boundaries=plan.num_boundaries)
+        output_final_state=output_final_state, req_off=plan.req_off, req_chunk=plan.req_chunk)
     o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=g_cum, A=Aqk, h=h, scale=scale, cu_seqlens=plan.cu_seqlens,
                            chunk_size=chunk_size, chunk_indices=plan.chunk_indices)
     return o, final_state, bstates, g_cum, Aqk, Akk
@@ -105,7 +114,7 @@ def _fla_bwd(q, k, v, beta, g_cum, Aqk, Akk, scale, initial_state, do, dht, d_bs
     dh, dh0, dv = state_scan_bwd(
         qg=qg, kg=kg, w=w, gk=g_cum, do=do, dv=dv, scale=scale, initial_state=initial_state, dht=dht,
         cu_seqlens=cu, chunk_offsets=plan.chunk_offsets, num_chunks=plan.num_chunks,
-        chunk_size=chunk_size, boundary_map=plan.boundary_map, d_boundary=d_bstates)
+        chunk_size=chunk_size, req_off=plan.req_off, req_chunk=plan.req_chunk, d_boundary=d_bstates)
     dq, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
         q=q, k=k, v=v, v_new=v_new, g=g_cum, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv, scale=scale,
         cu_seqlens=cu, chunk_size=chunk_size, chunk_indices=ci, chunk_offsets=plan.chunk_offsets)

@@ -11,21 +11,32 @@ ChunkLA contract of Equation (16). Every other stage of chunk KDA is fla's, call
     h, dh      [1, NT, H, K, V]  state at the start / state gradient at the end of each chunk
                                (input dtype; NT = total chunks of the packed call)
     h0, ht     [N, H, K, V]   fp32 initial and final states
-    bs, dbs    [U, H, K, V]   fp32 requested boundary states and their gradients
-    bmap       [NT + N] int32 boundary id -> row of bs, or -1 (ids: chunk_offsets[n] + n + c)
+    bs, dbs    [U, H, K, V]   fp32 requested boundary states and their gradients, one row per
+                               distinct boundary, rows sorted by (sequence, boundary c)
+    req_off    [N + 1] int32  rows [req_off[n], req_off[n + 1]) of bs belong to sequence n
+    req_chunk  [U] int32      boundary c of each row (strictly increasing within a sequence)
 
-Forward, per (value block, sequence, head) program, chunk by chunk on the sequence's own grid:
-    S_c is stored to h[c] (input dtype) and, when bmap[id(c)] >= 0, to bs in fp32;
+Glossary: a program owns one (value block of BV columns, sequence n, head h); the key dim is
+held in up to four 64-row register blocks (K <= 256), so each [K, BV] state is 1-4 tiles of
+[64, BV] fp32 and every product is a 64-deep (or BT-deep) tensor-core dot.
+
+Forward, chunk by chunk on the sequence's own grid:
+    S_c -> h[c] (input dtype);  if c is the next requested boundary of n: S_c -> bs (fp32);
     v_new = u - w S_c;  S_{c+1} = Diag(2^gk_last) S_c + kg^T v_new;  S_n -> ht / bs.
-The fp32 state in registers is exactly the state the scan itself carries: requested states come
-from the same scan at the cost of one extra masked store each; nothing is rescanned.
+The requested boundaries of a sequence are visited in order with a scalar cursor in registers
+(the next boundary to store), so a chunk pays one integer compare and only a requested boundary
+pays its fp32 store and one scalar load: no per-chunk table lookup, no second scan.
 
-Backward runs the reverse recurrence on dS (fp32 registers). At the top of the step for chunk c
-(before dh[c] is stored) it adds dbs[bmap[id(c + 1)]], the gradient arriving at the boundary at
-the end of chunk c, so it reaches dh (hence dk, dv, dg, dbeta of every earlier chunk through
-fla's dqkg stage), the propagated dS of earlier chunks and dh0:
-    dS += dbs[id(c+1)];  dh[c] = dS;  dv2 = kg dS + dv;
+Backward runs the reverse recurrence on dS (fp32 registers) with a cursor walking the same
+requests from the last: at the top of the step for chunk c (before dh[c] is stored) it adds
+dbs of the boundary that ends chunk c, if requested, so that gradient reaches dh (hence dk,
+dv, dg, dbeta of every earlier chunk through fla's dqkg stage), dS of earlier chunks and dh0:
+    dS += dbs[c + 1];  dh[c] = dS;  dv2 = kg dS + dv;
     dS = Diag(2^gk_last) dS + scale qg^T do - w^T dv2;   after chunk 0: dh0 = dS.
+
+Cost: work and traffic of fla's scans, plus per requested boundary one [K, V] fp32 store
+(forward) or load (backward) per head. Complexity O(T H K V) per scan; preconditions are
+checked by :func:`harts_kernels.kda.chunk.chunk_kda_with_states` (K <= 256, BT in {32, 64}).
 
 Interpreter-friendly (TRITON_INTERPRET=1): no ``.to()`` on loop variables, no autotuning there.
 """
@@ -61,13 +72,75 @@ def _autotune(key):
     return deco
 
 
+# ----------------------------------------------------------------------------- tile helpers
+# A state is up to four [64, BV] fp32 blocks b1..b4 (key rows [0,64), [64,128), ...); blocks past
+# K are never touched (the `K > 64` etc. branches are resolved at compile time).
+
+@triton.jit
+def _state_load(p, o_v, m_v, K: tl.constexpr, V: tl.constexpr, b1, b2, b3, b4):
+    """b_i += the [K, V] fp32 state at p (key blocks of 64 rows)."""
+    o_k = tl.arange(0, 64)
+    b1 += tl.load(p + o_k[:, None] * V + o_v[None, :], mask=(o_k < K)[:, None] & m_v[None, :], other=0.0)
+    if K > 64:
+        b2 += tl.load(p + (64 + o_k)[:, None] * V + o_v[None, :], mask=(64 + o_k < K)[:, None] & m_v[None, :],
+                      other=0.0)
+    if K > 128:
+        b3 += tl.load(p + (128 + o_k)[:, None] * V + o_v[None, :],
+                      mask=(128 + o_k < K)[:, None] & m_v[None, :], other=0.0)
+    if K > 192:
+        b4 += tl.load(p + (192 + o_k)[:, None] * V + o_v[None, :],
+                      mask=(192 + o_k < K)[:, None] & m_v[None, :], other=0.0)
+    return b1, b2, b3, b4
+
+
+@triton.jit
+def _state_store(p, o_v, m_v, K: tl.constexpr, V: tl.constexpr, b1, b2, b3, b4):
+    """The [K, V] state at p (its dtype) = blocks b1..b4."""
+    o_k = tl.arange(0, 64)
+    tl.store(p + o_k[:, None] * V + o_v[None, :], b1.to(p.dtype.element_ty),
+             mask=(o_k < K)[:, None] & m_v[None, :])
+    if K > 64:
+        tl.store(p + (64 + o_k)[:, None] * V + o_v[None, :], b2.to(p.dtype.element_ty),
+                 mask=(64 + o_k < K)[:, None] & m_v[None, :])
+    if K > 128:
+        tl.store(p + (128 + o_k)[:, None] * V + o_v[None, :], b3.to(p.dtype.element_ty),
+                 mask=(128 + o_k < K)[:, None] & m_v[None, :])
+    if K > 192:
+        tl.store(p + (192 + o_k)[:, None] * V + o_v[None, :], b4.to(p.dtype.element_ty),
+                 mask=(192 + o_k < K)[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _rows(p, o_t, m_t, k0: tl.constexpr, K: tl.constexpr, HK: tl.constexpr):
+    """[BT, 64] tile of key columns [k0, k0 + 64) of rows o_t (mask m_t) of a [.., H, K]
+    row-major tensor at p (row stride HK = H * K)."""
+    o_k = k0 + tl.arange(0, 64)
+    return tl.load(p + o_t[:, None] * HK + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _cols(p, o_t, m_t, k0: tl.constexpr, K: tl.constexpr, HK: tl.constexpr):
+    """[64, BT] transposed tile of key columns [k0, k0 + 64) (see :func:`_rows`)."""
+    o_k = k0 + tl.arange(0, 64)
+    return tl.load(p + o_k[:, None] + o_t[None, :] * HK, mask=(o_k < K)[:, None] & m_t[None, :], other=0.0)
+
+
+@triton.jit
+def _decay(p, k0: tl.constexpr, K: tl.constexpr):
+    """[64, 1] factors 2^gk_last of key rows [k0, k0 + 64) (gk fp32 log2 at p)."""
+    o_k = k0 + tl.arange(0, 64)
+    return tl.exp2(tl.load(p + o_k, mask=o_k < K, other=0.0))[:, None]
+
+
+# ----------------------------------------------------------------------------- kernels
+
 @triton.heuristics({
     "USE_INITIAL_STATE": lambda args: args["h0"] is not None,
     "STORE_FINAL_STATE": lambda args: args["ht"] is not None,
     "STORE_BOUNDARY": lambda args: args["bs"] is not None,
     "SAVE_NEW_VALUE": lambda args: args["v_new"] is not None,
 })
-@_autotune(key=["H", "K", "V", "BT", "BK"])
+@_autotune(key=["H", "K", "V", "BT"])
 @triton.jit(do_not_specialize=["T"])
 def harts_kda_fwd_h_kernel(
     k,              # kg [1, T, H, K]
@@ -79,7 +152,8 @@ def harts_kda_fwd_h_kernel(
     h0,             # [N, H, K, V] fp32 (or None)
     ht,             # [N, H, K, V] fp32 out (or None)
     bs,             # [U, H, K, V] fp32 out (or None)
-    bmap,           # [NT + N] int32 (or None when bs is None)
+    req_off,        # [N + 1] int32 (or None when bs is None)
+    req_chunk,      # [U] int32 (or None when bs is None)
     cu_seqlens,     # [N + 1]
     chunk_offsets,  # [N + 1]
     T,
@@ -87,7 +161,6 @@ def harts_kda_fwd_h_kernel(
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
-    BK: tl.constexpr,
     BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr,
@@ -101,56 +174,74 @@ def harts_kda_fwd_h_kernel(
     T = (eos - bos).to(tl.int32)
     NT = tl.cdiv(T, BT)
     boh = tl.load(chunk_offsets + i_n).to(tl.int64)   # first chunk of this sequence in h
-    bnd = boh + i_n                                   # its first boundary id in bmap
 
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    o_kv = o_k[:, None] * V + o_v[None, :]            # offsets inside one [K, V] state
-    s_nh = (i_n.to(tl.int64) * H + i_h) * (K * V)      # [N, H, K, V] offset of (n, h)
+    o_b = tl.arange(0, BT)                             # row inside a chunk
+    # Per-(sequence, head) base pointers; per-chunk offsets are scalar, per-element ones int32.
+    k += (bos * H + i_h) * K
+    w += (bos * H + i_h) * K
+    u += (bos * H + i_h) * V
+    gk += (bos * H + i_h) * K
+    if SAVE_NEW_VALUE:
+        v_new += (bos * H + i_h) * V
+    h += (boh * H + i_h) * (K * V)
+    s_nh = (i_n.to(tl.int64) * H + i_h) * (K * V)           # [N, H, K, V] offset of (n, h)
 
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    b_h1 = tl.zeros([64, BV], dtype=tl.float32)
+    b_h2 = tl.zeros([64, BV], dtype=tl.float32)
+    b_h3 = tl.zeros([64, BV], dtype=tl.float32)
+    b_h4 = tl.zeros([64, BV], dtype=tl.float32)
     if USE_INITIAL_STATE:
-        b_h += tl.load(h0 + s_nh + o_kv, mask=m_kv, other=0.0).to(tl.float32)
+        b_h1, b_h2, b_h3, b_h4 = _state_load(h0 + s_nh, o_v, m_v, K, V, b_h1, b_h2, b_h3, b_h4)
+    if STORE_BOUNDARY:
+        # cursor: row j of bs is the next requested boundary c_next of this sequence (-1: none)
+        j = tl.load(req_off + i_n).to(tl.int64)
+        j_end = tl.load(req_off + i_n + 1).to(tl.int64)
+        c_next = tl.load(req_chunk + j, mask=j < j_end, other=-1)
 
     for i_t in range(NT):
-        # S at the start of chunk i_t: to h (for fla's output and dqkg stages) and, if requested,
-        # in fp32 to its boundary-state row.
-        tl.store(h + ((boh + i_t) * H + i_h) * (K * V) + o_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
+        t64 = boh * 0 + i_t                            # chunk index as int64 (no .to on i_t)
+        _state_store(h + t64 * H * (K * V), o_v, m_v, K, V, b_h1, b_h2, b_h3, b_h4)
         if STORE_BOUNDARY:
-            # (o_kv * 0 + i_s) broadcasts the slot before the compare: the interpreter rejects
-            # a block mask combined with a scalar predicate.
-            i_s = tl.load(bmap + bnd + i_t)
-            p_s = bs + (tl.maximum(i_s, 0).to(tl.int64) * H + i_h) * (K * V) + o_kv
-            tl.store(p_s, b_h, mask=m_kv & ((o_kv * 0 + i_s) >= 0))
+            if i_t == c_next:
+                _state_store(bs + (j * H + i_h) * (K * V), o_v, m_v, K, V, b_h1, b_h2, b_h3, b_h4)
+                j += 1
+                c_next = tl.load(req_chunk + j, mask=j < j_end, other=-1)
 
-        o_t = i_t * BT + tl.arange(0, BT)
-        m_t = o_t < T
-        r_t = bos + o_t                                # packed rows of this chunk
-        b_w = tl.load(w + (r_t[:, None] * H + i_h) * K + o_k[None, :],
-                      mask=m_t[:, None] & m_k[None, :], other=0.0)                   # [BT, BK]
-        b_v = tl.load(u + (r_t[:, None] * H + i_h) * V + o_v[None, :],
-                      mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)    # [BT, BV]
-        b_v -= tl.dot(b_w, b_h.to(b_w.dtype))
+        r0 = i_t * BT                                  # first row of the chunk in the sequence
+        m_t = r0 + o_b < T
+        c_k = t64 * BT * (H * K)                       # chunk offsets (int64) in [.., H, K] and
+        c_v = t64 * BT * (H * V)                       # [.., H, V] tensors; rows are then o_b
+        # v_new = u - w S
+        b_v = tl.dot(_rows(w + c_k, o_b, m_t, 0, K, H * K), b_h1.to(w.dtype.element_ty))
+        if K > 64:
+            b_v = tl.dot(_rows(w + c_k, o_b, m_t, 64, K, H * K), b_h2.to(w.dtype.element_ty), b_v)
+        if K > 128:
+            b_v = tl.dot(_rows(w + c_k, o_b, m_t, 128, K, H * K), b_h3.to(w.dtype.element_ty), b_v)
+        if K > 192:
+            b_v = tl.dot(_rows(w + c_k, o_b, m_t, 192, K, H * K), b_h4.to(w.dtype.element_ty), b_v)
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_v = tl.load(u + c_v + o_b[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32) - b_v
         if SAVE_NEW_VALUE:
-            tl.store(v_new + (r_t[:, None] * H + i_h) * V + o_v[None, :],
-                     b_v.to(v_new.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+            tl.store(v_new + c_v + o_b[:, None] * (H * V) + o_v[None, :], b_v.to(v_new.dtype.element_ty), mask=m_tv)
+        b_v = b_v.to(k.dtype.element_ty)
 
-        r_last = bos + tl.minimum((i_t + 1) * BT, T) - 1
-        b_gl = tl.load(gk + (r_last * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_h *= tl.exp2(b_gl)[:, None]
-        b_k = tl.load(k + (r_t[None, :] * H + i_h) * K + o_k[:, None],
-                      mask=m_k[:, None] & m_t[None, :], other=0.0)                   # [BK, BT]
-        b_h = tl.dot(b_k, b_v.to(b_k.dtype), b_h)
+        # S = Diag(2^gk_last) S + kg^T v_new
+        p_gl = gk + c_k + (tl.minimum(BT, T - r0) - 1) * (H * K)
+        b_h1 = tl.dot(_cols(k + c_k, o_b, m_t, 0, K, H * K), b_v, b_h1 * _decay(p_gl, 0, K))
+        if K > 64:
+            b_h2 = tl.dot(_cols(k + c_k, o_b, m_t, 64, K, H * K), b_v, b_h2 * _decay(p_gl, 64, K))
+        if K > 128:
+            b_h3 = tl.dot(_cols(k + c_k, o_b, m_t, 128, K, H * K), b_v, b_h3 * _decay(p_gl, 128, K))
+        if K > 192:
+            b_h4 = tl.dot(_cols(k + c_k, o_b, m_t, 192, K, H * K), b_v, b_h4 * _decay(p_gl, 192, K))
 
     if STORE_FINAL_STATE:
-        tl.store(ht + s_nh + o_kv, b_h, mask=m_kv)
+        _state_store(ht + s_nh, o_v, m_v, K, V, b_h1, b_h2, b_h3, b_h4)
     if STORE_BOUNDARY:
-        i_s = tl.load(bmap + bnd + NT)
-        p_s = bs + (tl.maximum(i_s, 0).to(tl.int64) * H + i_h) * (K * V) + o_kv
-        tl.store(p_s, b_h, mask=m_kv & ((o_kv * 0 + i_s) >= 0))
+        if NT == c_next:
+            _state_store(bs + (j * H + i_h) * (K * V), o_v, m_v, K, V, b_h1, b_h2, b_h3, b_h4)
 
 
 @triton.heuristics({
@@ -158,7 +249,7 @@ def harts_kda_fwd_h_kernel(
     "USE_FINAL_STATE_GRADIENT": lambda args: args["dht"] is not None,
     "USE_BOUNDARY_GRADIENT": lambda args: args["dbs"] is not None,
 })
-@_autotune(key=["H", "K", "V", "BT", "BK"])
+@_autotune(key=["H", "K", "V", "BT"])
 @triton.jit(do_not_specialize=["T"])
 def harts_kda_bwd_dh_kernel(
     q,              # qg [1, T, H, K] = q * 2^G
@@ -172,7 +263,8 @@ def harts_kda_bwd_dh_kernel(
     dh0,            # [N, H, K, V] fp32 out (or None)
     dht,            # [N, H, K, V] fp32 (or None)
     dbs,            # [U, H, K, V] fp32 (or None)
-    bmap,           # [NT + N] int32 (or None when dbs is None)
+    req_off,        # [N + 1] int32 (or None when dbs is None)
+    req_chunk,      # [U] int32 (or None when dbs is None)
     cu_seqlens,
     chunk_offsets,
     scale,
@@ -181,7 +273,6 @@ def harts_kda_bwd_dh_kernel(
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
-    BK: tl.constexpr,
     BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr,
     USE_FINAL_STATE_GRADIENT: tl.constexpr,
@@ -194,60 +285,96 @@ def harts_kda_bwd_dh_kernel(
     T = (eos - bos).to(tl.int32)
     NT = tl.cdiv(T, BT)
     boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    bnd = boh + i_n
 
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    o_kv = o_k[:, None] * V + o_v[None, :]
+    o_b = tl.arange(0, BT)
+    q += (bos * H + i_h) * K
+    k += (bos * H + i_h) * K
+    w += (bos * H + i_h) * K
+    gk += (bos * H + i_h) * K
+    do += (bos * H + i_h) * V
+    dv += (bos * H + i_h) * V
+    dv2 += (bos * H + i_h) * V
+    dh += (boh * H + i_h) * (K * V)
     s_nh = (i_n.to(tl.int64) * H + i_h) * (K * V)
 
-    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    b_dh1 = tl.zeros([64, BV], dtype=tl.float32)
+    b_dh2 = tl.zeros([64, BV], dtype=tl.float32)
+    b_dh3 = tl.zeros([64, BV], dtype=tl.float32)
+    b_dh4 = tl.zeros([64, BV], dtype=tl.float32)
     if USE_FINAL_STATE_GRADIENT:
-        b_dh += tl.load(dht + s_nh + o_kv, mask=m_kv, other=0.0).to(tl.float32)
+        b_dh1, b_dh2, b_dh3, b_dh4 = _state_load(dht + s_nh, o_v, m_v, K, V, b_dh1, b_dh2, b_dh3, b_dh4)
+    if USE_BOUNDARY_GRADIENT:
+        # cursor from the last request: row j of dbs is boundary c_prev of this sequence (-1: none)
+        j_beg = tl.load(req_off + i_n).to(tl.int64)
+        j = tl.load(req_off + i_n + 1).to(tl.int64) - 1
+        c_prev = tl.load(req_chunk + j, mask=j >= j_beg, other=-1)
 
     for i_t in range(NT - 1, -1, -1):
         if USE_BOUNDARY_GRADIENT:
-            # gradient arriving at the boundary that ends chunk i_t (id i_t + 1)
-            i_s = tl.load(bmap + bnd + i_t + 1)
-            p_s = dbs + (tl.maximum(i_s, 0).to(tl.int64) * H + i_h) * (K * V) + o_kv
-            b_dh += tl.load(p_s, mask=m_kv & ((o_kv * 0 + i_s) >= 0), other=0.0).to(tl.float32)
-        tl.store(dh + ((boh + i_t) * H + i_h) * (K * V) + o_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+            if i_t + 1 == c_prev:                      # the boundary that ends chunk i_t
+                b_dh1, b_dh2, b_dh3, b_dh4 = _state_load(dbs + (j * H + i_h) * (K * V), o_v, m_v, K, V,
+                                                         b_dh1, b_dh2, b_dh3, b_dh4)
+                j -= 1
+                c_prev = tl.load(req_chunk + j, mask=j >= j_beg, other=-1)
+        t64 = boh * 0 + i_t
+        _state_store(dh + t64 * H * (K * V), o_v, m_v, K, V, b_dh1, b_dh2, b_dh3, b_dh4)
 
-        o_t = i_t * BT + tl.arange(0, BT)
-        m_t = o_t < T
-        r_t = bos + o_t
+        r0 = i_t * BT
+        m_t = r0 + o_b < T
+        c_k = t64 * BT * (H * K)
+        c_v = t64 * BT * (H * V)
         m_tv = m_t[:, None] & m_v[None, :]
-        b_k = tl.load(k + (r_t[:, None] * H + i_h) * K + o_k[None, :],
-                      mask=m_t[:, None] & m_k[None, :], other=0.0)                   # [BT, BK]
-        b_dv = tl.dot(b_k, b_dh.to(b_k.dtype))                                         # [BT, BV]
-        b_dv += tl.load(dv + (r_t[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        tl.store(dv2 + (r_t[:, None] * H + i_h) * V + o_v[None, :], b_dv.to(dv2.dtype.element_ty), mask=m_tv)
+        # dv2 = kg dS + dv
+        b_dv = tl.dot(_rows(k + c_k, o_b, m_t, 0, K, H * K), b_dh1.to(k.dtype.element_ty))
+        if K > 64:
+            b_dv = tl.dot(_rows(k + c_k, o_b, m_t, 64, K, H * K), b_dh2.to(k.dtype.element_ty), b_dv)
+        if K > 128:
+            b_dv = tl.dot(_rows(k + c_k, o_b, m_t, 128, K, H * K), b_dh3.to(k.dtype.element_ty), b_dv)
+        if K > 192:
+            b_dv = tl.dot(_rows(k + c_k, o_b, m_t, 192, K, H * K), b_dh4.to(k.dtype.element_ty), b_dv)
+        b_dv += tl.load(dv + c_v + o_b[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        tl.store(dv2 + c_v + o_b[:, None] * (H * V) + o_v[None, :], b_dv.to(dv2.dtype.element_ty), mask=m_tv)
+        b_dv = b_dv.to(w.dtype.element_ty)
 
-        r_last = bos + tl.minimum((i_t + 1) * BT, T) - 1
-        b_gl = tl.load(gk + (r_last * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_q = tl.load(q + (r_t[None, :] * H + i_h) * K + o_k[:, None],
-                      mask=m_k[:, None] & m_t[None, :], other=0.0)                   # [BK, BT]
-        b_w = tl.load(w + (r_t[None, :] * H + i_h) * K + o_k[:, None],
-                      mask=m_k[:, None] & m_t[None, :], other=0.0)                   # [BK, BT]
-        b_do = tl.load(do + (r_t[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
-        b_dh *= tl.exp2(b_gl)[:, None]
-        b_dh += tl.dot(b_q, b_do.to(b_q.dtype)) * scale - tl.dot(b_w, b_dv.to(b_w.dtype))
+        # dS = Diag(2^gk_last) dS + scale qg^T do - w^T dv2
+        b_do = tl.load(do + c_v + o_b[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0).to(q.dtype.element_ty)
+        p_gl = gk + c_k + (tl.minimum(BT, T - r0) - 1) * (H * K)
+        b_dh1 = b_dh1 * _decay(p_gl, 0, K) + tl.dot(_cols(q + c_k, o_b, m_t, 0, K, H * K), b_do) * scale \
+            - tl.dot(_cols(w + c_k, o_b, m_t, 0, K, H * K), b_dv)
+        if K > 64:
+            b_dh2 = b_dh2 * _decay(p_gl, 64, K) + tl.dot(_cols(q + c_k, o_b, m_t, 64, K, H * K), b_do) * scale \
+                - tl.dot(_cols(w + c_k, o_b, m_t, 64, K, H * K), b_dv)
+        if K > 128:
+            b_dh3 = b_dh3 * _decay(p_gl, 128, K) + tl.dot(_cols(q + c_k, o_b, m_t, 128, K, H * K), b_do) * scale \
+                - tl.dot(_cols(w + c_k, o_b, m_t, 128, K, H * K), b_dv)
+        if K > 192:
+            b_dh4 = b_dh4 * _decay(p_gl, 192, K) + tl.dot(_cols(q + c_k, o_b, m_t, 192, K, H * K), b_do) * scale \
+                - tl.dot(_cols(w + c_k, o_b, m_t, 192, K, H * K), b_dv)
 
     if USE_INITIAL_STATE:
-        tl.store(dh0 + s_nh + o_kv, b_dh, mask=m_kv)
+        _state_store(dh0 + s_nh, o_v, m_v, K, V, b_dh1, b_dh2, b_dh3, b_dh4)
 
 
-def _block_k(K: int) -> int:
+# ----------------------------------------------------------------------------- launchers
+
+def _check_k(K: int) -> None:
     if K > 256:
         raise ValueError(f"K: the state scan supports head dim K <= 256, got {K}")
-    return max(16, triton.next_power_of_2(K))
 
 
 def _launch_kwargs():
     return {"BV": 32} if _INTERPRET else {}
+
+
+def _requests(req_off, req_chunk, n: int):
+    if req_off is None or req_chunk is None or req_chunk.numel() == 0:
+        return None, None
+    if req_off.numel() != n + 1 or req_off.dtype != torch.int32 or req_chunk.dtype != torch.int32:
+        raise ValueError(f"req_off: expected int32 [N + 1 = {n + 1}] with int32 req_chunk, got "
+                         f"{req_off.dtype} {tuple(req_off.shape)} / {req_chunk.dtype}")
+    return req_off, req_chunk
 
 
 def state_scan_fwd(
@@ -261,8 +388,8 @@ def state_scan_fwd(
     num_chunks: int,               # NT, total chunks
     chunk_size: int,
     output_final_state: bool,
-    boundary_map: torch.Tensor | None = None,   # [NT + N] int32, device
-    num_boundaries: int = 0,       # U, rows of the fp32 boundary-state output
+    req_off: torch.Tensor | None = None,     # [N + 1] int32, device
+    req_chunk: torch.Tensor | None = None,   # [U] int32, device
     save_new_value: bool = True,
 ):
     """Forward state scan. Returns ``(h [1, NT, H, K, V], v_new [1, T, H, V] | None,
@@ -270,22 +397,20 @@ def state_scan_fwd(
     B, T, H, K = kg.shape
     V = u.shape[-1]
     N = cu_seqlens.numel() - 1
+    _check_k(K)
+    req_off, req_chunk = _requests(req_off, req_chunk, N)
     h = kg.new_empty(B, num_chunks, H, K, V)
     v_new = torch.empty_like(u) if save_new_value else None
     ht = kg.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
-    bs = None
-    if boundary_map is not None and num_boundaries > 0:
-        bs = kg.new_empty(num_boundaries, H, K, V, dtype=torch.float32)
-    else:
-        boundary_map = None
+    bs = kg.new_empty(req_chunk.numel(), H, K, V, dtype=torch.float32) if req_chunk is not None else None
 
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), N * H)
 
     harts_kda_fwd_h_kernel[grid](
-        k=kg, u=u, w=w, gk=gk, v_new=v_new, h=h, h0=initial_state, ht=ht, bs=bs, bmap=boundary_map,
-        cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, T=T,
-        H=H, K=K, V=V, BT=chunk_size, BK=_block_k(K), **_launch_kwargs(),
+        k=kg, u=u, w=w, gk=gk, v_new=v_new, h=h, h0=initial_state, ht=ht, bs=bs, req_off=req_off,
+        req_chunk=req_chunk, cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, T=T,
+        H=H, K=K, V=V, BT=chunk_size, **_launch_kwargs(),
     )
     return h, v_new, ht, bs
 
@@ -304,7 +429,8 @@ def state_scan_bwd(
     chunk_offsets: torch.Tensor,
     num_chunks: int,
     chunk_size: int,
-    boundary_map: torch.Tensor | None = None,
+    req_off: torch.Tensor | None = None,
+    req_chunk: torch.Tensor | None = None,
     d_boundary: torch.Tensor | None = None,     # [U, H, K, V] fp32
 ):
     """Reverse state recurrence with boundary-gradient injection. Returns
@@ -312,12 +438,16 @@ def state_scan_bwd(
     B, T, H, K = qg.shape
     V = do.shape[-1]
     N = cu_seqlens.numel() - 1
+    _check_k(K)
     dh = qg.new_empty(B, num_chunks, H, K, V)
     dh0 = qg.new_empty(N, H, K, V, dtype=torch.float32) if initial_state is not None else None
     dv2 = torch.empty_like(dv)
-    if d_boundary is None or boundary_map is None or d_boundary.shape[0] == 0:
-        d_boundary, boundary_map = None, None
+    req_off, req_chunk = _requests(req_off, req_chunk, N)
+    if d_boundary is None or req_chunk is None:
+        d_boundary, req_off, req_chunk = None, None, None
     else:
+        if d_boundary.shape[0] != req_chunk.numel():
+            raise ValueError(f"d_boundary: expected {req_chunk.numel()} rows, got {d_boundary.shape[0]}")
         d_boundary = d_boundary.to(torch.float32).contiguous()
     if dht is not None:
         dht = dht.to(torch.float32).contiguous()
@@ -327,7 +457,7 @@ def state_scan_bwd(
 
     harts_kda_bwd_dh_kernel[grid](
         q=qg, k=kg, w=w, gk=gk, do=do, dv=dv, dv2=dv2, dh=dh, dh0=dh0, dht=dht, dbs=d_boundary,
-        bmap=boundary_map, cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, scale=scale, T=T,
-        H=H, K=K, V=V, BT=chunk_size, BK=_block_k(K), **_launch_kwargs(),
+        req_off=req_off, req_chunk=req_chunk, cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets,
+        scale=scale, T=T, H=H, K=K, V=V, BT=chunk_size, **_launch_kwargs(),
     )
     return dh, dh0, dv2

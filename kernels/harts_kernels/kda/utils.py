@@ -10,8 +10,9 @@ Glossary (Section 3.4, Equation 16 of the paper):
   ``S^(i)_[c]`` (``S_[0]`` is the initial state). A request ``(request_seq[r], request_chunk[r])``
   asks for ``S^(i)_[c]`` with ``1 <= c`` and ``c * B <= L_i`` (a boundary that exists; when
   ``L_i = n_i * B``, ``c = n_i`` is the final state).
-* boundary id (GPU path): ``chunk_offsets[i] + i + c``, one id for each of the ``n_i + 1``
-  boundaries of every sequence; ``boundary_map[id]`` is the request row or ``-1``.
+* distinct requests (GPU path): the requested ``(i, c)`` pairs without duplicates, sorted by
+  sequence then boundary; the state scan writes one fp32 state per pair, in that order, and
+  ``req_off[i]`` is the first pair of sequence ``i``.
 
 Nothing here imports triton or fla.
 """
@@ -63,17 +64,17 @@ class PackedRequests:
     def num_requests(self) -> int:
         return len(self.request_seq)
 
-    def boundary_ids(self) -> list[int]:
-        """[R] global boundary id of each request (``chunk_offsets[i] + i + c``)."""
-        return [self.chunk_offsets[i] + i + c for i, c in zip(self.request_seq, self.request_chunk)]
-
-    def unique_boundaries(self) -> tuple[list[int], list[int]]:
-        """Deduplicated requests: (``ids [U]`` sorted boundary ids, ``inverse [R]`` row of each
-        request in ``ids``). The GPU scan writes ``U`` states; requests are ``states[inverse]``."""
-        ids = self.boundary_ids()
-        uniq = sorted(set(ids))
-        pos = {b: j for j, b in enumerate(uniq)}
-        return uniq, [pos[b] for b in ids]
+    def distinct_requests(self) -> tuple[list[tuple[int, int]], list[int], list[int]]:
+        """``(pairs [U], inverse [R], req_off [N+1])``: the distinct ``(i, c)`` sorted by
+        ``(i, c)``, the row of each request in ``pairs``, and the first row of each sequence."""
+        pairs = sorted(set(zip(self.request_seq, self.request_chunk)))
+        row = {p: j for j, p in enumerate(pairs)}
+        req_off = [0] * (len(self.seq_lens) + 1)
+        for i, _ in pairs:
+            req_off[i + 1] += 1
+        for i in range(len(self.seq_lens)):
+            req_off[i + 1] += req_off[i]
+        return pairs, [row[p] for p in zip(self.request_seq, self.request_chunk)], req_off
 
 
 def seq_lens_from_cu_seqlens(cu_seqlens, total: int) -> list[int]:
