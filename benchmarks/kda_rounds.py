@@ -11,8 +11,8 @@ Cases (bf16, H heads, K = V = dim, packed varlen of --seqs equal sequences, fp32
   rounds_r       the same tokens executed as r sequential rounds: every sequence is cut at chunk
                  boundaries into r parts; round j resumes from states returned by round j - 1
                  (the handoff is differentiable); cost per extra round = (t_r - t_1) / (r - 1)
-Each case reports forward and forward+backward medians (CUDA events) and, for states_k, the
-overhead versus plain. The target (issue 6) is < 5% for 64 states at T = 65,536.
+Each case reports forward and forward+backward medians (CUDA events; cases are timed interleaved,
+--reps times, and the median over reps is reported) and, for states_k, the overhead versus plain. The target (issue 6) is < 5% for 64 states at T = 65,536.
 
 Robust for a one-shot batch run: every case is caught and reported on its own, and
 benchmarks/results/kda_rounds.json is rewritten after each case.
@@ -98,6 +98,7 @@ def main():
     ap.add_argument("--rounds", type=str, default="1,2,4,8")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions of every case")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
 
@@ -135,19 +136,10 @@ def main():
     do = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
     dht = torch.randn(N, H, D, D, device="cuda")
 
-    def run_case(name, fwd, bwd):
-        log(f"case {name}: compiling / warming up ...")
-        t0 = time.time()
-        try:
-            with torch.no_grad():
-                t_f = timed(fwd, args.warmup, args.iters)
-            t_fb = timed(bwd, args.warmup, args.iters)
-            result["cases"][name] = {"fwd_ms": t_f, "fwd_bwd_ms": t_fb, "wall_s": time.time() - t0}
-            log(f"case {name}: fwd {t_f:.3f} ms, fwd+bwd {t_fb:.3f} ms")
-        except Exception as e:  # noqa: BLE001
-            result["errors"][name] = traceback.format_exc()
-            log(f"case {name} FAILED: {e!r}")
-        save()
+    cases = []          # (name, fwd, fwd+bwd), timed together below
+
+    def add_case(name, fwd, bwd):
+        cases.append((name, fwd, bwd))
 
     # ---------------------------------------------------------------- plain fla
     def plain_fwd():
@@ -158,7 +150,7 @@ def main():
         o, ft = plain_fwd()
         torch.autograd.backward([o, ft], [do, dht])
 
-    run_case("plain", plain_fwd, plain_bwd)
+    add_case("plain", plain_fwd, plain_bwd)
 
     # ---------------------------------------------------------------- k requested states
     for k in [int(s) for s in args.states.split(",") if s]:
@@ -183,7 +175,7 @@ def main():
                 grads.append(dbs)
             torch.autograd.backward(outs, grads)
 
-        run_case(f"states_{k}", fwd, bwd)
+        add_case(f"states_{k}", fwd, bwd)
 
     # ---------------------------------------------------------------- r sequential rounds
     L = T // N
@@ -223,10 +215,49 @@ def main():
             outs, ft = fwd()
             torch.autograd.backward(outs + [ft], [torch.ones_like(o) for o in outs] + [dht])
 
-        run_case(f"rounds_{r}", fwd, bwd)
+        add_case(f"rounds_{r}", fwd, bwd)
+
+    # ---------------------------------------------------------------- timing
+    # Warm every case first (compile + autotune), then time them interleaved, rep after rep, so
+    # a drift of the clock or the card over the run hits every case alike; report per-case
+    # medians over the reps.
+    live = []
+    for name, fwd, bwd in cases:
+        log(f"case {name}: compiling / warming up ...")
+        t0 = time.time()
+        try:
+            with torch.no_grad():
+                fwd()
+            bwd()
+            torch.cuda.synchronize()
+            live.append((name, fwd, bwd))
+            result["cases"][name] = {"warmup_s": time.time() - t0}
+        except Exception as e:  # noqa: BLE001
+            result["errors"][name] = traceback.format_exc()
+            log(f"case {name} FAILED: {e!r}")
+        save()
+    samples = {name: {"fwd": [], "fwd_bwd": []} for name, _, _ in live}
+    for rep in range(args.reps):
+        for name, fwd, bwd in live:
+            try:
+                with torch.no_grad():
+                    samples[name]["fwd"].append(timed(fwd, args.warmup, args.iters))
+                samples[name]["fwd_bwd"].append(timed(bwd, args.warmup, args.iters))
+            except Exception as e:  # noqa: BLE001
+                result["errors"][f"{name}_rep{rep}"] = traceback.format_exc()
+                log(f"case {name} FAILED: {e!r}")
+        for name in samples:
+            c = result["cases"].setdefault(name, {})
+            for kind in ("fwd", "fwd_bwd"):
+                if samples[name][kind]:
+                    c[f"{kind}_ms"] = statistics.median(samples[name][kind])
+                    c[f"{kind}_ms_reps"] = samples[name][kind]
+        log(f"rep {rep + 1}/{args.reps}: " + ", ".join(
+            f"{n} {samples[n]['fwd_bwd'][-1]:.2f}" for n in samples if samples[n]["fwd_bwd"]))
+        save()
 
     # ---------------------------------------------------------------- summary
-    cases = result["cases"]
+    cases = {n: c for n, c in result["cases"].items() if "fwd_bwd_ms" in c}
     if "plain" in cases:
         base = cases["plain"]["fwd_bwd_ms"]
         for name, c in cases.items():
