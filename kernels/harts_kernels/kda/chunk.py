@@ -21,6 +21,7 @@ use_beta_sigmoid_in_kernel=False, use_qk_l2norm_in_kernel=False)``):
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from contextlib import nullcontext
 
 import torch
@@ -28,6 +29,7 @@ import torch
 from harts_kernels.kda.naive import naive_chunk_kda_with_states
 from harts_kernels.kda.utils import (
     PackedRequests,
+    as_int_list,
     check_initial_state,
     pack_inputs,
     seq_lens_from_cu_seqlens,
@@ -51,17 +53,21 @@ class _Plan:
         self.num_seqs, self.num_chunks = n, nt
         pairs, inverse, req_off = req.distinct_requests()
         self.num_boundaries = len(pairs)
-        chunk_index = [x for i in range(n) for c in range(req.num_chunks[i]) for x in (i, c)]
-        sections = [cu, req.chunk_offsets, chunk_index, req_off, [c for _, c in pairs], inverse]
+        nc = torch.tensor(req.num_chunks, dtype=torch.long)
+        seq_of_chunk = torch.repeat_interleave(torch.arange(n), nc)
+        first_chunk = torch.repeat_interleave(torch.tensor(req.chunk_offsets[:-1], dtype=torch.long), nc)
+        chunk_index = torch.stack([seq_of_chunk, torch.arange(nt) - first_chunk], 1).flatten()  # (seq, chunk)
+        sections = [torch.tensor(x, dtype=torch.long) for x in (cu, req.chunk_offsets)] + [chunk_index] + \
+            [torch.tensor(x, dtype=torch.long) for x in (req_off, [c for _, c in pairs], inverse)]
         # One pageable host->device copy (each such copy synchronizes the stream), then views.
         # Sections start at multiples of 4 elements: aligned pointers keep Triton's
         # specialization (and so its compiled variants) independent of N.
-        host, starts = [], []
-        for sec in sections:
-            starts.append(len(host))
-            host += sec + [0] * (-len(sec) % 4)
-        dev = torch.tensor(host, dtype=torch.long).to(device)
-        view = [dev[s:s + len(sec)] for s, sec in zip(starts, sections)]
+        pad = [torch.zeros(-len(x) % 4, dtype=torch.long) for x in sections]
+        dev = torch.cat([t for x, z in zip(sections, pad) for t in (x, z)]).to(device)
+        view, o = [], 0
+        for x, z in zip(sections, pad):
+            view.append(dev[o:o + len(x)])
+            o += len(x) + len(z)
         self.cu_seqlens, self.chunk_offsets = view[0], view[1]
         self.chunk_indices = view[2].view(nt, 2)                              # [NT, 2] (seq, chunk)
         self.req_off = self.req_chunk = self.inverse = None
@@ -70,6 +76,28 @@ class _Plan:
             self.req_chunk = view[4].to(torch.int32)
             if inverse != list(range(len(pairs))):
                 self.inverse = view[5]
+
+
+_PLANS: OrderedDict = OrderedDict()
+_PLANS_MAX = 64
+
+
+def _plan_for(cu: list[int], T: int, chunk_size: int, request_seq, request_chunk, device) -> _Plan:
+    """The validated device plan of a call, cached by its host description: every KDA layer of a
+    microbatch (and its recomputation) calls with the same ``cu_seqlens`` and requests, so the
+    host work and the host->device copy are paid once. LRU, at most ``_PLANS_MAX`` plans."""
+    rs = as_int_list(request_seq, "request_seq")
+    rc = as_int_list(request_chunk, "request_chunk")
+    key = (tuple(cu), T, chunk_size, tuple(rs), tuple(rc), device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        req = validate_requests(seq_lens_from_cu_seqlens(cu, T), chunk_size, rs, rc)
+        plan = _PLANS[key] = _Plan(req, cu, device)
+        while len(_PLANS) > _PLANS_MAX:
+            _PLANS.popitem(last=False)
+    else:
+        _PLANS.move_to_end(key)
+    return plan
 
 
 def _fla_fwd(q, k, v, g, beta, scale, initial_state, plan: _Plan, chunk_size, output_final_state):
@@ -219,9 +247,6 @@ def chunk_kda_with_states(
     q, k, v, g, beta, cu, batch_shape = pack_inputs(q, k, v, g, beta, cu_seqlens)
     _, T, H, K = q.shape
     V = v.shape[-1]
-    lens = seq_lens_from_cu_seqlens(cu, T)
-    req = validate_requests(lens, chunk_size, request_seq, request_chunk)
-    check_initial_state(initial_state, len(lens), H, K, V)
     if chunk_size not in (32, 64):
         raise ValueError(f"chunk_size: the Triton path supports 32 or 64, got {chunk_size}")
     if K > 256:
@@ -229,7 +254,8 @@ def chunk_kda_with_states(
     if initial_state is not None and initial_state.dtype != torch.float32:
         raise ValueError(f"initial_state: must be float32, got {initial_state.dtype}")
     scale = K ** -0.5 if scale is None else float(scale)
-    plan = _Plan(req, cu, q.device)
+    plan = _plan_for(cu, T, chunk_size, request_seq, request_chunk, q.device)
+    check_initial_state(initial_state, plan.num_seqs, H, K, V)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()

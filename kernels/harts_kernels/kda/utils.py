@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 
-def _as_int_list(x, field: str) -> list[int]:
+def as_int_list(x, field: str) -> list[int]:
     if x is None:
         return []
     if isinstance(x, torch.Tensor):
@@ -79,7 +79,7 @@ class PackedRequests:
 
 def seq_lens_from_cu_seqlens(cu_seqlens, total: int) -> list[int]:
     """Validate ``cu_seqlens [N+1]`` against ``T = total`` and return the N lengths (>= 1 each)."""
-    cu = _as_int_list(cu_seqlens, "cu_seqlens")
+    cu = as_int_list(cu_seqlens, "cu_seqlens")
     if len(cu) < 2:
         raise ValueError("cu_seqlens: needs at least two entries [0, T]")
     if cu[0] != 0:
@@ -100,8 +100,8 @@ def validate_requests(seq_lens: Sequence[int], chunk_size: int, request_seq=None
     """Check the requests against the chunk grid; raise ``ValueError`` naming the bad entry."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size: must be >= 1, got {chunk_size}")
-    rs = _as_int_list(request_seq, "request_seq")
-    rc = _as_int_list(request_chunk, "request_chunk")
+    rs = as_int_list(request_seq, "request_seq")
+    rc = as_int_list(request_chunk, "request_chunk")
     if len(rs) != len(rc):
         raise ValueError(f"request_seq/request_chunk: lengths differ ({len(rs)} vs {len(rc)})")
     n = len(seq_lens)
@@ -144,7 +144,7 @@ def pack_inputs(q, k, v, g, beta, cu_seqlens):
     else:
         if B != 1:
             raise ValueError(f"q: batch must be 1 with cu_seqlens (packed varlen), got {B}")
-        cu = _as_int_list(cu_seqlens, "cu_seqlens")
+        cu = as_int_list(cu_seqlens, "cu_seqlens")
         batch_shape = None
     return q, k, v, g, beta, cu, batch_shape
 
