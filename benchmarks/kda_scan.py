@@ -110,12 +110,11 @@ def main():
         dbs = torch.randn(plan.num_boundaries, H, D, D, device="cuda", generator=gen) if kk else None
 
         def ours_fwd(plan=plan):
-            return state_scan_fwd(kg, w, u, gk, h0, cu_t, co, nt, B, True, req_off=plan.req_off,
-                                  req_chunk=plan.req_chunk)
+            return state_scan_fwd(kg, w, u, gk, h0, cu_t, co, nt, B, True, requests=plan.requests)
 
         def ours_bwd(plan=plan, dbs=dbs):
-            return state_scan_bwd(qg, kg, w, gk, do, dv, scale, h0, dht, cu_t, co, nt, B, req_off=plan.req_off,
-                                  req_chunk=plan.req_chunk, d_boundary=dbs)
+            return state_scan_bwd(qg, kg, w, gk, do, dv, scale, h0, dht, cu_t, co, nt, B, requests=plan.requests,
+                                  d_boundary=dbs)
 
         # correctness against fla on the shared outputs (h, v_new, ht; dh, dh0, dv2)
         try:
@@ -127,11 +126,10 @@ def main():
                 chk |= {"dh": err_ratio(ref_b[0], dh), "dh0": err_ratio(ref_b[1], dh0),
                         "dv2": err_ratio(ref_b[2], dv2)}
             else:   # requested states equal fla's h at those chunks (h is bf16: bf16-level error)
-                pairs = sorted(set(zip(rs, rc)))
-                offs = validate_requests(lens, B).chunk_offsets
-                inside = [j for j, (i, c) in enumerate(pairs) if c < (lens[i] + B - 1) // B]   # not final
+                offs = validate_requests(lens, B).chunk_offsets    # distinct requests: rows in request order
+                inside = [r for r in range(kk) if rc[r] < (lens[rs[r]] + B - 1) // B]   # not final
                 if inside:
-                    idx = torch.tensor([offs[pairs[j][0]] + pairs[j][1] for j in inside], device="cuda")
+                    idx = torch.tensor([offs[rs[r]] + rc[r] for r in inside], device="cuda")
                     chk["states_vs_fla_h"] = err_ratio(ref_f[0][0, idx].float(), bs[torch.tensor(inside, device="cuda")])
             result["checks"][f"states_{kk}"] = chk
             log(f"check states_{kk}: " + ", ".join(f"{n} {e:.2e}" for n, e in chk.items()))

@@ -225,14 +225,19 @@ def test_device_plan_layout_and_cache():
     grid = [(i, c) for i in range(3) for c in range(-(-(cu[i + 1] - cu[i]) // B))]
     assert plan.chunk_indices.tolist() == [list(p) for p in grid]
     assert plan.cu_seqlens.tolist() == cu and plan.chunk_offsets.tolist() == [0, 3, 4, 8]
-    assert plan.req_off.tolist() == [0, 1, 1, 3] and plan.req_chunk.tolist() == [2, 1, 4]
-    assert plan.inverse.tolist() == [2, 0, 1, 2] and plan.num_boundaries == 3
-    for t in (plan.cu_seqlens, plan.chunk_offsets, plan.chunk_indices, plan.req_off, plan.req_chunk):
+    req_off, req_chunk, req_row = plan.requests
+    assert req_off.tolist() == [0, 1, 1, 3] and req_chunk.tolist() == [2, 1, 4]
+    assert req_row.tolist() == [0, 1, 2] and plan.inverse.tolist() == [2, 0, 1, 2]    # duplicates
+    assert plan.num_boundaries == 3
+    for t in (plan.cu_seqlens, plan.chunk_offsets, plan.chunk_indices, *plan.requests):
         assert t.data_ptr() % 16 == 0          # aligned views: one Triton specialization for any N
+    distinct = ck._plan_for(cu, 228, B, [2, 0, 2], [4, 2, 1], torch.device("cpu"))
+    assert distinct.requests[1].tolist() == [2, 1, 4] and distinct.inverse is None
+    assert distinct.requests[2].tolist() == [1, 2, 0]       # written straight into request order
     assert ck._plan_for(cu, 228, B, [2, 0, 2, 2], [4, 2, 1, 4], torch.device("cpu")) is plan
     assert ck._plan_for(cu, 228, B, [2, 0], [4, 2], torch.device("cpu")) is not plan
     for _ in range(2):
         with pytest.raises(ValueError, match=r"request_chunk\[0\]"):
             ck._plan_for(cu, 228, B, [1], [1], torch.device("cpu"))   # sequence 1 has 30 < 32 tokens
     plain = ck._plan_for(cu, 228, B, [], [], torch.device("cpu"))
-    assert plain.req_off is None and plain.inverse is None and plain.num_boundaries == 0
+    assert plain.requests is None and plain.inverse is None and plain.num_boundaries == 0

@@ -42,9 +42,11 @@ RCP_LN2 = 1.4426950408889634  # 1 / ln(2): fla's gates are log2 inside the kerne
 class _Plan:
     """Device-side index tensors of one packed call, built on the host and sent in one copy.
 
-    ``req_off [N + 1]`` / ``req_chunk [U]`` (int32) list the distinct requested boundaries per
-    sequence in increasing c (the state scan's row order); ``inverse [R]`` maps the requests,
-    in the caller's order, to those rows (None when they are already distinct and sorted).
+    ``requests = (req_off [N + 1], req_chunk [U], req_row [U])`` (int32) list the distinct
+    requested boundaries per sequence in increasing c, with the output row of each. Without
+    duplicates the rows are the caller's order, so the scan writes the states where they are
+    asked for; with duplicates it writes the U distinct states and ``inverse [R]`` picks the rows.
+    ``requests`` is None when nothing is requested.
     """
 
     def __init__(self, req: PackedRequests, cu: list[int], device: torch.device):
@@ -53,12 +55,19 @@ class _Plan:
         self.num_seqs, self.num_chunks = n, nt
         pairs, inverse, req_off = req.distinct_requests()
         self.num_boundaries = len(pairs)
+        # distinct requests: pair inverse[r] goes to output row r; duplicates: rows 0..U-1 + inverse
+        unique_rows = None
+        if len(pairs) == len(inverse):
+            unique_rows = [0] * len(pairs)
+            for r, j in enumerate(inverse):
+                unique_rows[j] = r
+        row = unique_rows if unique_rows is not None else list(range(len(pairs)))
         nc = torch.tensor(req.num_chunks, dtype=torch.long)
         seq_of_chunk = torch.repeat_interleave(torch.arange(n), nc)
         first_chunk = torch.repeat_interleave(torch.tensor(req.chunk_offsets[:-1], dtype=torch.long), nc)
         chunk_index = torch.stack([seq_of_chunk, torch.arange(nt) - first_chunk], 1).flatten()  # (seq, chunk)
         sections = [torch.tensor(x, dtype=torch.long) for x in (cu, req.chunk_offsets)] + [chunk_index] + \
-            [torch.tensor(x, dtype=torch.long) for x in (req_off, [c for _, c in pairs], inverse)]
+            [torch.tensor(x, dtype=torch.long) for x in (req_off, [c for _, c in pairs], row, inverse)]
         # One pageable host->device copy (each such copy synchronizes the stream), then views.
         # Sections start at multiples of 4 elements: aligned pointers keep Triton's
         # specialization (and so its compiled variants) independent of N.
@@ -70,12 +79,11 @@ class _Plan:
             o += len(x) + len(z)
         self.cu_seqlens, self.chunk_offsets = view[0], view[1]
         self.chunk_indices = view[2].view(nt, 2)                              # [NT, 2] (seq, chunk)
-        self.req_off = self.req_chunk = self.inverse = None
+        self.requests = self.inverse = None
         if pairs:
-            self.req_off = view[3].to(torch.int32)
-            self.req_chunk = view[4].to(torch.int32)
-            if inverse != list(range(len(pairs))):
-                self.inverse = view[5]
+            self.requests = tuple(v.to(torch.int32) for v in view[3:6])
+            if unique_rows is None:
+                self.inverse = view[6]
 
 
 _PLANS: OrderedDict = OrderedDict()
@@ -115,7 +123,7 @@ def _fla_fwd(q, k, v, g, beta, scale, initial_state, plan: _Plan, chunk_size, ou
     h, v_new, final_state, bstates = state_scan_fwd(
         kg=kg, w=w, u=u, gk=g_cum, initial_state=initial_state, cu_seqlens=plan.cu_seqlens,
         chunk_offsets=plan.chunk_offsets, num_chunks=plan.num_chunks, chunk_size=chunk_size,
-        output_final_state=output_final_state, req_off=plan.req_off, req_chunk=plan.req_chunk)
+        output_final_state=output_final_state, requests=plan.requests)
     o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=g_cum, A=Aqk, h=h, scale=scale, cu_seqlens=plan.cu_seqlens,
                            chunk_size=chunk_size, chunk_indices=plan.chunk_indices)
     return o, final_state, bstates, g_cum, Aqk, Akk
@@ -142,7 +150,7 @@ def _fla_bwd(q, k, v, beta, g_cum, Aqk, Akk, scale, initial_state, do, dht, d_bs
     dh, dh0, dv = state_scan_bwd(
         qg=qg, kg=kg, w=w, gk=g_cum, do=do, dv=dv, scale=scale, initial_state=initial_state, dht=dht,
         cu_seqlens=cu, chunk_offsets=plan.chunk_offsets, num_chunks=plan.num_chunks,
-        chunk_size=chunk_size, req_off=plan.req_off, req_chunk=plan.req_chunk, d_boundary=d_bstates)
+        chunk_size=chunk_size, requests=plan.requests, d_boundary=d_bstates)
     dq, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
         q=q, k=k, v=v, v_new=v_new, g=g_cum, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv, scale=scale,
         cu_seqlens=cu, chunk_size=chunk_size, chunk_indices=ci, chunk_offsets=plan.chunk_offsets)
@@ -156,8 +164,8 @@ def _fla_bwd(q, k, v, beta, g_cum, Aqk, Akk, scale, initial_state, do, dht, d_bs
 class ChunkKDAWithStatesFunction(torch.autograd.Function):
     """Packed-varlen chunk KDA returning ``(o, final_state, boundary_states)``.
 
-    ``boundary_states`` has one fp32 row per *distinct* requested boundary (``plan.inverse``
-    maps requests to rows outside). Its gradient is injected into the backward state recurrence;
+    ``boundary_states`` has one fp32 row per distinct requested boundary, in request order when
+    there are no duplicates (else ``plan.inverse`` maps requests to rows outside). Its gradient is injected into the backward state recurrence;
     the final-state gradient enters as fla's ``dht``; ``dh0`` is the initial-state gradient.
     """
 

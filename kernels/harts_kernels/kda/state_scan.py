@@ -12,9 +12,10 @@ ChunkLA contract of Equation (16). Every other stage of chunk KDA is fla's, call
                                (input dtype; NT = total chunks of the packed call)
     h0, ht     [N, H, K, V]   fp32 initial and final states
     bs, dbs    [U, H, K, V]   fp32 requested boundary states and their gradients, one row per
-                               distinct boundary, rows sorted by (sequence, boundary c)
-    req_off    [N + 1] int32  rows [req_off[n], req_off[n + 1]) of bs belong to sequence n
-    req_chunk  [U] int32      boundary c of each row (strictly increasing within a sequence)
+                               distinct boundary
+    req_off    [N + 1] int32  requests [req_off[n], req_off[n + 1]) belong to sequence n
+    req_chunk  [U] int32      boundary c of each request (strictly increasing within a sequence)
+    req_row    [U] int32      row of bs / dbs of each request (so states land in the caller's order)
 
 Glossary: a program owns one (value block of BV columns, sequence n, head h); the key dim is
 held in up to four 64-row register blocks (K <= 256), so each [K, BV] state is 1-4 tiles of
@@ -154,6 +155,7 @@ def harts_kda_fwd_h_kernel(
     bs,             # [U, H, K, V] fp32 out (or None)
     req_off,        # [N + 1] int32 (or None when bs is None)
     req_chunk,      # [U] int32 (or None when bs is None)
+    req_row,        # [U] int32 (or None when bs is None)
     cu_seqlens,     # [N + 1]
     chunk_offsets,  # [N + 1]
     T,
@@ -205,7 +207,8 @@ def harts_kda_fwd_h_kernel(
         _state_store(h + t64 * H * (K * V), o_v, m_v, K, V, b_h1, b_h2, b_h3, b_h4)
         if STORE_BOUNDARY:
             if i_t == c_next:
-                _state_store(bs + (j * H + i_h) * (K * V), o_v, m_v, K, V, b_h1, b_h2, b_h3, b_h4)
+                row = tl.load(req_row + j).to(tl.int64)
+                _state_store(bs + (row * H + i_h) * (K * V), o_v, m_v, K, V, b_h1, b_h2, b_h3, b_h4)
                 j += 1
                 c_next = tl.load(req_chunk + j, mask=j < j_end, other=-1)
 
@@ -241,7 +244,8 @@ def harts_kda_fwd_h_kernel(
         _state_store(ht + s_nh, o_v, m_v, K, V, b_h1, b_h2, b_h3, b_h4)
     if STORE_BOUNDARY:
         if NT == c_next:
-            _state_store(bs + (j * H + i_h) * (K * V), o_v, m_v, K, V, b_h1, b_h2, b_h3, b_h4)
+            row = tl.load(req_row + j).to(tl.int64)
+            _state_store(bs + (row * H + i_h) * (K * V), o_v, m_v, K, V, b_h1, b_h2, b_h3, b_h4)
 
 
 @triton.heuristics({
@@ -265,6 +269,7 @@ def harts_kda_bwd_dh_kernel(
     dbs,            # [U, H, K, V] fp32 (or None)
     req_off,        # [N + 1] int32 (or None when dbs is None)
     req_chunk,      # [U] int32 (or None when dbs is None)
+    req_row,        # [U] int32 (or None when dbs is None)
     cu_seqlens,
     chunk_offsets,
     scale,
@@ -314,7 +319,8 @@ def harts_kda_bwd_dh_kernel(
     for i_t in range(NT - 1, -1, -1):
         if USE_BOUNDARY_GRADIENT:
             if i_t + 1 == c_prev:                      # the boundary that ends chunk i_t
-                b_dh1, b_dh2, b_dh3, b_dh4 = _state_load(dbs + (j * H + i_h) * (K * V), o_v, m_v, K, V,
+                row = tl.load(req_row + j).to(tl.int64)
+                b_dh1, b_dh2, b_dh3, b_dh4 = _state_load(dbs + (row * H + i_h) * (K * V), o_v, m_v, K, V,
                                                          b_dh1, b_dh2, b_dh3, b_dh4)
                 j -= 1
                 c_prev = tl.load(req_chunk + j, mask=j >= j_beg, other=-1)
@@ -368,13 +374,16 @@ def _launch_kwargs():
     return {"BV": 32} if _INTERPRET else {}
 
 
-def _requests(req_off, req_chunk, n: int):
-    if req_off is None or req_chunk is None or req_chunk.numel() == 0:
-        return None, None
-    if req_off.numel() != n + 1 or req_off.dtype != torch.int32 or req_chunk.dtype != torch.int32:
-        raise ValueError(f"req_off: expected int32 [N + 1 = {n + 1}] with int32 req_chunk, got "
-                         f"{req_off.dtype} {tuple(req_off.shape)} / {req_chunk.dtype}")
-    return req_off, req_chunk
+def _requests(req, n: int):
+    """``req = (req_off [N + 1], req_chunk [U], req_row [U])`` int32 device tensors, or None."""
+    if req is None or req[1].numel() == 0:
+        return None, None, None
+    req_off, req_chunk, req_row = req
+    if req_off.numel() != n + 1 or req_row.numel() != req_chunk.numel() or \
+            any(t.dtype != torch.int32 for t in req):
+        raise ValueError(f"requests: expected int32 req_off [N + 1 = {n + 1}], req_chunk [U], req_row [U]; "
+                         f"got {[(t.dtype, tuple(t.shape)) for t in req]}")
+    return req_off, req_chunk, req_row
 
 
 def state_scan_fwd(
@@ -388,8 +397,7 @@ def state_scan_fwd(
     num_chunks: int,               # NT, total chunks
     chunk_size: int,
     output_final_state: bool,
-    req_off: torch.Tensor | None = None,     # [N + 1] int32, device
-    req_chunk: torch.Tensor | None = None,   # [U] int32, device
+    requests=None,                 # (req_off [N + 1], req_chunk [U], req_row [U]) int32, device
     save_new_value: bool = True,
 ):
     """Forward state scan. Returns ``(h [1, NT, H, K, V], v_new [1, T, H, V] | None,
@@ -398,7 +406,7 @@ def state_scan_fwd(
     V = u.shape[-1]
     N = cu_seqlens.numel() - 1
     _check_k(K)
-    req_off, req_chunk = _requests(req_off, req_chunk, N)
+    req_off, req_chunk, req_row = _requests(requests, N)
     h = kg.new_empty(B, num_chunks, H, K, V)
     v_new = torch.empty_like(u) if save_new_value else None
     ht = kg.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
@@ -409,7 +417,7 @@ def state_scan_fwd(
 
     harts_kda_fwd_h_kernel[grid](
         k=kg, u=u, w=w, gk=gk, v_new=v_new, h=h, h0=initial_state, ht=ht, bs=bs, req_off=req_off,
-        req_chunk=req_chunk, cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, T=T,
+        req_chunk=req_chunk, req_row=req_row, cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, T=T,
         H=H, K=K, V=V, BT=chunk_size, **_launch_kwargs(),
     )
     return h, v_new, ht, bs
@@ -429,8 +437,7 @@ def state_scan_bwd(
     chunk_offsets: torch.Tensor,
     num_chunks: int,
     chunk_size: int,
-    req_off: torch.Tensor | None = None,
-    req_chunk: torch.Tensor | None = None,
+    requests=None,                 # (req_off, req_chunk, req_row) as in state_scan_fwd
     d_boundary: torch.Tensor | None = None,     # [U, H, K, V] fp32
 ):
     """Reverse state recurrence with boundary-gradient injection. Returns
@@ -442,9 +449,9 @@ def state_scan_bwd(
     dh = qg.new_empty(B, num_chunks, H, K, V)
     dh0 = qg.new_empty(N, H, K, V, dtype=torch.float32) if initial_state is not None else None
     dv2 = torch.empty_like(dv)
-    req_off, req_chunk = _requests(req_off, req_chunk, N)
+    req_off, req_chunk, req_row = _requests(requests, N)
     if d_boundary is None or req_chunk is None:
-        d_boundary, req_off, req_chunk = None, None, None
+        d_boundary, req_off, req_chunk, req_row = None, None, None, None
     else:
         if d_boundary.shape[0] != req_chunk.numel():
             raise ValueError(f"d_boundary: expected {req_chunk.numel()} rows, got {d_boundary.shape[0]}")
@@ -457,7 +464,7 @@ def state_scan_bwd(
 
     harts_kda_bwd_dh_kernel[grid](
         q=qg, k=kg, w=w, gk=gk, do=do, dv=dv, dv2=dv2, dh=dh, dh0=dh0, dht=dht, dbs=d_boundary,
-        req_off=req_off, req_chunk=req_chunk, cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets,
+        req_off=req_off, req_chunk=req_chunk, req_row=req_row, cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets,
         scale=scale, T=T, H=H, K=K, V=V, BT=chunk_size, **_launch_kwargs(),
     )
     return dh, dh0, dv2
