@@ -84,6 +84,26 @@ def spread_requests(cu, B, k):
     return [r[0] for r in out], [r[1] for r in out]
 
 
+def summarize(cases: dict) -> dict:
+    """Overheads of states_k versus plain and the cost per extra round, from per-case medians."""
+    cases = {n: c for n, c in cases.items() if "fwd_bwd_ms" in c}
+    out = {}
+    if "plain" in cases:
+        base = cases["plain"]["fwd_bwd_ms"]
+        for name, c in cases.items():
+            if name.startswith("states_"):
+                out[f"{name}_overhead_vs_plain"] = c["fwd_bwd_ms"] / base - 1.0
+        if "states_64" in cases:
+            out["target_64_states_under_5pct"] = out["states_64_overhead_vs_plain"] < 0.05
+    if "rounds_1" in cases:
+        t1 = cases["rounds_1"]["fwd_bwd_ms"]
+        for name, c in cases.items():
+            if name.startswith("rounds_") and name != "rounds_1":
+                r = int(name.split("_")[1])
+                out[f"{name}_ms_per_extra_round"] = (c["fwd_bwd_ms"] - t1) / (r - 1)
+    return out
+
+
 def clear(xs):
     for t in xs:
         t.grad = None
@@ -260,24 +280,10 @@ def main():
                     c[f"{kind}_ms_reps"] = samples[name][kind]
         log(f"rep {rep + 1}/{args.reps}: " + ", ".join(
             f"{n} {samples[n]['fwd_bwd'][-1]:.2f}" for n in samples if samples[n]["fwd_bwd"]))
+        result["summary"] = summarize(result["cases"]) | {"reps_done": rep + 1}
         save()
 
-    # ---------------------------------------------------------------- summary
-    cases = {n: c for n, c in result["cases"].items() if "fwd_bwd_ms" in c}
-    if "plain" in cases:
-        base = cases["plain"]["fwd_bwd_ms"]
-        for name, c in cases.items():
-            if name.startswith("states_"):
-                result["summary"][f"{name}_overhead_vs_plain"] = c["fwd_bwd_ms"] / base - 1.0
-        if "states_64" in cases:
-            ov = result["summary"]["states_64_overhead_vs_plain"]
-            result["summary"]["target_64_states_under_5pct"] = ov < 0.05
-    if "rounds_1" in cases:
-        t1 = cases["rounds_1"]["fwd_bwd_ms"]
-        for name, c in cases.items():
-            if name.startswith("rounds_") and name != "rounds_1":
-                r = int(name.split("_")[1])
-                result["summary"][f"{name}_ms_per_extra_round"] = (c["fwd_bwd_ms"] - t1) / (r - 1)
+    result["summary"] = summarize(result["cases"])
     save()
     log("summary", json.dumps(result["summary"], indent=2))
     log("errors:", list(result["errors"]) or "none")
