@@ -84,6 +84,28 @@ def spread_requests(cu, B, k):
     return [r[0] for r in out], [r[1] for r in out]
 
 
+def open_result(args, **sections):
+    """``(result, save)``: the JSON document of a run (config, the given sections, errors) and a
+    function that rewrites ``args.out`` with it, so a run cut short keeps what it measured."""
+    result = {"config": vars(args) | {"out": str(args.out)}, **sections, "errors": {}}
+
+    def save():
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2, default=str))
+
+    return result, save
+
+
+def no_cuda(result, save, out) -> bool:
+    """Record and report a missing GPU; True when there is none."""
+    if torch.cuda.is_available():
+        return False
+    result["errors"]["setup"] = "CUDA is not available"
+    save()
+    log("CUDA is not available; wrote", out)
+    return True
+
+
 def summarize(cases: dict) -> dict:
     """Overheads of states_k versus plain and the cost per extra round, from per-case medians."""
     cases = {n: c for n, c in cases.items() if "fwd_bwd_ms" in c}
@@ -109,31 +131,30 @@ def clear(xs):
         t.grad = None
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def workload_args(doc: str, out: Path, states: str, iters: int) -> argparse.ArgumentParser:
+    """The arguments shared by the KDA benchmarks: the packed call's shape, requested states,
+    timing repetitions, output file."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--seqs", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=64)
-    ap.add_argument("--states", type=str, default="0,1,8,64,256,1024")
-    ap.add_argument("--rounds", type=str, default="1,2,4,8")
+    ap.add_argument("--states", type=str, default=states, help="numbers of requested states to time")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=iters)
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions of every case")
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--out", type=Path, default=out)
+    return ap
+
+
+def main():
+    ap = workload_args(__doc__, OUT, states="0,1,8,64,256,1024", iters=20)
+    ap.add_argument("--rounds", type=str, default="1,2,4,8")
     args = ap.parse_args()
 
-    result = {"config": vars(args) | {"out": str(args.out)}, "env": {}, "cases": {}, "errors": {}, "summary": {}}
-
-    def save():
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2, default=str))
-
-    if not torch.cuda.is_available():
-        result["errors"]["setup"] = "CUDA is not available"
-        save()
-        log("CUDA is not available; wrote", args.out)
+    result, save = open_result(args, env={}, cases={}, summary={})
+    if no_cuda(result, save, args.out):
         return 1
     try:
         import fla

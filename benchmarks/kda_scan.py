@@ -14,7 +14,6 @@ ours / fla. Results go to benchmarks/results/kda_scan.json (rewritten as the run
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kda_rounds import log, make_inputs, spread_requests, timed  # noqa: E402
+from kda_rounds import log, make_inputs, no_cuda, open_result, spread_requests, timed, workload_args  # noqa: E402,I001
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "kda_scan.json"
@@ -37,29 +36,10 @@ def err_ratio(ref, got):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=65536)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--seqs", type=int, default=64)
-    ap.add_argument("--chunk", type=int, default=64)
-    ap.add_argument("--states", type=str, default="0,64,1024")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap = workload_args(__doc__, OUT, states="0,64,1024", iters=30)
     args = ap.parse_args()
-    result = {"config": vars(args) | {"out": str(args.out)}, "checks": {}, "cases": {}, "summary": {},
-              "errors": {}}
-
-    def save():
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2, default=str))
-
-    if not torch.cuda.is_available():
-        result["errors"]["setup"] = "CUDA is not available"
-        save()
-        log("CUDA is not available; wrote", args.out)
+    result, save = open_result(args, checks={}, cases={}, summary={})
+    if no_cuda(result, save, args.out):
         return 1
 
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h

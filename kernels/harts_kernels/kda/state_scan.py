@@ -120,6 +120,20 @@ def _rows(p, o_t, m_t, k0: tl.constexpr, K: tl.constexpr, HK: tl.constexpr):
 
 
 @triton.jit
+def _rows_times_state(p, o_t, m_t, K: tl.constexpr, HK: tl.constexpr, b1, b2, b3, b4):
+    """[BT, BV] fp32 = X S: the [BT, K] rows X of p (see :func:`_rows`) times the state in
+    blocks b1..b4 (cast to p's dtype for the tensor-core dots)."""
+    acc = tl.dot(_rows(p, o_t, m_t, 0, K, HK), b1.to(p.dtype.element_ty))
+    if K > 64:
+        acc = tl.dot(_rows(p, o_t, m_t, 64, K, HK), b2.to(p.dtype.element_ty), acc)
+    if K > 128:
+        acc = tl.dot(_rows(p, o_t, m_t, 128, K, HK), b3.to(p.dtype.element_ty), acc)
+    if K > 192:
+        acc = tl.dot(_rows(p, o_t, m_t, 192, K, HK), b4.to(p.dtype.element_ty), acc)
+    return acc
+
+
+@triton.jit
 def _cols(p, o_t, m_t, k0: tl.constexpr, K: tl.constexpr, HK: tl.constexpr):
     """[64, BT] transposed tile of key columns [k0, k0 + 64) (see :func:`_rows`)."""
     o_k = k0 + tl.arange(0, 64)
@@ -217,13 +231,7 @@ def harts_kda_fwd_h_kernel(
         c_k = t64 * BT * (H * K)                       # chunk offsets (int64) in [.., H, K] and
         c_v = t64 * BT * (H * V)                       # [.., H, V] tensors; rows are then o_b
         # v_new = u - w S
-        b_v = tl.dot(_rows(w + c_k, o_b, m_t, 0, K, H * K), b_h1.to(w.dtype.element_ty))
-        if K > 64:
-            b_v = tl.dot(_rows(w + c_k, o_b, m_t, 64, K, H * K), b_h2.to(w.dtype.element_ty), b_v)
-        if K > 128:
-            b_v = tl.dot(_rows(w + c_k, o_b, m_t, 128, K, H * K), b_h3.to(w.dtype.element_ty), b_v)
-        if K > 192:
-            b_v = tl.dot(_rows(w + c_k, o_b, m_t, 192, K, H * K), b_h4.to(w.dtype.element_ty), b_v)
+        b_v = _rows_times_state(w + c_k, o_b, m_t, K, H * K, b_h1, b_h2, b_h3, b_h4)
         m_tv = m_t[:, None] & m_v[None, :]
         b_v = tl.load(u + c_v + o_b[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32) - b_v
         if SAVE_NEW_VALUE:
@@ -333,13 +341,7 @@ def harts_kda_bwd_dh_kernel(
         c_v = t64 * BT * (H * V)
         m_tv = m_t[:, None] & m_v[None, :]
         # dv2 = kg dS + dv
-        b_dv = tl.dot(_rows(k + c_k, o_b, m_t, 0, K, H * K), b_dh1.to(k.dtype.element_ty))
-        if K > 64:
-            b_dv = tl.dot(_rows(k + c_k, o_b, m_t, 64, K, H * K), b_dh2.to(k.dtype.element_ty), b_dv)
-        if K > 128:
-            b_dv = tl.dot(_rows(k + c_k, o_b, m_t, 128, K, H * K), b_dh3.to(k.dtype.element_ty), b_dv)
-        if K > 192:
-            b_dv = tl.dot(_rows(k + c_k, o_b, m_t, 192, K, H * K), b_dh4.to(k.dtype.element_ty), b_dv)
+        b_dv = _rows_times_state(k + c_k, o_b, m_t, K, H * K, b_dh1, b_dh2, b_dh3, b_dh4)
         b_dv += tl.load(dv + c_v + o_b[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         tl.store(dv2 + c_v + o_b[:, None] * (H * V) + o_v[None, :], b_dv.to(dv2.dtype.element_ty), mask=m_tv)
         b_dv = b_dv.to(w.dtype.element_ty)
