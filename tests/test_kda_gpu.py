@@ -287,3 +287,23 @@ def test_use_first_config_only_keeps_one_candidate():
         pass
 
     assert len(kernel.configs) == 1 and kernel.configs[0].kwargs == {"B": 16}
+
+
+@pytest.mark.skipif(not _have("triton"), reason="needs triton")
+def test_state_scan_rejects_malformed_requests_before_launch():
+    """The launchers check the request arrays (dtype, lengths) and the boundary-gradient rows
+    before any kernel runs, naming the field."""
+    from harts_kernels.kda.state_scan import state_scan_bwd, state_scan_fwd
+
+    T, H, K, V = 64, 1, 32, 32
+    x, u = torch.zeros(1, T, H, K), torch.zeros(1, T, H, V)
+    cu, co = torch.tensor([0, T]), torch.tensor([0, 1])
+    good = tuple(torch.tensor(a, dtype=torch.int32) for a in ([0, 1], [1], [0]))
+    with pytest.raises(ValueError, match="requests"):
+        state_scan_fwd(x, x, u, x, None, cu, co, 1, 64, False, requests=(good[0].long(), *good[1:]))
+    with pytest.raises(ValueError, match="requests"):
+        state_scan_fwd(x, x, u, x, None, cu, co, 1, 64, False,
+                       requests=(torch.tensor([0, 1, 1], dtype=torch.int32), *good[1:]))
+    with pytest.raises(ValueError, match="d_boundary"):
+        state_scan_bwd(x, x, x, x, u, u, 1.0, None, None, cu, co, 1, 64, requests=good,
+                       d_boundary=torch.zeros(2, H, K, V))

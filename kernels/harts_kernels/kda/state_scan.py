@@ -147,6 +147,19 @@ def _decay(p, k0: tl.constexpr, K: tl.constexpr):
     return tl.exp2(tl.load(p + o_k, mask=o_k < K, other=0.0))[:, None]
 
 
+@triton.jit
+def _program(cu_seqlens, chunk_offsets, H: tl.constexpr, BT: tl.constexpr):
+    """This program's value block i_v, sequence i_n and head i_h (grid (NV, N * H)), the
+    sequence's first packed row bos (int64), length T, chunk count NT and first chunk boh (int64)
+    in the [1, NT_total, ...] state tensors."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    return i_v, i_n, i_h, bos, T, tl.cdiv(T, BT), boh
+
+
 # ----------------------------------------------------------------------------- kernels
 
 @triton.heuristics({
@@ -183,13 +196,7 @@ def harts_kda_fwd_h_kernel(
     STORE_BOUNDARY: tl.constexpr,
     SAVE_NEW_VALUE: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    T = (eos - bos).to(tl.int32)
-    NT = tl.cdiv(T, BT)
-    boh = tl.load(chunk_offsets + i_n).to(tl.int64)   # first chunk of this sequence in h
+    i_v, i_n, i_h, bos, T, NT, boh = _program(cu_seqlens, chunk_offsets, H, BT)
 
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
@@ -291,13 +298,7 @@ def harts_kda_bwd_dh_kernel(
     USE_FINAL_STATE_GRADIENT: tl.constexpr,
     USE_BOUNDARY_GRADIENT: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    T = (eos - bos).to(tl.int32)
-    NT = tl.cdiv(T, BT)
-    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    i_v, i_n, i_h, bos, T, NT, boh = _program(cu_seqlens, chunk_offsets, H, BT)
 
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
