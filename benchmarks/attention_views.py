@@ -42,16 +42,51 @@ from harts_runtime.testing import synthetic_tree_batch
 from harts_runtime.views import views_from_batch
 
 CASES = {  # synthetic_tree_batch arguments; sizes (C, S/C) as generated with these seeds
-    "agentic-20k": {"seed": 0, "prompt": 1500, "turns": 5, "turn_len": (100, 500), "fork_prob": 0.45, "fanout": 3},
-    "agentic-54k": {"seed": 1, "prompt": 4000, "turns": 7, "turn_len": (200, 900), "fork_prob": 0.4, "fanout": 3},
-    "wide-prompt": {"seed": 2, "prompt": 6000, "turns": 2, "turn_len": (100, 400), "fork_prob": 1.0, "fanout": 6},
-    "deep-chain": {"seed": 3, "prompt": 2000, "turns": 12, "turn_len": (300, 900), "fork_prob": 0.12, "fanout": 2},
+    "agentic-20k": {
+        "seed": 0,
+        "prompt": 1500,
+        "turns": 5,
+        "turn_len": (100, 500),
+        "fork_prob": 0.45,
+        "fanout": 3,
+    },
+    "agentic-54k": {
+        "seed": 1,
+        "prompt": 4000,
+        "turns": 7,
+        "turn_len": (200, 900),
+        "fork_prob": 0.4,
+        "fanout": 3,
+    },
+    "wide-prompt": {
+        "seed": 2,
+        "prompt": 6000,
+        "turns": 2,
+        "turn_len": (100, 400),
+        "fork_prob": 1.0,
+        "fanout": 6,
+    },
+    "deep-chain": {
+        "seed": 3,
+        "prompt": 2000,
+        "turns": 12,
+        "turn_len": (300, 900),
+        "fork_prob": 0.12,
+        "fanout": 2,
+    },
     "small": {"seed": 4, "prompt": 300, "turns": 3, "turn_len": (50, 200), "fork_prob": 0.6, "fanout": 3},
-    "cpu-smoke": {"seed": 5, "prompt": 20, "turns": 3, "turn_len": (3, 10), "fork_prob": 0.6, "fanout": 2,
-                  "vocab": 50},
+    "cpu-smoke": {
+        "seed": 5,
+        "prompt": 20,
+        "turns": 3,
+        "turn_len": (3, 10),
+        "fork_prob": 0.6,
+        "fanout": 2,
+        "vocab": 50,
+    },
 }
 SHAPES = {  # Hq, Hkv, Dqk, Dv
-    "mla": (16, 16, 192, 128),    # Ling-3.0-tiny MLA: 16 heads, qk 128 + 64 rope, v 128
+    "mla": (16, 16, 192, 128),  # Ling-3.0-tiny MLA: 16 heads, qk 128 + 64 rope, v 128
     "gqa": (16, 4, 128, 128),
 }
 GPU_BACKENDS = ["varlen", "flash_attn", "te", "flex_tree", "trajectory_varlen"]
@@ -71,9 +106,13 @@ def write_json(path: str, doc: dict) -> None:
 
 
 def environment() -> dict:
-    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
-           "available_backends": available_backends("cuda" if torch.cuda.is_available() else "cpu")}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+        "available_backends": available_backends("cuda" if torch.cuda.is_available() else "cpu"),
+    }
     for mod in ("flash_attn", "transformer_engine"):
         try:
             env[mod] = __import__(mod).__version__
@@ -120,8 +159,9 @@ def trajectory_varlen(q, k, v, batch, scale):
     groups = q.shape[1] // k.shape[1]
     ks, vs = _repeat_kv(ks, groups), _repeat_kv(vs, groups)
     qs, ks, vs, dv = _pad_head_dims(qs, ks, vs)
-    out = varlen_attn(qs, ks, vs, sem["cu"], sem["cu"], sem["max_len"], sem["max_len"], scale=scale,
-                      window_size=(-1, 0))
+    out = varlen_attn(
+        qs, ks, vs, sem["cu"], sem["cu"], sem["max_len"], sem["max_len"], scale=scale, window_size=(-1, 0)
+    )
     return out[..., :dv]
 
 
@@ -133,9 +173,11 @@ def batch_tensors(batch, device):
     if key not in _SEM:
         import numpy as np
 
-        _SEM[key] = {"map": torch.from_numpy(batch.compact_map.astype(np.int64)).to(device),
-                     "cu": torch.from_numpy(batch.offsets.astype(np.int32)).to(device),
-                     "max_len": int(np.diff(batch.offsets).max())}
+        _SEM[key] = {
+            "map": torch.from_numpy(batch.compact_map.astype(np.int64)).to(device),
+            "cu": torch.from_numpy(batch.offsets.astype(np.int32)).to(device),
+            "max_len": int(np.diff(batch.offsets).max()),
+        }
     return _SEM[key]
 
 
@@ -144,20 +186,24 @@ def measure(backend, batch, views, shape, device, warmup, iters):
     c = batch.compact_tokens
     gen = torch.Generator(device=device).manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    q, k, v = (torch.randn(c, h, d, device=device, generator=gen).to(dtype).requires_grad_()
-               for h, d in ((hq, dqk), (hkv, dqk), (hkv, dv)))
-    scale = dqk ** -0.5
+    q, k, v = (
+        torch.randn(c, h, d, device=device, generator=gen).to(dtype).requires_grad_()
+        for h, d in ((hq, dqk), (hkv, dqk), (hkv, dv))
+    )
+    scale = dqk**-0.5
     if backend == "trajectory_varlen":
+
         def run():
             return trajectory_varlen(q, k, v, batch, scale)
     else:
+
         def run():
             return compact_attention(q, k, v, views, backend=backend, scale=scale)
 
     rec = {}
     sync(device)
     t0 = time.perf_counter()
-    out = run()                                       # first call: block mask, compile, autotune
+    out = run()  # first call: block mask, compile, autotune
     grad = torch.randn_like(out)
     out.backward(grad)
     sync(device)
@@ -167,6 +213,7 @@ def measure(backend, batch, views, shape, device, warmup, iters):
     def fwd_bwd():
         q.grad = k.grad = v.grad = None
         run().backward(grad)
+
     rec["fwd_bwd_ms"] = timed(fwd_bwd, device, warmup, iters)
     if device.type == "cuda":
         q.grad = k.grad = v.grad = None
@@ -177,15 +224,21 @@ def measure(backend, batch, views, shape, device, warmup, iters):
         torch.cuda.synchronize()
         rec["peak_extra_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
     if backend in ("varlen", "flash_attn", "te"):
+
         def gather():
-            return (q.index_select(0, views.q_index), k.index_select(0, views.kv_index),
-                    v.index_select(0, views.kv_index))
+            return (
+                q.index_select(0, views.q_index),
+                k.index_select(0, views.kv_index),
+                v.index_select(0, views.kv_index),
+            )
+
         rec["gather_ms"] = timed(gather, device, 1, iters)
     with torch.no_grad():
         o = run()
         if backend == "trajectory_varlen":
             # Compare at compact rows: the first semantic position of each row.
             import numpy as np
+
             first = np.full(c, -1, dtype=np.int64)
             m = batch.compact_map.astype(np.int64)
             first[m[::-1]] = np.arange(len(m))[::-1]
@@ -195,8 +248,10 @@ def measure(backend, batch, views, shape, device, warmup, iters):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "attention_views.json"))
+    ap.add_argument(
+        "--out",
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "attention_views.json"),
+    )
     ap.add_argument("--cases", nargs="*", default=None)
     ap.add_argument("--shapes", nargs="*", default=None)
     ap.add_argument("--backends", nargs="*", default=None)
@@ -209,7 +264,8 @@ def main() -> None:
     device = torch.device("cuda" if cuda else "cpu")
     if cuda:
         import torch._dynamo as dynamo
-        dynamo.config.cache_size_limit = 256             # one flex compile per (case, shape)
+
+        dynamo.config.cache_size_limit = 256  # one flex compile per (case, shape)
         if hasattr(dynamo.config, "recompile_limit"):
             dynamo.config.recompile_limit = 256
     default_cases = ["small"] if args.quick else ["agentic-20k", "wide-prompt", "deep-chain", "agentic-54k"]
@@ -221,10 +277,20 @@ def main() -> None:
         SHAPES.update({"mla": (4, 4, 24, 16), "gqa": (4, 2, 16, 16)})
     avail = set(available_backends(device)) | ({"trajectory_varlen"} if cuda else set())
 
-    doc = {"benchmark": "attention_views", "environment": environment(), "settings":
-           {"cases": cases, "shapes": {s: SHAPES[s] for s in shapes}, "backends": backends, "warmup": warmup,
-            "iters": iters, "dtype": "bfloat16" if cuda else "float32"},
-           "cases": {}, "results": []}
+    doc = {
+        "benchmark": "attention_views",
+        "environment": environment(),
+        "settings": {
+            "cases": cases,
+            "shapes": {s: SHAPES[s] for s in shapes},
+            "backends": backends,
+            "warmup": warmup,
+            "iters": iters,
+            "dtype": "bfloat16" if cuda else "float32",
+        },
+        "cases": {},
+        "results": [],
+    }
     write_json(args.out, doc)
     log(f"device={doc['environment']['device']} backends={sorted(avail)} -> {args.out}")
     for case in cases:
@@ -235,10 +301,16 @@ def main() -> None:
             views = views_from_batch(batch)
             t2 = time.perf_counter()
             views = views.to(device)
-            doc["cases"][case] = {"params": CASES[case], "trajectories": batch.num_trajectories,
-                                  "semantic_tokens": batch.semantic_tokens, "compact_tokens": batch.compact_tokens,
-                                  "compression": batch.compression, "views": views.stats(),
-                                  "batch_build_s": t1 - t0, "views_build_ms": (t2 - t1) * 1e3}
+            doc["cases"][case] = {
+                "params": CASES[case],
+                "trajectories": batch.num_trajectories,
+                "semantic_tokens": batch.semantic_tokens,
+                "compact_tokens": batch.compact_tokens,
+                "compression": batch.compression,
+                "views": views.stats(),
+                "batch_build_s": t1 - t0,
+                "views_build_ms": (t2 - t1) * 1e3,
+            }
             write_json(args.out, doc)
             log(f"case {case}: C={batch.compact_tokens} S={batch.semantic_tokens} views={views.stats()}")
         except Exception as err:  # noqa: BLE001
@@ -266,10 +338,16 @@ def main() -> None:
                         rec["rel_err_vs"] = ref_name
                         rec["rel_err"] = float((out - ref_out).norm() / ref_out.norm())
                     del out
-                    log(f"{case}/{shape}/{backend}: " + ", ".join(
-                        f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()))
+                    log(
+                        f"{case}/{shape}/{backend}: "
+                        + ", ".join(
+                            f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()
+                        )
+                    )
                 except Exception as err:  # noqa: BLE001 - keep going; the record says what failed
-                    rec.update(status="error", error=repr(err)[:1000], traceback=traceback.format_exc()[-3000:])
+                    rec.update(
+                        status="error", error=repr(err)[:1000], traceback=traceback.format_exc()[-3000:]
+                    )
                     log(f"{case}/{shape}/{backend}: FAILED {err!r}"[:500])
                 doc["results"].append(rec)
                 write_json(args.out, doc)

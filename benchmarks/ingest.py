@@ -70,19 +70,26 @@ def main() -> None:
         return
     runs = []
     for seed in args.seeds:
-        out = subprocess.run([sys.executable, __file__, "--child", args.preset, str(seed),
-                              "--repeats", str(args.repeats)], capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", args.preset, str(seed), "--repeats", str(args.repeats)],
+            capture_output=True,
+            text=True,
+        )
         if out.returncode != 0:
             sys.exit(f"seed {seed}: measurement failed:\n{out.stderr}")
         r = json.loads(out.stdout)
         runs.append(r)
-        print(f"seed {seed}: N={r['trajectories']:,} S={r['semantic_tokens']:,} C={r['compact_tokens']:,} "
-              f"S/C={r['compression']:.2f} ingest={r['ingest_seconds_best']:.3f}s "
-              f"({r['tokens_per_second'] / 1e6:.0f}M tok/s) peak+{r['ingest_peak_extra_bytes'] / 2**20:.0f} MiB",
-              flush=True)
-    result = {"benchmark": "ingest", "machine": {"platform": platform.platform(), "cores_used": 1,
-                                                 "python": platform.python_version()},
-              "runs": runs}
+        print(
+            f"seed {seed}: N={r['trajectories']:,} S={r['semantic_tokens']:,} C={r['compact_tokens']:,} "
+            f"S/C={r['compression']:.2f} ingest={r['ingest_seconds_best']:.3f}s "
+            f"({r['tokens_per_second'] / 1e6:.0f}M tok/s) peak+{r['ingest_peak_extra_bytes'] / 2**20:.0f} MiB",
+            flush=True,
+        )
+    result = {
+        "benchmark": "ingest",
+        "machine": {"platform": platform.platform(), "cores_used": 1, "python": platform.python_version()},
+        "runs": runs,
+    }
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -159,9 +159,14 @@ def main():
     try:
         import fla
         import triton
-        result["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                         "triton": triton.__version__, "fla": getattr(fla, "__version__", "?"),
-                         "python": platform.python_version()}
+
+        result["env"] = {
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "fla": getattr(fla, "__version__", "?"),
+            "python": platform.python_version(),
+        }
     except Exception as e:  # noqa: BLE001
         result["errors"]["setup"] = repr(e)
         save()
@@ -171,6 +176,7 @@ def main():
     log("env", result["env"])
 
     from fla.ops.kda import chunk_kda
+
     from harts_kernels.kda import chunk_kda_with_states
 
     T, H, D, N, B = args.tokens, args.heads, args.dim, args.seqs, args.chunk
@@ -179,7 +185,7 @@ def main():
     do = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
     dht = torch.randn(N, H, D, D, device="cuda")
 
-    cases = []          # (name, fwd, fwd+bwd), timed together below
+    cases = []  # (name, fwd, fwd+bwd), timed together below
 
     def add_case(name, fwd, bwd):
         cases.append((name, fwd, bwd))
@@ -206,8 +212,9 @@ def main():
         dbs = torch.randn(k, H, D, D, device="cuda")
 
         def fwd(rs=rs, rc=rc):
-            return chunk_kda_with_states(*xs[:5], initial_state=xs[5], cu_seqlens=cu, chunk_size=B,
-                                         request_seq=rs, request_chunk=rc)
+            return chunk_kda_with_states(
+                *xs[:5], initial_state=xs[5], cu_seqlens=cu, chunk_size=B, request_seq=rs, request_chunk=rc
+            )
 
         def bwd(fwd=fwd, dbs=dbs, k=k):
             clear(xs)
@@ -227,13 +234,18 @@ def main():
         if r > nb:
             result["errors"][f"rounds_{r}"] = f"{r} rounds need sequences of >= {r} chunks"
             continue
-        cuts = [round(j * nb / r) * B for j in range(r + 1)]          # chunk-aligned parts
+        cuts = [round(j * nb / r) * B for j in range(r + 1)]  # chunk-aligned parts
         parts = []
         for j in range(r):
-            idx = torch.cat([torch.arange(cu[i] + cuts[j], cu[i] + (cuts[j + 1] if j < r - 1 else cu[i + 1] - cu[i]))
-                             for i in range(N)]).cuda()
-            lens = [(cuts[j + 1] if j < r - 1 else L) - cuts[j]] * (N - 1) + \
-                   [(cuts[j + 1] if j < r - 1 else cu[N] - cu[N - 1]) - cuts[j]]
+            idx = torch.cat(
+                [
+                    torch.arange(cu[i] + cuts[j], cu[i] + (cuts[j + 1] if j < r - 1 else cu[i + 1] - cu[i]))
+                    for i in range(N)
+                ]
+            ).cuda()
+            lens = [(cuts[j + 1] if j < r - 1 else L) - cuts[j]] * (N - 1) + [
+                (cuts[j + 1] if j < r - 1 else cu[N] - cu[N - 1]) - cuts[j]
+            ]
             cu_j = [0]
             for n in lens:
                 cu_j.append(cu_j[-1] + n)
@@ -248,9 +260,14 @@ def main():
             outs = []
             for sl, cu_j, req_c, _ in parts:
                 o, ft, bs = chunk_kda_with_states(
-                    *sl, initial_state=state, cu_seqlens=cu_j, chunk_size=B,
-                    request_seq=list(range(N)) if req_c else [], request_chunk=[req_c] * N if req_c else [],
-                    output_final_state=not req_c)
+                    *sl,
+                    initial_state=state,
+                    cu_seqlens=cu_j,
+                    chunk_size=B,
+                    request_seq=list(range(N)) if req_c else [],
+                    request_chunk=[req_c] * N if req_c else [],
+                    output_final_state=not req_c,
+                )
                 outs.append(o)
                 state = bs if req_c else ft
             return outs, state
@@ -299,8 +316,10 @@ def main():
                 if samples[name][kind]:
                     c[f"{kind}_ms"] = statistics.median(samples[name][kind])
                     c[f"{kind}_ms_reps"] = samples[name][kind]
-        log(f"rep {rep + 1}/{args.reps}: " + ", ".join(
-            f"{n} {samples[n]['fwd_bwd'][-1]:.2f}" for n in samples if samples[n]["fwd_bwd"]))
+        log(
+            f"rep {rep + 1}/{args.reps}: "
+            + ", ".join(f"{n} {samples[n]['fwd_bwd'][-1]:.2f}" for n in samples if samples[n]["fwd_bwd"])
+        )
         result["summary"] = summarize(result["cases"]) | {"reps_done": rep + 1}
         save()
 

@@ -52,7 +52,7 @@ def main():
     from harts_kernels.kda.utils import validate_requests
 
     T, H, D, N, B = args.tokens, args.heads, args.dim, args.seqs, args.chunk
-    scale = D ** -0.5
+    scale = D**-0.5
     with torch.no_grad():
         xs, cu = make_inputs(T, H, D, N, torch.bfloat16)
         q, k, v, g, beta, h0 = (t.detach() for t in xs)
@@ -61,21 +61,56 @@ def main():
         cu_t, co, ci, nt = plan0.cu_seqlens, plan0.chunk_offsets, plan0.chunk_indices, plan0.num_chunks
         gk = chunk_local_cumsum(g, chunk_size=B, scale=RCP_LN2, cu_seqlens=cu_t, chunk_indices=ci)
         w, u, _, kg, _, Akk = chunk_kda_fwd_intra(
-            q=q, k=k, v=v, gk=gk, beta=beta, scale=scale, cu_seqlens=cu_t, chunk_size=B, chunk_indices=ci,
-            safe_gate=False, disable_recompute=False)
-        _, _, qg, _ = recompute_w_u_fwd(k=k, v=v, beta=beta, A=Akk, gk=gk, q=q, cu_seqlens=cu_t, chunk_indices=ci)
+            q=q,
+            k=k,
+            v=v,
+            gk=gk,
+            beta=beta,
+            scale=scale,
+            cu_seqlens=cu_t,
+            chunk_size=B,
+            chunk_indices=ci,
+            safe_gate=False,
+            disable_recompute=False,
+        )
+        _, _, qg, _ = recompute_w_u_fwd(
+            k=k, v=v, beta=beta, A=Akk, gk=gk, q=q, cu_seqlens=cu_t, chunk_indices=ci
+        )
         gen = torch.Generator(device="cuda").manual_seed(7)
         do = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
         dv = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1
         dht = torch.randn(N, H, D, D, device="cuda", generator=gen)
 
     def fla_fwd():
-        return chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=gk, initial_state=h0, output_final_state=True,
-                                            chunk_size=B, cu_seqlens=cu_t, chunk_indices=ci, chunk_offsets=co)
+        return chunk_gated_delta_rule_fwd_h(
+            k=kg,
+            w=w,
+            u=u,
+            gk=gk,
+            initial_state=h0,
+            output_final_state=True,
+            chunk_size=B,
+            cu_seqlens=cu_t,
+            chunk_indices=ci,
+            chunk_offsets=co,
+        )
 
     def fla_bwd():
-        return chunk_gated_delta_rule_bwd_dhu(q=qg, k=kg, w=w, do=do, dv=dv, gk=gk, h0=h0, dht=dht, scale=scale,
-                                              cu_seqlens=cu_t, chunk_size=B, chunk_indices=ci, chunk_offsets=co)
+        return chunk_gated_delta_rule_bwd_dhu(
+            q=qg,
+            k=kg,
+            w=w,
+            do=do,
+            dv=dv,
+            gk=gk,
+            h0=h0,
+            dht=dht,
+            scale=scale,
+            cu_seqlens=cu_t,
+            chunk_size=B,
+            chunk_indices=ci,
+            chunk_offsets=co,
+        )
 
     cases = [("fwd_fla", fla_fwd), ("bwd_fla", fla_bwd)]
     with torch.no_grad():
@@ -93,24 +128,34 @@ def main():
             return state_scan_fwd(kg, w, u, gk, h0, cu_t, co, nt, B, True, requests=plan.requests)
 
         def ours_bwd(plan=plan, dbs=dbs):
-            return state_scan_bwd(qg, kg, w, gk, do, dv, scale, h0, dht, cu_t, co, nt, B, requests=plan.requests,
-                                  d_boundary=dbs)
+            return state_scan_bwd(
+                qg, kg, w, gk, do, dv, scale, h0, dht, cu_t, co, nt, B, requests=plan.requests, d_boundary=dbs
+            )
 
         # correctness against fla on the shared outputs (h, v_new, ht; dh, dh0, dv2)
         try:
             with torch.no_grad():
                 h, vn, ht, bs = ours_fwd()
                 dh, dh0, dv2 = ours_bwd()
-            chk = {"h": err_ratio(ref_f[0], h), "v_new": err_ratio(ref_f[1], vn), "ht": err_ratio(ref_f[2], ht)}
+            chk = {
+                "h": err_ratio(ref_f[0], h),
+                "v_new": err_ratio(ref_f[1], vn),
+                "ht": err_ratio(ref_f[2], ht),
+            }
             if kk == 0:
-                chk |= {"dh": err_ratio(ref_b[0], dh), "dh0": err_ratio(ref_b[1], dh0),
-                        "dv2": err_ratio(ref_b[2], dv2)}
-            else:   # requested states equal fla's h at those chunks (h is bf16: bf16-level error)
-                offs = validate_requests(lens, B).chunk_offsets    # distinct requests: rows in request order
-                inside = [r for r in range(kk) if rc[r] < (lens[rs[r]] + B - 1) // B]   # not final
+                chk |= {
+                    "dh": err_ratio(ref_b[0], dh),
+                    "dh0": err_ratio(ref_b[1], dh0),
+                    "dv2": err_ratio(ref_b[2], dv2),
+                }
+            else:  # requested states equal fla's h at those chunks (h is bf16: bf16-level error)
+                offs = validate_requests(lens, B).chunk_offsets  # distinct requests: rows in request order
+                inside = [r for r in range(kk) if rc[r] < (lens[rs[r]] + B - 1) // B]  # not final
                 if inside:
                     idx = torch.tensor([offs[rs[r]] + rc[r] for r in inside], device="cuda")
-                    chk["states_vs_fla_h"] = err_ratio(ref_f[0][0, idx].float(), bs[torch.tensor(inside, device="cuda")])
+                    chk["states_vs_fla_h"] = err_ratio(
+                        ref_f[0][0, idx].float(), bs[torch.tensor(inside, device="cuda")]
+                    )
             result["checks"][f"states_{kk}"] = chk
             log(f"check states_{kk}: " + ", ".join(f"{n} {e:.2e}" for n, e in chk.items()))
         except Exception as e:  # noqa: BLE001
@@ -131,7 +176,9 @@ def main():
         for name, ts in samples.items():
             if ts:
                 result["cases"][name] = {"ms": statistics.median(ts), "ms_reps": ts}
-        log(f"rep {rep + 1}/{args.reps}: " + ", ".join(f"{n} {ts[-1]:.3f}" for n, ts in samples.items() if ts))
+        log(
+            f"rep {rep + 1}/{args.reps}: " + ", ".join(f"{n} {ts[-1]:.3f}" for n, ts in samples.items() if ts)
+        )
         save()
 
     c = result["cases"]

@@ -31,11 +31,30 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 VOCAB = 157_184
 CASES = {  # harts_runtime.testing.synthetic_tree_batch arguments
-    "tree-C528-P2557": {"seed": 3, "prompt": 60, "turns": 3, "turn_len": (5, 20), "fork_prob": 0.8, "fanout": 3},
-    "tree-C1061-P4188": {"seed": 0, "prompt": 150, "turns": 3, "turn_len": (15, 50), "fork_prob": 0.8,
-                         "fanout": 3},
-    "tree-C4240-P25419": {"seed": 0, "prompt": 300, "turns": 4, "turn_len": (20, 80), "fork_prob": 0.8,
-                          "fanout": 3},
+    "tree-C528-P2557": {
+        "seed": 3,
+        "prompt": 60,
+        "turns": 3,
+        "turn_len": (5, 20),
+        "fork_prob": 0.8,
+        "fanout": 3,
+    },
+    "tree-C1061-P4188": {
+        "seed": 0,
+        "prompt": 150,
+        "turns": 3,
+        "turn_len": (15, 50),
+        "fork_prob": 0.8,
+        "fanout": 3,
+    },
+    "tree-C4240-P25419": {
+        "seed": 0,
+        "prompt": 300,
+        "turns": 4,
+        "turn_len": (20, 80),
+        "fork_prob": 0.8,
+        "fanout": 3,
+    },
 }
 DEFAULT_CPU_CASES = ["tree-C528-P2557", "tree-C1061-P4188"]
 DEFAULT_CUDA_CASES = list(CASES)
@@ -89,9 +108,13 @@ def child(case: str, dtype_name: str, path: str, device_name: str, repeats: int)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     rss_before = _peak_rss_bytes()
-    step()                                              # first run: the peak measurement
+    step()  # first run: the peak measurement
     sync()
-    peak = (torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else _peak_rss_bytes() - rss_before
+    peak = (
+        (torch.cuda.max_memory_allocated() - base)
+        if device.type == "cuda"
+        else _peak_rss_bytes() - rss_before
+    )
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -104,16 +127,26 @@ def child(case: str, dtype_name: str, path: str, device_name: str, repeats: int)
     watcher = MaxNumel()
     with watcher:
         step()
-    return {"case": case, "dtype": dtype_name, "path": path, "device": device_name,
-            "trajectories": batch.num_trajectories, "semantic_tokens": batch.semantic_tokens,
-            "compact_tokens": c, "logprob_positions": p, "vocab": VOCAB,
-            "fwd_bwd_s_median": times[len(times) // 2], "fwd_bwd_s_all": times,
-            "peak_extra_bytes": int(peak), "peak_extra_gib": peak / 2**30,
-            "compact_logits_bytes": logits.numel() * logits.element_size(),
-            "largest_tensor_numel": watcher.max_numel,
-            "largest_tensor_over_CxV": watcher.max_numel / (c * VOCAB),
-            "any_tensor_with_PxV_elements": watcher.max_numel >= p * VOCAB,
-            "logprob_sum": lp_sum}
+    return {
+        "case": case,
+        "dtype": dtype_name,
+        "path": path,
+        "device": device_name,
+        "trajectories": batch.num_trajectories,
+        "semantic_tokens": batch.semantic_tokens,
+        "compact_tokens": c,
+        "logprob_positions": p,
+        "vocab": VOCAB,
+        "fwd_bwd_s_median": times[len(times) // 2],
+        "fwd_bwd_s_all": times,
+        "peak_extra_bytes": int(peak),
+        "peak_extra_gib": peak / 2**30,
+        "compact_logits_bytes": logits.numel() * logits.element_size(),
+        "largest_tensor_numel": watcher.max_numel,
+        "largest_tensor_over_CxV": watcher.max_numel / (c * VOCAB),
+        "any_tensor_with_PxV_elements": watcher.max_numel >= p * VOCAB,
+        "logprob_sum": lp_sum,
+    }
 
 
 def main() -> None:
@@ -131,39 +164,79 @@ def main() -> None:
 
     cases = args.cases or (DEFAULT_CUDA_CASES if args.device.startswith("cuda") else DEFAULT_CPU_CASES)
     import torch
-    doc = {"benchmark": "logprob_memory", "environment": {
-        "python": platform.python_version(), "torch": torch.__version__, "device": args.device,
-        "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
-        "settings": {"vocab": VOCAB, "cases": {c: CASES[c] for c in cases}, "dtypes": args.dtypes,
-                     "repeats": args.repeats}, "results": [], "summary": []}
+
+    doc = {
+        "benchmark": "logprob_memory",
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "device": args.device,
+            "machine": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+        },
+        "settings": {
+            "vocab": VOCAB,
+            "cases": {c: CASES[c] for c in cases},
+            "dtypes": args.dtypes,
+            "repeats": args.repeats,
+        },
+        "results": [],
+        "summary": [],
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for case in cases:
         for dtype in args.dtypes:
             pair = {}
             for path in ("mapped", "expanded"):
                 print(f"[{time.strftime('%H:%M:%S')}] {case} {dtype} {path} ...", flush=True)
-                proc = subprocess.run([sys.executable, __file__, "--repeats", str(args.repeats), "--child", case,
-                                       dtype, path, args.device], check=False, capture_output=True, text=True)
+                proc = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--repeats",
+                        str(args.repeats),
+                        "--child",
+                        case,
+                        dtype,
+                        path,
+                        args.device,
+                    ],
+                    check=False,
+                    capture_output=True,
+                    text=True,
+                )
                 if proc.returncode != 0:
                     rec = {"case": case, "dtype": dtype, "path": path, "error": proc.stderr[-3000:]}
                 else:
                     rec = json.loads(proc.stdout.strip().splitlines()[-1])
                     pair[path] = rec
-                    print(f"    {rec['fwd_bwd_s_median'] * 1e3:.1f} ms, peak +{rec['peak_extra_gib']:.3f} GiB, "
-                          f"largest tensor {rec['largest_tensor_over_CxV']:.2f} x C*V", flush=True)
+                    print(
+                        f"    {rec['fwd_bwd_s_median'] * 1e3:.1f} ms, peak +{rec['peak_extra_gib']:.3f} GiB, "
+                        f"largest tensor {rec['largest_tensor_over_CxV']:.2f} x C*V",
+                        flush=True,
+                    )
                 doc["results"].append(rec)
                 with open(args.out, "w") as f:
                     json.dump(doc, f, indent=1)
             if len(pair) == 2:
                 m, e = pair["mapped"], pair["expanded"]
-                doc["summary"].append({
-                    "case": case, "dtype": dtype, "C": m["compact_tokens"], "P": m["logprob_positions"],
-                    "S": m["semantic_tokens"], "V": VOCAB,
-                    "mapped_ms": m["fwd_bwd_s_median"] * 1e3, "expanded_ms": e["fwd_bwd_s_median"] * 1e3,
-                    "speedup": e["fwd_bwd_s_median"] / m["fwd_bwd_s_median"],
-                    "mapped_peak_gib": m["peak_extra_gib"], "expanded_peak_gib": e["peak_extra_gib"],
-                    "memory_ratio": e["peak_extra_bytes"] / max(m["peak_extra_bytes"], 1),
-                    "logprob_sum_abs_diff": abs(m["logprob_sum"] - e["logprob_sum"])})
+                doc["summary"].append(
+                    {
+                        "case": case,
+                        "dtype": dtype,
+                        "C": m["compact_tokens"],
+                        "P": m["logprob_positions"],
+                        "S": m["semantic_tokens"],
+                        "V": VOCAB,
+                        "mapped_ms": m["fwd_bwd_s_median"] * 1e3,
+                        "expanded_ms": e["fwd_bwd_s_median"] * 1e3,
+                        "speedup": e["fwd_bwd_s_median"] / m["fwd_bwd_s_median"],
+                        "mapped_peak_gib": m["peak_extra_gib"],
+                        "expanded_peak_gib": e["peak_extra_gib"],
+                        "memory_ratio": e["peak_extra_bytes"] / max(m["peak_extra_bytes"], 1),
+                        "logprob_sum_abs_diff": abs(m["logprob_sum"] - e["logprob_sum"]),
+                    }
+                )
                 with open(args.out, "w") as f:
                     json.dump(doc, f, indent=1)
     print(json.dumps(doc["summary"], indent=1))

@@ -49,7 +49,7 @@ def preorder_renumber(parent: np.ndarray) -> np.ndarray:
         u = stack.pop()
         new_id[u] = nxt
         nxt += 1
-        stack.extend(reversed(children[off[u]:off[u + 1]]))
+        stack.extend(reversed(children[off[u] : off[u + 1]]))
     renumbered = np.empty(n, dtype=np.int64)
     renumbered[new_id] = np.where(parent < 0, -1, new_id[np.maximum(parent, 0)])
     return renumbered
@@ -150,8 +150,9 @@ def loglog_slope(xs, ys) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", type=int, nargs="+",
-                   default=[1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000])
+    p.add_argument(
+        "--sizes", type=int, nargs="+", default=[1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000]
+    )
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
@@ -169,10 +170,13 @@ def main() -> None:
             repeats = args.repeats if n < 300_000 else max(2, args.repeats // 2)
             r = time_forest(shape, n, args.chunk_size, repeats, args.seed)
             runs.append(r)
-            print(f"{shape:12s} V={n:>9,} calls={r['num_calls']:>3} C={r['compact_tokens']:>11,} "
-                  f"R={r['replay_tokens']:>10,} plan={r['plan_seconds_best'] * 1e3:8.2f} ms "
-                  f"({r['plan_ns_per_segment']:6.1f} ns/seg) total={r['total_seconds_best'] * 1e3:8.2f} ms "
-                  f"({r['total_ns_per_segment']:6.1f} ns/seg)", flush=True)
+            print(
+                f"{shape:12s} V={n:>9,} calls={r['num_calls']:>3} C={r['compact_tokens']:>11,} "
+                f"R={r['replay_tokens']:>10,} plan={r['plan_seconds_best'] * 1e3:8.2f} ms "
+                f"({r['plan_ns_per_segment']:6.1f} ns/seg) total={r['total_seconds_best'] * 1e3:8.2f} ms "
+                f"({r['total_ns_per_segment']:6.1f} ns/seg)",
+                flush=True,
+            )
     slopes = {}
     for shape in args.shapes:
         rs = [r for r in runs if r["shape"] == shape and r["segments"] >= 10_000]
@@ -181,17 +185,21 @@ def main() -> None:
                 "plan": loglog_slope([r["segments"] for r in rs], [r["plan_seconds_best"] for r in rs]),
                 "total": loglog_slope([r["segments"] for r in rs], [r["total_seconds_best"] for r in rs]),
             }
-            print(f"log-log slope ({shape}, V >= 1e4): plan {slopes[shape]['plan']:.3f}, "
-                  f"total {slopes[shape]['total']:.3f}  (1.0 = linear)")
+            print(
+                f"log-log slope ({shape}, V >= 1e4): plan {slopes[shape]['plan']:.3f}, "
+                f"total {slopes[shape]['total']:.3f}  (1.0 = linear)"
+            )
     presets = []
     for preset in args.presets:
         for seed in args.preset_seeds:
             r = time_preset(preset, seed, args.chunk_size, 3)
             presets.append(r)
-            print(f"{preset} seed {seed}: N={r['trajectories']:,} V={r['segments']:,} "
-                  f"C={r['compact_tokens']:,} calls={r['num_calls']} R={r['replay_tokens']:,} "
-                  f"plan_calls={r['plan_calls_seconds_best'] * 1e3:.2f} ms",
-                  flush=True)
+            print(
+                f"{preset} seed {seed}: N={r['trajectories']:,} V={r['segments']:,} "
+                f"C={r['compact_tokens']:,} calls={r['num_calls']} R={r['replay_tokens']:,} "
+                f"plan_calls={r['plan_calls_seconds_best'] * 1e3:.2f} ms",
+                flush=True,
+            )
     result = {
         "benchmark": "min_call",
         "machine": {"platform": platform.platform(), "cores_used": 1, "python": platform.python_version()},

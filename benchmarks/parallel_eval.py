@@ -39,8 +39,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-CONFIGS = {"dp2": dict(dp=2), "tp2": dict(tp=2), "ep2": dict(dp=2, ep=2),
-           "tp2-sp": dict(tp=2, sequence_parallel=True)}
+CONFIGS = {
+    "dp2": dict(dp=2),
+    "tp2": dict(tp=2),
+    "ep2": dict(dp=2, ep=2),
+    "tp2-sp": dict(tp=2, sequence_parallel=True),
+}
 
 
 def _sync(dev):
@@ -59,11 +63,11 @@ def _baseline_schedule(lengths: np.ndarray, capacity: int, dp: int) -> list[list
         big = packs.pop(0)
         if len(big) < 2:
             raise SystemExit("baseline: cannot split a single-trajectory pack to equalise replicas")
-        packs += [big[: len(big) // 2], big[len(big) // 2:]]
+        packs += [big[: len(big) // 2], big[len(big) // 2 :]]
     packs.sort(key=lambda p: -int(lengths[p].sum()))
     per = [[] for _ in range(dp)]
     load = [0] * dp
-    for p in packs:                     # LPT with equal counts
+    for p in packs:  # LPT with equal counts
         cands = [d for d in range(dp) if len(per[d]) < len(packs) // dp]
         d = min(cands, key=lambda d: load[d])
         per[d].append(p)
@@ -79,7 +83,7 @@ def _grad_report(model, ref_grads, groups) -> dict:
             continue
         got = p.grad.float()
         want = want.to(got.device).float()
-        if hasattr(p, "_harts_vocab_range"):              # vocabulary shard (embedding / LM head)
+        if hasattr(p, "_harts_vocab_range"):  # vocabulary shard (embedding / LM head)
             a, b = p._harts_vocab_range
             want = want[a:b]
         elif got.shape != want.shape:
@@ -101,7 +105,6 @@ def _grad_report(model, ref_grads, groups) -> dict:
 
 def run_config(name, args, dev, step, world) -> dict:
     import harts_planner as hp
-
     from harts_runtime.model import HybridModel, model_config
     from harts_runtime.parallel import ParallelDims, parallelize, run_replica_step
     from harts_runtime.train import run_microbatch, train_step
@@ -123,7 +126,9 @@ def run_config(name, args, dev, step, world) -> dict:
         torch.manual_seed(args.seed)
         ref = HybridModel(cfg, device=dev).train()
         ref_loss += train_step(ref, None, step, step_plan=plan, recompute=args.recompute).loss
-        torch.save({n: p.grad.detach().cpu() for n, p in ref.named_parameters() if p.grad is not None}, ref_path)
+        torch.save(
+            {n: p.grad.detach().cpu() for n, p in ref.named_parameters() if p.grad is not None}, ref_path
+        )
         del ref
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -147,29 +152,46 @@ def run_config(name, args, dev, step, world) -> dict:
         dist.barrier()
         t = time.perf_counter()
         if mode == "compact":
-            res = run_replica_step(schedule_plan, groups.dp_rank,
-                                   lambda j, traj: run_microbatch(model, step, traj, "compact", args.recompute)[0],
-                                   params=params, groups=groups, backward=False)
+            res = run_replica_step(
+                schedule_plan,
+                groups.dp_rank,
+                lambda j, traj: run_microbatch(model, step, traj, "compact", args.recompute)[0],
+                params=params,
+                groups=groups,
+                backward=False,
+            )
         else:
-            class _P:                       # the baseline's schedule in StepPlan's shape
+
+            class _P:  # the baseline's schedule in StepPlan's shape
                 dp_size, num_slots = dims.dp, len(baseline[0])
 
                 @staticmethod
                 def microbatch_at(d, j):
                     return baseline[d][j]
 
-            res = run_replica_step(_P, groups.dp_rank,
-                                   lambda j, traj: run_microbatch(model, step, traj, "trajectory", args.recompute)[0],
-                                   params=params, groups=groups, backward=False)
+            res = run_replica_step(
+                _P,
+                groups.dp_rank,
+                lambda j, traj: run_microbatch(model, step, traj, "trajectory", args.recompute)[0],
+                params=params,
+                groups=groups,
+                backward=False,
+            )
         _sync(dev)
         el = torch.tensor([time.perf_counter() - t], dtype=torch.float64, device=dev)
         dist.all_reduce(el, op=dist.ReduceOp.MAX)
         return res, float(el)
 
     res, _ = step_once("compact", plan)
-    out = {"config": name, "dims": CONFIGS[name], "num_microbatches": plan.num_microbatches,
-           "num_slots": plan.num_slots, "loss_single": ref_loss, "loss_parallel": res.loss,
-           "loss_rel_diff": abs(res.loss - ref_loss) / max(abs(ref_loss), 1e-12)}
+    out = {
+        "config": name,
+        "dims": CONFIGS[name],
+        "num_microbatches": plan.num_microbatches,
+        "num_slots": plan.num_slots,
+        "loss_single": ref_loss,
+        "loss_parallel": res.loss,
+        "loss_rel_diff": abs(res.loss - ref_loss) / max(abs(ref_loss), 1e-12),
+    }
     out.update(_grad_report(model, ref_grads, groups))
     out["bf16_ok"] = out["loss_rel_diff"] < 1e-2 and out["grad_max_rel_err"] < args.grad_tol
 
@@ -183,15 +205,21 @@ def run_config(name, args, dev, step, world) -> dict:
         pt = time.perf_counter() - t
         _, ht = step_once("compact", p)
         _, bt = step_once("trajectory", baseline=baseline)
-        if it:                                      # iteration 0 is the warm-up
+        if it:  # iteration 0 is the warm-up
             harts_t.append(ht)
             base_t.append(bt)
             plan_t.append(pt)
     h, b, pl = statistics.median(harts_t), statistics.median(base_t), statistics.median(plan_t)
-    out.update(harts_fbg_s=h, baseline_fbg_s=b, planner_s=pl, plan_step_s=plan_step_s,
-               fbg_speedup=b / h, core_speedup=b / (h + pl),
-               compression=step.batch.semantic_tokens / step.batch.compact_tokens)
-    model = None   # free before the next configuration
+    out.update(
+        harts_fbg_s=h,
+        baseline_fbg_s=b,
+        planner_s=pl,
+        plan_step_s=plan_step_s,
+        fbg_speedup=b / h,
+        core_speedup=b / (h + pl),
+        compression=step.batch.semantic_tokens / step.batch.compact_tokens,
+    )
+    model = None  # free before the next configuration
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -207,8 +235,12 @@ def main(argv=None) -> int:
     ap.add_argument("--capacity", type=int, default=16384, help="T, compact rows per microbatch")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--iters", type=int, default=2)
-    ap.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
-                    help="full-layer activation recomputation (Table 4 enables it)")
+    ap.add_argument(
+        "--recompute",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="full-layer activation recomputation (Table 4 enables it)",
+    )
     ap.add_argument("--grad-tol", type=float, default=5e-2, help="bf16 relative gradient error bound")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--scratch", default="/tmp", help="local directory for the reference gradients")
@@ -238,19 +270,33 @@ def main(argv=None) -> int:
             print(json.dumps(r), file=sys.stderr, flush=True)
     if rank == 0:
         b = step.batch
-        doc = {"flavor": args.flavor, "layers": args.layers, "preset": args.preset, "seed": args.seed,
-               "capacity": args.capacity, "recompute": args.recompute, "world_size": world,
-               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-               "torch": torch.__version__, "trajectories": b.num_trajectories,
-               "semantic_tokens": b.semantic_tokens, "compact_tokens": b.compact_tokens, "results": results}
+        doc = {
+            "flavor": args.flavor,
+            "layers": args.layers,
+            "preset": args.preset,
+            "seed": args.seed,
+            "capacity": args.capacity,
+            "recompute": args.recompute,
+            "world_size": world,
+            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "trajectories": b.num_trajectories,
+            "semantic_tokens": b.semantic_tokens,
+            "compact_tokens": b.compact_tokens,
+            "results": results,
+        }
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=2)
-        print("| config | compression | F/B/Grad speedup | Core speedup | loss rel diff | max grad rel err | bf16 ok |")
+        print(
+            "| config | compression | F/B/Grad speedup | Core speedup | loss rel diff | max grad rel err | bf16 ok |"
+        )
         print("|---|---|---|---|---|---|---|")
         for r in results:
-            print(f"| {r['config']} | {r['compression']:.3f}x | {r['fbg_speedup']:.3f}x | {r['core_speedup']:.3f}x | "
-                  f"{r['loss_rel_diff']:.2e} | {r['grad_max_rel_err']:.2e} | {r['bf16_ok']} |")
+            print(
+                f"| {r['config']} | {r['compression']:.3f}x | {r['fbg_speedup']:.3f}x | {r['core_speedup']:.3f}x | "
+                f"{r['loss_rel_diff']:.2e} | {r['grad_max_rel_err']:.2e} | {r['bf16_ok']} |"
+            )
     dist.destroy_process_group()
     return 0
 

@@ -46,15 +46,19 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     syn = synth.generate(args.preset, seed=args.seed)
     batch = RolloutBatch.from_arrays(syn.tokens, syn.offsets, syn.tree_ids)
-    print(f"{args.preset}/{args.seed}: {batch.num_trajectories:,} trajectories, {batch.semantic_tokens:,} tokens, "
-          f"{batch.compact_tokens:,} compact, {batch.num_segments:,} segments ({time.perf_counter() - t0:.1f} s)",
-          file=sys.stderr)
+    print(
+        f"{args.preset}/{args.seed}: {batch.num_trajectories:,} trajectories, {batch.semantic_tokens:,} tokens, "
+        f"{batch.compact_tokens:,} compact, {batch.num_segments:,} segments ({time.perf_counter() - t0:.1f} s)",
+        file=sys.stderr,
+    )
     payloads = {kind: bench.payload(batch, kind) for kind in bench.REQUEST_KINDS}
     wire_bytes = {}
     from harts_planner.rpc import codec
 
     for kind, source in payloads.items():
-        wire_bytes[kind] = codec.plan_step_request(source, args.dp, args.capacity, 64, {}, False, 4).ByteSize()
+        wire_bytes[kind] = codec.plan_step_request(
+            source, args.dp, args.capacity, 64, {}, False, 4
+        ).ByteSize()
     reference = Planner().plan_step(batch, args.dp, args.capacity)
     results = []
     with SidecarProcess(workers=args.workers) as sidecar:
@@ -62,28 +66,59 @@ def main(argv: list[str] | None = None) -> int:
             n = args.requests if kind == "tree" else args.token_requests
             for transport in bench.TRANSPORTS:
                 make = (lambda: Planner()) if transport == "inprocess" else (lambda: Planner(sidecar.address))
-                r = bench.run(make, payloads[kind], args.dp, args.capacity, clients=1, requests=n,
-                              warmup=args.warmup, reference=reference)
+                r = bench.run(
+                    make,
+                    payloads[kind],
+                    args.dp,
+                    args.capacity,
+                    clients=1,
+                    requests=n,
+                    warmup=args.warmup,
+                    reference=reference,
+                )
                 results.append({"pass": "latency", "transport": transport, "request": kind, **r})
-                print(f"  {transport:<9} {kind:<6} p50 {r['p50_ms']:8.1f}  p95 {r['p95_ms']:8.1f}  "
-                      f"p99 {r['p99_ms']:8.1f} ms  mismatches {r['mismatches']}", file=sys.stderr)
+                print(
+                    f"  {transport:<9} {kind:<6} p50 {r['p50_ms']:8.1f}  p95 {r['p95_ms']:8.1f}  "
+                    f"p99 {r['p99_ms']:8.1f} ms  mismatches {r['mismatches']}",
+                    file=sys.stderr,
+                )
         for transport in bench.TRANSPORTS:
             make = (lambda: Planner()) if transport == "inprocess" else (lambda: Planner(sidecar.address))
-            r = bench.run(make, payloads["tree"], args.dp, args.capacity, clients=args.clients,
-                          requests=args.requests, warmup=1, reference=reference)
+            r = bench.run(
+                make,
+                payloads["tree"],
+                args.dp,
+                args.capacity,
+                clients=args.clients,
+                requests=args.requests,
+                warmup=1,
+                reference=reference,
+            )
             results.append({"pass": "throughput", "transport": transport, "request": "tree", **r})
-            print(f"  {transport:<9} tree x{args.clients} clients: {r['throughput_per_s']:.2f} plans/s, "
-                  f"p99 {r['p99_ms']:.1f} ms", file=sys.stderr)
+            print(
+                f"  {transport:<9} tree x{args.clients} clients: {r['throughput_per_s']:.2f} plans/s, "
+                f"p99 {r['p99_ms']:.1f} ms",
+                file=sys.stderr,
+            )
     ratios = {}
     for kind in bench.REQUEST_KINDS:
         by = {r["transport"]: r for r in results if r["pass"] == "latency" and r["request"] == kind}
         ratios[kind] = {q: by["grpc"][f"{q}_ms"] / by["inprocess"][f"{q}_ms"] for q in ("p50", "p95", "p99")}
     report = {
-        "benchmark": "service", "date": time.strftime("%Y-%m-%d"), "preset": args.preset, "seed": args.seed,
-        "dp_size": args.dp, "capacity": args.capacity, "trajectories": batch.num_trajectories,
-        "semantic_tokens": batch.semantic_tokens, "compact_tokens": batch.compact_tokens,
-        "segments": batch.num_segments, "microbatches": reference.num_microbatches,
-        "request_bytes": wire_bytes, "results": results, "grpc_over_inprocess": ratios,
+        "benchmark": "service",
+        "date": time.strftime("%Y-%m-%d"),
+        "preset": args.preset,
+        "seed": args.seed,
+        "dp_size": args.dp,
+        "capacity": args.capacity,
+        "trajectories": batch.num_trajectories,
+        "semantic_tokens": batch.semantic_tokens,
+        "compact_tokens": batch.compact_tokens,
+        "segments": batch.num_segments,
+        "microbatches": reference.num_microbatches,
+        "request_bytes": wire_bytes,
+        "results": results,
+        "grpc_over_inprocess": ratios,
         "target": {"tree_p99_ratio_max": 1.2, "met": ratios["tree"]["p99"] <= 1.2},
         "machine": bench.machine(),
     }
@@ -92,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(report, f, indent=2)
         f.write("\n")
     for kind, q in ratios.items():
-        print(f"gRPC / in-process ({kind}): p50 {q['p50']:.3f}x  p95 {q['p95']:.3f}x  p99 {q['p99']:.3f}x",
-              file=sys.stderr)
+        print(
+            f"gRPC / in-process ({kind}): p50 {q['p50']:.3f}x  p95 {q['p95']:.3f}x  p99 {q['p99']:.3f}x",
+            file=sys.stderr,
+        )
     print(f"wrote {args.out}", file=sys.stderr)
     return 0 if all(r["mismatches"] == 0 for r in results) else 1
 

@@ -55,13 +55,12 @@ sys.path.append(os.path.join(ROOT, "python_client"))
 
 import harts_planner as hp
 from harts_planner import synth
-
 from harts_runtime.flops import work_compression
 from harts_runtime.model import HybridModel, model_config
 from harts_runtime.train import StepInputs, _make_microbatch, plan_microbatches, run_microbatch, train_step
 
 DEPTHS = 6
-GRAD_SAMPLE = 16_000_000     # gradient entries kept per run for the gradient cosine
+GRAD_SAMPLE = 16_000_000  # gradient entries kept per run for the gradient cosine
 
 
 def log(msg: str) -> None:
@@ -74,8 +73,16 @@ def sync(dev) -> None:
 
 
 # ------------------------------------------------------------------------------ data
-def make_slice(args, capacity: int, max_len: int | None, microbatches: int, seed: int, vocab: int,
-               pick: str = "median", preset: str | None = None) -> StepInputs:
+def make_slice(
+    args,
+    capacity: int,
+    max_len: int | None,
+    microbatches: int,
+    seed: int,
+    vocab: int,
+    pick: str = "median",
+    preset: str | None = None,
+) -> StepInputs:
     """A slice of a synthetic step that HARTS would actually execute: plan the whole step at
     ``capacity`` (``plan_step``, D = 1) and keep the trajectories of ``microbatches`` microbatches
     whose compression S/C is around the step's median (``pick="median"``) or the highest
@@ -95,24 +102,38 @@ def make_slice(args, capacity: int, max_len: int | None, microbatches: int, seed
     lo = max(0, min(len(order) - microbatches, len(order) // 2 - microbatches // 2))
     if pick == "max":
         lo = max(0, len(order) - microbatches)
-    traj = np.sort(np.concatenate([plan.microbatches[i] for i in order[lo:lo + microbatches]]).astype(np.int64))
+    traj = np.sort(
+        np.concatenate([plan.microbatches[i] for i in order[lo : lo + microbatches]]).astype(np.int64)
+    )
     off = np.asarray(sb.offsets, dtype=np.int64)
-    toks = np.concatenate([sb.tokens[off[i]:off[i + 1]] for i in traj])
+    toks = np.concatenate([sb.tokens[off[i] : off[i + 1]] for i in traj])
     offsets = np.concatenate([[0], np.cumsum(off[traj + 1] - off[traj])]).astype(np.int64)
     batch = hp.RolloutBatch.from_arrays(toks.astype(np.int32), offsets, np.asarray(sb.tree_ids)[traj])
     step = StepInputs.synthetic(batch, seed, vocab_size=vocab)
-    step._cache["source"] = {"preset": preset, "seed": seed, "step_trajectories": full.num_trajectories,
-                             "step_semantic_tokens": full.semantic_tokens, "step_compression": full.compression,
-                             "step_microbatches": plan.num_microbatches, "slice_microbatches": microbatches,
-                             "capacity": capacity, "max_trajectory_tokens": max_len}
+    step._cache["source"] = {
+        "preset": preset,
+        "seed": seed,
+        "step_trajectories": full.num_trajectories,
+        "step_semantic_tokens": full.semantic_tokens,
+        "step_compression": full.compression,
+        "step_microbatches": plan.num_microbatches,
+        "slice_microbatches": microbatches,
+        "capacity": capacity,
+        "max_trajectory_tokens": max_len,
+    }
     return step
 
 
 def batch_info(step: StepInputs) -> dict:
     b = step.batch
-    return {"trajectories": b.num_trajectories, "semantic_tokens": b.semantic_tokens,
-            "compact_tokens": b.compact_tokens, "compression": b.compression,
-            "max_trajectory": int(np.max(b.lengths)), "source": step._cache.get("source")}
+    return {
+        "trajectories": b.num_trajectories,
+        "semantic_tokens": b.semantic_tokens,
+        "compact_tokens": b.compact_tokens,
+        "compression": b.compression,
+        "max_trajectory": int(np.max(b.lengths)),
+        "source": step._cache.get("source"),
+    }
 
 
 # ------------------------------------------------------------------------------ sections
@@ -140,23 +161,34 @@ def section_speedup(args, model, dev, shared):
             r = train_step(model, None, step, None, mode, True, capacity=args.capacity)
             model.zero_grad(set_to_none=True)
             d = r.to_dict()
-            d["peak_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+            d["peak_memory_gib"] = (
+                torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+            )
             runs[mode].append(d)
-            log(f"{mode}: fbg {r.fbg_seconds:.2f}s plan {r.plan_seconds * 1e3:.1f}ms microbatches "
-                f"{r.num_microbatches} rows {r.rows:,} loss {r.loss:.6f}")
+            log(
+                f"{mode}: fbg {r.fbg_seconds:.2f}s plan {r.plan_seconds * 1e3:.1f}ms microbatches "
+                f"{r.num_microbatches} rows {r.rows:,} loss {r.loss:.6f}"
+            )
     best = {m: min(runs[m], key=lambda d: d["fbg_seconds"]) for m in runs}
     c, t = best["compact"], best["trajectory"]
     fbg_speedup = t["fbg_seconds"] / c["fbg_seconds"]
     core_speedup = t["fbg_seconds"] / (c["plan_seconds"] + c["fbg_seconds"])
     return {
-        "batch": info, "capacity": args.capacity, "recompute": True,
+        "batch": info,
+        "capacity": args.capacity,
+        "recompute": True,
         "non_replay_row_compression": t["rows"] / c["rows"],
-        "fbg_speedup": fbg_speedup, "core_speedup": core_speedup,
+        "fbg_speedup": fbg_speedup,
+        "core_speedup": core_speedup,
         "ideal_work_compression": work["ideal_work_compression"],
         "fbg_speedup_over_ideal": fbg_speedup / work["ideal_work_compression"],
         "target_fbg_over_ideal": 0.9,
-        "work": work, "runs": runs, "planner_seconds_first": plan_s,
-        "tflops": {m: (work[f"{m}_flops"] * 4 / 3) / best[m]["fbg_seconds"] / 1e12 for m in ("compact", "trajectory")},
+        "work": work,
+        "runs": runs,
+        "planner_seconds_first": plan_s,
+        "tflops": {
+            m: (work[f"{m}_flops"] * 4 / 3) / best[m]["fbg_seconds"] / 1e12 for m in ("compact", "trajectory")
+        },
         "tflops_note": "model FLOPs x 4/3 (forward recomputed) / F/B/Grad seconds",
     }
 
@@ -174,15 +206,23 @@ def _run_collect(model, step, mode, recompute, capacity, no_replay=False, grad=T
     with torch.set_grad_enabled(grad):
         for i, traj in enumerate(mbs):
             mb = _make_microbatch(model, step, traj, mode, plans[i] if plans else None)
-            ls, st = run_microbatch(model, step, mode=mode, recompute=recompute, microbatch=mb, no_replay=no_replay,
-                                    backward=grad, return_hidden=True)
+            ls, st = run_microbatch(
+                model,
+                step,
+                mode=mode,
+                recompute=recompute,
+                microbatch=mb,
+                no_replay=no_replay,
+                backward=grad,
+                return_hidden=True,
+            )
             loss += float(ls)
             hidden.append(st["hidden"])
             rowmap[st["target_index"]] = st["row_index"] + base
             labels[st["target_index"]] = st["labels"]
             base += st["hidden"].shape[0]
     g = None
-    if grad:      # a fixed strided subsample of every parameter's gradient (bounded memory)
+    if grad:  # a fixed strided subsample of every parameter's gradient (bounded memory)
         total = sum(p.numel() for p in model.parameters())
         stride = max(1, total // GRAD_SAMPLE)
         g = torch.cat([p.grad.flatten()[::stride].float() for p in model.parameters() if p.grad is not None])
@@ -202,23 +242,30 @@ def _compare(model, a, x, depth=None, chunk=2048):
     dnll = torch.zeros_like(kl)
     cnt = torch.zeros_like(kl)
     for s in range(0, p, chunk):
-        za = (a["hidden"][a["rowmap"][s:s + chunk]] @ w.t()).float()
-        zx = (x["hidden"][x["rowmap"][s:s + chunk]] @ w.t()).float()
+        za = (a["hidden"][a["rowmap"][s : s + chunk]] @ w.t()).float()
+        zx = (x["hidden"][x["rowmap"][s : s + chunk]] @ w.t()).float()
         cos_sum += float(torch.nn.functional.cosine_similarity(za, zx, dim=-1).double().sum())
         if depth is not None:
             la, lx = za.log_softmax(-1), zx.log_softmax(-1)
             sym = 0.5 * ((la.exp() * (la - lx)).sum(-1) + (lx.exp() * (lx - la)).sum(-1))
-            y = a["labels"][s:s + chunk, None]
+            y = a["labels"][s : s + chunk, None]
             dn = (la.gather(1, y) - lx.gather(1, y)).abs()[:, 0]
-            d = depth[s:s + chunk].clamp_max(nd)
+            d = depth[s : s + chunk].clamp_max(nd)
             kl.index_add_(0, d, sym.double())
             dnll.index_add_(0, d, dn.double())
             cnt.index_add_(0, d, torch.ones_like(dn, dtype=torch.float64))
     out = {"mean_cos": cos_sum / max(p, 1)}
     if depth is not None:
         c = cnt.clamp_min(1)
-        out["by_depth"] = [{"depth": d if d < nd else f">={nd}", "tokens": int(cnt[d]), "symkl": float(kl[d] / c[d]),
-                            "mean_abs_dnll": float(dnll[d] / c[d])} for d in range(nd + 1)]
+        out["by_depth"] = [
+            {
+                "depth": d if d < nd else f">={nd}",
+                "tokens": int(cnt[d]),
+                "symkl": float(kl[d] / c[d]),
+                "mean_abs_dnll": float(dnll[d] / c[d]),
+            }
+            for d in range(nd + 1)
+        ]
     return out
 
 
@@ -231,8 +278,16 @@ def _fidelity_step(args, model) -> StepInputs:
     # whole (default `small`: real branching trees, forks everywhere on the chunk grid), picking
     # the most-shared microbatch, so that handoffs at every depth are measured.
     cap = args.fidelity_rows
-    return make_slice(args, cap, None if args.tiny else cap, 1, args.seed + 1, model.config.vocab_size,
-                      pick="max", preset="tiny" if args.tiny else args.fidelity_preset)
+    return make_slice(
+        args,
+        cap,
+        None if args.tiny else cap,
+        1,
+        args.seed + 1,
+        model.config.vocab_size,
+        pick="max",
+        preset="tiny" if args.tiny else args.fidelity_preset,
+    )
 
 
 def section_fidelity(args, model, dev, shared):
@@ -249,13 +304,17 @@ def section_fidelity(args, model, dev, shared):
         p = _run_collect(model, step, "trajectory", rc, repack)
         c = _run_collect(model, step, "compact", rc, args.fidelity_rows)
         key = "recompute" if rc else "no_recompute"
-        out[key] = {"baseline_self_rerun_cos": _compare(model, a, b)["mean_cos"],
-                    "baseline_repack_cos": _compare(model, a, p)["mean_cos"],
-                    "harts_cos": _compare(model, a, c)["mean_cos"],
-                    "abs_loss_diff": abs(a["loss"] - c["loss"]), "baseline_rerun_abs_loss_diff": abs(a["loss"] - b["loss"]),
-                    "baseline_repack_abs_loss_diff": abs(a["loss"] - p["loss"]),
-                    "grad_cos_harts": _grad_cos(a, c), "grad_cos_rerun": _grad_cos(a, b),
-                    "grad_cos_repack": _grad_cos(a, p)}
+        out[key] = {
+            "baseline_self_rerun_cos": _compare(model, a, b)["mean_cos"],
+            "baseline_repack_cos": _compare(model, a, p)["mean_cos"],
+            "harts_cos": _compare(model, a, c)["mean_cos"],
+            "abs_loss_diff": abs(a["loss"] - c["loss"]),
+            "baseline_rerun_abs_loss_diff": abs(a["loss"] - b["loss"]),
+            "baseline_repack_abs_loss_diff": abs(a["loss"] - p["loss"]),
+            "grad_cos_harts": _grad_cos(a, c),
+            "grad_cos_rerun": _grad_cos(a, b),
+            "grad_cos_repack": _grad_cos(a, p),
+        }
         log(f"fidelity {key}: {out[key]}")
         if not rc:
             shared["fidelity_runs"] = {"A": a, "B": b, "P": p, "R": c}
@@ -267,7 +326,7 @@ def handoff_depth(batch) -> torch.Tensor:
     """int64 [P]: segment depth (state handoffs) of every target's position in the batch trie."""
     parent = np.asarray(batch.segment_parent, dtype=np.int64)
     depth = np.zeros(len(parent), dtype=np.int64)
-    for v in range(len(parent)):                 # preorder: parents first
+    for v in range(len(parent)):  # preorder: parents first
         if parent[v] >= 0:
             depth[v] = depth[parent[v]] + 1
     seg = np.asarray(batch.row_segment, dtype=np.int64)[np.asarray(batch.compact_map, dtype=np.int64)]
@@ -281,11 +340,19 @@ def section_replay(args, model, dev, shared):
     step = shared.get("fidelity_step") or _fidelity_step(args, model)
     runs = shared.get("fidelity_runs")
     if runs is None:
-        runs = {"A": _run_collect(model, step, "trajectory", False, args.fidelity_rows, grad=False),
-                "B": _run_collect(model, step, "trajectory", False, args.fidelity_rows, grad=False),
-                "P": _run_collect(model, step, "trajectory", False,
-                                  max(int(np.max(step.batch.lengths)), args.fidelity_rows // 4), grad=False),
-                "R": _run_collect(model, step, "compact", False, args.fidelity_rows, grad=False)}
+        runs = {
+            "A": _run_collect(model, step, "trajectory", False, args.fidelity_rows, grad=False),
+            "B": _run_collect(model, step, "trajectory", False, args.fidelity_rows, grad=False),
+            "P": _run_collect(
+                model,
+                step,
+                "trajectory",
+                False,
+                max(int(np.max(step.batch.lengths)), args.fidelity_rows // 4),
+                grad=False,
+            ),
+            "R": _run_collect(model, step, "compact", False, args.fidelity_rows, grad=False),
+        }
     runs["N"] = _run_collect(model, step, "compact", False, args.fidelity_rows, no_replay=True, grad=False)
     depth = handoff_depth(step.batch).to(dev)
     out = {"batch": batch_info(step)}
@@ -322,22 +389,37 @@ def section_breakdown(args, model, dev, shared):
         self_dev = getattr(e, "self_device_time_total", None)
         if self_dev is None:
             self_dev = getattr(e, "self_cuda_time_total", 0)
-        if self_dev and not e.key.startswith("harts.") and getattr(e, "device_type", None) is not None \
-                and str(e.device_type).endswith("CUDA"):
+        if (
+            self_dev
+            and not e.key.startswith("harts.")
+            and getattr(e, "device_type", None) is not None
+            and str(e.device_type).endswith("CUDA")
+        ):
             kernels += e.count
             kernel_s += self_dev / 1e6
     p = plans[0]
     replay_share = p.replay_tokens / max(p.replay_tokens + p.compact_tokens, 1)
     core = ranges.get("harts.kda.core", {}).get("device_s" if dev.type == "cuda" else "cpu_s", 0.0)
-    return {"microbatch": {"rows": p.compact_tokens, "replay_tokens": p.replay_tokens, "calls": p.num_calls,
-                           "state_slots": p.num_state_slots, "sequences": p.num_sequences},
-            "wall_s": wall, "ranges": ranges, "device_kernels": kernels, "device_kernel_s": kernel_s,
-            "host_overhead_s": max(wall - kernel_s, 0.0) if dev.type == "cuda" else None,
-            "kda_replay_share_of_packed_rows": replay_share, "kda_replay_s_estimate": core * replay_share,
-            "state_bytes_per_kda_layer": p.num_state_slots * cfg.num_heads * cfg.kda_head_dim ** 2 * 4,
-            "planner_s": plan_s,
-            "note": "ranges nest (harts.mixer.kda contains harts.kda.*; harts.mixer.mla contains harts.attn.*); "
-                    "backward recompute re-enters the forward ranges; KDA backward kernels are outside ranges"}
+    return {
+        "microbatch": {
+            "rows": p.compact_tokens,
+            "replay_tokens": p.replay_tokens,
+            "calls": p.num_calls,
+            "state_slots": p.num_state_slots,
+            "sequences": p.num_sequences,
+        },
+        "wall_s": wall,
+        "ranges": ranges,
+        "device_kernels": kernels,
+        "device_kernel_s": kernel_s,
+        "host_overhead_s": max(wall - kernel_s, 0.0) if dev.type == "cuda" else None,
+        "kda_replay_share_of_packed_rows": replay_share,
+        "kda_replay_s_estimate": core * replay_share,
+        "state_bytes_per_kda_layer": p.num_state_slots * cfg.num_heads * cfg.kda_head_dim**2 * 4,
+        "planner_s": plan_s,
+        "note": "ranges nest (harts.mixer.kda contains harts.kda.*; harts.mixer.mla contains harts.attn.*); "
+        "backward recompute re-enters the forward ranges; KDA backward kernels are outside ranges",
+    }
 
 
 # ------------------------------------------------------------------------------ report
@@ -346,51 +428,87 @@ def markdown(res: dict) -> str:
     s = res.get("speedup")
     if isinstance(s, dict) and "fbg_speedup" in s:
         b = s["batch"]
-        lines += ["## Speedup (Table 4)", "",
-                  (f"Slice: {b['trajectories']} trajectories, S = {b['semantic_tokens']:,}, C = {b['compact_tokens']:,}, "
-                  f"T = {s['capacity']:,}, recomputation on."), "",
-                  "| non-replay row compression | ideal work compression | F/B/Grad speedup | Core speedup | F/B/Grad / ideal |",
-                  "|---:|---:|---:|---:|---:|",
-                  (f"| {s['non_replay_row_compression']:.3f}x | {s['ideal_work_compression']:.3f}x | {s['fbg_speedup']:.3f}x | "
-                  f"{s['core_speedup']:.3f}x | {s['fbg_speedup_over_ideal']:.3f} |"), ""]
+        lines += [
+            "## Speedup (Table 4)",
+            "",
+            (
+                f"Slice: {b['trajectories']} trajectories, S = {b['semantic_tokens']:,}, C = {b['compact_tokens']:,}, "
+                f"T = {s['capacity']:,}, recomputation on."
+            ),
+            "",
+            "| non-replay row compression | ideal work compression | F/B/Grad speedup | Core speedup | F/B/Grad / ideal |",
+            "|---:|---:|---:|---:|---:|",
+            (
+                f"| {s['non_replay_row_compression']:.3f}x | {s['ideal_work_compression']:.3f}x | {s['fbg_speedup']:.3f}x | "
+                f"{s['core_speedup']:.3f}x | {s['fbg_speedup_over_ideal']:.3f} |"
+            ),
+            "",
+        ]
         c, t = (min(s["runs"][m], key=lambda d: d["fbg_seconds"]) for m in ("compact", "trajectory"))
-        lines += ["| mode | microbatches | rows | replay | F/B/Grad s | planner s | TFLOP/s |", "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "| mode | microbatches | rows | replay | F/B/Grad s | planner s | TFLOP/s |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for m, d in (("compact", c), ("trajectory", t)):
-            lines.append(f"| {m} | {d['num_microbatches']} | {d['rows']:,} | {d['replay_tokens']:,} | {d['fbg_seconds']:.3f} | "
-                         f"{d['plan_seconds']:.3f} | {s['tflops'][m]:.1f} |")
+            lines.append(
+                f"| {m} | {d['num_microbatches']} | {d['rows']:,} | {d['replay_tokens']:,} | {d['fbg_seconds']:.3f} | "
+                f"{d['plan_seconds']:.3f} | {s['tflops'][m]:.1f} |"
+            )
         lines.append("")
     f = res.get("fidelity")
     if isinstance(f, dict) and "no_recompute" in f:
-        lines += ["## Fidelity (Table 5)", "",
-                  "Trajectory runs packed at T = --fidelity-rows (the compact microbatch's size); the repacked "
-                  "baseline packs at about a quarter of that.", "",
-                  "| recompute | baseline self-rerun cos | baseline repacked cos | HARTS cos | abs loss diff "
-                  "(HARTS / repacked) | grad cos HARTS | grad cos rerun | grad cos repacked |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "## Fidelity (Table 5)",
+            "",
+            "Trajectory runs packed at T = --fidelity-rows (the compact microbatch's size); the repacked "
+            "baseline packs at about a quarter of that.",
+            "",
+            "| recompute | baseline self-rerun cos | baseline repacked cos | HARTS cos | abs loss diff "
+            "(HARTS / repacked) | grad cos HARTS | grad cos rerun | grad cos repacked |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for k in ("no_recompute", "recompute"):
             if k in f:
                 d = f[k]
-                lines.append(f"| {k} | {d['baseline_self_rerun_cos']:.8f} | {d['baseline_repack_cos']:.8f} | "
-                             f"{d['harts_cos']:.8f} | {d['abs_loss_diff']:.3e} / {d['baseline_repack_abs_loss_diff']:.3e} | "
-                             f"{d['grad_cos_harts']:.6f} | {d['grad_cos_rerun']:.6f} | {d['grad_cos_repack']:.6f} |")
+                lines.append(
+                    f"| {k} | {d['baseline_self_rerun_cos']:.8f} | {d['baseline_repack_cos']:.8f} | "
+                    f"{d['harts_cos']:.8f} | {d['abs_loss_diff']:.3e} / {d['baseline_repack_abs_loss_diff']:.3e} | "
+                    f"{d['grad_cos_harts']:.6f} | {d['grad_cos_rerun']:.6f} | {d['grad_cos_repack']:.6f} |"
+                )
         lines.append("")
     r = res.get("replay")
     if isinstance(r, dict) and "replay" in r:
-        lines += ["## Replay ablation (Figure 4)", "", ("| d | tokens | SymKL rerun | SymKL repacked | SymKL replay | "
-                  "SymKL no-replay | |dNLL| rerun | |dNLL| repacked | |dNLL| replay | |dNLL| no-replay |"),
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "## Replay ablation (Figure 4)",
+            "",
+            (
+                "| d | tokens | SymKL rerun | SymKL repacked | SymKL replay | "
+                "SymKL no-replay | |dNLL| rerun | |dNLL| repacked | |dNLL| replay | |dNLL| no-replay |"
+            ),
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for i in range(DEPTHS + 1):
             a, p, b, c = r["rerun"][i], r["repack"][i], r["replay"][i], r["no_replay"][i]
-            lines.append(f"| {a['depth']} | {a['tokens']:,} | {a['symkl']:.3e} | {p['symkl']:.3e} | {b['symkl']:.3e} | "
-                         f"{c['symkl']:.3e} | {a['mean_abs_dnll']:.3e} | {p['mean_abs_dnll']:.3e} | "
-                         f"{b['mean_abs_dnll']:.3e} | {c['mean_abs_dnll']:.3e} |")
+            lines.append(
+                f"| {a['depth']} | {a['tokens']:,} | {a['symkl']:.3e} | {p['symkl']:.3e} | {b['symkl']:.3e} | "
+                f"{c['symkl']:.3e} | {a['mean_abs_dnll']:.3e} | {p['mean_abs_dnll']:.3e} | "
+                f"{b['mean_abs_dnll']:.3e} | {c['mean_abs_dnll']:.3e} |"
+            )
         lines.append("")
     k = res.get("breakdown")
     if isinstance(k, dict) and "ranges" in k:
-        lines += ["## Breakdown (one compact microbatch, forward + backward, recompute)", "",
-                  (f"wall {k['wall_s']:.3f} s; device kernels {k['device_kernels']} taking {k['device_kernel_s']:.3f} s; "
-                  f"planner {k['planner_s']:.3f} s; KDA replay share of packed rows {k['kda_replay_share_of_packed_rows']:.4f} "
-                  f"(~{k['kda_replay_s_estimate']:.3f} s of KDA core)"), "", "| range | calls | device s | cpu s |", "|---|---:|---:|---:|"]
+        lines += [
+            "## Breakdown (one compact microbatch, forward + backward, recompute)",
+            "",
+            (
+                f"wall {k['wall_s']:.3f} s; device kernels {k['device_kernels']} taking {k['device_kernel_s']:.3f} s; "
+                f"planner {k['planner_s']:.3f} s; KDA replay share of packed rows {k['kda_replay_share_of_packed_rows']:.4f} "
+                f"(~{k['kda_replay_s_estimate']:.3f} s of KDA core)"
+            ),
+            "",
+            "| range | calls | device s | cpu s |",
+            "|---|---:|---:|---:|",
+        ]
         for name, d in sorted(k["ranges"].items()):
             lines.append(f"| {name} | {d['calls']} | {d['device_s']:.4f} | {d['cpu_s']:.4f} |")
         lines.append("")
@@ -415,24 +533,46 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip sections that would start after this")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--flavor", default="ling-tiny")
-    ap.add_argument("--layers", type=int, default=8, help="first N layers of the flavor's pattern (ling-tiny: 24 = full)")
+    ap.add_argument(
+        "--layers", type=int, default=8, help="first N layers of the flavor's pattern (ling-tiny: 24 = full)"
+    )
     ap.add_argument("--preset", default="swe-like")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--capacity", type=int, default=65_536, help="T")
-    ap.add_argument("--slice-microbatches", type=int, default=1,
-                    help="HARTS microbatches (at T) of the swe-like step kept for the speedup slice")
-    ap.add_argument("--fidelity-rows", type=int, default=16_384,
-                    help="capacity and trajectory cap of the fidelity/replay slice (one microbatch)")
-    ap.add_argument("--fidelity-preset", default="small",
-                    help="synthetic preset of the fidelity/replay slice (its trajectories must fit --fidelity-rows)")
+    ap.add_argument(
+        "--slice-microbatches",
+        type=int,
+        default=1,
+        help="HARTS microbatches (at T) of the swe-like step kept for the speedup slice",
+    )
+    ap.add_argument(
+        "--fidelity-rows",
+        type=int,
+        default=16_384,
+        help="capacity and trajectory cap of the fidelity/replay slice (one microbatch)",
+    )
+    ap.add_argument(
+        "--fidelity-preset",
+        default="small",
+        help="synthetic preset of the fidelity/replay slice (its trajectories must fit --fidelity-rows)",
+    )
     ap.add_argument("--repeats", type=int, default=2, help="timed steps per mode")
     ap.add_argument("--sections", default="speedup,fidelity,replay,breakdown")
-    ap.add_argument("--fast-autotune", action="store_true",
-                    help="one Triton config per kernel (no autotuning); recorded in the output")
+    ap.add_argument(
+        "--fast-autotune",
+        action="store_true",
+        help="one Triton config per kernel (no autotuning); recorded in the output",
+    )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke sizes (preset tiny, T = 64)")
     args = ap.parse_args(argv)
     if args.tiny:
-        args.preset, args.capacity, args.slice_microbatches, args.fidelity_rows, args.repeats = "tiny", 64, 2, 64, 1
+        args.preset, args.capacity, args.slice_microbatches, args.fidelity_rows, args.repeats = (
+            "tiny",
+            64,
+            2,
+            64,
+            1,
+        )
         args.layers = min(args.layers, 4)
     start = time.perf_counter()
     dev = torch.device(args.device)
@@ -441,15 +581,28 @@ def main(argv=None) -> int:
     if dev.type == "cpu" and cfg.dtype == "bfloat16":
         cfg = cfg.replace(dtype="float32")
     model = HybridModel(cfg, device=dev)
-    res = {"meta": {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
-                    "model": f"{args.flavor} ({cfg.num_layers} layers: {' '.join(m[0].upper() for m in cfg.mixers)})",
-                    "params": sum(p.numel() for p in model.parameters()), "dtype": cfg.dtype,
-                    "torch": torch.__version__, "python": platform.python_version(), "args": vars(args),
-                    "date": time.strftime("%Y-%m-%d %H:%M:%S")}}
+    res = {
+        "meta": {
+            "device": torch.cuda.get_device_name(dev)
+            if dev.type == "cuda"
+            else platform.processor() or "cpu",
+            "model": f"{args.flavor} ({cfg.num_layers} layers: {' '.join(m[0].upper() for m in cfg.mixers)})",
+            "params": sum(p.numel() for p in model.parameters()),
+            "dtype": cfg.dtype,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "args": vars(args),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+    }
     write(args.out, res)
     shared: dict = {}
-    funcs = {"speedup": section_speedup, "fidelity": section_fidelity, "replay": section_replay,
-             "breakdown": section_breakdown}
+    funcs = {
+        "speedup": section_speedup,
+        "fidelity": section_fidelity,
+        "replay": section_replay,
+        "breakdown": section_breakdown,
+    }
     for name in [s.strip() for s in args.sections.split(",") if s.strip()]:
         elapsed = time.perf_counter() - start
         if elapsed > args.budget_s:
@@ -463,8 +616,11 @@ def main(argv=None) -> int:
             res[name] = funcs[name](args, model, dev, shared)
             res[name]["seconds"] = time.perf_counter() - t
         except Exception as e:  # noqa: BLE001 - every section reports its own failure
-            res[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
-                         "seconds": time.perf_counter() - t}
+            res[name] = {
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(),
+                "seconds": time.perf_counter() - t,
+            }
             log(f"{name} failed: {e}")
             if dev.type == "cuda":
                 torch.cuda.empty_cache()

@@ -15,16 +15,17 @@ import torch
 import torch.nn.functional as F
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_index: torch.Tensor,
-                activation: str | None = "silu") -> torch.Tensor:
+def causal_conv(
+    x: torch.Tensor, weight: torch.Tensor, conv_index: torch.Tensor, activation: str | None = "silu"
+) -> torch.Tensor:
     """``y[c] = act(sum_i weight[:, i] * x[conv_index[c, i]])`` (zeros where the index is -1).
 
     x: [C, D]; weight: [D, w] (depthwise, no bias; ``weight[:, -1]`` multiplies the row itself);
     conv_index: [C_out, w] int64. Returns [C_out, D].
     """
-    xp = torch.cat([x, x.new_zeros(1, x.shape[1])], 0)                   # row C = zero pad
+    xp = torch.cat([x, x.new_zeros(1, x.shape[1])], 0)  # row C = zero pad
     idx = torch.where(conv_index < 0, torch.full_like(conv_index, x.shape[0]), conv_index)
-    windows = xp[idx]                                                    # [C_out, w, D]
+    windows = xp[idx]  # [C_out, w, D]
     y = torch.einsum("cwd,dw->cd", windows, weight.to(x.dtype))
     return F.silu(y) if activation == "silu" else y
 
@@ -42,14 +43,19 @@ def sequence_conv_index(row_ranges: np.ndarray, context: np.ndarray, num_rows: i
     out = np.full((num_rows, w), -1, dtype=np.int64)
     lengths = row_ranges[:, 1] - row_ranges[:, 0]
     # ext[q] = context[q] ++ arange(lo, hi); out[lo + t] = ext[q][t : t + w]
-    rows = np.concatenate([np.arange(lo, hi) for lo, hi in row_ranges]) if len(row_ranges) else np.zeros(0, np.int64)
+    rows = (
+        np.concatenate([np.arange(lo, hi) for lo, hi in row_ranges])
+        if len(row_ranges)
+        else np.zeros(0, np.int64)
+    )
     seq = np.repeat(np.arange(len(row_ranges)), lengths)
-    t = rows - row_ranges[seq, 0]                                         # offset inside the sequence
+    t = rows - row_ranges[seq, 0]  # offset inside the sequence
     for i in range(w):
-        e = t + i                                                          # index into ext
+        e = t + i  # index into ext
         from_ctx = e < w - 1
-        val = np.where(from_ctx, context[seq, np.minimum(e, w - 2)] if w > 1 else -1,
-                       row_ranges[seq, 0] + e - (w - 1))
+        val = np.where(
+            from_ctx, context[seq, np.minimum(e, w - 2)] if w > 1 else -1, row_ranges[seq, 0] + e - (w - 1)
+        )
         out[rows, i] = val
     return out
 

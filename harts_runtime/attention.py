@@ -95,7 +95,7 @@ def _pad_head_dims(q, k, v, multiple: int = 8):
     """
     dqk, dv = q.shape[-1], v.shape[-1]
     d = -(-max(dqk, dv) // multiple) * multiple
-    pad = (lambda x: x if x.shape[-1] == d else F.pad(x, (0, d - x.shape[-1])))
+    pad = lambda x: x if x.shape[-1] == d else F.pad(x, (0, d - x.shape[-1]))
     return pad(q), pad(k), pad(v), dv
 
 
@@ -107,8 +107,9 @@ def scatter_rows(packed: torch.Tensor, views: AttentionViews) -> torch.Tensor:
     return out.index_copy(0, views.q_index, packed)
 
 
-def trajectory_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         scale: float | None = None) -> torch.Tensor:
+def trajectory_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
     """Ordinary causal attention over one trajectory, float32 math (the trajectory-wise baseline).
 
     q [L, Hq, Dqk], k [L, Hkv, Dqk], v [L, Hkv, Dv] -> [L, Hq, Dv] of ``q.dtype``.
@@ -116,7 +117,7 @@ def trajectory_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     groups = _groups(q, k)
     kk, vv = _acc(_repeat_kv(k, groups)), _acc(_repeat_kv(v, groups))
-    s = torch.einsum("ihd,jhd->hij", _acc(q), kk) * scale                 # [H, L, L]
+    s = torch.einsum("ihd,jhd->hij", _acc(q), kk) * scale  # [H, L, L]
     n = q.shape[0]
     s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), float("-inf"))
     return torch.einsum("hij,jhd->ihd", s.softmax(-1), vv).to(q.dtype)
@@ -129,13 +130,13 @@ def _varlen_reference(q, k, v, views: AttentionViews, scale: float) -> torch.Ten
     cq, ck = views.cu_seqlens_q.tolist(), views.cu_seqlens_k.tolist()
     outs = []
     for b in range(views.num_branches):
-        qb = _acc(q[cq[b]:cq[b + 1]])                                       # [l, Hq, Dqk]
-        kb = _acc(_repeat_kv(k[ck[b]:ck[b + 1]], groups))                   # [h + l, Hq, Dqk]
-        vb = _acc(_repeat_kv(v[ck[b]:ck[b + 1]], groups))                   # [h + l, Hq, Dv]
+        qb = _acc(q[cq[b] : cq[b + 1]])  # [l, Hq, Dqk]
+        kb = _acc(_repeat_kv(k[ck[b] : ck[b + 1]], groups))  # [h + l, Hq, Dqk]
+        vb = _acc(_repeat_kv(v[ck[b] : ck[b + 1]], groups))  # [h + l, Hq, Dv]
         lq, lk = qb.shape[0], kb.shape[0]
         h = lk - lq
         allowed = torch.arange(lk, device=q.device)[None, :] <= h + torch.arange(lq, device=q.device)[:, None]
-        s = torch.einsum("ihd,jhd->hij", qb, kb) * scale                    # [Hq, l, h + l]
+        s = torch.einsum("ihd,jhd->hij", qb, kb) * scale  # [Hq, l, h + l]
         s = s.masked_fill(~allowed, float("-inf"))
         outs.append(torch.einsum("hij,jhd->ihd", s.softmax(-1), vb))
     if not outs:
@@ -167,11 +168,11 @@ def _padded_layout(views: AttentionViews):
 def _varlen_sdpa(q, k, v, views: AttentionViews, scale: float) -> torch.Tensor:
     groups = _groups(q, k)
     q_pos, q_valid, k_pos, allowed = _padded_layout(views)
-    qp = q[q_pos].transpose(1, 2)                                           # [B, Hq, mq, Dqk]
-    kp = _repeat_kv(k, groups)[k_pos].transpose(1, 2)                       # [B, Hq, mk, Dqk]
-    vp = _repeat_kv(v, groups)[k_pos].transpose(1, 2)                       # [B, Hq, mk, Dv]
+    qp = q[q_pos].transpose(1, 2)  # [B, Hq, mq, Dqk]
+    kp = _repeat_kv(k, groups)[k_pos].transpose(1, 2)  # [B, Hq, mk, Dqk]
+    vp = _repeat_kv(v, groups)[k_pos].transpose(1, 2)  # [B, Hq, mk, Dv]
     o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None], scale=scale)
-    return o.transpose(1, 2)[q_valid]                                       # [Lq, Hq, Dv]
+    return o.transpose(1, 2)[q_valid]  # [Lq, Hq, Dv]
 
 
 @functools.cache
@@ -191,8 +192,18 @@ def _varlen_torch(q, k, v, views: AttentionViews, scale: float) -> torch.Tensor:
     else:
         k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
     q, k, v, dv = _pad_head_dims(q, k, v)
-    out = varlen_attn(q, k, v, views.cu_seqlens_q, views.cu_seqlens_k, views.max_seqlen_q,
-                      views.max_seqlen_k, scale=scale, window_size=(-1, 0), **kw)
+    out = varlen_attn(
+        q,
+        k,
+        v,
+        views.cu_seqlens_q,
+        views.cu_seqlens_k,
+        views.max_seqlen_q,
+        views.max_seqlen_k,
+        scale=scale,
+        window_size=(-1, 0),
+        **kw,
+    )
     return out[..., :dv]
 
 
@@ -201,8 +212,17 @@ def _varlen_flash_attn(q, k, v, views: AttentionViews, scale: float) -> torch.Te
 
     _groups(q, k)
     q, k, v, dv = _pad_head_dims(q, k, v)
-    out = flash_attn_varlen_func(q, k, v, views.cu_seqlens_q, views.cu_seqlens_k, views.max_seqlen_q,
-                                 views.max_seqlen_k, softmax_scale=scale, causal=True)
+    out = flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        views.cu_seqlens_q,
+        views.cu_seqlens_k,
+        views.max_seqlen_q,
+        views.max_seqlen_k,
+        softmax_scale=scale,
+        causal=True,
+    )
     return out[..., :dv]
 
 
@@ -210,16 +230,29 @@ def _varlen_flash_attn(q, k, v, views: AttentionViews, scale: float) -> torch.Te
 def _te_module(hq: int, hkv: int, dqk: int, dv: int, scale: float):
     import transformer_engine.pytorch as te
 
-    return te.DotProductAttention(num_attention_heads=hq, kv_channels=(dqk, dv), num_gqa_groups=hkv,
-                                  attn_mask_type="padding_causal_bottom_right", qkv_format="thd",
-                                  softmax_scale=scale, attention_dropout=0.0)
+    return te.DotProductAttention(
+        num_attention_heads=hq,
+        kv_channels=(dqk, dv),
+        num_gqa_groups=hkv,
+        attn_mask_type="padding_causal_bottom_right",
+        qkv_format="thd",
+        softmax_scale=scale,
+        attention_dropout=0.0,
+    )
 
 
 def _varlen_te(q, k, v, views: AttentionViews, scale: float) -> torch.Tensor:
     _groups(q, k)
     mod = _te_module(q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], float(scale))
-    out = mod(q, k, v, cu_seqlens_q=views.cu_seqlens_q, cu_seqlens_kv=views.cu_seqlens_k,
-              max_seqlen_q=views.max_seqlen_q, max_seqlen_kv=views.max_seqlen_k)
+    out = mod(
+        q,
+        k,
+        v,
+        cu_seqlens_q=views.cu_seqlens_q,
+        cu_seqlens_kv=views.cu_seqlens_k,
+        max_seqlen_q=views.max_seqlen_q,
+        max_seqlen_kv=views.max_seqlen_k,
+    )
     return out.view(q.shape[0], q.shape[1], v.shape[-1])
 
 
@@ -229,8 +262,13 @@ def _tree_dense(q, k, v, views: AttentionViews, scale: float) -> torch.Tensor:
     groups = _groups(q, k)
     pre, end = views.tree_pre.long(), views.tree_end.long()
     mask = (pre[None, :] <= pre[:, None]) & (pre[:, None] < end[None, :])  # [C, C]: kv ancestor of q
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), _repeat_kv(k, groups).transpose(0, 1),
-                                       _repeat_kv(v, groups).transpose(0, 1), attn_mask=mask, scale=scale)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        _repeat_kv(k, groups).transpose(0, 1),
+        _repeat_kv(v, groups).transpose(0, 1),
+        attn_mask=mask,
+        scale=scale,
+    )
     return o.transpose(0, 1)
 
 
@@ -255,8 +293,16 @@ def tree_block_mask(views: AttentionViews, block_size: int = 128):
         c = views.num_rows
         with warnings.catch_warnings():  # torch >= 2.10 deprecates _compile; it still avoids a [C, C] mask
             warnings.simplefilter("ignore", DeprecationWarning)
-            views.cache[key] = create_block_mask(ancestor_or_self, None, None, c, c, device=views.device,
-                                                 BLOCK_SIZE=block_size, _compile=views.device.type == "cuda")
+            views.cache[key] = create_block_mask(
+                ancestor_or_self,
+                None,
+                None,
+                c,
+                c,
+                device=views.device,
+                BLOCK_SIZE=block_size,
+                _compile=views.device.type == "cuda",
+            )
     return views.cache[key]
 
 
@@ -265,8 +311,14 @@ def _tree_flex(q, k, v, views: AttentionViews, scale: float) -> torch.Tensor:
 
     groups = _groups(q, k)
     fn = _compiled_flex() if q.is_cuda else flex_attention
-    o = fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-           block_mask=tree_block_mask(views), scale=scale, enable_gqa=groups > 1)
+    o = fn(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        block_mask=tree_block_mask(views),
+        scale=scale,
+        enable_gqa=groups > 1,
+    )
     return o[0].transpose(0, 1)
 
 
@@ -283,15 +335,18 @@ class Backend:
     cuda_only: bool = False
 
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in [
-    Backend("reference", "views", _varlen_reference),
-    Backend("sdpa", "views", _varlen_sdpa),
-    Backend("varlen", "views", _varlen_torch, "torch.nn.attention.varlen", cuda_only=True),
-    Backend("flash_attn", "views", _varlen_flash_attn, "flash_attn", cuda_only=True),
-    Backend("te", "views", _varlen_te, "transformer_engine", cuda_only=True),
-    Backend("flex_tree", "tree", _tree_flex, "torch.nn.attention.flex_attention", cuda_only=True),
-    Backend("dense_tree", "tree", _tree_dense),
-]}
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in [
+        Backend("reference", "views", _varlen_reference),
+        Backend("sdpa", "views", _varlen_sdpa),
+        Backend("varlen", "views", _varlen_torch, "torch.nn.attention.varlen", cuda_only=True),
+        Backend("flash_attn", "views", _varlen_flash_attn, "flash_attn", cuda_only=True),
+        Backend("te", "views", _varlen_te, "transformer_engine", cuda_only=True),
+        Backend("flex_tree", "tree", _tree_flex, "torch.nn.attention.flex_attention", cuda_only=True),
+        Backend("dense_tree", "tree", _tree_dense),
+    ]
+}
 
 
 def _importable(name: str | None) -> bool:
@@ -309,8 +364,15 @@ def available_backends(device: str | torch.device = "cpu") -> list[str]:
     return [b.name for b in BACKENDS.values() if (cuda or not b.cuda_only) and _importable(b.needs)]
 
 
-def compact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, views: AttentionViews, *,
-                      backend: str = "reference", scale: float | None = None) -> torch.Tensor:
+def compact_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    views: AttentionViews,
+    *,
+    backend: str = "reference",
+    scale: float | None = None,
+) -> torch.Tensor:
     """Full attention on compact rows with tree (ancestor) visibility.
 
     Parameters
@@ -339,15 +401,16 @@ def compact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, views: 
     except KeyError:
         raise ValueError(f"backend: unknown {backend!r}; choose one of {sorted(BACKENDS)}") from None
     if q.shape[0] != views.num_rows or k.shape[0] != views.num_rows or v.shape[0] != views.num_rows:
-        raise ValueError(f"q/k/v: need {views.num_rows} rows (the views' C), got "
-                         f"{q.shape[0]}/{k.shape[0]}/{v.shape[0]}")
+        raise ValueError(
+            f"q/k/v: need {views.num_rows} rows (the views' C), got {q.shape[0]}/{k.shape[0]}/{v.shape[0]}"
+        )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if spec.kind == "tree":
         return spec.fn(q, k, v, views, scale)
     with record_function("harts.attn.views"):
-        qp = q.index_select(0, views.q_index)                              # [Lq, Hq, Dqk]
-        kp = k.index_select(0, views.kv_index)                             # [Lk, Hkv, Dqk]
-        vp = v.index_select(0, views.kv_index)                             # [Lk, Hkv, Dv]
+        qp = q.index_select(0, views.q_index)  # [Lq, Hq, Dqk]
+        kp = k.index_select(0, views.kv_index)  # [Lk, Hkv, Dqk]
+        vp = v.index_select(0, views.kv_index)  # [Lk, Hkv, Dv]
     with record_function("harts.attn.core"):
         out = spec.fn(qp, kp, vp, views, scale)
     with record_function("harts.attn.views"):
@@ -387,8 +450,9 @@ class _CompactAttentionBase(nn.Module):
     def project(self, hidden: torch.Tensor, positions: torch.Tensor):
         raise NotImplementedError
 
-    def forward(self, hidden: torch.Tensor, views: AttentionViews, positions: torch.Tensor,
-                backend: str | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, views: AttentionViews, positions: torch.Tensor, backend: str | None = None
+    ) -> torch.Tensor:
         """hidden [C, D] compact rows, ``positions`` int [C] (``row_depth``) -> [C, D]."""
         q, k, v = self.project(hidden, positions)
         o = compact_attention(q, k, v, views, backend=backend or self.backend, scale=self.scale)
@@ -413,7 +477,7 @@ class CompactAttention(_CompactAttentionBase):
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-        self.scale = c.head_dim ** -0.5
+        self.scale = c.head_dim**-0.5
 
     def project(self, hidden: torch.Tensor, positions: torch.Tensor):
         """hidden [N, D], positions [N] -> q [N, Hq, Dh], k [N, Hkv, Dh], v [N, Hkv, Dh]."""
@@ -467,10 +531,11 @@ class CompactMLA(_CompactAttentionBase):
             self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_heads * dqk, bias=False)
         self.kv_a_proj = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
         self.kv_a_norm = nn.RMSNorm(c.kv_lora_rank, eps=c.norm_eps)
-        self.kv_b_proj = nn.Linear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim),
-                                   bias=False)
+        self.kv_b_proj = nn.Linear(
+            c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False
+        )
         self.o_proj = nn.Linear(c.num_heads * c.v_head_dim, c.hidden_size, bias=False)
-        self.scale = dqk ** -0.5
+        self.scale = dqk**-0.5
 
     def project(self, hidden: torch.Tensor, positions: torch.Tensor):
         """hidden [N, D], positions [N] -> q [N, H, Dqk], k [N, H, Dqk], v [N, H, Dv]."""
@@ -483,9 +548,9 @@ class CompactMLA(_CompactAttentionBase):
             q = self.q_b_proj(self.q_a_norm(self.q_a_proj(hidden)))
         q = q.view(n, h, nope + rope)
         q = torch.cat([q[..., :nope], apply_rope(q[..., nope:], cos, sin)], dim=-1)
-        kv_a = self.kv_a_proj(hidden)                                       # [N, r_kv + rope]
-        k_rope = apply_rope(kv_a[:, None, c.kv_lora_rank:], cos, sin)       # [N, 1, rope]
-        kv = self.kv_b_proj(self.kv_a_norm(kv_a[:, :c.kv_lora_rank])).view(n, h, nope + c.v_head_dim)
+        kv_a = self.kv_a_proj(hidden)  # [N, r_kv + rope]
+        k_rope = apply_rope(kv_a[:, None, c.kv_lora_rank :], cos, sin)  # [N, 1, rope]
+        kv = self.kv_b_proj(self.kv_a_norm(kv_a[:, : c.kv_lora_rank])).view(n, h, nope + c.v_head_dim)
         k = torch.cat([kv[..., :nope], k_rope.expand(n, h, rope)], dim=-1)  # [N, H, Dqk]
-        v = kv[..., nope:]                                                  # [N, H, Dv]
+        v = kv[..., nope:]  # [N, H, Dv]
         return q, k, v

@@ -34,17 +34,30 @@ def layer_costs(cfg: ModelConfig) -> dict:
     ``attn_per_key`` (summed over full-attention layers, per query-key pair), plus a breakdown."""
     d, h = cfg.hidden_size, cfg.num_heads
     k = v = cfg.kda_head_dim
-    mm = (lambda i, o: 2 * i * o)
-    kda = (mm(d, h * k) * 2 + mm(d, h * v) + mm(d, v) + mm(v, h * k) + mm(d, h) + mm(d, v) + mm(v, h * v)
-           + mm(h * v, d) + 2 * cfg.conv_size * (2 * h * k + h * v)
-           + h * (4 * cfg.chunk_size * k + 2 * cfg.chunk_size * v + 6 * k * v))
+    mm = lambda i, o: 2 * i * o
+    kda = (
+        mm(d, h * k) * 2
+        + mm(d, h * v)
+        + mm(d, v)
+        + mm(v, h * k)
+        + mm(d, h)
+        + mm(d, v)
+        + mm(v, h * v)
+        + mm(h * v, d)
+        + 2 * cfg.conv_size * (2 * h * k + h * v)
+        + h * (4 * cfg.chunk_size * k + 2 * cfg.chunk_size * v + 6 * k * v)
+    )
     dqk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     if cfg.q_lora_rank is None:
         mla_q = mm(d, h * dqk)
     else:
         mla_q = mm(d, cfg.q_lora_rank) + mm(cfg.q_lora_rank, h * dqk)
-    mla = (mla_q + mm(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-           + mm(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim)) + mm(h * cfg.v_head_dim, d))
+    mla = (
+        mla_q
+        + mm(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        + mm(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        + mm(h * cfg.v_head_dim, d)
+    )
     mla_key = 2 * h * (dqk + cfg.v_head_dim)
     hd = d // h
     hkv = cfg.num_kv_heads or h
@@ -56,9 +69,20 @@ def layer_costs(cfg: ModelConfig) -> dict:
     key = {"kda": 0, "mla": mla_key, "gqa": gqa_key}
     ffn = {"dense": dense, "moe": moe}
     row = sum(mixer[m] + ffn[f] for m, f in zip(cfg.mixers, cfg.ffns)) + mm(d, cfg.vocab_size)
-    return {"row": row, "attn_per_key": sum(key[m] for m in cfg.mixers),
-            "per_layer": {"kda": kda, "mla": mla, "gqa": gqa, "dense": dense, "moe": moe,
-                          "mla_per_key": mla_key, "gqa_per_key": gqa_key, "lm_head": mm(d, cfg.vocab_size)}}
+    return {
+        "row": row,
+        "attn_per_key": sum(key[m] for m in cfg.mixers),
+        "per_layer": {
+            "kda": kda,
+            "mla": mla,
+            "gqa": gqa,
+            "dense": dense,
+            "moe": moe,
+            "mla_per_key": mla_key,
+            "gqa_per_key": gqa_key,
+            "lm_head": mm(d, cfg.vocab_size),
+        },
+    }
 
 
 def attended_keys(positions) -> int:
@@ -96,6 +120,13 @@ def work_compression(cfg: ModelConfig, lengths, compact_positions) -> dict:
     c_rows = sum(int(np.asarray(p).size) for p in compact_positions)
     c_keys = sum(attended_keys(p) for p in compact_positions)
     tf, cf = model_flops(cfg, t_rows, t_keys), model_flops(cfg, c_rows, c_keys)
-    return {"trajectory_rows": t_rows, "trajectory_keys": t_keys, "trajectory_flops": tf,
-            "compact_rows": c_rows, "compact_keys": c_keys, "compact_flops": cf,
-            "row_compression": t_rows / max(c_rows, 1), "ideal_work_compression": tf / max(cf, 1.0)}
+    return {
+        "trajectory_rows": t_rows,
+        "trajectory_keys": t_keys,
+        "trajectory_flops": tf,
+        "compact_rows": c_rows,
+        "compact_keys": c_keys,
+        "compact_flops": cf,
+        "row_compression": t_rows / max(c_rows, 1),
+        "ideal_work_compression": tf / max(cf, 1.0),
+    }

@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
-from harts_kernels.kda import chunk_kda_with_states
 from torch import nn
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
+from harts_kernels.kda import chunk_kda_with_states
 from harts_runtime._conv import causal_conv, sequence_conv_index, trajectory_conv_index
 
 __all__ = ["KDAConfig", "KDAExecutionPlan", "KDALayer", "KDARound"]
@@ -54,18 +54,26 @@ __all__ = ["KDAConfig", "KDAExecutionPlan", "KDALayer", "KDARound"]
 class KDARound:
     """One packed call. Lists are host ints (no device sync at run time)."""
 
-    gather: torch.Tensor           # [n] int64: physical row read by each packed row
-    cu_seqlens: list[int]          # [q + 1] over the packed rows (replay included)
-    init_slots: list[int]          # [q] slot each sequence starts from, -1 = zero state
-    request_seq: list[int]         # [p] local sequence index of each requested boundary
-    request_chunk: list[int]       # [p] boundary index on that sequence's grid
-    request_slot: list[int]        # [p] slot the returned state goes to
-    final_slots: list[int]         # [q] slot for the final state, -1 = not needed
-    out_pos: torch.Tensor          # [m] int64: packed rows that write an output (not replay)
+    gather: torch.Tensor  # [n] int64: physical row read by each packed row
+    cu_seqlens: list[int]  # [q + 1] over the packed rows (replay included)
+    init_slots: list[int]  # [q] slot each sequence starts from, -1 = zero state
+    request_seq: list[int]  # [p] local sequence index of each requested boundary
+    request_chunk: list[int]  # [p] boundary index on that sequence's grid
+    request_slot: list[int]  # [p] slot the returned state goes to
+    final_slots: list[int]  # [q] slot for the final state, -1 = not needed
+    out_pos: torch.Tensor  # [m] int64: packed rows that write an output (not replay)
 
     def to(self, device) -> KDARound:
-        return KDARound(self.gather.to(device), self.cu_seqlens, self.init_slots, self.request_seq,
-                        self.request_chunk, self.request_slot, self.final_slots, self.out_pos.to(device))
+        return KDARound(
+            self.gather.to(device),
+            self.cu_seqlens,
+            self.init_slots,
+            self.request_seq,
+            self.request_chunk,
+            self.request_slot,
+            self.final_slots,
+            self.out_pos.to(device),
+        )
 
 
 @dataclass
@@ -74,7 +82,7 @@ class KDASchedule:
 
     rounds: list[KDARound]
     num_slots: int
-    write_perm: torch.Tensor       # [C] int64: physical row c is cat(round outputs)[write_perm[c]]
+    write_perm: torch.Tensor  # [C] int64: physical row c is cat(round outputs)[write_perm[c]]
 
     def to(self, device) -> KDASchedule:
         return KDASchedule([r.to(device) for r in self.rounds], self.num_slots, self.write_perm.to(device))
@@ -95,9 +103,9 @@ class KDAExecutionPlan:
     chunk_size: int
     conv_width: int
     num_rows: int
-    conv_index: torch.Tensor       # [C, w] int64 true-ancestor windows (physical rows, -1 = zero)
-    replay: KDASchedule            # the minimum-call rounds of Algorithm 1
-    no_replay: KDASchedule         # the Section 5.4 ablation: one sequence per segment
+    conv_index: torch.Tensor  # [C, w] int64 true-ancestor windows (physical rows, -1 = zero)
+    replay: KDASchedule  # the minimum-call rounds of Algorithm 1
+    no_replay: KDASchedule  # the Section 5.4 ablation: one sequence per segment
     stats: dict = field(default_factory=dict)
 
     @property
@@ -105,8 +113,15 @@ class KDAExecutionPlan:
         return len(self.replay.rounds)
 
     def to(self, device) -> KDAExecutionPlan:
-        return KDAExecutionPlan(self.chunk_size, self.conv_width, self.num_rows, self.conv_index.to(device),
-                                self.replay.to(device), self.no_replay.to(device), dict(self.stats))
+        return KDAExecutionPlan(
+            self.chunk_size,
+            self.conv_width,
+            self.num_rows,
+            self.conv_index.to(device),
+            self.replay.to(device),
+            self.no_replay.to(device),
+            dict(self.stats),
+        )
 
     @classmethod
     def from_call_plan(cls, plan, device=None) -> KDAExecutionPlan:
@@ -127,19 +142,21 @@ class KDAExecutionPlan:
         rounds, out_rows = [], []
         for r in range(int(plan.num_calls)):
             q0, q1 = int(so[r]), int(so[r + 1])
-            rows = por[po[r]:po[r + 1]]
+            rows = por[po[r] : po[r + 1]]
             keep = np.nonzero(rows >= 0)[0]
             p0, p1 = int(ro[q0]), int(ro[q1])
-            rounds.append(KDARound(
-                gather=torch.from_numpy(gi[po[r]:po[r + 1]].copy()),
-                cu_seqlens=[int(x) for x in plan.cu_seqlens(r)],
-                init_slots=[int(s) for s in slot_of[q0:q1]],
-                request_seq=[int(s) - q0 for s in rq_seq[p0:p1]],
-                request_chunk=[int(c) for c in rq_chunk[p0:p1]],
-                request_slot=[int(s) for s in rq_slot[p0:p1]],
-                final_slots=[-1] * (q1 - q0),
-                out_pos=torch.from_numpy(keep.astype(np.int64)),
-            ))
+            rounds.append(
+                KDARound(
+                    gather=torch.from_numpy(gi[po[r] : po[r + 1]].copy()),
+                    cu_seqlens=[int(x) for x in plan.round_cu_seqlens(r)],
+                    init_slots=[int(s) for s in slot_of[q0:q1]],
+                    request_seq=[int(s) - q0 for s in rq_seq[p0:p1]],
+                    request_chunk=[int(c) for c in rq_chunk[p0:p1]],
+                    request_slot=[int(s) for s in rq_slot[p0:p1]],
+                    final_slots=[-1] * (q1 - q0),
+                    out_pos=torch.from_numpy(keep.astype(np.int64)),
+                )
+            )
             out_rows.append(rows[keep])
         replay = KDASchedule(rounds, int(plan.num_state_slots), _write_perm(out_rows, C))
 
@@ -149,10 +166,21 @@ class KDAExecutionPlan:
         ranges = np.stack([sp[:-1], sp[1:]], 1)
         conv_index = torch.from_numpy(sequence_conv_index(ranges, np.asarray(plan.own_conv_context), C))
 
-        out = cls(B, w, C, conv_index, replay, _segment_schedule(plan, C),
-                  {"num_calls": int(plan.num_calls), "replay_tokens": int(plan.replay_tokens),
-                   "compact_tokens": C, "num_sequences": int(plan.num_sequences),
-                   "num_state_slots": int(plan.num_state_slots)})
+        out = cls(
+            B,
+            w,
+            C,
+            conv_index,
+            replay,
+            _segment_schedule(plan, C),
+            {
+                "num_calls": int(plan.num_calls),
+                "replay_tokens": int(plan.replay_tokens),
+                "compact_tokens": C,
+                "num_sequences": int(plan.num_sequences),
+                "num_state_slots": int(plan.num_state_slots),
+            },
+        )
         return out.to(device) if device is not None else out
 
     @classmethod
@@ -163,13 +191,33 @@ class KDAExecutionPlan:
         offsets = np.asarray(offsets, dtype=np.int64)
         S, n = int(offsets[-1]), len(offsets) - 1
         rows = torch.arange(S, dtype=torch.int64)
-        rd = KDARound(gather=rows, cu_seqlens=offsets.tolist(), init_slots=[-1] * n, request_seq=[],
-                      request_chunk=[], request_slot=[], final_slots=[-1] * n, out_pos=rows)
+        rd = KDARound(
+            gather=rows,
+            cu_seqlens=offsets.tolist(),
+            init_slots=[-1] * n,
+            request_seq=[],
+            request_chunk=[],
+            request_slot=[],
+            final_slots=[-1] * n,
+            out_pos=rows,
+        )
         sched = KDASchedule([rd], 0, rows)
         conv_index = torch.from_numpy(trajectory_conv_index(offsets, conv_width))
-        out = cls(chunk_size, conv_width, S, conv_index, sched, sched,
-                  {"num_calls": 1, "replay_tokens": 0, "compact_tokens": S, "num_sequences": n,
-                   "num_state_slots": 0})
+        out = cls(
+            chunk_size,
+            conv_width,
+            S,
+            conv_index,
+            sched,
+            sched,
+            {
+                "num_calls": 1,
+                "replay_tokens": 0,
+                "compact_tokens": S,
+                "num_sequences": n,
+                "num_state_slots": 0,
+            },
+        )
         return out.to(device) if device is not None else out
 
 
@@ -188,10 +236,10 @@ def _segment_schedule(plan, C: int) -> KDASchedule:
         depth[v] = 0
     children = np.asarray(plan.segment_children, dtype=np.int64)
     i = 0
-    while i < len(order):                                                   # BFS
+    while i < len(order):  # BFS
         v = order[i]
         i += 1
-        for u in children[co[v]:co[v + 1]]:
+        for u in children[co[v] : co[v + 1]]:
             depth[u] = depth[v] + 1
             order.append(int(u))
     rounds, out_rows = [], []
@@ -199,14 +247,18 @@ def _segment_schedule(plan, C: int) -> KDASchedule:
         segs = [v for v in order if depth[v] == d]
         lens = [int(end[v] - start[v]) for v in segs]
         gather = np.concatenate([np.arange(pb[v], pb[v] + n) for v, n in zip(segs, lens)])
-        rounds.append(KDARound(
-            gather=torch.from_numpy(gather.astype(np.int64)),
-            cu_seqlens=[0] + list(np.cumsum(lens).tolist()),
-            init_slots=[int(parent[v]) for v in segs],
-            request_seq=[], request_chunk=[], request_slot=[],
-            final_slots=[v if co[v + 1] > co[v] else -1 for v in segs],
-            out_pos=torch.arange(len(gather), dtype=torch.int64),
-        ))
+        rounds.append(
+            KDARound(
+                gather=torch.from_numpy(gather.astype(np.int64)),
+                cu_seqlens=[0] + list(np.cumsum(lens).tolist()),
+                init_slots=[int(parent[v]) for v in segs],
+                request_seq=[],
+                request_chunk=[],
+                request_slot=[],
+                final_slots=[v if co[v + 1] > co[v] else -1 for v in segs],
+                out_pos=torch.arange(len(gather), dtype=torch.int64),
+            )
+        )
         out_rows.append(gather)
     return KDASchedule(rounds, V, _write_perm(out_rows, C))
 
@@ -252,14 +304,16 @@ class KDALayer(nn.Module):
         self.q_proj = nn.Linear(D, H * K, bias=False)
         self.k_proj = nn.Linear(D, H * K, bias=False)
         self.v_proj = nn.Linear(D, H * Vd, bias=False)
-        self.q_conv = nn.Parameter(torch.randn(H * K, w) / math.sqrt(w))   # depthwise [channels, w]
+        self.q_conv = nn.Parameter(torch.randn(H * K, w) / math.sqrt(w))  # depthwise [channels, w]
         self.k_conv = nn.Parameter(torch.randn(H * K, w) / math.sqrt(w))
         self.v_conv = nn.Parameter(torch.randn(H * Vd, w) / math.sqrt(w))
         self.f_proj = nn.Sequential(nn.Linear(D, Vd, bias=False), nn.Linear(Vd, H * K, bias=False))
         self.b_proj = nn.Linear(D, H, bias=False)
         self.A_log = nn.Parameter(torch.log(torch.empty(H).uniform_(1, 16)))
-        dt = torch.exp(torch.rand(H * K) * (math.log(0.1) - math.log(0.001)) + math.log(0.001)).clamp(min=1e-4)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))    # inverse softplus
+        dt = torch.exp(torch.rand(H * K) * (math.log(0.1) - math.log(0.001)) + math.log(0.001)).clamp(
+            min=1e-4
+        )
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
         self.g_proj = nn.Sequential(nn.Linear(D, Vd, bias=False), nn.Linear(Vd, H * Vd, bias=True))
         self.o_norm_weight = nn.Parameter(torch.ones(Vd))
         self.o_proj = nn.Linear(H * Vd, D, bias=False)
@@ -274,7 +328,7 @@ class KDALayer(nn.Module):
         k = _l2norm(causal_conv(self.k_proj(x), self.k_conv, conv_index).view(R, H, K))
         v = causal_conv(self.v_proj(x), self.v_conv, conv_index).view(R, H, Vd)
         f = self.f_proj(x).view(R, H, K).float() + self.dt_bias.view(H, K).float()
-        g = -self.A_log.float().exp().view(H, 1) * F.softplus(f)                 # <= 0
+        g = -self.A_log.float().exp().view(H, 1) * F.softplus(f)  # <= 0
         beta = torch.sigmoid(self.b_proj(x).float()).to(x.dtype)
         out_gate = self.g_proj(x).view(R, H, Vd)
         return q, k, v, g, beta, out_gate
@@ -291,7 +345,7 @@ class KDALayer(nn.Module):
         """Execute the rounds; returns the core output [C, H, V] in physical order."""
         c = self.config
         H, K, Vd = c.num_heads, c.head_k_dim, c.head_v_dim
-        slots: list[torch.Tensor | None] = [None] * sched.num_slots       # live for this call only
+        slots: list[torch.Tensor | None] = [None] * sched.num_slots  # live for this call only
         zero = None
         outs = []
         for rd in sched.rounds:
@@ -309,9 +363,15 @@ class KDALayer(nn.Module):
             want_final = any(s >= 0 for s in rd.final_slots)
             with record_function("harts.kda.core"):
                 o, final, bstates = chunk_kda_with_states(
-                    *packed, initial_state=init, cu_seqlens=rd.cu_seqlens, chunk_size=c.chunk_size,
-                    request_seq=rd.request_seq, request_chunk=rd.request_chunk,
-                    output_final_state=want_final, backend=c.backend)
+                    *packed,
+                    initial_state=init,
+                    cu_seqlens=rd.cu_seqlens,
+                    chunk_size=c.chunk_size,
+                    request_seq=rd.request_seq,
+                    request_chunk=rd.request_chunk,
+                    output_final_state=want_final,
+                    backend=c.backend,
+                )
             for j, s in enumerate(rd.request_slot):
                 slots[s] = bstates[j]
             for j, s in enumerate(rd.final_slots):
@@ -327,11 +387,19 @@ class KDALayer(nn.Module):
         o = self._run_schedule(sched, q, k, v, g, beta)
         return self._output(o, out_gate)
 
-    def forward(self, x: torch.Tensor, plan: KDAExecutionPlan, *, no_replay: bool | None = None,
-                recompute: bool | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        plan: KDAExecutionPlan,
+        *,
+        no_replay: bool | None = None,
+        recompute: bool | None = None,
+    ) -> torch.Tensor:
         """x: [C, D] compact hidden states in physical order -> [C, D] layer output."""
         if plan.chunk_size != self.config.chunk_size:
-            raise ValueError(f"plan: chunk_size {plan.chunk_size} != layer chunk_size {self.config.chunk_size}")
+            raise ValueError(
+                f"plan: chunk_size {plan.chunk_size} != layer chunk_size {self.config.chunk_size}"
+            )
         if plan.conv_width != self.config.conv_size:
             raise ValueError(f"plan: conv_width {plan.conv_width} != layer conv_size {self.config.conv_size}")
         if x.shape[0] != plan.num_rows:
@@ -349,6 +417,10 @@ class KDALayer(nn.Module):
         conv_index = torch.from_numpy(trajectory_conv_index(offsets, self.config.conv_size)).to(x.device)
         q, k, v, g, beta, out_gate = self._features(x, conv_index)
         o, _, _ = chunk_kda_with_states(
-            *(t.unsqueeze(0) for t in (q, k, v, g, beta)), cu_seqlens=offsets.tolist(),
-            chunk_size=self.config.chunk_size, output_final_state=False, backend=self.config.backend)
+            *(t.unsqueeze(0) for t in (q, k, v, g, beta)),
+            cu_seqlens=offsets.tolist(),
+            chunk_size=self.config.chunk_size,
+            output_final_state=False,
+            backend=self.config.backend,
+        )
         return self._output(o[0], out_gate)

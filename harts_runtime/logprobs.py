@@ -59,8 +59,13 @@ class LogProbTargets:
     num_semantic: int
 
     def to(self, device) -> LogProbTargets:
-        return LogProbTargets(self.row_index.to(device), self.labels.to(device), self.positions.to(device),
-                              self.cu_seqlens.to(device), self.num_semantic)
+        return LogProbTargets(
+            self.row_index.to(device),
+            self.labels.to(device),
+            self.positions.to(device),
+            self.cu_seqlens.to(device),
+            self.num_semantic,
+        )
 
     def to_semantic(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """Scatter [P] values to [S] semantic positions (terminal positions get ``fill``)."""
@@ -95,7 +100,7 @@ def _row_logsumexp(logits: torch.Tensor, chunk: int) -> torch.Tensor:
     m = torch.full((c,), float("-inf"), device=logits.device, dtype=dt)
     acc = torch.zeros(c, device=logits.device, dtype=dt)
     for a in range(0, v, chunk):
-        z = logits[:, a:a + chunk].to(dt)                                        # [C, chunk]
+        z = logits[:, a : a + chunk].to(dt)  # [C, chunk]
         m_new = torch.maximum(m, z.amax(1))
         acc = acc * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(1)
         m = m_new
@@ -111,8 +116,8 @@ class MappedLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, row_index, labels, chunk):
-        lse = _row_logsumexp(logits, chunk)                                         # [C]
-        target = logits[row_index, labels].to(lse.dtype)                           # [P]
+        lse = _row_logsumexp(logits, chunk)  # [C]
+        target = logits[row_index, labels].to(lse.dtype)  # [P]
         ctx.save_for_backward(logits, row_index, labels, lse)
         ctx.chunk = chunk
         return target - lse[row_index]
@@ -121,27 +126,29 @@ class MappedLogProbs(torch.autograd.Function):
     def backward(ctx, grad):
         logits, row_index, labels, lse = ctx.saved_tensors
         g = grad.to(lse.dtype)
-        row_grad = torch.zeros_like(lse).index_add_(0, row_index, g)               # [C] sum_s g_s
+        row_grad = torch.zeros_like(lse).index_add_(0, row_index, g)  # [C] sum_s g_s
         # Target terms grouped by vocabulary chunk, so each chunk is finished in float32 and
         # rounded to the logits' dtype once.
         by_label = torch.argsort(labels)
         sorted_labels = labels[by_label]
         dlogits = torch.empty_like(logits)
         chunk = ctx.chunk
-        bounds = torch.searchsorted(sorted_labels, torch.arange(0, logits.shape[1] + chunk, chunk,
-                                                                device=labels.device)).tolist()
+        bounds = torch.searchsorted(
+            sorted_labels, torch.arange(0, logits.shape[1] + chunk, chunk, device=labels.device)
+        ).tolist()
         for i, a in enumerate(range(0, logits.shape[1], chunk)):
-            z = logits[:, a:a + chunk].to(lse.dtype)                               # [C, chunk]
+            z = logits[:, a : a + chunk].to(lse.dtype)  # [C, chunk]
             d = torch.exp(z - lse[:, None]).mul_(-row_grad[:, None])
-            sel = by_label[bounds[i]:bounds[i + 1]]
+            sel = by_label[bounds[i] : bounds[i + 1]]
             if sel.numel():
                 d.index_put_((row_index[sel], labels[sel] - a), g[sel], accumulate=True)
-            dlogits[:, a:a + chunk] = d
+            dlogits[:, a : a + chunk] = d
         return dlogits, None, None, None
 
 
-def mapped_logprobs(logits: torch.Tensor, targets: LogProbTargets | tuple, *,
-                    chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+def mapped_logprobs(
+    logits: torch.Tensor, targets: LogProbTargets | tuple, *, chunk: int = DEFAULT_CHUNK
+) -> torch.Tensor:
     """Current log-probs of every non-terminal semantic position, in original batch order.
 
     Parameters
@@ -158,12 +165,16 @@ def mapped_logprobs(logits: torch.Tensor, targets: LogProbTargets | tuple, *,
     Tensor, float32, shape [P]
         ``log_softmax(logits[row_index[i]])[labels[i]]``, differentiable in ``logits``.
     """
-    row_index, labels = (targets.row_index, targets.labels) if isinstance(targets, LogProbTargets) else targets
+    row_index, labels = (
+        (targets.row_index, targets.labels) if isinstance(targets, LogProbTargets) else targets
+    )
     return MappedLogProbs.apply(logits, row_index, labels, int(chunk))
 
 
 def expanded_logprobs(logits: torch.Tensor, targets: LogProbTargets | tuple) -> torch.Tensor:
     """Trajectory-wise baseline: expand to [P, V] rows, ``log_softmax``, gather (allocates P x V)."""
-    row_index, labels = (targets.row_index, targets.labels) if isinstance(targets, LogProbTargets) else targets
-    expanded = logits.index_select(0, row_index).float()                           # [P, V]
+    row_index, labels = (
+        (targets.row_index, targets.labels) if isinstance(targets, LogProbTargets) else targets
+    )
+    expanded = logits.index_select(0, row_index).float()  # [P, V]
     return expanded.log_softmax(-1).gather(1, labels[:, None])[:, 0]

@@ -41,8 +41,15 @@ from harts_runtime.kda import KDAConfig, KDAExecutionPlan, KDALayer
 from harts_runtime.moe import CompactMoE, MoEConfig
 from harts_runtime.views import AttentionViews
 
-__all__ = ["FLAVORS", "ChunkedLMHeadLogProbs", "ConfigError", "HybridModel", "ModelConfig", "RowLayout",
-           "model_config"]
+__all__ = [
+    "FLAVORS",
+    "ChunkedLMHeadLogProbs",
+    "ConfigError",
+    "HybridModel",
+    "ModelConfig",
+    "RowLayout",
+    "model_config",
+]
 
 MIXERS = ("kda", "mla", "gqa")
 FFNS = ("dense", "moe")
@@ -140,8 +147,15 @@ class ModelConfig:
                 raise ConfigError(f"ffns[{i}]", f"unknown {f!r}; choose one of {FFNS}")
         if self.dtype not in ("float32", "bfloat16", "float64"):
             raise ConfigError("dtype", f"choose float32, bfloat16 or float64, got {self.dtype!r}")
-        for name in ("vocab_size", "hidden_size", "num_heads", "kda_head_dim", "conv_size", "chunk_size",
-                     "lm_head_rows"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_heads",
+            "kda_head_dim",
+            "conv_size",
+            "chunk_size",
+            "lm_head_rows",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         if "moe" in self.ffns and not 1 <= self.top_k <= self.num_experts:
@@ -162,18 +176,42 @@ class ModelConfig:
 def _ling_tiny(num_layers: int = 24) -> ModelConfig:
     mixers = (("kda",) * 3 + ("mla",)) * 6
     return ModelConfig(
-        vocab_size=157_184, hidden_size=1536, mixers=mixers[:num_layers],
-        ffns=(("dense",) + ("moe",) * 23)[:num_layers], num_heads=16, kda_head_dim=128, conv_size=4,
-        chunk_size=64, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, dense_intermediate=4608, num_experts=128, top_k=8, expert_intermediate=512,
-        score_func="sigmoid", norm_topk_prob=True, use_expert_bias=True, aux_loss_coef=0.0,
-        z_loss_coef=1e-6, dtype="bfloat16", lm_head_rows=2048)
+        vocab_size=157_184,
+        hidden_size=1536,
+        mixers=mixers[:num_layers],
+        ffns=(("dense",) + ("moe",) * 23)[:num_layers],
+        num_heads=16,
+        kda_head_dim=128,
+        conv_size=4,
+        chunk_size=64,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        dense_intermediate=4608,
+        num_experts=128,
+        top_k=8,
+        expert_intermediate=512,
+        score_func="sigmoid",
+        norm_topk_prob=True,
+        use_expert_bias=True,
+        aux_loss_coef=0.0,
+        z_loss_coef=1e-6,
+        dtype="bfloat16",
+        lm_head_rows=2048,
+    )
 
 
 def _debug(num_layers: int = 4) -> ModelConfig:
     mixers = ("kda", "mla", "kda", "gqa")
-    return ModelConfig(vocab_size=512, mixers=(mixers * 8)[:num_layers], ffns=(("dense", "moe", "moe", "dense") * 8)[:num_layers],
-                       num_kv_heads=1, lm_head_rows=16)
+    return ModelConfig(
+        vocab_size=512,
+        mixers=(mixers * 8)[:num_layers],
+        ffns=(("dense", "moe", "moe", "dense") * 8)[:num_layers],
+        num_kv_heads=1,
+        lm_head_rows=16,
+    )
 
 
 FLAVORS = {"ling-tiny": _ling_tiny, "debug": _debug}
@@ -189,8 +227,9 @@ def model_config(flavor: str, num_layers: int | None = None, **overrides) -> Mod
         raise ConfigError("flavor", f"unknown {flavor!r}; choose one of {sorted(FLAVORS)}")
     cfg = FLAVORS[flavor]() if num_layers is None else FLAVORS[flavor](num_layers)
     if num_layers is not None and (num_layers < 1 or cfg.num_layers != num_layers):
-        raise ConfigError("num_layers", f"flavor {flavor!r} supports 1..{cfg.num_layers} layers, "
-                                        f"got {num_layers}")
+        raise ConfigError(
+            "num_layers", f"flavor {flavor!r} supports 1..{cfg.num_layers} layers, got {num_layers}"
+        )
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     for name in overrides:
         if name not in known:
@@ -207,11 +246,11 @@ class RowLayout:
     ``N`` rows (compact physical rows, or expanded trajectory rows).
     """
 
-    input_ids: torch.Tensor        # [N] int64 token of each row
-    positions: torch.Tensor        # [N] int64 absolute trajectory position (RoPE)
-    multiplicity: torch.Tensor     # [N] float32 semantic positions per row (MoE statistics)
-    kda: KDAExecutionPlan          # KDA rounds (trivial: one packed call) and conv windows
-    views: AttentionViews          # full-attention Q / ancestor-KV views
+    input_ids: torch.Tensor  # [N] int64 token of each row
+    positions: torch.Tensor  # [N] int64 absolute trajectory position (RoPE)
+    multiplicity: torch.Tensor  # [N] float32 semantic positions per row (MoE statistics)
+    kda: KDAExecutionPlan  # KDA rounds (trivial: one packed call) and conv windows
+    views: AttentionViews  # full-attention Q / ancestor-KV views
     info: dict = field(default_factory=dict)
 
     @property
@@ -219,10 +258,14 @@ class RowLayout:
         return int(self.input_ids.numel())
 
     def to(self, device) -> RowLayout:
-        return RowLayout(self.input_ids.to(device, non_blocking=True),
-                         self.positions.to(device, non_blocking=True),
-                         self.multiplicity.to(device, non_blocking=True), self.kda.to(device),
-                         self.views.to(device), dict(self.info))
+        return RowLayout(
+            self.input_ids.to(device, non_blocking=True),
+            self.positions.to(device, non_blocking=True),
+            self.multiplicity.to(device, non_blocking=True),
+            self.kda.to(device),
+            self.views.to(device),
+            dict(self.info),
+        )
 
 
 # ------------------------------------------------------------------------------- modules
@@ -262,21 +305,58 @@ class Block(nn.Module):
         self.norm1 = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.norm2 = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         if mixer == "kda":
-            self.mixer = KDALayer(KDAConfig(cfg.hidden_size, cfg.num_heads, cfg.kda_head_dim, cfg.kda_head_dim,
-                                            cfg.conv_size, cfg.chunk_size, backend=cfg.kda_backend))
+            self.mixer = KDALayer(
+                KDAConfig(
+                    cfg.hidden_size,
+                    cfg.num_heads,
+                    cfg.kda_head_dim,
+                    cfg.kda_head_dim,
+                    cfg.conv_size,
+                    cfg.chunk_size,
+                    backend=cfg.kda_backend,
+                )
+            )
         elif mixer == "mla":
-            self.mixer = CompactMLA(MLAConfig(cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank,
-                                              cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
-                                              cfg.q_lora_rank, cfg.rope_theta, backend=attn_backend))
+            self.mixer = CompactMLA(
+                MLAConfig(
+                    cfg.hidden_size,
+                    cfg.num_heads,
+                    cfg.kv_lora_rank,
+                    cfg.qk_nope_head_dim,
+                    cfg.qk_rope_head_dim,
+                    cfg.v_head_dim,
+                    cfg.q_lora_rank,
+                    cfg.rope_theta,
+                    backend=attn_backend,
+                )
+            )
         else:
-            self.mixer = CompactAttention(AttentionConfig(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
-                                                          rope_theta=cfg.rope_theta, backend=attn_backend))
+            self.mixer = CompactAttention(
+                AttentionConfig(
+                    cfg.hidden_size,
+                    cfg.num_heads,
+                    cfg.num_kv_heads,
+                    rope_theta=cfg.rope_theta,
+                    backend=attn_backend,
+                )
+            )
         if ffn == "dense":
             self.ffn = DenseFFN(cfg.hidden_size, cfg.dense_intermediate)
         else:
-            self.ffn = CompactMoE(MoEConfig(cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.expert_intermediate,
-                                            cfg.score_func, cfg.norm_topk_prob, 1.0, cfg.use_expert_bias,
-                                            aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef))
+            self.ffn = CompactMoE(
+                MoEConfig(
+                    cfg.hidden_size,
+                    cfg.num_experts,
+                    cfg.top_k,
+                    cfg.expert_intermediate,
+                    cfg.score_func,
+                    cfg.norm_topk_prob,
+                    1.0,
+                    cfg.use_expert_bias,
+                    aux_loss_coef=cfg.aux_loss_coef,
+                    z_loss_coef=cfg.z_loss_coef,
+                )
+            )
 
     def forward(self, x: torch.Tensor, layout: RowLayout, no_replay: bool):
         """x [N, D] -> (x [N, D], router_loss scalar fp32, tokens_per_expert [E] or empty)."""
@@ -306,14 +386,14 @@ class HybridModel(nn.Module):
         backend = c.attn_backend
         if backend == "auto":
             backend = "varlen" if dev.type == "cuda" else "reference"
-        with dev:                            # build and initialise on the target device
+        with dev:  # build and initialise on the target device
             self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
             self.blocks = nn.ModuleList(Block(c, m, f, backend) for m, f in zip(c.mixers, c.ffns))
             self.norm = RMSNorm(c.hidden_size, c.norm_eps)
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
             self._init_weights()
         self.to(device=dev, dtype=c.torch_dtype)
-        for block in self.blocks:            # expert-load counts and the bias stay fp32 (exact counts)
+        for block in self.blocks:  # expert-load counts and the bias stay fp32 (exact counts)
             if block.ffn_kind == "moe":
                 block.ffn.expert_bias.data = block.ffn.expert_bias.data.float()
                 block.ffn.local_tokens_per_expert.data = block.ffn.local_tokens_per_expert.data.float()
@@ -351,8 +431,9 @@ class HybridModel(nn.Module):
                 block.ffn.local_tokens_per_expert += counts.detach()
         return self.norm(x), router
 
-    def logprobs(self, hidden: torch.Tensor, row_index: torch.Tensor, labels: torch.Tensor,
-                 chunks: list | None = None) -> torch.Tensor:
+    def logprobs(
+        self, hidden: torch.Tensor, row_index: torch.Tensor, labels: torch.Tensor, chunks: list | None = None
+    ) -> torch.Tensor:
         """Mapped log-probs ``log_softmax(hidden @ W^T)[row_index, labels]`` (Equation 17) without
         ``[N, V]`` logits; see :class:`ChunkedLMHeadLogProbs`. ``chunks`` from :func:`lm_chunks`.
 
@@ -368,8 +449,9 @@ class HybridModel(nn.Module):
             chunks = lm_chunks(row_index.cpu().numpy(), hidden.shape[0], self.config.lm_head_rows)
         order, bounds = chunks[0].to(hidden.device), chunks[1]
         with record_function("harts.lm_head"):
-            return ChunkedLMHeadLogProbs.apply(hidden, self.lm_head.weight, row_index, labels, order, bounds,
-                                               self.config.lm_head_rows)
+            return ChunkedLMHeadLogProbs.apply(
+                hidden, self.lm_head.weight, row_index, labels, order, bounds, self.config.lm_head_rows
+            )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full logits of some rows (evaluation only): [n, D] -> [n, V] in the model dtype (under
@@ -415,9 +497,9 @@ class ChunkedLMHeadLogProbs(torch.autograd.Function):
         n = hidden.shape[0]
         lse_all = torch.empty(n, device=hidden.device, dtype=acc)
         for i, a in enumerate(range(0, n, rows)):
-            z = (hidden[a:a + rows] @ weight.t()).to(acc)                       # [r, V]
+            z = (hidden[a : a + rows] @ weight.t()).to(acc)  # [r, V]
             lse = torch.logsumexp(z, -1)
-            lse_all[a:a + rows] = lse
+            lse_all[a : a + rows] = lse
             lo, hi = bounds[i], bounds[i + 1]
             if hi > lo:
                 sel = order[lo:hi]
@@ -438,14 +520,14 @@ class ChunkedLMHeadLogProbs(torch.autograd.Function):
         dh = torch.empty_like(hidden)
         dw = torch.zeros(weight.shape, device=weight.device, dtype=acc)
         for i, a in enumerate(range(0, n, rows)):
-            h = hidden[a:a + rows]
+            h = hidden[a : a + rows]
             z = (h @ weight.t()).to(acc)
-            d = torch.exp(z - lse_all[a:a + rows, None]).mul_(-row_grad[a:a + rows, None])
+            d = torch.exp(z - lse_all[a : a + rows, None]).mul_(-row_grad[a : a + rows, None])
             lo, hi = bounds[i], bounds[i + 1]
             if hi > lo:
                 sel = order[lo:hi]
                 d.index_put_((row_index[sel] - a, labels[sel]), g[sel], accumulate=True)
             d = d.to(hidden.dtype)
-            dh[a:a + rows] = d @ weight
+            dh[a : a + rows] = d @ weight
             dw.add_((d.t() @ h).to(acc))
         return dh, dw.to(weight.dtype), None, None, None, None, None

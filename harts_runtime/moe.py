@@ -92,8 +92,14 @@ class MoEOutput:
     """``aux_loss_coef * aux_loss + z_loss_coef * z_loss``."""
 
 
-def route(logits: torch.Tensor, top_k: int, score_func: str = "softmax", expert_bias=None,
-          norm_topk_prob: bool = False, scaling: float = 1.0):
+def route(
+    logits: torch.Tensor,
+    top_k: int,
+    score_func: str = "softmax",
+    expert_bias=None,
+    norm_topk_prob: bool = False,
+    scaling: float = 1.0,
+):
     """Deterministic top-k routing of N rows.
 
     Parameters
@@ -127,8 +133,9 @@ def route(logits: torch.Tensor, top_k: int, score_func: str = "softmax", expert_
     return probs, topk_idx, weight * scaling
 
 
-def router_losses(logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Tensor, multiplicity=None,
-                  reduce=None):
+def router_losses(
+    logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Tensor, multiplicity=None, reduce=None
+):
     """Multiplicity-weighted router statistics of N rows.
 
     Parameters
@@ -158,13 +165,13 @@ def router_losses(logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Ten
     q = torch.ones(n, device=logits.device, dtype=dt) if multiplicity is None else multiplicity.to(dt)
     s = q.sum()
     assigned = torch.zeros(n, e, device=logits.device, dtype=dt).scatter_(1, topk_idx, 1.0)  # a_{c,e}
-    tokens_per_expert = q @ assigned                                                # [E] f_e
-    mass = (q[:, None] * probs.to(dt)).sum(0)                                       # [E] P_e
+    tokens_per_expert = q @ assigned  # [E] f_e
+    mass = (q[:, None] * probs.to(dt)).sum(0)  # [E] P_e
     z_sum = (q * torch.logsumexp(logits, dim=-1).square()).sum()
     counts = tokens_per_expert
     if reduce is not None:
         total = reduce(torch.cat([mass, z_sum[None], tokens_per_expert, s[None]]))
-        mass, z_sum, counts, s = total[:e], total[e], total[e + 1:2 * e + 1], total[2 * e + 1]
+        mass, z_sum, counts, s = total[:e], total[e], total[e + 1 : 2 * e + 1], total[2 * e + 1]
         counts, s = counts.detach(), s.detach()
     aux = (mass * counts).sum() * (e / (k * s * s))
     z = z_sum / s
@@ -254,12 +261,17 @@ class CompactMoE(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        for w, fan_in in ((self.router, self.config.hidden_size), (self.w_gate, self.config.hidden_size),
-                          (self.w_up, self.config.hidden_size), (self.w_down, self.config.intermediate_size)):
-            nn.init.normal_(w, std=fan_in ** -0.5)
+        for w, fan_in in (
+            (self.router, self.config.hidden_size),
+            (self.w_gate, self.config.hidden_size),
+            (self.w_up, self.config.hidden_size),
+            (self.w_down, self.config.intermediate_size),
+        ):
+            nn.init.normal_(w, std=fan_in**-0.5)
 
-    def forward(self, hidden: torch.Tensor, multiplicity: torch.Tensor | None = None, *,
-                count: bool = True) -> MoEOutput:
+    def forward(
+        self, hidden: torch.Tensor, multiplicity: torch.Tensor | None = None, *, count: bool = True
+    ) -> MoEOutput:
         """Route and run experts once per row.
 
         Parameters
@@ -281,21 +293,28 @@ class CompactMoE(nn.Module):
         """
         c = self.config
         dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        logits = hidden.to(dt) @ self.router.to(dt).t()                                # [N, E]
-        probs, topk_idx, weight = route(logits, c.top_k, c.score_func,
-                                        self.expert_bias if c.use_expert_bias else None,
-                                        c.norm_topk_prob, c.routed_scaling_factor)
+        logits = hidden.to(dt) @ self.router.to(dt).t()  # [N, E]
+        probs, topk_idx, weight = route(
+            logits,
+            c.top_k,
+            c.score_func,
+            self.expert_bias if c.use_expert_bias else None,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+        )
         shard = self.row_shard
         if shard is not None and multiplicity is not None:
             multiplicity = shard.select(multiplicity, hidden.shape[0])
-        aux, z, counts = router_losses(logits, probs, topk_idx, multiplicity,
-                                       reduce=None if shard is None else shard.reduce)
+        aux, z, counts = router_losses(
+            logits, probs, topk_idx, multiplicity, reduce=None if shard is None else shard.reduce
+        )
         if self.training and count:
             self.local_tokens_per_expert += counts.detach()
         experts = self._experts_grouped if c.grouped else self._experts_loop
         out = experts(hidden, topk_idx, weight.to(hidden.dtype))
-        return MoEOutput(out, aux, z, counts.detach(), topk_idx, weight,
-                         c.aux_loss_coef * aux + c.z_loss_coef * z)
+        return MoEOutput(
+            out, aux, z, counts.detach(), topk_idx, weight, c.aux_loss_coef * aux + c.z_loss_coef * z
+        )
 
     def _ffn(self, x: torch.Tensor, e: int) -> torch.Tensor:
         return (F.silu(x @ self.w_gate[e]) * (x @ self.w_up[e])) @ self.w_down[e]
@@ -312,15 +331,15 @@ class CompactMoE(nn.Module):
     def _experts_grouped(self, x, topk_idx, weight):
         """Fast path: sort the N*k assignments by expert, grouped matmuls, unsort, sum over slots."""
         n, k = topk_idx.shape
-        flat = topk_idx.reshape(-1)                                                   # [N*k]
+        flat = topk_idx.reshape(-1)  # [N*k]
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.config.num_experts)
-        xs = x[order // k]                                                           # [N*k, D]
+        xs = x[order // k]  # [N*k, D]
         h = F.silu(grouped_mm(xs, self.w_gate, counts)) * grouped_mm(xs, self.w_up, counts)
-        ys = _ContiguousGrad.apply(grouped_mm(h, self.w_down, counts))               # [N*k, D]
+        ys = _ContiguousGrad.apply(grouped_mm(h, self.w_down, counts))  # [N*k, D]
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        y = ys[inverse].view(n, k, -1)                                               # [N, k, D]
+        y = ys[inverse].view(n, k, -1)  # [N, k, D]
         return (y * weight[..., None]).sum(1)
 
     @torch.no_grad()

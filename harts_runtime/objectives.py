@@ -52,8 +52,13 @@ def per_token(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     return values[_seq_ids(cu_seqlens)]
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor,
-              mode: str = "token-mean", norm: float | None = None) -> torch.Tensor:
+def aggregate(
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    mode: str = "token-mean",
+    norm: float | None = None,
+) -> torch.Tensor:
     """Reduce a per-token loss [T] under ``mask`` [T] (bool or 0/1 float) to a scalar (module docstring)."""
     m = mask.to(loss.dtype)
     lm = loss * m
@@ -114,9 +119,15 @@ class PolicyLossConfig:
     """Constant for ``seq-mean-token-sum-norm``."""
 
 
-def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, cu_seqlens: torch.Tensor, config: PolicyLossConfig | None = None,
-                ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    config: PolicyLossConfig | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict]:
     """Clipped surrogate plus an optional KL penalty, reduced by ``config.loss_agg_mode``.
 
     Parameters
@@ -157,15 +168,21 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     if cfg.kl_coef:
         if ref_logprobs is None:
             raise ValueError("ref_logprobs: required when kl_coef != 0")
-        kl = aggregate(kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator), mask, cu_seqlens,
-                       cfg.loss_agg_mode, cfg.loss_norm)
+        kl = aggregate(
+            kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator),
+            mask,
+            cu_seqlens,
+            cfg.loss_agg_mode,
+            cfg.loss_norm,
+        )
         loss = loss + cfg.kl_coef * kl
         metrics["kl"] = kl.detach()
     return loss, metrics
 
 
-def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = True,
-                    eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """Group-relative advantages [N]: ``(r - mean_g(r)) / (std_g(r) + eps)`` per group (unbiased std;
     0 for a single-member or all-equal group); ``scale_by_std=False`` drops the division (Dr. GRPO)."""
     g = torch.unique(group_ids, return_inverse=True)[1]
@@ -176,12 +193,19 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, scale_by_std
     dev = r - mean[g]
     var = torch.zeros_like(count).index_add(0, g, dev.square()) / (count - 1).clamp_min(1)
     std = var.sqrt()[g]
-    adv = torch.where(std > 0, dev / (std + eps), dev) if scale_by_std else dev   # all-equal group: 0
+    adv = torch.where(std > 0, dev / (std + eps), dev) if scale_by_std else dev  # all-equal group: 0
     return adv.to(rewards.dtype)
 
 
-def grpo_loss(logprobs, old_logprobs, advantages, mask, cu_seqlens, ref_logprobs=None,
-              config: PolicyLossConfig | None = None) -> tuple[torch.Tensor, dict]:
+def grpo_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    cu_seqlens,
+    ref_logprobs=None,
+    config: PolicyLossConfig | None = None,
+) -> tuple[torch.Tensor, dict]:
     """GRPO: clipped surrogate with per-token (group-relative, broadcast) advantages plus
     ``kl_coef * KL_k3(current || reference)``. Default config: clip 0.2, ``kl_coef=0.001``,
     ``seq-mean-token-mean`` (the GRPO paper's reduction)."""
@@ -189,8 +213,15 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, cu_seqlens, ref_logprobs
     return policy_loss(logprobs, old_logprobs, advantages, mask, cu_seqlens, cfg, ref_logprobs)
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               cu_seqlens: torch.Tensor, clip: float | None = 0.2, mode: str = "token-mean") -> torch.Tensor:
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    clip: float | None = 0.2,
+    mode: str = "token-mean",
+) -> torch.Tensor:
     """Clipped value loss ``0.5 * max((v - R)^2, (clip(v, v_old +- clip) - R)^2)``, reduced."""
     err = (values - returns).square()
     if clip is not None:
@@ -199,9 +230,20 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return aggregate(0.5 * err, mask, cu_seqlens, mode)
 
 
-def ppo_loss(logprobs, old_logprobs, advantages, mask, cu_seqlens, config: PolicyLossConfig | None = None,
-             ref_logprobs=None, values=None, old_values=None, returns=None, value_clip: float | None = 0.2,
-             vf_coef: float = 0.5) -> tuple[torch.Tensor, dict]:
+def ppo_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    cu_seqlens,
+    config: PolicyLossConfig | None = None,
+    ref_logprobs=None,
+    values=None,
+    old_values=None,
+    returns=None,
+    value_clip: float | None = 0.2,
+    vf_coef: float = 0.5,
+) -> tuple[torch.Tensor, dict]:
     """PPO: clipped surrogate (optionally dual-clip / KL penalty per ``config``) plus, when ``values``
     are given, ``vf_coef`` times the clipped value loss. Values of compact rows map to tokens like
     log-probs do (``value_rows[targets.row_index]``: a gather of scalars)."""
@@ -214,8 +256,14 @@ def ppo_loss(logprobs, old_logprobs, advantages, mask, cu_seqlens, config: Polic
     return loss, metrics
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor,
-        gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation per trajectory over masked tokens (verl-style: unmasked tokens
     are skipped, the value after the last token is 0).
 
@@ -226,7 +274,9 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, cu_seql
         n, width = len(cu) - 1, max((cu[i + 1] - cu[i] for i in range(len(cu) - 1)), default=0)
         seq = _seq_ids(cu_seqlens)
         col = torch.arange(rewards.numel(), device=rewards.device) - cu_seqlens.long()[seq]
-        pad = (lambda x: torch.zeros(n, width, dtype=torch.float64, device=x.device).index_put((seq, col), x.double()))
+        pad = lambda x: torch.zeros(n, width, dtype=torch.float64, device=x.device).index_put(
+            (seq, col), x.double()
+        )
         r, v, m = pad(rewards), pad(values), pad(mask.double())
         adv = torch.zeros_like(r)
         next_v = torch.zeros(n, dtype=r.dtype, device=r.device)

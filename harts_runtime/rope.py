@@ -19,8 +19,9 @@ import torch
 __all__ = ["apply_rope", "rope_cos_sin"]
 
 
-def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float = 10_000.0,
-                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, dim: int, theta: float = 10_000.0, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosine and sine tables for the given positions.
 
     Parameters
@@ -41,8 +42,8 @@ def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float = 10_000.0,
     if dim % 2:
         raise ValueError(f"dim: rotary dimension must be even, got {dim}")
     inv_freq = theta ** (-torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]       # [N, dim / 2]
-    angles = torch.cat([angles, angles], dim=-1)                           # [N, dim]
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [N, dim / 2]
+    angles = torch.cat([angles, angles], dim=-1)  # [N, dim]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 

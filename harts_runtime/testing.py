@@ -8,8 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["FreshTokens", "SimpleBatch", "make_batch", "random_batch", "random_trajectories", "synthetic_tree_batch",
-           "trajectory_rows"]
+__all__ = [
+    "FreshTokens",
+    "SimpleBatch",
+    "make_batch",
+    "random_batch",
+    "random_trajectories",
+    "synthetic_tree_batch",
+    "trajectory_rows",
+]
 
 
 class FreshTokens:
@@ -39,7 +46,7 @@ class SimpleBatch:
         lengths = np.array([len(t) for t in trajectories], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         self.tokens = np.array([x for t in trajectories for x in t], dtype=np.int32)
-        children: list[dict[int, int]] = [{}]                     # node 0: virtual root
+        children: list[dict[int, int]] = [{}]  # node 0: virtual root
         node_parent, node_of = [-1], np.empty(len(self.tokens), dtype=np.int64)
         s = 0
         for t in trajectories:
@@ -86,8 +93,9 @@ def make_batch(trajectories):
     return RolloutBatch.from_token_lists(trajectories)
 
 
-def random_trajectories(rng: np.random.Generator, num: int = 8, vocab: int = 5, max_new: int = 6,
-                        new_tree_prob: float = 0.15) -> list[list[int]]:
+def random_trajectories(
+    rng: np.random.Generator, num: int = 8, vocab: int = 5, max_new: int = 6, new_tree_prob: float = 0.15
+) -> list[list[int]]:
     """Trajectories of a random forest: each one copies a random prefix of an earlier one and appends
     0..``max_new`` random tokens (so forks, prefix trajectories and exact duplicates all occur), or
     starts a new tree. A small ``vocab`` adds accidental sharing.
@@ -110,8 +118,16 @@ def random_batch(seed: int, **kwargs):
     return make_batch(random_trajectories(np.random.default_rng(seed), **kwargs))
 
 
-def synthetic_tree_batch(seed: int, prompt: int, turns: int, turn_len: tuple[int, int], fork_prob: float,
-                         fanout: int, vocab: int = 32_000, max_tokens: int | None = None):
+def synthetic_tree_batch(
+    seed: int,
+    prompt: int,
+    turns: int,
+    turn_len: tuple[int, int],
+    fork_prob: float,
+    fanout: int,
+    vocab: int = 32_000,
+    max_tokens: int | None = None,
+):
     """An agentic-looking tree (a prompt, then turns that fork into ``fanout`` children with
     probability ``fork_prob``), as :func:`make_batch`. Used by the benchmarks.
 
@@ -126,7 +142,9 @@ def synthetic_tree_batch(seed: int, prompt: int, turns: int, turn_len: tuple[int
         for path in frontier:
             k = fanout if rng.random() < fork_prob else 1
             for _ in range(k):
-                nxt.append(path + rng.integers(0, vocab, int(rng.integers(turn_len[0], turn_len[1] + 1))).tolist())
+                nxt.append(
+                    path + rng.integers(0, vocab, int(rng.integers(turn_len[0], turn_len[1] + 1))).tolist()
+                )
         frontier = nxt
     if max_tokens is not None:
         frontier = [p[:max_tokens] for p in frontier]
@@ -136,4 +154,4 @@ def synthetic_tree_batch(seed: int, prompt: int, turns: int, turn_len: tuple[int
 def trajectory_rows(batch) -> list[np.ndarray]:
     """Compact row of every position of every trajectory: ``compact_map`` split by ``offsets``."""
     m, off = batch.compact_map, batch.offsets
-    return [np.asarray(m[off[i]:off[i + 1]], dtype=np.int64) for i in range(batch.num_trajectories)]
+    return [np.asarray(m[off[i] : off[i + 1]], dtype=np.int64) for i in range(batch.num_trajectories)]

@@ -56,9 +56,22 @@ from harts_runtime.model import HybridModel, ModelConfig, RowLayout, lm_chunks, 
 from harts_runtime.objectives import AGG_MODES, PolicyLossConfig, grpo_advantages, per_token, policy_loss
 from harts_runtime.views import Branches, TreeOrder, build_views
 
-__all__ = ["MODES", "Microbatch", "StepInputs", "StepInputsError", "StepResult", "compact_microbatch",
-           "forward_microbatch", "loss_weights", "main", "pack_trajectories", "run_microbatch",
-           "step_logprobs", "train_step", "trajectory_microbatch"]
+__all__ = [
+    "MODES",
+    "Microbatch",
+    "StepInputs",
+    "StepInputsError",
+    "StepResult",
+    "compact_microbatch",
+    "forward_microbatch",
+    "loss_weights",
+    "main",
+    "pack_trajectories",
+    "run_microbatch",
+    "step_logprobs",
+    "train_step",
+    "trajectory_microbatch",
+]
 
 MODES = ("compact", "trajectory")
 
@@ -82,7 +95,9 @@ def _expand_ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) - np.repeat(starts - lo, lengths)
 
 
-def loss_weights(mask: torch.Tensor, cu_seqlens: torch.Tensor, mode: str, norm: float | None = None) -> torch.Tensor:
+def loss_weights(
+    mask: torch.Tensor, cu_seqlens: torch.Tensor, mode: str, norm: float | None = None
+) -> torch.Tensor:
     """Step-level aggregation weights ``w`` [P] with ``aggregate(l, mask, cu, mode) == sum(w * l)``."""
     m = mask.to(torch.float64)
     cu = cu_seqlens.long()
@@ -176,8 +191,9 @@ class StepInputs:
         """float32 [P] step-level aggregation weights (:func:`loss_weights`), computed once."""
         if "weights" not in self._cache:
             cfg = self.config
-            self._cache["weights"] = loss_weights(self.loss_mask.cpu(), self.cu_seqlens, cfg.loss_agg_mode,
-                                                  cfg.loss_norm).float()
+            self._cache["weights"] = loss_weights(
+                self.loss_mask.cpu(), self.cu_seqlens, cfg.loss_agg_mode, cfg.loss_norm
+            ).float()
         return self._cache["weights"]
 
     def _host(self, name: str, make):
@@ -188,10 +204,14 @@ class StepInputs:
     @property
     def row_token(self) -> np.ndarray:
         """int64 [C]: the token of every batch compact row."""
+
         def make():
             out = np.empty(self.batch.compact_tokens, dtype=np.int64)
-            out[np.asarray(self.batch.compact_map, dtype=np.int64)] = np.asarray(self.batch.tokens, dtype=np.int64)
+            out[np.asarray(self.batch.compact_map, dtype=np.int64)] = np.asarray(
+                self.batch.tokens, dtype=np.int64
+            )
             return out
+
         return self._host("row_token", make)
 
     @property
@@ -203,14 +223,25 @@ class StepInputs:
         """advantages, old/ref log-probs and weights on ``device`` (moved once per device)."""
         key = ("meta", str(device))
         if key not in self._cache:
-            mv = (lambda t: None if t is None else t.to(device=device, dtype=torch.float32))
-            self._cache[key] = {"advantages": mv(self.advantages), "old_logprobs": mv(self.old_logprobs),
-                                "ref_logprobs": mv(self.ref_logprobs), "weights": mv(self.weights)}
+            mv = lambda t: None if t is None else t.to(device=device, dtype=torch.float32)
+            self._cache[key] = {
+                "advantages": mv(self.advantages),
+                "old_logprobs": mv(self.old_logprobs),
+                "ref_logprobs": mv(self.ref_logprobs),
+                "weights": mv(self.weights),
+            }
         return self._cache[key]
 
     @classmethod
-    def synthetic(cls, batch, seed: int = 0, objective: str = "grpo", mask_prob: float = 0.8,
-                  old_logprobs: torch.Tensor | None = None, vocab_size: int | None = None) -> StepInputs:
+    def synthetic(
+        cls,
+        batch,
+        seed: int = 0,
+        objective: str = "grpo",
+        mask_prob: float = 0.8,
+        old_logprobs: torch.Tensor | None = None,
+        vocab_size: int | None = None,
+    ) -> StepInputs:
         """Random RL metadata for a batch: rewards per trajectory, GRPO advantages over tree groups,
         a Bernoulli loss mask, old log-probs near ``-log V`` (or the given ones), reference log-probs
         near the old ones."""
@@ -224,8 +255,11 @@ class StepInputs:
         adv = per_token(grpo_advantages(rewards, groups), cu).float()
         mask = torch.from_numpy(rng.random(p) < mask_prob)
         base = -float(np.log(vocab_size or 1000))
-        old = old_logprobs if old_logprobs is not None else torch.from_numpy(
-            base + 0.1 * rng.standard_normal(p)).float()
+        old = (
+            old_logprobs
+            if old_logprobs is not None
+            else torch.from_numpy(base + 0.1 * rng.standard_normal(p)).float()
+        )
         ref = old + torch.from_numpy(0.05 * rng.standard_normal(p)).float()
         return cls(batch, adv, mask, old.float(), ref, groups, objective)
 
@@ -236,15 +270,15 @@ class Microbatch:
     """One microbatch ready to run: its rows and its slice of the step's per-token entries."""
 
     mode: str
-    trajectories: np.ndarray          # [k] trajectory ids
-    layout: RowLayout                 # rows on the device
-    row_index: torch.Tensor           # [P_mb] row of each target
-    labels: torch.Tensor              # [P_mb] next token
-    target_index: torch.Tensor        # [P_mb] index into the step's per-token tensors
-    lm_order: torch.Tensor            # [P_mb] targets sorted by row (LM-head chunks)
-    lm_bounds: list                   # target range of every LM-head row chunk
-    cu_local: torch.Tensor            # [k + 1] per-token boundaries of the microbatch (int64)
-    semantic_tokens: int              # S_mb
+    trajectories: np.ndarray  # [k] trajectory ids
+    layout: RowLayout  # rows on the device
+    row_index: torch.Tensor  # [P_mb] row of each target
+    labels: torch.Tensor  # [P_mb] next token
+    target_index: torch.Tensor  # [P_mb] index into the step's per-token tensors
+    lm_order: torch.Tensor  # [P_mb] targets sorted by row (LM-head chunks)
+    lm_bounds: list  # target range of every LM-head row chunk
+    cu_local: torch.Tensor  # [k + 1] per-token boundaries of the microbatch (int64)
+    semantic_tokens: int  # S_mb
     stats: dict
 
     @property
@@ -256,25 +290,36 @@ def _targets(step: StepInputs, traj: np.ndarray, row_of_semantic: np.ndarray):
     """Targets of the microbatch's trajectories (in ``traj`` order): row, label, step index."""
     off = np.asarray(step.batch.offsets, dtype=np.int64)
     lengths = off[traj + 1] - off[traj]
-    glob = _expand_ranges(off[traj], off[traj + 1])                       # [S_mb] batch semantic index
+    glob = _expand_ranges(off[traj], off[traj + 1])  # [S_mb] batch semantic index
     local_off = np.zeros(len(traj) + 1, dtype=np.int64)
     np.cumsum(lengths, out=local_off[1:])
     keep = np.ones(len(glob), dtype=bool)
-    keep[local_off[1:] - 1] = False                                        # terminal positions
+    keep[local_off[1:] - 1] = False  # terminal positions
     tokens = np.asarray(step.batch.tokens, dtype=np.int64)
     traj_rep = np.repeat(traj.astype(np.int64), lengths)
     row_index = row_of_semantic[keep]
     labels = tokens[glob[keep] + 1]
-    target_index = glob[keep] - traj_rep[keep]                              # offsets[i] + p - i
+    target_index = glob[keep] - traj_rep[keep]  # offsets[i] + p - i
     cu_local = local_off - np.arange(len(local_off), dtype=np.int64)
     return glob, local_off, row_index, labels, target_index, cu_local
 
 
 def _finish(mode, step, traj, layout, row_index, labels, target_index, cu_local, s_mb, stats, cfg, device):
     order, bounds = lm_chunks(row_index, layout.num_rows, cfg.lm_head_rows)
-    t = (lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device, non_blocking=True))
-    return Microbatch(mode, traj, layout.to(device), t(row_index), t(labels), t(target_index),
-                      order.to(device, non_blocking=True), bounds, torch.from_numpy(cu_local), s_mb, stats)
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device, non_blocking=True)
+    return Microbatch(
+        mode,
+        traj,
+        layout.to(device),
+        t(row_index),
+        t(labels),
+        t(target_index),
+        order.to(device, non_blocking=True),
+        bounds,
+        torch.from_numpy(cu_local),
+        s_mb,
+        stats,
+    )
 
 
 def compact_microbatch(step: StepInputs, call_plan, cfg: ModelConfig, device="cpu") -> Microbatch:
@@ -285,12 +330,15 @@ def compact_microbatch(step: StepInputs, call_plan, cfg: ModelConfig, device="cp
     sequence, the KDA execution plan, per-row multiplicities and the mapped targets.
     """
     if call_plan.chunk_size != cfg.chunk_size or call_plan.conv_width != cfg.conv_size:
-        raise StepInputsError("call_plan", f"chunk/conv {call_plan.chunk_size}/{call_plan.conv_width} != model "
-                                           f"{cfg.chunk_size}/{cfg.conv_size}")
+        raise StepInputsError(
+            "call_plan",
+            f"chunk/conv {call_plan.chunk_size}/{call_plan.conv_width} != model "
+            f"{cfg.chunk_size}/{cfg.conv_size}",
+        )
     batch = step.batch
     c = int(call_plan.compact_tokens)
-    g = np.asarray(call_plan.physical_to_global, dtype=np.int64)             # [C] batch row
-    r2g = np.asarray(call_plan.row_to_global, dtype=np.int64)                # increasing
+    g = np.asarray(call_plan.physical_to_global, dtype=np.int64)  # [C] batch row
+    r2g = np.asarray(call_plan.row_to_global, dtype=np.int64)  # increasing
     r2p = np.asarray(call_plan.row_to_physical, dtype=np.int64)
     gp = np.asarray(batch.row_parent, dtype=np.int64)[g]
     parent = np.where(gp < 0, -1, r2p[np.minimum(np.searchsorted(r2g, gp), c - 1)])
@@ -302,14 +350,35 @@ def compact_microbatch(step: StepInputs, call_plan, cfg: ModelConfig, device="cp
     s2p = np.asarray(call_plan.semantic_to_physical, dtype=np.int64)
     glob, _, row_index, labels, target_index, cu_local = _targets(step, traj, s2p)
     mult = np.bincount(s2p, minlength=c).astype(np.float32)
-    layout = RowLayout(torch.from_numpy(step.row_token[g]),
-                       torch.from_numpy(np.asarray(call_plan.position_ids, dtype=np.int64)),
-                       torch.from_numpy(mult), kda, views)
-    stats = {"rows": c, "semantic_tokens": len(glob), "replay_tokens": int(call_plan.replay_tokens),
-             "num_calls": int(call_plan.num_calls), "sequences": int(call_plan.num_sequences),
-             "kv_len": int(views.kv_index.numel())}
-    return _finish("compact", step, traj, layout, row_index, labels, target_index, cu_local, len(glob), stats,
-                   cfg, device)
+    layout = RowLayout(
+        torch.from_numpy(step.row_token[g]),
+        torch.from_numpy(np.asarray(call_plan.position_ids, dtype=np.int64)),
+        torch.from_numpy(mult),
+        kda,
+        views,
+    )
+    stats = {
+        "rows": c,
+        "semantic_tokens": len(glob),
+        "replay_tokens": int(call_plan.replay_tokens),
+        "num_calls": int(call_plan.num_calls),
+        "sequences": int(call_plan.num_sequences),
+        "kv_len": int(views.kv_index.numel()),
+    }
+    return _finish(
+        "compact",
+        step,
+        traj,
+        layout,
+        row_index,
+        labels,
+        target_index,
+        cu_local,
+        len(glob),
+        stats,
+        cfg,
+        device,
+    )
 
 
 def trajectory_microbatch(step: StepInputs, trajectories, cfg: ModelConfig, device="cpu") -> Microbatch:
@@ -327,12 +396,24 @@ def trajectory_microbatch(step: StepInputs, trajectories, cfg: ModelConfig, devi
     views = build_views(parent, Branches(local_row, local_off), tree)
     kda = KDAExecutionPlan.trivial(local_off, cfg.chunk_size, cfg.conv_size)
     tokens = np.asarray(step.batch.tokens, dtype=np.int64)
-    layout = RowLayout(torch.from_numpy(tokens[glob]), torch.from_numpy(local_row - starts),
-                       torch.ones(s, dtype=torch.float32), kda, views)
-    stats = {"rows": s, "semantic_tokens": s, "replay_tokens": 0, "num_calls": 1, "sequences": len(traj),
-             "kv_len": s}
-    return _finish("trajectory", step, traj, layout, row_index, labels, target_index, cu_local, s, stats,
-                   cfg, device)
+    layout = RowLayout(
+        torch.from_numpy(tokens[glob]),
+        torch.from_numpy(local_row - starts),
+        torch.ones(s, dtype=torch.float32),
+        kda,
+        views,
+    )
+    stats = {
+        "rows": s,
+        "semantic_tokens": s,
+        "replay_tokens": 0,
+        "num_calls": 1,
+        "sequences": len(traj),
+        "kv_len": s,
+    }
+    return _finish(
+        "trajectory", step, traj, layout, row_index, labels, target_index, cu_local, s, stats, cfg, device
+    )
 
 
 def pack_trajectories(lengths, capacity: int) -> list[np.ndarray]:
@@ -369,8 +450,9 @@ def _make_microbatch_impl(model, step, traj_indices, mode, call_plan=None) -> Mi
         if call_plan is None:
             from harts_planner import plan_calls
 
-            call_plan = plan_calls(step.batch, cfg.chunk_size, trajectories=np.asarray(traj_indices),
-                                   conv_width=cfg.conv_size)
+            call_plan = plan_calls(
+                step.batch, cfg.chunk_size, trajectories=np.asarray(traj_indices), conv_width=cfg.conv_size
+            )
         return compact_microbatch(step, call_plan, cfg, model.device)
     if mode == "trajectory":
         return trajectory_microbatch(step, traj_indices, cfg, model.device)
@@ -378,16 +460,28 @@ def _make_microbatch_impl(model, step, traj_indices, mode, call_plan=None) -> Mi
 
 
 # ------------------------------------------------------------------------------ the step
-def forward_microbatch(model: HybridModel, mb: Microbatch, *, recompute: bool = False, no_replay: bool = False):
+def forward_microbatch(
+    model: HybridModel, mb: Microbatch, *, recompute: bool = False, no_replay: bool = False
+):
     """Forward of one microbatch: ``(hidden [N, D], logprobs float32 [P_mb], router_loss)``."""
     hidden, router = model.forward_hidden(mb.layout, recompute=recompute, no_replay=no_replay)
     lp = model.logprobs(hidden, mb.row_index, mb.labels, (mb.lm_order, mb.lm_bounds))
     return hidden, lp, router
 
 
-def run_microbatch(model: HybridModel, step: StepInputs, traj_indices=None, mode: str = "compact",
-                   recompute: bool = False, *, call_plan=None, microbatch: Microbatch | None = None,
-                   no_replay: bool = False, backward: bool = True, return_hidden: bool = False):
+def run_microbatch(
+    model: HybridModel,
+    step: StepInputs,
+    traj_indices=None,
+    mode: str = "compact",
+    recompute: bool = False,
+    *,
+    call_plan=None,
+    microbatch: Microbatch | None = None,
+    no_replay: bool = False,
+    backward: bool = True,
+    return_hidden: bool = False,
+):
     """Forward and backward of one microbatch; returns ``(loss_contribution, stats)``.
 
     Parameters
@@ -419,20 +513,30 @@ def run_microbatch(model: HybridModel, step: StepInputs, traj_indices=None, mode
     """
     if mode not in MODES:
         raise StepInputsError("mode", f"unknown {mode!r}; choose one of {MODES}")
-    mb = microbatch if microbatch is not None else _make_microbatch(model, step, traj_indices, mode, call_plan)
+    mb = (
+        microbatch if microbatch is not None else _make_microbatch(model, step, traj_indices, mode, call_plan)
+    )
     meta = step.device_metadata(model.device)
     hidden, lp, router = forward_microbatch(model, mb, recompute=recompute, no_replay=no_replay)
     ti = mb.target_index
     ref = meta["ref_logprobs"]
     cfg = dataclasses.replace(step.config, loss_agg_mode="sum", loss_norm=None)
-    pol, _ = policy_loss(lp, meta["old_logprobs"][ti], meta["advantages"][ti], meta["weights"][ti],
-                         mb.cu_local.to(lp.device), cfg, None if ref is None else ref[ti])
+    pol, _ = policy_loss(
+        lp,
+        meta["old_logprobs"][ti],
+        meta["advantages"][ti],
+        meta["weights"][ti],
+        mb.cu_local.to(lp.device),
+        cfg,
+        None if ref is None else ref[ti],
+    )
     rl = router * (mb.semantic_tokens / step.batch.semantic_tokens)
     loss = pol + rl
     if backward:
         loss.backward()
-    stats = dict(mb.stats, policy_loss=pol.detach(), router_loss=rl.detach(), logprobs=lp.detach(),
-                 target_index=ti)
+    stats = dict(
+        mb.stats, policy_loss=pol.detach(), router_loss=rl.detach(), logprobs=lp.detach(), target_index=ti
+    )
     if return_hidden:
         stats.update(hidden=hidden.detach(), row_index=mb.row_index, labels=mb.labels)
     return loss.detach(), stats
@@ -497,9 +601,18 @@ def plan_microbatches(step: StepInputs, mode: str, capacity: int, cfg: ModelConf
     return mbs, plans, time.perf_counter() - t0
 
 
-def train_step(model: HybridModel, optimizer, step: StepInputs, step_plan=None, mode: str = "compact",
-               recompute: bool = False, *, capacity: int = 65_536, no_replay: bool = False,
-               progress=None) -> StepResult:
+def train_step(
+    model: HybridModel,
+    optimizer,
+    step: StepInputs,
+    step_plan=None,
+    mode: str = "compact",
+    recompute: bool = False,
+    *,
+    capacity: int = 65_536,
+    no_replay: bool = False,
+    progress=None,
+) -> StepResult:
     """One optimizer step over the whole batch.
 
     ``zero_grad`` -> plan (compact: ``step_plan`` or ``plan_step(batch, 1, capacity)``, then
@@ -519,7 +632,9 @@ def train_step(model: HybridModel, optimizer, step: StepInputs, step_plan=None, 
     rows = replay = calls = 0
     for i, traj in enumerate(mbs):
         mb = _make_microbatch(model, step, traj, mode, plans[i] if plans else None)
-        loss, st = run_microbatch(model, step, mode=mode, recompute=recompute, microbatch=mb, no_replay=no_replay)
+        loss, st = run_microbatch(
+            model, step, mode=mode, recompute=recompute, microbatch=mb, no_replay=no_replay
+        )
         total += loss
         pol += st["policy_loss"]
         rl += st["router_loss"]
@@ -535,17 +650,38 @@ def train_step(model: HybridModel, optimizer, step: StepInputs, step_plan=None, 
         optimizer.step()
         model.update_expert_bias()
     _sync(dev)
-    return StepResult(float(total), float(pol), float(rl), mode, recompute, len(mbs), step.batch.semantic_tokens,
-                      rows, replay, calls, plan_s, fbg, time.perf_counter() - t1)
+    return StepResult(
+        float(total),
+        float(pol),
+        float(rl),
+        mode,
+        recompute,
+        len(mbs),
+        step.batch.semantic_tokens,
+        rows,
+        replay,
+        calls,
+        plan_s,
+        fbg,
+        time.perf_counter() - t1,
+    )
 
 
 @torch.no_grad()
-def step_logprobs(model: HybridModel, step: StepInputs, mode: str = "compact", capacity: int = 65_536,
-                  no_replay: bool = False) -> torch.Tensor:
+def step_logprobs(
+    model: HybridModel,
+    step: StepInputs,
+    mode: str = "compact",
+    capacity: int = 65_536,
+    no_replay: bool = False,
+) -> torch.Tensor:
     """Current log-probs of every target of the step, float32 [P] in original batch order (no grad)."""
     mbs, plans, _ = plan_microbatches(step, mode, capacity, model.config)
-    out = torch.empty(step.num_targets, device=model.device,
-                      dtype=torch.float64 if model.config.dtype == "float64" else torch.float32)
+    out = torch.empty(
+        step.num_targets,
+        device=model.device,
+        dtype=torch.float64 if model.config.dtype == "float64" else torch.float32,
+    )
     for i, traj in enumerate(mbs):
         mb = _make_microbatch(model, step, traj, mode, plans[i] if plans else None)
         _, lp, _ = forward_microbatch(model, mb, no_replay=no_replay)
@@ -570,15 +706,27 @@ def main(argv=None) -> int:
     from harts_planner._progress import Progress
 
     ap = argparse.ArgumentParser(prog="harts-train", description=__doc__.split("\n")[0])
-    ap.add_argument("--flavor", default=None, help="model flavor: debug (CPU default) or ling-tiny (CUDA default)")
-    ap.add_argument("--layers", type=int, default=None, help="keep the first N layers of the flavor's pattern")
-    ap.add_argument("--preset", default="small", help="harts_planner.synth preset (tiny, small, medium, swe-like)")
+    ap.add_argument(
+        "--flavor", default=None, help="model flavor: debug (CPU default) or ling-tiny (CUDA default)"
+    )
+    ap.add_argument(
+        "--layers", type=int, default=None, help="keep the first N layers of the flavor's pattern"
+    )
+    ap.add_argument(
+        "--preset", default="small", help="harts_planner.synth preset (tiny, small, medium, swe-like)"
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-len", type=int, default=None,
-                    help="cap trajectory length (default: 1024 on CPU, the preset's on CUDA)")
+    ap.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="cap trajectory length (default: 1024 on CPU, the preset's on CUDA)",
+    )
     ap.add_argument("--mode", choices=MODES + ("both",), default="compact")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--capacity", type=int, default=None, help="T: rows per microbatch (CPU 4096, CUDA 65536)")
+    ap.add_argument(
+        "--capacity", type=int, default=None, help="T: rows per microbatch (CPU 4096, CUDA 65536)"
+    )
     ap.add_argument("--recompute", action="store_true", help="full-layer activation recomputation")
     ap.add_argument("--objective", choices=("grpo", "ppo"), default="grpo")
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -596,11 +744,17 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     step = _synthetic_step(args.preset, args.seed, cfg.vocab_size, max_len, args.objective)
     b = step.batch
-    print(f"batch: preset={args.preset} seed={args.seed} trajectories={b.num_trajectories} S={b.semantic_tokens:,} "
-          f"C={b.compact_tokens:,} S/C={b.compression:.2f} ({time.perf_counter() - t:.2f}s)", file=sys.stderr)
+    print(
+        f"batch: preset={args.preset} seed={args.seed} trajectories={b.num_trajectories} S={b.semantic_tokens:,} "
+        f"C={b.compact_tokens:,} S/C={b.compression:.2f} ({time.perf_counter() - t:.2f}s)",
+        file=sys.stderr,
+    )
     model = HybridModel(cfg, device=dev)
-    print(f"model: {flavor} layers={cfg.num_layers} params={sum(p.numel() for p in model.parameters()):,} "
-          f"dtype={cfg.dtype} device={dev}", file=sys.stderr)
+    print(
+        f"model: {flavor} layers={cfg.num_layers} params={sum(p.numel() for p in model.parameters()):,} "
+        f"dtype={cfg.dtype} device={dev}",
+        file=sys.stderr,
+    )
     modes = MODES if args.mode == "both" else (args.mode,)
     # "both": two identical copies of the model, each with its own optimizer, so that every step
     # of the compact and the trajectory execution starts from the same weights and the two loss
@@ -611,19 +765,24 @@ def main(argv=None) -> int:
         losses = {}
         for mode in modes:
             bar = Progress(f"step {i} {mode[:4]}", enabled=not args.json)
-            r = train_step(models[mode], opts[mode], step, None, mode, args.recompute, capacity=capacity,
-                           progress=bar)
+            r = train_step(
+                models[mode], opts[mode], step, None, mode, args.recompute, capacity=capacity, progress=bar
+            )
             bar.close()
             losses[mode] = r.loss
             if args.json:
                 print(json.dumps(dict(r.to_dict(), step=i)))
             else:
-                print(f"step {i} {mode:<10} tokens={r.semantic_tokens:,} rows={r.rows:,} "
-                      f"compression={r.compression:.2f}x microbatches={r.num_microbatches} calls={r.num_calls} "
-                      f"replay={r.replay_tokens:,} plan={r.plan_seconds * 1e3:.1f}ms "
-                      f"fbg={r.fbg_seconds:.2f}s loss={r.loss:.6f}")
+                print(
+                    f"step {i} {mode:<10} tokens={r.semantic_tokens:,} rows={r.rows:,} "
+                    f"compression={r.compression:.2f}x microbatches={r.num_microbatches} calls={r.num_calls} "
+                    f"replay={r.replay_tokens:,} plan={r.plan_seconds * 1e3:.1f}ms "
+                    f"fbg={r.fbg_seconds:.2f}s loss={r.loss:.6f}"
+                )
         if len(losses) == 2 and not args.json:
-            print(f"step {i} |loss(compact) - loss(trajectory)| = {abs(losses['compact'] - losses['trajectory']):.3e}")
+            print(
+                f"step {i} |loss(compact) - loss(trajectory)| = {abs(losses['compact'] - losses['trajectory']):.3e}"
+            )
     return 0
 
 

@@ -88,8 +88,11 @@ class Branches:
         lengths = np.array([len(c) for c in chains], dtype=np.int64)
         cu = np.zeros(len(chains) + 1, dtype=np.int64)
         np.cumsum(lengths, out=cu[1:])
-        rows = np.concatenate([np.asarray(c, dtype=np.int64) for c in chains]) if chains else \
-            np.zeros(0, dtype=np.int64)
+        rows = (
+            np.concatenate([np.asarray(c, dtype=np.int64) for c in chains])
+            if chains
+            else np.zeros(0, dtype=np.int64)
+        )
         return cls(rows, cu)
 
     @property
@@ -115,8 +118,11 @@ def chain_branches(batch, chains: Sequence[Sequence[int]]) -> Branches:
     """
     begin = np.asarray(batch.segment_row_begin, dtype=np.int64)
     lengths = np.asarray(batch.segment_end, dtype=np.int64) - np.asarray(batch.segment_start, dtype=np.int64)
-    segs = np.concatenate([np.asarray(c, dtype=np.int64) for c in chains]) if chains else \
-        np.zeros(0, dtype=np.int64)
+    segs = (
+        np.concatenate([np.asarray(c, dtype=np.int64) for c in chains])
+        if chains
+        else np.zeros(0, dtype=np.int64)
+    )
     per_chain = np.array([int(lengths[np.asarray(c, dtype=np.int64)].sum()) for c in chains], dtype=np.int64)
     cu = np.zeros(len(chains) + 1, dtype=np.int64)
     np.cumsum(per_chain, out=cu[1:])
@@ -199,7 +205,7 @@ class TreeOrder:
                 pre[r] = counter
                 counter += 1
                 stack.append((r, True))
-                kids = children[child_offsets[r]:child_offsets[r + 1]]
+                kids = children[child_offsets[r] : child_offsets[r + 1]]
                 stack.extend((int(k), False) for k in kids[::-1])
         if (pre < 0).any():
             raise ValueError("row_parent: contains a cycle (some rows are unreachable from a root)")
@@ -259,16 +265,32 @@ class AttentionViews:
     def stats(self) -> dict:
         """Sizes: rows C, branches B, packed Q and KV lengths, ancestor entries, KV expansion |KV|/C."""
         lq, lk = self.q_index.numel(), self.kv_index.numel()
-        return {"rows": self.num_rows, "branches": self.num_branches, "q_len": lq, "kv_len": lk,
-                "ancestor_entries": lk - lq, "kv_expansion": lk / max(self.num_rows, 1),
-                "max_seqlen_q": self.max_seqlen_q, "max_seqlen_k": self.max_seqlen_k}
+        return {
+            "rows": self.num_rows,
+            "branches": self.num_branches,
+            "q_len": lq,
+            "kv_len": lk,
+            "ancestor_entries": lk - lq,
+            "kv_expansion": lk / max(self.num_rows, 1),
+            "max_seqlen_q": self.max_seqlen_q,
+            "max_seqlen_k": self.max_seqlen_k,
+        }
 
     def to(self, device) -> AttentionViews:
         """The same views with every index tensor on ``device`` (a fresh cache)."""
-        mv = (lambda t: None if t is None else t.to(device, non_blocking=True))
-        return AttentionViews(mv(self.q_index), mv(self.kv_index), mv(self.cu_seqlens_q),
-                              mv(self.cu_seqlens_k), self.max_seqlen_q, self.max_seqlen_k, self.num_rows,
-                              mv(self.q_inverse), mv(self.tree_pre), mv(self.tree_end))
+        mv = lambda t: None if t is None else t.to(device, non_blocking=True)
+        return AttentionViews(
+            mv(self.q_index),
+            mv(self.kv_index),
+            mv(self.cu_seqlens_q),
+            mv(self.cu_seqlens_k),
+            self.max_seqlen_q,
+            self.max_seqlen_k,
+            self.num_rows,
+            mv(self.q_inverse),
+            mv(self.tree_pre),
+            mv(self.tree_end),
+        )
 
     def remap(self, row_map, num_rows: int) -> AttentionViews:
         """Views over a different row layout, e.g. a call plan's physical rows.
@@ -297,8 +319,18 @@ class AttentionViews:
         end = pre + 1
         pre[row_map] = self.tree_pre
         end[row_map] = self.tree_end
-        return AttentionViews(q_index, row_map[self.kv_index], self.cu_seqlens_q, self.cu_seqlens_k,
-                              self.max_seqlen_q, self.max_seqlen_k, num_rows, q_inverse, pre, end)
+        return AttentionViews(
+            q_index,
+            row_map[self.kv_index],
+            self.cu_seqlens_q,
+            self.cu_seqlens_k,
+            self.max_seqlen_q,
+            self.max_seqlen_k,
+            num_rows,
+            q_inverse,
+            pre,
+            end,
+        )
 
     def dense_mask(self) -> torch.Tensor:
         """bool [C, C]: ``mask[q_row, kv_row]`` as the views define it (Equation 22), for tests."""
@@ -309,8 +341,8 @@ class AttentionViews:
         for b in range(self.num_branches):
             lq, lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
             h = lk - lq
-            allowed = torch.arange(lk)[None, :] <= h + torch.arange(lq)[:, None]       # [lq, lk]
-            rows, cols = qi[cq[b]:cq[b + 1]], ki[ck[b]:ck[b + 1]]
+            allowed = torch.arange(lk)[None, :] <= h + torch.arange(lq)[:, None]  # [lq, lk]
+            rows, cols = qi[cq[b] : cq[b + 1]], ki[ck[b] : ck[b + 1]]
             mask[rows[:, None].expand(lq, lk)[allowed], cols[None, :].expand(lq, lk)[allowed]] = True
         return mask
 
@@ -356,8 +388,10 @@ def build_views(row_parent, branches: Branches, tree: TreeOrder | None = None) -
     if bad.size:
         i = int(bad[0])
         b = int(np.searchsorted(cu, i, side="right") - 1)
-        raise ValueError(f"branches: branch {b} is not a chain: row {int(rows[i])} follows row "
-                         f"{int(rows[i - 1])} but its parent is {int(parent[rows[i]])}")
+        raise ValueError(
+            f"branches: branch {b} is not a chain: row {int(rows[i])} follows row "
+            f"{int(rows[i - 1])} but its parent is {int(parent[rows[i]])}"
+        )
 
     # Ancestor paths, a run of consecutive rows at a time.
     run_start = _run_starts(parent)
@@ -392,13 +426,19 @@ def build_views(row_parent, branches: Branches, tree: TreeOrder | None = None) -
         q_inverse[rows] = np.arange(c, dtype=np.int64)
     if tree is None:
         tree = TreeOrder.from_parent(parent)
-    as_t = (lambda a, dt=torch.int64: torch.from_numpy(np.ascontiguousarray(a)).to(dt))
+    as_t = lambda a, dt=torch.int64: torch.from_numpy(np.ascontiguousarray(a)).to(dt)
     return AttentionViews(
-        q_index=as_t(rows), kv_index=as_t(kv_index),
-        cu_seqlens_q=as_t(cu, torch.int32), cu_seqlens_k=as_t(cu_k, torch.int32),
-        max_seqlen_q=int(lengths.max()) if n_b else 0, max_seqlen_k=int(kv_len.max()) if n_b else 0,
-        num_rows=c, q_inverse=None if q_inverse is None else as_t(q_inverse),
-        tree_pre=as_t(tree.pre, torch.int32), tree_end=as_t(tree.end, torch.int32))
+        q_index=as_t(rows),
+        kv_index=as_t(kv_index),
+        cu_seqlens_q=as_t(cu, torch.int32),
+        cu_seqlens_k=as_t(cu_k, torch.int32),
+        max_seqlen_q=int(lengths.max()) if n_b else 0,
+        max_seqlen_k=int(kv_len.max()) if n_b else 0,
+        num_rows=c,
+        q_inverse=None if q_inverse is None else as_t(q_inverse),
+        tree_pre=as_t(tree.pre, torch.int32),
+        tree_end=as_t(tree.end, torch.int32),
+    )
 
 
 def views_from_batch(batch, decomposition: str = "paths", chains=None) -> AttentionViews:
@@ -410,7 +450,7 @@ def views_from_batch(batch, decomposition: str = "paths", chains=None) -> Attent
         ``paths``: :func:`path_branches` (one branch per leaf, fewest branches); ``segments``: one
         branch per segment; ``chains``: the given ``chains`` of segment ids.
     """
-    if not hasattr(batch, "segment_row_begin"):      # a trie without segments (testing.SimpleBatch)
+    if not hasattr(batch, "segment_row_begin"):  # a trie without segments (testing.SimpleBatch)
         if decomposition != "paths":
             raise ValueError(f"decomposition: {decomposition!r} needs a RolloutBatch's segment forest")
         return build_views(batch.row_parent, run_branches(batch.row_parent))

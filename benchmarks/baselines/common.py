@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from harts_planner import RolloutBatch
 
 

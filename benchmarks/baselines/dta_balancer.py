@@ -29,9 +29,9 @@ import itertools
 import time
 
 import numpy as np
-from harts_planner import RolloutBatch
 
 from baselines.common import BaselinePlan, cheapest_split
+from harts_planner import RolloutBatch
 
 
 class _Work:
@@ -87,7 +87,7 @@ def _split_to(batch: RolloutBatch, order: np.ndarray, cuts: list[int], parts: in
         for j in range(len(cuts) - 1):
             if cuts[j + 1] - cuts[j] < 2:
                 continue
-            cost, pos = cheapest_split(batch, order[cuts[j]:cuts[j + 1]])
+            cost, pos = cheapest_split(batch, order[cuts[j] : cuts[j + 1]])
             if best is None or cost < best[0]:
                 best = (cost, j, cuts[j] + pos)
         if best is None:
@@ -108,10 +108,15 @@ def plan(batch: RolloutBatch, dp_size: int, capacity: int) -> BaselinePlan:
     for d, (lo, hi) in enumerate(ranges):
         cuts = _split_to(batch, order[lo:hi], [c - lo for c in minimax_cuts(w, lo, hi, m)], m)
         for j in range(m):
-            microbatches.append(order[lo + cuts[j]:lo + cuts[j + 1]])
+            microbatches.append(order[lo + cuts[j] : lo + cuts[j + 1]])
             replica.append(d)
             slot.append(j)
     seconds = time.perf_counter() - start
-    return BaselinePlan("areal-dta", microbatches, np.asarray(replica, dtype=np.int32),
-                        np.asarray(slot, dtype=np.int32), seconds,
-                        {"replica_work": [w(lo, hi) for lo, hi in ranges], "microbatches_per_replica": m})
+    return BaselinePlan(
+        "areal-dta",
+        microbatches,
+        np.asarray(replica, dtype=np.int32),
+        np.asarray(slot, dtype=np.int32),
+        seconds,
+        {"replica_work": [w(lo, hi) for lo, hi in ranges], "microbatches_per_replica": m},
+    )

@@ -53,7 +53,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from harts_planner import RolloutBatch
 
 from baselines.common import (
     BaselinePlan,
@@ -63,6 +62,7 @@ from baselines.common import (
     sorted_by_rank,
     tree_groups,
 )
+from harts_planner import RolloutBatch
 
 DEFAULT_TIME_LIMIT_S = 10.0
 
@@ -87,7 +87,7 @@ def _segment_paths(batch: RolloutBatch):
     offs = batch.segment_end_offsets
     ending = batch.segment_ending
     for v in range(batch.num_segments):
-        end_seg[ending[offs[v]:offs[v + 1]]] = v
+        end_seg[ending[offs[v] : offs[v + 1]]] = v
     return end_seg, np.asarray(batch.segment_parent)
 
 
@@ -97,8 +97,11 @@ def next_fit(batch: RolloutBatch, ids_by_rank: np.ndarray, capacity: int) -> lis
     lengths = batch.lengths[ids_by_rank]
     work = 0
     for j in range(len(ids_by_rank)):
-        add = int(lengths[j]) if j == start else int(lengths[j]) - batch.lcp(int(ids_by_rank[j - 1]),
-                                                                            int(ids_by_rank[j]))
+        add = (
+            int(lengths[j])
+            if j == start
+            else int(lengths[j]) - batch.lcp(int(ids_by_rank[j - 1]), int(ids_by_rank[j]))
+        )
         if j > start and work + add > capacity:
             bins.append(ids_by_rank[start:j])
             start, work = j, int(lengths[j])
@@ -123,8 +126,15 @@ def ffd_items(sizes: list[int], capacity: int) -> list[int]:
     return where
 
 
-def cpsat_partition(batch: RolloutBatch, trees: list[np.ndarray], capacity: int, end_seg, parent,
-                    time_limit_s: float, seed: int = 0) -> tuple[list[np.ndarray], dict]:
+def cpsat_partition(
+    batch: RolloutBatch,
+    trees: list[np.ndarray],
+    capacity: int,
+    end_seg,
+    parent,
+    time_limit_s: float,
+    seed: int = 0,
+) -> tuple[list[np.ndarray], dict]:
     """Step 2 of the module docstring for one replica's trees. Returns (bins, diagnostics)."""
     from ortools.sat.python import cp_model
 
@@ -195,10 +205,15 @@ def cpsat_partition(batch: RolloutBatch, trees: list[np.ndarray], capacity: int,
     hint_bins = [[] for _ in range(n_bins)]
     for ids, b in zip(items, item_bin):
         hint_bins[b].extend(int(i) for i in ids)
-    diag = {"status": solver.StatusName(status), "bins": n_bins, "small_trees": len(small),
-            "big_trees": len(big), "variables": len(z) * n_bins + len(x) + len(y) * n_bins,
-            "hint_work": int(sum(member_work(batch, sorted_by_rank(batch, mb)) for mb in hint_bins if mb)),
-            "solver_seconds": solver.WallTime()}
+    diag = {
+        "status": solver.StatusName(status),
+        "bins": n_bins,
+        "small_trees": len(small),
+        "big_trees": len(big),
+        "variables": len(z) * n_bins + len(x) + len(y) * n_bins,
+        "hint_work": int(sum(member_work(batch, sorted_by_rank(batch, mb)) for mb in hint_bins if mb)),
+        "solver_seconds": solver.WallTime(),
+    }
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         diag["used_hint"] = True
         return [sorted_by_rank(batch, mb) for mb in hint_bins if mb], diag
@@ -218,8 +233,15 @@ def cpsat_partition(batch: RolloutBatch, trees: list[np.ndarray], capacity: int,
     return [sorted_by_rank(batch, mb) for mb in bins if mb], diag
 
 
-def per_tree_partition(batch: RolloutBatch, trees: list[np.ndarray], capacity: int, end_seg, parent,
-                       time_limit_s: float, seed: int = 0) -> tuple[list[np.ndarray], dict]:
+def per_tree_partition(
+    batch: RolloutBatch,
+    trees: list[np.ndarray],
+    capacity: int,
+    end_seg,
+    parent,
+    time_limit_s: float,
+    seed: int = 0,
+) -> tuple[list[np.ndarray], dict]:
     """Step 2 of the ``per_tree`` variant for one replica's trees. Returns (bins, diagnostics)."""
     items: list[np.ndarray] = []
     statuses = []
@@ -235,11 +257,20 @@ def per_tree_partition(batch: RolloutBatch, trees: list[np.ndarray], capacity: i
     for ids, b in zip(items, where):
         bins[b].extend(int(i) for i in ids)
     return [sorted_by_rank(batch, mb) for mb in bins], {
-        "bins": len(bins), "big_trees": len(statuses), "statuses": sorted(set(statuses))}
+        "bins": len(bins),
+        "big_trees": len(statuses),
+        "statuses": sorted(set(statuses)),
+    }
 
 
-def plan(batch: RolloutBatch, dp_size: int, capacity: int, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-         seed: int = 0, per_tree: bool = False) -> BaselinePlan:
+def plan(
+    batch: RolloutBatch,
+    dp_size: int,
+    capacity: int,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    seed: int = 0,
+    per_tree: bool = False,
+) -> BaselinePlan:
     """The OR-Tools planning baseline (module docstring)."""
     start = time.perf_counter()
     trees = tree_groups(batch)
@@ -251,13 +282,24 @@ def plan(batch: RolloutBatch, dp_size: int, capacity: int, time_limit_s: float =
         if not shards[d]:
             raise ValueError(f"replica {d} received no rollout tree (fewer trees than replicas)")
         partition = per_tree_partition if per_tree else cpsat_partition
-        bins, diag = partition(batch, [trees[t] for t in shards[d]], capacity, end_seg, parent,
-                               time_limit_s, seed)
+        bins, diag = partition(
+            batch, [trees[t] for t in shards[d]], capacity, end_seg, parent, time_limit_s, seed
+        )
         per_replica.append(bins)
         diags.append(diag)
     splits = equalize_by_splitting(batch, per_replica)
     microbatches, replica, slot = slots_by_descending_work(batch, per_replica)
     seconds = time.perf_counter() - start
-    return BaselinePlan("or-tools-per-tree" if per_tree else "or-tools", microbatches, replica, slot, seconds,
-                        {"replicas": diags, "equalizing_splits": splits, "time_limit_s": time_limit_s,
-                         "shard_loads": [int(sum(sizes[t] for t in s)) for s in shards]})
+    return BaselinePlan(
+        "or-tools-per-tree" if per_tree else "or-tools",
+        microbatches,
+        replica,
+        slot,
+        seconds,
+        {
+            "replicas": diags,
+            "equalizing_splits": splits,
+            "time_limit_s": time_limit_s,
+            "shard_loads": [int(sum(sizes[t] for t in s)) for s in shards],
+        },
+    )

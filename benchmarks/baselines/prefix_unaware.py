@@ -17,9 +17,9 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from harts_planner import RolloutBatch
 
 from baselines.common import BaselinePlan, sorted_by_rank
+from harts_planner import RolloutBatch
 
 
 def plan(batch: RolloutBatch, dp_size: int, capacity: int) -> BaselinePlan:
@@ -53,10 +53,16 @@ def plan(batch: RolloutBatch, dp_size: int, capacity: int) -> BaselinePlan:
     cumulative = [0] * dp_size
     for j in range(k // dp_size):
         reps = sorted(range(dp_size), key=lambda d: (cumulative[d], d))
-        for pos, b in enumerate(by_load[j * dp_size:(j + 1) * dp_size]):
+        for pos, b in enumerate(by_load[j * dp_size : (j + 1) * dp_size]):
             replica[b], slot[b] = reps[pos], j
             cumulative[reps[pos]] += loads[b]
     microbatches = [sorted_by_rank(batch, mb) for mb in bins]
     seconds = time.perf_counter() - start
-    return BaselinePlan("prefix-unaware", microbatches, replica, slot, seconds,
-                        {"raw_tokens_per_microbatch_max": int(max(loads))})
+    return BaselinePlan(
+        "prefix-unaware",
+        microbatches,
+        replica,
+        slot,
+        seconds,
+        {"raw_tokens_per_microbatch_max": int(max(loads))},
+    )

@@ -13,35 +13,52 @@ Entry points::
 """
 
 from harts_runtime.parallel.data import (
-                                         ReplicaStepResult,
-                                         allreduce_gradients,
-                                         replica_schedule,
-                                         run_replica_step,
-                                         sync_expert_load,
+    ReplicaStepResult,
+    allreduce_gradients,
+    replica_schedule,
+    run_replica_step,
+    sync_expert_load,
 )
 from harts_runtime.parallel.dims import ParallelConfigError, ParallelDims, ParallelGroups
 from harts_runtime.parallel.expert import ExpertParallelMoE
 from harts_runtime.parallel.launch import run_distributed
 from harts_runtime.parallel.parallelize import (
-                                         apply_dp,
-                                         apply_ep,
-                                         apply_recompute,
-                                         apply_tp,
-                                         megatron_groups,
-                                         parallelize,
+    apply_dp,
+    apply_ep,
+    apply_recompute,
+    apply_tp,
+    megatron_groups,
+    parallelize,
 )
 from harts_runtime.parallel.tensor import SequenceParallelRows, tensor_parallel_layer
 from harts_runtime.parallel.vocab import (
-                                         VocabParallelEmbedding,
-                                         VocabParallelLMHead,
-                                         vocab_parallel_logprobs,
-                                         vocab_range,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    vocab_parallel_logprobs,
+    vocab_range,
 )
 
 __all__ = [
-    "ExpertParallelMoE", "ParallelConfigError", "ParallelDims", "ParallelGroups", "ReplicaStepResult",
-    "SequenceParallelRows", "VocabParallelEmbedding", "VocabParallelLMHead",
-    "allreduce_gradients", "apply_dp", "apply_ep", "apply_recompute", "apply_tp", "megatron_groups",
-    "parallelize", "replica_schedule", "run_distributed", "run_replica_step", "sync_expert_load",
-    "tensor_parallel_layer", "vocab_parallel_logprobs", "vocab_range",
+    "ExpertParallelMoE",
+    "ParallelConfigError",
+    "ParallelDims",
+    "ParallelGroups",
+    "ReplicaStepResult",
+    "SequenceParallelRows",
+    "VocabParallelEmbedding",
+    "VocabParallelLMHead",
+    "allreduce_gradients",
+    "apply_dp",
+    "apply_ep",
+    "apply_recompute",
+    "apply_tp",
+    "megatron_groups",
+    "parallelize",
+    "replica_schedule",
+    "run_distributed",
+    "run_replica_step",
+    "sync_expert_load",
+    "tensor_parallel_layer",
+    "vocab_parallel_logprobs",
+    "vocab_range",
 ]

@@ -24,8 +24,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_to_all_rows", "copy_to_tp", "gather_rows", "reduce_from_tp", "row_split",
-           "scatter_rows_sum", "split_rows"]
+__all__ = [
+    "all_to_all_rows",
+    "copy_to_tp",
+    "gather_rows",
+    "reduce_from_tp",
+    "row_split",
+    "scatter_rows_sum",
+    "split_rows",
+]
 
 
 def row_split(n: int, world: int) -> list[int]:
@@ -39,7 +46,7 @@ def split_rows(x: torch.Tensor, group) -> torch.Tensor:
     w, r = dist.get_world_size(group), dist.get_rank(group)
     sizes = row_split(x.shape[0], w)
     start = sum(sizes[:r])
-    return x[start:start + sizes[r]]
+    return x[start : start + sizes[r]]
 
 
 def _all_gather_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
@@ -55,7 +62,7 @@ def _reduce_scatter_rows(x: torch.Tensor, sizes: list[int], rank: int, group) ->
     y = x.contiguous().clone()
     dist.all_reduce(y, group=group)
     start = sum(sizes[:rank])
-    return y[start:start + sizes[rank]]
+    return y[start : start + sizes[rank]]
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -118,15 +125,17 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, send_sizes, recv_sizes, group):
         ctx.group, ctx.send, ctx.recv = group, send_sizes, recv_sizes
         out = x.new_empty((sum(recv_sizes),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv_sizes,
-                               input_split_sizes=send_sizes, group=group)
+        dist.all_to_all_single(
+            out, x.contiguous(), output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=group
+        )
         return out
 
     @staticmethod
     def backward(ctx, g):
         out = g.new_empty((sum(ctx.send),) + tuple(g.shape[1:]))
-        dist.all_to_all_single(out, g.contiguous(), output_split_sizes=ctx.send,
-                               input_split_sizes=ctx.recv, group=ctx.group)
+        dist.all_to_all_single(
+            out, g.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv, group=ctx.group
+        )
         return out, None, None, None
 
 

@@ -36,8 +36,13 @@ import torch.distributed as dist
 
 from harts_runtime.parallel.dims import ParallelConfigError
 
-__all__ = ["ReplicaStepResult", "allreduce_gradients", "replica_schedule", "run_replica_step",
-           "sync_expert_load"]
+__all__ = [
+    "ReplicaStepResult",
+    "allreduce_gradients",
+    "replica_schedule",
+    "run_replica_step",
+    "sync_expert_load",
+]
 
 
 def replica_schedule(plan, replica: int) -> list[np.ndarray]:
@@ -52,8 +57,11 @@ def replica_schedule(plan, replica: int) -> list[np.ndarray]:
     for j in range(plan.num_slots):
         members = np.asarray(plan.microbatch_at(replica, j))
         if members.size == 0:
-            raise ParallelConfigError("plan", f"microbatch (replica={replica}, slot={j}) is empty; every "
-                                              "replica needs the same number of non-empty microbatches")
+            raise ParallelConfigError(
+                "plan",
+                f"microbatch (replica={replica}, slot={j}) is empty; every "
+                "replica needs the same number of non-empty microbatches",
+            )
         out.append(members)
     return out
 
@@ -72,9 +80,15 @@ class ReplicaStepResult:
     """Time of the gradient all-reduce."""
 
 
-def run_replica_step(plan, replica: int, microbatch_fn: Callable[[int, np.ndarray], torch.Tensor], *,
-                     params: Iterable[torch.nn.Parameter] | None = None, groups=None,
-                     backward: bool = True) -> ReplicaStepResult:
+def run_replica_step(
+    plan,
+    replica: int,
+    microbatch_fn: Callable[[int, np.ndarray], torch.Tensor],
+    *,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    groups=None,
+    backward: bool = True,
+) -> ReplicaStepResult:
     """Execute replica ``replica``'s microbatches slot by slot, then synchronise gradients.
 
     Parameters
@@ -135,7 +149,7 @@ def _sum_flat(grads: list[torch.Tensor], group, bucket_bytes: int) -> None:
         dist.all_reduce(flat, group=group)
         off = 0
         for g in bucket:
-            g.copy_(flat[off:off + g.numel()].view_as(g))
+            g.copy_(flat[off : off + g.numel()].view_as(g))
             off += g.numel()
         bucket.clear()
 
@@ -148,8 +162,9 @@ def _sum_flat(grads: list[torch.Tensor], group, bucket_bytes: int) -> None:
     flush()
 
 
-def allreduce_gradients(params: Iterable[torch.nn.Parameter], groups, *,
-                        bucket_bytes: int = 64 << 20) -> None:
+def allreduce_gradients(
+    params: Iterable[torch.nn.Parameter], groups, *, bucket_bytes: int = 64 << 20
+) -> None:
     """Sum gradients over DP (dense), expert-DP (EP shards) and, for TP-partial weights, TP.
 
     Parameters without a gradient get a zero gradient first, so every rank issues the same

@@ -62,14 +62,19 @@ class ParallelDims:
             if value < 1:
                 raise ParallelConfigError(name, f"must be >= 1, got {value}")
         if self.pp != 1:
-            raise ParallelConfigError("pp", f"pipeline parallelism is not implemented yet (got pp={self.pp}); "
-                                            "see docs/parallel.md for what it needs")
+            raise ParallelConfigError(
+                "pp",
+                f"pipeline parallelism is not implemented yet (got pp={self.pp}); "
+                "see docs/parallel.md for what it needs",
+            )
         if self.dp * self.tp * self.pp != self.world_size:
             raise ParallelConfigError(
-                "world_size", f"{self.world_size} != dp * tp * pp = {self.dp} * {self.tp} * {self.pp}")
+                "world_size", f"{self.world_size} != dp * tp * pp = {self.dp} * {self.tp} * {self.pp}"
+            )
         if self.dp % self.ep:
-            raise ParallelConfigError("ep", f"{self.ep} does not divide dp={self.dp} "
-                                            "(EP groups are formed from DP replicas)")
+            raise ParallelConfigError(
+                "ep", f"{self.ep} does not divide dp={self.dp} (EP groups are formed from DP replicas)"
+            )
         if self.sequence_parallel and self.tp == 1:
             raise ParallelConfigError("sequence_parallel", "needs tp > 1")
 
@@ -99,7 +104,9 @@ class ParallelDims:
                 for g in range(self.dp // self.ep):
                     out["ep"].append([self.rank_of(p, g * self.ep + e, t) for e in range(self.ep)])
                 for e in range(self.ep):
-                    out["edp"].append([self.rank_of(p, g * self.ep + e, t) for g in range(self.dp // self.ep)])
+                    out["edp"].append(
+                        [self.rank_of(p, g * self.ep + e, t) for g in range(self.dp // self.ep)]
+                    )
             for d in range(self.dp):
                 out["tp"].append([self.rank_of(p, d, t) for t in range(self.tp)])
         return out
@@ -113,17 +120,19 @@ class ParallelDims:
         if not dist.is_initialized():
             raise ParallelConfigError("world_size", "torch.distributed is not initialised")
         if dist.get_world_size() != self.world_size:
-            raise ParallelConfigError("world_size", f"{self.world_size} != the process group's "
-                                                    f"{dist.get_world_size()}")
+            raise ParallelConfigError(
+                "world_size", f"{self.world_size} != the process group's {dist.get_world_size()}"
+            )
         rank = dist.get_rank() if rank is None else rank
         mine = {}
         for kind, groups in self.group_ranks().items():
             for ranks in groups:
-                g = dist.new_group(ranks)        # every rank creates every group, same order
+                g = dist.new_group(ranks)  # every rank creates every group, same order
                 if rank in ranks:
                     mine[kind] = (g, ranks)
-        return ParallelGroups(self, rank, **{k: v[0] for k, v in mine.items()},
-                              ranks={k: v[1] for k, v in mine.items()})
+        return ParallelGroups(
+            self, rank, **{k: v[0] for k, v in mine.items()}, ranks={k: v[1] for k, v in mine.items()}
+        )
 
 
 @dataclass

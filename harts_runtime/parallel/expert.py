@@ -58,7 +58,7 @@ class ExpertParallelMoE(CompactMoE):
         lo = rank * self.num_local
         self.router = nn.Parameter(moe.router.detach().clone())
         for name in ("w_gate", "w_up", "w_down"):
-            p = nn.Parameter(getattr(moe, name).detach()[lo:lo + self.num_local].clone())
+            p = nn.Parameter(getattr(moe, name).detach()[lo : lo + self.num_local].clone())
             p._harts_expert = True
             setattr(self, name, p)
         # Keep what tensor/sequence parallelism set on the dense layer (apply_tp runs first): the
@@ -82,15 +82,15 @@ class ExpertParallelMoE(CompactMoE):
     def _experts_ep(self, x: torch.Tensor, topk_idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         n, k = topk_idx.shape
         ep, el = self.ep_size, self.num_local
-        flat = topk_idx.reshape(-1)                                                   # [N*k]
+        flat = topk_idx.reshape(-1)  # [N*k]
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.config.num_experts)              # [E]
+        counts = torch.bincount(flat, minlength=self.config.num_experts)  # [E]
         recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self.group)                 # [ep * El]: src-major
+        dist.all_to_all_single(recv_counts, counts, group=self.group)  # [ep * El]: src-major
         send_sizes = counts.view(ep, el).sum(1).tolist()
         rc = recv_counts.view(ep, el)
         recv_sizes = rc.sum(1).tolist()
-        xs = all_to_all_rows(x[order // k], send_sizes, recv_sizes, self.group)      # [R, D] src-major
+        xs = all_to_all_rows(x[order // k], send_sizes, recv_sizes, self.group)  # [R, D] src-major
         # Regroup src-major (src, expert) blocks into expert-major (expert, src) order.
         rc_l = rc.tolist()
         starts, s = [], 0
@@ -100,15 +100,18 @@ class ExpertParallelMoE(CompactMoE):
                 row.append(s)
                 s += rc_l[src][e]
             starts.append(row)
-        pieces = [torch.arange(starts[src][e], starts[src][e] + rc_l[src][e], device=x.device)
-                  for e in range(el) for src in range(ep)]
+        pieces = [
+            torch.arange(starts[src][e], starts[src][e] + rc_l[src][e], device=x.device)
+            for e in range(el)
+            for src in range(ep)
+        ]
         regroup = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=x.device)
-        local_counts = rc.sum(0)                                                      # [El]
+        local_counts = rc.sum(0)  # [El]
         xe = xs[regroup]
         h = F.silu(grouped_mm(xe, self.w_gate, local_counts)) * grouped_mm(xe, self.w_up, local_counts)
-        ye = grouped_mm(h, self.w_down, local_counts)                                 # [R, D] expert-major
-        ys = torch.empty_like(ye).index_copy(0, regroup, ye)                          # back to src-major
-        yb = all_to_all_rows(ys, recv_sizes, send_sizes, self.group)                  # [N*k, D] sorted
+        ye = grouped_mm(h, self.w_down, local_counts)  # [R, D] expert-major
+        ys = torch.empty_like(ye).index_copy(0, regroup, ye)  # back to src-major
+        yb = all_to_all_rows(ys, recv_sizes, send_sizes, self.group)  # [N*k, D] sorted
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         y = yb[inverse].view(n, k, -1)

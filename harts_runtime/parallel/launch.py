@@ -37,8 +37,13 @@ def _worker(rank, world_size, port, backend, out_dir, fn, args, threads):
     torch.set_num_threads(threads)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=120),
+        )
         try:
             result = fn(rank, world_size, *args)
         finally:
@@ -48,8 +53,9 @@ def _worker(rank, world_size, port, backend, out_dir, fn, args, threads):
         torch.save({"ok": False, "error": traceback.format_exc()}, path)
 
 
-def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 120.0,
-                    threads: int = 1) -> list:
+def run_distributed(
+    fn, world_size: int, *args, backend: str = "gloo", timeout: float = 120.0, threads: int = 1
+) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results by rank.
 
     ``fn`` must be importable by name (a module-level function). Raises :class:`DistributedRunError`
@@ -58,8 +64,12 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: 
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, out_dir, fn, args, threads),
-                             daemon=True) for r in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_worker, args=(r, world_size, port, backend, out_dir, fn, args, threads), daemon=True
+            )
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -67,8 +77,10 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: 
             for p in procs:
                 p.join(max(0.0, deadline - time.monotonic()))
             if any(p.is_alive() for p in procs):
-                raise DistributedRunError(f"timeout after {timeout:.0f} s; ranks still running: "
-                                          f"{[r for r, p in enumerate(procs) if p.is_alive()]}")
+                raise DistributedRunError(
+                    f"timeout after {timeout:.0f} s; ranks still running: "
+                    f"{[r for r, p in enumerate(procs) if p.is_alive()]}"
+                )
             results = []
             for r in range(world_size):
                 path = os.path.join(out_dir, f"rank{r}.pt")

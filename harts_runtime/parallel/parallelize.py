@@ -74,9 +74,12 @@ def apply_tp(model: nn.Module, groups: ParallelGroups) -> None:
     blocks = _blocks(model)
     embed, head = getattr(model, "embed", None), getattr(model, "lm_head", None)
     if sp and not (isinstance(embed, nn.Embedding) and isinstance(head, nn.Linear)):
-        raise ParallelConfigError("sequence_parallel", f"needs a model whose .embed is an nn.Embedding and "
-                                                       f".lm_head an nn.Linear (rows are split at the embedding and "
-                                                       f"gathered at the LM head); {type(model).__name__} has not")
+        raise ParallelConfigError(
+            "sequence_parallel",
+            f"needs a model whose .embed is an nn.Embedding and "
+            f".lm_head an nn.Linear (rows are split at the embedding and "
+            f"gathered at the LM head); {type(model).__name__} has not",
+        )
     for i, block in enumerate(blocks):
         tensor_parallel_layer(block.mixer, groups.tp, groups.tp_rank, dims.tp, sequence_parallel=sp)
         if _is_swiglu(block.ffn):
@@ -85,7 +88,9 @@ def apply_tp(model: nn.Module, groups: ParallelGroups) -> None:
             if sp:
                 block.ffn.row_shard = SequenceParallelRows(groups.tp, groups.tp_rank, dims.tp)
         elif sp:
-            raise ParallelConfigError(f"blocks[{i}].ffn", f"no sequence-parallel plan for {type(block.ffn).__name__}")
+            raise ParallelConfigError(
+                f"blocks[{i}].ffn", f"no sequence-parallel plan for {type(block.ffn).__name__}"
+            )
     if isinstance(embed, nn.Embedding):
         model.embed = VocabParallelEmbedding.from_dense(embed, groups.tp, groups.tp_rank, dims.tp, sp)
     if isinstance(head, nn.Linear):
@@ -112,7 +117,7 @@ def apply_dp(model: nn.Module, groups: ParallelGroups) -> None:
     """Broadcast parameters and buffers from the first replica of each group, so every replica starts
     identical (dense tensors over the DP group, expert shards over the expert-DP group)."""
     dims = groups.dims
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+    for _name, t in list(model.named_parameters()) + list(model.named_buffers()):
         expert = getattr(t, "_harts_expert", False)
         kind, size = ("edp", dims.dp // dims.ep) if expert else ("dp", dims.dp)
         if size > 1:
@@ -130,7 +135,7 @@ class _Checkpointed(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            modules = self.__dict__.get("_modules")       # absent while copying / unpickling
+            modules = self.__dict__.get("_modules")  # absent while copying / unpickling
             if not modules or "block" not in modules:
                 raise
             return getattr(modules["block"], name)
@@ -154,8 +159,9 @@ def apply_recompute(model: nn.Module) -> None:
                     setattr(parent, name, _Checkpointed(child))
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, groups: ParallelGroups, *,
-                recompute: bool = False) -> nn.Module:
+def parallelize(
+    model: nn.Module, dims: ParallelDims, groups: ParallelGroups, *, recompute: bool = False
+) -> nn.Module:
     """Apply TP, EP, DP (and recomputation) to ``model`` in place, in that order; returns it.
 
     ``groups`` come from :meth:`ParallelDims.build_groups` (or :func:`megatron_groups`) and must match
@@ -186,11 +192,18 @@ def megatron_groups(dims: ParallelDims) -> ParallelGroups:
     from megatron.core import parallel_state as ps  # optional dependency, parallel path only
 
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
-                                     expert_model_parallel_size=dims.ep)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=dims.tp,
+            pipeline_model_parallel_size=dims.pp,
+            expert_model_parallel_size=dims.ep,
+        )
     rank = dist.get_rank()
-    groups = {"dp": ps.get_data_parallel_group(), "tp": ps.get_tensor_model_parallel_group(),
-              "ep": ps.get_expert_model_parallel_group(), "edp": ps.get_expert_data_parallel_group()}
+    groups = {
+        "dp": ps.get_data_parallel_group(),
+        "tp": ps.get_tensor_model_parallel_group(),
+        "ep": ps.get_expert_model_parallel_group(),
+        "edp": ps.get_expert_data_parallel_group(),
+    }
     ranks = {k: dist.get_process_group_ranks(g) for k, g in groups.items()}
     ours = {k: next(r for r in v if rank in r) for k, v in dims.group_ranks().items()}
     if ranks != ours:

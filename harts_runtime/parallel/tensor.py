@@ -83,7 +83,7 @@ def _shard_param(mod: nn.Module, name: str, rank: int, world: int, field: str, d
 
 def _mark_partial(*modules_or_params) -> None:
     for x in modules_or_params:
-        for p in (x.parameters() if isinstance(x, nn.Module) else [x]):
+        for p in x.parameters() if isinstance(x, nn.Module) else [x]:
             p._harts_tp_partial = True
 
 
@@ -100,8 +100,11 @@ def _shard_attention(m: CompactAttention, rank: int, tp: int) -> None:
         _mark_partial(m.k_proj, m.v_proj)
         kv_local = 1
     else:
-        raise ParallelConfigError("tp", f"{tp} does not divide num_kv_heads={c.num_kv_heads} "
-                                        "(and there is more than one KV head to replicate)")
+        raise ParallelConfigError(
+            "tp",
+            f"{tp} does not divide num_kv_heads={c.num_kv_heads} "
+            "(and there is more than one KV head to replicate)",
+        )
     shard_rows(m.o_proj, rank, tp, "num_heads")
     m.config = dataclasses.replace(c, num_heads=c.num_heads // tp, num_kv_heads=kv_local)
 
@@ -141,7 +144,9 @@ def _is_swiglu(m: nn.Module) -> bool:
     return all(isinstance(getattr(m, n, None), nn.Linear) for n in ("gate", "up", "down"))
 
 
-def tensor_parallel_layer(m: nn.Module, group, rank: int, tp: int, sequence_parallel: bool = False) -> nn.Module:
+def tensor_parallel_layer(
+    m: nn.Module, group, rank: int, tp: int, sequence_parallel: bool = False
+) -> nn.Module:
     """Shard one layer in place over the TP group and install its region entry/exit hooks.
 
     Supported: :class:`CompactAttention` (MHA/GQA), :class:`CompactMLA`, :class:`KDALayer`, and SwiGLU
@@ -190,11 +195,14 @@ class SequenceParallelRows:
     def select(self, multiplicity: torch.Tensor, n: int) -> torch.Tensor:
         sizes = row_split(multiplicity.shape[0], self.size)
         if sizes[self.rank] != n:
-            raise ParallelConfigError("multiplicity", f"{multiplicity.shape[0]} rows split over tp={self.size} give "
-                                                      f"rank {self.rank} {sizes[self.rank]} rows, but the MoE "
-                                                      f"input has {n}")
-        start = sum(sizes[:self.rank])
-        return multiplicity[start:start + n]
+            raise ParallelConfigError(
+                "multiplicity",
+                f"{multiplicity.shape[0]} rows split over tp={self.size} give "
+                f"rank {self.rank} {sizes[self.rank]} rows, but the MoE "
+                f"input has {n}",
+            )
+        start = sum(sizes[: self.rank])
+        return multiplicity[start : start + n]
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return reduce_from_tp(partial, self.group)

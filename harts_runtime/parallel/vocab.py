@@ -31,8 +31,14 @@ from harts_runtime.logprobs import DEFAULT_CHUNK, LogProbTargets
 from harts_runtime.parallel.comm import copy_to_tp, gather_rows, reduce_from_tp, scatter_rows_sum
 from harts_runtime.parallel.dims import ParallelConfigError
 
-__all__ = ["VocabParallelChunkedLMHeadLogProbs", "VocabParallelEmbedding", "VocabParallelLMHead",
-           "VocabParallelMappedLogProbs", "vocab_parallel_logprobs", "vocab_range"]
+__all__ = [
+    "VocabParallelChunkedLMHeadLogProbs",
+    "VocabParallelEmbedding",
+    "VocabParallelLMHead",
+    "VocabParallelMappedLogProbs",
+    "vocab_parallel_logprobs",
+    "vocab_range",
+]
 
 
 def vocab_range(vocab_size: int, rank: int, world: int) -> tuple[int, int]:
@@ -58,18 +64,21 @@ class VocabParallelMappedLogProbs(torch.autograd.Function):
         dt = _dtype(logits)
         m = torch.full((c,), float("-inf"), device=logits.device, dtype=dt)
         for a in range(0, v, chunk):
-            m = torch.maximum(m, logits[:, a:a + chunk].to(dt).amax(1))
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)                       # C scalars
+            m = torch.maximum(m, logits[:, a : a + chunk].to(dt).amax(1))
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # C scalars
         acc = torch.zeros(c, device=logits.device, dtype=dt)
         for a in range(0, v, chunk):
-            acc += torch.exp(logits[:, a:a + chunk].to(dt) - m[:, None]).sum(1)
-        dist.all_reduce(acc, group=group)                                           # C scalars
+            acc += torch.exp(logits[:, a : a + chunk].to(dt) - m[:, None]).sum(1)
+        dist.all_reduce(acc, group=group)  # C scalars
         lse = m + acc.log()
         local = labels - vocab_start
         mine = (local >= 0) & (local < v)
-        target = torch.where(mine, logits[row_index, local.clamp(0, max(v - 1, 0))].to(dt),
-                             torch.zeros((), dtype=dt, device=logits.device))
-        dist.all_reduce(target, group=group)                                        # P scalars
+        target = torch.where(
+            mine,
+            logits[row_index, local.clamp(0, max(v - 1, 0))].to(dt),
+            torch.zeros((), dtype=dt, device=logits.device),
+        )
+        dist.all_reduce(target, group=group)  # P scalars
         ctx.save_for_backward(logits, row_index, local, mine, lse)
         ctx.chunk = chunk
         return target - lse[row_index]
@@ -78,22 +87,28 @@ class VocabParallelMappedLogProbs(torch.autograd.Function):
     def backward(ctx, grad):
         logits, row_index, local, mine, lse = ctx.saved_tensors
         g = grad.to(lse.dtype)
-        row_grad = torch.zeros_like(lse).index_add_(0, row_index, g)               # [C]
+        row_grad = torch.zeros_like(lse).index_add_(0, row_index, g)  # [C]
         dlogits = torch.empty_like(logits)
         chunk = ctx.chunk
         sel_rows, sel_cols, sel_g = row_index[mine], local[mine], g[mine]
         for a in range(0, logits.shape[1], chunk):
-            z = logits[:, a:a + chunk].to(lse.dtype)
+            z = logits[:, a : a + chunk].to(lse.dtype)
             d = torch.exp(z - lse[:, None]).mul_(-row_grad[:, None])
             inside = (sel_cols >= a) & (sel_cols < a + z.shape[1])
             if inside.any():
                 d.index_put_((sel_rows[inside], sel_cols[inside] - a), sel_g[inside], accumulate=True)
-            dlogits[:, a:a + chunk] = d
+            dlogits[:, a : a + chunk] = d
         return dlogits, None, None, None, None, None
 
 
-def vocab_parallel_logprobs(local_logits: torch.Tensor, targets: LogProbTargets | tuple, vocab_start: int,
-                            group, *, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+def vocab_parallel_logprobs(
+    local_logits: torch.Tensor,
+    targets: LogProbTargets | tuple,
+    vocab_start: int,
+    group,
+    *,
+    chunk: int = DEFAULT_CHUNK,
+) -> torch.Tensor:
     """Mapped log-probs from vocabulary-sharded compact logits.
 
     Parameters
@@ -113,15 +128,20 @@ def vocab_parallel_logprobs(local_logits: torch.Tensor, targets: LogProbTargets 
         Equal on every rank to ``mapped_logprobs`` of the full logits; differentiable in
         ``local_logits``.
     """
-    row_index, labels = (targets.row_index, targets.labels) if isinstance(targets, LogProbTargets) else targets
-    return VocabParallelMappedLogProbs.apply(local_logits, row_index, labels, int(vocab_start), group, int(chunk))
+    row_index, labels = (
+        (targets.row_index, targets.labels) if isinstance(targets, LogProbTargets) else targets
+    )
+    return VocabParallelMappedLogProbs.apply(
+        local_logits, row_index, labels, int(vocab_start), group, int(chunk)
+    )
 
 
 # ------------------------------------------------------------------ the model's vocab-parallel LM head
 def _check_shards(vocab_size: int, world: int) -> None:
     if vocab_size < world:
-        raise ParallelConfigError("vocab_size", f"{vocab_size} < tp={world}: a rank would hold no vocabulary "
-                                                "rows")
+        raise ParallelConfigError(
+            "vocab_size", f"{vocab_size} < tp={world}: a rank would hold no vocabulary rows"
+        )
 
 
 class VocabParallelChunkedLMHeadLogProbs(torch.autograd.Function):
@@ -153,10 +173,10 @@ class VocabParallelChunkedLMHeadLogProbs(torch.autograd.Function):
         s = torch.zeros(n, device=hidden.device, dtype=acc)
         target = torch.zeros(p, device=hidden.device, dtype=acc)
         for i, a in enumerate(range(0, n, rows)):
-            z = (hidden[a:a + rows] @ weight.t()).to(acc)                           # [r, V_r] local
+            z = (hidden[a : a + rows] @ weight.t()).to(acc)  # [r, V_r] local
             mc = z.amax(1)
-            m[a:a + rows] = mc
-            s[a:a + rows] = torch.exp(z - mc[:, None]).sum(1)
+            m[a : a + rows] = mc
+            s[a : a + rows] = torch.exp(z - mc[:, None]).sum(1)
             lo, hi = bounds[i], bounds[i + 1]
             if hi > lo:
                 sel = order[lo:hi]
@@ -165,9 +185,9 @@ class VocabParallelChunkedLMHeadLogProbs(torch.autograd.Function):
                 picked = z[row_index[sel] - a, local.clamp(0, v - 1)]
                 target[sel] = torch.where(mine, picked, torch.zeros((), dtype=acc, device=z.device))
         gm = m.clone()
-        dist.all_reduce(gm, op=dist.ReduceOp.MAX, group=group)                      # N scalars
+        dist.all_reduce(gm, op=dist.ReduceOp.MAX, group=group)  # N scalars
         buf = torch.cat([s * torch.exp(m - gm), target])
-        dist.all_reduce(buf, group=group)                                           # N + P scalars
+        dist.all_reduce(buf, group=group)  # N + P scalars
         lse = gm + buf[:n].log()
         ctx.save_for_backward(hidden, weight, row_index, labels, order, lse)
         ctx.bounds, ctx.rows, ctx.vocab_start = bounds, rows, vocab_start
@@ -177,15 +197,15 @@ class VocabParallelChunkedLMHeadLogProbs(torch.autograd.Function):
     def backward(ctx, grad):
         hidden, weight, row_index, labels, order, lse = ctx.saved_tensors
         bounds, rows, vocab_start = ctx.bounds, ctx.rows, ctx.vocab_start
-        g = grad.to(lse.dtype)                        # identical on every TP rank (replicated objective)
+        g = grad.to(lse.dtype)  # identical on every TP rank (replicated objective)
         n, v = hidden.shape[0], weight.shape[0]
         row_grad = torch.zeros(n, device=hidden.device, dtype=lse.dtype).index_add_(0, row_index, g)
         dh = torch.empty_like(hidden)
         dw = torch.zeros(weight.shape, device=weight.device, dtype=lse.dtype)
         for i, a in enumerate(range(0, n, rows)):
-            h = hidden[a:a + rows]
+            h = hidden[a : a + rows]
             z = (h @ weight.t()).to(lse.dtype)
-            d = torch.exp(z - lse[a:a + rows, None]).mul_(-row_grad[a:a + rows, None])
+            d = torch.exp(z - lse[a : a + rows, None]).mul_(-row_grad[a : a + rows, None])
             lo, hi = bounds[i], bounds[i + 1]
             if hi > lo:
                 sel = order[lo:hi]
@@ -193,7 +213,7 @@ class VocabParallelChunkedLMHeadLogProbs(torch.autograd.Function):
                 mine = (local >= 0) & (local < v)
                 d.index_put_((row_index[sel][mine] - a, local[mine]), g[sel][mine], accumulate=True)
             d = d.to(hidden.dtype)
-            dh[a:a + rows] = d @ weight                                             # partial over V
+            dh[a : a + rows] = d @ weight  # partial over V
             dw.add_((d.t() @ h).to(lse.dtype))
         return dh, dw.to(weight.dtype), None, None, None, None, None, None, None
 
@@ -201,7 +221,7 @@ class VocabParallelChunkedLMHeadLogProbs(torch.autograd.Function):
 def _shard_rows_of(weight: torch.Tensor, rank: int, world: int) -> tuple[nn.Parameter, int, int]:
     start, end = vocab_range(weight.shape[0], rank, world)
     p = nn.Parameter(weight.detach()[start:end].clone().contiguous(), requires_grad=weight.requires_grad)
-    p._harts_vocab_range = (start, end)       # which rows of the full [V, D] weight this shard holds
+    p._harts_vocab_range = (start, end)  # which rows of the full [V, D] weight this shard holds
     return p, start, end
 
 
@@ -216,7 +236,9 @@ class VocabParallelEmbedding(nn.Module):
     collective (all-reduce) or one all-gather (SP): the hidden-row gradient is the same on every rank.
     """
 
-    def __init__(self, weight: nn.Parameter, vocab_start: int, vocab_size: int, group, sequence_parallel: bool):
+    def __init__(
+        self, weight: nn.Parameter, vocab_start: int, vocab_size: int, group, sequence_parallel: bool
+    ):
         super().__init__()
         self.weight = weight
         self.vocab_start, self.vocab_size = int(vocab_start), int(vocab_size)
@@ -224,8 +246,9 @@ class VocabParallelEmbedding(nn.Module):
         self.group, self.sequence_parallel = group, bool(sequence_parallel)
 
     @classmethod
-    def from_dense(cls, embed: nn.Embedding, group, rank: int, world: int,
-                   sequence_parallel: bool = False) -> VocabParallelEmbedding:
+    def from_dense(
+        cls, embed: nn.Embedding, group, rank: int, world: int, sequence_parallel: bool = False
+    ) -> VocabParallelEmbedding:
         """Keep rank ``rank``'s rows (:func:`vocab_range`) of ``embed`` (left unchanged)."""
         v = embed.weight.shape[0]
         _check_shards(v, world)
@@ -242,8 +265,10 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp(x, self.group)
 
     def extra_repr(self) -> str:
-        return (f"rows=[{self.vocab_start}, {self.vocab_start + self.weight.shape[0]}) of {self.vocab_size}, "
-                f"dim={self.embedding_dim}, sequence_parallel={self.sequence_parallel}")
+        return (
+            f"rows=[{self.vocab_start}, {self.vocab_start + self.weight.shape[0]}) of {self.vocab_size}, "
+            f"dim={self.embedding_dim}, sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class VocabParallelLMHead(nn.Module):
@@ -258,7 +283,9 @@ class VocabParallelLMHead(nn.Module):
     reduce-scatter), exactly as Megatron's output layer.
     """
 
-    def __init__(self, weight: nn.Parameter, vocab_start: int, vocab_size: int, group, sequence_parallel: bool):
+    def __init__(
+        self, weight: nn.Parameter, vocab_start: int, vocab_size: int, group, sequence_parallel: bool
+    ):
         super().__init__()
         self.weight = weight
         self.vocab_start, self.vocab_size = int(vocab_start), int(vocab_size)
@@ -266,8 +293,9 @@ class VocabParallelLMHead(nn.Module):
         self.group, self.sequence_parallel = group, bool(sequence_parallel)
 
     @classmethod
-    def from_dense(cls, head: nn.Linear, group, rank: int, world: int,
-                   sequence_parallel: bool = False) -> VocabParallelLMHead:
+    def from_dense(
+        cls, head: nn.Linear, group, rank: int, world: int, sequence_parallel: bool = False
+    ) -> VocabParallelLMHead:
         """Keep rank ``rank``'s rows (:func:`vocab_range`) of ``head`` (left unchanged)."""
         if head.bias is not None:
             raise ParallelConfigError("lm_head", "a vocabulary-parallel LM head with a bias is not supported")
@@ -276,8 +304,9 @@ class VocabParallelLMHead(nn.Module):
         w, start, _ = _shard_rows_of(head.weight, rank, world)
         return cls(w, start, v, group, sequence_parallel)
 
-    def mapped_logprobs(self, hidden: torch.Tensor, row_index: torch.Tensor, labels: torch.Tensor,
-                        chunks, rows: int) -> torch.Tensor:
+    def mapped_logprobs(
+        self, hidden: torch.Tensor, row_index: torch.Tensor, labels: torch.Tensor, chunks, rows: int
+    ) -> torch.Tensor:
         """Mapped log-probs [P] (Equation 17) of the microbatch, equal on every TP rank.
 
         ``hidden``: all N rows, or this rank's row block under sequence parallelism (gathered here).
@@ -290,14 +319,15 @@ class VocabParallelLMHead(nn.Module):
 
             chunks = lm_chunks(row_index.cpu().numpy(), h.shape[0], rows)
         order, bounds = chunks[0].to(h.device), chunks[1]
-        return VocabParallelChunkedLMHeadLogProbs.apply(h, self.weight, row_index, labels, order, bounds, int(rows),
-                                                        self.vocab_start, self.group)
+        return VocabParallelChunkedLMHeadLogProbs.apply(
+            h, self.weight, row_index, labels, order, bounds, int(rows), self.vocab_start, self.group
+        )
 
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [n, V] of rows replicated on every TP rank (evaluation only, not
         differentiable): an all-gather of the ranks' column blocks. Training never calls this."""
-        local = hidden @ self.weight.t()                                                  # [n, V_r]
+        local = hidden @ self.weight.t()  # [n, V_r]
         w = dist.get_world_size(self.group)
         sizes = [b - a for a, b in (vocab_range(self.vocab_size, r, w) for r in range(w))]
         pad = max(sizes)
@@ -307,5 +337,7 @@ class VocabParallelLMHead(nn.Module):
         return torch.cat([b[..., :s] for b, s in zip(buf, sizes)], dim=-1)
 
     def extra_repr(self) -> str:
-        return (f"rows=[{self.vocab_start}, {self.vocab_start + self.weight.shape[0]}) of {self.vocab_size}, "
-                f"in_features={self.in_features}, sequence_parallel={self.sequence_parallel}")
+        return (
+            f"rows=[{self.vocab_start}, {self.vocab_start + self.weight.shape[0]}) of {self.vocab_size}, "
+            f"in_features={self.in_features}, sequence_parallel={self.sequence_parallel}"
+        )

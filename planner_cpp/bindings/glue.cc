@@ -8,12 +8,12 @@ namespace harts::py_glue {
 
 template <typename T>
 py::array_t<T> RequireArray(const py::handle& obj, const char* field) {
-  if (!py::isinstance<py::array_t<T, py::array::c_style>>(obj) ||
-      !py::array_t<T, py::array::c_style>::check_(obj))
+  if (!py::isinstance<py::array_t<T, py::array::c_style>>(obj) || !py::array_t<T, py::array::c_style>::check_(obj))
     throw InvalidArgument(field, std::string("must be a C-contiguous numpy array of dtype ") +
                                      py::str(py::dtype::of<T>()).cast<std::string>());
   py::array_t<T> a = py::reinterpret_borrow<py::array_t<T>>(obj);
-  if (a.ndim() != 1) throw InvalidArgument(field, "must be one-dimensional, got " + std::to_string(a.ndim()) + " dimensions");
+  if (a.ndim() != 1)
+    throw InvalidArgument(field, "must be one-dimensional, got " + std::to_string(a.ndim()) + " dimensions");
   return a;
 }
 
@@ -53,8 +53,7 @@ void RegisterErrors(py::module_& m) {
     m.attr(name) = cls;
     return cls;
   };
-  py::object harts_error = make("HartsError", base,
-                                "Base class of planner errors; `field` names the offending input.");
+  py::object harts_error = make("HartsError", base, "Base class of planner errors; `field` names the offending input.");
   ErrorClass("InvalidArgumentError") =
       make("InvalidArgumentError", harts_error, "Input violates a documented precondition (gRPC INVALID_ARGUMENT).");
   ErrorClass("ResourceLimitError") =

@@ -15,8 +15,7 @@ namespace py = pybind11;
 // Read-only numpy view of `v`; `owner` is the Python object that owns `v`.
 template <typename T>
 py::array_t<T> View(const std::vector<T>& v, py::handle owner) {
-  py::array_t<T> a({static_cast<py::ssize_t>(v.size())}, {static_cast<py::ssize_t>(sizeof(T))},
-                   v.data(), owner);
+  py::array_t<T> a({static_cast<py::ssize_t>(v.size())}, {static_cast<py::ssize_t>(sizeof(T))}, v.data(), owner);
   py::detail::array_proxy(a.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
   return a;
 }

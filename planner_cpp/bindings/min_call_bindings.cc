@@ -23,14 +23,14 @@ using harts::py_glue::View;
 
 namespace {
 
-std::unique_ptr<MicrobatchCallPlan> PlanCalls(const RolloutBatch& batch, int64_t chunk_size,
-                                              const py::handle& ids_obj, int64_t conv_width) {
+std::unique_ptr<MicrobatchCallPlan> PlanCalls(const RolloutBatch& batch, int64_t chunk_size, const py::handle& ids_obj,
+                                              int64_t conv_width) {
   py::array_t<int32_t> ids;
   const bool has_ids = !ids_obj.is_none();
   if (has_ids) ids = RequireArray<int32_t>(ids_obj, "trajectories");
   py::gil_scoped_release release;
-  return std::make_unique<MicrobatchCallPlan>(harts::PlanMicrobatch(
-      batch, has_ids ? ids.data() : nullptr, has_ids ? ids.size() : 0, chunk_size, conv_width));
+  return std::make_unique<MicrobatchCallPlan>(
+      harts::PlanMicrobatch(batch, has_ids ? ids.data() : nullptr, has_ids ? ids.size() : 0, chunk_size, conv_width));
 }
 
 std::unique_ptr<MicrobatchCallPlan> PlanForest(const py::handle& parent_obj, const py::handle& start_obj,
@@ -46,8 +46,7 @@ std::unique_ptr<MicrobatchCallPlan> PlanForest(const py::handle& parent_obj, con
   harts::ValidateChunkSize(chunk_size);
   harts::ValidateConvWidth(conv_width);
   return std::make_unique<MicrobatchCallPlan>(harts::PlanSegmentForest(
-      harts::SegmentForestFromArrays(parent.data(), start.data(), end.data(), parent.size()), chunk_size,
-      conv_width));
+      harts::SegmentForestFromArrays(parent.data(), start.data(), end.data(), parent.size()), chunk_size, conv_width));
 }
 
 // Planning of a bare forest, phase by phase, for benchmarks/min_call.py (seconds, steady clock).
@@ -95,12 +94,12 @@ py::dict TimePlanForest(const py::handle& parent_obj, const py::handle& start_ob
 
 // Property getters returning read-only views of a vector member of one of the plan's parts.
 template <typename Part, typename T>
-auto PartView(Part MicrobatchCallPlan::*part, std::vector<T> Part::*member) {
+auto PartView(Part MicrobatchCallPlan::* part, std::vector<T> Part::* member) {
   return [part, member](py::object self) { return View(self.cast<const MicrobatchCallPlan&>().*part.*member, self); };
 }
 
 template <typename T>
-auto OwnView(std::vector<T> MicrobatchCallPlan::*member) {
+auto OwnView(std::vector<T> MicrobatchCallPlan::* member) {
   return [member](py::object self) { return View(self.cast<const MicrobatchCallPlan&>().*member, self); };
 }
 
@@ -173,8 +172,8 @@ void DefineMinCall(py::module_& m) {
   m.def("plan_calls", &PlanCalls, py::arg("batch"), py::arg("chunk_size"), py::arg("trajectories") = py::none(),
         py::arg("conv_width") = 4,
         "Minimum-call plan and physical layout of a microbatch (int32 trajectory ids, or None for all).");
-  m.def("plan_segment_forest", &PlanForest, py::arg("parent"), py::arg("start"), py::arg("end"),
-        py::arg("chunk_size"), py::arg("conv_width") = 4,
+  m.def("plan_segment_forest", &PlanForest, py::arg("parent"), py::arg("start"), py::arg("end"), py::arg("chunk_size"),
+        py::arg("conv_width") = 4,
         "Minimum-call plan and layout of a bare segment forest (int32 parent, start, end per segment).");
   m.def("time_plan_segment_forest", &TimePlanForest, py::arg("parent"), py::arg("start"), py::arg("end"),
         py::arg("chunk_size"), py::arg("conv_width") = 4,

@@ -7,7 +7,7 @@
 #include "harts/rollout_batch.h"
 
 namespace py = pybind11;
-void DefineMinCall(py::module_& m);  // min_call_bindings.cc
+void DefineMinCall(py::module_& m);   // min_call_bindings.cc
 void DefineStepPlan(py::module_& m);  // step_plan_bindings.cc
 using harts::RolloutBatch;
 using harts::py_glue::RequireArray;
@@ -33,8 +33,9 @@ std::unique_ptr<RolloutBatch> IngestSegmentTree(const py::handle& parent_obj, co
   auto length = RequireArray<int32_t>(length_obj, "length");
   auto ends = RequireArray<int32_t>(ends_obj, "trajectory_end");
   if (length.size() != parent.size())
-    throw harts::InvalidArgument("length", "needs one entry per segment (len(parent) = " +
-                                               std::to_string(parent.size()) + "), got " + std::to_string(length.size()));
+    throw harts::InvalidArgument(
+        "length", "needs one entry per segment (len(parent) = " + std::to_string(parent.size()) + "), got " +
+                      std::to_string(length.size()));
   py::array_t<int64_t> tree_ids;
   const bool has_tree_ids = !tree_ids_obj.is_none();
   if (has_tree_ids) tree_ids = RequireArray<int64_t>(tree_ids_obj, "tree_ids");
@@ -113,17 +114,24 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("segment_end_offsets", ForestView(&harts::SegmentForest::end_offsets))
       .def_property_readonly("segment_ending", ForestView(&harts::SegmentForest::ending))
       .def_property_readonly("segment_roots", ForestView(&harts::SegmentForest::roots))
-      .def("lcp", [](const RolloutBatch& b, int64_t i, int64_t j) {
-             CheckTrajectory(b, i, "i");
-             CheckTrajectory(b, j, "j");
-             return b.Lcp(i, j);
-           }, py::arg("i"), py::arg("j"))
-      .def("interval_work", [](const RolloutBatch& b, int64_t lo, int64_t hi) {
-             if (lo < 0 || hi > b.num_trajectories() || lo >= hi)
-               throw harts::InvalidArgument("lo, hi", "need 0 <= lo < hi <= " + std::to_string(b.num_trajectories()) +
-                                                          ", got [" + std::to_string(lo) + ", " + std::to_string(hi) + ")");
-             return b.IntervalWork(lo, hi);
-           }, py::arg("lo"), py::arg("hi"))
+      .def(
+          "lcp",
+          [](const RolloutBatch& b, int64_t i, int64_t j) {
+            CheckTrajectory(b, i, "i");
+            CheckTrajectory(b, j, "j");
+            return b.Lcp(i, j);
+          },
+          py::arg("i"), py::arg("j"))
+      .def(
+          "interval_work",
+          [](const RolloutBatch& b, int64_t lo, int64_t hi) {
+            if (lo < 0 || hi > b.num_trajectories() || lo >= hi)
+              throw harts::InvalidArgument("lo, hi", "need 0 <= lo < hi <= " + std::to_string(b.num_trajectories()) +
+                                                         ", got [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                                                         ")");
+            return b.IntervalWork(lo, hi);
+          },
+          py::arg("lo"), py::arg("hi"))
       .def("subset_work", &SubsetWork, py::arg("trajectories"));
 
   m.def("ingest_segment_tree", &IngestSegmentTree, py::arg("parent"), py::arg("length"), py::arg("trajectory_end"),

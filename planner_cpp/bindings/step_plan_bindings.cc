@@ -30,8 +30,8 @@ auto PlanView(Member member) {
 
 StepPlan Plan(const RolloutBatch& batch, int64_t dp_size, int64_t capacity, int64_t exact_threshold,
               int64_t max_sampled_k, int64_t refine_window, int64_t refine_sweeps, int64_t max_anchors,
-              int64_t repair_window, int64_t repair_iterations, bool greedy, bool refine,
-              bool component_greedy, const std::string& search) {
+              int64_t repair_window, int64_t repair_iterations, bool greedy, bool refine, bool component_greedy,
+              const std::string& search) {
   harts::PlannerOptions o;
   o.dp_size = dp_size;
   o.capacity = capacity;
@@ -120,11 +120,11 @@ void DefineStepPlan(py::module_& m) {
         return out;
       });
 
-  m.def("plan_step", &Plan, py::arg("batch"), py::arg("dp_size"), py::arg("capacity"),
-        py::arg("exact_threshold") = 512, py::arg("max_sampled_k") = 32, py::arg("refine_window") = 8,
-        py::arg("refine_sweeps") = 2, py::arg("max_anchors") = 3, py::arg("repair_window") = 8,
-        py::arg("repair_iterations") = 4, py::arg("greedy") = true, py::arg("refine") = true,
-        py::arg("component_greedy") = true, py::arg("search") = "auto", "Plan one step (harts/step_plan.h); releases the GIL.");
+  m.def("plan_step", &Plan, py::arg("batch"), py::arg("dp_size"), py::arg("capacity"), py::arg("exact_threshold") = 512,
+        py::arg("max_sampled_k") = 32, py::arg("refine_window") = 8, py::arg("refine_sweeps") = 2,
+        py::arg("max_anchors") = 3, py::arg("repair_window") = 8, py::arg("repair_iterations") = 4,
+        py::arg("greedy") = true, py::arg("refine") = true, py::arg("component_greedy") = true,
+        py::arg("search") = "auto", "Plan one step (harts/step_plan.h); releases the GIL.");
   m.def("natural_partition", &NaturalCuts, py::arg("batch"), py::arg("capacity"),
         "Cuts (int32 ranks, K0 + 1 entries) of the natural partition P0.");
   m.def("exact_contiguous_partitions", &ExactPartitions, py::arg("batch"), py::arg("capacity"), py::arg("ks"),

@@ -11,8 +11,8 @@ namespace harts {
 
 void ValidateConvWidth(int64_t conv_width) {
   if (conv_width < 1 || conv_width > kMaxConvWidth)
-    throw InvalidArgument("conv_width", "must be in [1, " + std::to_string(kMaxConvWidth) + "], got " +
-                                            std::to_string(conv_width));
+    throw InvalidArgument("conv_width",
+                          "must be in [1, " + std::to_string(kMaxConvWidth) + "], got " + std::to_string(conv_width));
 }
 
 CallLayout BuildCallLayout(const SegmentForest& f, const MinCallPlan& plan, int64_t conv_width) {
@@ -147,8 +147,8 @@ MicrobatchCallPlan PlanMicrobatch(const RolloutBatch& batch, const int32_t* ids,
     lengths[j] = batch.lengths()[item_ids[j]];
     if (j > 0) lcp[j] = static_cast<int32_t>(batch.RankLcp(ranks[j - 1], ranks[j]));
   }
-  MicrobatchCallPlan m = PlanSegmentForest(BuildSegmentForest(item_ids.data(), lengths.data(), lcp.data(), items),
-                                           chunk_size, conv_width);
+  MicrobatchCallPlan m =
+      PlanSegmentForest(BuildSegmentForest(item_ids.data(), lengths.data(), lcp.data(), items), chunk_size, conv_width);
   m.trajectories = std::move(trajectories);
   const SegmentForest& f = m.forest;
   const CallLayout& l = m.layout;

@@ -5,8 +5,7 @@
 
 namespace harts {
 
-std::vector<ContiguousResult> ExactContiguousPartitions(const PlanContext& ctx,
-                                                        const std::vector<int64_t>& ks) {
+std::vector<ContiguousResult> ExactContiguousPartitions(const PlanContext& ctx, const std::vector<int64_t>& ks) {
   constexpr int64_t kInf = std::numeric_limits<int64_t>::max();
   const int64_t n = ctx.size();
   const int64_t cap = ctx.capacity();

@@ -9,10 +9,14 @@ namespace harts {
 
 const char* GreedyOrderName(GreedyOrder order) {
   switch (order) {
-    case GreedyOrder::kLexAscending: return "lex-ascending";
-    case GreedyOrder::kLexDescending: return "lex-descending";
-    case GreedyOrder::kLengthDesc: return "length-descending";
-    case GreedyOrder::kUniqueSuffix: return "unique-suffix";
+    case GreedyOrder::kLexAscending:
+      return "lex-ascending";
+    case GreedyOrder::kLexDescending:
+      return "lex-descending";
+    case GreedyOrder::kLengthDesc:
+      return "length-descending";
+    case GreedyOrder::kUniqueSuffix:
+      return "unique-suffix";
   }
   return "?";
 }
@@ -32,8 +36,7 @@ std::vector<int32_t> ProcessingOrder(const PlanContext& ctx, GreedyOrder order) 
       std::reverse(seq.begin(), seq.end());
       break;
     case GreedyOrder::kLengthDesc:
-      std::stable_sort(seq.begin(), seq.end(),
-                       [&](int32_t a, int32_t b) { return ctx.Length(a) > ctx.Length(b); });
+      std::stable_sort(seq.begin(), seq.end(), [&](int32_t a, int32_t b) { return ctx.Length(a) > ctx.Length(b); });
       break;
     case GreedyOrder::kUniqueSuffix: {
       std::vector<int64_t> u(n);
@@ -224,8 +227,7 @@ GreedyResult RunComponentGreedy(const PlanContext& ctx, int64_t dp_size) {
         Grouping g = GreedyPlace(ctx, seqs[c], policy);
         EliminateSmallMicrobatches(ctx, g);
         const int64_t total = g.TotalWork();
-        if (!best[c] || total < best[c]->TotalWork() ||
-            (total == best[c]->TotalWork() && g.size() < best[c]->size()))
+        if (!best[c] || total < best[c]->TotalWork() || (total == best[c]->TotalWork() && g.size() < best[c]->size()))
           best[c] = std::move(g);
       }
     }

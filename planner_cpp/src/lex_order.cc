@@ -36,8 +36,7 @@ std::vector<int32_t> AdjacentLcp(const TrajectoryView& view, const std::vector<i
   std::vector<int32_t> lcp(order.size(), 0);
   for (size_t r = 1; r < order.size(); ++r) {
     const int32_t x = order[r - 1], y = order[r];
-    lcp[r] = static_cast<int32_t>(
-        CommonPrefixLength(view.begin(x), view.length(x), view.begin(y), view.length(y)));
+    lcp[r] = static_cast<int32_t>(CommonPrefixLength(view.begin(x), view.length(x), view.begin(y), view.length(y)));
   }
   return lcp;
 }

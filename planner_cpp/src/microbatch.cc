@@ -11,8 +11,7 @@ PlanContext::PlanContext(const RolloutBatch& batch, int64_t capacity)
   for (int64_t r = 0; r < n_; ++r) len_[r] = batch.lengths()[batch.order()[r]];
 }
 
-int64_t SharedAmount(const PlanContext& ctx, const std::vector<int32_t>& m, int32_t r,
-                     int32_t exclude) {
+int64_t SharedAmount(const PlanContext& ctx, const std::vector<int32_t>& m, int32_t r, int32_t exclude) {
   // Members strictly below r (excluding `exclude`) and strictly above r.
   auto it = std::lower_bound(m.begin(), m.end(), r);
   auto below = it;
@@ -31,14 +30,11 @@ int64_t SharedAmount(const PlanContext& ctx, const std::vector<int32_t>& m, int3
 
 int64_t GroupWork(const PlanContext& ctx, const std::vector<int32_t>& m) {
   int64_t work = 0;
-  for (size_t j = 0; j < m.size(); ++j)
-    work += ctx.Length(m[j]) - (j == 0 ? 0 : ctx.Lcp(m[j - 1], m[j]));
+  for (size_t j = 0; j < m.size(); ++j) work += ctx.Length(m[j]) - (j == 0 ? 0 : ctx.Lcp(m[j - 1], m[j]));
   return work;
 }
 
-void InsertSorted(std::vector<int32_t>& m, int32_t r) {
-  m.insert(std::lower_bound(m.begin(), m.end(), r), r);
-}
+void InsertSorted(std::vector<int32_t>& m, int32_t r) { m.insert(std::lower_bound(m.begin(), m.end(), r), r); }
 
 void EraseSorted(std::vector<int32_t>& m, int32_t r) {
   auto it = std::lower_bound(m.begin(), m.end(), r);

@@ -29,8 +29,7 @@ std::vector<int32_t> ParentsFirstOrder(const SegmentForest& f) {
   order.insert(order.end(), f.roots.begin(), f.roots.end());
   for (size_t i = 0; i < order.size(); ++i) {
     const int32_t v = order[i];
-    order.insert(order.end(), f.children.begin() + f.child_offsets[v],
-                 f.children.begin() + f.child_offsets[v + 1]);
+    order.insert(order.end(), f.children.begin() + f.child_offsets[v], f.children.begin() + f.child_offsets[v + 1]);
   }
   return order;
 }
@@ -44,12 +43,11 @@ bool SameChunk(const SegmentForest& f, int64_t v, int64_t chunk_size) {
 
 void ValidateChunkSize(int64_t chunk_size) {
   if (chunk_size < 1 || chunk_size > kMaxChunkSize)
-    throw InvalidArgument("chunk_size", "must be in [1, " + std::to_string(kMaxChunkSize) + "], got " +
-                                            std::to_string(chunk_size));
+    throw InvalidArgument("chunk_size",
+                          "must be in [1, " + std::to_string(kMaxChunkSize) + "], got " + std::to_string(chunk_size));
 }
 
-SegmentForest SegmentForestFromArrays(const int32_t* parent, const int32_t* start, const int32_t* end,
-                                      int64_t n) {
+SegmentForest SegmentForestFromArrays(const int32_t* parent, const int32_t* start, const int32_t* end, int64_t n) {
   if (n < 1) throw InvalidArgument("parent", "a segment forest needs at least one segment");
   if (n > std::numeric_limits<int32_t>::max())
     throw ResourceExhausted("parent", std::to_string(n) + " segments exceed the int32 limit");
@@ -65,23 +63,24 @@ SegmentForest SegmentForestFromArrays(const int32_t* parent, const int32_t* star
                                                   "), got " + std::to_string(parent[v]));
     if (start[v] < 0) throw InvalidArgument(Idx("start", v), "must be >= 0, got " + std::to_string(start[v]));
     if (end[v] <= start[v])
-      throw InvalidArgument(Idx("end", v), "must exceed start (" + std::to_string(start[v]) + "), got " +
-                                               std::to_string(end[v]));
+      throw InvalidArgument(Idx("end", v),
+                            "must exceed start (" + std::to_string(start[v]) + "), got " + std::to_string(end[v]));
     rows += end[v] - start[v];
-    if (parent[v] >= 0) ++f.child_offsets[parent[v] + 1];
-    else f.roots.push_back(static_cast<int32_t>(v));
+    if (parent[v] >= 0)
+      ++f.child_offsets[parent[v] + 1];
+    else
+      f.roots.push_back(static_cast<int32_t>(v));
   }
   if (rows > std::numeric_limits<int32_t>::max())
     throw ResourceExhausted("end", std::to_string(rows) + " compact rows exceed the int32 limit");
   for (int64_t v = 0; v < n; ++v) {
     const int64_t expected = parent[v] < 0 ? 0 : end[parent[v]];
     if (start[v] != expected)
-      throw InvalidArgument(Idx("start", v), parent[v] < 0
-                                                 ? "a root segment must start at position 0, got " +
-                                                       std::to_string(start[v])
-                                                 : "must equal end[" + std::to_string(parent[v]) + "] = " +
-                                                       std::to_string(expected) + " (its parent's end), got " +
-                                                       std::to_string(start[v]));
+      throw InvalidArgument(Idx("start", v),
+                            parent[v] < 0
+                                ? "a root segment must start at position 0, got " + std::to_string(start[v])
+                                : "must equal end[" + std::to_string(parent[v]) + "] = " + std::to_string(expected) +
+                                      " (its parent's end), got " + std::to_string(start[v]));
   }
   for (int64_t v = 0; v < n; ++v) f.child_offsets[v + 1] += f.child_offsets[v];
   f.children.resize(static_cast<size_t>(f.child_offsets[n]));
@@ -94,8 +93,8 @@ SegmentForest SegmentForestFromArrays(const int32_t* parent, const int32_t* star
     std::vector<char> seen(n, 0);
     for (int32_t v : order) seen[v] = 1;
     const int64_t v = std::find(seen.begin(), seen.end(), 0) - seen.begin();
-    throw InvalidArgument(Idx("parent", v), "segment " + std::to_string(v) +
-                                                " lies on a parent cycle (no root above it)");
+    throw InvalidArgument(Idx("parent", v),
+                          "segment " + std::to_string(v) + " lies on a parent cycle (no root above it)");
   }
   // Rows in DFS preorder (children in CSR order), with an explicit stack.
   f.row_begin.assign(n, 0);
@@ -257,9 +256,7 @@ MinCallPlan PlanMinCalls(const SegmentForest& f, int64_t chunk_size) {
   for (const int32_t v : order) {
     const int32_t par = f.parent[v];
     if (par < 0) continue;
-    anchor_segment[v] = Anchor(f.start[v], chunk_size) == Anchor(f.start[par], chunk_size)
-                            ? anchor_segment[par]
-                            : par;
+    anchor_segment[v] = Anchor(f.start[v], chunk_size) == Anchor(f.start[par], chunk_size) ? anchor_segment[par] : par;
   }
   std::vector<int32_t> slot_of_segment(n, -1);
   for (int32_t head : heads)

@@ -10,8 +10,7 @@ int FloorLog2(uint64_t x) { return 63 - __builtin_clzll(x); }
 
 }  // namespace
 
-SparseTableRmq::SparseTableRmq(const std::vector<int32_t>& values)
-    : n_(static_cast<int64_t>(values.size())) {
+SparseTableRmq::SparseTableRmq(const std::vector<int32_t>& values) : n_(static_cast<int64_t>(values.size())) {
   levels_.push_back(values);
   for (int64_t width = 2; width <= n_; width *= 2) {
     const std::vector<int32_t>& prev = levels_.back();

@@ -12,33 +12,30 @@ std::string Idx(const char* name, int64_t i) { return std::string(name) + "[" + 
 
 }  // namespace
 
-void ValidateTrajectories(const int32_t* tokens, int64_t num_tokens, const int64_t* offsets,
-                          int64_t num_offsets, const int64_t* tree_ids, int64_t num_tree_ids) {
+void ValidateTrajectories(const int32_t* tokens, int64_t num_tokens, const int64_t* offsets, int64_t num_offsets,
+                          const int64_t* tree_ids, int64_t num_tree_ids) {
   if (num_offsets < 2)
-    throw InvalidArgument("offsets", "needs N + 1 >= 2 entries (at least one trajectory), got " +
-                                         std::to_string(num_offsets));
+    throw InvalidArgument("offsets",
+                          "needs N + 1 >= 2 entries (at least one trajectory), got " + std::to_string(num_offsets));
   const int64_t n = num_offsets - 1;
   if (n > kMaxTrajectories)
-    throw ResourceExhausted("offsets", std::to_string(n) + " trajectories exceed the limit of " +
-                                           std::to_string(kMaxTrajectories));
+    throw ResourceExhausted(
+        "offsets", std::to_string(n) + " trajectories exceed the limit of " + std::to_string(kMaxTrajectories));
   if (num_tokens > kMaxSemanticTokens)
-    throw ResourceExhausted("tokens", std::to_string(num_tokens) +
-                                          " semantic tokens exceed the limit of " +
+    throw ResourceExhausted("tokens", std::to_string(num_tokens) + " semantic tokens exceed the limit of " +
                                           std::to_string(kMaxSemanticTokens));
-  if (offsets[0] != 0)
-    throw InvalidArgument("offsets[0]", "must be 0, got " + std::to_string(offsets[0]));
+  if (offsets[0] != 0) throw InvalidArgument("offsets[0]", "must be 0, got " + std::to_string(offsets[0]));
   for (int64_t i = 0; i < n; ++i) {
     if (offsets[i + 1] <= offsets[i])
-      throw InvalidArgument(Idx("offsets", i + 1),
-                            offsets[i + 1] == offsets[i]
-                                ? "trajectory " + std::to_string(i) + " is empty"
-                                : "offsets must be strictly increasing, got " +
-                                      std::to_string(offsets[i + 1]) + " after " +
-                                      std::to_string(offsets[i]));
+      throw InvalidArgument(Idx("offsets", i + 1), offsets[i + 1] == offsets[i]
+                                                       ? "trajectory " + std::to_string(i) + " is empty"
+                                                       : "offsets must be strictly increasing, got " +
+                                                             std::to_string(offsets[i + 1]) + " after " +
+                                                             std::to_string(offsets[i]));
   }
   if (offsets[n] != num_tokens)
-    throw InvalidArgument(Idx("offsets", n), "must equal len(tokens) = " + std::to_string(num_tokens) +
-                                                 ", got " + std::to_string(offsets[n]));
+    throw InvalidArgument(Idx("offsets", n), "must equal len(tokens) = " + std::to_string(num_tokens) + ", got " +
+                                                 std::to_string(offsets[n]));
   int32_t min_token = 0;
   for (int64_t s = 0; s < num_tokens; ++s) min_token = std::min(min_token, tokens[s]);
   if (min_token < 0) {
@@ -50,17 +47,16 @@ void ValidateTrajectories(const int32_t* tokens, int64_t num_tokens, const int64
   }
   if (tree_ids != nullptr) {
     if (num_tree_ids != n)
-      throw InvalidArgument("tree_ids", "needs one entry per trajectory (" + std::to_string(n) +
-                                            "), got " + std::to_string(num_tree_ids));
+      throw InvalidArgument("tree_ids", "needs one entry per trajectory (" + std::to_string(n) + "), got " +
+                                            std::to_string(num_tree_ids));
     for (int64_t i = 0; i < n; ++i)
       if (tree_ids[i] < 0)
         throw InvalidArgument(Idx("tree_ids", i), "must be >= 0, got " + std::to_string(tree_ids[i]));
   }
 }
 
-std::unique_ptr<RolloutBatch> RolloutBatch::Ingest(const int32_t* tokens, int64_t num_tokens,
-                                                   const int64_t* offsets, int64_t num_offsets,
-                                                   const int64_t* tree_ids, int64_t num_tree_ids) {
+std::unique_ptr<RolloutBatch> RolloutBatch::Ingest(const int32_t* tokens, int64_t num_tokens, const int64_t* offsets,
+                                                   int64_t num_offsets, const int64_t* tree_ids, int64_t num_tree_ids) {
   ValidateTrajectories(tokens, num_tokens, offsets, num_offsets, tree_ids, num_tree_ids);
   std::unique_ptr<RolloutBatch> b(new RolloutBatch());
   const int64_t n = num_offsets - 1;
@@ -80,24 +76,27 @@ std::vector<int32_t> ValidateSegmentTree(const SegmentTreeView& t, std::vector<i
   const int64_t v_count = t.num_segments, n = t.num_trajectories;
   if (v_count < 1) throw InvalidArgument("parent", "a segment tree needs at least one segment");
   if (v_count > kMaxTreeSegments)
-    throw ResourceExhausted("parent", std::to_string(v_count) + " segments exceed the limit of " +
-                                          std::to_string(kMaxTreeSegments));
+    throw ResourceExhausted(
+        "parent", std::to_string(v_count) + " segments exceed the limit of " + std::to_string(kMaxTreeSegments));
   if (n < 1) throw InvalidArgument("trajectory_end", "needs at least one trajectory");
   if (n > kMaxTrajectories)
-    throw ResourceExhausted("trajectory_end", std::to_string(n) + " trajectories exceed the limit of " +
-                                                  std::to_string(kMaxTrajectories));
+    throw ResourceExhausted(
+        "trajectory_end", std::to_string(n) + " trajectories exceed the limit of " + std::to_string(kMaxTrajectories));
   // Children CSR (increasing id within a parent), roots by increasing id.
   std::vector<int64_t> child_offsets(v_count + 1, 0);
   std::vector<int32_t> roots;
   for (int64_t v = 0; v < v_count; ++v) {
     const int32_t p = t.parent[v];
     if (p < -1 || p >= v_count)
-      throw InvalidArgument(Idx("parent", v), "must be -1 (a root) or a segment id in [0, " +
-                                                  std::to_string(v_count) + "), got " + std::to_string(p));
+      throw InvalidArgument(Idx("parent", v), "must be -1 (a root) or a segment id in [0, " + std::to_string(v_count) +
+                                                  "), got " + std::to_string(p));
     if (p == v) throw InvalidArgument(Idx("parent", v), "segment " + std::to_string(v) + " is its own parent");
     if (t.length[v] < 1)
       throw InvalidArgument(Idx("length", v), "a segment holds at least one token, got " + std::to_string(t.length[v]));
-    if (p < 0) roots.push_back(static_cast<int32_t>(v)); else ++child_offsets[p + 1];
+    if (p < 0)
+      roots.push_back(static_cast<int32_t>(v));
+    else
+      ++child_offsets[p + 1];
   }
   for (int64_t v = 0; v < v_count; ++v) child_offsets[v + 1] += child_offsets[v];
   std::vector<int32_t> children(child_offsets[v_count]);
@@ -122,16 +121,16 @@ std::vector<int32_t> ValidateSegmentTree(const SegmentTreeView& t, std::vector<i
   if (static_cast<int64_t>(preorder.size()) < v_count) {
     int64_t v = 0;
     while ((*end_position)[v] >= 0) ++v;
-    throw InvalidArgument(Idx("parent", v), "segment " + std::to_string(v) +
-                                                " lies on a parent cycle (no root above it)");
+    throw InvalidArgument(Idx("parent", v),
+                          "segment " + std::to_string(v) + " lies on a parent cycle (no root above it)");
   }
   std::vector<char> ends_here(v_count, 0);
   int64_t total = 0;
   for (int64_t i = 0; i < n; ++i) {
     const int32_t v = t.trajectory_end[i];
     if (v < 0 || v >= v_count)
-      throw InvalidArgument(Idx("trajectory_end", i), "must be a segment id in [0, " + std::to_string(v_count) +
-                                                          "), got " + std::to_string(v));
+      throw InvalidArgument(Idx("trajectory_end", i),
+                            "must be a segment id in [0, " + std::to_string(v_count) + "), got " + std::to_string(v));
     ends_here[v] = 1;
     total += (*end_position)[v];
     if (total > kMaxSemanticTokens)
@@ -141,8 +140,8 @@ std::vector<int32_t> ValidateSegmentTree(const SegmentTreeView& t, std::vector<i
   }
   for (int64_t v = 0; v < v_count; ++v)
     if (child_offsets[v + 1] == child_offsets[v] && !ends_here[v])
-      throw InvalidArgument("trajectory_end", "leaf segment " + std::to_string(v) +
-                                                  " ends no trajectory (every leaf must end one)");
+      throw InvalidArgument("trajectory_end",
+                            "leaf segment " + std::to_string(v) + " ends no trajectory (every leaf must end one)");
   return preorder;
 }
 
@@ -156,7 +155,8 @@ std::unique_ptr<RolloutBatch> RolloutBatch::FromSegmentTree(const SegmentTreeVie
       throw InvalidArgument("tree_ids", "needs one entry per trajectory (" + std::to_string(n) + "), got " +
                                             std::to_string(num_tree_ids));
     for (int64_t i = 0; i < n; ++i)
-      if (tree_ids[i] < 0) throw InvalidArgument(Idx("tree_ids", i), "must be >= 0, got " + std::to_string(tree_ids[i]));
+      if (tree_ids[i] < 0)
+        throw InvalidArgument(Idx("tree_ids", i), "must be >= 0, got " + std::to_string(tree_ids[i]));
   }
   std::unique_ptr<RolloutBatch> b(new RolloutBatch());
   b->lengths_.resize(n);
@@ -223,8 +223,10 @@ void RolloutBatch::BuildIndex(const int64_t* tree_ids) {
   for (size_t k = 0; k < f.roots.size(); ++k) root_index[f.roots[k]] = static_cast<int32_t>(k);
   component_.resize(n);
   for (int64_t r = 0; r < n; ++r) component_[order_[r]] = root_index[segment_root_[f.item_segment[r]]];
-  if (tree_ids != nullptr) tree_ids_.assign(tree_ids, tree_ids + n);
-  else tree_ids_.assign(component_.begin(), component_.end());
+  if (tree_ids != nullptr)
+    tree_ids_.assign(tree_ids, tree_ids + n);
+  else
+    tree_ids_.assign(component_.begin(), component_.end());
 }
 
 void RolloutBatch::BuildCompactTrie() const {
@@ -276,23 +278,21 @@ std::vector<int32_t> RolloutBatch::SortedRanks(const int32_t* ids, int64_t k, co
   std::vector<int32_t> ranks(k);
   for (int64_t j = 0; j < k; ++j) {
     if (ids[j] < 0 || ids[j] >= n)
-      throw InvalidArgument(Idx(field, j), "trajectory index " + std::to_string(ids[j]) +
-                                               " is out of range [0, " + std::to_string(n) + ")");
+      throw InvalidArgument(Idx(field, j), "trajectory index " + std::to_string(ids[j]) + " is out of range [0, " +
+                                               std::to_string(n) + ")");
     ranks[j] = rank_[ids[j]];
   }
   std::sort(ranks.begin(), ranks.end());
   for (int64_t j = 1; j < k; ++j)
     if (ranks[j] == ranks[j - 1])
-      throw InvalidArgument(field, "trajectory index " + std::to_string(order_[ranks[j]]) +
-                                       " appears more than once");
+      throw InvalidArgument(field, "trajectory index " + std::to_string(order_[ranks[j]]) + " appears more than once");
   return ranks;
 }
 
 int64_t RolloutBatch::SubsetWork(const int32_t* ids, int64_t k, const char* field) const {
   const std::vector<int32_t> ranks = SortedRanks(ids, k, field);
   int64_t work = 0;
-  for (int64_t j = 0; j < k; ++j)
-    work += lengths_[order_[ranks[j]]] - (j == 0 ? 0 : RankLcp(ranks[j - 1], ranks[j]));
+  for (int64_t j = 0; j < k; ++j) work += lengths_[order_[ranks[j]]] - (j == 0 ? 0 : RankLcp(ranks[j - 1], ranks[j]));
   return work;
 }
 

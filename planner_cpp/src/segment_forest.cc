@@ -29,13 +29,19 @@ class Builder {
 
   void AddChild(int32_t parent, int32_t child) {
     Node& p = nodes_[parent];
-    if (p.last_child < 0) p.first_child = child; else nodes_[p.last_child].next_sibling = child;
+    if (p.last_child < 0)
+      p.first_child = child;
+    else
+      nodes_[p.last_child].next_sibling = child;
     p.last_child = child;
   }
 
   void AddEnd(int32_t node, int32_t item) {
     Node& n = nodes_[node];
-    if (n.last_end < 0) n.first_end = item; else next_end_[n.last_end] = item;
+    if (n.last_end < 0)
+      n.first_end = item;
+    else
+      next_end_[n.last_end] = item;
     n.last_end = item;
   }
 
@@ -45,8 +51,7 @@ class Builder {
 
 }  // namespace
 
-SegmentForest BuildSegmentForest(const int32_t* ids, const int64_t* lengths, const int32_t* lcp,
-                                 int64_t num_items) {
+SegmentForest BuildSegmentForest(const int32_t* ids, const int64_t* lengths, const int32_t* lcp, int64_t num_items) {
   Builder b(num_items);
   std::vector<int32_t> stack = {0};
   std::vector<int64_t> row_base(static_cast<size_t>(num_items));
@@ -96,7 +101,11 @@ SegmentForest BuildSegmentForest(const int32_t* ids, const int64_t* lengths, con
   f.item_segment.assign(num_items, -1);
   f.num_rows = rows;
 
-  struct Frame { int32_t node, segment, parent_segment; int64_t parent_depth; bool entered; };
+  struct Frame {
+    int32_t node, segment, parent_segment;
+    int64_t parent_depth;
+    bool entered;
+  };
   std::vector<Frame> dfs;
   std::vector<int32_t> reversed;
   auto push_children = [&](int32_t node, int32_t segment) {
@@ -123,7 +132,10 @@ SegmentForest BuildSegmentForest(const int32_t* ids, const int64_t* lengths, con
     f.start[v] = static_cast<int32_t>(fr.parent_depth);
     f.end[v] = static_cast<int32_t>(n.depth);
     f.parent[v] = fr.parent_segment;
-    if (fr.parent_segment < 0) f.roots.push_back(v); else ++child_count[fr.parent_segment];
+    if (fr.parent_segment < 0)
+      f.roots.push_back(v);
+    else
+      ++child_count[fr.parent_segment];
     int32_t count = 0;
     for (int32_t it = n.first_end; it >= 0; it = b.next_end_[it]) {
       f.item_segment[it] = v;
@@ -138,8 +150,7 @@ SegmentForest BuildSegmentForest(const int32_t* ids, const int64_t* lengths, con
   // at the first segment already owned (its ancestors are owned too). O(V + K).
   std::fill(f.owner.begin(), f.owner.end(), -1);
   for (int64_t k = 0; k < num_items; ++k)
-    for (int32_t v = f.item_segment[k]; v >= 0 && f.owner[v] < 0; v = f.parent[v])
-      f.owner[v] = static_cast<int32_t>(k);
+    for (int32_t v = f.item_segment[k]; v >= 0 && f.owner[v] < 0; v = f.parent[v]) f.owner[v] = static_cast<int32_t>(k);
   for (int64_t v = 0; v < num_segments; ++v) {
     const int64_t k = f.owner[v];
     const int64_t l = k == 0 ? 0 : lcp[k];

@@ -24,8 +24,7 @@ using Clock = std::chrono::steady_clock;
 double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 void RequireAtLeast(int64_t value, int64_t lo, const char* field) {
-  if (value < lo)
-    throw InvalidArgument(field, "must be >= " + std::to_string(lo) + ", got " + std::to_string(value));
+  if (value < lo) throw InvalidArgument(field, "must be >= " + std::to_string(lo) + ", got " + std::to_string(value));
 }
 
 struct Candidate {
@@ -68,8 +67,9 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o) {
   const int64_t cap = o.capacity;
   CheckTrajectoriesFit(batch, cap);
   if (n < d)
-    throw FailedPrecondition("dp_size", "the batch has " + std::to_string(n) + " trajectories but D = " +
-                                            std::to_string(d) + " replicas each need at least one non-empty "
+    throw FailedPrecondition("dp_size", "the batch has " + std::to_string(n) +
+                                            " trajectories but D = " + std::to_string(d) +
+                                            " replicas each need at least one non-empty "
                                             "microbatch (N >= D is required)");
 
   StepPlan plan;
@@ -91,8 +91,8 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o) {
   if (range.k_min > d * (n / d))
     throw FailedPrecondition("capacity", "the batch needs at least K_min = " + std::to_string(range.k_min) +
                                              " microbatches (G = " + std::to_string(g_total) +
-                                             " compact tokens at T = " + std::to_string(cap) + ", D = " +
-                                             std::to_string(d) + ") but its " + std::to_string(n) +
+                                             " compact tokens at T = " + std::to_string(cap) +
+                                             ", D = " + std::to_string(d) + ") but its " + std::to_string(n) +
                                              " trajectories fill at most " + std::to_string(d * (n / d)) +
                                              " non-empty microbatches with K a multiple of D");
   plan.phase_seconds.push_back({"natural_partition", Since(phase)});
@@ -104,11 +104,11 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o) {
   plan.search_mode = exact ? "exact" : "heuristic";
   if (exact) {
     if ((range.k_max + 1) * (n + 1) > kMaxExactCells)
-      throw ResourceExhausted("search", "exact search over N = " + std::to_string(n) + " trajectories and K <= " +
-                                            std::to_string(range.k_max) + " needs " +
+      throw ResourceExhausted("search", "exact search over N = " + std::to_string(n) +
+                                            " trajectories and K <= " + std::to_string(range.k_max) + " needs " +
                                             std::to_string((range.k_max + 1) * (n + 1)) +
-                                            " table cells, more than the limit of " +
-                                            std::to_string(kMaxExactCells) + "; use search=\"auto\"");
+                                            " table cells, more than the limit of " + std::to_string(kMaxExactCells) +
+                                            "; use search=\"auto\"");
     for (ContiguousResult& r : ExactContiguousPartitions(ctx, range.Values())) {
       if (!r.feasible) continue;
       Candidate c{"exact", GroupingFromCuts(ctx, r.cuts), std::move(r.cuts), {}};
@@ -201,13 +201,12 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o) {
   // 5. Schedules and selection.
   if (cands.empty()) {
     throw FailedPrecondition(
-        "capacity", "no candidate reached a capacity-feasible grouping with K a multiple of D = " +
-                        std::to_string(d) + ": the natural partition needs K0 = " + std::to_string(k0) +
+        "capacity", "no candidate reached a capacity-feasible grouping with K a multiple of D = " + std::to_string(d) +
+                        ": the natural partition needs K0 = " + std::to_string(k0) +
                         " microbatches, the candidate range is K in [" + std::to_string(range.k_min) + ", " +
                         std::to_string(range.k_max) + "] and N = " + std::to_string(n) +
                         " trajectories allow at most K = " + std::to_string(d * (n / d)) +
-                        "; merging enough trajectories to reach a multiple of D exceeds T = " +
-                        std::to_string(cap));
+                        "; merging enough trajectories to reach a multiple of D exceeds T = " + std::to_string(cap));
   }
   int64_t best = -1;
   for (size_t i = 0; i < cands.size(); ++i) {

@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "check.h"
-#include "planner_test_util.h"
 #include "harts/errors.h"
+#include "planner_test_util.h"
 
 namespace harts {
 namespace {
@@ -90,10 +90,14 @@ void CheckLayout(const RolloutBatch& b, const std::vector<int32_t>& ids, const M
       for (int64_t k = 0; k < ctx; ++k) {
         const int64_t pc = anchor - ctx + k, po = s - ctx + k;
         const int32_t got = l.conv_context[q * ctx + k], got_own = l.own_conv_context[q * ctx + k];
-        if (pc < 0) CHECK_EQ(got, -1);
-        else CHECK_EQ(m.physical_to_global[got], AncestorAt(b, b.row_parent()[first_own], pc));
-        if (po < 0) CHECK_EQ(got_own, -1);
-        else CHECK_EQ(m.physical_to_global[got_own], AncestorAt(b, b.row_parent()[first_own], po));
+        if (pc < 0)
+          CHECK_EQ(got, -1);
+        else
+          CHECK_EQ(m.physical_to_global[got], AncestorAt(b, b.row_parent()[first_own], pc));
+        if (po < 0)
+          CHECK_EQ(got_own, -1);
+        else
+          CHECK_EQ(m.physical_to_global[got_own], AncestorAt(b, b.row_parent()[first_own], po));
       }
     }
     CHECK_EQ(l.packed_offsets[r + 1] - base, static_cast<int64_t>(cu[p.round_offsets[r + 1] - p.round_offsets[r]]));

@@ -7,25 +7,25 @@
 #include <sstream>
 #include <string>
 
-#define CHECK(cond)                                                          \
-  do {                                                                       \
-    if (!(cond)) {                                                           \
+#define CHECK(cond)                                                                 \
+  do {                                                                              \
+    if (!(cond)) {                                                                  \
       std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::exit(1);                                                          \
-    }                                                                        \
+      std::exit(1);                                                                 \
+    }                                                                               \
   } while (0)
 
-#define CHECK_EQ(a, b)                                                       \
-  do {                                                                       \
-    const auto& check_a_ = (a);                                              \
-    const auto& check_b_ = (b);                                              \
-    if (!(check_a_ == check_b_)) {                                           \
-      std::ostringstream check_os_;                                          \
-      check_os_ << check_a_ << " != " << check_b_;                           \
+#define CHECK_EQ(a, b)                                                                            \
+  do {                                                                                            \
+    const auto& check_a_ = (a);                                                                   \
+    const auto& check_b_ = (b);                                                                   \
+    if (!(check_a_ == check_b_)) {                                                                \
+      std::ostringstream check_os_;                                                               \
+      check_os_ << check_a_ << " != " << check_b_;                                                \
       std::fprintf(stderr, "%s:%d: CHECK_EQ failed: %s == %s (%s)\n", __FILE__, __LINE__, #a, #b, \
-                   check_os_.str().c_str());                                 \
-      std::exit(1);                                                          \
-    }                                                                        \
+                   check_os_.str().c_str());                                                      \
+      std::exit(1);                                                                               \
+    }                                                                                             \
   } while (0)
 
 namespace harts::testing {

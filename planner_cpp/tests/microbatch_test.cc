@@ -38,7 +38,8 @@ void CheckDeltas(const std::vector<testing::Traj>& trajs) {
           EraseSorted(without, x);
           std::vector<int32_t> with = without;
           InsertSorted(with, r);
-          CHECK_EQ(InsertionDelta(ctx, m, r, x), GroupWork(ctx, with) - (without.empty() ? 0 : GroupWork(ctx, without)));
+          CHECK_EQ(InsertionDelta(ctx, m, r, x),
+                   GroupWork(ctx, with) - (without.empty() ? 0 : GroupWork(ctx, without)));
         }
       }
     }

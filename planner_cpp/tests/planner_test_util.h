@@ -29,8 +29,7 @@ inline std::unique_ptr<RolloutBatch> MakeBatch(const std::vector<Traj>& trajs) {
 // n trajectories: each either a fresh random sequence or a random prefix of an earlier
 // one extended by a random suffix (so prefixes are shared at random depths); with
 // probability `dup` an exact copy of an earlier trajectory.
-inline std::vector<Traj> RandomTrajectories(std::mt19937& rng, int n, int max_len, int alphabet,
-                                            double dup = 0.1) {
+inline std::vector<Traj> RandomTrajectories(std::mt19937& rng, int n, int max_len, int alphabet, double dup = 0.1) {
   std::vector<Traj> out;
   std::uniform_real_distribution<double> u(0, 1);
   for (int i = 0; i < n; ++i) {

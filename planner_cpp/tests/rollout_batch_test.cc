@@ -54,7 +54,10 @@ void CheckBatch(const std::vector<Traj>& trajs) {
       Traj prefix(trajs[i].begin(), trajs[i].begin() + p + 1);
       const int32_t row = b->row_of_position()[offsets[i] + p];
       auto it = row_of_prefix.find(prefix);
-      if (it == row_of_prefix.end()) row_of_prefix[prefix] = row; else CHECK_EQ(it->second, row);
+      if (it == row_of_prefix.end())
+        row_of_prefix[prefix] = row;
+      else
+        CHECK_EQ(it->second, row);
       ++count_of_prefix[prefix];
       CHECK_EQ(b->row_depth()[row], static_cast<int32_t>(p));
       CHECK_EQ(b->row_parent()[row], p == 0 ? -1 : b->row_of_position()[offsets[i] + p - 1]);
@@ -95,8 +98,10 @@ void CheckBatch(const std::vector<Traj>& trajs) {
     CHECK_EQ(is_end, static_cast<int64_t>(prefix.size()) == f.end[v]);
     CHECK(f.start[v] < static_cast<int32_t>(prefix.size()) && static_cast<int32_t>(prefix.size()) <= f.end[v]);
     CHECK_EQ(row - f.row_begin[v], static_cast<int64_t>(prefix.size()) - 1 - f.start[v]);
-    if (f.start[v] > 0) CHECK_EQ(f.parent[v], b->row_segment()[row_of_prefix[Traj(prefix.begin(), prefix.begin() + f.start[v])]]);
-    else CHECK_EQ(f.parent[v], -1);
+    if (f.start[v] > 0)
+      CHECK_EQ(f.parent[v], b->row_segment()[row_of_prefix[Traj(prefix.begin(), prefix.begin() + f.start[v])]]);
+    else
+      CHECK_EQ(f.parent[v], -1);
   }
   CHECK_EQ(num_ends, f.size());
   int64_t total_ending = 0;
@@ -167,10 +172,13 @@ void Errors() {
   ExpectError<InvalidArgument>([&] { RolloutBatch::Ingest(tok.data(), 3, one.data(), 1, nullptr, 0); }, "offsets");
   ExpectError<InvalidArgument>([&] { RolloutBatch::Ingest(tok.data(), 3, empty.data(), 4, nullptr, 0); }, "offsets[2]");
   ExpectError<InvalidArgument>([&] { RolloutBatch::Ingest(tok.data(), 3, start.data(), 2, nullptr, 0); }, "offsets[0]");
-  ExpectError<InvalidArgument>([&] { RolloutBatch::Ingest(tok.data(), 3, short_end.data(), 3, nullptr, 0); }, "offsets[2]");
+  ExpectError<InvalidArgument>([&] { RolloutBatch::Ingest(tok.data(), 3, short_end.data(), 3, nullptr, 0); },
+                               "offsets[2]");
   ExpectError<InvalidArgument>([&] { RolloutBatch::Ingest(neg.data(), 3, good.data(), 3, nullptr, 0); }, "tokens[1]");
-  ExpectError<InvalidArgument>([&] { RolloutBatch::Ingest(tok.data(), 3, good.data(), 3, trees_bad.data(), 2); }, "tree_ids[1]");
-  ExpectError<InvalidArgument>([&] { RolloutBatch::Ingest(tok.data(), 3, good.data(), 3, trees_bad.data(), 1); }, "tree_ids");
+  ExpectError<InvalidArgument>([&] { RolloutBatch::Ingest(tok.data(), 3, good.data(), 3, trees_bad.data(), 2); },
+                               "tree_ids[1]");
+  ExpectError<InvalidArgument>([&] { RolloutBatch::Ingest(tok.data(), 3, good.data(), 3, trees_bad.data(), 1); },
+                               "tree_ids");
   auto b = RolloutBatch::Ingest(tok.data(), 3, good.data(), 3, nullptr, 0);
   const int32_t repeated[] = {0, 0};
   const int32_t out_of_range[] = {0, 5};

@@ -74,8 +74,16 @@ void CheckSamePlans(const RolloutBatch& a, const RolloutBatch& b, std::mt19937& 
   if (a.num_trajectories() >= o.dp_size) {
     bool a_failed = false, b_failed = false;
     StepPlan pa, pb;
-    try { pa = PlanStep(a, o); } catch (const FailedPrecondition&) { a_failed = true; }
-    try { pb = PlanStep(b, o); } catch (const FailedPrecondition&) { b_failed = true; }
+    try {
+      pa = PlanStep(a, o);
+    } catch (const FailedPrecondition&) {
+      a_failed = true;
+    }
+    try {
+      pb = PlanStep(b, o);
+    } catch (const FailedPrecondition&) {
+      b_failed = true;
+    }
     CHECK_EQ(a_failed, b_failed);
     if (!a_failed) {
       CHECK(pa.member_offsets == pb.member_offsets && pa.members == pb.members && pa.work == pb.work);
@@ -144,7 +152,8 @@ void NonCanonicalTrees() {
       t.length[perm[k]] = 1 + static_cast<int32_t>(rng() % 4);
     }
     std::vector<char> has_child(v_count, 0);
-    for (int32_t p : t.parent) if (p >= 0) has_child[p] = 1;
+    for (int32_t p : t.parent)
+      if (p >= 0) has_child[p] = 1;
     for (int v = 0; v < v_count; ++v)
       if (!has_child[v] || rng() % 4 == 0) t.trajectory_end.push_back(v);
     const int extra = static_cast<int>(rng() % 3);
@@ -161,9 +170,9 @@ void Errors() {
   auto build = [](Tree t) { return [t] { RolloutBatch::FromSegmentTree(t.view(), nullptr, 0); }; };
   ExpectError<InvalidArgument>(build({{}, {}, {0}}), "parent");
   ExpectError<InvalidArgument>(build({{-1}, {1}, {}}), "trajectory_end");
-  ExpectError<InvalidArgument>(build({{-1, 5}, {1, 1}, {1}}), "parent[1]");      // dangling
+  ExpectError<InvalidArgument>(build({{-1, 5}, {1, 1}, {1}}), "parent[1]");  // dangling
   ExpectError<InvalidArgument>(build({{-1, -2}, {1, 1}, {1}}), "parent[1]");
-  ExpectError<InvalidArgument>(build({{-1, 1}, {1, 1}, {0}}), "parent[1]");       // self loop
+  ExpectError<InvalidArgument>(build({{-1, 1}, {1, 1}, {0}}), "parent[1]");        // self loop
   ExpectError<InvalidArgument>(build({{-1, 2, 1}, {1, 1, 1}, {0}}), "parent[1]");  // 1 <-> 2 cycle
   ExpectError<InvalidArgument>(build({{-1, 0}, {1, 0}, {1}}), "length[1]");
   ExpectError<InvalidArgument>(build({{-1, 0}, {1, 1}, {2}}), "trajectory_end[0]");

@@ -133,8 +133,13 @@ class RolloutBatch:
     (no copies). A batch built from a segment tree has no tokens (:attr:`tokens` is None).
     """
 
-    def __init__(self, native: _native.CompactBatch, tokens: np.ndarray | None, offsets: np.ndarray,
-                 tree_ids: np.ndarray | None):
+    def __init__(
+        self,
+        native: _native.CompactBatch,
+        tokens: np.ndarray | None,
+        offsets: np.ndarray,
+        tree_ids: np.ndarray | None,
+    ):
         self._native = native
         self._tokens = tokens
         self._offsets = offsets
@@ -142,7 +147,7 @@ class RolloutBatch:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_arrays(cls, tokens, offsets, tree_ids=None) -> "RolloutBatch":
+    def from_arrays(cls, tokens, offsets, tree_ids=None) -> RolloutBatch:
         """Ingest a packed batch.
 
         Parameters
@@ -170,7 +175,7 @@ class RolloutBatch:
         return cls(native, tokens, offsets, tree_ids)
 
     @classmethod
-    def from_token_lists(cls, trajectories: Iterable[Sequence[int]], tree_ids=None) -> "RolloutBatch":
+    def from_token_lists(cls, trajectories: Iterable[Sequence[int]], tree_ids=None) -> RolloutBatch:
         """Ingest a list of token lists (one per trajectory). Same errors as :meth:`from_arrays`,
         with fields named ``trajectories[i]``."""
         trajectories = list(trajectories)
@@ -187,7 +192,7 @@ class RolloutBatch:
         return cls.from_arrays(_as_array(np.concatenate(pieces), np.int32, "tokens"), offsets, tree_ids)
 
     @classmethod
-    def from_segment_tree(cls, tree: SegmentTree) -> "RolloutBatch":
+    def from_segment_tree(cls, tree: SegmentTree) -> RolloutBatch:
         """Build the batch a compacted :class:`SegmentTree` stands for, without tokens.
 
         O(V + N log N): no per-token work until a per-row array (:attr:`compact_map`,
@@ -218,7 +223,8 @@ class RolloutBatch:
         end_offsets = self.segment_end_offsets
         trajectory_end = np.empty(self.num_trajectories, dtype=np.int32)
         trajectory_end[self.segment_ending] = np.repeat(
-            np.arange(self.num_segments, dtype=np.int32), np.diff(end_offsets))
+            np.arange(self.num_segments, dtype=np.int32), np.diff(end_offsets)
+        )
         length = (self.segment_end - self.segment_start).astype(np.int32)
         return SegmentTree(self.segment_parent, length, trajectory_end, self._input_tree_ids)
 
@@ -228,7 +234,7 @@ class RolloutBatch:
         return self._tokens is not None
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "RolloutBatch":
+    def load(cls, path: str | os.PathLike) -> RolloutBatch:
         """Load a batch saved by :meth:`save` (``.hrb`` binary or ``.jsonl``)."""
         from harts_planner.batch_io import load_batch
 
@@ -300,7 +306,7 @@ class RolloutBatch:
         """int32 view of trajectory ``i``'s tokens (InvalidArgumentError without tokens)."""
         if self._tokens is None:
             raise invalid("tokens", "a batch built from a segment tree has no tokens")
-        return self._tokens[self._offsets[i]:self._offsets[i + 1]]
+        return self._tokens[self._offsets[i] : self._offsets[i + 1]]
 
     # ------------------------------------------------------------------ order and LCP
     @property
@@ -417,12 +423,12 @@ class RolloutBatch:
     def children(self, v: int) -> np.ndarray:
         """Children of segment ``v``."""
         o = self.segment_child_offsets
-        return self.segment_children[o[v]:o[v + 1]]
+        return self.segment_children[o[v] : o[v + 1]]
 
     def ending(self, v: int) -> np.ndarray:
         """Trajectories ending at the end of segment ``v``."""
         o = self.segment_end_offsets
-        return self.segment_ending[o[v]:o[v + 1]]
+        return self.segment_ending[o[v] : o[v + 1]]
 
     # ------------------------------------------------------------------ summaries
     def stats(self) -> dict:
@@ -450,5 +456,7 @@ class RolloutBatch:
         }
 
     def __repr__(self) -> str:
-        return (f"RolloutBatch(trajectories={self.num_trajectories}, semantic_tokens={self.semantic_tokens}, "
-                f"compact_tokens={self.compact_tokens}, segments={self.num_segments})")
+        return (
+            f"RolloutBatch(trajectories={self.num_trajectories}, semantic_tokens={self.semantic_tokens}, "
+            f"compact_tokens={self.compact_tokens}, segments={self.num_segments})"
+        )

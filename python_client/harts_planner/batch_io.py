@@ -54,8 +54,14 @@ class BatchFormatError(ValueError):
     """A batch (in memory or on disk) breaks the format; the message names the field and problem."""
 
 
-def save_batch(path: PathLike, tokens: np.ndarray, offsets: np.ndarray,
-               tree_ids: np.ndarray | None = None, *, format: str | None = None) -> None:
+def save_batch(
+    path: PathLike,
+    tokens: np.ndarray,
+    offsets: np.ndarray,
+    tree_ids: np.ndarray | None = None,
+    *,
+    format: str | None = None,
+) -> None:
     """Write a batch to ``path``.
 
     Parameters
@@ -138,40 +144,42 @@ def validate_batch(tokens: np.ndarray, offsets: np.ndarray, tree_ids: np.ndarray
     if tokens.ndim != 1:
         raise BatchFormatError(f"tokens: expected a 1-D array, got shape {tokens.shape}")
     if offsets.ndim != 1 or offsets.size == 0:
-        raise BatchFormatError(f"offsets: expected a 1-D array of N + 1 >= 1 entries, "
-                               f"got shape {offsets.shape}")
+        raise BatchFormatError(
+            f"offsets: expected a 1-D array of N + 1 >= 1 entries, got shape {offsets.shape}"
+        )
     if offsets[0] != 0:
         raise BatchFormatError(f"offsets: offsets[0] must be 0, got {offsets[0]}")
     steps = np.diff(offsets)
     if np.any(steps < 0):
         index = int(np.argmax(steps < 0)) + 1
-        raise BatchFormatError(f"offsets: not non-decreasing at index {index} "
-                               f"({offsets[index - 1]} > {offsets[index]})")
+        raise BatchFormatError(
+            f"offsets: not non-decreasing at index {index} ({offsets[index - 1]} > {offsets[index]})"
+        )
     if np.any(steps == 0):
         raise BatchFormatError(f"offsets: trajectory {int(np.argmax(steps == 0))} is empty")
     if offsets[-1] != tokens.size:
-        raise BatchFormatError(f"offsets: offsets[-1] = {offsets[-1]} does not match "
-                               f"S = {tokens.size} tokens")
+        raise BatchFormatError(
+            f"offsets: offsets[-1] = {offsets[-1]} does not match S = {tokens.size} tokens"
+        )
     if tokens.size and (tokens.min() < 0 or tokens.max() > _MAX_TOKEN):
         bad = int(np.argmax((tokens < 0) | (tokens > _MAX_TOKEN)))
-        raise BatchFormatError(f"tokens: token id {tokens[bad]} at index {bad} is outside "
-                               f"[0, {_MAX_TOKEN}]")
+        raise BatchFormatError(f"tokens: token id {tokens[bad]} at index {bad} is outside [0, {_MAX_TOKEN}]")
     if tree_ids is not None and tree_ids.shape != (offsets.size - 1,):
-        raise BatchFormatError(f"tree_ids: expected shape ({offsets.size - 1},), "
-                               f"got {tree_ids.shape}")
+        raise BatchFormatError(f"tree_ids: expected shape ({offsets.size - 1},), got {tree_ids.shape}")
 
 
 def _resolve_format(path: PathLike, format: str | None) -> str:
     """Return ``"hrb"`` or ``"jsonl"`` for an explicit ``format`` or the extension of ``path``."""
     if format is not None:
         if format not in FORMATS.values():
-            raise ValueError(f"format: unknown format {format!r}; choose one of "
-                             f"{sorted(FORMATS.values())}")
+            raise ValueError(f"format: unknown format {format!r}; choose one of {sorted(FORMATS.values())}")
         return format
     suffix = Path(path).suffix.lower()
     if suffix not in FORMATS:
-        raise ValueError(f"format: cannot infer a batch format from extension {suffix!r} of "
-                         f"{os.fspath(path)!r}; use one of {sorted(FORMATS)} or pass format=")
+        raise ValueError(
+            f"format: cannot infer a batch format from extension {suffix!r} of "
+            f"{os.fspath(path)!r}; use one of {sorted(FORMATS)} or pass format="
+        )
     return FORMATS[suffix]
 
 
@@ -192,8 +200,9 @@ def _integer_array(value: object, name: str) -> np.ndarray:
     if array.size == 0:
         array = array.astype(np.int64)
     if array.dtype.kind not in "iu" or array.ndim != 1:
-        raise BatchFormatError(f"{name}: expected a 1-D integer array, got dtype {array.dtype} "
-                               f"and shape {array.shape}")
+        raise BatchFormatError(
+            f"{name}: expected a 1-D integer array, got dtype {array.dtype} and shape {array.shape}"
+        )
     return array
 
 
@@ -205,8 +214,7 @@ def _int64_array(value: object, name: str) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
-def _save_hrb(path: Path, tokens: np.ndarray, offsets: np.ndarray,
-              tree_ids: np.ndarray | None) -> None:
+def _save_hrb(path: Path, tokens: np.ndarray, offsets: np.ndarray, tree_ids: np.ndarray | None) -> None:
     """Write the ``.hrb`` layout, computing the CRC32 while streaming the sections."""
     flags = FLAG_TREE_IDS if tree_ids is not None else 0
     sections = [
@@ -229,31 +237,33 @@ def _load_hrb(path: Path) -> Batch:
     """Read and validate an ``.hrb`` file; see :func:`load_batch`."""
     data = np.fromfile(path, dtype=np.uint8)
     if data.size < _HEADER.size + _CRC.size:
-        raise BatchFormatError(f"header: file is truncated ({data.size} bytes, a header and "
-                               f"checksum need {_HEADER.size + _CRC.size})")
+        raise BatchFormatError(
+            f"header: file is truncated ({data.size} bytes, a header and "
+            f"checksum need {_HEADER.size + _CRC.size})"
+        )
     magic, version, flags, n, s = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise BatchFormatError(f"magic: expected {MAGIC!r}, got {magic!r}")
     if version != VERSION:
-        raise BatchFormatError(f"version: unsupported format version {version} "
-                               f"(this reader supports {VERSION})")
+        raise BatchFormatError(
+            f"version: unsupported format version {version} (this reader supports {VERSION})"
+        )
     if flags & ~FLAG_TREE_IDS:
         raise BatchFormatError(f"flags: unknown flag bits {flags & ~FLAG_TREE_IDS:#x}")
     has_tree_ids = bool(flags & FLAG_TREE_IDS)
     expected = _HEADER.size + 8 * (n + 1) + 4 * s + (8 * n if has_tree_ids else 0) + _CRC.size
     if data.size != expected:
         problem = "truncated" if data.size < expected else "has trailing bytes"
-        raise BatchFormatError(f"file size: {problem}: N = {n} and S = {s} need {expected} "
-                               f"bytes, got {data.size}")
+        raise BatchFormatError(
+            f"file size: {problem}: N = {n} and S = {s} need {expected} bytes, got {data.size}"
+        )
     stored = _CRC.unpack_from(data, data.size - _CRC.size)[0]
-    computed = zlib.crc32(data[:-_CRC.size])
+    computed = zlib.crc32(data[: -_CRC.size])
     if stored != computed:
-        raise BatchFormatError(f"crc32: checksum mismatch (stored {stored:#010x}, "
-                               f"computed {computed:#010x})")
+        raise BatchFormatError(f"crc32: checksum mismatch (stored {stored:#010x}, computed {computed:#010x})")
     offsets = _section(data, _HEADER.size, "<i8", n + 1)
     tokens = _section(data, _HEADER.size + 8 * (n + 1), "<i4", s)
-    tree_ids = (_section(data, _HEADER.size + 8 * (n + 1) + 4 * s, "<i8", n)
-                if has_tree_ids else None)
+    tree_ids = _section(data, _HEADER.size + 8 * (n + 1) + 4 * s, "<i8", n) if has_tree_ids else None
     validate_batch(tokens, offsets, tree_ids)
     return tokens, offsets, tree_ids
 
@@ -265,12 +275,11 @@ def _section(data: np.ndarray, start: int, dtype: str, count: int) -> np.ndarray
     return native if native.flags.aligned else native.copy()
 
 
-def _save_jsonl(path: Path, tokens: np.ndarray, offsets: np.ndarray,
-                tree_ids: np.ndarray | None) -> None:
+def _save_jsonl(path: Path, tokens: np.ndarray, offsets: np.ndarray, tree_ids: np.ndarray | None) -> None:
     """Write one ``{"tokens": [...], "tree_id": int}`` object per line."""
     with path.open("w", encoding="utf-8") as out:
         for i in range(offsets.size - 1):
-            record: dict[str, object] = {"tokens": tokens[offsets[i]:offsets[i + 1]].tolist()}
+            record: dict[str, object] = {"tokens": tokens[offsets[i] : offsets[i + 1]].tolist()}
             if tree_ids is not None:
                 record["tree_id"] = int(tree_ids[i])
             out.write(json.dumps(record, separators=(",", ":")) + "\n")
@@ -290,15 +299,16 @@ def _load_jsonl(path: Path) -> Batch:
                 first_has_tree_id = tree_id is not None
             elif first_has_tree_id != (tree_id is not None):
                 here, first = ("missing", "given") if tree_id is None else ("given", "missing")
-                raise BatchFormatError(f"line {number}: tree_id: {here} here but {first} on the "
-                                       f"first trajectory line; give it on every line or none")
+                raise BatchFormatError(
+                    f"line {number}: tree_id: {here} here but {first} on the "
+                    f"first trajectory line; give it on every line or none"
+                )
             trajectories.append(tokens)
             if tree_id is not None:
                 tree_ids.append(tree_id)
     lengths = [len(t) for t in trajectories]
     offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64))).astype(np.int64)
-    flat = np.fromiter((tok for t in trajectories for tok in t), dtype=np.int32,
-                       count=int(offsets[-1]))
+    flat = np.fromiter((tok for t in trajectories for tok in t), dtype=np.int32, count=int(offsets[-1]))
     return flat, offsets, (np.asarray(tree_ids, dtype=np.int64) if first_has_tree_id else None)
 
 
@@ -315,22 +325,24 @@ def _parse_jsonl_line(line: str, number: int) -> tuple[list[int], int | None]:
     except json.JSONDecodeError as error:
         raise BatchFormatError(f"line {number}: invalid JSON: {error.msg}") from None
     if not isinstance(record, dict):
-        raise BatchFormatError(f"line {number}: expected a JSON object, got "
-                               f"{type(record).__name__}")
+        raise BatchFormatError(f"line {number}: expected a JSON object, got {type(record).__name__}")
     unknown = sorted(set(record) - {"tokens", "tree_id"})
     if unknown:
-        raise BatchFormatError(f"line {number}: {unknown[0]}: unknown field "
-                               f"(expected 'tokens' and optional 'tree_id')")
+        raise BatchFormatError(
+            f"line {number}: {unknown[0]}: unknown field (expected 'tokens' and optional 'tree_id')"
+        )
     tokens = record.get("tokens")
     if not isinstance(tokens, list):
-        raise BatchFormatError(f"line {number}: tokens: expected a list of token ids, got "
-                               f"{type(tokens).__name__}")
+        raise BatchFormatError(
+            f"line {number}: tokens: expected a list of token ids, got {type(tokens).__name__}"
+        )
     if not tokens:
         raise BatchFormatError(f"line {number}: tokens: empty trajectory")
     for index, token in enumerate(tokens):
         if not _is_int(token) or not 0 <= token <= _MAX_TOKEN:
-            raise BatchFormatError(f"line {number}: tokens: entry {index} = {token!r} is not a "
-                                   f"token id in [0, {_MAX_TOKEN}]")
+            raise BatchFormatError(
+                f"line {number}: tokens: entry {index} = {token!r} is not a token id in [0, {_MAX_TOKEN}]"
+            )
     if "tree_id" not in record:
         return tokens, None
     tree_id = record["tree_id"]

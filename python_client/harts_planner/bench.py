@@ -38,13 +38,29 @@ def payload(batch: RolloutBatch, kind: str):
 def percentiles(seconds: list[float]) -> dict:
     """p50/p95/p99/mean/min/max in milliseconds (``numpy.percentile``, linear)."""
     ms = np.asarray(seconds, dtype=np.float64) * 1e3
-    return {"p50_ms": float(np.percentile(ms, 50)), "p95_ms": float(np.percentile(ms, 95)),
-            "p99_ms": float(np.percentile(ms, 99)), "mean_ms": float(ms.mean()), "min_ms": float(ms.min()),
-            "max_ms": float(ms.max())}
+    return {
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p95_ms": float(np.percentile(ms, 95)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "mean_ms": float(ms.mean()),
+        "min_ms": float(ms.min()),
+        "max_ms": float(ms.max()),
+    }
 
 
-def run(make_planner: Callable[[], Planner], request, dp_size: int, capacity: int, *, clients: int = 1,
-        requests: int = 20, warmup: int = 1, reference=None, progress=None, **plan_kwargs) -> dict:
+def run(
+    make_planner: Callable[[], Planner],
+    request,
+    dp_size: int,
+    capacity: int,
+    *,
+    clients: int = 1,
+    requests: int = 20,
+    warmup: int = 1,
+    reference=None,
+    progress=None,
+    **plan_kwargs,
+) -> dict:
     """Time ``requests`` calls of ``plan_step(request, dp_size, capacity, **plan_kwargs)`` issued by
     ``clients`` threads; ``warmup`` untimed calls per client first.
 
@@ -98,17 +114,28 @@ def run(make_planner: Callable[[], Planner], request, dp_size: int, capacity: in
     finally:
         for p in planners:
             p.close()
-    return {"clients": clients, "requests": requests, **percentiles(latencies),
-            "throughput_per_s": requests / wall, "wall_s": wall, "mismatches": state["mismatches"],
-            "num_microbatches": reference.num_microbatches, "total_work": reference.total_work}
+    return {
+        "clients": clients,
+        "requests": requests,
+        **percentiles(latencies),
+        "throughput_per_s": requests / wall,
+        "wall_s": wall,
+        "mismatches": state["mismatches"],
+        "num_microbatches": reference.num_microbatches,
+        "total_work": reference.total_work,
+    }
 
 
 def machine() -> dict:
     """Where a benchmark ran."""
     import os
 
-    return {"machine": platform.machine(), "platform": platform.platform(), "python": platform.python_version(),
-            "cpus": os.cpu_count()}
+    return {
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
 
 
 __all__ = ["REQUEST_KINDS", "TRANSPORTS", "payload", "percentiles", "run", "machine"]

@@ -32,25 +32,65 @@ MAX_CONV_WIDTH: int = _native.MAX_CONV_WIDTH
 _I32, _I64 = np.dtype("<i4"), np.dtype("<i8")
 
 #: Scalars of a call plan (names of the native plan, of the wire message and of the properties).
-SCALAR_FIELDS: tuple[str, ...] = ("chunk_size", "conv_width", "num_calls", "replay_tokens", "compact_tokens",
-                                  "num_segments", "num_sequences", "num_state_slots")
+SCALAR_FIELDS: tuple[str, ...] = (
+    "chunk_size",
+    "conv_width",
+    "num_calls",
+    "replay_tokens",
+    "compact_tokens",
+    "num_segments",
+    "num_sequences",
+    "num_state_slots",
+)
 
 #: Every array of a call plan: name on the native plan (and field of the wire message
 #: ``harts.planner.v1.CallPlan``) -> little-endian dtype. Equality and the wire codec use this table.
 ARRAY_FIELDS: dict[str, np.dtype] = {
-    "segment_start": _I32, "segment_end": _I32, "segment_parent": _I32, "segment_child_offsets": _I64,
-    "segment_children": _I32, "segment_roots": _I32, "segment_row_begin": _I64,
-    "t_pre": _I32, "t_in": _I32, "direct_child": _I32, "segment_sequence": _I32,
-    "round_sequence_offsets": _I32, "sequence_round": _I32, "sequence_chain_offsets": _I32,
-    "sequence_chain": _I32, "sequence_anchor": _I32, "sequence_start": _I32, "sequence_end": _I32,
-    "sequence_state_slot": _I32, "sequence_request_offsets": _I32, "slot_producer": _I32,
-    "slot_position": _I32, "slot_segment": _I32,
-    "physical_to_row": _I32, "row_to_physical": _I32, "position_ids": _I32, "segment_physical_begin": _I32,
-    "sequence_physical_offsets": _I32, "round_physical_offsets": _I32, "packed_offsets": _I64,
-    "gather_index": _I32, "packed_output_row": _I32, "cu_offsets": _I32, "cu_seqlens": _I32,
-    "request_sequence": _I32, "request_position": _I32, "request_chunk": _I32, "request_slot": _I32,
-    "sequence_replay_length": _I32, "conv_context": _I32, "own_conv_context": _I32,
-    "trajectories": _I32, "row_to_global": _I32, "physical_to_global": _I32, "semantic_offsets": _I64,
+    "segment_start": _I32,
+    "segment_end": _I32,
+    "segment_parent": _I32,
+    "segment_child_offsets": _I64,
+    "segment_children": _I32,
+    "segment_roots": _I32,
+    "segment_row_begin": _I64,
+    "t_pre": _I32,
+    "t_in": _I32,
+    "direct_child": _I32,
+    "segment_sequence": _I32,
+    "round_sequence_offsets": _I32,
+    "sequence_round": _I32,
+    "sequence_chain_offsets": _I32,
+    "sequence_chain": _I32,
+    "sequence_anchor": _I32,
+    "sequence_start": _I32,
+    "sequence_end": _I32,
+    "sequence_state_slot": _I32,
+    "sequence_request_offsets": _I32,
+    "slot_producer": _I32,
+    "slot_position": _I32,
+    "slot_segment": _I32,
+    "physical_to_row": _I32,
+    "row_to_physical": _I32,
+    "position_ids": _I32,
+    "segment_physical_begin": _I32,
+    "sequence_physical_offsets": _I32,
+    "round_physical_offsets": _I32,
+    "packed_offsets": _I64,
+    "gather_index": _I32,
+    "packed_output_row": _I32,
+    "cu_offsets": _I32,
+    "cu_seqlens": _I32,
+    "request_sequence": _I32,
+    "request_position": _I32,
+    "request_chunk": _I32,
+    "request_slot": _I32,
+    "sequence_replay_length": _I32,
+    "conv_context": _I32,
+    "own_conv_context": _I32,
+    "trajectories": _I32,
+    "row_to_global": _I32,
+    "physical_to_global": _I32,
+    "semantic_offsets": _I64,
     "semantic_to_physical": _I32,
 }
 
@@ -100,8 +140,9 @@ class CallPlan:
         if not isinstance(other, CallPlan):
             return NotImplemented
         a, b = self._native, other._native
-        return (all(getattr(a, f) == getattr(b, f) for f in SCALAR_FIELDS)
-                and all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ARRAY_FIELDS))
+        return all(getattr(a, f) == getattr(b, f) for f in SCALAR_FIELDS) and all(
+            np.array_equal(getattr(a, f), getattr(b, f)) for f in ARRAY_FIELDS
+        )
 
     __hash__ = None  # mutable-looking value object: equality by content, no hashing
 
@@ -185,7 +226,7 @@ class CallPlan:
     def children(self, v: int) -> np.ndarray:
         """Children of segment ``v``."""
         o = self.segment_child_offsets
-        return self.segment_children[o[v]:o[v + 1]]
+        return self.segment_children[o[v] : o[v + 1]]
 
     # ------------------------------------------------------------------ dynamic program
     @property
@@ -232,7 +273,7 @@ class CallPlan:
     def chain(self, q: int) -> np.ndarray:
         """Segments of sequence ``q``."""
         o = self.sequence_chain_offsets
-        return self.sequence_chain[o[q]:o[q + 1]]
+        return self.sequence_chain[o[q] : o[q + 1]]
 
     @property
     def sequence_anchor(self) -> np.ndarray:
@@ -362,31 +403,31 @@ class CallPlan:
 
     @property
     def cu_offsets(self) -> np.ndarray:
-        """int32 [K + 1]: round r's cu_seqlens are ``cu_seqlens_all[cu_offsets[r]:cu_offsets[r+1]]``."""
+        """int32 [K + 1]: round r's cu_seqlens are ``cu_seqlens[cu_offsets[r]:cu_offsets[r+1]]``."""
         return self._native.cu_offsets
 
     @property
-    def cu_seqlens_all(self) -> np.ndarray:
-        """int32 [Q + K]: every round's cu_seqlens, concatenated."""
+    def cu_seqlens(self) -> np.ndarray:
+        """int32 [Q + K]: every round's cu_seqlens, concatenated (round r: :meth:`round_cu_seqlens`)."""
         return self._native.cu_seqlens
 
-    def cu_seqlens(self, r: int) -> np.ndarray:
+    def round_cu_seqlens(self, r: int) -> np.ndarray:
         """int32 [n_r + 1]: cu_seqlens of round ``r`` (starting at 0, replay rows included)."""
         self._check_round(r)
         o = self.cu_offsets
-        return self.cu_seqlens_all[o[r]:o[r + 1]]
+        return self.cu_seqlens[o[r] : o[r + 1]]
 
     def round_gather_index(self, r: int) -> np.ndarray:
         """int32: physical rows forming round ``r``'s packed input."""
         self._check_round(r)
         o = self.packed_offsets
-        return self.gather_index[o[r]:o[r + 1]]
+        return self.gather_index[o[r] : o[r + 1]]
 
     def round_output_row(self, r: int) -> np.ndarray:
         """int32: physical row written by each packed row of round ``r`` (-1 for replay)."""
         self._check_round(r)
         o = self.packed_offsets
-        return self.packed_output_row[o[r]:o[r + 1]]
+        return self.packed_output_row[o[r] : o[r + 1]]
 
     def _check_round(self, r: int) -> None:
         if not 0 <= r < self.num_calls:
@@ -430,8 +471,11 @@ class CallPlan:
         slot = int(self.sequence_state_slot[q])
         ro = self.sequence_request_offsets
         requests = [
-            {"slot": int(self.request_slot[i]), "position": int(self.request_position[i]),
-             "chunk": int(self.request_chunk[i])}
+            {
+                "slot": int(self.request_slot[i]),
+                "position": int(self.request_position[i]),
+                "chunk": int(self.request_chunk[i]),
+            }
             for i in range(int(ro[q]), int(ro[q + 1]))
         ]
         return {
@@ -439,7 +483,9 @@ class CallPlan:
             "round": int(self.sequence_round[q]),
             "segments": [int(v) for v in self.chain(q)],
             "positions": [int(self.sequence_start[q]), int(self.sequence_end[q])],
-            "initial_state": None if slot < 0 else {
+            "initial_state": None
+            if slot < 0
+            else {
                 "slot": slot,
                 "source_sequence": int(self.slot_producer[slot]),
                 "position": int(self.slot_position[slot]),
@@ -457,12 +503,14 @@ class CallPlan:
         so = self.round_sequence_offsets
         for r in range(self.num_calls):
             seqs = [self.sequence_dict(q) for q in range(int(so[r]), int(so[r + 1]))]
-            rounds.append({
-                "round": r,
-                "sequences": seqs,
-                "packed_tokens": int(self.packed_offsets[r + 1] - self.packed_offsets[r]),
-                "replay_tokens": sum(s["replay_tokens"] for s in seqs),
-            })
+            rounds.append(
+                {
+                    "round": r,
+                    "sequences": seqs,
+                    "packed_tokens": int(self.packed_offsets[r + 1] - self.packed_offsets[r]),
+                    "replay_tokens": sum(s["replay_tokens"] for s in seqs),
+                }
+            )
         out = {
             "chunk_size": self.chunk_size,
             "conv_width": self.conv_width,
@@ -475,17 +523,25 @@ class CallPlan:
         }
         if segments:
             out["segments"] = [
-                {"id": v, "start": int(self.segment_start[v]), "end": int(self.segment_end[v]),
-                 "parent": int(self.segment_parent[v]), "t_pre": int(self.t_pre[v]),
-                 "t_in": int(self.t_in[v]), "sequence": int(self.segment_sequence[v])}
+                {
+                    "id": v,
+                    "start": int(self.segment_start[v]),
+                    "end": int(self.segment_end[v]),
+                    "parent": int(self.segment_parent[v]),
+                    "t_pre": int(self.t_pre[v]),
+                    "t_in": int(self.t_in[v]),
+                    "sequence": int(self.segment_sequence[v]),
+                }
                 for v in range(self.num_segments)
             ]
         return out
 
     def __repr__(self) -> str:
-        return (f"CallPlan(num_calls={self.num_calls}, replay_tokens={self.replay_tokens}, "
-                f"compact_tokens={self.compact_tokens}, sequences={self.num_sequences}, "
-                f"chunk_size={self.chunk_size})")
+        return (
+            f"CallPlan(num_calls={self.num_calls}, replay_tokens={self.replay_tokens}, "
+            f"compact_tokens={self.compact_tokens}, sequences={self.num_sequences}, "
+            f"chunk_size={self.chunk_size})"
+        )
 
 
 def plan_calls(batch, chunk_size: int = 64, trajectories=None, conv_width: int = 4) -> CallPlan:
@@ -544,5 +600,12 @@ def plan_segment_forest(parent, start, end, chunk_size: int = 64, conv_width: in
     return CallPlan(_native.plan_segment_forest(*arrays, chunk_size, conv_width))
 
 
-__all__ = ["CallPlan", "plan_calls", "plan_segment_forest", "MAX_CHUNK_SIZE", "MAX_CONV_WIDTH",
-           "ARRAY_FIELDS", "SCALAR_FIELDS"]
+__all__ = [
+    "CallPlan",
+    "plan_calls",
+    "plan_segment_forest",
+    "MAX_CHUNK_SIZE",
+    "MAX_CONV_WIDTH",
+    "ARRAY_FIELDS",
+    "SCALAR_FIELDS",
+]

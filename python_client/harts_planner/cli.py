@@ -37,7 +37,7 @@ def _demo_plans(batch, args) -> dict:
     from harts_planner.step_plan import plan_step
 
     longest = int(np.max(batch.lengths))
-    capacity = max(args.capacity, longest)          # small presets: T never below one trajectory
+    capacity = max(args.capacity, longest)  # small presets: T never below one trajectory
     t = time.perf_counter()
     plan = plan_step(batch, args.dp, capacity, args.chunk_size)
     step_s = time.perf_counter() - t
@@ -47,13 +47,24 @@ def _demo_plans(batch, args) -> dict:
     calls = [int(cp.num_calls) for cp in call_plans]
     replay = sum(int(cp.replay_tokens) for cp in call_plans)
     m = plan.metrics
-    return {"dp_size": args.dp, "capacity": capacity, "chunk_size": args.chunk_size,
-            "microbatches": plan.num_microbatches, "slots": plan.num_slots,
-            "step_compact_tokens": plan.total_work, "step_compression": batch.semantic_tokens / plan.total_work,
-            "slot_critical_work": plan.slot_critical_work, "max_replica_work": plan.max_replica_work,
-            "slot_imbalance_p95": m.get("slot_imbalance_p95"), "step_imbalance": plan.step_imbalance,
-            "step_plan_seconds": step_s, "kda_calls_total": int(sum(calls)), "kda_calls_max": max(calls),
-            "replay_tokens": replay, "call_plan_seconds": calls_s}
+    return {
+        "dp_size": args.dp,
+        "capacity": capacity,
+        "chunk_size": args.chunk_size,
+        "microbatches": plan.num_microbatches,
+        "slots": plan.num_slots,
+        "step_compact_tokens": plan.total_work,
+        "step_compression": batch.semantic_tokens / plan.total_work,
+        "slot_critical_work": plan.slot_critical_work,
+        "max_replica_work": plan.max_replica_work,
+        "slot_imbalance_p95": m.get("slot_imbalance_p95"),
+        "step_imbalance": plan.step_imbalance,
+        "step_plan_seconds": step_s,
+        "kda_calls_total": int(sum(calls)),
+        "kda_calls_max": max(calls),
+        "replay_tokens": replay,
+        "call_plan_seconds": calls_s,
+    }
 
 
 def _demo_model(args) -> None:
@@ -61,15 +72,31 @@ def _demo_model(args) -> None:
     (needs the runtime extra: torch)."""
     try:
         from harts_runtime import train
-    except ImportError as e:     # the base install has no torch: say how to get the model step
-        print(f"model step skipped ({e.name or e} is not installed): pip install '.[runtime]' torch==2.13.0, "
-              "then harts-planner demo or harts-train")
+    except ImportError as e:  # the base install has no torch: say how to get the model step
+        print(
+            f"model step skipped ({e.name or e} is not installed): pip install '.[runtime]' torch==2.13.0, "
+            "then harts-planner demo or harts-train"
+        )
         return
     print("HARTS demo: debug hybrid model (KDA + MLA + GQA, dense + MoE), compact vs trajectory-wise")
     sys.stdout.flush()
-    preset = "tiny" if args.preset == "tiny" else "small"      # CPU-sized: the small preset, capped
-    train.main(["--flavor", "debug", "--preset", preset, "--max-len", "1024", "--steps", str(args.model_steps),
-                "--mode", "both", "--device", "cpu"])
+    preset = "tiny" if args.preset == "tiny" else "small"  # CPU-sized: the small preset, capped
+    train.main(
+        [
+            "--flavor",
+            "debug",
+            "--preset",
+            preset,
+            "--max-len",
+            "1024",
+            "--steps",
+            str(args.model_steps),
+            "--mode",
+            "both",
+            "--device",
+            "cpu",
+        ]
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -81,8 +108,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     gen_s = bar.close()
     batch, ingest_s = _ingest_with_progress(syn.tokens, syn.offsets, syn.tree_ids, args.quiet)
     stats = batch.stats()
-    stats.update(preset=args.preset, seed=args.seed, generate_seconds=gen_s, ingest_seconds=ingest_s,
-                 ingest_tokens_per_second=batch.semantic_tokens / ingest_s if ingest_s else None)
+    stats.update(
+        preset=args.preset,
+        seed=args.seed,
+        generate_seconds=gen_s,
+        ingest_seconds=ingest_s,
+        ingest_tokens_per_second=batch.semantic_tokens / ingest_s if ingest_s else None,
+    )
     plans = _demo_plans(batch, args)
     stats["plan"] = plans
     stats["total_seconds"] = time.perf_counter() - t0
@@ -98,20 +130,35 @@ def cmd_demo(args: argparse.Namespace) -> int:
             ("compact tokens C", f"{stats['compact_tokens']:,}"),
             ("compression S/C", f"{stats['compression']:.2f}x"),
             ("segments", f"{stats['segments']:,}"),
-            ("tree depth", f"{stats['max_depth_segments']} segments max, "
-                           f"{stats['max_trajectory_tokens']:,} tokens max "
-                           f"({stats['mean_trajectory_tokens']:,.0f} mean per trajectory)"),
-            ("fan-out", f"{stats['forks']:,} forks, max {stats['max_fanout']}, "
-                        f"mean {stats['mean_fanout_at_forks']:.2f} at forks"),
-            ("step plan", f"D = {p['dp_size']}, T = {p['capacity']:,}: {p['microbatches']} microbatches in "
-                          f"{p['slots']} slots, {p['step_compact_tokens']:,} compact tokens "
-                          f"(S / work = {p['step_compression']:.2f}x), step imbalance {p['step_imbalance']:.2%}"),
-            ("KDA call plans", f"chunk {p['chunk_size']}: {p['kda_calls_total']:,} calls in all, at most "
-                               f"{p['kda_calls_max']} per microbatch, replay {p['replay_tokens']:,} tokens "
-                               f"({p['replay_tokens'] / max(p['step_compact_tokens'], 1):.3%} of the work)"),
-            ("time", f"generate {gen_s:.2f}s, ingest {ingest_s:.2f}s "
-                     f"({stats['ingest_tokens_per_second'] / 1e6:.1f}M tokens/s), step plan "
-                     f"{p['step_plan_seconds']:.2f}s, call plans {p['call_plan_seconds']:.2f}s"),
+            (
+                "tree depth",
+                f"{stats['max_depth_segments']} segments max, "
+                f"{stats['max_trajectory_tokens']:,} tokens max "
+                f"({stats['mean_trajectory_tokens']:,.0f} mean per trajectory)",
+            ),
+            (
+                "fan-out",
+                f"{stats['forks']:,} forks, max {stats['max_fanout']}, "
+                f"mean {stats['mean_fanout_at_forks']:.2f} at forks",
+            ),
+            (
+                "step plan",
+                f"D = {p['dp_size']}, T = {p['capacity']:,}: {p['microbatches']} microbatches in "
+                f"{p['slots']} slots, {p['step_compact_tokens']:,} compact tokens "
+                f"(S / work = {p['step_compression']:.2f}x), step imbalance {p['step_imbalance']:.2%}",
+            ),
+            (
+                "KDA call plans",
+                f"chunk {p['chunk_size']}: {p['kda_calls_total']:,} calls in all, at most "
+                f"{p['kda_calls_max']} per microbatch, replay {p['replay_tokens']:,} tokens "
+                f"({p['replay_tokens'] / max(p['step_compact_tokens'], 1):.3%} of the work)",
+            ),
+            (
+                "time",
+                f"generate {gen_s:.2f}s, ingest {ingest_s:.2f}s "
+                f"({stats['ingest_tokens_per_second'] / 1e6:.1f}M tokens/s), step plan "
+                f"{p['step_plan_seconds']:.2f}s, call plans {p['call_plan_seconds']:.2f}s",
+            ),
         ]
         width = max(len(k) for k, _ in rows)
         print("HARTS demo: synthetic rollout step -> compact trie -> step plan -> KDA call plans")
@@ -149,7 +196,9 @@ def _plan_file(args: argparse.Namespace, call_plans: bool):
     batch = _load_batch(args.file)
     with Planner(args.target) as planner:
         source = batch if args.target is None else payload(batch, args.request)
-        return batch, planner.plan_step(source, args.dp, args.capacity, args.chunk_size, call_plans=call_plans)
+        return batch, planner.plan_step(
+            source, args.dp, args.capacity, args.chunk_size, call_plans=call_plans
+        )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -162,25 +211,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     j, m = plan.objective, plan.metrics
     where = f"sidecar {args.target} ({args.request} request)" if args.target else "in-process"
-    print(f"HARTS step plan of {args.file}: {batch.num_trajectories:,} trajectories, "
-          f"{batch.semantic_tokens:,} tokens, {batch.compact_tokens:,} compact ({where})")
-    rows = [("D / T / B", f"{plan.dp_size} / {plan.capacity:,} / {plan.chunk_size}"),
-            ("microbatches K (slots)", f"{plan.num_microbatches} ({plan.num_slots})"),
-            ("J (total, slot-critical, max replica)", f"({j[0]:,}, {j[1]:,}, {j[2]:,})"),
-            ("total work / batch compact tokens", f"{j[0] / plan.compact_tokens:.4f}"),
-            ("slot imbalance P50 / P95", f"{m['slot_imbalance_p50']:.3%} / {m['slot_imbalance_p95']:.3%}"),
-            ("step imbalance", f"{m['step_imbalance']:.3%}"),
-            ("selected candidate", f"{plan.source} ({len(plan.candidates)} compared)"),
-            ("time", f"{plan.wall_seconds * 1e3:.1f} ms (planner {plan.planning_seconds * 1e3:.1f} ms)")]
+    print(
+        f"HARTS step plan of {args.file}: {batch.num_trajectories:,} trajectories, "
+        f"{batch.semantic_tokens:,} tokens, {batch.compact_tokens:,} compact ({where})"
+    )
+    rows = [
+        ("D / T / B", f"{plan.dp_size} / {plan.capacity:,} / {plan.chunk_size}"),
+        ("microbatches K (slots)", f"{plan.num_microbatches} ({plan.num_slots})"),
+        ("J (total, slot-critical, max replica)", f"({j[0]:,}, {j[1]:,}, {j[2]:,})"),
+        ("total work / batch compact tokens", f"{j[0] / plan.compact_tokens:.4f}"),
+        ("slot imbalance P50 / P95", f"{m['slot_imbalance_p50']:.3%} / {m['slot_imbalance_p95']:.3%}"),
+        ("step imbalance", f"{m['step_imbalance']:.3%}"),
+        ("selected candidate", f"{plan.source} ({len(plan.candidates)} compared)"),
+        ("time", f"{plan.wall_seconds * 1e3:.1f} ms (planner {plan.planning_seconds * 1e3:.1f} ms)"),
+    ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
     calls = plan.call_plans() if args.call_plans else None
-    print(f"\n  {'mb':>4} {'replica':>7} {'slot':>5} {'traj':>6} {'work':>10} {'of T':>6}"
-          + (f" {'calls':>5} {'replay':>8}" if calls else ""))
+    print(
+        f"\n  {'mb':>4} {'replica':>7} {'slot':>5} {'traj':>6} {'work':>10} {'of T':>6}"
+        + (f" {'calls':>5} {'replay':>8}" if calls else "")
+    )
     for i in range(plan.num_microbatches):
-        line = (f"  {i:>4} {int(plan.replica[i]):>7} {int(plan.slot[i]):>5} {len(plan.microbatches[i]):>6} "
-                f"{int(plan.work[i]):>10,} {int(plan.work[i]) / plan.capacity:>6.1%}")
+        line = (
+            f"  {i:>4} {int(plan.replica[i]):>7} {int(plan.slot[i]):>5} {len(plan.microbatches[i]):>6} "
+            f"{int(plan.work[i]):>10,} {int(plan.work[i]) / plan.capacity:>6.1%}"
+        )
         if calls:
             line += f" {calls[i].num_calls:>5} {calls[i].replay_tokens:>8,}"
         print(line)
@@ -191,8 +248,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from harts_planner.rpc.server import serve
 
     limit = args.max_message_bytes if args.max_message_bytes else args.max_message_mb * (1 << 20)
-    return serve(args.host, args.port, workers=args.workers, max_message_bytes=limit, grace=args.grace,
-                 log_format=args.log_format)
+    return serve(
+        args.host,
+        args.port,
+        workers=args.workers,
+        max_message_bytes=limit,
+        grace=args.grace,
+        log_format=args.log_format,
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -203,8 +266,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.batch:
         batch, label = _load_batch(args.batch), args.batch
     else:
-        syn = synth.generate(args.preset, seed=args.seed, progress=Progress("generate", enabled=not args.quiet))
-        batch, label = RolloutBatch.from_arrays(syn.tokens, syn.offsets, syn.tree_ids), f"{args.preset}/{args.seed}"
+        syn = synth.generate(
+            args.preset, seed=args.seed, progress=Progress("generate", enabled=not args.quiet)
+        )
+        batch, label = (
+            RolloutBatch.from_arrays(syn.tokens, syn.offsets, syn.tree_ids),
+            f"{args.preset}/{args.seed}",
+        )
     kinds = bench.REQUEST_KINDS if args.request == "both" else (args.request,)
     transports = bench.TRANSPORTS if args.transport == "both" else (args.transport,)
     sidecar = None
@@ -221,8 +289,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
             for transport in transports:
                 bar = Progress(f"{transport}/{kind}", enabled=not args.quiet)
                 make = (lambda: Planner()) if transport == "inprocess" else (lambda: Planner(target))
-                r = bench.run(make, request, args.dp, args.capacity, clients=args.clients, requests=args.requests,
-                              warmup=args.warmup, reference=reference, progress=bar, call_plans=args.call_plans)
+                r = bench.run(
+                    make,
+                    request,
+                    args.dp,
+                    args.capacity,
+                    clients=args.clients,
+                    requests=args.requests,
+                    warmup=args.warmup,
+                    reference=reference,
+                    progress=bar,
+                    call_plans=args.call_plans,
+                )
                 bar.close()
                 results.append({"transport": transport, "request": kind, **r})
     finally:
@@ -232,11 +310,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for kind in kinds:
         by = {r["transport"]: r for r in results if r["request"] == kind}
         if len(by) == 2:
-            ratios[kind] = {q: by["grpc"][f"{q}_ms"] / by["inprocess"][f"{q}_ms"] for q in ("p50", "p95", "p99")}
-    report = {"batch": label, "trajectories": batch.num_trajectories, "semantic_tokens": batch.semantic_tokens,
-              "compact_tokens": batch.compact_tokens, "segments": batch.num_segments, "dp_size": args.dp,
-              "capacity": args.capacity, "call_plans": args.call_plans, "target": args.target,
-              "results": results, "grpc_over_inprocess": ratios, "machine": bench.machine()}
+            ratios[kind] = {
+                q: by["grpc"][f"{q}_ms"] / by["inprocess"][f"{q}_ms"] for q in ("p50", "p95", "p99")
+            }
+    report = {
+        "batch": label,
+        "trajectories": batch.num_trajectories,
+        "semantic_tokens": batch.semantic_tokens,
+        "compact_tokens": batch.compact_tokens,
+        "segments": batch.num_segments,
+        "dp_size": args.dp,
+        "capacity": args.capacity,
+        "call_plans": args.call_plans,
+        "target": args.target,
+        "results": results,
+        "grpc_over_inprocess": ratios,
+        "machine": bench.machine(),
+    }
     if args.json is not None:
         text = json.dumps(report, indent=2)
         if args.json == "-":
@@ -245,15 +335,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
     if args.json != "-":
-        print(f"bench {label}: {batch.num_trajectories:,} trajectories, {batch.semantic_tokens:,} tokens, "
-              f"D = {args.dp}, T = {args.capacity:,}, {args.clients} client(s), {args.requests} requests each row")
-        print(f"  {'transport':<10} {'request':<7} {'p50 ms':>9} {'p95 ms':>9} {'p99 ms':>9} {'plans/s':>8} "
-              f"{'mismatch':>8}")
+        print(
+            f"bench {label}: {batch.num_trajectories:,} trajectories, {batch.semantic_tokens:,} tokens, "
+            f"D = {args.dp}, T = {args.capacity:,}, {args.clients} client(s), {args.requests} requests each row"
+        )
+        print(
+            f"  {'transport':<10} {'request':<7} {'p50 ms':>9} {'p95 ms':>9} {'p99 ms':>9} {'plans/s':>8} "
+            f"{'mismatch':>8}"
+        )
         for r in results:
-            print(f"  {r['transport']:<10} {r['request']:<7} {r['p50_ms']:>9.1f} {r['p95_ms']:>9.1f} "
-                  f"{r['p99_ms']:>9.1f} {r['throughput_per_s']:>8.2f} {r['mismatches']:>8}")
+            print(
+                f"  {r['transport']:<10} {r['request']:<7} {r['p50_ms']:>9.1f} {r['p95_ms']:>9.1f} "
+                f"{r['p99_ms']:>9.1f} {r['throughput_per_s']:>8.2f} {r['mismatches']:>8}"
+            )
         for kind, q in ratios.items():
-            print(f"  gRPC / in-process ({kind}): p50 {q['p50']:.3f}x, p95 {q['p95']:.3f}x, p99 {q['p99']:.3f}x")
+            print(
+                f"  gRPC / in-process ({kind}): p50 {q['p50']:.3f}x, p95 {q['p95']:.3f}x, p99 {q['p99']:.3f}x"
+            )
     return 1 if any(r["mismatches"] for r in results) else 0
 
 
@@ -261,29 +359,39 @@ def cmd_show(args: argparse.Namespace) -> int:
     from harts_planner import viewer
 
     _, plan = _plan_file(args, call_plans=True)
-    html = viewer.render_step_plan(plan, title=args.title or f"HARTS plan of {args.file}",
-                                   max_segments=args.max_segments)
+    html = viewer.render_step_plan(
+        plan, title=args.title or f"HARTS plan of {args.file}", max_segments=args.max_segments
+    )
     output = args.output or (str(args.file).rsplit(".", 1)[0] + ".html")
     with open(output, "w", encoding="utf-8") as f:
         f.write(html)
-    print(f"wrote {output}: {plan.num_microbatches} microbatches, "
-          f"{sum(c.num_segments for c in plan.call_plans()):,} segments")
+    print(
+        f"wrote {output}: {plan.num_microbatches} microbatches, "
+        f"{sum(c.num_segments for c in plan.call_plans()):,} segments"
+    )
     return 0
 
 
 def _step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="a batch file (.hrb or .jsonl, see `harts-planner synth`)")
     p.add_argument("--dp", type=int, default=1, help="DP degree D (default 1)")
-    p.add_argument("--capacity", type=int, default=65536, help="compact tokens per microbatch T (default 65536)")
+    p.add_argument(
+        "--capacity", type=int, default=65536, help="compact tokens per microbatch T (default 65536)"
+    )
     p.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk size B (default 64)")
     p.add_argument("--target", help="host:port of a sidecar (default: plan in-process)")
-    p.add_argument("--request", choices=("tree", "tokens"), default="tree",
-                   help="what to send a sidecar: the compacted tree (default) or the tokens")
+    p.add_argument(
+        "--request",
+        choices=("tree", "tokens"),
+        default="tree",
+        help="what to send a sidecar: the compacted tree (default) or the tokens",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="harts-planner", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="harts-planner", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="generate a SWE-like synthetic step, ingest it, print a summary")
@@ -294,9 +402,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dp", type=int, default=2, help="DP degree D of the step plan (default 2)")
     d.add_argument("--capacity", type=int, default=65_536, help="microbatch capacity T in compact tokens")
     d.add_argument("--chunk-size", type=int, default=64, help="KDA chunk size B")
-    d.add_argument("--model-steps", type=int, default=1,
-                   help="training steps of the debug model, compact vs trajectory (needs torch; 0 = skip; "
-                        "not with --json)")
+    d.add_argument(
+        "--model-steps",
+        type=int,
+        default=1,
+        help="training steps of the debug model, compact vs trajectory (needs torch; 0 = skip; "
+        "not with --json)",
+    )
     d.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("synth", help="write a synthetic batch (.hrb or .jsonl)")
@@ -313,14 +425,24 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
 
     sv = sub.add_parser("serve", help="run the gRPC planner sidecar")
-    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    sv.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)"
+    )
     sv.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 picks a free one)")
     sv.add_argument("--workers", type=int, default=None, help="planner threads (default: one per core, >= 2)")
-    sv.add_argument("--max-message-mb", type=int, default=1024,
-                    help="largest request/response in MiB (default 1024: a 59M-token step is 236 MB)")
+    sv.add_argument(
+        "--max-message-mb",
+        type=int,
+        default=1024,
+        help="largest request/response in MiB (default 1024: a 59M-token step is 236 MB)",
+    )
     sv.add_argument("--max-message-bytes", type=int, default=None, help=argparse.SUPPRESS)
-    sv.add_argument("--grace", type=float, default=300.0,
-                    help="seconds in-flight plans get to finish after SIGTERM (default 300)")
+    sv.add_argument(
+        "--grace",
+        type=float,
+        default=300.0,
+        help="seconds in-flight plans get to finish after SIGTERM (default 300)",
+    )
     sv.add_argument("--log-format", choices=("json", "text"), default="json", help="log lines on stderr")
     sv.set_defaults(func=cmd_serve)
 
@@ -338,8 +460,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--requests", type=int, default=20, help="timed requests per row (default 20)")
     b.add_argument("--warmup", type=int, default=1, help="untimed requests per client first (default 1)")
     b.add_argument("--call-plans", action="store_true", help="also plan every microbatch's calls")
-    b.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="write the report as JSON to PATH (or stdout with no PATH)")
+    b.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
+        help="write the report as JSON to PATH (or stdout with no PATH)",
+    )
     b.add_argument("--quiet", action="store_true", help="no progress bars")
     b.set_defaults(func=cmd_bench)
 

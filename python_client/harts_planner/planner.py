@@ -45,12 +45,23 @@ def as_source(trajectories) -> RolloutBatch | PackedTokens | SegmentTree:
         return trajectories
     if isinstance(trajectories, tuple) and len(trajectories) in (2, 3):
         return PackedTokens(*trajectories)
-    raise invalid("trajectories", "must be a RolloutBatch, SegmentTree, PackedTokens or a (tokens, offsets"
-                                  f"[, tree_ids]) tuple, got {type(trajectories).__name__}")
+    raise invalid(
+        "trajectories",
+        "must be a RolloutBatch, SegmentTree, PackedTokens or a (tokens, offsets"
+        f"[, tree_ids]) tuple, got {type(trajectories).__name__}",
+    )
 
 
-def local_plan_step(batch: RolloutBatch, dp_size: int, capacity: int, chunk_size: int, options: dict,
-                    call_plans: bool, conv_width: int, check=None) -> StepPlan:
+def local_plan_step(
+    batch: RolloutBatch,
+    dp_size: int,
+    capacity: int,
+    chunk_size: int,
+    options: dict,
+    call_plans: bool,
+    conv_width: int,
+    check=None,
+) -> StepPlan:
     """The step plan (and, with ``call_plans``, every microbatch's call plan) of a batch.
     ``check()`` is called between microbatches (the sidecar's deadline check)."""
     plan = plan_step(batch, dp_size, capacity, chunk_size, **options)
@@ -81,8 +92,13 @@ class Planner:
     A Planner is thread-safe and a context manager (closing the sidecar channel).
     """
 
-    def __init__(self, target: str | None = None, *, timeout: float | None = DEFAULT_TIMEOUT,
-                 max_message_bytes: int | None = None):
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        max_message_bytes: int | None = None,
+    ):
         self.target = target
         self.timeout = timeout
         self._client = None
@@ -101,7 +117,7 @@ class Planner:
         if self._client is not None:
             self._client.close()
 
-    def __enter__(self) -> "Planner":
+    def __enter__(self) -> Planner:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -111,9 +127,18 @@ class Planner:
         return f"Planner({self.target!r})" if self.target else "Planner()"
 
     # ------------------------------------------------------------------ planning
-    def plan_step(self, trajectories, dp_size: int, capacity: int, chunk_size: int = 64, *,
-                  call_plans: bool = False, conv_width: int = 4, timeout: float | None = None,
-                  **options) -> StepPlan:
+    def plan_step(
+        self,
+        trajectories,
+        dp_size: int,
+        capacity: int,
+        chunk_size: int = 64,
+        *,
+        call_plans: bool = False,
+        conv_width: int = 4,
+        timeout: float | None = None,
+        **options,
+    ) -> StepPlan:
         """Plan one training step (see :func:`harts_planner.plan_step` for the arguments and options).
 
         Parameters
@@ -156,8 +181,9 @@ class Planner:
             plan.wall_seconds = time.perf_counter() - start
             return plan
         wire = source.segment_tree() if isinstance(source, RolloutBatch) else source
-        request = codec.serialize_plan_step_request(wire, dp_size, capacity, chunk_size, options, call_plans,
-                                                    conv_width)
+        request = codec.serialize_plan_step_request(
+            wire, dp_size, capacity, chunk_size, options, call_plans, conv_width
+        )
         start = time.perf_counter()
         response = self._client.plan_step(request, timeout=self._timeout(timeout))
         wall = time.perf_counter() - start
@@ -166,8 +192,15 @@ class Planner:
         plan.server_stats = codec.stats_dict(response.stats)
         return plan
 
-    def plan_calls(self, trajectories, chunk_size: int = 64, microbatch=None, conv_width: int = 4, *,
-                   timeout: float | None = None) -> CallPlan:
+    def plan_calls(
+        self,
+        trajectories,
+        chunk_size: int = 64,
+        microbatch=None,
+        conv_width: int = 4,
+        *,
+        timeout: float | None = None,
+    ) -> CallPlan:
         """Minimum-call plan and physical layout of one microbatch (see :func:`harts_planner.plan_calls`).
 
         ``microbatch`` holds distinct trajectory indices (None: every trajectory). Raises as

@@ -28,32 +28,56 @@ from harts_planner import _native
 from harts_planner.batch import RolloutBatch
 from harts_planner.errors import invalid
 
-__all__ = ["StepPlan", "imbalance", "plan_step", "schedule_metrics", "verify_schedule", "ARRAY_FIELDS",
-           "SCALAR_FIELDS"]
+__all__ = [
+    "StepPlan",
+    "imbalance",
+    "plan_step",
+    "schedule_metrics",
+    "verify_schedule",
+    "ARRAY_FIELDS",
+    "SCALAR_FIELDS",
+]
 
 _I32, _I64 = np.dtype("<i4"), np.dtype("<i8")
 
 #: Arrays of a step plan: name on the native plan (and field of ``harts.planner.v1.StepPlan``) -> dtype.
-ARRAY_FIELDS: dict[str, np.dtype] = {"member_offsets": _I64, "members": _I32, "work": _I64, "replica": _I32,
-                                     "slot": _I32}
+ARRAY_FIELDS: dict[str, np.dtype] = {
+    "member_offsets": _I64,
+    "members": _I32,
+    "work": _I64,
+    "replica": _I32,
+    "slot": _I32,
+}
 #: Scalars of the native plan compared by ``StepPlan.__eq__`` (timings excluded).
-SCALAR_FIELDS: tuple[str, ...] = ("dp_size", "capacity", "num_trajectories", "num_microbatches", "objective",
-                                  "source", "search_mode", "natural_k", "k_min", "k_max", "compact_tokens",
-                                  "candidates", "selected")
+SCALAR_FIELDS: tuple[str, ...] = (
+    "dp_size",
+    "capacity",
+    "num_trajectories",
+    "num_microbatches",
+    "objective",
+    "source",
+    "search_mode",
+    "natural_k",
+    "k_min",
+    "k_max",
+    "compact_tokens",
+    "candidates",
+    "selected",
+)
 
 #: Options of :func:`plan_step` and their defaults (the paper's parameters).
 DEFAULT_OPTIONS: dict[str, object] = {
-    "exact_threshold": 512,   # N0: exact contiguous DP when N <= N0
-    "max_sampled_k": 32,      # Q_max: sampled K values of heuristic search
-    "refine_window": 8,       # H of boundary refinement
-    "refine_sweeps": 2,       # boundary-refinement sweeps
-    "max_anchors": 3,         # B_ref: refined anchors (the greedy candidate counts as one)
-    "repair_window": 8,       # H of sparse repair
-    "repair_iterations": 4,   # sparse-repair iterations
-    "greedy": True,           # run the trie-aware greedy path
-    "refine": True,           # boundary refinement and sparse repair
+    "exact_threshold": 512,  # N0: exact contiguous DP when N <= N0
+    "max_sampled_k": 32,  # Q_max: sampled K values of heuristic search
+    "refine_window": 8,  # H of boundary refinement
+    "refine_sweeps": 2,  # boundary-refinement sweeps
+    "max_anchors": 3,  # B_ref: refined anchors (the greedy candidate counts as one)
+    "repair_window": 8,  # H of sparse repair
+    "repair_iterations": 4,  # sparse-repair iterations
+    "greedy": True,  # run the trie-aware greedy path
+    "refine": True,  # boundary refinement and sparse repair
     "component_greedy": True,  # extension, not in the paper: per-tree greedy candidate (False = paper)
-    "search": "auto",         # "auto" | "exact" | "heuristic"
+    "search": "auto",  # "auto" | "exact" | "heuristic"
 }
 
 
@@ -63,8 +87,7 @@ def _check_int(value, field: str) -> int:
     return int(value)
 
 
-def plan_step(batch: RolloutBatch, dp_size: int, capacity: int, chunk_size: int = 64,
-              **options) -> StepPlan:
+def plan_step(batch: RolloutBatch, dp_size: int, capacity: int, chunk_size: int = 64, **options) -> StepPlan:
     """Plan one training step: microbatches, their DP replicas and their slots.
 
     Parameters
@@ -168,8 +191,9 @@ def schedule_metrics(work, replica, slot, dp_size: int) -> dict:
     }
 
 
-def verify_schedule(batch: RolloutBatch, microbatches: Sequence[np.ndarray], replica, slot,
-                    dp_size: int, capacity: int) -> np.ndarray:
+def verify_schedule(
+    batch: RolloutBatch, microbatches: Sequence[np.ndarray], replica, slot, dp_size: int, capacity: int
+) -> np.ndarray:
     """Check every guarantee of a step plan; return the per-microbatch compact work.
 
     Raises ``AssertionError`` naming the first violated guarantee: exact coverage, non-empty
@@ -223,8 +247,15 @@ class StepPlan:
     ``wall_seconds``) are not compared. A plan received from a sidecar has no :attr:`batch`.
     """
 
-    def __init__(self, native, batch: RolloutBatch | None, chunk_size: int, options: dict,
-                 wall_seconds: float, call_plans: list | None = None):
+    def __init__(
+        self,
+        native,
+        batch: RolloutBatch | None,
+        chunk_size: int,
+        options: dict,
+        wall_seconds: float,
+        call_plans: list | None = None,
+    ):
         self._native = native
         self._batch = batch
         self.chunk_size = chunk_size
@@ -232,8 +263,9 @@ class StepPlan:
         self.wall_seconds = wall_seconds
         offsets = native.member_offsets
         members = native.members
-        self.microbatches: list[np.ndarray] = [members[offsets[m]:offsets[m + 1]]
-                                               for m in range(native.num_microbatches)]
+        self.microbatches: list[np.ndarray] = [
+            members[offsets[m] : offsets[m + 1]] for m in range(native.num_microbatches)
+        ]
         self._metrics: dict | None = None
         self._call_plans: list | None = None if call_plans is None else list(call_plans)
 
@@ -241,9 +273,12 @@ class StepPlan:
         if not isinstance(other, StepPlan):
             return NotImplemented
         a, b = self._native, other._native
-        if not (self.chunk_size == other.chunk_size and self.options == other.options
-                and all(getattr(a, f) == getattr(b, f) for f in SCALAR_FIELDS)
-                and all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ARRAY_FIELDS)):
+        if not (
+            self.chunk_size == other.chunk_size
+            and self.options == other.options
+            and all(getattr(a, f) == getattr(b, f) for f in SCALAR_FIELDS)
+            and all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ARRAY_FIELDS)
+        ):
             return False
         if self._call_plans is not None and other._call_plans is not None:
             return self._call_plans == other._call_plans
@@ -389,16 +424,20 @@ class StepPlan:
         (field ``call_plans``).
         """
         if self._call_plans is None and self._batch is None:
-            raise invalid("call_plans", "this plan came from a sidecar without call plans; request them "
-                                        "with Planner.plan_step(..., call_plans=True) or Planner.plan_calls")
+            raise invalid(
+                "call_plans",
+                "this plan came from a sidecar without call plans; request them "
+                "with Planner.plan_step(..., call_plans=True) or Planner.plan_calls",
+            )
         if self._call_plans is None:
             import harts_planner
 
             plan_calls = getattr(harts_planner, "plan_calls", None)
             if plan_calls is None:
                 raise NotImplementedError("harts_planner.plan_calls is not available in this build")
-            self._call_plans = [plan_calls(self._batch, self.chunk_size, trajectories=mb)
-                                for mb in self.microbatches]
+            self._call_plans = [
+                plan_calls(self._batch, self.chunk_size, trajectories=mb) for mb in self.microbatches
+            ]
         return self._call_plans
 
     # ------------------------------------------------------------------ export
@@ -416,18 +455,27 @@ class StepPlan:
             "replica": self.replica.tolist(),
             "slot": self.slot.tolist(),
             "work": self.work.tolist(),
-            "objective": {"total_work": self.total_work, "slot_critical_work": self.slot_critical_work,
-                          "max_replica_work": self.max_replica_work},
-            "imbalance": {"slot": m["slot_imbalance"], "slot_p50": m["slot_imbalance_p50"],
-                          "slot_p95": m["slot_imbalance_p95"], "step_total": m["step_imbalance"]},
+            "objective": {
+                "total_work": self.total_work,
+                "slot_critical_work": self.slot_critical_work,
+                "max_replica_work": self.max_replica_work,
+            },
+            "imbalance": {
+                "slot": m["slot_imbalance"],
+                "slot_p50": m["slot_imbalance_p50"],
+                "slot_p95": m["slot_imbalance_p95"],
+                "step_total": m["step_imbalance"],
+            },
             "replica_work": m["replica_work"],
             "compact_tokens": self.compact_tokens,
             "natural_k": self.natural_k,
             "k_range": list(self.k_range),
             "search_mode": self.search_mode,
             "source": self.source,
-            "candidates": [{"source": c["source"], "k": c["k"], "objective": list(c["objective"])}
-                           for c in self.candidates],
+            "candidates": [
+                {"source": c["source"], "k": c["k"], "objective": list(c["objective"])}
+                for c in self.candidates
+            ],
             "selected": self.selected,
             "planning_seconds": self.planning_seconds,
             "phase_seconds": self.phase_seconds,
@@ -435,5 +483,7 @@ class StepPlan:
         }
 
     def __repr__(self) -> str:
-        return (f"StepPlan(K={self.num_microbatches}, D={self.dp_size}, slots={self.num_slots}, "
-                f"J={self.objective}, source={self.source!r}, planning={self.planning_seconds * 1e3:.1f} ms)")
+        return (
+            f"StepPlan(K={self.num_microbatches}, D={self.dp_size}, slots={self.num_slots}, "
+            f"J={self.objective}, source={self.source!r}, planning={self.planning_seconds * 1e3:.1f} ms)"
+        )

@@ -139,8 +139,7 @@ class SynthConfig:
     T needs every trajectory to fit, so presets used at T = 65,536 set 65,536."""
 
     def __post_init__(self) -> None:
-        for name in ("trees", "prompt_len", "main_turns", "side_turns", "retry_len", "tool_len",
-                     "turn_len"):
+        for name in ("trees", "prompt_len", "main_turns", "side_turns", "retry_len", "tool_len", "turn_len"):
             _set(self, name, _int_range(self, name))
         if self.trajectories is not None:
             _set(self, "trajectories", _int_range(self, "trajectories"))
@@ -166,10 +165,18 @@ class SynthConfig:
         _check(self.max_depth, "max_depth", 1, _MAX_DEPTH)
         _check(self.fork_min_depth, "fork_min_depth", 1, self.max_depth)
         if len(self.fanout) + 1 > self.vocab_size:
-            raise ValueError(f"fanout: {len(self.fanout) + 1} children at a fork exceed "
-                             f"vocab_size={self.vocab_size} distinct first tokens")
-        for name in ("fork_prob", "retry_prob", "retry_leaf_prob", "tool_prob", "prefix_prob",
-                     "duplicate_prob"):
+            raise ValueError(
+                f"fanout: {len(self.fanout) + 1} children at a fork exceed "
+                f"vocab_size={self.vocab_size} distinct first tokens"
+            )
+        for name in (
+            "fork_prob",
+            "retry_prob",
+            "retry_leaf_prob",
+            "tool_prob",
+            "prefix_prob",
+            "duplicate_prob",
+        ):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name}: must lie in [0, 1], got {value!r}")
@@ -207,8 +214,7 @@ def _weights(value: object) -> tuple[float, ...]:
     except (TypeError, ValueError):
         raise ValueError(f"fanout: expected a sequence of weights, got {value!r}") from None
     if not weights or any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"fanout: weights must be finite, non-negative and not all zero, "
-                         f"got {value!r}")
+        raise ValueError(f"fanout: weights must be finite, non-negative and not all zero, got {value!r}")
     total = sum(weights)
     return tuple(w / total for w in weights)
 
@@ -231,28 +237,83 @@ def _check_range(value: IntRange, name: str, lo: int, hi: int | None) -> None:
 
 PRESETS: dict[str, SynthConfig] = {
     "tiny": SynthConfig(
-        trees=(2, 4), trajectories=None, prompt_len=(1, 6), main_turns=(1, 4), side_turns=(0, 1),
-        max_depth=6, fork_min_depth=1, fork_prob=0.3, fanout=(0.6, 0.3, 0.1), retry_prob=0.4,
-        retry_len=(1, 3), retry_leaf_prob=0.6, tool_prob=0.2, tool_len=(5, 12), turn_len=(1, 4),
-        prefix_prob=0.2, duplicate_prob=0.2, vocab_size=16),
+        trees=(2, 4),
+        trajectories=None,
+        prompt_len=(1, 6),
+        main_turns=(1, 4),
+        side_turns=(0, 1),
+        max_depth=6,
+        fork_min_depth=1,
+        fork_prob=0.3,
+        fanout=(0.6, 0.3, 0.1),
+        retry_prob=0.4,
+        retry_len=(1, 3),
+        retry_leaf_prob=0.6,
+        tool_prob=0.2,
+        tool_len=(5, 12),
+        turn_len=(1, 4),
+        prefix_prob=0.2,
+        duplicate_prob=0.2,
+        vocab_size=16,
+    ),
     "small": SynthConfig(
-        trees=(4, 100), trajectories=(80, 120), prompt_len=(300, 1500), main_turns=(6, 14),
-        side_turns=(0, 1), max_depth=24, fork_min_depth=5, fork_prob=0.32,
-        fanout=(0.55, 0.2, 0.1, 0.05, 0.04, 0.03, 0.02, 0.01), retry_prob=0.55, retry_len=(1, 20),
-        retry_leaf_prob=0.8, tool_prob=0.15, tool_len=(100, 3000), turn_len=(5, 100),
-        prefix_prob=0.03, duplicate_prob=0.03),
+        trees=(4, 100),
+        trajectories=(80, 120),
+        prompt_len=(300, 1500),
+        main_turns=(6, 14),
+        side_turns=(0, 1),
+        max_depth=24,
+        fork_min_depth=5,
+        fork_prob=0.32,
+        fanout=(0.55, 0.2, 0.1, 0.05, 0.04, 0.03, 0.02, 0.01),
+        retry_prob=0.55,
+        retry_len=(1, 20),
+        retry_leaf_prob=0.8,
+        tool_prob=0.15,
+        tool_len=(100, 3000),
+        turn_len=(5, 100),
+        prefix_prob=0.03,
+        duplicate_prob=0.03,
+    ),
     "medium": SynthConfig(
-        trees=(10, 400), trajectories=(450, 550), prompt_len=(1000, 4000), main_turns=(8, 18),
-        side_turns=(0, 1), max_depth=32, fork_min_depth=7, fork_prob=0.32,
-        fanout=(0.55, 0.2, 0.1, 0.05, 0.04, 0.03, 0.02, 0.01), retry_prob=0.55, retry_len=(1, 20),
-        retry_leaf_prob=0.8, tool_prob=0.13, tool_len=(300, 8000), turn_len=(10, 300),
-        prefix_prob=0.01, duplicate_prob=0.01),
+        trees=(10, 400),
+        trajectories=(450, 550),
+        prompt_len=(1000, 4000),
+        main_turns=(8, 18),
+        side_turns=(0, 1),
+        max_depth=32,
+        fork_min_depth=7,
+        fork_prob=0.32,
+        fanout=(0.55, 0.2, 0.1, 0.05, 0.04, 0.03, 0.02, 0.01),
+        retry_prob=0.55,
+        retry_len=(1, 20),
+        retry_leaf_prob=0.8,
+        tool_prob=0.13,
+        tool_len=(300, 8000),
+        turn_len=(10, 300),
+        prefix_prob=0.01,
+        duplicate_prob=0.01,
+    ),
     "swe-like": SynthConfig(
-        trees=(50, 1000), trajectories=(1280, 2250), prompt_len=(4000, 16_000),
-        main_turns=(10, 22), side_turns=(0, 1), max_depth=48, fork_min_depth=9, fork_prob=0.32,
-        fanout=(0.55, 0.2, 0.1, 0.05, 0.04, 0.03, 0.02, 0.01), retry_prob=0.55,
-        retry_len=(1, 20), retry_leaf_prob=0.8, tool_prob=0.13, tool_len=(1000, 30_000),
-        turn_len=(20, 800), prefix_prob=0.005, duplicate_prob=0.005, max_trajectory_tokens=65_536),
+        trees=(50, 1000),
+        trajectories=(1280, 2250),
+        prompt_len=(4000, 16_000),
+        main_turns=(10, 22),
+        side_turns=(0, 1),
+        max_depth=48,
+        fork_min_depth=9,
+        fork_prob=0.32,
+        fanout=(0.55, 0.2, 0.1, 0.05, 0.04, 0.03, 0.02, 0.01),
+        retry_prob=0.55,
+        retry_len=(1, 20),
+        retry_leaf_prob=0.8,
+        tool_prob=0.13,
+        tool_len=(1000, 30_000),
+        turn_len=(20, 800),
+        prefix_prob=0.005,
+        duplicate_prob=0.005,
+        max_trajectory_tokens=65_536,
+    ),
 }
 
 
@@ -348,8 +409,9 @@ def _turn_length(rng: np.random.Generator, cfg: SynthConfig) -> int:
     return _log_uniform(rng, cfg.turn_len)
 
 
-def _start_side_branch(rng: np.random.Generator, cfg: SynthConfig, forest: _Forest, parent: int,
-                       depth: int) -> tuple[int, int, int] | None:
+def _start_side_branch(
+    rng: np.random.Generator, cfg: SynthConfig, forest: _Forest, parent: int, depth: int
+) -> tuple[int, int, int] | None:
     """Add the first segment of a side branch under ``parent`` (at ``depth``).
 
     Returns
@@ -387,8 +449,7 @@ def _grow_tree(rng: np.random.Generator, cfg: SynthConfig, forest: _Forest) -> i
     return root
 
 
-def _emission_order(rng: np.random.Generator, cfg: SynthConfig, forest: _Forest,
-                    root: int) -> list[int]:
+def _emission_order(rng: np.random.Generator, cfg: SynthConfig, forest: _Forest, root: int) -> list[int]:
     """End nodes of the tree's trajectories in emission order.
 
     A depth-first walk with shuffled children emits every leaf, and every internal node with
@@ -413,8 +474,7 @@ def _emission_order(rng: np.random.Generator, cfg: SynthConfig, forest: _Forest,
     return order
 
 
-def _grow_forest(rng: np.random.Generator, cfg: SynthConfig) -> tuple[_Forest, list[int],
-                                                                      list[list[int]]]:
+def _grow_forest(rng: np.random.Generator, cfg: SynthConfig) -> tuple[_Forest, list[int], list[list[int]]]:
     """Grow all trees and fix each tree's trajectory order.
 
     Returns
@@ -438,8 +498,9 @@ def _grow_forest(rng: np.random.Generator, cfg: SynthConfig) -> tuple[_Forest, l
     return forest, roots, orders
 
 
-def _draw_segment_tokens(rng: np.random.Generator, cfg: SynthConfig, forest: _Forest,
-                         roots: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def _draw_segment_tokens(
+    rng: np.random.Generator, cfg: SynthConfig, forest: _Forest, roots: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
     """Draw the tokens of the shared prefix and of every segment.
 
     Returns
@@ -460,9 +521,14 @@ def _draw_segment_tokens(rng: np.random.Generator, cfg: SynthConfig, forest: _Fo
     return pool, starts
 
 
-def _assemble(cfg: SynthConfig, forest: _Forest, orders: list[list[int]], pool: np.ndarray,
-              starts: np.ndarray, progress: ProgressFn | None) -> tuple[np.ndarray, np.ndarray,
-                                                                         np.ndarray]:
+def _assemble(
+    cfg: SynthConfig,
+    forest: _Forest,
+    orders: list[list[int]],
+    pool: np.ndarray,
+    starts: np.ndarray,
+    progress: ProgressFn | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Expand every trajectory into a preallocated token array.
 
     Returns
@@ -473,8 +539,7 @@ def _assemble(cfg: SynthConfig, forest: _Forest, orders: list[list[int]], pool: 
     """
     ends = [node for order in orders for node in order]
     tree_ids = np.repeat(np.arange(len(orders), dtype=np.int64), [len(o) for o in orders])
-    lengths = cfg.shared_prefix_tokens + np.asarray([forest.path_len[n] for n in ends],
-                                                    dtype=np.int64)
+    lengths = cfg.shared_prefix_tokens + np.asarray([forest.path_len[n] for n in ends], dtype=np.int64)
     offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
     tokens = np.empty(int(offsets[-1]), dtype=np.int32)
     shared = cfg.shared_prefix_tokens
@@ -482,11 +547,11 @@ def _assemble(cfg: SynthConfig, forest: _Forest, orders: list[list[int]], pool: 
     for tree, order in enumerate(orders):
         for node in order:
             pos = int(offsets[index])
-            tokens[pos:pos + shared] = pool[:shared]
+            tokens[pos : pos + shared] = pool[:shared]
             pos += shared
             for segment in forest.path(node):
                 start, length = int(starts[segment]), forest.length[segment]
-                tokens[pos:pos + length] = pool[start:start + length]
+                tokens[pos : pos + length] = pool[start : start + length]
                 pos += length
             index += 1
         if progress is not None:
@@ -494,8 +559,9 @@ def _assemble(cfg: SynthConfig, forest: _Forest, orders: list[list[int]], pool: 
     return tokens, offsets, tree_ids
 
 
-def generate(preset: str = "swe-like", seed: int = 0, *, progress: ProgressFn | None = None,
-             **overrides: object) -> SynthBatch:
+def generate(
+    preset: str = "swe-like", seed: int = 0, *, progress: ProgressFn | None = None, **overrides: object
+) -> SynthBatch:
     """Generate a seeded batch of root-to-leaf trajectories from a synthetic rollout forest.
 
     Parameters
@@ -533,5 +599,11 @@ def generate(preset: str = "swe-like", seed: int = 0, *, progress: ProgressFn | 
     forest, roots, orders = _grow_forest(rng, cfg)
     pool, starts = _draw_segment_tokens(rng, cfg, forest, roots)
     tokens, offsets, tree_ids = _assemble(cfg, forest, orders, pool, starts, progress)
-    return SynthBatch(tokens=tokens, offsets=offsets, tree_ids=tree_ids, preset=preset, seed=seed,
-                      compact_tokens_expected=len(pool))
+    return SynthBatch(
+        tokens=tokens,
+        offsets=offsets,
+        tree_ids=tree_ids,
+        preset=preset,
+        seed=seed,
+        compact_tokens_expected=len(pool),
+    )

@@ -23,9 +23,19 @@ from harts_planner.call_plan import CallPlan
 from harts_planner.step_plan import StepPlan
 
 #: Round colours (Tableau 10), cycled after ten rounds.
-PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
-           "#9c755f", "#bab0ac")
-_DX, _DY, _R = 96, 46, 17   # column width, row height, circle radius (px)
+PALETTE = (
+    "#4e79a7",
+    "#f28e2b",
+    "#59a14f",
+    "#e15759",
+    "#76b7b2",
+    "#edc948",
+    "#b07aa1",
+    "#ff9da7",
+    "#9c755f",
+    "#bab0ac",
+)
+_DX, _DY, _R = 96, 46, 17  # column width, row height, circle radius (px)
 _MARGIN = 30
 
 _CSS = """
@@ -119,8 +129,10 @@ def tree_svg(plan: CallPlan, *, names: Sequence[str] | None = None, id_prefix: s
     def xy(v: int) -> tuple[int, int]:
         return _MARGIN + _R + int(col[v]) * _DX, _MARGIN + 8 + int(row[v]) * _DY + _R
 
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" role="img" aria-label="rollout tree {_e(id_prefix)}">']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="rollout tree {_e(id_prefix)}">'
+    ]
     edges, nodes = [], []
     for v in range(plan.num_segments):
         x, y = xy(v)
@@ -130,25 +142,32 @@ def tree_svg(plan: CallPlan, *, names: Sequence[str] | None = None, id_prefix: s
         if p >= 0:
             px, py = xy(p)
             if not is_head[v]:  # direct continuation
-                edges.append(f'<path d="M{px + _R},{py} L{x - _R},{y}" stroke="{colour}" stroke-width="4" '
-                             f'fill="none"/>')
+                edges.append(
+                    f'<path d="M{px + _R},{py} L{x - _R},{y}" stroke="{colour}" stroke-width="4" '
+                    f'fill="none"/>'
+                )
             else:  # a new sequence: down from the parent, then right
-                edges.append(f'<path d="M{px},{py + _R} V{y} H{x - _R}" stroke="{colour}" '
-                             f'stroke-width="1.6" stroke-dasharray="5,3" fill="none"/>')
+                edges.append(
+                    f'<path d="M{px},{py + _R} V{y} H{x - _R}" stroke="{colour}" '
+                    f'stroke-width="1.6" stroke-dasharray="5,3" fill="none"/>'
+                )
                 rep = int(replay[seq_of[v]])
                 edges.append(f'<text class="replay" x="{px + 5}" y="{y - 4}">r={rep}</text>')
         q = int(seq_of[v])
-        tip = (f"{labels[v]} (segment {v}): positions [{int(start[v])}, {int(end[v])}), "
-               f"{int(end[v] - start[v])} tokens; Call {r + 1} (round {r}), sequence {q}"
-               f"{', head, replay ' + str(int(replay[q])) if is_head[v] else ', direct continuation'}; "
-               f"T_pre={int(plan.t_pre[v])}, T_in={int(plan.t_in[v])}")
+        tip = (
+            f"{labels[v]} (segment {v}): positions [{int(start[v])}, {int(end[v])}), "
+            f"{int(end[v] - start[v])} tokens; Call {r + 1} (round {r}), sequence {q}"
+            f"{', head, replay ' + str(int(replay[q])) if is_head[v] else ', direct continuation'}; "
+            f"T_pre={int(plan.t_pre[v])}, T_in={int(plan.t_in[v])}"
+        )
         nodes.append(
             f'<g class="seg" id="{_e(id_prefix)}-s{v}" data-segment="{v}" data-round="{r}">'
-            f'<title>{_e(tip)}</title>'
+            f"<title>{_e(tip)}</title>"
             f'<circle cx="{x}" cy="{y}" r="{_R}" fill="{colour}" stroke="#333" stroke-width="1"/>'
             f'<text class="tokens" x="{x}" y="{y + 3}" text-anchor="middle"'
-            f'{_shrink(len(str(int(end[v] - start[v]))))}>{int(end[v] - start[v])}</text>'
-            f'<text class="name" x="{x}" y="{y - _R - 4}" text-anchor="middle">{_e(labels[v])}</text></g>')
+            f"{_shrink(len(str(int(end[v] - start[v]))))}>{int(end[v] - start[v])}</text>"
+            f'<text class="name" x="{x}" y="{y - _R - 4}" text-anchor="middle">{_e(labels[v])}</text></g>'
+        )
     out += edges + nodes
     out.append("</svg>")
     return "\n".join(out)
@@ -161,16 +180,23 @@ def rounds_legend(plan: CallPlan) -> str:
     for r in range(plan.num_calls):
         seqs = range(int(so[r]), int(so[r + 1]))
         rep = int(sum(int(plan.sequence_replay_length[q]) for q in seqs))
-        parts.append(f'<span class="swatch" style="background:{_colour(r)}"></span>Call {r + 1}: {len(seqs)} '
-                     f'sequences, replay {rep:,}, packed {int(po[r + 1] - po[r]):,} tokens')
+        parts.append(
+            f'<span class="swatch" style="background:{_colour(r)}"></span>Call {r + 1}: {len(seqs)} '
+            f"sequences, replay {rep:,}, packed {int(po[r + 1] - po[r]):,} tokens"
+        )
     return f'<div class="legend">{"".join(parts)}</div>'
 
 
 def _calls_summary(plan: CallPlan) -> str:
-    rows = [("calls", plan.num_calls), ("compact tokens C", f"{plan.compact_tokens:,}"),
-            ("replay tokens R (Eq. 15)", f"{plan.replay_tokens:,}"), ("segments", plan.num_segments),
-            ("sequences", plan.num_sequences), ("state slots", plan.num_state_slots),
-            ("chunk size B", plan.chunk_size)]
+    rows = [
+        ("calls", plan.num_calls),
+        ("compact tokens C", f"{plan.compact_tokens:,}"),
+        ("replay tokens R (Eq. 15)", f"{plan.replay_tokens:,}"),
+        ("segments", plan.num_segments),
+        ("sequences", plan.num_sequences),
+        ("state slots", plan.num_state_slots),
+        ("chunk size B", plan.chunk_size),
+    ]
     return _table(rows)
 
 
@@ -184,47 +210,80 @@ def microbatch_grid_svg(step: StepPlan, calls: Sequence[CallPlan] | None) -> str
     d, slots = step.dp_size, step.num_slots
     cw, ch, left, top = 210, 58, 70, 24
     width, height = left + d * cw + 10, top + slots * ch + 10
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" role="img" aria-label="microbatches by replica and slot">']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="microbatches by replica and slot">'
+    ]
     for rep in range(d):
-        out.append(f'<text class="cell" x="{left + rep * cw + cw // 2}" y="{top - 8}" '
-                   f'text-anchor="middle">replica {rep}</text>')
+        out.append(
+            f'<text class="cell" x="{left + rep * cw + cw // 2}" y="{top - 8}" '
+            f'text-anchor="middle">replica {rep}</text>'
+        )
     for s in range(slots):
-        out.append(f'<text class="cell" x="{left - 8}" y="{top + s * ch + ch // 2 + 4}" '
-                   f'text-anchor="end">slot {s}</text>')
+        out.append(
+            f'<text class="cell" x="{left - 8}" y="{top + s * ch + ch // 2 + 4}" '
+            f'text-anchor="end">slot {s}</text>'
+        )
     for m in range(step.num_microbatches):
         rep, s = int(step.replica[m]), int(step.slot[m])
         x, y = left + rep * cw, top + s * ch
         w = int(step.work[m])
         frac = min(w / step.capacity, 1.0)
         extra = f" · {calls[m].num_calls} calls" if calls is not None else ""
-        tip = (f"microbatch {m}: replica {rep}, slot {s}, {len(step.microbatches[m])} trajectories, "
-               f"compact work {w:,} of T = {step.capacity:,}{extra}")
+        tip = (
+            f"microbatch {m}: replica {rep}, slot {s}, {len(step.microbatches[m])} trajectories, "
+            f"compact work {w:,} of T = {step.capacity:,}{extra}"
+        )
         out.append(
             f'<a href="#mb{m}"><g class="mb" id="cell-mb{m}"><title>{_e(tip)}</title>'
             f'<rect x="{x + 2}" y="{y + 2}" width="{cw - 4}" height="{ch - 4}" rx="4" fill="#f4f6f8" stroke="#999"/>'
             f'<rect x="{x + 2}" y="{y + ch - 14}" width="{(cw - 4) * frac:.1f}" height="12" rx="2" fill="#4e79a7"/>'
             f'<text class="cell" x="{x + 8}" y="{y + 17}">M{m}: {w:,} tok ({frac:.0%} of T)</text>'
             f'<text class="cell" x="{x + 8}" y="{y + 32}">{len(step.microbatches[m])} traj{_e(extra)}</text>'
-            f'</g></a>')
+            f"</g></a>"
+        )
     out.append("</svg>")
     return "\n".join(out)
 
 
 def _page(title: str, body: list[str]) -> str:
-    return "\n".join(['<!DOCTYPE html>', '<html xmlns="http://www.w3.org/1999/xhtml" lang="en">', '<head>',
-                      '<meta charset="utf-8"/>', f'<title>{_e(title)}</title>', f'<style>{_CSS}</style>',
-                      '</head>', '<body>', f'<h1>{_e(title)}</h1>', *body, '</body>', '</html>', ''])
+    return "\n".join(
+        [
+            "<!DOCTYPE html>",
+            '<html xmlns="http://www.w3.org/1999/xhtml" lang="en">',
+            "<head>",
+            '<meta charset="utf-8"/>',
+            f"<title>{_e(title)}</title>",
+            f"<style>{_CSS}</style>",
+            "</head>",
+            "<body>",
+            f"<h1>{_e(title)}</h1>",
+            *body,
+            "</body>",
+            "</html>",
+            "",
+        ]
+    )
 
 
-def render_call_plan(plan: CallPlan, *, title: str = "HARTS call plan", names: Sequence[str] | None = None) -> str:
+def render_call_plan(
+    plan: CallPlan, *, title: str = "HARTS call plan", names: Sequence[str] | None = None
+) -> str:
     """A page with one microbatch's tree, its rounds and totals."""
-    return _page(title, [_calls_summary(plan), "<h2>Rollout tree by call round</h2>", rounds_legend(plan),
-                         f'<div class="scroll" id="mb0">{tree_svg(plan, names=names, id_prefix="mb0")}</div>'])
+    return _page(
+        title,
+        [
+            _calls_summary(plan),
+            "<h2>Rollout tree by call round</h2>",
+            rounds_legend(plan),
+            f'<div class="scroll" id="mb0">{tree_svg(plan, names=names, id_prefix="mb0")}</div>',
+        ],
+    )
 
 
-def render_step_plan(step: StepPlan, *, title: str = "HARTS step plan", max_segments: int = 5000,
-                     open_trees: int = 4) -> str:
+def render_step_plan(
+    step: StepPlan, *, title: str = "HARTS step plan", max_segments: int = 5000, open_trees: int = 4
+) -> str:
     """A page with the step's summary, the microbatch grid and every microbatch's tree.
 
     Uses :meth:`StepPlan.call_plans` (computed if needed). Trees of microbatches with more than
@@ -233,23 +292,37 @@ def render_step_plan(step: StepPlan, *, title: str = "HARTS step plan", max_segm
     calls = step.call_plans()
     j = step.objective
     metrics = step.metrics
-    summary = _table([
-        ("DP degree D", step.dp_size), ("capacity T", f"{step.capacity:,}"), ("chunk size B", step.chunk_size),
-        ("trajectories", f"{sum(len(m) for m in step.microbatches):,}"),
-        ("microbatches K", step.num_microbatches), ("slots K / D", step.num_slots),
-        ("J = (total, slot-critical, max replica) work", f"({j[0]:,}, {j[1]:,}, {j[2]:,})"),
-        ("compact tokens of the batch G", f"{step.compact_tokens:,}"),
-        ("slot imbalance P50 / P95", f"{metrics['slot_imbalance_p50']:.3%} / {metrics['slot_imbalance_p95']:.3%}"),
-        ("step imbalance", f"{metrics['step_imbalance']:.3%}"),
-        ("calls per microbatch (max)", max(c.num_calls for c in calls)),
-        ("selected candidate", step.source)])
-    body = [summary, "<h2>Microbatches by replica and slot</h2>",
-            f'<div class="scroll">{microbatch_grid_svg(step, calls)}</div>',
-            "<h2>Rollout trees by call round</h2>"]
+    summary = _table(
+        [
+            ("DP degree D", step.dp_size),
+            ("capacity T", f"{step.capacity:,}"),
+            ("chunk size B", step.chunk_size),
+            ("trajectories", f"{sum(len(m) for m in step.microbatches):,}"),
+            ("microbatches K", step.num_microbatches),
+            ("slots K / D", step.num_slots),
+            ("J = (total, slot-critical, max replica) work", f"({j[0]:,}, {j[1]:,}, {j[2]:,})"),
+            ("compact tokens of the batch G", f"{step.compact_tokens:,}"),
+            (
+                "slot imbalance P50 / P95",
+                f"{metrics['slot_imbalance_p50']:.3%} / {metrics['slot_imbalance_p95']:.3%}",
+            ),
+            ("step imbalance", f"{metrics['step_imbalance']:.3%}"),
+            ("calls per microbatch (max)", max(c.num_calls for c in calls)),
+            ("selected candidate", step.source),
+        ]
+    )
+    body = [
+        summary,
+        "<h2>Microbatches by replica and slot</h2>",
+        f'<div class="scroll">{microbatch_grid_svg(step, calls)}</div>',
+        "<h2>Rollout trees by call round</h2>",
+    ]
     for m, plan in enumerate(calls):
-        head = (f"M{m}: replica {int(step.replica[m])}, slot {int(step.slot[m])}, {len(step.microbatches[m])} "
-                f"trajectories, {int(step.work[m]):,} compact tokens, {plan.num_calls} calls, "
-                f"replay {plan.replay_tokens:,}, {plan.num_segments} segments")
+        head = (
+            f"M{m}: replica {int(step.replica[m])}, slot {int(step.slot[m])}, {len(step.microbatches[m])} "
+            f"trajectories, {int(step.work[m]):,} compact tokens, {plan.num_calls} calls, "
+            f"replay {plan.replay_tokens:,}, {plan.num_segments} segments"
+        )
         if plan.num_segments > max_segments:
             inner = f'<p class="note">tree not drawn: {plan.num_segments} segments exceed {max_segments}</p>'
         else:
@@ -268,5 +341,13 @@ def render(plan, **kwargs) -> str:
     raise TypeError(f"plan: must be a StepPlan or CallPlan, got {type(plan).__name__}")
 
 
-__all__ = ["PALETTE", "render", "render_call_plan", "render_step_plan", "tree_svg", "microbatch_grid_svg",
-           "rounds_legend", "segment_names"]
+__all__ = [
+    "PALETTE",
+    "render",
+    "render_call_plan",
+    "render_step_plan",
+    "tree_svg",
+    "microbatch_grid_svg",
+    "rounds_legend",
+    "segment_names",
+]

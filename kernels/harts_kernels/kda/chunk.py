@@ -66,8 +66,11 @@ class _Plan:
         seq_of_chunk = torch.repeat_interleave(torch.arange(n), nc)
         first_chunk = torch.repeat_interleave(torch.tensor(req.chunk_offsets[:-1], dtype=torch.long), nc)
         chunk_index = torch.stack([seq_of_chunk, torch.arange(nt) - first_chunk], 1).flatten()  # (seq, chunk)
-        sections = [torch.tensor(x, dtype=torch.long) for x in (cu, req.chunk_offsets)] + [chunk_index] + \
-            [torch.tensor(x, dtype=torch.long) for x in (req_off, [c for _, c in pairs], row, inverse)]
+        sections = (
+            [torch.tensor(x, dtype=torch.long) for x in (cu, req.chunk_offsets)]
+            + [chunk_index]
+            + [torch.tensor(x, dtype=torch.long) for x in (req_off, [c for _, c in pairs], row, inverse)]
+        )
         # One pageable host->device copy (each such copy synchronizes the stream), then views.
         # Sections start at multiples of 4 elements: aligned pointers keep Triton's
         # specialization (and so its compiled variants) independent of N.
@@ -75,10 +78,10 @@ class _Plan:
         dev = torch.cat([t for x, z in zip(sections, pad) for t in (x, z)]).to(device)
         view, o = [], 0
         for x, z in zip(sections, pad):
-            view.append(dev[o:o + len(x)])
+            view.append(dev[o : o + len(x)])
             o += len(x) + len(z)
         self.cu_seqlens, self.chunk_offsets = view[0], view[1]
-        self.chunk_indices = view[2].view(nt, 2)                              # [NT, 2] (seq, chunk)
+        self.chunk_indices = view[2].view(nt, 2)  # [NT, 2] (seq, chunk)
         self.requests = self.inverse = None
         if pairs:
             self.requests = tuple(v.to(torch.int32) for v in view[3:6])
@@ -115,22 +118,52 @@ def _fla_fwd(q, k, v, g, beta, scale, initial_state, plan: _Plan, chunk_size, ou
 
     from harts_kernels.kda.state_scan import state_scan_fwd
 
-    g_cum = chunk_local_cumsum(g, chunk_size=chunk_size, scale=RCP_LN2, cu_seqlens=plan.cu_seqlens,
-                               chunk_indices=plan.chunk_indices)              # [1, T, H, K] fp32 log2
+    g_cum = chunk_local_cumsum(
+        g, chunk_size=chunk_size, scale=RCP_LN2, cu_seqlens=plan.cu_seqlens, chunk_indices=plan.chunk_indices
+    )  # [1, T, H, K] fp32 log2
     w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(
-        q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale, cu_seqlens=plan.cu_seqlens,
-        chunk_size=chunk_size, chunk_indices=plan.chunk_indices, safe_gate=False, disable_recompute=False)
+        q=q,
+        k=k,
+        v=v,
+        gk=g_cum,
+        beta=beta,
+        scale=scale,
+        cu_seqlens=plan.cu_seqlens,
+        chunk_size=chunk_size,
+        chunk_indices=plan.chunk_indices,
+        safe_gate=False,
+        disable_recompute=False,
+    )
     h, v_new, final_state, bstates = state_scan_fwd(
-        kg=kg, w=w, u=u, gk=g_cum, initial_state=initial_state, cu_seqlens=plan.cu_seqlens,
-        chunk_offsets=plan.chunk_offsets, num_chunks=plan.num_chunks, chunk_size=chunk_size,
-        output_final_state=output_final_state, requests=plan.requests)
-    o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=g_cum, A=Aqk, h=h, scale=scale, cu_seqlens=plan.cu_seqlens,
-                           chunk_size=chunk_size, chunk_indices=plan.chunk_indices)
+        kg=kg,
+        w=w,
+        u=u,
+        gk=g_cum,
+        initial_state=initial_state,
+        cu_seqlens=plan.cu_seqlens,
+        chunk_offsets=plan.chunk_offsets,
+        num_chunks=plan.num_chunks,
+        chunk_size=chunk_size,
+        output_final_state=output_final_state,
+        requests=plan.requests,
+    )
+    o = chunk_gla_fwd_o_gk(
+        q=q,
+        v=v_new,
+        g=g_cum,
+        A=Aqk,
+        h=h,
+        scale=scale,
+        cu_seqlens=plan.cu_seqlens,
+        chunk_size=chunk_size,
+        chunk_indices=plan.chunk_indices,
+    )
     return o, final_state, bstates, g_cum, Aqk, Akk
 
 
-def _fla_bwd(q, k, v, beta, g_cum, Aqk, Akk, scale, initial_state, do, dht, d_bstates, plan: _Plan,
-             chunk_size):
+def _fla_bwd(
+    q, k, v, beta, g_cum, Aqk, Akk, scale, initial_state, do, dht, d_bstates, plan: _Plan, chunk_size
+):
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
     from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
     from fla.ops.kda.wy_fast import recompute_w_u_fwd
@@ -139,24 +172,76 @@ def _fla_bwd(q, k, v, beta, g_cum, Aqk, Akk, scale, initial_state, do, dht, d_bs
     from harts_kernels.kda.state_scan import state_scan_bwd, state_scan_fwd
 
     ci, cu = plan.chunk_indices, plan.cu_seqlens
-    w, u, qg, kg = recompute_w_u_fwd(k=k, v=v, beta=beta, A=Akk, gk=g_cum, q=q, cu_seqlens=cu, chunk_indices=ci)
+    w, u, qg, kg = recompute_w_u_fwd(
+        k=k, v=v, beta=beta, A=Akk, gk=g_cum, q=q, cu_seqlens=cu, chunk_indices=ci
+    )
     # Recompute h and v_new (as fla does by default); no final or boundary states are needed here.
     h, v_new, _, _ = state_scan_fwd(
-        kg=kg, w=w, u=u, gk=g_cum, initial_state=initial_state, cu_seqlens=cu,
-        chunk_offsets=plan.chunk_offsets, num_chunks=plan.num_chunks, chunk_size=chunk_size,
-        output_final_state=False)
-    dAqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu,
-                                 chunk_size=chunk_size, chunk_indices=ci)
+        kg=kg,
+        w=w,
+        u=u,
+        gk=g_cum,
+        initial_state=initial_state,
+        cu_seqlens=cu,
+        chunk_offsets=plan.chunk_offsets,
+        num_chunks=plan.num_chunks,
+        chunk_size=chunk_size,
+        output_final_state=False,
+    )
+    dAqk, dv = chunk_kda_bwd_dAv(
+        q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu, chunk_size=chunk_size, chunk_indices=ci
+    )
     dh, dh0, dv = state_scan_bwd(
-        qg=qg, kg=kg, w=w, gk=g_cum, do=do, dv=dv, scale=scale, initial_state=initial_state, dht=dht,
-        cu_seqlens=cu, chunk_offsets=plan.chunk_offsets, num_chunks=plan.num_chunks,
-        chunk_size=chunk_size, requests=plan.requests, d_boundary=d_bstates)
+        qg=qg,
+        kg=kg,
+        w=w,
+        gk=g_cum,
+        do=do,
+        dv=dv,
+        scale=scale,
+        initial_state=initial_state,
+        dht=dht,
+        cu_seqlens=cu,
+        chunk_offsets=plan.chunk_offsets,
+        num_chunks=plan.num_chunks,
+        chunk_size=chunk_size,
+        requests=plan.requests,
+        d_boundary=d_bstates,
+    )
     dq, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(
-        q=q, k=k, v=v, v_new=v_new, g=g_cum, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv, scale=scale,
-        cu_seqlens=cu, chunk_size=chunk_size, chunk_indices=ci, chunk_offsets=plan.chunk_offsets)
+        q=q,
+        k=k,
+        v=v,
+        v_new=v_new,
+        g=g_cum,
+        beta=beta,
+        A=Akk,
+        h=h,
+        do=do,
+        dh=dh,
+        dv=dv,
+        scale=scale,
+        cu_seqlens=cu,
+        chunk_size=chunk_size,
+        chunk_indices=ci,
+        chunk_offsets=plan.chunk_offsets,
+    )
     dq, dk, db, dg = chunk_kda_bwd_intra(
-        q=q, k=k, g=g_cum, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg,
-        cu_seqlens=cu, chunk_indices=ci, chunk_size=chunk_size, safe_gate=False)
+        q=q,
+        k=k,
+        g=g_cum,
+        beta=beta,
+        dAqk=dAqk,
+        dAkk=dAkk,
+        dq=dq,
+        dk=dk,
+        db=db,
+        dg=dg,
+        cu_seqlens=cu,
+        chunk_indices=ci,
+        chunk_size=chunk_size,
+        safe_gate=False,
+    )
     dg = chunk_local_cumsum(dg, chunk_size=chunk_size, reverse=True, cu_seqlens=cu, chunk_indices=ci)
     return dq, dk, dv, db, dg, dh0
 
@@ -172,7 +257,8 @@ class ChunkKDAWithStatesFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, plan, chunk_size, output_final_state):
         o, final_state, bstates, g_cum, Aqk, Akk = _fla_fwd(
-            q, k, v, g, beta, scale, initial_state, plan, chunk_size, output_final_state)
+            q, k, v, g, beta, scale, initial_state, plan, chunk_size, output_final_state
+        )
         ctx.save_for_backward(q, k, v, beta, g_cum, Aqk, Akk, initial_state)
         ctx.scale, ctx.plan, ctx.chunk_size, ctx.g_dtype = scale, plan, chunk_size, g.dtype
         ctx.set_materialize_grads(False)
@@ -186,25 +272,48 @@ class ChunkKDAWithStatesFunction(torch.autograd.Function):
         if do is None:
             do = torch.zeros_like(v)
         dq, dk, dv, db, dg, dh0 = _fla_bwd(
-            q, k, v, beta, g_cum, Aqk, Akk, ctx.scale, initial_state, do.contiguous(), dht,
-            d_bstates, ctx.plan, ctx.chunk_size)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), db.to(beta.dtype),
-                dh0, None, None, None, None)
+            q,
+            k,
+            v,
+            beta,
+            g_cum,
+            Aqk,
+            Akk,
+            ctx.scale,
+            initial_state,
+            do.contiguous(),
+            dht,
+            d_bstates,
+            ctx.plan,
+            ctx.chunk_size,
+        )
+        return (
+            dq.to(q.dtype),
+            dk.to(k.dtype),
+            dv.to(v.dtype),
+            dg.to(ctx.g_dtype),
+            db.to(beta.dtype),
+            dh0,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def chunk_kda_with_states(
-    q: torch.Tensor,          # [B, T, H, K]   (B = 1 with cu_seqlens)
-    k: torch.Tensor,          # [B, T, H, K]
-    v: torch.Tensor,          # [B, T, H, V]
-    g: torch.Tensor,          # [B, T, H, K]   log-space per key-dim decay, <= 0
-    beta: torch.Tensor,       # [B, T, H]      post-sigmoid
+    q: torch.Tensor,  # [B, T, H, K]   (B = 1 with cu_seqlens)
+    k: torch.Tensor,  # [B, T, H, K]
+    v: torch.Tensor,  # [B, T, H, V]
+    g: torch.Tensor,  # [B, T, H, K]   log-space per key-dim decay, <= 0
+    beta: torch.Tensor,  # [B, T, H]      post-sigmoid
     *,
     scale: float | None = None,
-    initial_state: torch.Tensor | None = None,   # [N, H, K, V] fp32
-    cu_seqlens=None,                             # [N + 1] list or int tensor (host copy preferred)
+    initial_state: torch.Tensor | None = None,  # [N, H, K, V] fp32
+    cu_seqlens=None,  # [N + 1] list or int tensor (host copy preferred)
     chunk_size: int = 64,
-    request_seq=None,                            # [R] sequence of each requested boundary
-    request_chunk=None,                          # [R] boundary index c on that sequence's grid
+    request_seq=None,  # [R] sequence of each requested boundary
+    request_chunk=None,  # [R] boundary index c on that sequence's grid
     output_final_state: bool = True,
     backend: str = "auto",
 ):
@@ -248,9 +357,19 @@ def chunk_kda_with_states(
     use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
     if not use_triton:
         return naive_chunk_kda_with_states(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-            chunk_size=chunk_size, request_seq=request_seq, request_chunk=request_chunk,
-            output_final_state=output_final_state)
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=scale,
+            initial_state=initial_state,
+            cu_seqlens=cu_seqlens,
+            chunk_size=chunk_size,
+            request_seq=request_seq,
+            request_chunk=request_chunk,
+            output_final_state=output_final_state,
+        )
 
     q, k, v, g, beta, cu, batch_shape = pack_inputs(q, k, v, g, beta, cu_seqlens)
     _, T, H, K = q.shape
@@ -261,7 +380,7 @@ def chunk_kda_with_states(
         raise ValueError(f"q: head dim K must be <= 256 on the Triton path, got {K}")
     if initial_state is not None and initial_state.dtype != torch.float32:
         raise ValueError(f"initial_state: must be float32, got {initial_state.dtype}")
-    scale = K ** -0.5 if scale is None else float(scale)
+    scale = K**-0.5 if scale is None else float(scale)
     plan = _plan_for(cu, T, chunk_size, request_seq, request_chunk, q.device)
     check_initial_state(initial_state, plan.num_seqs, H, K, V)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
@@ -270,9 +389,10 @@ def chunk_kda_with_states(
     guard = torch.cuda.device(q.device) if q.is_cuda else nullcontext()
     with guard:
         o, final_state, bstates = ChunkKDAWithStatesFunction.apply(
-            q, k, v, g, beta, initial_state, scale, plan, chunk_size, output_final_state)
+            q, k, v, g, beta, initial_state, scale, plan, chunk_size, output_final_state
+        )
     if plan.inverse is not None:
-        bstates = bstates.index_select(0, plan.inverse)                       # [R, H, K, V]
+        bstates = bstates.index_select(0, plan.inverse)  # [R, H, K, V]
     if batch_shape is not None:
         o = o.reshape(*batch_shape, H, V)
     return o, (final_state if output_final_state else None), bstates

@@ -42,28 +42,28 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _finish(o, final, boundary, req, H, K, V, cdt, device, v_dtype, batch_shape, output_final_state):
     if boundary:
-        bstates = torch.stack(boundary, 0)                                   # [R, H, K, V]
+        bstates = torch.stack(boundary, 0)  # [R, H, K, V]
     else:
         bstates = torch.zeros(0, H, K, V, dtype=cdt, device=device)
-    o = o.to(v_dtype).unsqueeze(0)                                           # [1, T, H, V]
+    o = o.to(v_dtype).unsqueeze(0)  # [1, T, H, V]
     if batch_shape is not None:
-        o = o.reshape(*batch_shape, H, V)                                    # [B, T, H, V]
+        o = o.reshape(*batch_shape, H, V)  # [B, T, H, V]
     return o, (final if output_final_state else None), bstates
 
 
 def naive_recurrent_kda_with_states(
-    q: torch.Tensor,          # [B, T, H, K]   (B = 1 with cu_seqlens)
-    k: torch.Tensor,          # [B, T, H, K]
-    v: torch.Tensor,          # [B, T, H, V]
-    g: torch.Tensor,          # [B, T, H, K]   log-space decay, <= 0
-    beta: torch.Tensor,       # [B, T, H]      post-sigmoid
+    q: torch.Tensor,  # [B, T, H, K]   (B = 1 with cu_seqlens)
+    k: torch.Tensor,  # [B, T, H, K]
+    v: torch.Tensor,  # [B, T, H, V]
+    g: torch.Tensor,  # [B, T, H, K]   log-space decay, <= 0
+    beta: torch.Tensor,  # [B, T, H]      post-sigmoid
     *,
     scale: float | None = None,
-    initial_state: torch.Tensor | None = None,   # [N, H, K, V] fp32
-    cu_seqlens=None,                             # [N + 1]
+    initial_state: torch.Tensor | None = None,  # [N, H, K, V] fp32
+    cu_seqlens=None,  # [N + 1]
     chunk_size: int = 64,
-    request_seq=None,                            # [R]
-    request_chunk=None,                          # [R]
+    request_seq=None,  # [R]
+    request_chunk=None,  # [R]
     output_final_state: bool = True,
 ):
     """Token-by-token reference. Returns ``(o [B, T, H, V], final_state [N, H, K, V] | None,
@@ -78,28 +78,29 @@ def naive_recurrent_kda_with_states(
     check_initial_state(initial_state, N, H, K, V)
     cdt = _compute_dtype(q)
     dev = q.device
-    scale = K ** -0.5 if scale is None else scale
-    q, k, v, g, beta = (x[0].to(cdt) for x in (q, k, v, g, beta))           # [T, H, *]
+    scale = K**-0.5 if scale is None else scale
+    q, k, v, g, beta = (x[0].to(cdt) for x in (q, k, v, g, beta))  # [T, H, *]
 
     wanted = {}
     for r, (i, c) in enumerate(zip(req.request_seq, req.request_chunk)):
         wanted.setdefault((i, c), []).append(r)
     boundary = [None] * req.num_requests
 
-    S = (initial_state.to(cdt) if initial_state is not None
-         else torch.zeros(N, H, K, V, dtype=cdt, device=dev))                # [N, H, K, V]
+    S = (
+        initial_state.to(cdt) if initial_state is not None else torch.zeros(N, H, K, V, dtype=cdt, device=dev)
+    )  # [N, H, K, V]
     rows_out, o_out = [], []
     for t in range(max(lens)):
         act = [i for i in range(N) if lens[i] > t]
         ai = torch.tensor(act, device=dev)
         rows = torch.tensor([cu[i] + t for i in act], device=dev)
         full = len(act) == N
-        S_a = S if full else S[ai]                                           # [A, H, K, V]
+        S_a = S if full else S[ai]  # [A, H, K, V]
         q_t, k_t, v_t, g_t, b_t = q[rows], k[rows], v[rows], g[rows], beta[rows]
         S_a = S_a * g_t.exp()[..., None]
         delta = b_t[..., None] * (v_t - torch.einsum("ahk,ahkv->ahv", k_t, S_a))
         S_a = S_a + k_t[..., None] * delta[..., None, :]
-        o_out.append(scale * torch.einsum("ahk,ahkv->ahv", q_t, S_a))       # [A, H, V]
+        o_out.append(scale * torch.einsum("ahk,ahkv->ahv", q_t, S_a))  # [A, H, V]
         rows_out.append(rows)
         S = S_a if full else S.index_copy(0, ai, S_a)
         if (t + 1) % chunk_size == 0:
@@ -108,23 +109,23 @@ def naive_recurrent_kda_with_states(
                 for r in wanted.get((i, c), ()):
                     boundary[r] = S_a[j]
     order = torch.cat(rows_out)
-    o = torch.cat(o_out)[torch.argsort(order)]                               # [T, H, V]
+    o = torch.cat(o_out)[torch.argsort(order)]  # [T, H, V]
     return _finish(o, S, boundary, req, H, K, V, cdt, dev, in_dtype, batch_shape, output_final_state)
 
 
 def naive_chunk_kda_with_states(
-    q: torch.Tensor,          # [B, T, H, K]   (B = 1 with cu_seqlens)
-    k: torch.Tensor,          # [B, T, H, K]
-    v: torch.Tensor,          # [B, T, H, V]
-    g: torch.Tensor,          # [B, T, H, K]   log-space decay, <= 0
-    beta: torch.Tensor,       # [B, T, H]      post-sigmoid
+    q: torch.Tensor,  # [B, T, H, K]   (B = 1 with cu_seqlens)
+    k: torch.Tensor,  # [B, T, H, K]
+    v: torch.Tensor,  # [B, T, H, V]
+    g: torch.Tensor,  # [B, T, H, K]   log-space decay, <= 0
+    beta: torch.Tensor,  # [B, T, H]      post-sigmoid
     *,
     scale: float | None = None,
-    initial_state: torch.Tensor | None = None,   # [N, H, K, V] fp32
-    cu_seqlens=None,                             # [N + 1]
+    initial_state: torch.Tensor | None = None,  # [N, H, K, V] fp32
+    cu_seqlens=None,  # [N + 1]
     chunk_size: int = 64,
-    request_seq=None,                            # [R]
-    request_chunk=None,                          # [R]
+    request_seq=None,  # [R]
+    request_chunk=None,  # [R]
     output_final_state: bool = True,
 ):
     """Chunked reference on each sequence's own grid of ``chunk_size`` tokens (the GPU path's
@@ -140,70 +141,73 @@ def naive_chunk_kda_with_states(
     cdt = _compute_dtype(q)
     dev = q.device
     BT = chunk_size
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
 
     # Chunk table: chunk c of sequence i is global chunk chunk_of[i][c]; rows past a partial
     # chunk's end point at a zero pad row T (k = v = beta = g = 0 leaves the recurrence exact).
     starts, ends, chunk_of = [], [], []
-    for i, L in enumerate(lens):
+    for i in range(len(lens)):
         chunk_of.append([])
         for c in range(req.num_chunks[i]):
             chunk_of[i].append(len(starts))
             starts.append(cu[i] + c * BT)
             ends.append(cu[i + 1])
     NC = len(starts)
-    idx = torch.tensor(starts, device=dev)[:, None] + torch.arange(BT, device=dev)   # [NC, BT]
+    idx = torch.tensor(starts, device=dev)[:, None] + torch.arange(BT, device=dev)  # [NC, BT]
     valid = idx < torch.tensor(ends, device=dev)[:, None]
     idx = torch.where(valid, idx, torch.full_like(idx, T))
 
     def chunked(x):  # [T, H, *] -> [NC, H, BT, *]
         x = x[0].to(cdt)
-        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])], 0)[idx]          # [NC, BT, H, *]
+        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])], 0)[idx]  # [NC, BT, H, *]
         return x.transpose(1, 2)
 
-    qc, kc, vc, gc = chunked(q), chunked(k), chunked(v), chunked(g)          # [NC, H, BT, K|V]
-    bc = chunked(beta)                                                        # [NC, H, BT]
-    G = gc.cumsum(2)                                                          # [NC, H, BT, K]
+    qc, kc, vc, gc = chunked(q), chunked(k), chunked(v), chunked(g)  # [NC, H, BT, K|V]
+    bc = chunked(beta)  # [NC, H, BT]
+    G = gc.cumsum(2)  # [NC, H, BT, K]
 
     incl = torch.ones(BT, BT, dtype=torch.bool, device=dev).tril()
     strict = incl.tril(-1)
-    D = G[:, :, :, None, :] - G[:, :, None, :, :]                            # [NC, H, BT(i), BT(j), K]
-    E = D.masked_fill(~incl[:, :, None], float("-inf")).exp()                # exp(G_i - G_j), j <= i
-    Aqk = torch.einsum("nhid,nhjd,nhijd->nhij", qc, kc, E) * scale           # [NC, H, BT, BT]
-    Akk = torch.einsum("nhid,nhjd,nhijd->nhij", kc, kc,
-                       E.masked_fill(~strict[:, :, None], 0.0))              # strictly lower
+    D = G[:, :, :, None, :] - G[:, :, None, :, :]  # [NC, H, BT(i), BT(j), K]
+    E = D.masked_fill(~incl[:, :, None], float("-inf")).exp()  # exp(G_i - G_j), j <= i
+    Aqk = torch.einsum("nhid,nhjd,nhijd->nhij", qc, kc, E) * scale  # [NC, H, BT, BT]
+    Akk = torch.einsum(
+        "nhid,nhjd,nhijd->nhij", kc, kc, E.masked_fill(~strict[:, :, None], 0.0)
+    )  # strictly lower
     eye = torch.eye(BT, dtype=cdt, device=dev)
-    Lmat = eye + bc[..., None] * Akk                                         # unit lower triangular
+    Lmat = eye + bc[..., None] * Akk  # unit lower triangular
     u = torch.linalg.solve_triangular(Lmat, bc[..., None] * vc, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(Lmat, bc[..., None] * (G.exp() * kc), upper=False,
-                                      unitriangular=True)                    # [NC, H, BT, K]
-    qg = qc * G.exp() * scale                                                # [NC, H, BT, K]
-    G_last = G[:, :, -1, :]                                                  # [NC, H, K] (pads add 0)
-    kg = kc * (G_last[:, :, None, :] - G).exp()                              # [NC, H, BT, K]
-    decay = G_last.exp()[..., None]                                          # [NC, H, K, 1]
+    w = torch.linalg.solve_triangular(
+        Lmat, bc[..., None] * (G.exp() * kc), upper=False, unitriangular=True
+    )  # [NC, H, BT, K]
+    qg = qc * G.exp() * scale  # [NC, H, BT, K]
+    G_last = G[:, :, -1, :]  # [NC, H, K] (pads add 0)
+    kg = kc * (G_last[:, :, None, :] - G).exp()  # [NC, H, BT, K]
+    decay = G_last.exp()[..., None]  # [NC, H, K, 1]
 
     wanted = {}
     for r, (i, c) in enumerate(zip(req.request_seq, req.request_chunk)):
         wanted.setdefault((i, c), []).append(r)
     boundary = [None] * req.num_requests
 
-    S = (initial_state.to(cdt) if initial_state is not None
-         else torch.zeros(N, H, K, V, dtype=cdt, device=dev))                # [N, H, K, V]
+    S = (
+        initial_state.to(cdt) if initial_state is not None else torch.zeros(N, H, K, V, dtype=cdt, device=dev)
+    )  # [N, H, K, V]
     cids, outs = [], []
     for j in range(max(req.num_chunks)):
         act = [i for i in range(N) if req.num_chunks[i] > j]
         full = len(act) == N
         ai = torch.tensor(act, device=dev)
         cid = torch.tensor([chunk_of[i][j] for i in act], device=dev)
-        S_a = S if full else S[ai]                                           # [A, H, K, V]
-        v_new = u[cid] - w[cid] @ S_a                                        # [A, H, BT, V]
-        outs.append(qg[cid] @ S_a + Aqk[cid] @ v_new)                        # [A, H, BT, V]
+        S_a = S if full else S[ai]  # [A, H, K, V]
+        v_new = u[cid] - w[cid] @ S_a  # [A, H, BT, V]
+        outs.append(qg[cid] @ S_a + Aqk[cid] @ v_new)  # [A, H, BT, V]
         cids.append(cid)
         S_a = decay[cid] * S_a + kg[cid].transpose(-1, -2) @ v_new
         S = S_a if full else S.index_copy(0, ai, S_a)
         for a, i in enumerate(act):
             for r in wanted.get((i, j + 1), ()):
                 boundary[r] = S_a[a]
-    o = torch.cat(outs)[torch.argsort(torch.cat(cids))]                     # [NC, H, BT, V]
-    o = o.transpose(1, 2).reshape(NC * BT, H, V)[valid.reshape(-1)]          # [T, H, V]
+    o = torch.cat(outs)[torch.argsort(torch.cat(cids))]  # [NC, H, BT, V]
+    o = o.transpose(1, 2).reshape(NC * BT, H, V)[valid.reshape(-1)]  # [T, H, V]
     return _finish(o, S, boundary, req, H, K, V, cdt, dev, in_dtype, batch_shape, output_final_state)

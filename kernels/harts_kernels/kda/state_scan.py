@@ -65,7 +65,9 @@ def _autotune(key):
     ]
 
     # Keep tuned choices in Triton's cache dir (as fla does), so a warm cache skips benchmarking.
-    cache = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+    cache = (
+        {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+    )
 
     def deco(fn):
         return fn if _INTERPRET else triton.autotune(configs=configs, key=key, **cache)(fn)
@@ -77,20 +79,28 @@ def _autotune(key):
 # A state is up to four [64, BV] fp32 blocks b1..b4 (key rows [0,64), [64,128), ...); blocks past
 # K are never touched (the `K > 64` etc. branches are resolved at compile time).
 
+
 @triton.jit
 def _state_load(p, o_v, m_v, K: tl.constexpr, V: tl.constexpr, b1, b2, b3, b4):
     """b_i += the [K, V] fp32 state at p (key blocks of 64 rows)."""
     o_k = tl.arange(0, 64)
     b1 += tl.load(p + o_k[:, None] * V + o_v[None, :], mask=(o_k < K)[:, None] & m_v[None, :], other=0.0)
     if K > 64:
-        b2 += tl.load(p + (64 + o_k)[:, None] * V + o_v[None, :], mask=(64 + o_k < K)[:, None] & m_v[None, :],
-                      other=0.0)
+        b2 += tl.load(
+            p + (64 + o_k)[:, None] * V + o_v[None, :], mask=(64 + o_k < K)[:, None] & m_v[None, :], other=0.0
+        )
     if K > 128:
-        b3 += tl.load(p + (128 + o_k)[:, None] * V + o_v[None, :],
-                      mask=(128 + o_k < K)[:, None] & m_v[None, :], other=0.0)
+        b3 += tl.load(
+            p + (128 + o_k)[:, None] * V + o_v[None, :],
+            mask=(128 + o_k < K)[:, None] & m_v[None, :],
+            other=0.0,
+        )
     if K > 192:
-        b4 += tl.load(p + (192 + o_k)[:, None] * V + o_v[None, :],
-                      mask=(192 + o_k < K)[:, None] & m_v[None, :], other=0.0)
+        b4 += tl.load(
+            p + (192 + o_k)[:, None] * V + o_v[None, :],
+            mask=(192 + o_k < K)[:, None] & m_v[None, :],
+            other=0.0,
+        )
     return b1, b2, b3, b4
 
 
@@ -98,17 +108,27 @@ def _state_load(p, o_v, m_v, K: tl.constexpr, V: tl.constexpr, b1, b2, b3, b4):
 def _state_store(p, o_v, m_v, K: tl.constexpr, V: tl.constexpr, b1, b2, b3, b4):
     """The [K, V] state at p (its dtype) = blocks b1..b4."""
     o_k = tl.arange(0, 64)
-    tl.store(p + o_k[:, None] * V + o_v[None, :], b1.to(p.dtype.element_ty),
-             mask=(o_k < K)[:, None] & m_v[None, :])
+    tl.store(
+        p + o_k[:, None] * V + o_v[None, :], b1.to(p.dtype.element_ty), mask=(o_k < K)[:, None] & m_v[None, :]
+    )
     if K > 64:
-        tl.store(p + (64 + o_k)[:, None] * V + o_v[None, :], b2.to(p.dtype.element_ty),
-                 mask=(64 + o_k < K)[:, None] & m_v[None, :])
+        tl.store(
+            p + (64 + o_k)[:, None] * V + o_v[None, :],
+            b2.to(p.dtype.element_ty),
+            mask=(64 + o_k < K)[:, None] & m_v[None, :],
+        )
     if K > 128:
-        tl.store(p + (128 + o_k)[:, None] * V + o_v[None, :], b3.to(p.dtype.element_ty),
-                 mask=(128 + o_k < K)[:, None] & m_v[None, :])
+        tl.store(
+            p + (128 + o_k)[:, None] * V + o_v[None, :],
+            b3.to(p.dtype.element_ty),
+            mask=(128 + o_k < K)[:, None] & m_v[None, :],
+        )
     if K > 192:
-        tl.store(p + (192 + o_k)[:, None] * V + o_v[None, :], b4.to(p.dtype.element_ty),
-                 mask=(192 + o_k < K)[:, None] & m_v[None, :])
+        tl.store(
+            p + (192 + o_k)[:, None] * V + o_v[None, :],
+            b4.to(p.dtype.element_ty),
+            mask=(192 + o_k < K)[:, None] & m_v[None, :],
+        )
 
 
 @triton.jit
@@ -162,28 +182,31 @@ def _program(cu_seqlens, chunk_offsets, H: tl.constexpr, BT: tl.constexpr):
 
 # ----------------------------------------------------------------------------- kernels
 
-@triton.heuristics({
-    "USE_INITIAL_STATE": lambda args: args["h0"] is not None,
-    "STORE_FINAL_STATE": lambda args: args["ht"] is not None,
-    "STORE_BOUNDARY": lambda args: args["bs"] is not None,
-    "SAVE_NEW_VALUE": lambda args: args["v_new"] is not None,
-})
+
+@triton.heuristics(
+    {
+        "USE_INITIAL_STATE": lambda args: args["h0"] is not None,
+        "STORE_FINAL_STATE": lambda args: args["ht"] is not None,
+        "STORE_BOUNDARY": lambda args: args["bs"] is not None,
+        "SAVE_NEW_VALUE": lambda args: args["v_new"] is not None,
+    }
+)
 @_autotune(key=["H", "K", "V", "BT"])
 @triton.jit(do_not_specialize=["T"])
 def harts_kda_fwd_h_kernel(
-    k,              # kg [1, T, H, K]
-    u,              # [1, T, H, V]
-    w,              # [1, T, H, K]
-    gk,             # [1, T, H, K] fp32, in-chunk cumulative log2 decay
-    v_new,          # [1, T, H, V] out (or None)
-    h,              # [1, NT, H, K, V] out
-    h0,             # [N, H, K, V] fp32 (or None)
-    ht,             # [N, H, K, V] fp32 out (or None)
-    bs,             # [U, H, K, V] fp32 out (or None)
-    req_off,        # [N + 1] int32 (or None when bs is None)
-    req_chunk,      # [U] int32 (or None when bs is None)
-    req_row,        # [U] int32 (or None when bs is None)
-    cu_seqlens,     # [N + 1]
+    k,  # kg [1, T, H, K]
+    u,  # [1, T, H, V]
+    w,  # [1, T, H, K]
+    gk,  # [1, T, H, K] fp32, in-chunk cumulative log2 decay
+    v_new,  # [1, T, H, V] out (or None)
+    h,  # [1, NT, H, K, V] out
+    h0,  # [N, H, K, V] fp32 (or None)
+    ht,  # [N, H, K, V] fp32 out (or None)
+    bs,  # [U, H, K, V] fp32 out (or None)
+    req_off,  # [N + 1] int32 (or None when bs is None)
+    req_chunk,  # [U] int32 (or None when bs is None)
+    req_row,  # [U] int32 (or None when bs is None)
+    cu_seqlens,  # [N + 1]
     chunk_offsets,  # [N + 1]
     T,
     H: tl.constexpr,
@@ -200,7 +223,7 @@ def harts_kda_fwd_h_kernel(
 
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    o_b = tl.arange(0, BT)                             # row inside a chunk
+    o_b = tl.arange(0, BT)  # row inside a chunk
     # Per-(sequence, head) base pointers; per-chunk offsets are scalar, per-element ones int32.
     k += (bos * H + i_h) * K
     w += (bos * H + i_h) * K
@@ -209,7 +232,7 @@ def harts_kda_fwd_h_kernel(
     if SAVE_NEW_VALUE:
         v_new += (bos * H + i_h) * V
     h += (boh * H + i_h) * (K * V)
-    s_nh = (i_n.to(tl.int64) * H + i_h) * (K * V)           # [N, H, K, V] offset of (n, h)
+    s_nh = (i_n.to(tl.int64) * H + i_h) * (K * V)  # [N, H, K, V] offset of (n, h)
 
     b_h1 = tl.zeros([64, BV], dtype=tl.float32)
     b_h2 = tl.zeros([64, BV], dtype=tl.float32)
@@ -224,7 +247,7 @@ def harts_kda_fwd_h_kernel(
         c_next = tl.load(req_chunk + j, mask=j < j_end, other=-1)
 
     for i_t in range(NT):
-        t64 = boh * 0 + i_t                            # chunk index as int64 (no .to on i_t)
+        t64 = boh * 0 + i_t  # chunk index as int64 (no .to on i_t)
         _state_store(h + t64 * H * (K * V), o_v, m_v, K, V, b_h1, b_h2, b_h3, b_h4)
         if STORE_BOUNDARY:
             if i_t == c_next:
@@ -233,16 +256,21 @@ def harts_kda_fwd_h_kernel(
                 j += 1
                 c_next = tl.load(req_chunk + j, mask=j < j_end, other=-1)
 
-        r0 = i_t * BT                                  # first row of the chunk in the sequence
+        r0 = i_t * BT  # first row of the chunk in the sequence
         m_t = r0 + o_b < T
-        c_k = t64 * BT * (H * K)                       # chunk offsets (int64) in [.., H, K] and
-        c_v = t64 * BT * (H * V)                       # [.., H, V] tensors; rows are then o_b
+        c_k = t64 * BT * (H * K)  # chunk offsets (int64) in [.., H, K] and
+        c_v = t64 * BT * (H * V)  # [.., H, V] tensors; rows are then o_b
         # v_new = u - w S
         b_v = _rows_times_state(w + c_k, o_b, m_t, K, H * K, b_h1, b_h2, b_h3, b_h4)
         m_tv = m_t[:, None] & m_v[None, :]
-        b_v = tl.load(u + c_v + o_b[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32) - b_v
+        b_v = (
+            tl.load(u + c_v + o_b[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            - b_v
+        )
         if SAVE_NEW_VALUE:
-            tl.store(v_new + c_v + o_b[:, None] * (H * V) + o_v[None, :], b_v.to(v_new.dtype.element_ty), mask=m_tv)
+            tl.store(
+                v_new + c_v + o_b[:, None] * (H * V) + o_v[None, :], b_v.to(v_new.dtype.element_ty), mask=m_tv
+            )
         b_v = b_v.to(k.dtype.element_ty)
 
         # S = Diag(2^gk_last) S + kg^T v_new
@@ -263,28 +291,30 @@ def harts_kda_fwd_h_kernel(
             _state_store(bs + (row * H + i_h) * (K * V), o_v, m_v, K, V, b_h1, b_h2, b_h3, b_h4)
 
 
-@triton.heuristics({
-    "USE_INITIAL_STATE": lambda args: args["dh0"] is not None,
-    "USE_FINAL_STATE_GRADIENT": lambda args: args["dht"] is not None,
-    "USE_BOUNDARY_GRADIENT": lambda args: args["dbs"] is not None,
-})
+@triton.heuristics(
+    {
+        "USE_INITIAL_STATE": lambda args: args["dh0"] is not None,
+        "USE_FINAL_STATE_GRADIENT": lambda args: args["dht"] is not None,
+        "USE_BOUNDARY_GRADIENT": lambda args: args["dbs"] is not None,
+    }
+)
 @_autotune(key=["H", "K", "V", "BT"])
 @triton.jit(do_not_specialize=["T"])
 def harts_kda_bwd_dh_kernel(
-    q,              # qg [1, T, H, K] = q * 2^G
-    k,              # kg [1, T, H, K]
-    w,              # [1, T, H, K]
-    gk,             # [1, T, H, K] fp32
-    do,             # [1, T, H, V]
-    dv,             # [1, T, H, V] intra-chunk part of dv_new (from fla's dAv stage)
-    dv2,            # [1, T, H, V] out: dv + kg dS
-    dh,             # [1, NT, H, K, V] out
-    dh0,            # [N, H, K, V] fp32 out (or None)
-    dht,            # [N, H, K, V] fp32 (or None)
-    dbs,            # [U, H, K, V] fp32 (or None)
-    req_off,        # [N + 1] int32 (or None when dbs is None)
-    req_chunk,      # [U] int32 (or None when dbs is None)
-    req_row,        # [U] int32 (or None when dbs is None)
+    q,  # qg [1, T, H, K] = q * 2^G
+    k,  # kg [1, T, H, K]
+    w,  # [1, T, H, K]
+    gk,  # [1, T, H, K] fp32
+    do,  # [1, T, H, V]
+    dv,  # [1, T, H, V] intra-chunk part of dv_new (from fla's dAv stage)
+    dv2,  # [1, T, H, V] out: dv + kg dS
+    dh,  # [1, NT, H, K, V] out
+    dh0,  # [N, H, K, V] fp32 out (or None)
+    dht,  # [N, H, K, V] fp32 (or None)
+    dbs,  # [U, H, K, V] fp32 (or None)
+    req_off,  # [N + 1] int32 (or None when dbs is None)
+    req_chunk,  # [U] int32 (or None when dbs is None)
+    req_row,  # [U] int32 (or None when dbs is None)
     cu_seqlens,
     chunk_offsets,
     scale,
@@ -327,10 +357,11 @@ def harts_kda_bwd_dh_kernel(
 
     for i_t in range(NT - 1, -1, -1):
         if USE_BOUNDARY_GRADIENT:
-            if i_t + 1 == c_prev:                      # the boundary that ends chunk i_t
+            if i_t + 1 == c_prev:  # the boundary that ends chunk i_t
                 row = tl.load(req_row + j).to(tl.int64)
-                b_dh1, b_dh2, b_dh3, b_dh4 = _state_load(dbs + (row * H + i_h) * (K * V), o_v, m_v, K, V,
-                                                         b_dh1, b_dh2, b_dh3, b_dh4)
+                b_dh1, b_dh2, b_dh3, b_dh4 = _state_load(
+                    dbs + (row * H + i_h) * (K * V), o_v, m_v, K, V, b_dh1, b_dh2, b_dh3, b_dh4
+                )
                 j -= 1
                 c_prev = tl.load(req_chunk + j, mask=j >= j_beg, other=-1)
         t64 = boh * 0 + i_t
@@ -348,25 +379,40 @@ def harts_kda_bwd_dh_kernel(
         b_dv = b_dv.to(w.dtype.element_ty)
 
         # dS = Diag(2^gk_last) dS + scale qg^T do - w^T dv2
-        b_do = tl.load(do + c_v + o_b[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0).to(q.dtype.element_ty)
+        b_do = tl.load(do + c_v + o_b[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0).to(
+            q.dtype.element_ty
+        )
         p_gl = gk + c_k + (tl.minimum(BT, T - r0) - 1) * (H * K)
-        b_dh1 = b_dh1 * _decay(p_gl, 0, K) + tl.dot(_cols(q + c_k, o_b, m_t, 0, K, H * K), b_do) * scale \
+        b_dh1 = (
+            b_dh1 * _decay(p_gl, 0, K)
+            + tl.dot(_cols(q + c_k, o_b, m_t, 0, K, H * K), b_do) * scale
             - tl.dot(_cols(w + c_k, o_b, m_t, 0, K, H * K), b_dv)
+        )
         if K > 64:
-            b_dh2 = b_dh2 * _decay(p_gl, 64, K) + tl.dot(_cols(q + c_k, o_b, m_t, 64, K, H * K), b_do) * scale \
+            b_dh2 = (
+                b_dh2 * _decay(p_gl, 64, K)
+                + tl.dot(_cols(q + c_k, o_b, m_t, 64, K, H * K), b_do) * scale
                 - tl.dot(_cols(w + c_k, o_b, m_t, 64, K, H * K), b_dv)
+            )
         if K > 128:
-            b_dh3 = b_dh3 * _decay(p_gl, 128, K) + tl.dot(_cols(q + c_k, o_b, m_t, 128, K, H * K), b_do) * scale \
+            b_dh3 = (
+                b_dh3 * _decay(p_gl, 128, K)
+                + tl.dot(_cols(q + c_k, o_b, m_t, 128, K, H * K), b_do) * scale
                 - tl.dot(_cols(w + c_k, o_b, m_t, 128, K, H * K), b_dv)
+            )
         if K > 192:
-            b_dh4 = b_dh4 * _decay(p_gl, 192, K) + tl.dot(_cols(q + c_k, o_b, m_t, 192, K, H * K), b_do) * scale \
+            b_dh4 = (
+                b_dh4 * _decay(p_gl, 192, K)
+                + tl.dot(_cols(q + c_k, o_b, m_t, 192, K, H * K), b_do) * scale
                 - tl.dot(_cols(w + c_k, o_b, m_t, 192, K, H * K), b_dv)
+            )
 
     if USE_INITIAL_STATE:
         _state_store(dh0 + s_nh, o_v, m_v, K, V, b_dh1, b_dh2, b_dh3, b_dh4)
 
 
 # ----------------------------------------------------------------------------- launchers
+
 
 def _check_k(K: int) -> None:
     if K > 256:
@@ -382,25 +428,30 @@ def _requests(req, n: int):
     if req is None or req[1].numel() == 0:
         return None, None, None
     req_off, req_chunk, req_row = req
-    if req_off.numel() != n + 1 or req_row.numel() != req_chunk.numel() or \
-            any(t.dtype != torch.int32 for t in req):
-        raise ValueError(f"requests: expected int32 req_off [N + 1 = {n + 1}], req_chunk [U], req_row [U]; "
-                         f"got {[(t.dtype, tuple(t.shape)) for t in req]}")
+    if (
+        req_off.numel() != n + 1
+        or req_row.numel() != req_chunk.numel()
+        or any(t.dtype != torch.int32 for t in req)
+    ):
+        raise ValueError(
+            f"requests: expected int32 req_off [N + 1 = {n + 1}], req_chunk [U], req_row [U]; "
+            f"got {[(t.dtype, tuple(t.shape)) for t in req]}"
+        )
     return req_off, req_chunk, req_row
 
 
 def state_scan_fwd(
-    kg: torch.Tensor,              # [1, T, H, K]
-    w: torch.Tensor,               # [1, T, H, K]
-    u: torch.Tensor,               # [1, T, H, V]
-    gk: torch.Tensor,              # [1, T, H, K] fp32 log2 in-chunk cumsum
-    initial_state: torch.Tensor | None,   # [N, H, K, V] fp32
-    cu_seqlens: torch.Tensor,      # [N + 1] int64, device
-    chunk_offsets: torch.Tensor,   # [N + 1] int64, device
-    num_chunks: int,               # NT, total chunks
+    kg: torch.Tensor,  # [1, T, H, K]
+    w: torch.Tensor,  # [1, T, H, K]
+    u: torch.Tensor,  # [1, T, H, V]
+    gk: torch.Tensor,  # [1, T, H, K] fp32 log2 in-chunk cumsum
+    initial_state: torch.Tensor | None,  # [N, H, K, V] fp32
+    cu_seqlens: torch.Tensor,  # [N + 1] int64, device
+    chunk_offsets: torch.Tensor,  # [N + 1] int64, device
+    num_chunks: int,  # NT, total chunks
     chunk_size: int,
     output_final_state: bool,
-    requests=None,                 # (req_off [N + 1], req_chunk [U], req_row [U]) int32, device
+    requests=None,  # (req_off [N + 1], req_chunk [U], req_row [U]) int32, device
     save_new_value: bool = True,
 ):
     """Forward state scan. Returns ``(h [1, NT, H, K, V], v_new [1, T, H, V] | None,
@@ -419,29 +470,46 @@ def state_scan_fwd(
         return (triton.cdiv(V, meta["BV"]), N * H)
 
     harts_kda_fwd_h_kernel[grid](
-        k=kg, u=u, w=w, gk=gk, v_new=v_new, h=h, h0=initial_state, ht=ht, bs=bs, req_off=req_off,
-        req_chunk=req_chunk, req_row=req_row, cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, T=T,
-        H=H, K=K, V=V, BT=chunk_size, **_launch_kwargs(),
+        k=kg,
+        u=u,
+        w=w,
+        gk=gk,
+        v_new=v_new,
+        h=h,
+        h0=initial_state,
+        ht=ht,
+        bs=bs,
+        req_off=req_off,
+        req_chunk=req_chunk,
+        req_row=req_row,
+        cu_seqlens=cu_seqlens,
+        chunk_offsets=chunk_offsets,
+        T=T,
+        H=H,
+        K=K,
+        V=V,
+        BT=chunk_size,
+        **_launch_kwargs(),
     )
     return h, v_new, ht, bs
 
 
 def state_scan_bwd(
-    qg: torch.Tensor,              # [1, T, H, K]
-    kg: torch.Tensor,              # [1, T, H, K]
-    w: torch.Tensor,               # [1, T, H, K]
-    gk: torch.Tensor,              # [1, T, H, K] fp32
-    do: torch.Tensor,              # [1, T, H, V]
-    dv: torch.Tensor,              # [1, T, H, V]
+    qg: torch.Tensor,  # [1, T, H, K]
+    kg: torch.Tensor,  # [1, T, H, K]
+    w: torch.Tensor,  # [1, T, H, K]
+    gk: torch.Tensor,  # [1, T, H, K] fp32
+    do: torch.Tensor,  # [1, T, H, V]
+    dv: torch.Tensor,  # [1, T, H, V]
     scale: float,
-    initial_state: torch.Tensor | None,   # only its presence matters: dh0 is returned iff given
-    dht: torch.Tensor | None,      # [N, H, K, V] fp32
+    initial_state: torch.Tensor | None,  # only its presence matters: dh0 is returned iff given
+    dht: torch.Tensor | None,  # [N, H, K, V] fp32
     cu_seqlens: torch.Tensor,
     chunk_offsets: torch.Tensor,
     num_chunks: int,
     chunk_size: int,
-    requests=None,                 # (req_off, req_chunk, req_row) as in state_scan_fwd
-    d_boundary: torch.Tensor | None = None,     # [U, H, K, V] fp32
+    requests=None,  # (req_off, req_chunk, req_row) as in state_scan_fwd
+    d_boundary: torch.Tensor | None = None,  # [U, H, K, V] fp32
 ):
     """Reverse state recurrence with boundary-gradient injection. Returns
     ``(dh [1, NT, H, K, V], dh0 [N, H, K, V] fp32 | None, dv2 [1, T, H, V])``."""
@@ -466,8 +534,28 @@ def state_scan_bwd(
         return (triton.cdiv(V, meta["BV"]), N * H)
 
     harts_kda_bwd_dh_kernel[grid](
-        q=qg, k=kg, w=w, gk=gk, do=do, dv=dv, dv2=dv2, dh=dh, dh0=dh0, dht=dht, dbs=d_boundary,
-        req_off=req_off, req_chunk=req_chunk, req_row=req_row, cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets,
-        scale=scale, T=T, H=H, K=K, V=V, BT=chunk_size, **_launch_kwargs(),
+        q=qg,
+        k=kg,
+        w=w,
+        gk=gk,
+        do=do,
+        dv=dv,
+        dv2=dv2,
+        dh=dh,
+        dh0=dh0,
+        dht=dht,
+        dbs=d_boundary,
+        req_off=req_off,
+        req_chunk=req_chunk,
+        req_row=req_row,
+        cu_seqlens=cu_seqlens,
+        chunk_offsets=chunk_offsets,
+        scale=scale,
+        T=T,
+        H=H,
+        K=K,
+        V=V,
+        BT=chunk_size,
+        **_launch_kwargs(),
     )
     return dh, dh0, dv2

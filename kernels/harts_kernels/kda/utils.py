@@ -95,8 +95,9 @@ def seq_lens_from_cu_seqlens(cu_seqlens, total: int) -> list[int]:
     return lens
 
 
-def validate_requests(seq_lens: Sequence[int], chunk_size: int, request_seq=None,
-                      request_chunk=None) -> PackedRequests:
+def validate_requests(
+    seq_lens: Sequence[int], chunk_size: int, request_seq=None, request_chunk=None
+) -> PackedRequests:
     """Check the requests against the chunk grid; raise ``ValueError`` naming the bad entry."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size: must be >= 1, got {chunk_size}")
@@ -115,7 +116,8 @@ def validate_requests(seq_lens: Sequence[int], chunk_size: int, request_seq=None
         if c < 1 or c * chunk_size > seq_lens[i]:
             raise ValueError(
                 f"request_chunk[{r}]: boundary {c} of sequence {i} does not exist "
-                f"(need 1 <= c and c * {chunk_size} <= length {seq_lens[i]})")
+                f"(need 1 <= c and c * {chunk_size} <= length {seq_lens[i]})"
+            )
     return PackedRequests(list(seq_lens), num_chunks, offsets, rs, rc, chunk_size)
 
 
@@ -153,7 +155,10 @@ def check_initial_state(initial_state, n: int, H: int, K: int, V: int) -> None:
     if initial_state is None:
         return
     if tuple(initial_state.shape) != (n, H, K, V):
-        raise ValueError(f"initial_state: expected [N, H, K, V] = {(n, H, K, V)}, "
-                         f"got {tuple(initial_state.shape)}")
+        raise ValueError(
+            f"initial_state: expected [N, H, K, V] = {(n, H, K, V)}, got {tuple(initial_state.shape)}"
+        )
     if initial_state.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"initial_state: must be float32 (float64 in reference checks), got {initial_state.dtype}")
+        raise ValueError(
+            f"initial_state: must be float32 (float64 in reference checks), got {initial_state.dtype}"
+        )

@@ -44,27 +44,27 @@ struct CallLayout {
   int32_t conv_width = 0;
 
   // Physical order, C = forest.num_rows entries each.
-  std::vector<int32_t> physical_to_row;   // row at each physical row
-  std::vector<int32_t> row_to_physical;   // inverse permutation
-  std::vector<int32_t> position_ids;      // absolute trajectory position of each physical row
+  std::vector<int32_t> physical_to_row;  // row at each physical row
+  std::vector<int32_t> row_to_physical;  // inverse permutation
+  std::vector<int32_t> position_ids;     // absolute trajectory position of each physical row
 
   std::vector<int32_t> segment_physical_begin;  // [V] first physical row of each segment
   std::vector<int32_t> sequence_offsets;        // [Q + 1] own rows of q: [offsets[q], offsets[q+1])
   std::vector<int32_t> round_offsets;           // [K + 1] physical rows of round r
 
   // Packed inputs of all rounds, concatenated; round r is [packed_offsets[r], packed_offsets[r+1]).
-  std::vector<int64_t> packed_offsets;    // [K + 1]
-  std::vector<int32_t> gather_index;      // physical row read by each packed row
-  std::vector<int32_t> packed_output_row; // physical row written, -1 for a replay row
+  std::vector<int64_t> packed_offsets;     // [K + 1]
+  std::vector<int32_t> gather_index;       // physical row read by each packed row
+  std::vector<int32_t> packed_output_row;  // physical row written, -1 for a replay row
   // cu_seqlens of round r (n_r + 1 entries starting at 0, counting replay rows) is
   //   cu_seqlens[cu_offsets[r], cu_offsets[r + 1]), where cu_offsets[r] = plan.round_offsets[r] + r.
-  std::vector<int32_t> cu_offsets;        // [K + 1]
-  std::vector<int32_t> cu_seqlens;        // [Q + K]
+  std::vector<int32_t> cu_offsets;  // [K + 1]
+  std::vector<int32_t> cu_seqlens;  // [Q + K]
 
   // Per state request (sorted by sequence, then position; one per slot).
   std::vector<int32_t> request_sequence;
   std::vector<int32_t> request_position;
-  std::vector<int32_t> request_chunk;     // chunk index in the producer's packed sequence
+  std::vector<int32_t> request_chunk;  // chunk index in the producer's packed sequence
   std::vector<int32_t> request_slot;
   // Per sequence: s_head - b_q, the replay rows at the start of its packed input.
   std::vector<int32_t> sequence_replay_length;
@@ -84,10 +84,10 @@ struct MicrobatchCallPlan {
   MinCallPlan plan;
   CallLayout layout;
   // Links to the batch (empty for a plan built from a bare segment forest).
-  std::vector<int32_t> trajectories;       // [k] trajectory ids, in the caller's order
-  std::vector<int32_t> row_to_global;      // [C] batch compact row of each microbatch row
-  std::vector<int32_t> physical_to_global; // [C] batch compact row of each physical row
-  std::vector<int64_t> semantic_offsets;   // [k + 1] prefix sums of the trajectories' lengths
+  std::vector<int32_t> trajectories;          // [k] trajectory ids, in the caller's order
+  std::vector<int32_t> row_to_global;         // [C] batch compact row of each microbatch row
+  std::vector<int32_t> physical_to_global;    // [C] batch compact row of each physical row
+  std::vector<int64_t> semantic_offsets;      // [k + 1] prefix sums of the trajectories' lengths
   std::vector<int32_t> semantic_to_physical;  // physical row of position p of trajectories[j]
                                               // at semantic_offsets[j] + p
 };
@@ -96,8 +96,8 @@ struct MicrobatchCallPlan {
 // ids == nullptr). Errors: InvalidArgument "trajectories" (empty, out of range, repeated),
 // "chunk_size", "conv_width"; ResourceExhausted for int32 overflow of packed rows.
 // O(k log k + C + R + |V| * w) beyond the batch's own index.
-MicrobatchCallPlan PlanMicrobatch(const RolloutBatch& batch, const int32_t* ids, int64_t k,
-                                  int64_t chunk_size, int64_t conv_width);
+MicrobatchCallPlan PlanMicrobatch(const RolloutBatch& batch, const int32_t* ids, int64_t k, int64_t chunk_size,
+                                  int64_t conv_width);
 
 // Plans a bare segment forest (see SegmentForestFromArrays). O(|V| + C + R + |V| * w).
 MicrobatchCallPlan PlanSegmentForest(SegmentForest forest, int64_t chunk_size, int64_t conv_width);

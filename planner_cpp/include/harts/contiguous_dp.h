@@ -29,15 +29,14 @@ namespace harts {
 struct ContiguousResult {
   int64_t k = 0;
   bool feasible = false;
-  int64_t total_work = 0;  // F[k, N].total
-  int64_t max_work = 0;    // F[k, N].max
+  int64_t total_work = 0;     // F[k, N].total
+  int64_t max_work = 0;       // F[k, N].max
   std::vector<int32_t> cuts;  // k + 1 entries when feasible
 };
 
 // The optimal contiguous partition of all N ranks for each requested k (any order,
 // each 1 <= k; k > N is reported infeasible). One table serves every k.
-std::vector<ContiguousResult> ExactContiguousPartitions(const PlanContext& ctx,
-                                                        const std::vector<int64_t>& ks);
+std::vector<ContiguousResult> ExactContiguousPartitions(const PlanContext& ctx, const std::vector<int64_t>& ks);
 
 }  // namespace harts
 

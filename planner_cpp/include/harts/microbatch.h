@@ -57,13 +57,11 @@ class PlanContext {
 // Shared amount max(LCP(p, r), LCP(r, q)) of rank r against the sorted members of `m`,
 // where p / q are the members just below / above r, skipping `exclude` (pass -1 for
 // none) and r itself. O(log |m|).
-int64_t SharedAmount(const PlanContext& ctx, const std::vector<int32_t>& m, int32_t r,
-                     int32_t exclude = -1);
+int64_t SharedAmount(const PlanContext& ctx, const std::vector<int32_t>& m, int32_t r, int32_t exclude = -1);
 
 // Work added by inserting rank r (not in m) into m, Eq. (10); with `exclude`, into
 // m \ {exclude}. O(log |m|).
-inline int64_t InsertionDelta(const PlanContext& ctx, const std::vector<int32_t>& m, int32_t r,
-                              int32_t exclude = -1) {
+inline int64_t InsertionDelta(const PlanContext& ctx, const std::vector<int32_t>& m, int32_t r, int32_t exclude = -1) {
   return ctx.Length(r) - SharedAmount(ctx, m, r, exclude);
 }
 

@@ -56,8 +56,7 @@ inline int64_t Anchor(int64_t p, int64_t chunk_size) { return p - p % chunk_size
 // -1 <= parent[v] < n, no cycles; 0 <= start[v] < end[v]; a root starts at 0; a child starts
 // where its parent ends. ResourceExhausted when the rows or positions overflow int32.
 // O(n) time and space.
-SegmentForest SegmentForestFromArrays(const int32_t* parent, const int32_t* start, const int32_t* end,
-                                      int64_t n);
+SegmentForest SegmentForestFromArrays(const int32_t* parent, const int32_t* start, const int32_t* end, int64_t n);
 
 // T_pre and T_in of every segment (Equations 12-14). O(|V| + |E|).
 struct MinCallCounts {
@@ -74,9 +73,9 @@ int64_t MandatoryReplay(const SegmentForest& forest, int64_t chunk_size);
 // and follows the trie. All ranges are half-open.
 struct MinCallPlan {
   int64_t chunk_size = 0;
-  int32_t num_calls = 0;       // rounds: max over trees of T_pre(root)
-  int64_t replay_tokens = 0;   // R (Equation 15) = sum over sequences of s_head - b
-  int64_t own_tokens = 0;      // sum of segment lengths (= rows of the forest)
+  int32_t num_calls = 0;      // rounds: max over trees of T_pre(root)
+  int64_t replay_tokens = 0;  // R (Equation 15) = sum over sequences of s_head - b
+  int64_t own_tokens = 0;     // sum of segment lengths (= rows of the forest)
 
   // Per segment v.
   std::vector<int32_t> t_pre, t_in;
@@ -84,24 +83,24 @@ struct MinCallPlan {
   std::vector<int32_t> segment_sequence;  // the sequence that outputs v's rows
 
   // Rounds: the sequences of round r are [round_offsets[r], round_offsets[r + 1]).
-  std::vector<int32_t> round_offsets;     // num_calls + 1
+  std::vector<int32_t> round_offsets;  // num_calls + 1
 
   // Per sequence q.
   std::vector<int32_t> sequence_round;
-  std::vector<int32_t> chain_offsets;     // CSR: chain of q = chain[chain_offsets[q], ...[q+1])
-  std::vector<int32_t> chain;             // segment ids, head first (size |V|)
-  std::vector<int32_t> sequence_anchor;   // b_q = a(s_head): position of the initial state
-  std::vector<int32_t> sequence_start;    // s_head: replay is [b_q, s_head)
-  std::vector<int32_t> sequence_end;      // e of the chain's leaf
-  std::vector<int32_t> sequence_slot;     // consumed state slot, -1 = zero state (b_q = 0)
-  std::vector<int32_t> request_offsets;   // CSR: states q must return, by increasing position
-  std::vector<int32_t> request_slot;      //   request_slot[request_offsets[q], ...[q+1])
+  std::vector<int32_t> chain_offsets;    // CSR: chain of q = chain[chain_offsets[q], ...[q+1])
+  std::vector<int32_t> chain;            // segment ids, head first (size |V|)
+  std::vector<int32_t> sequence_anchor;  // b_q = a(s_head): position of the initial state
+  std::vector<int32_t> sequence_start;   // s_head: replay is [b_q, s_head)
+  std::vector<int32_t> sequence_end;     // e of the chain's leaf
+  std::vector<int32_t> sequence_slot;    // consumed state slot, -1 = zero state (b_q = 0)
+  std::vector<int32_t> request_offsets;  // CSR: states q must return, by increasing position
+  std::vector<int32_t> request_slot;     //   request_slot[request_offsets[q], ...[q+1])
 
   // Per state slot k: S_{slot_position[k]} returned by sequence slot_producer[k] (whose own
   // rows contain position slot_position[k] - 1). Slots are numbered by (producer, position).
   std::vector<int32_t> slot_producer;
   std::vector<int32_t> slot_position;
-  std::vector<int32_t> slot_segment;      // the producer's segment holding position - 1
+  std::vector<int32_t> slot_segment;  // the producer's segment holding position - 1
 
   int64_t num_sequences() const { return static_cast<int64_t>(sequence_round.size()); }
   int64_t num_slots() const { return static_cast<int64_t>(slot_producer.size()); }

@@ -54,8 +54,8 @@ inline constexpr int64_t kMaxSemanticTokens = std::numeric_limits<int32_t>::max(
 inline constexpr int64_t kMaxTreeSegments = 2 * kMaxTrajectories;
 
 // Checks the preconditions above; throws InvalidArgument / ResourceExhausted.
-void ValidateTrajectories(const int32_t* tokens, int64_t num_tokens, const int64_t* offsets,
-                          int64_t num_offsets, const int64_t* tree_ids, int64_t num_tree_ids);
+void ValidateTrajectories(const int32_t* tokens, int64_t num_tokens, const int64_t* offsets, int64_t num_offsets,
+                          const int64_t* tree_ids, int64_t num_tree_ids);
 
 // An already compacted segment tree (the sidecar's "compacted tree" request).
 //   parent[v]          parent segment of v in [0, V), or -1 for a root; no cycles.
@@ -84,9 +84,8 @@ class RolloutBatch {
  public:
   // Validates and ingests. `tree_ids` may be null (num_tree_ids ignored then).
   // The token buffer is read during the call only; nothing keeps a pointer to it.
-  static std::unique_ptr<RolloutBatch> Ingest(const int32_t* tokens, int64_t num_tokens,
-                                              const int64_t* offsets, int64_t num_offsets,
-                                              const int64_t* tree_ids, int64_t num_tree_ids);
+  static std::unique_ptr<RolloutBatch> Ingest(const int32_t* tokens, int64_t num_tokens, const int64_t* offsets,
+                                              int64_t num_offsets, const int64_t* tree_ids, int64_t num_tree_ids);
 
   // Validates (ValidateSegmentTree, tree_ids as in ValidateTrajectories) and builds the
   // batch of a compacted segment tree; trajectory i is the root-to-trajectory_end[i] path,
@@ -117,11 +116,26 @@ class RolloutBatch {
   const std::vector<int32_t>& rank() const { return rank_; }
   const std::vector<int32_t>& adjacent_lcp() const { return lcp_; }
   // Per-row arrays; the first call builds them (O(S)) when FromSegmentTree made the batch.
-  const std::vector<int32_t>& row_of_position() const { EnsureRows(); return row_of_position_; }
-  const std::vector<int32_t>& multiplicity() const { EnsureRows(); return multiplicity_; }
-  const std::vector<int32_t>& row_parent() const { EnsureRows(); return row_parent_; }
-  const std::vector<int32_t>& row_depth() const { EnsureRows(); return row_depth_; }
-  const std::vector<int32_t>& row_segment() const { EnsureRows(); return row_segment_; }
+  const std::vector<int32_t>& row_of_position() const {
+    EnsureRows();
+    return row_of_position_;
+  }
+  const std::vector<int32_t>& multiplicity() const {
+    EnsureRows();
+    return multiplicity_;
+  }
+  const std::vector<int32_t>& row_parent() const {
+    EnsureRows();
+    return row_parent_;
+  }
+  const std::vector<int32_t>& row_depth() const {
+    EnsureRows();
+    return row_depth_;
+  }
+  const std::vector<int32_t>& row_segment() const {
+    EnsureRows();
+    return row_segment_;
+  }
   const std::vector<int32_t>& segment_root() const { return segment_root_; }
   const std::vector<int32_t>& component() const { return component_; }
   const SegmentForest& forest() const { return forest_; }
@@ -132,16 +146,18 @@ class RolloutBatch {
   // and tree ids (the input ids, or the component index when tree_ids is null).
   void BuildIndex(const int64_t* tree_ids);
   void BuildCompactTrie() const;
-  void EnsureRows() const { std::call_once(rows_once_, [this] { BuildCompactTrie(); }); }
+  void EnsureRows() const {
+    std::call_once(rows_once_, [this] { BuildCompactTrie(); });
+  }
 
-  std::vector<int64_t> offsets_;          // N + 1
-  std::vector<int64_t> lengths_;          // N
-  std::vector<int64_t> tree_ids_;         // N (input ids, or the component index)
-  std::vector<int32_t> order_, rank_;     // N
-  std::vector<int32_t> lcp_;              // N, adjacent LCP in rank order
-  std::vector<int64_t> prefix_length_;    // N + 1, prefix sums of lengths in rank order
-  std::vector<int64_t> prefix_lcp_;       // N + 1, prefix sums of lcp_
-  SparseTableRmq rmq_;                    // over lcp_
+  std::vector<int64_t> offsets_;        // N + 1
+  std::vector<int64_t> lengths_;        // N
+  std::vector<int64_t> tree_ids_;       // N (input ids, or the component index)
+  std::vector<int32_t> order_, rank_;   // N
+  std::vector<int32_t> lcp_;            // N, adjacent LCP in rank order
+  std::vector<int64_t> prefix_length_;  // N + 1, prefix sums of lengths in rank order
+  std::vector<int64_t> prefix_lcp_;     // N + 1, prefix sums of lcp_
+  SparseTableRmq rmq_;                  // over lcp_
   // Built once by EnsureRows (INVARIANT: only read after it).
   mutable std::once_flag rows_once_;
   mutable std::vector<int32_t> row_of_position_;  // S
@@ -149,8 +165,8 @@ class RolloutBatch {
   mutable std::vector<int32_t> row_parent_;       // C, -1 for a root row
   mutable std::vector<int32_t> row_depth_;        // C
   mutable std::vector<int32_t> row_segment_;      // C
-  std::vector<int32_t> segment_root_;     // V: root segment of v's tree
-  std::vector<int32_t> component_;        // N: index into forest_.roots of x_i's tree
+  std::vector<int32_t> segment_root_;             // V: root segment of v's tree
+  std::vector<int32_t> component_;                // N: index into forest_.roots of x_i's tree
   SegmentForest forest_;
 };
 

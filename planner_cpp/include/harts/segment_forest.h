@@ -33,21 +33,21 @@ namespace harts {
 
 struct SegmentForest {
   // Per segment v, v in [0, size()).
-  std::vector<int32_t> start;         // start_v
-  std::vector<int32_t> end;           // end_v
-  std::vector<int32_t> parent;        // parent segment, -1 for a root
-  std::vector<int32_t> subtree_end;   // subtree of v is [v, subtree_end_v)
-  std::vector<int32_t> owner;         // item position (not id) of owner(v)
-  std::vector<int64_t> row_begin;     // first compact row of v
-  std::vector<int32_t> multiplicity;  // number of items whose path contains v
-  std::vector<int64_t> child_offsets; // CSR: ch(v) = children[child_offsets[v], child_offsets[v+1])
+  std::vector<int32_t> start;          // start_v
+  std::vector<int32_t> end;            // end_v
+  std::vector<int32_t> parent;         // parent segment, -1 for a root
+  std::vector<int32_t> subtree_end;    // subtree of v is [v, subtree_end_v)
+  std::vector<int32_t> owner;          // item position (not id) of owner(v)
+  std::vector<int64_t> row_begin;      // first compact row of v
+  std::vector<int32_t> multiplicity;   // number of items whose path contains v
+  std::vector<int64_t> child_offsets;  // CSR: ch(v) = children[child_offsets[v], child_offsets[v+1])
   std::vector<int32_t> children;
-  std::vector<int64_t> end_offsets;   // CSR: ending(v) = ending[end_offsets[v], end_offsets[v+1])
-  std::vector<int32_t> ending;        // trajectory ids
-  std::vector<int32_t> roots;         // root segments in lexicographic order
+  std::vector<int64_t> end_offsets;  // CSR: ending(v) = ending[end_offsets[v], end_offsets[v+1])
+  std::vector<int32_t> ending;       // trajectory ids
+  std::vector<int32_t> roots;        // root segments in lexicographic order
   // Per item position k: the segment at whose end the item's trajectory ends.
   std::vector<int32_t> item_segment;
-  int64_t num_rows = 0;               // compact rows of the set: sum_k (len_k - lcp_k)
+  int64_t num_rows = 0;  // compact rows of the set: sum_k (len_k - lcp_k)
 
   int64_t size() const { return static_cast<int64_t>(start.size()); }
   int64_t num_children(int64_t v) const { return child_offsets[v + 1] - child_offsets[v]; }
@@ -59,8 +59,7 @@ struct SegmentForest {
 //   lcp[k]      LCP(x_{k-1}, x_k) for k >= 1; lcp[0] is ignored (treated as 0).
 // Preconditions: the items are sorted lexicographically and the LCPs are exact
 // (0 <= lcp[k] <= min(lengths[k-1], lengths[k])). Violations are not detected.
-SegmentForest BuildSegmentForest(const int32_t* ids, const int64_t* lengths, const int32_t* lcp,
-                                 int64_t num_items);
+SegmentForest BuildSegmentForest(const int32_t* ids, const int64_t* lengths, const int32_t* lcp, int64_t num_items);
 
 }  // namespace harts
 

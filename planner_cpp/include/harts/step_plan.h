@@ -72,13 +72,13 @@ struct PlannerOptions {
   int64_t max_sampled_k = 32;     // Q_max, >= 2
   int64_t refine_window = 8;      // H of boundary refinement
   int64_t refine_sweeps = 2;
-  int64_t max_anchors = 3;        // B_ref
-  int64_t repair_window = 8;      // H of sparse repair
+  int64_t max_anchors = 3;    // B_ref
+  int64_t repair_window = 8;  // H of sparse repair
   int64_t repair_iterations = 4;
-  bool greedy = true;             // run the trie-aware greedy path
-  bool refine = true;             // boundary refinement and sparse repair
-  bool component_greedy = true;   // extension: per-tree greedy candidate (not in the paper)
-  std::string search = "auto";    // "auto" | "exact" | "heuristic"
+  bool greedy = true;            // run the trie-aware greedy path
+  bool refine = true;            // boundary refinement and sparse repair
+  bool component_greedy = true;  // extension: per-tree greedy candidate (not in the paper)
+  std::string search = "auto";   // "auto" | "exact" | "heuristic"
 };
 
 struct CandidateSummary {
@@ -93,17 +93,17 @@ struct StepPlan {
   int64_t num_trajectories = 0;
   // Microbatch m, ordered by (slot, replica): members are the trajectory indices
   // members[member_offsets[m], member_offsets[m + 1]) in lexicographic order.
-  std::vector<int64_t> member_offsets;  // K + 1
-  std::vector<int32_t> members;         // N
-  std::vector<int64_t> work;            // K, compact work w(M)
-  std::vector<int32_t> replica;         // K
-  std::vector<int32_t> slot;            // K
-  Objective objective;                  // J (Eq. 4)
-  std::string source;                   // source of the selected candidate
-  std::string search_mode;              // "exact" or "heuristic"
-  int64_t natural_k = 0;                // K0
-  int64_t k_min = 0, k_max = 0;         // Eq. (7)-(8)
-  int64_t compact_tokens = 0;           // G = C(X), a lower bound on objective.total_work
+  std::vector<int64_t> member_offsets;       // K + 1
+  std::vector<int32_t> members;              // N
+  std::vector<int64_t> work;                 // K, compact work w(M)
+  std::vector<int32_t> replica;              // K
+  std::vector<int32_t> slot;                 // K
+  Objective objective;                       // J (Eq. 4)
+  std::string source;                        // source of the selected candidate
+  std::string search_mode;                   // "exact" or "heuristic"
+  int64_t natural_k = 0;                     // K0
+  int64_t k_min = 0, k_max = 0;              // Eq. (7)-(8)
+  int64_t compact_tokens = 0;                // G = C(X), a lower bound on objective.total_work
   std::vector<CandidateSummary> candidates;  // in generation order
   int64_t selected = -1;                     // index into candidates
   double planning_seconds = 0;

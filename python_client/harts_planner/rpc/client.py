@@ -61,9 +61,11 @@ def _field_of(err: grpc.RpcError) -> str | None:
     if status is None:
         return None
     for detail in status.details:
-        for cls, attr, key in ((error_details_pb2.BadRequest, "field_violations", "field"),
-                               (error_details_pb2.QuotaFailure, "violations", "subject"),
-                               (error_details_pb2.PreconditionFailure, "violations", "subject")):
+        for cls, attr, key in (
+            (error_details_pb2.BadRequest, "field_violations", "field"),
+            (error_details_pb2.QuotaFailure, "violations", "subject"),
+            (error_details_pb2.PreconditionFailure, "violations", "subject"),
+        ):
             if detail.Is(cls.DESCRIPTOR):
                 msg = cls()
                 detail.Unpack(msg)
@@ -101,13 +103,21 @@ class SidecarClient:
     def __init__(self, target: str, *, max_message_bytes: int | None = None):
         limit = DEFAULT_MAX_MESSAGE_BYTES if max_message_bytes is None else int(max_message_bytes)
         self.target = target
-        self._channel = grpc.insecure_channel(target, options=[
-            ("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)])
+        self._channel = grpc.insecure_channel(
+            target,
+            options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)],
+        )
         # Requests are messages or bytes already serialized (codec.serialize_*_request).
         self._plan_step = self._channel.unary_unary(
-            codec.PLAN_STEP, request_serializer=_serialize, response_deserializer=pb.PlanStepResponse.FromString)
+            codec.PLAN_STEP,
+            request_serializer=_serialize,
+            response_deserializer=pb.PlanStepResponse.FromString,
+        )
         self._plan_calls = self._channel.unary_unary(
-            codec.PLAN_CALLS, request_serializer=_serialize, response_deserializer=pb.PlanCallsResponse.FromString)
+            codec.PLAN_CALLS,
+            request_serializer=_serialize,
+            response_deserializer=pb.PlanCallsResponse.FromString,
+        )
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def plan_step(self, request: pb.PlanStepRequest | bytes, timeout: float | None) -> pb.PlanStepResponse:

@@ -33,8 +33,11 @@ DEFAULT_CONV_WIDTH = 4
 
 I32, I64 = np.dtype("<i4"), np.dtype("<i8")
 
-_SEARCH_TO_WIRE = {"auto": pb.SEARCH_MODE_AUTO, "exact": pb.SEARCH_MODE_EXACT,
-                   "heuristic": pb.SEARCH_MODE_HEURISTIC}
+_SEARCH_TO_WIRE = {
+    "auto": pb.SEARCH_MODE_AUTO,
+    "exact": pb.SEARCH_MODE_EXACT,
+    "heuristic": pb.SEARCH_MODE_HEURISTIC,
+}
 _SEARCH_FROM_WIRE = {pb.SEARCH_MODE_UNSPECIFIED: "auto", **{v: k for k, v in _SEARCH_TO_WIRE.items()}}
 _INT_OPTIONS = [k for k, v in DEFAULT_OPTIONS.items() if isinstance(v, int) and not isinstance(v, bool)]
 _BOOL_OPTIONS = [k for k, v in DEFAULT_OPTIONS.items() if isinstance(v, bool)]
@@ -53,8 +56,11 @@ def unpack(data: bytes, dtype: np.dtype, field: str) -> np.ndarray:
     """
     dtype = np.dtype(dtype)
     if len(data) % dtype.itemsize:
-        raise invalid(field, f"{len(data)} bytes is not a whole number of {dtype.itemsize}-byte "
-                             f"little-endian {'int32' if dtype.itemsize == 4 else 'int64'} values")
+        raise invalid(
+            field,
+            f"{len(data)} bytes is not a whole number of {dtype.itemsize}-byte "
+            f"little-endian {'int32' if dtype.itemsize == 4 else 'int64'} values",
+        )
     arr = np.frombuffer(data, dtype=dtype)
     return arr if arr.dtype.isnative else arr.astype(arr.dtype.newbyteorder("="))
 
@@ -69,7 +75,7 @@ def renamed(err: HartsError, mapping: dict[str, str]) -> HartsError:
     new_field = mapping[head] + bracket + rest
     message = str(err)
     if message.startswith(field):
-        message = new_field + message[len(field):]
+        message = new_field + message[len(field) :]
     out = type(err)(message)
     out.field = new_field
     return out
@@ -93,27 +99,44 @@ def encode_trajectories(source: PackedTokens | SegmentTree) -> pb.Trajectories:
     return msg
 
 
-_PACKED_FIELDS = {"tokens": "trajectories.packed.tokens", "offsets": "trajectories.packed.offsets",
-                  "tree_ids": "trajectories.tree_ids", "trajectories": "trajectories"}
-_TREE_FIELDS = {"parent": "trajectories.tree.parent", "length": "trajectories.tree.length",
-                "trajectory_end": "trajectories.tree.trajectory_end", "tree_ids": "trajectories.tree_ids",
-                "tree": "trajectories.tree"}
+_PACKED_FIELDS = {
+    "tokens": "trajectories.packed.tokens",
+    "offsets": "trajectories.packed.offsets",
+    "tree_ids": "trajectories.tree_ids",
+    "trajectories": "trajectories",
+}
+_TREE_FIELDS = {
+    "parent": "trajectories.tree.parent",
+    "length": "trajectories.tree.length",
+    "trajectory_end": "trajectories.tree.trajectory_end",
+    "tree_ids": "trajectories.tree_ids",
+    "tree": "trajectories.tree",
+}
 
 
 def decode_trajectories(msg: pb.Trajectories) -> PackedTokens | SegmentTree:
     """Arrays of a request's trajectories (views of the message bytes, not yet validated)."""
     which = msg.WhichOneof("source")
     if which is None:
-        raise invalid("trajectories", "required: set trajectories.packed (tokens and offsets) or "
-                                      "trajectories.tree (a compacted segment tree)")
+        raise invalid(
+            "trajectories",
+            "required: set trajectories.packed (tokens and offsets) or "
+            "trajectories.tree (a compacted segment tree)",
+        )
     tree_ids = unpack(msg.tree_ids, I64, "trajectories.tree_ids") if msg.tree_ids else None
     if which == "packed":
-        return PackedTokens(unpack(msg.packed.tokens, I32, "trajectories.packed.tokens"),
-                            unpack(msg.packed.offsets, I64, "trajectories.packed.offsets"), tree_ids)
+        return PackedTokens(
+            unpack(msg.packed.tokens, I32, "trajectories.packed.tokens"),
+            unpack(msg.packed.offsets, I64, "trajectories.packed.offsets"),
+            tree_ids,
+        )
     t = msg.tree
-    return SegmentTree(unpack(t.parent, I32, "trajectories.tree.parent"),
-                       unpack(t.length, I32, "trajectories.tree.length"),
-                       unpack(t.trajectory_end, I32, "trajectories.tree.trajectory_end"), tree_ids)
+    return SegmentTree(
+        unpack(t.parent, I32, "trajectories.tree.parent"),
+        unpack(t.length, I32, "trajectories.tree.length"),
+        unpack(t.trajectory_end, I32, "trajectories.tree.trajectory_end"),
+        tree_ids,
+    )
 
 
 def ingest(source: PackedTokens | SegmentTree, *, wire: bool = False) -> RolloutBatch:
@@ -133,7 +156,10 @@ def ingest(source: PackedTokens | SegmentTree, *, wire: bool = False) -> Rollout
 def check_call_args(chunk_size, conv_width) -> tuple[int, int]:
     """Validated (chunk_size, conv_width); InvalidArgumentError naming the argument."""
     out = []
-    for name, value, hi in (("chunk_size", chunk_size, MAX_CHUNK_SIZE), ("conv_width", conv_width, MAX_CONV_WIDTH)):
+    for name, value, hi in (
+        ("chunk_size", chunk_size, MAX_CHUNK_SIZE),
+        ("conv_width", conv_width, MAX_CONV_WIDTH),
+    ):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise invalid(name, f"must be an integer, got {value!r}")
         if not 1 <= int(value) <= hi:
@@ -182,24 +208,39 @@ OPTION_FIELDS = {name: "options." + name for name in DEFAULT_OPTIONS}
 
 
 # ---------------------------------------------------------------------------------- requests
-def plan_step_request(source: PackedTokens | SegmentTree, dp_size: int, capacity: int, chunk_size: int,
-                      options: dict, call_plans: bool, conv_width: int) -> pb.PlanStepRequest:
+def plan_step_request(
+    source: PackedTokens | SegmentTree,
+    dp_size: int,
+    capacity: int,
+    chunk_size: int,
+    options: dict,
+    call_plans: bool,
+    conv_width: int,
+) -> pb.PlanStepRequest:
     """The PlanStep request of a client call."""
     for name, value in (("dp_size", dp_size), ("capacity", capacity)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise invalid(name, f"must be an integer, got {value!r}")
         if not 1 <= int(value) < 2**63:
             raise invalid(name, f"must be >= 1, got {int(value)}")
-    return pb.PlanStepRequest(trajectories=encode_trajectories(source), dp_size=int(dp_size),
-                              capacity=int(capacity), chunk_size=chunk_size, options=encode_options(options),
-                              include_call_plans=bool(call_plans), conv_width=conv_width)
+    return pb.PlanStepRequest(
+        trajectories=encode_trajectories(source),
+        dp_size=int(dp_size),
+        capacity=int(capacity),
+        chunk_size=chunk_size,
+        options=encode_options(options),
+        include_call_plans=bool(call_plans),
+        conv_width=conv_width,
+    )
 
 
-def plan_calls_request(source: PackedTokens | SegmentTree, microbatch, chunk_size: int,
-                       conv_width: int) -> pb.PlanCallsRequest:
+def plan_calls_request(
+    source: PackedTokens | SegmentTree, microbatch, chunk_size: int, conv_width: int
+) -> pb.PlanCallsRequest:
     """The PlanCalls request of a client call (``microbatch`` None = every trajectory)."""
-    msg = pb.PlanCallsRequest(trajectories=encode_trajectories(source), chunk_size=chunk_size,
-                              conv_width=conv_width)
+    msg = pb.PlanCallsRequest(
+        trajectories=encode_trajectories(source), chunk_size=chunk_size, conv_width=conv_width
+    )
     if microbatch is not None:
         from harts_planner.call_plan import _int32_ids
 
@@ -248,10 +289,13 @@ def _trajectories_parts(source: PackedTokens | SegmentTree) -> list:
     return [_len_header(1, sum(len(p) for p in parts)), *parts]  # field 1 of both requests
 
 
-def serialize_plan_step_request(source, dp_size, capacity, chunk_size, options, call_plans, conv_width) -> bytes:
+def serialize_plan_step_request(
+    source, dp_size, capacity, chunk_size, options, call_plans, conv_width
+) -> bytes:
     """Wire bytes of :func:`plan_step_request` with the arrays copied once."""
-    head = plan_step_request(SegmentTree([], [], []), dp_size, capacity, chunk_size, options, call_plans,
-                             conv_width)
+    head = plan_step_request(
+        SegmentTree([], [], []), dp_size, capacity, chunk_size, options, call_plans, conv_width
+    )
     head.ClearField("trajectories")
     return b"".join([head.SerializeToString(), *_trajectories_parts(source)])
 
@@ -323,15 +367,26 @@ def _objective(msg: pb.Objective) -> tuple[int, int, int]:
 
 def encode_step_plan(plan: StepPlan) -> pb.StepPlan:
     n = plan._native
-    msg = pb.StepPlan(dp_size=n.dp_size, capacity=n.capacity, chunk_size=plan.chunk_size,
-                      num_trajectories=n.num_trajectories, source=n.source, search_mode=n.search_mode,
-                      natural_k=n.natural_k, k_min=n.k_min, k_max=n.k_max, compact_tokens=n.compact_tokens,
-                      selected=n.selected, planning_seconds=n.planning_seconds,
-                      options=encode_options(plan.options))
+    msg = pb.StepPlan(
+        dp_size=n.dp_size,
+        capacity=n.capacity,
+        chunk_size=plan.chunk_size,
+        num_trajectories=n.num_trajectories,
+        source=n.source,
+        search_mode=n.search_mode,
+        natural_k=n.natural_k,
+        k_min=n.k_min,
+        k_max=n.k_max,
+        compact_tokens=n.compact_tokens,
+        selected=n.selected,
+        planning_seconds=n.planning_seconds,
+        options=encode_options(plan.options),
+    )
     for name, dtype in _step_plan.ARRAY_FIELDS.items():
         setattr(msg, name, pack(getattr(n, name), dtype))
-    msg.objective.CopyFrom(pb.Objective(**dict(zip(("total_work", "slot_critical_work", "max_replica_work"),
-                                                    n.objective))))
+    msg.objective.CopyFrom(
+        pb.Objective(**dict(zip(("total_work", "slot_critical_work", "max_replica_work"), n.objective)))
+    )
     for c in n.candidates:
         cand = msg.candidates.add(source=c["source"], k=c["k"])
         t, s, r = c["objective"]
@@ -342,16 +397,30 @@ def encode_step_plan(plan: StepPlan) -> pb.StepPlan:
 
 
 def decode_step_plan(msg: pb.StepPlan, call_plans: list[CallPlan] | None, wall_seconds: float) -> StepPlan:
-    fields = {name: unpack(getattr(msg, name), dtype, f"plan.{name}")
-              for name, dtype in _step_plan.ARRAY_FIELDS.items()}
+    fields = {
+        name: unpack(getattr(msg, name), dtype, f"plan.{name}")
+        for name, dtype in _step_plan.ARRAY_FIELDS.items()
+    }
     native = types.SimpleNamespace(
-        dp_size=msg.dp_size, capacity=msg.capacity, num_trajectories=msg.num_trajectories,
-        num_microbatches=len(fields["work"]), objective=_objective(msg.objective), source=msg.source,
-        search_mode=msg.search_mode, natural_k=msg.natural_k, k_min=msg.k_min, k_max=msg.k_max,
-        compact_tokens=msg.compact_tokens, selected=msg.selected, planning_seconds=msg.planning_seconds,
+        dp_size=msg.dp_size,
+        capacity=msg.capacity,
+        num_trajectories=msg.num_trajectories,
+        num_microbatches=len(fields["work"]),
+        objective=_objective(msg.objective),
+        source=msg.source,
+        search_mode=msg.search_mode,
+        natural_k=msg.natural_k,
+        k_min=msg.k_min,
+        k_max=msg.k_max,
+        compact_tokens=msg.compact_tokens,
+        selected=msg.selected,
+        planning_seconds=msg.planning_seconds,
         phase_seconds=dict(msg.phase_seconds),
-        candidates=[{"source": c.source, "k": c.k, "objective": _objective(c.objective)} for c in msg.candidates],
-        **fields)
+        candidates=[
+            {"source": c.source, "k": c.k, "objective": _objective(c.objective)} for c in msg.candidates
+        ],
+        **fields,
+    )
     options = dict(DEFAULT_OPTIONS)
     options.update(decode_options(msg.options))
     return StepPlan(native, None, msg.chunk_size, options, wall_seconds, call_plans)

@@ -61,7 +61,7 @@ def default_workers() -> int:
 
 
 # ---------------------------------------------------------------------------------- errors
-class _Abort(Exception):
+class _AbortRpcError(Exception):
     """Ends an RPC with a status (raised inside a handler, turned into context.abort)."""
 
     def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None):
@@ -69,30 +69,55 @@ class _Abort(Exception):
         self.code, self.message, self.field = code, message, field
 
 
-def _from_harts(err: HartsError) -> _Abort:
-    code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(err, ResourceLimitError)
-            else grpc.StatusCode.FAILED_PRECONDITION if isinstance(err, InfeasibleError)
-            else grpc.StatusCode.INVALID_ARGUMENT)
-    return _Abort(code, str(err), getattr(err, "field", None) or "request")
+def _from_harts(err: HartsError) -> _AbortRpcError:
+    code = (
+        grpc.StatusCode.RESOURCE_EXHAUSTED
+        if isinstance(err, ResourceLimitError)
+        else grpc.StatusCode.FAILED_PRECONDITION
+        if isinstance(err, InfeasibleError)
+        else grpc.StatusCode.INVALID_ARGUMENT
+    )
+    return _AbortRpcError(code, str(err), getattr(err, "field", None) or "request")
 
 
-def _rich_status(abort: _Abort) -> grpc.Status:
+def _rich_status(abort: _AbortRpcError) -> grpc.Status:
     details = []
     if abort.field is not None:
         detail = any_pb2.Any()
         if abort.code == grpc.StatusCode.INVALID_ARGUMENT:
-            detail.Pack(error_details_pb2.BadRequest(field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=abort.field, description=abort.message)]))
+            detail.Pack(
+                error_details_pb2.BadRequest(
+                    field_violations=[
+                        error_details_pb2.BadRequest.FieldViolation(
+                            field=abort.field, description=abort.message
+                        )
+                    ]
+                )
+            )
         elif abort.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            detail.Pack(error_details_pb2.QuotaFailure(violations=[
-                error_details_pb2.QuotaFailure.Violation(subject=abort.field, description=abort.message)]))
+            detail.Pack(
+                error_details_pb2.QuotaFailure(
+                    violations=[
+                        error_details_pb2.QuotaFailure.Violation(
+                            subject=abort.field, description=abort.message
+                        )
+                    ]
+                )
+            )
         else:
-            detail.Pack(error_details_pb2.PreconditionFailure(violations=[
-                error_details_pb2.PreconditionFailure.Violation(type="PLAN", subject=abort.field,
-                                                                description=abort.message)]))
+            detail.Pack(
+                error_details_pb2.PreconditionFailure(
+                    violations=[
+                        error_details_pb2.PreconditionFailure.Violation(
+                            type="PLAN", subject=abort.field, description=abort.message
+                        )
+                    ]
+                )
+            )
         details.append(detail)
-    return rpc_status.to_status(status_pb2.Status(code=getattr(code_pb2, abort.code.name), message=abort.message,
-                                                  details=details))
+    return rpc_status.to_status(
+        status_pb2.Status(code=getattr(code_pb2, abort.code.name), message=abort.message, details=details)
+    )
 
 
 @dataclass
@@ -109,6 +134,7 @@ def _deserializer(cls):
             return cls.FromString(data)
         except DecodeError as e:
             return _Unparsable(cls.DESCRIPTOR.full_name, str(e))
+
     return parse
 
 
@@ -116,7 +142,9 @@ def _deserializer(cls):
 class PlannerServicer:
     """Handlers of PlanStep and PlanCalls; tracks in-flight plans for draining."""
 
-    def __init__(self, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, logger: logging.Logger = LOGGER):
+    def __init__(
+        self, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, logger: logging.Logger = LOGGER
+    ):
         self.max_message_bytes = max_message_bytes
         self.logger = logger
         self._lock = threading.Condition()
@@ -153,24 +181,36 @@ class PlannerServicer:
             if self._draining:
                 record.update(code="UNAVAILABLE", total_ms=0.0)
                 self.logger.info("rpc", extra={"fields": record})
-                context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another planner")
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another planner"
+                )
             self._inflight += 1
         try:
             if isinstance(request, _Unparsable):
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"request: not a valid {request.type_name} message ({request.error})", "request")
+                raise _AbortRpcError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"request: not a valid {request.type_name} message ({request.error})",
+                    "request",
+                )
             record["request_bytes"] = request.ByteSize()
             response = body(request, context, record)
             record["response_bytes"] = size = response.ByteSize()
             if size > self.max_message_bytes:
                 field = "include_call_plans" if getattr(request, "include_call_plans", False) else "response"
-                raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"{field}: the response would be {size} bytes, over the server's message limit of "
-                             f"{self.max_message_bytes} bytes" + ("; plan the microbatches' calls with PlanCalls"
-                                                                  if field == "include_call_plans" else ""), field)
+                raise _AbortRpcError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{field}: the response would be {size} bytes, over the server's message limit of "
+                    f"{self.max_message_bytes} bytes"
+                    + (
+                        "; plan the microbatches' calls with PlanCalls"
+                        if field == "include_call_plans"
+                        else ""
+                    ),
+                    field,
+                )
             record["code"] = "OK"
             return response
-        except _Abort as a:
+        except _AbortRpcError as a:
             record.update(code=a.code.name, field=a.field, error=a.message)
             context.abort_with_status(_rich_status(a))
         except HartsError as e:
@@ -193,7 +233,7 @@ class PlannerServicer:
     def _check_deadline(context, phase: str) -> None:
         remaining = context.time_remaining()
         if (remaining is not None and remaining <= 0) or not context.is_active():
-            raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline exceeded before {phase}")
+            raise _AbortRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline exceeded before {phase}")
 
     def _ingest(self, request, context, record):
         self._check_deadline(context, "decoding")
@@ -203,9 +243,14 @@ class PlannerServicer:
         t1 = time.perf_counter()
         batch = codec.ingest(source, wire=True)
         t2 = time.perf_counter()
-        record.update(trajectories=batch.num_trajectories, semantic_tokens=batch.semantic_tokens,
-                      compact_tokens=batch.compact_tokens, segments=batch.num_segments,
-                      decode_ms=round((t1 - t0) * 1e3, 3), ingest_ms=round((t2 - t1) * 1e3, 3))
+        record.update(
+            trajectories=batch.num_trajectories,
+            semantic_tokens=batch.semantic_tokens,
+            compact_tokens=batch.compact_tokens,
+            segments=batch.num_segments,
+            decode_ms=round((t1 - t0) * 1e3, 3),
+            ingest_ms=round((t2 - t1) * 1e3, 3),
+        )
         return batch, t1 - t0, t2 - t1
 
     def _plan_step(self, request, context, record):
@@ -214,9 +259,16 @@ class PlannerServicer:
         self._check_deadline(context, "planning")
         t0 = time.perf_counter()
         try:
-            plan = local_plan_step(batch, args["dp_size"], args["capacity"], args["chunk_size"], args["options"],
-                                   args["call_plans"], args["conv_width"],
-                                   check=lambda: self._check_deadline(context, "the next call plan"))
+            plan = local_plan_step(
+                batch,
+                args["dp_size"],
+                args["capacity"],
+                args["chunk_size"],
+                args["options"],
+                args["call_plans"],
+                args["conv_width"],
+                check=lambda: self._check_deadline(context, "the next call plan"),
+            )
         except HartsError as e:
             raise codec.renamed(e, codec.OPTION_FIELDS) from None
         t1 = time.perf_counter()
@@ -225,11 +277,24 @@ class PlannerServicer:
         if args["call_plans"]:
             response.call_plans.extend(codec.encode_call_plan(c) for c in plan.call_plans())
         t2 = time.perf_counter()
-        response.stats.CopyFrom(codec.stats_message(batch, decode_seconds=decode_s, ingest_seconds=ingest_s,
-                                                    plan_seconds=t1 - t0, encode_seconds=t2 - t1))
-        record.update(dp_size=args["dp_size"], capacity=args["capacity"], microbatches=plan.num_microbatches,
-                      total_work=plan.total_work, call_plans=args["call_plans"],
-                      plan_ms=round((t1 - t0) * 1e3, 3), encode_ms=round((t2 - t1) * 1e3, 3))
+        response.stats.CopyFrom(
+            codec.stats_message(
+                batch,
+                decode_seconds=decode_s,
+                ingest_seconds=ingest_s,
+                plan_seconds=t1 - t0,
+                encode_seconds=t2 - t1,
+            )
+        )
+        record.update(
+            dp_size=args["dp_size"],
+            capacity=args["capacity"],
+            microbatches=plan.num_microbatches,
+            total_work=plan.total_work,
+            call_plans=args["call_plans"],
+            plan_ms=round((t1 - t0) * 1e3, 3),
+            encode_ms=round((t2 - t1) * 1e3, 3),
+        )
         return response
 
     def _plan_calls(self, request, context, record):
@@ -238,18 +303,31 @@ class PlannerServicer:
         self._check_deadline(context, "planning")
         t0 = time.perf_counter()
         try:
-            plan = plan_calls(batch, args["chunk_size"], trajectories=args["microbatch"],
-                              conv_width=args["conv_width"])
+            plan = plan_calls(
+                batch, args["chunk_size"], trajectories=args["microbatch"], conv_width=args["conv_width"]
+            )
         except HartsError as e:
             raise codec.renamed(e, {"trajectories": "microbatch"}) from None
         t1 = time.perf_counter()
         self._check_deadline(context, "encoding")
         response = pb.PlanCallsResponse(plan=codec.encode_call_plan(plan))
         t2 = time.perf_counter()
-        response.stats.CopyFrom(codec.stats_message(batch, decode_seconds=decode_s, ingest_seconds=ingest_s,
-                                                    plan_seconds=t1 - t0, encode_seconds=t2 - t1))
-        record.update(chunk_size=args["chunk_size"], calls=plan.num_calls, replay_tokens=plan.replay_tokens,
-                      plan_ms=round((t1 - t0) * 1e3, 3), encode_ms=round((t2 - t1) * 1e3, 3))
+        response.stats.CopyFrom(
+            codec.stats_message(
+                batch,
+                decode_seconds=decode_s,
+                ingest_seconds=ingest_s,
+                plan_seconds=t1 - t0,
+                encode_seconds=t2 - t1,
+            )
+        )
+        record.update(
+            chunk_size=args["chunk_size"],
+            calls=plan.num_calls,
+            replay_tokens=plan.replay_tokens,
+            plan_ms=round((t1 - t0) * 1e3, 3),
+            encode_ms=round((t2 - t1) * 1e3, 3),
+        )
         return response
 
 
@@ -257,8 +335,14 @@ class PlannerServicer:
 class PlannerServer:
     """A started planner server: ``.port``, ``.address``, :meth:`drain`, :meth:`stop`."""
 
-    def __init__(self, server: grpc.Server, servicer: PlannerServicer, health_servicer: health.HealthServicer,
-                 host: str, port: int):
+    def __init__(
+        self,
+        server: grpc.Server,
+        servicer: PlannerServicer,
+        health_servicer: health.HealthServicer,
+        host: str,
+        port: int,
+    ):
         self.server = server
         self.servicer = servicer
         self.health = health_servicer
@@ -277,8 +361,10 @@ class PlannerServer:
         in-flight plans, then stop. Returns True when every in-flight plan finished."""
         self.health.enter_graceful_shutdown()
         self.servicer.begin_drain()
-        LOGGER.info("drain", extra={"fields": {"event": "drain", "inflight": self.servicer.inflight,
-                                               "grace_s": grace}})
+        LOGGER.info(
+            "drain",
+            extra={"fields": {"event": "drain", "inflight": self.servicer.inflight, "grace_s": grace}},
+        )
         finished = self.servicer.wait_idle(grace)
         self.stop(grace=1.0)
         LOGGER.info("stopped", extra={"fields": {"event": "stopped", "drained": finished}})
@@ -293,7 +379,7 @@ class PlannerServer:
         """Block until stopped."""
         return self._stopped.wait(timeout)
 
-    def __enter__(self) -> "PlannerServer":
+    def __enter__(self) -> PlannerServer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -301,8 +387,12 @@ class PlannerServer:
             self.stop(grace=None)
 
 
-def create_server(address: str = f"{DEFAULT_HOST}:0", *, workers: int | None = None,
-                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> PlannerServer:
+def create_server(
+    address: str = f"{DEFAULT_HOST}:0",
+    *,
+    workers: int | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> PlannerServer:
     """Build and start a planner server on ``address`` (``host:port``; port 0 picks a free one).
 
     Raises ``RuntimeError`` when the address cannot be bound.
@@ -313,25 +403,38 @@ def create_server(address: str = f"{DEFAULT_HOST}:0", *, workers: int | None = N
     if max_message_bytes < 1:
         raise ValueError(f"max_message_bytes: must be >= 1, got {max_message_bytes}")
     max_message_bytes = min(int(max_message_bytes), 2**31 - 1)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="harts-planner"),
-                         options=[("grpc.max_receive_message_length", max_message_bytes),
-                                  ("grpc.max_send_message_length", max_message_bytes),
-                                  ("grpc.so_reuseport", 0)])
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="harts-planner"),
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
     servicer = PlannerServicer(max_message_bytes=max_message_bytes)
     handlers = {
         "PlanStep": grpc.unary_unary_rpc_method_handler(
-            servicer.PlanStep, request_deserializer=_deserializer(pb.PlanStepRequest),
-            response_serializer=pb.PlanStepResponse.SerializeToString),
+            servicer.PlanStep,
+            request_deserializer=_deserializer(pb.PlanStepRequest),
+            response_serializer=pb.PlanStepResponse.SerializeToString,
+        ),
         "PlanCalls": grpc.unary_unary_rpc_method_handler(
-            servicer.PlanCalls, request_deserializer=_deserializer(pb.PlanCallsRequest),
-            response_serializer=pb.PlanCallsResponse.SerializeToString),
+            servicer.PlanCalls,
+            request_deserializer=_deserializer(pb.PlanCallsRequest),
+            response_serializer=pb.PlanCallsResponse.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(codec.SERVICE_NAME, handlers),))
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (codec.SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-        server)
+        (
+            codec.SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
     host, _, port_text = address.rpartition(":")
     try:
         port = server.add_insecure_port(address)
@@ -350,8 +453,11 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per record: time, level, message and the record's ``fields``."""
 
     def format(self, record: logging.LogRecord) -> str:
-        out = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"), "level": record.levelname,
-               "logger": record.name}
+        out = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname,
+            "logger": record.name,
+        }
         fields = getattr(record, "fields", None)
         if fields:
             out.update(fields)
@@ -382,9 +488,15 @@ def configure_logging(log_format: str = "json", level: int = logging.INFO, strea
 
 
 # ---------------------------------------------------------------------------------- entry points
-def serve(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, workers: int | None = None,
-          max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, grace: float = DEFAULT_GRACE_SECONDS,
-          log_format: str = "json") -> int:
+def serve(
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    *,
+    workers: int | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    grace: float = DEFAULT_GRACE_SECONDS,
+    log_format: str = "json",
+) -> int:
     """Run a sidecar until SIGTERM or SIGINT, then drain (see :meth:`PlannerServer.drain`).
 
     Prints ``harts-planner: serving on HOST:PORT`` to stdout once it accepts requests. Returns 0
@@ -396,9 +508,18 @@ def serve(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, workers: int | 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
-    LOGGER.info("serving", extra={"fields": {
-        "event": "serving", "address": server.address, "workers": workers or default_workers(),
-        "max_message_bytes": server.servicer.max_message_bytes, "pid": os.getpid()}})
+    LOGGER.info(
+        "serving",
+        extra={
+            "fields": {
+                "event": "serving",
+                "address": server.address,
+                "workers": workers or default_workers(),
+                "max_message_bytes": server.servicer.max_message_bytes,
+                "pid": os.getpid(),
+            }
+        },
+    )
     print(f"harts-planner: serving on {server.address}", flush=True)
     while not stop.wait(0.5):
         pass
@@ -412,8 +533,15 @@ class SidecarProcess:
     sends SIGTERM and waits for the drain.
     """
 
-    def __init__(self, *, workers: int | None = None, max_message_bytes: int | None = None,
-                 grace: float = 30.0, log_path: str | None = None, startup_timeout: float = 60.0):
+    def __init__(
+        self,
+        *,
+        workers: int | None = None,
+        max_message_bytes: int | None = None,
+        grace: float = 30.0,
+        log_path: str | None = None,
+        startup_timeout: float = 60.0,
+    ):
         cmd = [sys.executable, "-m", "harts_planner.cli", "serve", "--port", "0", "--grace", str(grace)]
         if workers is not None:
             cmd += ["--workers", str(workers)]
@@ -433,7 +561,7 @@ class SidecarProcess:
         if not line.startswith(prefix):
             self.proc.kill()
             raise RuntimeError(f"sidecar did not start (exit code {self.proc.poll()}, said {line!r})")
-        return line[len(prefix):].strip()
+        return line[len(prefix) :].strip()
 
     def terminate(self, timeout: float = 60.0) -> int:
         """SIGTERM, then wait for the drain; returns the exit code."""
@@ -445,7 +573,7 @@ class SidecarProcess:
             if self._log is not subprocess.DEVNULL:
                 self._log.close()
 
-    def __enter__(self) -> "SidecarProcess":
+    def __enter__(self) -> SidecarProcess:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -456,5 +584,14 @@ class SidecarProcess:
             self.proc.wait()
 
 
-__all__ = ["PlannerServer", "PlannerServicer", "SidecarProcess", "create_server", "serve", "configure_logging",
-           "DEFAULT_HOST", "DEFAULT_PORT", "DEFAULT_MAX_MESSAGE_BYTES"]
+__all__ = [
+    "PlannerServer",
+    "PlannerServicer",
+    "SidecarProcess",
+    "create_server",
+    "serve",
+    "configure_logging",
+    "DEFAULT_HOST",
+    "DEFAULT_PORT",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+]

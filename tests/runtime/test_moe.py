@@ -22,8 +22,18 @@ CONFIGS = {
 
 def make(config: str, grouped: bool, seed: int = 0) -> CompactMoE:
     torch.manual_seed(seed)
-    moe = CompactMoE(MoEConfig(hidden_size=16, num_experts=8, top_k=3, intermediate_size=12, grouped=grouped,
-                               aux_loss_coef=0.7, z_loss_coef=0.3, **CONFIGS[config]))
+    moe = CompactMoE(
+        MoEConfig(
+            hidden_size=16,
+            num_experts=8,
+            top_k=3,
+            intermediate_size=12,
+            grouped=grouped,
+            aux_loss_coef=0.7,
+            z_loss_coef=0.3,
+            **CONFIGS[config],
+        )
+    )
     if moe.config.use_expert_bias:
         moe.expert_bias.normal_(0.0, 0.05)
     return moe
@@ -90,7 +100,9 @@ def test_grouped_and_loop_paths_agree_in_float64_and_float32():
         outs = []
         for grouped in (True, False):
             moe = make("sigmoid_bias", grouped).to(dtype)
-            hidden = torch.randn(40, 16, dtype=dtype, generator=torch.Generator().manual_seed(5), requires_grad=True)
+            hidden = torch.randn(
+                40, 16, dtype=dtype, generator=torch.Generator().manual_seed(5), requires_grad=True
+            )
             out = moe(hidden, torch.arange(40) % 3)
             (out.hidden.square().sum() + out.router_loss).backward()
             outs.append([out.hidden.detach(), hidden.grad] + [p.grad for p in moe.parameters()])
@@ -136,7 +148,7 @@ def test_expert_bias_update_equals_expanded_training():
     q = torch.from_numpy(batch.multiplicity.astype(np.int64))
     hidden = torch.randn(batch.compact_tokens, 16, generator=torch.Generator().manual_seed(1))
     compact, expanded = make("sigmoid_bias", True), make("sigmoid_bias", True)
-    for _ in range(3):                                   # accumulate over three micro-steps, then update
+    for _ in range(3):  # accumulate over three micro-steps, then update
         compact(hidden, q)
         expanded(hidden[sem])
     assert torch.equal(compact.local_tokens_per_expert, expanded.local_tokens_per_expert)
@@ -165,8 +177,20 @@ def test_grouped_path_on_cuda_bf16():
     from harts_runtime.moe import _grouped_mm_ok
 
     torch.manual_seed(0)
-    base = CompactMoE(MoEConfig(hidden_size=256, num_experts=16, top_k=4, intermediate_size=128,
-                                aux_loss_coef=0.01, z_loss_coef=0.001)).cuda().to(torch.bfloat16)
+    base = (
+        CompactMoE(
+            MoEConfig(
+                hidden_size=256,
+                num_experts=16,
+                top_k=4,
+                intermediate_size=128,
+                aux_loss_coef=0.01,
+                z_loss_coef=0.001,
+            )
+        )
+        .cuda()
+        .to(torch.bfloat16)
+    )
     x = torch.randn(3000, 256, device="cuda").to(torch.bfloat16)
     q = torch.randint(0, 4, (3000,), device="cuda")
     outs = []

@@ -22,12 +22,11 @@ import torch
 from harts_runtime.parallel import ParallelConfigError, ParallelDims, replica_schedule
 from harts_runtime.parallel.launch import run_distributed
 
-CAPACITY = 30     # 4 microbatches for D = 2 (2 slots), 2-3 for D = 1
+CAPACITY = 30  # 4 microbatches for D = 2 (2 slots), 2-3 for D = 1
 
 
 def _setup(dp):
     import harts_planner as hp
-
     from harts_runtime.model import HybridModel, model_config
     from harts_runtime.testing import random_batch
     from harts_runtime.train import StepInputs
@@ -55,15 +54,25 @@ def _parallel_worker(rank, world, dims_kw, recompute):
         loss, _ = run_microbatch(model, step, traj, "compact", recompute)
         return loss
 
-    res = run_replica_step(plan, groups.dp_rank, microbatch, params=model.parameters(), groups=groups,
-                           backward=False)
+    res = run_replica_step(
+        plan, groups.dp_rank, microbatch, params=model.parameters(), groups=groups, backward=False
+    )
     sync_expert_load([b.ffn for b in model.blocks], groups)
-    return {"loss": res.loss, "slots": len(res.slot_seconds), "coords": groups.coords,
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-            "expert": {n: getattr(p, "_harts_expert", False) for n, p in model.named_parameters()},
-            "vocab": {n: p._harts_vocab_range for n, p in model.named_parameters() if hasattr(p, "_harts_vocab_range")},
-            "counts": {f"blocks.{i}": b.ffn.local_tokens_per_expert.clone()
-                       for i, b in enumerate(model.blocks) if b.ffn_kind == "moe"}}
+    return {
+        "loss": res.loss,
+        "slots": len(res.slot_seconds),
+        "coords": groups.coords,
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+        "expert": {n: getattr(p, "_harts_expert", False) for n, p in model.named_parameters()},
+        "vocab": {
+            n: p._harts_vocab_range for n, p in model.named_parameters() if hasattr(p, "_harts_vocab_range")
+        },
+        "counts": {
+            f"blocks.{i}": b.ffn.local_tokens_per_expert.clone()
+            for i, b in enumerate(model.blocks)
+            if b.ffn_kind == "moe"
+        },
+    }
 
 
 def _reference(dp, recompute):
@@ -72,10 +81,16 @@ def _reference(dp, recompute):
     model, step, plan = _setup(dp)
     model.train()
     res = train_step(model, None, step, step_plan=plan, recompute=recompute)
-    return {"loss": res.loss, "num_microbatches": res.num_microbatches,
-            "grads": {n: p.grad for n, p in model.named_parameters()},
-            "counts": {f"blocks.{i}": b.ffn.local_tokens_per_expert.clone()
-                       for i, b in enumerate(model.blocks) if b.ffn_kind == "moe"}}
+    return {
+        "loss": res.loss,
+        "num_microbatches": res.num_microbatches,
+        "grads": {n: p.grad for n, p in model.named_parameters()},
+        "counts": {
+            f"blocks.{i}": b.ffn.local_tokens_per_expert.clone()
+            for i, b in enumerate(model.blocks)
+            if b.ffn_kind == "moe"
+        },
+    }
 
 
 def _check(results, ref, dims):
@@ -89,15 +104,17 @@ def _check(results, ref, dims):
             assert set(r["vocab"]) == {"embed.weight", "lm_head.weight"}, r["vocab"]
         for name, want in ref["grads"].items():
             got = r["grads"][name]
-            if name in r["vocab"]:             # a vocabulary shard (embedding / LM head rows)
+            if name in r["vocab"]:  # a vocabulary shard (embedding / LM head rows)
                 a, b = r["vocab"][name]
                 assert got.shape[0] == b - a < want.shape[0], (name, got.shape, (a, b))
                 want = want[a:b]
-            elif got.shape != want.shape:      # a TP or EP shard: compare with its slice
+            elif got.shape != want.shape:  # a TP or EP shard: compare with its slice
                 dim = next(i for i in range(got.dim()) if got.shape[i] != want.shape[i])
                 idx = r["coords"]["ep"] if r["expert"][name] else r["coords"]["tp"]
                 want = want.narrow(dim, idx * got.shape[dim], got.shape[dim])
-            torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name, c=r['coords']: f"rank {c} d{n}: {m}")
+            torch.testing.assert_close(
+                got, want, **tol, msg=lambda m, n=name, c=r["coords"]: f"rank {c} d{n}: {m}"
+            )
 
 
 CONFIGS = {
@@ -130,9 +147,14 @@ def test_four_process_dp2_tp2_sp_ep2_matches_single_process():
 
 
 def test_parallel_dims_validation_names_the_field():
-    cases = [(dict(dp=2, world_size=4), "world_size"), (dict(dp=2, ep=4, world_size=2), "ep"),
-             (dict(pp=2, world_size=2), "pp"), (dict(tp=0), "tp"), (dict(dp=1.5), "dp"),
-             (dict(sequence_parallel=True), "sequence_parallel")]
+    cases = [
+        (dict(dp=2, world_size=4), "world_size"),
+        (dict(dp=2, ep=4, world_size=2), "ep"),
+        (dict(pp=2, world_size=2), "pp"),
+        (dict(tp=0), "tp"),
+        (dict(dp=1.5), "dp"),
+        (dict(sequence_parallel=True), "sequence_parallel"),
+    ]
     for kw, field in cases:
         with pytest.raises(ParallelConfigError) as e:
             ParallelDims(**kw)
@@ -174,7 +196,9 @@ def test_apply_recompute_keeps_loss_and_gradients():
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
-        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"d{n}: {m}")
+        torch.testing.assert_close(
+            grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"d{n}: {m}"
+        )
 
 
 def test_sequence_parallel_needs_an_embedding_and_lm_head():

@@ -16,9 +16,19 @@ from harts_runtime.parallel.expert import ExpertParallelMoE
 from harts_runtime.parallel.launch import run_distributed
 
 CFGS = {
-    "softmax": dict(hidden_size=16, num_experts=4, top_k=2, intermediate_size=8, aux_loss_coef=0.1, z_loss_coef=0.01),
-    "sigmoid-bias": dict(hidden_size=16, num_experts=8, top_k=3, intermediate_size=8, score_func="sigmoid",
-                         norm_topk_prob=True, use_expert_bias=True, aux_loss_coef=0.1),
+    "softmax": dict(
+        hidden_size=16, num_experts=4, top_k=2, intermediate_size=8, aux_loss_coef=0.1, z_loss_coef=0.01
+    ),
+    "sigmoid-bias": dict(
+        hidden_size=16,
+        num_experts=8,
+        top_k=3,
+        intermediate_size=8,
+        score_func="sigmoid",
+        norm_topk_prob=True,
+        use_expert_bias=True,
+        aux_loss_coef=0.1,
+    ),
 }
 ROWS = (11, 5)
 
@@ -49,10 +59,14 @@ def _ep_worker(rank, world, name):
     ep = ExpertParallelMoE.from_dense(copy.deepcopy(ref), dist.group.WORLD, rank, world)
     x, q, w = _data(rank)
     out, dx = _run(ep, x, q, w)
-    return {"hidden": out.hidden.detach(), "router_loss": out.router_loss.detach(), "dx": dx,
-            "counts": ep.local_tokens_per_expert.clone(),
-            "grads": {n: p.grad for n, p in ep.named_parameters()},
-            "expert_flags": {n: getattr(p, "_harts_expert", False) for n, p in ep.named_parameters()}}
+    return {
+        "hidden": out.hidden.detach(),
+        "router_loss": out.router_loss.detach(),
+        "dx": dx,
+        "counts": ep.local_tokens_per_expert.clone(),
+        "grads": {n: p.grad for n, p in ep.named_parameters()},
+        "expert_flags": {n: getattr(p, "_harts_expert", False) for n, p in ep.named_parameters()},
+    }
 
 
 @pytest.mark.parametrize("name", list(CFGS))
@@ -78,7 +92,7 @@ def test_expert_parallel_moe_matches_single_process(name):
     for rank in range(2):
         for n in ("w_gate", "w_up", "w_down"):
             assert res[rank]["expert_flags"][n] and not res[rank]["expert_flags"]["router"]
-            want = (ref_grads[0][n] + ref_grads[1][n])[rank * el:(rank + 1) * el]
+            want = (ref_grads[0][n] + ref_grads[1][n])[rank * el : (rank + 1) * el]
             torch.testing.assert_close(res[rank]["grads"][n], want, **tol, msg=lambda m, n=n: f"d{n}: {m}")
 
 

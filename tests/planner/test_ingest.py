@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from trie_oracle import naive_ingest, subset_work
 
 import harts_planner as hp
-from trie_oracle import naive_ingest, subset_work
 
 # Small alphabets make shared prefixes, identical trajectories and prefixes-of-others common.
 token = st.integers(min_value=0, max_value=2)
@@ -105,7 +105,10 @@ def test_segment_forest(trajs):
             assert start[v] == 0
         else:
             assert end[parent[v]] == start[v] and parent[v] < v
-            assert b.row_parent[rows[0]] == b.segment_row_begin[parent[v]] + end[parent[v]] - start[parent[v]] - 1
+            assert (
+                b.row_parent[rows[0]]
+                == b.segment_row_begin[parent[v]] + end[parent[v]] - start[parent[v]] - 1
+            )
         assert (b.multiplicity[rows] == b.segment_multiplicity[v]).all()
         for t in b.ending(v):
             assert len(trajs[t]) == end[v]
@@ -161,17 +164,17 @@ def test_zero_copy_inputs():
 @pytest.mark.parametrize(
     "tokens, offsets, tree_ids, field",
     [
-        ([1, 2, 3], [0, 1, 1, 3], None, "offsets[2]"),        # empty trajectory
-        ([1, 2, 3], [0, 2, 1, 3], None, "offsets[2]"),        # decreasing
+        ([1, 2, 3], [0, 1, 1, 3], None, "offsets[2]"),  # empty trajectory
+        ([1, 2, 3], [0, 2, 1, 3], None, "offsets[2]"),  # decreasing
         ([1, 2, 3], [1, 3], None, "offsets[0]"),
-        ([1, 2, 3], [0, 1, 2], None, "offsets[2]"),           # does not match the buffer
-        ([1, 2, 3], [0], None, "offsets"),                    # no trajectory
-        ([1, -2, 3], [0, 1, 3], None, "tokens[1]"),           # negative token id
-        ([1, 2, 3], [0, 1, 3], [0], "tree_ids"),              # wrong length
+        ([1, 2, 3], [0, 1, 2], None, "offsets[2]"),  # does not match the buffer
+        ([1, 2, 3], [0], None, "offsets"),  # no trajectory
+        ([1, -2, 3], [0, 1, 3], None, "tokens[1]"),  # negative token id
+        ([1, 2, 3], [0, 1, 3], [0], "tree_ids"),  # wrong length
         ([1, 2, 3], [0, 1, 3], [0, -1], "tree_ids[1]"),
-        ([1.5, 2, 3], [0, 1, 3], None, "tokens"),             # not integers
-        ([1, 2, 2**31], [0, 1, 3], None, "tokens"),           # does not fit int32
-        ([[1, 2, 3]], [0, 3], None, "tokens"),                # not 1-D
+        ([1.5, 2, 3], [0, 1, 3], None, "tokens"),  # not integers
+        ([1, 2, 2**31], [0, 1, 3], None, "tokens"),  # does not fit int32
+        ([[1, 2, 3]], [0, 3], None, "tokens"),  # not 1-D
     ],
 )
 def test_bad_inputs_name_the_field(tokens, offsets, tree_ids, field):

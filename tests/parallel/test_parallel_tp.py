@@ -24,7 +24,11 @@ D = 32
 class SwiGLU(nn.Module):
     def __init__(self):
         super().__init__()
-        self.gate, self.up, self.down = nn.Linear(D, 24, bias=False), nn.Linear(D, 24, bias=False), nn.Linear(24, D, bias=False)
+        self.gate, self.up, self.down = (
+            nn.Linear(D, 24, bias=False),
+            nn.Linear(D, 24, bias=False),
+            nn.Linear(24, D, bias=False),
+        )
 
     def forward(self, x):
         return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
@@ -36,18 +40,36 @@ def _layers():
     return {
         "gqa": lambda: CompactAttention(AttentionConfig(hidden_size=D, num_heads=4, num_kv_heads=2)),
         "mqa": lambda: CompactAttention(AttentionConfig(hidden_size=D, num_heads=4, num_kv_heads=1)),
-        "mla": lambda: CompactMLA(MLAConfig(hidden_size=D, num_heads=2, kv_lora_rank=12, qk_nope_head_dim=6,
-                                            qk_rope_head_dim=4, v_head_dim=5)),
-        "mla_q_lora": lambda: CompactMLA(MLAConfig(hidden_size=D, num_heads=4, kv_lora_rank=8, qk_nope_head_dim=4,
-                                                   qk_rope_head_dim=6, v_head_dim=8, q_lora_rank=10)),
-        "kda": lambda: KDALayer(KDAConfig(hidden_size=D, num_heads=4, head_k_dim=8, head_v_dim=8, chunk_size=8)),
+        "mla": lambda: CompactMLA(
+            MLAConfig(
+                hidden_size=D,
+                num_heads=2,
+                kv_lora_rank=12,
+                qk_nope_head_dim=6,
+                qk_rope_head_dim=4,
+                v_head_dim=5,
+            )
+        ),
+        "mla_q_lora": lambda: CompactMLA(
+            MLAConfig(
+                hidden_size=D,
+                num_heads=4,
+                kv_lora_rank=8,
+                qk_nope_head_dim=4,
+                qk_rope_head_dim=6,
+                v_head_dim=8,
+                q_lora_rank=10,
+            )
+        ),
+        "kda": lambda: KDALayer(
+            KDAConfig(hidden_size=D, num_heads=4, head_k_dim=8, head_v_dim=8, chunk_size=8)
+        ),
         "ffn": SwiGLU,
     }
 
 
 def _inputs(kind, batch):
     import harts_planner as hp
-
     from harts_runtime.kda import KDAExecutionPlan
     from harts_runtime.views import views_from_batch
 
@@ -85,7 +107,7 @@ def _tp_worker(rank, world, kinds):
             layer.zero_grad()
             if sp:
                 sizes = row_split(n, world)
-                rows = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+                rows = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
             else:
                 rows = slice(0, n)
             xt = x[rows].clone().requires_grad_(True)
@@ -96,13 +118,22 @@ def _tp_worker(rank, world, kinds):
             for name, p in layer.named_parameters():
                 r = ref_params[name]
                 if p.shape == r.shape:
-                    grads[name] = ("partial" if getattr(p, "_harts_tp_partial", False) else "full", p.grad, r.grad)
+                    grads[name] = (
+                        "partial" if getattr(p, "_harts_tp_partial", False) else "full",
+                        p.grad,
+                        r.grad,
+                    )
                 else:
                     dim = next(i for i in range(p.dim()) if p.shape[i] != r.shape[i])
                     per = p.shape[dim]
                     grads[name] = ("shard", p.grad, r.grad.narrow(dim, rank * per, per))
-            out[(kind, sp)] = {"y": y.detach(), "y_ref": ref(x, *extra).detach()[rows],
-                               "dx": xt.grad, "dx_ref": xr.grad[rows], "grads": grads}
+            out[(kind, sp)] = {
+                "y": y.detach(),
+                "y_ref": ref(x, *extra).detach()[rows],
+                "dx": xt.grad,
+                "dx_ref": xr.grad[rows],
+                "grads": grads,
+            }
     return out
 
 
@@ -121,8 +152,12 @@ def test_tensor_parallel_layer_matches_single_process(tp_results, kind, sp):
     tol = dict(rtol=1e-5, atol=1e-6) if kind == "kda" else dict(rtol=1e-9, atol=1e-9)
     for rank, res in enumerate(tp_results):
         r = res[(kind, sp)]
-        torch.testing.assert_close(r["y"], r["y_ref"], **tol, msg=lambda m, rank=rank: f"rank {rank} output: {m}")
-        torch.testing.assert_close(r["dx"], r["dx_ref"], **tol, msg=lambda m, rank=rank: f"rank {rank} d hidden: {m}")
+        torch.testing.assert_close(
+            r["y"], r["y_ref"], **tol, msg=lambda m, rank=rank: f"rank {rank} output: {m}"
+        )
+        torch.testing.assert_close(
+            r["dx"], r["dx_ref"], **tol, msg=lambda m, rank=rank: f"rank {rank} d hidden: {m}"
+        )
     names = tp_results[0][(kind, sp)]["grads"].keys()
     kinds_seen = set()
     for name in names:
@@ -130,12 +165,18 @@ def test_tensor_parallel_layer_matches_single_process(tp_results, kind, sp):
         kinds_seen.add(mode)
         if mode == "partial":
             total = sum(res[(kind, sp)]["grads"][name][1] for res in tp_results)
-            torch.testing.assert_close(total, tp_results[0][(kind, sp)]["grads"][name][2], **tol,
-                                       msg=lambda m, n=name: f"d{n} (sum of TP partials): {m}")
+            torch.testing.assert_close(
+                total,
+                tp_results[0][(kind, sp)]["grads"][name][2],
+                **tol,
+                msg=lambda m, n=name: f"d{n} (sum of TP partials): {m}",
+            )
         else:
             for rank, res in enumerate(tp_results):
                 _, got, want = res[(kind, sp)]["grads"][name]
-                torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name, r=rank: f"rank {r} d{n}: {m}")
+                torch.testing.assert_close(
+                    got, want, **tol, msg=lambda m, n=name, r=rank: f"rank {r} d{n}: {m}"
+                )
     assert "shard" in kinds_seen
 
 

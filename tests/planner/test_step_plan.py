@@ -7,13 +7,14 @@ import itertools
 import json
 import threading
 
-import harts_planner
 import numpy as np
 import pytest
-from harts_planner import InfeasibleError, InvalidArgumentError, RolloutBatch, StepPlan, _native, plan_step
-from harts_planner.step_plan import imbalance, schedule_metrics, verify_schedule
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+import harts_planner
+from harts_planner import InfeasibleError, InvalidArgumentError, RolloutBatch, StepPlan, _native, plan_step
+from harts_planner.step_plan import imbalance, schedule_metrics, verify_schedule
 
 
 # ---------------------------------------------------------------------------- strategies
@@ -30,7 +31,7 @@ def tree_batches(draw, max_n: int = 14, max_len: int = 10, alphabet: int = 3):
             t = []
             if kind == "extend":
                 base = draw(st.sampled_from(trajs))
-                t = base[:draw(st.integers(0, len(base)))]
+                t = base[: draw(st.integers(0, len(base)))]
             t += draw(st.lists(st.integers(0, alphabet - 1), min_size=1, max_size=max_len))
             t = t[:max_len] or [0]
         trajs.append(t)
@@ -59,8 +60,12 @@ def naive_natural(batch: RolloutBatch, capacity: int) -> list[int]:
         if hi - lo == 1 or batch.interval_work(lo, hi) <= capacity:
             cuts.append(hi)
             return
-        key = lambda t: (int(lcp[t]), max(batch.interval_work(lo, t), batch.interval_work(t, hi)),
-                         abs(batch.interval_work(lo, t) - batch.interval_work(t, hi)), t)
+        key = lambda t: (
+            int(lcp[t]),
+            max(batch.interval_work(lo, t), batch.interval_work(t, hi)),
+            abs(batch.interval_work(lo, t) - batch.interval_work(t, hi)),
+            t,
+        )
         t = min(range(lo + 1, hi), key=key)
         rec(lo, t)
         rec(t, hi)
@@ -116,8 +121,12 @@ def check_plan(batch: RolloutBatch, plan: StepPlan, dp_size: int, capacity: int)
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(tree_batches(max_n=24, max_len=12), st.integers(1, 5), st.sampled_from([0, 0, 1, 3, 20]),
-       st.sampled_from([512, 0]))
+@given(
+    tree_batches(max_n=24, max_len=12),
+    st.integers(1, 5),
+    st.sampled_from([0, 0, 1, 3, 20]),
+    st.sampled_from([512, 0]),
+)
 def test_every_plan_satisfies_the_guarantees(trajs, dp_size, slack, exact_threshold):
     """D need not divide N; T is barely above (or equal to) the longest trajectory; duplicates occur;
     both the exact (N <= N0) and the heuristic search (N0 = 0) run."""
@@ -167,8 +176,10 @@ def test_exact_mode_beats_every_contiguous_partition(trajs, dp_size, slack):
         expect = brute_force(batch, capacity, k)
         if expect is not None:
             assert plan.total_work <= expect[0]
-            assert any(c["source"] == "exact" and c["k"] == k and c["objective"][0] == expect[0]
-                       for c in plan.candidates)
+            assert any(
+                c["source"] == "exact" and c["k"] == k and c["objective"][0] == expect[0]
+                for c in plan.candidates
+            )
 
 
 def test_identical_trajectories_share_everything():
@@ -224,17 +235,20 @@ def test_too_many_microbatches_is_infeasible():
     check_plan(batch, plan, 2, 10)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"dp_size": 0}, "dp_size"),
-    ({"capacity": 0}, "capacity"),
-    ({"chunk_size": 0}, "chunk_size"),
-    ({"dp_size": 1.5}, "dp_size"),
-    ({"search": "fast"}, "search"),
-    ({"max_sampled_k": 1}, "max_sampled_k"),
-    ({"repair_window": -1}, "repair_window"),
-    ({"greedy": 1}, "greedy"),
-    ({"no_such_option": 3}, "no_such_option"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"dp_size": 0}, "dp_size"),
+        ({"capacity": 0}, "capacity"),
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"dp_size": 1.5}, "dp_size"),
+        ({"search": "fast"}, "search"),
+        ({"max_sampled_k": 1}, "max_sampled_k"),
+        ({"repair_window": -1}, "repair_window"),
+        ({"greedy": 1}, "greedy"),
+        ({"no_such_option": 3}, "no_such_option"),
+    ],
+)
 def test_bad_arguments(kwargs, field):
     batch = RolloutBatch.from_token_lists([[1, 2], [1, 3]])
     args = {"dp_size": 1, "capacity": 10}
@@ -307,7 +321,9 @@ def test_call_plans_without_min_call_planner(monkeypatch):
 
 def test_concurrent_planning_is_deterministic():
     rng = np.random.default_rng(1)
-    trajs = [[int(t), *rng.integers(0, 3, size=rng.integers(1, 40)).tolist()] for t in rng.integers(0, 8, 700)]
+    trajs = [
+        [int(t), *rng.integers(0, 3, size=rng.integers(1, 40)).tolist()] for t in rng.integers(0, 8, 700)
+    ]
     batch = RolloutBatch.from_token_lists(trajs)  # N > N0: heuristic search
     results = [None] * 4
 
@@ -340,7 +356,7 @@ def _baselines():
     import sys
     from pathlib import Path
 
-    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    bench = str(Path(__file__).resolve().parents[2] / "benchmarks")
     if bench not in sys.path:
         sys.path.insert(0, bench)
     import baselines.dta_balancer
@@ -358,8 +374,10 @@ def test_baselines_satisfy_the_guarantees(seed, dp_size):
     batch = RolloutBatch.from_arrays(syn.tokens, syn.offsets, syn.tree_ids)
     capacity = max(8192, int(batch.lengths.max()))
     baselines = _baselines()
-    plans = [baselines.dta_balancer.plan(batch, dp_size, capacity),
-             baselines.prefix_unaware.plan(batch, dp_size, capacity)]
+    plans = [
+        baselines.dta_balancer.plan(batch, dp_size, capacity),
+        baselines.prefix_unaware.plan(batch, dp_size, capacity),
+    ]
     try:
         from ortools.sat.python import cp_model  # noqa: F401
     except ImportError:
@@ -368,8 +386,10 @@ def test_baselines_satisfy_the_guarantees(seed, dp_size):
         import baselines.ortools_baseline as ob
 
         if len(np.unique(batch.tree_ids)) >= dp_size:
-            plans += [ob.plan(batch, dp_size, capacity, time_limit_s=2.0),
-                      ob.plan(batch, dp_size, capacity, time_limit_s=2.0, per_tree=True)]
+            plans += [
+                ob.plan(batch, dp_size, capacity, time_limit_s=2.0),
+                ob.plan(batch, dp_size, capacity, time_limit_s=2.0, per_tree=True),
+            ]
     harts = plan_step(batch, dp_size, capacity)
     for p in plans:
         work = verify_schedule(batch, p.microbatches, p.replica, p.slot, dp_size, capacity)
@@ -385,7 +405,9 @@ def test_ortools_baseline_model_is_exact():
     import baselines.ortools_baseline as ob
 
     # One tree of 4 trajectories (compact 9) at T = 7: CP-SAT must split it optimally.
-    batch = RolloutBatch.from_token_lists([[1, 2, 3, 4], [1, 2, 3, 5], [1, 6, 7], [1, 6, 8]], tree_ids=[0] * 4)
+    batch = RolloutBatch.from_token_lists(
+        [[1, 2, 3, 4], [1, 2, 3, 5], [1, 6, 7], [1, 6, 8]], tree_ids=[0] * 4
+    )
     end_seg, parent = ob._segment_paths(batch)
     bins, diag = ob.cpsat_partition(batch, [np.arange(4, dtype=np.int32)], 7, end_seg, parent, 5.0)
     assert diag["status"] == "OPTIMAL"

@@ -159,7 +159,7 @@ def check_plan(batch, plan, trajectories=None) -> None:
     # Rows of the microbatch = distinct prefixes of its trajectories.
     glob = set()
     for i in ids:
-        glob.update(cmap[offsets[i]:offsets[i + 1]].tolist())
+        glob.update(cmap[offsets[i] : offsets[i + 1]].tolist())
     c = plan.compact_tokens
     assert c == len(glob) == batch.subset_work(ids)
     r2g = plan.row_to_global
@@ -176,8 +176,8 @@ def check_plan(batch, plan, trajectories=None) -> None:
     assert plan.trajectories.tolist() == ids
     so = plan.semantic_offsets
     for j, i in enumerate(ids):
-        rows = p2g[plan.semantic_to_physical[so[j]:so[j + 1]]]
-        assert (rows == cmap[offsets[i]:offsets[i + 1]]).all()
+        rows = p2g[plan.semantic_to_physical[so[j] : so[j + 1]]]
+        assert (rows == cmap[offsets[i] : offsets[i + 1]]).all()
 
     # Sequences, rounds, rows output exactly once.
     q_count = plan.num_sequences
@@ -197,7 +197,7 @@ def check_plan(batch, plan, trajectories=None) -> None:
     anchor_of = []
     replay_total = 0
     for r in range(k):
-        cu = plan.cu_seqlens(r).tolist()
+        cu = plan.round_cu_seqlens(r).tolist()
         gather = plan.round_gather_index(r).tolist()
         outrow = plan.round_output_row(r).tolist()
         assert cu[0] == 0 and cu[-1] == len(gather) == len(outrow)
@@ -214,13 +214,13 @@ def check_plan(batch, plan, trajectories=None) -> None:
             assert plan.sequence_start[q] == s and plan.sequence_anchor[q] == a
             assert plan.sequence_replay_length[q] == s - a == s % b
             replay_total += s - a
-            packed = gather[cu[i]:cu[i + 1]]
-            outs = outrow[cu[i]:cu[i + 1]]
+            packed = gather[cu[i] : cu[i + 1]]
+            outs = outrow[cu[i] : cu[i + 1]]
             assert len(packed) == (s - a) + len(own)
             for t in range(s - a):  # replay rows: the true ancestors at positions a..s-1
                 assert outs[t] == -1
                 assert p2g[packed[t]] == _ancestor(row_parent, row_depth, row_parent[g_own[0]], a + t)
-            assert packed[s - a:] == own and outs[s - a:] == own
+            assert packed[s - a :] == own and outs[s - a :] == own
             written[own] += 1
             # Chain of segments: direct continuations whose rows are the sequence's rows.
             chain = plan.chain(q).tolist()
@@ -249,8 +249,11 @@ def check_plan(batch, plan, trajectories=None) -> None:
     # scan crosses the anchor (its own anchor is smaller), and listed in its requests.
     req = {}
     for i in range(len(plan.request_slot)):
-        req[int(plan.request_slot[i])] = (int(plan.request_sequence[i]), int(plan.request_position[i]),
-                                         int(plan.request_chunk[i]))
+        req[int(plan.request_slot[i])] = (
+            int(plan.request_sequence[i]),
+            int(plan.request_position[i]),
+            int(plan.request_chunk[i]),
+        )
     assert len(req) == plan.num_state_slots == len(plan.request_slot)
     consumed = set()
     for q in range(q_count):
@@ -266,7 +269,7 @@ def check_plan(batch, plan, trajectories=None) -> None:
         assert seq_round[prod] < seq_round[q]
         assert anchor_of[prod] < a and chunk == (a - anchor_of[prod]) // b and (a - anchor_of[prod]) % b == 0
         last = _ancestor(row_parent, row_depth, row_parent[first_own[q]], a - 1)
-        assert last in set(p2g[spo[prod]:spo[prod + 1]].tolist())
+        assert last in set(p2g[spo[prod] : spo[prod + 1]].tolist())
     assert consumed == set(range(plan.num_state_slots))  # no state is returned for nothing
 
     # Replay: R = sum of replays = Equation (15), on the plan's forest and on the batch trie.
@@ -289,101 +292,262 @@ def check_plan(batch, plan, trajectories=None) -> None:
 # continues (a unary segment).
 
 CASE_I = dict(
-    calls=3, replay=373,
+    calls=3,
+    replay=373,
     segments=[
         ("R1", None, 3),
-        ("A1", "R1", 2), ("B1", "R1", 632), ("C1", "R1", 255),
-        ("A2", "A1", 403), ("A3", "A1", 10),
-        ("A4", "A3", 7753), ("A5", "A3", 21119),
-        ("A6", "A4", 1355), ("A7", "A4", 2),
-        ("A8", "A7", 1), ("A9", "A7", 3588),
-        ("A10", "A8", 29628), ("A11", "A8", 3604),
-        ("B2", "B1", 1), ("B3", "B1", 15),
-        ("B4", "B2", 10), ("B5", "B2", 14),
-        ("B6", "B4", 13), ("B7", "B4", 6),
-        ("B8", "B7", 13), ("B9", "B7", 11),
-        ("C2", "C1", 1), ("C3", "C1", 45),
-        ("C4", "C2", 10), ("C5", "C2", 27),
-        ("C6", "C4", 110), ("C7", "C4", 6),
-        ("C8", "C6", 630), ("C9", "C6", 630),
-        ("C10", "C7", 116), ("C11", "C7", 553),
-        ("C12", "C10", 435), ("C13", "C10", 427),
-        ("C14", "C5", 189), ("C15", "C5", 187),
+        ("A1", "R1", 2),
+        ("B1", "R1", 632),
+        ("C1", "R1", 255),
+        ("A2", "A1", 403),
+        ("A3", "A1", 10),
+        ("A4", "A3", 7753),
+        ("A5", "A3", 21119),
+        ("A6", "A4", 1355),
+        ("A7", "A4", 2),
+        ("A8", "A7", 1),
+        ("A9", "A7", 3588),
+        ("A10", "A8", 29628),
+        ("A11", "A8", 3604),
+        ("B2", "B1", 1),
+        ("B3", "B1", 15),
+        ("B4", "B2", 10),
+        ("B5", "B2", 14),
+        ("B6", "B4", 13),
+        ("B7", "B4", 6),
+        ("B8", "B7", 13),
+        ("B9", "B7", 11),
+        ("C2", "C1", 1),
+        ("C3", "C1", 45),
+        ("C4", "C2", 10),
+        ("C5", "C2", 27),
+        ("C6", "C4", 110),
+        ("C7", "C4", 6),
+        ("C8", "C6", 630),
+        ("C9", "C6", 630),
+        ("C10", "C7", 116),
+        ("C11", "C7", 553),
+        ("C12", "C10", 435),
+        ("C13", "C10", 427),
+        ("C14", "C5", 189),
+        ("C15", "C5", 187),
     ],
     extra_ends=[],
     # Figure 6 caption: per call, member chains with their replay.
     rounds=[
-        {("R1", "A1", "A2"): 0, ("A3", "A4", "A6"): 5, ("A5",): 15, ("B1", "B2", "B4", "B6"): 3,
-         ("C1", "C2", "C4", "C6", "C8"): 3},
-        {("A7", "A8", "A10"): 24, ("A11",): 27, ("A9",): 26, ("B7", "B8"): 6, ("B9",): 12, ("B5",): 60,
-         ("B3",): 59, ("C9",): 59, ("C7", "C10", "C12"): 13, ("C11",): 19, ("C5", "C14"): 3, ("C15",): 30,
-         ("C3",): 2},
+        {
+            ("R1", "A1", "A2"): 0,
+            ("A3", "A4", "A6"): 5,
+            ("A5",): 15,
+            ("B1", "B2", "B4", "B6"): 3,
+            ("C1", "C2", "C4", "C6", "C8"): 3,
+        },
+        {
+            ("A7", "A8", "A10"): 24,
+            ("A11",): 27,
+            ("A9",): 26,
+            ("B7", "B8"): 6,
+            ("B9",): 12,
+            ("B5",): 60,
+            ("B3",): 59,
+            ("C9",): 59,
+            ("C7", "C10", "C12"): 13,
+            ("C11",): 19,
+            ("C5", "C14"): 3,
+            ("C15",): 30,
+            ("C3",): 2,
+        },
         {("C13",): 7},
     ],
 )
 
 CASE_II = dict(
-    calls=2, replay=813,
+    calls=2,
+    replay=813,
     segments=[
         ("R2", None, 3),
-        ("D1", "R2", 2), ("E1", "R2", 633), ("F1", "R2", 256),
-        ("D2", "D1", 399), ("D3", "D1", 16884),
-        ("D4", "D3", 59), ("D5", "D3", 10346),
-        ("D6", "D5", 133), ("D7", "D5", 6555),
-        ("D8", "D7", 1902), ("D9", "D7", 70),
-        ("E2", "E1", 1), ("E3", "E1", 1), ("E4", "E1", 15), ("E5", "E1", 15),
-        ("E6", "E2", 2), ("E7", "E2", 15),
-        ("E8", "E6", 13), ("E9", "E6", 14),
-        ("E10", "E3", 15), ("E11", "E3", 15), ("E12", "E3", 16), ("E13", "E3", 15), ("E14", "E3", 15),
+        ("D1", "R2", 2),
+        ("E1", "R2", 633),
+        ("F1", "R2", 256),
+        ("D2", "D1", 399),
+        ("D3", "D1", 16884),
+        ("D4", "D3", 59),
+        ("D5", "D3", 10346),
+        ("D6", "D5", 133),
+        ("D7", "D5", 6555),
+        ("D8", "D7", 1902),
+        ("D9", "D7", 70),
+        ("E2", "E1", 1),
+        ("E3", "E1", 1),
+        ("E4", "E1", 15),
+        ("E5", "E1", 15),
+        ("E6", "E2", 2),
+        ("E7", "E2", 15),
+        ("E8", "E6", 13),
+        ("E9", "E6", 14),
+        ("E10", "E3", 15),
+        ("E11", "E3", 15),
+        ("E12", "E3", 16),
+        ("E13", "E3", 15),
+        ("E14", "E3", 15),
         ("E15", "E3", 14),
-        ("F2", "F1", 1), ("F3", "F1", 1), ("F4", "F1", 170), ("F5", "F1", 445),
+        ("F2", "F1", 1),
+        ("F3", "F1", 1),
+        ("F4", "F1", 170),
+        ("F5", "F1", 445),
         ("F6", "F2", 2),
-        ("F7", "F6", 220), ("F8", "F6", 212),
-        ("F9", "F3", 155), ("F10", "F3", 346), ("F11", "F3", 1469), ("F12", "F3", 390), ("F13", "F3", 168),
-        ("F14", "F3", 335), ("F15", "F3", 226),
-        ("F16", "F5", 10), ("F17", "F5", 5),
+        ("F7", "F6", 220),
+        ("F8", "F6", 212),
+        ("F9", "F3", 155),
+        ("F10", "F3", 346),
+        ("F11", "F3", 1469),
+        ("F12", "F3", 390),
+        ("F13", "F3", 168),
+        ("F14", "F3", 335),
+        ("F15", "F3", 226),
+        ("F16", "F5", 10),
+        ("F17", "F5", 5),
     ],
     # F2 has the single child F6 in the figure: a unary segment, so a trajectory ends at F2.
     extra_ends=["F2"],
     rounds=[
-        {("R2", "D1", "D2"): 0, ("D3", "D5", "D7", "D8"): 5, ("E1", "E2", "E6", "E8"): 3,
-         ("F1", "F5", "F16"): 3},
-        {("D4",): 57, ("D6",): 35, ("D9",): 62, ("E9",): 63, ("E7",): 61, ("E3", "E10"): 60,
-         ("E11",): 61, ("E12",): 61, ("E13",): 61, ("E14",): 61, ("E15",): 61, ("E4",): 60, ("E5",): 60,
-         ("F2", "F6", "F7"): 3, ("F8",): 6, ("F3", "F9"): 3, ("F10",): 4, ("F11",): 4, ("F12",): 4,
-         ("F13",): 4, ("F14",): 4, ("F15",): 4, ("F4",): 3, ("F17",): 0},
+        {
+            ("R2", "D1", "D2"): 0,
+            ("D3", "D5", "D7", "D8"): 5,
+            ("E1", "E2", "E6", "E8"): 3,
+            ("F1", "F5", "F16"): 3,
+        },
+        {
+            ("D4",): 57,
+            ("D6",): 35,
+            ("D9",): 62,
+            ("E9",): 63,
+            ("E7",): 61,
+            ("E3", "E10"): 60,
+            ("E11",): 61,
+            ("E12",): 61,
+            ("E13",): 61,
+            ("E14",): 61,
+            ("E15",): 61,
+            ("E4",): 60,
+            ("E5",): 60,
+            ("F2", "F6", "F7"): 3,
+            ("F8",): 6,
+            ("F3", "F9"): 3,
+            ("F10",): 4,
+            ("F11",): 4,
+            ("F12",): 4,
+            ("F13",): 4,
+            ("F14",): 4,
+            ("F15",): 4,
+            ("F4",): 3,
+            ("F17",): 0,
+        },
     ],
 )
 
-_G_CHAIN = [("G3", 13257), ("G4", 585), ("G6", 480), ("G8", 644), ("G10", 999), ("G12", 772), ("G14", 1527),
-            ("G16", 116), ("G18", 39239), ("G20", 477), ("G22", 3247), ("G24", 838), ("G26", 909),
-            ("G28", 2111), ("G30", 874), ("G32", 1773), ("G34", 1592)]
-_G_SIDE = [("G5", 251), ("G7", 225), ("G9", 319), ("G11", 49), ("G13", 485), ("G15", 38), ("G17", 63),
-           ("G19", 76), ("G21", 222), ("G23", 765), ("G25", 550), ("G27", 799), ("G29", 867), ("G31", 395),
-           ("G33", 962), ("G35", 583)]
+_G_CHAIN = [
+    ("G3", 13257),
+    ("G4", 585),
+    ("G6", 480),
+    ("G8", 644),
+    ("G10", 999),
+    ("G12", 772),
+    ("G14", 1527),
+    ("G16", 116),
+    ("G18", 39239),
+    ("G20", 477),
+    ("G22", 3247),
+    ("G24", 838),
+    ("G26", 909),
+    ("G28", 2111),
+    ("G30", 874),
+    ("G32", 1773),
+    ("G34", 1592),
+]
+_G_SIDE = [
+    ("G5", 251),
+    ("G7", 225),
+    ("G9", 319),
+    ("G11", 49),
+    ("G13", 485),
+    ("G15", 38),
+    ("G17", 63),
+    ("G19", 76),
+    ("G21", 222),
+    ("G23", 765),
+    ("G25", 550),
+    ("G27", 799),
+    ("G29", 867),
+    ("G31", 395),
+    ("G33", 962),
+    ("G35", 583),
+]
 
 
 def _case_iii_segments():
-    segs = [("R3", None, 3), ("G1", "R3", 2), ("H1", "R3", 633), ("I1", "R3", 256),
-            ("G2", "G1", 397), ("G3", "G1", 13257)]
+    segs = [
+        ("R3", None, 3),
+        ("G1", "R3", 2),
+        ("H1", "R3", 633),
+        ("I1", "R3", 256),
+        ("G2", "G1", 397),
+        ("G3", "G1", 13257),
+    ]
     # G_{2i+1} has children G_{2i+2} (the chain) and G_{2i+3} (a side leaf).
     for (name, _), (nxt, nxt_len), (side, side_len) in zip(_G_CHAIN, _G_CHAIN[1:], _G_SIDE):
         segs += [(nxt, name, nxt_len), (side, name, side_len)]
-    segs += [("H2", "H1", 1), ("H3", "H1", 15), ("H4", "H1", 15), ("H5", "H2", 14), ("H6", "H2", 15),
-             ("I2", "I1", 1), ("I3", "I1", 943), ("I4", "I1", 282), ("I5", "I2", 1243), ("I6", "I2", 410)]
+    segs += [
+        ("H2", "H1", 1),
+        ("H3", "H1", 15),
+        ("H4", "H1", 15),
+        ("H5", "H2", 14),
+        ("H6", "H2", 15),
+        ("I2", "I1", 1),
+        ("I3", "I1", 943),
+        ("I4", "I1", 282),
+        ("I5", "I2", 1243),
+        ("I6", "I2", 410),
+    ]
     return segs
 
 
 CASE_III = dict(
-    calls=2, replay=780,
+    calls=2,
+    replay=780,
     segments=_case_iii_segments(),
     extra_ends=[],
     rounds=[
-        {("R3", "G1", "G2"): 0, tuple(n for n, _ in _G_CHAIN): 5, ("H1", "H2", "H5"): 3,
-         ("I1", "I2", "I5"): 3},
-        {("G35",): 13, ("G33",): 32, ("G31",): 54, ("G29",): 55, ("G27",): 42, ("G25",): 36, ("G23",): 53,
-         ("G21",): 24, ("G19",): 17, ("G17",): 29, ("G15",): 38, ("G13",): 34, ("G11",): 59, ("G9",): 55,
-         ("G7",): 23, ("G5",): 14, ("H6",): 61, ("H3",): 60, ("H4",): 60, ("I6",): 4, ("I3",): 3, ("I4",): 3},
+        {
+            ("R3", "G1", "G2"): 0,
+            tuple(n for n, _ in _G_CHAIN): 5,
+            ("H1", "H2", "H5"): 3,
+            ("I1", "I2", "I5"): 3,
+        },
+        {
+            ("G35",): 13,
+            ("G33",): 32,
+            ("G31",): 54,
+            ("G29",): 55,
+            ("G27",): 42,
+            ("G25",): 36,
+            ("G23",): 53,
+            ("G21",): 24,
+            ("G19",): 17,
+            ("G17",): 29,
+            ("G15",): 38,
+            ("G13",): 34,
+            ("G11",): 59,
+            ("G9",): 55,
+            ("G7",): 23,
+            ("G5",): 14,
+            ("H6",): 61,
+            ("H3",): 60,
+            ("H4",): 60,
+            ("I6",): 4,
+            ("I3",): 3,
+            ("I4",): 3,
+        },
     ],
 )
 

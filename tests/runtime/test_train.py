@@ -5,14 +5,14 @@ whole-step objective; a few optimizer steps learn a synthetic task; the CLI runs
 
 import random
 
-import harts_planner as hp
 import numpy as np
 import pytest
 import torch
 
+import harts_planner as hp
 from harts_runtime.model import HybridModel, model_config
-from harts_runtime.testing import FreshTokens
 from harts_runtime.objectives import AGG_MODES, PolicyLossConfig, policy_loss
+from harts_runtime.testing import FreshTokens
 from harts_runtime.train import (
     StepInputs,
     StepInputsError,
@@ -23,7 +23,7 @@ from harts_runtime.train import (
     train_step,
 )
 
-B = 8                 # debug flavor chunk size
+B = 8  # debug flavor chunk size
 # Named tolerances (atol, rtol), fp32 compact vs trajectory-wise.
 TOL = {"logprobs": (2e-5, 1e-5), "loss": (1e-6, 1e-5), "grad": (2e-6, 2e-3)}
 
@@ -31,7 +31,7 @@ TOL = {"logprobs": (2e-5, 1e-5), "loss": (1e-6, 1e-5), "grad": (2e-6, 2e-3)}
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-VOCAB_WRAP = 500     # token ids stay inside the debug vocabulary (512)
+VOCAB_WRAP = 500  # token ids stay inside the debug vocabulary (512)
 
 
 def forks_at_chunk_boundaries():
@@ -50,13 +50,16 @@ def many_trees(seed=0):
             p = rng.choice([B - 1, B, B + 1, rng.randint(1, len(parent) - 1)])
             p = min(max(p, 1), len(parent) - 1)
             trajs.append(parent[:p] + t(rng.randint(1, 2 * B)))
-        nested = trajs[-1][:min(len(trajs[-1]) - 1, 2 * B + 1)] + t(3)       # nested fork
+        nested = trajs[-1][: min(len(trajs[-1]) - 1, 2 * B + 1)] + t(3)  # nested fork
         out += trajs + [nested]
-    return out + [t(1), t(B), trajs[0]]                                          # single token, duplicate
+    return out + [t(1), t(B), trajs[0]]  # single token, duplicate
 
 
-SCENARIOS = {"forks_B-1_B_B+1": forks_at_chunk_boundaries, "many_trees_0": many_trees,
-             "many_trees_1": lambda: many_trees(1)}
+SCENARIOS = {
+    "forks_B-1_B_B+1": forks_at_chunk_boundaries,
+    "many_trees_0": many_trees,
+    "many_trees_1": lambda: many_trees(1),
+}
 
 
 def make(trajs, seed=0, **cfg):
@@ -73,8 +76,9 @@ def grads(model):
 def assert_grads_close(a, b, what):
     assert a.keys() == b.keys()
     for n in a:
-        torch.testing.assert_close(a[n], b[n], atol=TOL["grad"][0], rtol=TOL["grad"][1],
-                                   msg=lambda m, n=n: f"{what}: d{n}: {m}")
+        torch.testing.assert_close(
+            a[n], b[n], atol=TOL["grad"][0], rtol=TOL["grad"][1], msg=lambda m, n=n: f"{what}: d{n}: {m}"
+        )
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
@@ -91,12 +95,13 @@ def test_compact_equals_trajectory(scenario, recompute):
         out[mode] = (loss, lp, grads(model), st)
     (lc, pc, gc, sc), (lt, pt, gt, st) = out["compact"], out["trajectory"]
     assert sc["rows"] == step.batch.compact_tokens < st["rows"] == step.batch.semantic_tokens
-    assert sc["num_calls"] >= 2 and sc["replay_tokens"] > 0                  # handoffs and replay exercised
-    torch.testing.assert_close(pc, pt, atol=TOL["logprobs"][0], rtol=TOL["logprobs"][1],
-                               msg=lambda m: f"logprobs: {m}")
+    assert sc["num_calls"] >= 2 and sc["replay_tokens"] > 0  # handoffs and replay exercised
+    torch.testing.assert_close(
+        pc, pt, atol=TOL["logprobs"][0], rtol=TOL["logprobs"][1], msg=lambda m: f"logprobs: {m}"
+    )
     torch.testing.assert_close(lc, lt, atol=TOL["loss"][0], rtol=TOL["loss"][1], msg=lambda m: f"loss: {m}")
     assert_grads_close(gc, gt, "compact vs trajectory")
-    assert len(gc) == len(list(model.parameters()))                          # every parameter gets a gradient
+    assert len(gc) == len(list(model.parameters()))  # every parameter gets a gradient
 
 
 def test_train_step_over_different_microbatchings_agrees():
@@ -126,8 +131,15 @@ def test_microbatch_contributions_sum_to_the_unchanged_step_objective(mode):
     parts = [np.arange(0, n, 3), np.arange(1, n, 3), np.arange(2, n, 3)]
     total = sum(float(run_microbatch(model, step, p, "compact", backward=False)[0]) for p in parts)
     lp = step_logprobs(model, step, "trajectory")
-    ref, _ = policy_loss(lp, step.old_logprobs, step.advantages, step.loss_mask, step.cu_seqlens,
-                         step.loss_config, step.ref_logprobs)
+    ref, _ = policy_loss(
+        lp,
+        step.old_logprobs,
+        step.advantages,
+        step.loss_mask,
+        step.cu_seqlens,
+        step.loss_config,
+        step.ref_logprobs,
+    )
     assert total == pytest.approx(float(ref), rel=1e-5, abs=1e-7)
 
 
@@ -135,8 +147,10 @@ def test_z_loss_is_grouping_invariant():
     model, step = make(many_trees(4), aux_loss_coef=0.0, z_loss_coef=1.0)
     n = step.batch.num_trajectories
     whole = run_microbatch(model, step, np.arange(n), "compact", backward=False)[1]["router_loss"]
-    split = sum(run_microbatch(model, step, p, "trajectory", backward=False)[1]["router_loss"]
-                for p in (np.arange(n // 2), np.arange(n // 2, n)))
+    split = sum(
+        run_microbatch(model, step, p, "trajectory", backward=False)[1]["router_loss"]
+        for p in (np.arange(n // 2), np.arange(n // 2, n))
+    )
     assert float(whole) == pytest.approx(float(split), rel=1e-5)
 
 
@@ -150,15 +164,21 @@ def test_a_few_steps_learn_a_synthetic_task():
         x = [int(rng.integers(97))]
         for _ in range(40):
             x.append((3 * x[-1] + 1) % 97)
-        trajs += [x[:int(rng.integers(20, 41))] for _ in range(3)]
+        trajs += [x[: int(rng.integers(20, 41))] for _ in range(3)]
     batch = hp.RolloutBatch.from_token_lists(trajs)
     torch.manual_seed(0)
     model = HybridModel(model_config("debug"))
     p = batch.semantic_tokens - batch.num_trajectories
     probe = StepInputs.synthetic(batch, 0)
     old = step_logprobs(model, probe, "compact")
-    step = StepInputs(batch, torch.ones(p), torch.ones(p, dtype=torch.bool), old, objective="ppo",
-                      loss_config=PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=10.0))
+    step = StepInputs(
+        batch,
+        torch.ones(p),
+        torch.ones(p, dtype=torch.bool),
+        old,
+        objective="ppo",
+        loss_config=PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=10.0),
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = [train_step(model, opt, step, None, "compact", recompute=i % 2 == 1).loss for i in range(6)]
     assert losses[-1] < losses[0] - 0.5, losses
@@ -172,7 +192,7 @@ def test_step_inputs_and_packing_errors_name_the_field():
         StepInputs(batch, torch.zeros(p + 1), torch.ones(p), torch.zeros(p))
     assert e.value.field == "advantages"
     with pytest.raises(StepInputsError) as e:
-        StepInputs(batch, torch.zeros(p), torch.ones(p), torch.zeros(p))          # grpo KL needs ref
+        StepInputs(batch, torch.zeros(p), torch.ones(p), torch.zeros(p))  # grpo KL needs ref
     assert e.value.field == "ref_logprobs"
     with pytest.raises(StepInputsError) as e:
         StepInputs([[1, 2]], torch.zeros(p), torch.ones(p), torch.zeros(p))
@@ -191,15 +211,23 @@ def test_pack_trajectories_first_fit_decreasing():
     bins = pack_trajectories(lengths, 8)
     assert sorted(np.concatenate(bins).tolist()) == list(range(len(lengths)))
     assert all(lengths[b].sum() <= 8 for b in bins)
-    assert len(bins) == int(np.ceil(lengths.sum() / 8))                        # tight here
+    assert len(bins) == int(np.ceil(lengths.sum() / 8))  # tight here
 
 
 def test_cli_runs_both_modes(capsys):
     # T large enough for one microbatch per mode: the per-microbatch MoE aux loss (as in Megatron)
     # depends on which trajectories share a microbatch, the rest of the loss does not
-    assert main(["--preset", "tiny", "--steps", "2", "--mode", "both", "--device", "cpu", "--capacity", "4096"]) == 0
+    assert (
+        main(["--preset", "tiny", "--steps", "2", "--mode", "both", "--device", "cpu", "--capacity", "4096"])
+        == 0
+    )
     out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 6 and out[0].startswith("step 0 compact") and "compression=" in out[0] and "loss=" in out[0]
+    assert (
+        len(out) == 6
+        and out[0].startswith("step 0 compact")
+        and "compression=" in out[0]
+        and "loss=" in out[0]
+    )
     assert out[1].startswith("step 0 trajectory")
     # both modes start every step from the same weights (two copies, two optimizers): same losses
     diffs = [float(line.rsplit("=", 1)[1]) for line in out if "|loss(compact) - loss(trajectory)|" in line]
@@ -214,7 +242,7 @@ def test_gpu_eval_script_smoke_on_cpu(tmp_path):
     import json
     import os
 
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "train_eval.py")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "train_eval.py")
     spec = importlib.util.spec_from_file_location("train_eval", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

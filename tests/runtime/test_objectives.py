@@ -36,7 +36,7 @@ def padded(values: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     lengths = cu.diff().tolist()
     out = values.new_zeros(len(lengths), max(lengths))
     for i, (a, n) in enumerate(zip(cu[:-1].tolist(), lengths)):
-        out[i, :n] = values[a:a + n]
+        out[i, :n] = values[a : a + n]
     return out
 
 
@@ -68,7 +68,9 @@ def reference_policy_loss(lp, old, adv, mask, cu, cfg, ref=None):
     loss = verl_agg(pg, m, cfg.loss_agg_mode, cfg.loss_norm)
     if cfg.kl_coef:
         r = padded(ref, cu) - lp
-        loss = loss + cfg.kl_coef * verl_agg((torch.exp(r) - r - 1).clamp(-10, 10), m, cfg.loss_agg_mode, cfg.loss_norm)
+        loss = loss + cfg.kl_coef * verl_agg(
+            (torch.exp(r) - r - 1).clamp(-10, 10), m, cfg.loss_agg_mode, cfg.loss_norm
+        )
     return loss
 
 
@@ -82,13 +84,17 @@ def metadata(batch, targets, seed):
     rewards = torch.randn(n, generator=gen, dtype=torch.float64)
     groups = torch.from_numpy(batch.component.astype(np.int64))
     adv = per_token(grpo_advantages(rewards, groups), cu)
-    adv = adv + 0.1 * torch.randn(p, generator=gen, dtype=torch.float64)   # token-level shaping
+    adv = adv + 0.1 * torch.randn(p, generator=gen, dtype=torch.float64)  # token-level shaping
     col = torch.arange(p) - cu[:-1].repeat_interleave(cu.diff())
     mask = (col >= 1) & (torch.rand(p, generator=gen) > 0.2)
-    mask[cu[1:] - 1] = True                                   # every trajectory keeps an action
-    return {"old": 0.3 * torch.randn(p, generator=gen, dtype=torch.float64),
-                "ref": 0.3 * torch.randn(p, generator=gen, dtype=torch.float64),
-                "adv": adv, "mask": mask, "cu": cu}
+    mask[cu[1:] - 1] = True  # every trajectory keeps an action
+    return {
+        "old": 0.3 * torch.randn(p, generator=gen, dtype=torch.float64),
+        "ref": 0.3 * torch.randn(p, generator=gen, dtype=torch.float64),
+        "adv": adv,
+        "mask": mask,
+        "cu": cu,
+    }
 
 
 # ---------------------------------------------------------------------- objective formulas
@@ -98,18 +104,22 @@ def test_aggregate_matches_padded_reductions(mode):
     cu = torch.tensor([0, 3, 4, 9, 9 + 6])
     loss = torch.randn(15, generator=gen, dtype=torch.float64)
     mask = torch.rand(15, generator=gen) > 0.3
-    mask[3] = False                                           # a trajectory with no action token
+    mask[3] = False  # a trajectory with no action token
     got = aggregate(loss, mask, cu, mode)
     want = verl_agg(padded(loss, cu), padded(mask.double(), cu), mode)
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("cfg", [
-    PolicyLossConfig(),
-    PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="seq-mean-token-mean"),
-    PolicyLossConfig(clip_ratio_c=3.0, kl_coef=0.05, loss_agg_mode="seq-mean-token-sum"),
-    PolicyLossConfig(kl_coef=0.01, loss_agg_mode="seq-mean-token-sum-norm", loss_norm=7.0),
-], ids=["ppo", "dapo", "dual_clip_kl", "dr_grpo"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        PolicyLossConfig(),
+        PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="seq-mean-token-mean"),
+        PolicyLossConfig(clip_ratio_c=3.0, kl_coef=0.05, loss_agg_mode="seq-mean-token-sum"),
+        PolicyLossConfig(kl_coef=0.01, loss_agg_mode="seq-mean-token-sum-norm", loss_norm=7.0),
+    ],
+    ids=["ppo", "dapo", "dual_clip_kl", "dr_grpo"],
+)
 def test_policy_loss_matches_reference_formulas(cfg):
     gen = torch.Generator().manual_seed(1)
     cu = torch.tensor([0, 5, 7, 15])
@@ -170,7 +180,7 @@ def both_ways(batch, t, hidden, head, loss_fn):
     for compact in (True, False):
         hidden.grad = head.grad = None
         if compact:
-            lp = mapped_logprobs(hidden @ head.t(), t, chunk=13)                 # [C, V] logits only
+            lp = mapped_logprobs(hidden @ head.t(), t, chunk=13)  # [C, V] logits only
         else:
             lp = (hidden[t.row_index] @ head.t()).log_softmax(-1).gather(1, t.labels[:, None])[:, 0]
         loss = loss_fn(lp)
@@ -185,8 +195,13 @@ def test_grpo_on_mapped_logprobs_equals_trajectory_wise(mode, seed):
     batch, t, hidden, head = head_setup(seed)
     meta = metadata(batch, t, seed)
     cfg = PolicyLossConfig(kl_coef=0.02, loss_agg_mode=mode)
-    (lc, hc, wc), (le, he, we) = both_ways(batch, t, hidden, head, lambda lp: grpo_loss(
-        lp, meta["old"], meta["adv"], meta["mask"], meta["cu"], meta["ref"], cfg)[0])
+    (lc, hc, wc), (le, he, we) = both_ways(
+        batch,
+        t,
+        hidden,
+        head,
+        lambda lp: grpo_loss(lp, meta["old"], meta["adv"], meta["mask"], meta["cu"], meta["ref"], cfg)[0],
+    )
     torch.testing.assert_close(lc, le, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(hc, he, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(wc, we, rtol=1e-10, atol=1e-12)
@@ -203,9 +218,18 @@ def test_ppo_with_value_loss_equals_trajectory_wise(seed):
     cfg = PolicyLossConfig(clip_ratio_c=3.0, loss_agg_mode="token-mean")
 
     def loss_fn(lp):
-        values = (hidden @ value_head)[t.row_index]            # one value per compact row, gathered
-        return ppo_loss(lp, meta["old"], meta["adv"], meta["mask"], meta["cu"], cfg,
-                        values=values, old_values=old_values, returns=returns)[0]
+        values = (hidden @ value_head)[t.row_index]  # one value per compact row, gathered
+        return ppo_loss(
+            lp,
+            meta["old"],
+            meta["adv"],
+            meta["mask"],
+            meta["cu"],
+            cfg,
+            values=values,
+            old_values=old_values,
+            returns=returns,
+        )[0]
 
     (lc, hc, wc), (le, he, we) = both_ways(batch, t, hidden, head, loss_fn)
     torch.testing.assert_close(lc, le, rtol=1e-12, atol=1e-12)
@@ -233,8 +257,16 @@ class TinyBlock(torch.nn.Module):
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, d)
         self.attn = CompactAttention(AttentionConfig(hidden_size=d, num_heads=4, num_kv_heads=2))
-        self.moe = CompactMoE(MoEConfig(hidden_size=d, num_experts=4, top_k=2, intermediate_size=8,
-                                        aux_loss_coef=0.1, z_loss_coef=0.01))
+        self.moe = CompactMoE(
+            MoEConfig(
+                hidden_size=d,
+                num_experts=4,
+                top_k=2,
+                intermediate_size=8,
+                aux_loss_coef=0.1,
+                z_loss_coef=0.01,
+            )
+        )
         self.head = torch.nn.Linear(d, vocab, bias=False)
 
 
@@ -250,8 +282,10 @@ def test_tiny_hybrid_block_grpo_all_gradients_equal_trajectory_wise():
     cfg = PolicyLossConfig(kl_coef=0.01, loss_agg_mode="seq-mean-token-mean")
 
     def objective(lp, moe_out):
-        return grpo_loss(lp, meta["old"], meta["adv"], meta["mask"], meta["cu"], meta["ref"], cfg)[0] \
+        return (
+            grpo_loss(lp, meta["old"], meta["adv"], meta["mask"], meta["cu"], meta["ref"], cfg)[0]
             + moe_out.router_loss
+        )
 
     # HARTS: everything once per compact row.
     views = views_from_batch(batch)
@@ -266,7 +300,7 @@ def test_tiny_hybrid_block_grpo_all_gradients_equal_trajectory_wise():
 
     # Trajectory-wise: every trajectory expanded.
     off = batch.offsets.tolist()
-    xs = [model.embed(tokens[off[i]:off[i + 1]]) for i in range(batch.num_trajectories)]
+    xs = [model.embed(tokens[off[i] : off[i + 1]]) for i in range(batch.num_trajectories)]
     xs = [x + model.attn.forward_trajectory(x) for x in xs]
     x = torch.cat(xs)
     moe_out = model.moe(x)

@@ -33,8 +33,9 @@ SHAPES = {  # Hq, Hkv, Dqk, Dv
 }
 CASES = {
     "random_forest": lambda: random_batch(3, num=24, vocab=3, max_new=40),
-    "agentic_tree": lambda: synthetic_tree_batch(1, prompt=700, turns=4, turn_len=(40, 300), fork_prob=0.6,
-                                                 fanout=3),
+    "agentic_tree": lambda: synthetic_tree_batch(
+        1, prompt=700, turns=4, turn_len=(40, 300), fork_prob=0.6, fanout=3
+    ),
 }
 _CACHE: dict = {}
 
@@ -74,8 +75,10 @@ def test_gpu_backend_matches_reference(backend, shape, case_name):
     hq, hkv, dqk, dv = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(0)
     c = batch.compact_tokens
-    leaves = [torch.randn(c, h, d, device="cuda", generator=gen).to(torch.bfloat16)
-              for h, d in ((hq, dqk), (hkv, dqk), (hkv, dv))]
+    leaves = [
+        torch.randn(c, h, d, device="cuda", generator=gen).to(torch.bfloat16)
+        for h, d in ((hq, dqk), (hkv, dqk), (hkv, dv))
+    ]
     weight = torch.randn(c, hq, dv, device="cuda", generator=gen)
     ref = run("reference", views, [t.float() for t in leaves], weight)
     got = run(backend, views, leaves, weight)
@@ -95,7 +98,7 @@ def test_gpu_backend_on_remapped_rows_with_padding(backend):
     phys = views.remap(perm, c + pad)
     gen = torch.Generator(device="cuda").manual_seed(1)
     q, k, v = (torch.randn(c, 4, 64, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
-    place = (lambda x: x.new_zeros((c + pad,) + x.shape[1:]).index_copy(0, perm, x))
+    place = lambda x: x.new_zeros((c + pad,) + x.shape[1:]).index_copy(0, perm, x)
     ref = compact_attention(q.float(), k.float(), v.float(), views, backend="reference")
     out = compact_attention(place(q), place(k), place(v), phys, backend=backend)
     assert rel_err(out[perm], ref) < 2e-2
@@ -107,8 +110,21 @@ def test_gpu_mla_module(backend):
     need(backend)
     batch, views = case("random_forest")
     torch.manual_seed(0)
-    mla = CompactMLA(MLAConfig(hidden_size=256, num_heads=4, kv_lora_rank=64, qk_nope_head_dim=128,
-                               qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=96)).cuda().to(torch.bfloat16)
+    mla = (
+        CompactMLA(
+            MLAConfig(
+                hidden_size=256,
+                num_heads=4,
+                kv_lora_rank=64,
+                qk_nope_head_dim=128,
+                qk_rope_head_dim=64,
+                v_head_dim=128,
+                q_lora_rank=96,
+            )
+        )
+        .cuda()
+        .to(torch.bfloat16)
+    )
     hidden = torch.randn(batch.compact_tokens, 256, device="cuda", dtype=torch.bfloat16)
     positions = torch.from_numpy(batch.row_depth.astype(np.int64)).cuda()
     outs = []

@@ -20,20 +20,36 @@ def test_demo_json_reports_what_ingestion_found(capsys):
     assert out["compact_tokens"] == syn.compact_tokens_expected
     assert out["compression"] == pytest.approx(syn.semantic_tokens / syn.compact_tokens_expected)
     assert out["max_fanout"] >= 2 and out["max_depth_segments"] >= 2
-    plan = out["plan"]         # the step plan covers every trajectory once: work >= C, each <= T
+    plan = out["plan"]  # the step plan covers every trajectory once: work >= C, each <= T
     assert plan["step_compact_tokens"] >= out["compact_tokens"]
-    assert plan["microbatches"] % plan["dp_size"] == 0 and plan["slots"] == plan["microbatches"] // plan["dp_size"]
+    assert (
+        plan["microbatches"] % plan["dp_size"] == 0
+        and plan["slots"] == plan["microbatches"] // plan["dp_size"]
+    )
     assert plan["kda_calls_total"] >= plan["microbatches"] and plan["kda_calls_max"] >= 1
 
 
 def test_demo_table(capsys):
     assert cli.main(["demo", "--preset", "tiny", "--quiet", "--model-steps", "2"]) == 0
     text = capsys.readouterr().out
-    for label in ("trajectories", "semantic tokens S", "compact tokens C", "compression S/C",
-                  "tree depth", "fan-out", "step plan", "KDA call plans", "time"):
+    for label in (
+        "trajectories",
+        "semantic tokens S",
+        "compact tokens C",
+        "compression S/C",
+        "tree depth",
+        "fan-out",
+        "step plan",
+        "KDA call plans",
+        "time",
+    ):
         assert label in text
     # the whole pipeline: the debug model trained compact and trajectory-wise from the same weights
-    diffs = [float(line.rsplit("=", 1)[1]) for line in text.splitlines() if "|loss(compact) - loss(trajectory)|" in line]
+    diffs = [
+        float(line.rsplit("=", 1)[1])
+        for line in text.splitlines()
+        if "|loss(compact) - loss(trajectory)|" in line
+    ]
     assert len(diffs) == 2 and diffs[0] < 1e-5 and diffs[1] < 1e-3, diffs
 
 
@@ -67,7 +83,13 @@ def test_plan_table_and_json(small_file, capsys):
     capsys.readouterr()
     assert cli.main(["plan", str(small_file), "--dp", "2", "--capacity", "30000", "--call-plans"]) == 0
     text = capsys.readouterr().out
-    for label in ("microbatches K", "J (total, slot-critical, max replica)", "slot imbalance", "replica", "calls"):
+    for label in (
+        "microbatches K",
+        "J (total, slot-critical, max replica)",
+        "slot imbalance",
+        "replica",
+        "calls",
+    ):
         assert label in text
     assert cli.main(["plan", str(small_file), "--dp", "2", "--capacity", "30000", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -90,8 +112,31 @@ def test_show_writes_a_page(small_file, tmp_path, capsys):
 
 def test_bench_in_process_and_grpc(small_file, tmp_path, capsys):
     report = tmp_path / "bench.json"
-    assert cli.main(["bench", "--batch", str(small_file), "--dp", "2", "--capacity", "30000", "--clients", "2",
-                     "--requests", "4", "--warmup", "1", "--workers", "2", "--json", str(report), "--quiet"]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "--batch",
+                str(small_file),
+                "--dp",
+                "2",
+                "--capacity",
+                "30000",
+                "--clients",
+                "2",
+                "--requests",
+                "4",
+                "--warmup",
+                "1",
+                "--workers",
+                "2",
+                "--json",
+                str(report),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     data = json.loads(report.read_text())
     rows = {(r["transport"], r["request"]) for r in data["results"]}
     assert rows == {(t, k) for t in ("inprocess", "grpc") for k in ("tokens", "tree")}

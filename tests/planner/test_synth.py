@@ -17,8 +17,7 @@ SMALL_PRESETS = ["tiny", "small", "medium"]
 
 def trajectories(batch: synth.SynthBatch) -> list[np.ndarray]:
     """Every trajectory of ``batch`` as a view of its tokens."""
-    return [batch.tokens[batch.offsets[i]:batch.offsets[i + 1]]
-            for i in range(len(batch.offsets) - 1)]
+    return [batch.tokens[batch.offsets[i] : batch.offsets[i + 1]] for i in range(len(batch.offsets) - 1)]
 
 
 def distinct_prefixes_by_set(batch: synth.SynthBatch) -> int:
@@ -82,8 +81,7 @@ def test_same_seed_gives_identical_bytes(preset: str) -> None:
 
 
 def test_different_seeds_differ() -> None:
-    assert (synth.generate("small", 0).tokens.tobytes()
-            != synth.generate("small", 1).tokens.tobytes())
+    assert synth.generate("small", 0).tokens.tobytes() != synth.generate("small", 1).tokens.tobytes()
 
 
 def test_overrides_are_part_of_the_determinism_key() -> None:
@@ -94,14 +92,18 @@ def test_overrides_are_part_of_the_determinism_key() -> None:
     assert base.tokens.tobytes() != other.tokens.tobytes()
 
 
-@pytest.mark.parametrize(("preset", "trees", "n_range", "s_range"), [
-    ("tiny", (2, 4), (1, 200), (2, 2_000)),
-    ("small", (1, 100), (80, 200), (100_000, 500_000)),
-    ("medium", (1, 400), (450, 700), (1_500_000, 8_000_000)),
-])
+@pytest.mark.parametrize(
+    ("preset", "trees", "n_range", "s_range"),
+    [
+        ("tiny", (2, 4), (1, 200), (2, 2_000)),
+        ("small", (1, 100), (80, 200), (100_000, 500_000)),
+        ("medium", (1, 400), (450, 700), (1_500_000, 8_000_000)),
+    ],
+)
 @pytest.mark.parametrize("seed", range(3))
-def test_preset_scale(preset: str, trees: tuple[int, int], n_range: tuple[int, int],
-                      s_range: tuple[int, int], seed: int) -> None:
+def test_preset_scale(
+    preset: str, trees: tuple[int, int], n_range: tuple[int, int], s_range: tuple[int, int], seed: int
+) -> None:
     batch = synth.generate(preset, seed)
     assert_well_formed(batch, synth.PRESETS[preset].vocab_size)
     assert trees[0] <= batch.tree_ids[-1] + 1 <= trees[1]
@@ -132,8 +134,7 @@ def test_tiny_compact_count_matches_naive_oracles(seed: int) -> None:
     assert distinct_prefixes_by_trie(batch) == batch.compact_tokens_expected
 
 
-@pytest.mark.parametrize(("preset", "seed"), [("small", 0), ("small", 1), ("small", 2),
-                                             ("medium", 0)])
+@pytest.mark.parametrize(("preset", "seed"), [("small", 0), ("small", 1), ("small", 2), ("medium", 0)])
 def test_compact_count_matches_sorted_lcp(preset: str, seed: int) -> None:
     batch = synth.generate(preset, seed)
     assert distinct_prefixes_by_lcp(batch) == batch.compact_tokens_expected
@@ -177,8 +178,9 @@ def test_prefix_and_duplicate_trajectories_appear() -> None:
         seqs = [tuple(seq.tolist()) for seq in trajectories(synth.generate("tiny", seed))]
         duplicates += len(seqs) - len(set(seqs))
         unique = set(seqs)
-        prefixes += sum(any(other[:len(seq)] == seq and len(other) > len(seq) for other in unique)
-                        for seq in unique)
+        prefixes += sum(
+            any(other[: len(seq)] == seq and len(other) > len(seq) for other in unique) for seq in unique
+        )
     assert prefixes > 0 and duplicates > 0
 
 
@@ -186,7 +188,7 @@ def test_no_prefix_or_duplicate_trajectories_when_disabled() -> None:
     batch = synth.generate("tiny", 2, prefix_prob=0.0, duplicate_prob=0.0, trees=(4, 4))
     seqs = {tuple(seq.tolist()) for seq in trajectories(batch)}
     assert len(seqs) == len(batch.tree_ids)
-    assert not any(a != b and b[:len(a)] == a for a in seqs for b in seqs)
+    assert not any(a != b and b[: len(a)] == a for a in seqs for b in seqs)
 
 
 def test_order_within_trees_is_not_lexicographic() -> None:
@@ -242,8 +244,7 @@ def tiny_overrides(draw: st.DrawFn) -> dict[str, object]:
 
 @settings(max_examples=150, deadline=None)
 @given(overrides=tiny_overrides(), seed=st.integers(0, 2**32))
-def test_compact_count_matches_oracle_for_random_configs(overrides: dict[str, object],
-                                                         seed: int) -> None:
+def test_compact_count_matches_oracle_for_random_configs(overrides: dict[str, object], seed: int) -> None:
     batch = synth.generate("tiny", seed, **overrides)
     assert_well_formed(batch, int(overrides["vocab_size"]))
     assert distinct_prefixes_by_set(batch) == batch.compact_tokens_expected
@@ -259,28 +260,30 @@ def test_unknown_preset_is_rejected() -> None:
         synth.generate("huge", 0)
 
 
-@pytest.mark.parametrize(("field", "value", "limit"), [
-    ("vocab_size", 1, r"\[2, 2147483647\]"),
-    ("vocab_size", 2**31, r"\[2, 2147483647\]"),
-    ("trees", (0, 3), r"\[1, 16\]"),
-    ("trees", (2, 17), r"\[1, 16\]"),
-    ("trees", (3, 2), "exceeds upper bound"),
-    ("trajectories", (0, 5), ">= 1"),
-    ("prompt_len", (0, 5), ">= 1"),
-    ("retry_len", (5, 2), "exceeds upper bound"),
-    ("main_turns", (-1, 2), ">= 0"),
-    ("max_depth", 0, r"\[1, 100000\]"),
-    ("fork_min_depth", 7, r"\[1, 6\]"),
-    ("fork_prob", 1.5, r"\[0, 1\]"),
-    ("duplicate_prob", -0.1, r"\[0, 1\]"),
-    ("fanout", (), "not all zero"),
-    ("fanout", (1.0,) * 16, "vocab_size=16"),
-    ("shared_prefix_tokens", -1, ">= 0"),
-    ("tool_len", 5, r"\(lo, hi\) pair"),
-    ("turn_len", (1.5, 3), "integer"),
-])
-def test_out_of_range_override_names_field_and_limit(field: str, value: object,
-                                                     limit: str) -> None:
+@pytest.mark.parametrize(
+    ("field", "value", "limit"),
+    [
+        ("vocab_size", 1, r"\[2, 2147483647\]"),
+        ("vocab_size", 2**31, r"\[2, 2147483647\]"),
+        ("trees", (0, 3), r"\[1, 16\]"),
+        ("trees", (2, 17), r"\[1, 16\]"),
+        ("trees", (3, 2), "exceeds upper bound"),
+        ("trajectories", (0, 5), ">= 1"),
+        ("prompt_len", (0, 5), ">= 1"),
+        ("retry_len", (5, 2), "exceeds upper bound"),
+        ("main_turns", (-1, 2), ">= 0"),
+        ("max_depth", 0, r"\[1, 100000\]"),
+        ("fork_min_depth", 7, r"\[1, 6\]"),
+        ("fork_prob", 1.5, r"\[0, 1\]"),
+        ("duplicate_prob", -0.1, r"\[0, 1\]"),
+        ("fanout", (), "not all zero"),
+        ("fanout", (1.0,) * 16, "vocab_size=16"),
+        ("shared_prefix_tokens", -1, ">= 0"),
+        ("tool_len", 5, r"\(lo, hi\) pair"),
+        ("turn_len", (1.5, 3), "integer"),
+    ],
+)
+def test_out_of_range_override_names_field_and_limit(field: str, value: object, limit: str) -> None:
     with pytest.raises(ValueError, match=field) as error:
         synth.generate("tiny", 0, **{field: value})
     assert error.match(limit)

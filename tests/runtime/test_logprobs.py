@@ -74,7 +74,7 @@ def test_rows_nobody_reads_get_zero_gradient():
     z = torch.randn(batch.compact_tokens, 20, requires_grad=True)
     mapped_logprobs(z, t).sum().backward()
     unread = torch.ones(batch.compact_tokens, dtype=torch.bool).index_fill(0, t.row_index, False)
-    assert unread.any()                                  # leaf rows end trajectories
+    assert unread.any()  # leaf rows end trajectories
     assert not z.grad[unread].any()
 
 
@@ -98,7 +98,7 @@ class MaxNumel(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+        for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
                 self.max_numel = max(self.max_numel, t.numel())
                 self.ops.append((str(func), t.numel()))
@@ -121,7 +121,7 @@ def test_mapped_path_never_allocates_s_by_v():
     assert not big, big
 
     logits.grad = None
-    with MaxNumel() as expanded:                         # control: the detector sees the expansion
+    with MaxNumel() as expanded:  # control: the detector sees the expansion
         (expanded_logprobs(logits, t) * weights).sum().backward()
     assert expanded.max_numel >= p * vocab
 

@@ -10,11 +10,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import harts_planner
-from harts_planner import CallPlan, InvalidArgumentError, RolloutBatch, plan_calls
-from harts_planner.call_plan import MAX_CHUNK_SIZE, plan_segment_forest
-
 from min_call_oracle import (
     APPENDIX_A,
     batch_from_trajectories,
@@ -26,6 +21,10 @@ from min_call_oracle import (
     preorder,
     tree_batch,
 )
+
+import harts_planner
+from harts_planner import CallPlan, InvalidArgumentError, RolloutBatch, plan_calls
+from harts_planner.call_plan import MAX_CHUNK_SIZE, plan_segment_forest
 
 
 def unary(parent) -> list[int]:
@@ -46,12 +45,17 @@ def rounds_by_name(plan, names_in_plan_order):
     out = []
     so = plan.round_sequence_offsets
     for r in range(plan.num_calls):
-        out.append({tuple(names_in_plan_order[v] for v in plan.chain(q)): int(plan.sequence_replay_length[q])
-                    for q in range(so[r], so[r + 1])})
+        out.append(
+            {
+                tuple(names_in_plan_order[v] for v in plan.chain(q)): int(plan.sequence_replay_length[q])
+                for q in range(so[r], so[r + 1])
+            }
+        )
     return out
 
 
 # ---------------------------------------------------------------------------------- paper cases
+
 
 @pytest.mark.parametrize("key", ["I", "II", "III"])
 def test_appendix_a(key):
@@ -181,14 +185,18 @@ def test_identical_trajectories():
 
 # ---------------------------------------------------------------------------------- optimality
 
+
 @st.composite
 def small_trees(draw):
     n = draw(st.integers(1, 10))
     b = draw(st.integers(1, 6))
     parent = [-1]
     for v in range(1, n):
-        parent.append(draw(st.one_of(st.integers(0, v - 1), st.just(-1))) if draw(st.integers(0, 9)) == 0
-                      else draw(st.integers(0, v - 1)))
+        parent.append(
+            draw(st.one_of(st.integers(0, v - 1), st.just(-1)))
+            if draw(st.integers(0, 9)) == 0
+            else draw(st.integers(0, v - 1))
+        )
     lengths = [draw(st.integers(1, 2 * b + 1)) for _ in range(n)]
     return parent, lengths, b
 
@@ -253,6 +261,7 @@ def test_random_token_batches_and_subsets(data, b, width):
 
 # ---------------------------------------------------------------------------------- API
 
+
 def small_batch():
     return RolloutBatch.from_token_lists([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 7], [8, 9]])
 
@@ -290,8 +299,14 @@ def test_deterministic():
     batch = batch_from_trajectories(tree_batch(parent, lengths, extra)[0])
     a, b = plan_calls(batch, 64), plan_calls(batch, 64)
     assert a.to_dict() == b.to_dict()
-    for name in ("gather_index", "cu_seqlens_all", "physical_to_row", "conv_context", "request_slot",
-                 "semantic_to_physical"):
+    for name in (
+        "gather_index",
+        "cu_seqlens",
+        "physical_to_row",
+        "conv_context",
+        "request_slot",
+        "semantic_to_physical",
+    ):
         assert np.array_equal(getattr(a, name), getattr(b, name))
 
 
@@ -320,15 +335,18 @@ def test_extreme_chunk_sizes_ok():
     check_plan(batch, plan)
 
 
-@pytest.mark.parametrize("ids,field", [
-    ([], "trajectories"),
-    ([4], "trajectories[0]"),
-    ([0, -1], "trajectories[1]"),
-    ([1, 0, 1], "trajectories"),
-    ([[0, 1]], "trajectories"),
-    ([0.5], "trajectories"),
-    ([2**40], "trajectories[0]"),
-])
+@pytest.mark.parametrize(
+    "ids,field",
+    [
+        ([], "trajectories"),
+        ([4], "trajectories[0]"),
+        ([0, -1], "trajectories[1]"),
+        ([1, 0, 1], "trajectories"),
+        ([[0, 1]], "trajectories"),
+        ([0.5], "trajectories"),
+        ([2**40], "trajectories[0]"),
+    ],
+)
 def test_bad_trajectories(ids, field):
     with pytest.raises(InvalidArgumentError) as e:
         plan_calls(small_batch(), 64, trajectories=ids)
@@ -348,19 +366,22 @@ def test_bad_conv_width_and_round():
     plan = plan_calls(small_batch(), 64, conv_width=1)
     assert plan.conv_context.shape == (plan.num_sequences, 0)
     with pytest.raises(InvalidArgumentError) as e:
-        plan.cu_seqlens(plan.num_calls)
+        plan.round_cu_seqlens(plan.num_calls)
     assert e.value.field == "round"
 
 
-@pytest.mark.parametrize("parent,start,end,field", [
-    ([-1, 3], [0, 2], [2, 3], "parent[1]"),
-    ([-1, 0], [0, 3], [2, 4], "start[1]"),
-    ([-1, 0], [1, 2], [2, 4], "start[0]"),
-    ([-1, 0], [0, 2], [2, 2], "end[1]"),
-    ([1, 0], [0, 2], [2, 4], "start[0]"),  # a parent cycle
-    ([], [], [], "parent"),
-    ([-1], [0, 1], [1], "start"),
-])
+@pytest.mark.parametrize(
+    "parent,start,end,field",
+    [
+        ([-1, 3], [0, 2], [2, 3], "parent[1]"),
+        ([-1, 0], [0, 3], [2, 4], "start[1]"),
+        ([-1, 0], [1, 2], [2, 4], "start[0]"),
+        ([-1, 0], [0, 2], [2, 2], "end[1]"),
+        ([1, 0], [0, 2], [2, 4], "start[0]"),  # a parent cycle
+        ([], [], [], "parent"),
+        ([-1], [0, 1], [1], "start"),
+    ],
+)
 def test_bad_segment_forest(parent, start, end, field):
     with pytest.raises(InvalidArgumentError) as e:
         plan_segment_forest(parent, start, end, 4)

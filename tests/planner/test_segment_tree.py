@@ -13,18 +13,42 @@ from harts_planner import PackedTokens, RolloutBatch, SegmentTree
 from harts_planner.rpc import codec
 from harts_planner.rpc import planner_pb2 as pb
 
-BATCH_ARRAYS = ["lengths", "tree_ids", "order", "rank", "adjacent_lcp", "compact_map", "multiplicity", "row_parent",
-                "row_depth", "row_segment", "component", "segment_start", "segment_end",
-                "segment_parent", "segment_subtree_end", "segment_row_begin", "segment_multiplicity",
-                "segment_child_offsets", "segment_children", "segment_end_offsets", "segment_ending",
-                "segment_roots", "offsets"]
+BATCH_ARRAYS = [
+    "lengths",
+    "tree_ids",
+    "order",
+    "rank",
+    "adjacent_lcp",
+    "compact_map",
+    "multiplicity",
+    "row_parent",
+    "row_depth",
+    "row_segment",
+    "component",
+    "segment_start",
+    "segment_end",
+    "segment_parent",
+    "segment_subtree_end",
+    "segment_row_begin",
+    "segment_multiplicity",
+    "segment_child_offsets",
+    "segment_children",
+    "segment_end_offsets",
+    "segment_ending",
+    "segment_roots",
+    "offsets",
+]
 
 trajectories = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=7), min_size=1, max_size=14)
 
 
 def assert_same_batch(a: RolloutBatch, b: RolloutBatch) -> None:
-    assert (a.num_trajectories, a.semantic_tokens, a.compact_tokens, a.num_segments) == \
-        (b.num_trajectories, b.semantic_tokens, b.compact_tokens, b.num_segments)
+    assert (a.num_trajectories, a.semantic_tokens, a.compact_tokens, a.num_segments) == (
+        b.num_trajectories,
+        b.semantic_tokens,
+        b.compact_tokens,
+        b.num_segments,
+    )
     for name in BATCH_ARRAYS:
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
 
@@ -64,17 +88,20 @@ def test_tree_batch_has_no_tokens_to_save(tmp_path):
         b.trajectory(0)
 
 
-@pytest.mark.parametrize("parent,length,ends,field,match", [
-    ([], [], [0], "parent", "at least one segment"),
-    ([-1], [1], [], "trajectory_end", "at least one trajectory"),
-    ([-1, 7], [1, 1], [1], "parent[1]", r"must be -1 \(a root\) or a segment id in \[0, 2\), got 7"),
-    ([-1, 1], [1, 1], [0], "parent[1]", "its own parent"),
-    ([-1, 2, 1], [1, 1, 1], [0], "parent[1]", "parent cycle"),
-    ([-1, 0], [1, 0], [1], "length[1]", "at least one token"),
-    ([-1, 0], [1, 1], [3], "trajectory_end[0]", r"segment id in \[0, 2\), got 3"),
-    ([-1, 0, 0], [1, 1, 1], [1], "trajectory_end", "leaf segment 2 ends no trajectory"),
-    ([-1, 0], [1, 1, 1], [1], "length", "one entry per segment"),
-])
+@pytest.mark.parametrize(
+    "parent,length,ends,field,match",
+    [
+        ([], [], [0], "parent", "at least one segment"),
+        ([-1], [1], [], "trajectory_end", "at least one trajectory"),
+        ([-1, 7], [1, 1], [1], "parent[1]", r"must be -1 \(a root\) or a segment id in \[0, 2\), got 7"),
+        ([-1, 1], [1, 1], [0], "parent[1]", "its own parent"),
+        ([-1, 2, 1], [1, 1, 1], [0], "parent[1]", "parent cycle"),
+        ([-1, 0], [1, 0], [1], "length[1]", "at least one token"),
+        ([-1, 0], [1, 1], [3], "trajectory_end[0]", r"segment id in \[0, 2\), got 3"),
+        ([-1, 0, 0], [1, 1, 1], [1], "trajectory_end", "leaf segment 2 ends no trajectory"),
+        ([-1, 0], [1, 1, 1], [1], "length", "one entry per segment"),
+    ],
+)
 def test_malformed_trees_name_the_field(parent, length, ends, field, match):
     with pytest.raises(hp.InvalidArgumentError, match=match) as e:
         RolloutBatch.from_segment_tree(SegmentTree(parent, length, ends))
@@ -94,8 +121,11 @@ small = st.integers(-3, 12)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.one_of(small, int32s), max_size=12), st.lists(st.one_of(small, int32s), max_size=12),
-       st.lists(st.one_of(small, int32s), max_size=12))
+@given(
+    st.lists(st.one_of(small, int32s), max_size=12),
+    st.lists(st.one_of(small, int32s), max_size=12),
+    st.lists(st.one_of(small, int32s), max_size=12),
+)
 def test_fuzz_segment_tree_ingestion(parent, length, ends):
     """Arbitrary arrays: a batch or a planner error naming a field, never anything else."""
     try:
@@ -108,11 +138,16 @@ def test_fuzz_segment_tree_ingestion(parent, length, ends):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.one_of(small, int32s), max_size=16), st.lists(st.integers(-2, 20), max_size=8),
-       st.none() | st.lists(st.integers(-2, 5), max_size=8))
+@given(
+    st.lists(st.one_of(small, int32s), max_size=16),
+    st.lists(st.integers(-2, 20), max_size=8),
+    st.none() | st.lists(st.integers(-2, 5), max_size=8),
+)
 def test_fuzz_token_ingestion(tokens, offsets, tree_ids):
     try:
-        b = RolloutBatch.from_arrays(np.array(tokens, dtype=np.int64), np.array(offsets, dtype=np.int64), tree_ids)
+        b = RolloutBatch.from_arrays(
+            np.array(tokens, dtype=np.int64), np.array(offsets, dtype=np.int64), tree_ids
+        )
     except (hp.InvalidArgumentError, hp.ResourceLimitError) as e:
         assert e.field and str(e).startswith(e.field + ":")
         return
@@ -148,8 +183,14 @@ def test_fuzz_request_trajectory_decoding(msg):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(-(2**63), 2**63 - 1), st.integers(-(2**63), 2**63 - 1), st.integers(-(2**63), 2**63 - 1),
-       st.integers(-(2**63), 2**63 - 1), st.integers(-5, 9), st.binary(max_size=24))
+@given(
+    st.integers(-(2**63), 2**63 - 1),
+    st.integers(-(2**63), 2**63 - 1),
+    st.integers(-(2**63), 2**63 - 1),
+    st.integers(-(2**63), 2**63 - 1),
+    st.integers(-5, 9),
+    st.binary(max_size=24),
+)
 def test_fuzz_request_scalar_decoding(dp, cap, chunk, conv, search, microbatch):
     req = pb.PlanStepRequest(dp_size=dp, capacity=cap, chunk_size=chunk, conv_width=conv)
     req.options.search = search
@@ -158,7 +199,11 @@ def test_fuzz_request_scalar_decoding(dp, cap, chunk, conv, search, microbatch):
     except hp.InvalidArgumentError as e:
         assert e.field in {"dp_size", "capacity", "chunk_size", "conv_width", "options.search"}
     else:
-        assert args["dp_size"] >= 1 and args["capacity"] >= 1 and 1 <= args["chunk_size"] <= hp.call_plan.MAX_CHUNK_SIZE
+        assert (
+            args["dp_size"] >= 1
+            and args["capacity"] >= 1
+            and 1 <= args["chunk_size"] <= hp.call_plan.MAX_CHUNK_SIZE
+        )
     try:
         codec.decode_plan_calls_request(pb.PlanCallsRequest(microbatch=microbatch, chunk_size=chunk))
     except hp.InvalidArgumentError as e:
@@ -176,10 +221,17 @@ def test_packed_tokens_and_tuples_are_accepted():
 
 
 @settings(max_examples=100, deadline=None)
-@given(trajectories, st.booleans(), st.booleans(), st.none() | st.lists(st.integers(0, 13), min_size=1, max_size=3))
+@given(
+    trajectories,
+    st.booleans(),
+    st.booleans(),
+    st.none() | st.lists(st.integers(0, 13), min_size=1, max_size=3),
+)
 def test_fast_request_serialization_equals_protobuf(trajs, as_tree, with_ids, microbatch):
     batch = RolloutBatch.from_token_lists(trajs, tree_ids=np.arange(len(trajs)) if with_ids else None)
-    source = batch.segment_tree() if as_tree else PackedTokens(batch.tokens, batch.offsets, batch._input_tree_ids)
+    source = (
+        batch.segment_tree() if as_tree else PackedTokens(batch.tokens, batch.offsets, batch._input_tree_ids)
+    )
     options = {"max_sampled_k": 5, "greedy": False, "search": "heuristic"}
     fast = codec.serialize_plan_step_request(source, 2, 99, 8, options, True, 3)
     assert pb.PlanStepRequest.FromString(fast) == codec.plan_step_request(source, 2, 99, 8, options, True, 3)

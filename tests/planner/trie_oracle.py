@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 @dataclass
 class NaiveBatch:
-    order: list[int]             # stable lexicographic order
+    order: list[int]  # stable lexicographic order
     adjacent_lcp: list[int]
     prefix_count: dict[tuple, int]  # distinct prefix -> multiplicity
-    segment_ends: set[tuple]     # prefixes at which a segment ends
+    segment_ends: set[tuple]  # prefixes at which a segment ends
 
     @property
     def compact_tokens(self) -> int:

@@ -8,16 +8,16 @@ position and the gradients of all parameters and of the compact input must agree
 
 import random
 
-import harts_planner as hp
 import numpy as np
 import pytest
 import torch
 
+import harts_planner as hp
 import harts_runtime.kda as kda_mod
 from harts_runtime.kda import KDAConfig, KDAExecutionPlan, KDALayer
 from harts_runtime.testing import FreshTokens as Tokens
 
-B = 8      # small chunk so that trees stay small
+B = 8  # small chunk so that trees stay small
 D = 16
 
 # Named tolerances (atol, rtol) for compact vs trajectory-wise, fp32.
@@ -33,10 +33,10 @@ def forks_around_chunk_boundary(t=None):
 def nested_forks_in_one_chunk(t=None):
     t = t or Tokens()
     trunk = t(3 * B)
-    a = trunk[:B + 2] + t(2 * B)             # fork inside chunk 1
-    b = a[:B + 5] + t(B + 1)                 # nested fork, same chunk
-    c = b[:B + 6] + t(3)                     # and again
-    d = trunk[:2] + t(B)                     # nested forks inside chunk 0
+    a = trunk[: B + 2] + t(2 * B)  # fork inside chunk 1
+    b = a[: B + 5] + t(B + 1)  # nested fork, same chunk
+    c = b[: B + 6] + t(3)  # and again
+    d = trunk[:2] + t(B)  # nested forks inside chunk 0
     e = d[:3] + t(5)
     return [trunk, a, b, c, d, e]
 
@@ -45,7 +45,7 @@ def deep_chain(t=None, depth=7, step=3):
     t = t or Tokens()
     trajs = [t(depth * step + B)]
     for i in range(1, depth):
-        p = i * step + (i % 3)               # a fork deeper on each previous branch
+        p = i * step + (i % 3)  # a fork deeper on each previous branch
         trajs.append(trajs[-1][:p] + t(depth * step + B - p))
     return trajs
 
@@ -53,8 +53,8 @@ def deep_chain(t=None, depth=7, step=3):
 def high_fan_out(t=None):
     t = t or Tokens()
     trunk = t(2 * B + 4)
-    out = [trunk] + [trunk[:B + 3] + t(2 + i) for i in range(8)]      # 9 children mid-chunk
-    out += [trunk[:2 * B] + t(1 + i) for i in range(5)]              # 6 children at a boundary
+    out = [trunk] + [trunk[: B + 3] + t(2 + i) for i in range(8)]  # 9 children mid-chunk
+    out += [trunk[: 2 * B] + t(1 + i) for i in range(5)]  # 6 children at a boundary
     return out
 
 
@@ -84,7 +84,7 @@ def many_trees():
     out = forks_around_chunk_boundary(t) + deep_chain(t, depth=4) + high_fan_out(t)
     for _ in range(4):
         out += random_tree(t, rng)
-    out += [t(1), t(B), t(B + 1)]            # unshared trajectories, one a single token
+    out += [t(1), t(B), t(B + 1)]  # unshared trajectories, one a single token
     return out
 
 
@@ -95,6 +95,7 @@ def random_forest_seed(seed):
         for _ in range(3):
             out += random_tree(t, rng, n=rng.randint(2, 9), length=3 * B)
         return out
+
     return build
 
 
@@ -137,8 +138,9 @@ def test_compact_equals_trajectory_wise(scenario, recompute):
     plan, ep, layer, x, s2p = setup(SCENARIOS[scenario]())
     w_out = torch.randn(len(s2p), D, generator=torch.Generator().manual_seed(3))
     y, yt, gc, gt = run_both(layer, ep, plan, x, s2p, w_out, recompute=recompute)
-    torch.testing.assert_close(y, yt, atol=TOL["y"][0], rtol=TOL["y"][1],
-                               msg=lambda m: f"y (every semantic position): {m}")
+    torch.testing.assert_close(
+        y, yt, atol=TOL["y"][0], rtol=TOL["y"][1], msg=lambda m: f"y (every semantic position): {m}"
+    )
     names = ["x"] + [n for n, _ in layer.named_parameters()]
     for name, a, b in zip(names, gc, gt):
         atol, rtol = TOL["dx" if name == "x" else "param"]
@@ -168,11 +170,11 @@ def test_one_projection_per_compact_row_and_one_call_per_round(monkeypatch):
     xc = x.clone().requires_grad_(True)
     layer(xc, ep).sum().backward()
     assert rows == [plan.compact_tokens]
-    assert calls == [int(n) for n in np.diff(plan.round_sequence_offsets)]   # one call per round
+    assert calls == [int(n) for n in np.diff(plan.round_sequence_offsets)]  # one call per round
     rows.clear()
     calls.clear()
     layer(xc, ep, recompute=True).sum().backward()
-    assert rows == [plan.compact_tokens] * 2                                   # forward + recompute
+    assert rows == [plan.compact_tokens] * 2  # forward + recompute
     assert len(calls) == 2 * plan.num_calls
 
 
@@ -187,17 +189,17 @@ def test_no_replay_is_exact_math_but_a_measurably_different_path():
         trajs.append(trunk)
         for p in (B - 1, B + 1, 2 * B + 3, 2 * B + 5, 3 * B + 2):
             br = trunk[:p] + t(2 * B)
-            trajs += [br, br[:p + 4] + t(B + 3)]
+            trajs += [br, br[: p + 4] + t(B + 3)]
     plan, ep, layer, x, s2p = setup(trajs)
     with torch.no_grad():
         yt = layer.forward_trajectories(x[s2p], plan.semantic_offsets)
         err_replay = (layer(x, ep)[s2p] - yt).abs()
         err_no_replay = (layer(x, ep, no_replay=True)[s2p] - yt).abs()
-    torch.testing.assert_close(err_no_replay, torch.zeros_like(yt), atol=1e-4, rtol=0)   # same math
+    torch.testing.assert_close(err_no_replay, torch.zeros_like(yt), atol=1e-4, rtol=0)  # same math
     assert err_replay.max() <= TOL["y"][0]
     assert err_no_replay.max() > 1e-7
     assert err_no_replay.mean() > 10 * err_replay.mean(), (err_no_replay.mean(), err_replay.mean())
-    assert (err_no_replay > 0).float().mean() > 0.3      # most branch positions differ
+    assert (err_no_replay > 0).float().mean() > 0.3  # most branch positions differ
 
 
 def test_plan_mismatch_is_rejected():

@@ -6,9 +6,9 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 
 import pytest
+from min_call_oracle import APPENDIX_A, batch_from_trajectories, case_tree, preorder, tree_batch
 
 from harts_planner import Planner, RolloutBatch, plan_calls, synth, viewer
-from min_call_oracle import APPENDIX_A, batch_from_trajectories, case_tree, preorder, tree_batch
 
 SVG = "{http://www.w3.org/2000/svg}"
 XHTML = "{http://www.w3.org/1999/xhtml}"
@@ -27,8 +27,11 @@ def test_appendix_a_tree_renders_and_names_every_segment(key):
     labels = [names[v] for v in preorder(parent)]
     page = viewer.render_call_plan(plan, title=f"Appendix A, case {key}", names=labels)
     root = ET.fromstring(page)  # well-formed (XHTML-compatible) or this raises
-    assert root.tag == f"{XHTML}html" and "<script" not in page and "http" not in page.replace(
-        "http://www.w3.org/", "")  # self-contained: no scripts, no external resources
+    assert (
+        root.tag == f"{XHTML}html"
+        and "<script" not in page
+        and "http" not in page.replace("http://www.w3.org/", "")
+    )  # self-contained: no scripts, no external resources
     segs = _segments(root)
     assert len(segs) == plan.num_segments == len(names)
     for v in range(plan.num_segments):
@@ -43,9 +46,14 @@ def test_appendix_a_tree_renders_and_names_every_segment(key):
     # One dashed, labelled edge per sequence head with a parent; the labels are the replay lengths.
     replay_labels = sorted(int(t.text[2:]) for t in root.iter(f"{SVG}text") if t.get("class") == "replay")
     heads = [int(plan.chain(q)[0]) for q in range(plan.num_sequences)]
-    assert replay_labels == sorted(int(plan.sequence_replay_length[q]) for q, h in enumerate(heads)
-                                   if plan.segment_parent[h] >= 0)
-    assert f"{case['calls']}" in page and f"Call {case['calls']}:" in page and f"Call {case['calls'] + 1}:" not in page
+    assert replay_labels == sorted(
+        int(plan.sequence_replay_length[q]) for q, h in enumerate(heads) if plan.segment_parent[h] >= 0
+    )
+    assert (
+        f"{case['calls']}" in page
+        and f"Call {case['calls']}:" in page
+        and f"Call {case['calls'] + 1}:" not in page
+    )
 
 
 def test_step_plan_page_lays_out_microbatches_by_replica_and_slot():

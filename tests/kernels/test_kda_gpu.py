@@ -29,10 +29,28 @@ pytestmark = pytest.mark.gpu
 NAMES = ("o", "final", "states", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 # Tolerances on the error ratio, per dtype and tensor. fp32 inputs still go through TF32 dots.
 TOL = {
-    torch.bfloat16: {"o": 6e-3, "final": 6e-3, "states": 6e-3, "dq": 1e-2, "dk": 1e-2, "dv": 1e-2,
-                     "dg": 2e-2, "dbeta": 2e-2, "dh0": 1e-2},
-    torch.float32: {"o": 3e-3, "final": 3e-3, "states": 3e-3, "dq": 5e-3, "dk": 5e-3, "dv": 5e-3,
-                    "dg": 1e-2, "dbeta": 1e-2, "dh0": 5e-3},
+    torch.bfloat16: {
+        "o": 6e-3,
+        "final": 6e-3,
+        "states": 6e-3,
+        "dq": 1e-2,
+        "dk": 1e-2,
+        "dv": 1e-2,
+        "dg": 2e-2,
+        "dbeta": 2e-2,
+        "dh0": 1e-2,
+    },
+    torch.float32: {
+        "o": 3e-3,
+        "final": 3e-3,
+        "states": 3e-3,
+        "dq": 5e-3,
+        "dk": 5e-3,
+        "dv": 5e-3,
+        "dg": 1e-2,
+        "dbeta": 1e-2,
+        "dh0": 5e-3,
+    },
 }
 
 
@@ -55,7 +73,7 @@ def make(lens, H, K, V, dtype, seed=0, device="cuda"):
     q = torch.randn(1, T, H, K, generator=g_)
     k = torch.nn.functional.normalize(torch.randn(1, T, H, K, generator=g_), dim=-1)
     v = torch.randn(1, T, H, V, generator=g_)
-    g = torch.nn.functional.logsigmoid(torch.randn(1, T, H, K, generator=g_) + 3.0)   # decays in (0, 1)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, H, K, generator=g_) + 3.0)  # decays in (0, 1)
     beta = torch.rand(1, T, H, generator=g_)
     h0 = torch.randn(len(lens), H, K, V, generator=g_) * 0.1
     cu = [0]
@@ -67,8 +85,15 @@ def make(lens, H, K, V, dtype, seed=0, device="cuda"):
 
 def fwd_bwd(xs, h0, cu, B, rs, rc, backend, seed=1):
     leaves = [t.detach().clone().requires_grad_(True) for t in xs + [h0]]
-    o, ft, bs = chunk_kda_with_states(*leaves[:5], initial_state=leaves[5], cu_seqlens=cu, chunk_size=B,
-                                      request_seq=rs, request_chunk=rc, backend=backend)
+    o, ft, bs = chunk_kda_with_states(
+        *leaves[:5],
+        initial_state=leaves[5],
+        cu_seqlens=cu,
+        chunk_size=B,
+        request_seq=rs,
+        request_chunk=rc,
+        backend=backend,
+    )
     g_ = torch.Generator(device=o.device).manual_seed(seed)
     w_o = torch.randn(o.shape, generator=g_, device=o.device)
     w_f = torch.randn(ft.shape, generator=g_, device=o.device)
@@ -110,15 +135,21 @@ def test_matches_fla_chunk_kda_when_nothing_requested(dtype):
     xs, h0, cu = make([700, 64, 333, 1], 4, 128, 128, dtype, seed=2)
     ours = fwd_bwd(xs, h0, cu, 64, [], [], "triton", seed=5)
     leaves = [t.detach().clone().requires_grad_(True) for t in xs + [h0]]
-    o, ft = chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True,
-                      cu_seqlens=torch.tensor(cu, device="cuda", dtype=torch.long))
+    o, ft = chunk_kda(
+        *leaves[:5],
+        initial_state=leaves[5],
+        output_final_state=True,
+        cu_seqlens=torch.tensor(cu, device="cuda", dtype=torch.long),
+    )
     g_ = torch.Generator(device="cuda").manual_seed(5)
     w_o = torch.randn(o.shape, generator=g_, device="cuda")
     w_f = torch.randn(ft.shape, generator=g_, device="cuda")
     ((o.float() * w_o).sum() + (ft * w_f).sum()).backward()
     theirs = [o.float(), ft] + [t.grad.float() for t in leaves]
     print(f"\n[{dtype}] vs fla.ops.kda.chunk_kda")
-    for name, a, b in zip(("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0"), theirs, ours[:2] + ours[3:]):
+    for name, a, b in zip(
+        ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0"), theirs, ours[:2] + ours[3:]
+    ):
         assert_close(name, a, b, 2e-3)
 
 
@@ -137,15 +168,27 @@ def test_split_at_boundary_and_resume_reproduces_unsplit(dtype):
     def run(split):
         leaves = [t.detach().clone().requires_grad_(True) for t in xs + [h0]]
         if split:
-            o1, _, st = chunk_kda_with_states(*[t[:, :cut] for t in leaves[:5]], initial_state=leaves[5],
-                                              chunk_size=B, request_seq=[0], request_chunk=[c],
-                                              backend="triton")
-            o2, ft, _ = chunk_kda_with_states(*[t[:, cut:] for t in leaves[:5]], initial_state=st,
-                                              chunk_size=B, backend="triton")
+            o1, _, st = chunk_kda_with_states(
+                *[t[:, :cut] for t in leaves[:5]],
+                initial_state=leaves[5],
+                chunk_size=B,
+                request_seq=[0],
+                request_chunk=[c],
+                backend="triton",
+            )
+            o2, ft, _ = chunk_kda_with_states(
+                *[t[:, cut:] for t in leaves[:5]], initial_state=st, chunk_size=B, backend="triton"
+            )
             o = torch.cat([o1, o2], 1)
         else:
-            o, ft, _ = chunk_kda_with_states(*leaves[:5], initial_state=leaves[5], chunk_size=B,
-                                             request_seq=[0], request_chunk=[c], backend="triton")
+            o, ft, _ = chunk_kda_with_states(
+                *leaves[:5],
+                initial_state=leaves[5],
+                chunk_size=B,
+                request_seq=[0],
+                request_chunk=[c],
+                backend="triton",
+            )
         ((o.float() * w_o).sum() + (ft * w_f).sum()).backward()
         return [o.float(), ft] + [t.grad.float() for t in leaves]
 
@@ -158,10 +201,12 @@ def test_split_at_boundary_and_resume_reproduces_unsplit(dtype):
 @needs_cuda
 def test_requested_state_equals_reference_state_exactly_in_fp32_layout():
     xs, h0, cu = make([256, 130], 2, 64, 64, torch.float32, seed=6)
-    _, _, bs = chunk_kda_with_states(*xs, initial_state=h0, cu_seqlens=cu, request_seq=[0, 1, 0],
-                                     request_chunk=[4, 2, 1], backend="triton")
-    _, _, ref = naive_chunk_kda_with_states(*xs, initial_state=h0, cu_seqlens=cu, request_seq=[0, 1, 0],
-                                            request_chunk=[4, 2, 1])
+    _, _, bs = chunk_kda_with_states(
+        *xs, initial_state=h0, cu_seqlens=cu, request_seq=[0, 1, 0], request_chunk=[4, 2, 1], backend="triton"
+    )
+    _, _, ref = naive_chunk_kda_with_states(
+        *xs, initial_state=h0, cu_seqlens=cu, request_seq=[0, 1, 0], request_chunk=[4, 2, 1]
+    )
     assert bs.dtype == torch.float32 and bs.shape == (3, 2, 64, 64)
     assert_close("states", ref, bs, 3e-3)
 
@@ -184,9 +229,14 @@ INTERP_CASES = [
 ]
 
 
-@pytest.mark.skipif(not (_have("triton") and _have("fla")), reason="needs triton and fla-core (interpreter check)")
-@pytest.mark.parametrize("H,K,V,B,cu,req", INTERP_CASES,
-                         ids=[f"H{c[0]}-K{c[1]}-V{c[2]}-B{c[3]}-N{len(c[4]) - 1}-R{len(c[5])}" for c in INTERP_CASES])
+@pytest.mark.skipif(
+    not (_have("triton") and _have("fla")), reason="needs triton and fla-core (interpreter check)"
+)
+@pytest.mark.parametrize(
+    "H,K,V,B,cu,req",
+    INTERP_CASES,
+    ids=[f"H{c[0]}-K{c[1]}-V{c[2]}-B{c[3]}-N{len(c[4]) - 1}-R{len(c[5])}" for c in INTERP_CASES],
+)
 def test_triton_path_under_interpreter_matches_reference(H, K, V, B, cu, req):
     """The whole GPU path (fla stages + our state-scan kernels) under TRITON_INTERPRET=1 on CPU,
     forward and backward (gradients arriving at every output, final and requested state), against
@@ -223,7 +273,9 @@ def test_triton_path_under_interpreter_matches_reference(H, K, V, B, cu, req):
             assert e < 1e-5, (name, e)
     """)
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, check=False)
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
     print(r.stdout)
     assert r.returncode == 0, r.stderr[-3000:]
 
@@ -234,26 +286,34 @@ def test_triton_path_under_interpreter_matches_reference(H, K, V, B, cu, req):
 def test_layer_compact_equals_trajectory_wise_on_triton(dtype):
     """The KDA layer over a real call plan (replay, handoffs, conv context) on the Triton path
     equals every trajectory run unshared through the same layer, forward and backward."""
-    import harts_planner as hp
-    import numpy as np
     import random
-    from harts_runtime.kda import KDAConfig, KDAExecutionPlan, KDALayer
 
+    import numpy as np
+
+    import harts_planner as hp
+    from harts_runtime.kda import KDAConfig, KDAExecutionPlan, KDALayer
     from harts_runtime.testing import FreshTokens
 
     B, rng, fresh = 64, random.Random(0), FreshTokens()
 
     trajs = [fresh(400)]
-    for p in (B - 1, B, B + 1, 2 * B + 5, 2 * B + 7, 300):           # forks around chunk edges
+    for p in (B - 1, B, B + 1, 2 * B + 5, 2 * B + 7, 300):  # forks around chunk edges
         trajs.append(trajs[0][:p] + fresh(rng.randint(1, 200)))
-    trajs.append(trajs[-1][:330] + fresh(90))                      # nested fork
-    trajs += [fresh(70), fresh(1)]                                 # another tree, a single token
+    trajs.append(trajs[-1][:330] + fresh(90))  # nested fork
+    trajs += [fresh(70), fresh(1)]  # another tree, a single token
     batch = hp.RolloutBatch.from_token_lists(trajs)
     plan = hp.plan_calls(batch, chunk_size=B, conv_width=4)
     assert plan.num_calls >= 2 and plan.replay_tokens > 0
     torch.manual_seed(0)
-    layer = KDALayer(KDAConfig(hidden_size=256, num_heads=4, head_k_dim=64, head_v_dim=64, chunk_size=B,
-                               backend="triton")).cuda().to(dtype)
+    layer = (
+        KDALayer(
+            KDAConfig(
+                hidden_size=256, num_heads=4, head_k_dim=64, head_v_dim=64, chunk_size=B, backend="triton"
+            )
+        )
+        .cuda()
+        .to(dtype)
+    )
     ep = KDAExecutionPlan.from_call_plan(plan, device="cuda")
     s2p = torch.from_numpy(np.asarray(plan.semantic_to_physical, dtype=np.int64)).cuda()
     x = torch.randn(plan.compact_tokens, 256, device="cuda", dtype=dtype)
@@ -276,6 +336,7 @@ def test_layer_compact_equals_trajectory_wise_on_triton(dtype):
 def test_use_first_config_only_keeps_one_candidate():
     import triton
     import triton.language as tl
+
     from harts_kernels.tuning import use_first_config_only
 
     use_first_config_only()
@@ -302,8 +363,34 @@ def test_state_scan_rejects_malformed_requests_before_launch():
     with pytest.raises(ValueError, match="requests"):
         state_scan_fwd(x, x, u, x, None, cu, co, 1, 64, False, requests=(good[0].long(), *good[1:]))
     with pytest.raises(ValueError, match="requests"):
-        state_scan_fwd(x, x, u, x, None, cu, co, 1, 64, False,
-                       requests=(torch.tensor([0, 1, 1], dtype=torch.int32), *good[1:]))
+        state_scan_fwd(
+            x,
+            x,
+            u,
+            x,
+            None,
+            cu,
+            co,
+            1,
+            64,
+            False,
+            requests=(torch.tensor([0, 1, 1], dtype=torch.int32), *good[1:]),
+        )
     with pytest.raises(ValueError, match="d_boundary"):
-        state_scan_bwd(x, x, x, x, u, u, 1.0, None, None, cu, co, 1, 64, requests=good,
-                       d_boundary=torch.zeros(2, H, K, V))
+        state_scan_bwd(
+            x,
+            x,
+            x,
+            x,
+            u,
+            u,
+            1.0,
+            None,
+            None,
+            cu,
+            co,
+            1,
+            64,
+            requests=good,
+            d_boundary=torch.zeros(2, H, K, V),
+        )

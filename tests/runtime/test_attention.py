@@ -42,10 +42,10 @@ def random_chains(batch, rng) -> list[list[int]]:
     while stack:
         chain = stack.pop()
         while True:
-            kids = children[offsets[chain[-1]]:offsets[chain[-1] + 1]].tolist()
+            kids = children[offsets[chain[-1]] : offsets[chain[-1] + 1]].tolist()
             if not kids:
                 break
-            cont = int(rng.integers(-1, len(kids)))     # -1: every child starts a new chain
+            cont = int(rng.integers(-1, len(kids)))  # -1: every child starts a new chain
             stack.extend([k] for i, k in enumerate(kids) if i != cont)
             if cont < 0:
                 break
@@ -102,7 +102,7 @@ def test_bad_branches_are_rejected():
 def test_tree_order_from_parent_handles_any_row_order():
     batch = random_batch(4, num=9)
     c = batch.compact_tokens
-    perm = np.random.default_rng(0).permutation(c)           # new row of old row r: perm[r]
+    perm = np.random.default_rng(0).permutation(c)  # new row of old row r: perm[r]
     parent = np.full(c, -1, dtype=np.int64)
     old_parent = batch.row_parent.astype(np.int64)
     parent[perm] = np.where(old_parent >= 0, perm[old_parent.clip(0)], -1)
@@ -136,8 +136,10 @@ def test_core_matches_expanded_outputs_and_gradients(backend, shape, decompositi
     views = views_from_batch(batch, decomposition)
     c, s = batch.compact_tokens, batch.semantic_tokens
     gen = torch.Generator().manual_seed(1)
-    leaves = [torch.randn(c, h, d, generator=gen, dtype=torch.float64, requires_grad=True)
-              for h, d in ((hq, dqk), (hkv, dqk), (hkv, dv))]
+    leaves = [
+        torch.randn(c, h, d, generator=gen, dtype=torch.float64, requires_grad=True)
+        for h, d in ((hq, dqk), (hkv, dqk), (hkv, dv))
+    ]
     weights = torch.randn(s, hq, dv, generator=gen, dtype=torch.float64)
     sem = torch.from_numpy(batch.compact_map.astype(np.int64))
 
@@ -156,14 +158,17 @@ def test_core_matches_expanded_outputs_and_gradients(backend, shape, decompositi
 
 def test_view_backends_agree_on_random_chains_float32():
     batch = random_batch(11, num=14)
-    views = build_views(batch.row_parent, chain_branches(batch, random_chains(batch, np.random.default_rng(3))))
+    views = build_views(
+        batch.row_parent, chain_branches(batch, random_chains(batch, np.random.default_rng(3)))
+    )
     c = batch.compact_tokens
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(c, h, d, generator=gen) for h, d in ((4, 16), (2, 16), (2, 8)))
     ref = compact_attention(q, k, v, views, backend="reference")
     for backend in CPU_BACKENDS[1:]:
-        torch.testing.assert_close(compact_attention(q, k, v, views, backend=backend), ref,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            compact_attention(q, k, v, views, backend=backend), ref, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_flex_tree_forward_on_cpu():
@@ -192,7 +197,7 @@ def test_remap_to_physical_rows_with_padding():
     phys = views.remap(perm, c + pad)
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(c, 2, 8, generator=gen) for _ in range(3))
-    place = (lambda x: x.new_zeros((c + pad,) + x.shape[1:]).index_copy(0, perm, x))
+    place = lambda x: x.new_zeros((c + pad,) + x.shape[1:]).index_copy(0, perm, x)
     ref = compact_attention(q, k, v, views, backend="reference")
     for backend in CPU_BACKENDS:
         out = compact_attention(place(q), place(k), place(v), phys, backend=backend)
@@ -217,10 +222,22 @@ def test_unknown_backend_and_row_mismatch():
 MODULES = {
     "mha": lambda: CompactAttention(AttentionConfig(hidden_size=32, num_heads=4)),
     "gqa": lambda: CompactAttention(AttentionConfig(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=6)),
-    "mla": lambda: CompactMLA(MLAConfig(hidden_size=32, num_heads=2, kv_lora_rank=12, qk_nope_head_dim=6,
-                                        qk_rope_head_dim=4, v_head_dim=5)),
-    "mla_q_lora": lambda: CompactMLA(MLAConfig(hidden_size=32, num_heads=3, kv_lora_rank=8, qk_nope_head_dim=4,
-                                               qk_rope_head_dim=6, v_head_dim=8, q_lora_rank=10)),
+    "mla": lambda: CompactMLA(
+        MLAConfig(
+            hidden_size=32, num_heads=2, kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5
+        )
+    ),
+    "mla_q_lora": lambda: CompactMLA(
+        MLAConfig(
+            hidden_size=32,
+            num_heads=3,
+            kv_lora_rank=8,
+            qk_nope_head_dim=4,
+            qk_rope_head_dim=6,
+            v_head_dim=8,
+            q_lora_rank=10,
+        )
+    ),
 }
 
 

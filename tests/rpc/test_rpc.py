@@ -43,15 +43,18 @@ def small_batch():
 
 def _raw_channel(server):
     channel = grpc.insecure_channel(server.address)
-    return channel, channel.unary_unary(codec.PLAN_STEP, request_serializer=lambda b: b,
-                                        response_deserializer=lambda b: b)
+    return channel, channel.unary_unary(
+        codec.PLAN_STEP, request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )
 
 
 # ---------------------------------------------------------------------------------- round trips
 @pytest.mark.parametrize("kind", ["tree", "tokens", "batch"])
 def test_round_trip_equals_in_process(server, remote, small_batch, kind):
     b = small_batch
-    source = {"tree": b.segment_tree(), "tokens": PackedTokens(b.tokens, b.offsets, b.tree_ids), "batch": b}[kind]
+    source = {"tree": b.segment_tree(), "tokens": PackedTokens(b.tokens, b.offsets, b.tree_ids), "batch": b}[
+        kind
+    ]
     cap = int(b.lengths.max()) + 500
     local = Planner().plan_step(b, 2, cap, 32, call_plans=True, conv_width=3)
     got = remote.plan_step(source, 2, cap, 32, call_plans=True, conv_width=3)
@@ -75,7 +78,9 @@ def test_plans_are_deterministic_bytes(server, small_batch):
     request = codec.plan_step_request(small_batch.segment_tree(), 2, 40000, 64, {}, True, 4)
     channel, call = _raw_channel(server)
     with channel:
-        a, b = (pb.PlanStepResponse.FromString(call(request.SerializeToString(), timeout=30)) for _ in range(2))
+        a, b = (
+            pb.PlanStepResponse.FromString(call(request.SerializeToString(), timeout=30)) for _ in range(2)
+        )
     for r in (a, b):
         r.ClearField("stats")
         r.plan.planning_seconds = 0
@@ -110,62 +115,182 @@ def test_reflection_lists_the_service(server):
 
 # ---------------------------------------------------------------------------------- bad requests
 def _tree(parent, length, ends, ids=None):
-    return pb.Trajectories(tree=pb.SegmentTree(parent=np.array(parent, "<i4").tobytes(),
-                                               length=np.array(length, "<i4").tobytes(),
-                                               trajectory_end=np.array(ends, "<i4").tobytes()),
-                           tree_ids=b"" if ids is None else np.array(ids, "<i8").tobytes())
+    return pb.Trajectories(
+        tree=pb.SegmentTree(
+            parent=np.array(parent, "<i4").tobytes(),
+            length=np.array(length, "<i4").tobytes(),
+            trajectory_end=np.array(ends, "<i4").tobytes(),
+        ),
+        tree_ids=b"" if ids is None else np.array(ids, "<i8").tobytes(),
+    )
 
 
 def _packed(tokens, offsets):
-    return pb.Trajectories(packed=pb.PackedTokens(tokens=np.array(tokens, "<i4").tobytes(),
-                                                  offsets=np.array(offsets, "<i8").tobytes()))
+    return pb.Trajectories(
+        packed=pb.PackedTokens(
+            tokens=np.array(tokens, "<i4").tobytes(), offsets=np.array(offsets, "<i8").tobytes()
+        )
+    )
 
 
 GOOD = _tree([-1, 0, 0], [3, 2, 4], [1, 2])
-INV, RES, PRE = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION
+INV, RES, PRE = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+)
 
 BAD_STEP = [  # (case id, request, code, field, message fragment)
     ("no trajectories", pb.PlanStepRequest(dp_size=1, capacity=10), INV, "trajectories", "required"),
-    ("misaligned tokens", pb.PlanStepRequest(trajectories=pb.Trajectories(packed=pb.PackedTokens(
-        tokens=b"\x01\x00\x00", offsets=np.array([0, 1], "<i8").tobytes())), dp_size=1, capacity=10),
-     INV, "trajectories.packed.tokens", "3 bytes is not a whole number"),
-    ("empty trajectory", pb.PlanStepRequest(trajectories=_packed([1, 2, 3], [0, 1, 1, 3]), dp_size=1, capacity=10),
-     INV, "trajectories.packed.offsets[2]", "trajectory 1 is empty"),
-    ("offsets not ending at S", pb.PlanStepRequest(trajectories=_packed([1, 2, 3], [0, 1, 2]), dp_size=1,
-                                                   capacity=10), INV, "trajectories.packed.offsets[2]", "len(tokens)"),
-    ("offsets not from 0", pb.PlanStepRequest(trajectories=_packed([1, 2, 3], [1, 3]), dp_size=1, capacity=10),
-     INV, "trajectories.packed.offsets[0]", "must be 0"),
-    ("negative token", pb.PlanStepRequest(trajectories=_packed([1, -2, 3], [0, 3]), dp_size=1, capacity=10),
-     INV, "trajectories.packed.tokens[1]", ">= 0"),
-    ("tree cycle", pb.PlanStepRequest(trajectories=_tree([-1, 2, 1], [1, 1, 1], [0]), dp_size=1, capacity=10),
-     INV, "trajectories.tree.parent[1]", "cycle"),
-    ("dangling parent", pb.PlanStepRequest(trajectories=_tree([-1, 9], [1, 1], [1]), dp_size=1, capacity=10),
-     INV, "trajectories.tree.parent[1]", "got 9"),
-    ("empty segment", pb.PlanStepRequest(trajectories=_tree([-1, 0], [1, 0], [1]), dp_size=1, capacity=10),
-     INV, "trajectories.tree.length[1]", "at least one token"),
-    ("end out of range", pb.PlanStepRequest(trajectories=_tree([-1, 0], [1, 1], [5]), dp_size=1, capacity=10),
-     INV, "trajectories.tree.trajectory_end[0]", "got 5"),
-    ("leaf without end", pb.PlanStepRequest(trajectories=_tree([-1, 0, 0], [1, 1, 1], [1]), dp_size=1, capacity=10),
-     INV, "trajectories.tree.trajectory_end", "leaf segment 2"),
-    ("sizes differ", pb.PlanStepRequest(trajectories=_tree([-1, 0], [1], [1]), dp_size=1, capacity=10),
-     INV, "trajectories.tree.length", "one entry per segment"),
-    ("negative tree id", pb.PlanStepRequest(trajectories=_tree([-1], [2], [0], ids=[-1]), dp_size=1, capacity=10),
-     INV, "trajectories.tree_ids[0]", ">= 0"),
+    (
+        "misaligned tokens",
+        pb.PlanStepRequest(
+            trajectories=pb.Trajectories(
+                packed=pb.PackedTokens(tokens=b"\x01\x00\x00", offsets=np.array([0, 1], "<i8").tobytes())
+            ),
+            dp_size=1,
+            capacity=10,
+        ),
+        INV,
+        "trajectories.packed.tokens",
+        "3 bytes is not a whole number",
+    ),
+    (
+        "empty trajectory",
+        pb.PlanStepRequest(trajectories=_packed([1, 2, 3], [0, 1, 1, 3]), dp_size=1, capacity=10),
+        INV,
+        "trajectories.packed.offsets[2]",
+        "trajectory 1 is empty",
+    ),
+    (
+        "offsets not ending at S",
+        pb.PlanStepRequest(trajectories=_packed([1, 2, 3], [0, 1, 2]), dp_size=1, capacity=10),
+        INV,
+        "trajectories.packed.offsets[2]",
+        "len(tokens)",
+    ),
+    (
+        "offsets not from 0",
+        pb.PlanStepRequest(trajectories=_packed([1, 2, 3], [1, 3]), dp_size=1, capacity=10),
+        INV,
+        "trajectories.packed.offsets[0]",
+        "must be 0",
+    ),
+    (
+        "negative token",
+        pb.PlanStepRequest(trajectories=_packed([1, -2, 3], [0, 3]), dp_size=1, capacity=10),
+        INV,
+        "trajectories.packed.tokens[1]",
+        ">= 0",
+    ),
+    (
+        "tree cycle",
+        pb.PlanStepRequest(trajectories=_tree([-1, 2, 1], [1, 1, 1], [0]), dp_size=1, capacity=10),
+        INV,
+        "trajectories.tree.parent[1]",
+        "cycle",
+    ),
+    (
+        "dangling parent",
+        pb.PlanStepRequest(trajectories=_tree([-1, 9], [1, 1], [1]), dp_size=1, capacity=10),
+        INV,
+        "trajectories.tree.parent[1]",
+        "got 9",
+    ),
+    (
+        "empty segment",
+        pb.PlanStepRequest(trajectories=_tree([-1, 0], [1, 0], [1]), dp_size=1, capacity=10),
+        INV,
+        "trajectories.tree.length[1]",
+        "at least one token",
+    ),
+    (
+        "end out of range",
+        pb.PlanStepRequest(trajectories=_tree([-1, 0], [1, 1], [5]), dp_size=1, capacity=10),
+        INV,
+        "trajectories.tree.trajectory_end[0]",
+        "got 5",
+    ),
+    (
+        "leaf without end",
+        pb.PlanStepRequest(trajectories=_tree([-1, 0, 0], [1, 1, 1], [1]), dp_size=1, capacity=10),
+        INV,
+        "trajectories.tree.trajectory_end",
+        "leaf segment 2",
+    ),
+    (
+        "sizes differ",
+        pb.PlanStepRequest(trajectories=_tree([-1, 0], [1], [1]), dp_size=1, capacity=10),
+        INV,
+        "trajectories.tree.length",
+        "one entry per segment",
+    ),
+    (
+        "negative tree id",
+        pb.PlanStepRequest(trajectories=_tree([-1], [2], [0], ids=[-1]), dp_size=1, capacity=10),
+        INV,
+        "trajectories.tree_ids[0]",
+        ">= 0",
+    ),
     ("dp_size unset", pb.PlanStepRequest(trajectories=GOOD, capacity=10), INV, "dp_size", "required"),
-    ("capacity negative", pb.PlanStepRequest(trajectories=GOOD, dp_size=1, capacity=-4), INV, "capacity", "got -4"),
-    ("chunk too large", pb.PlanStepRequest(trajectories=GOOD, dp_size=1, capacity=10, chunk_size=2**21),
-     INV, "chunk_size", "[1, 1048576]"),
-    ("conv width", pb.PlanStepRequest(trajectories=GOOD, dp_size=1, capacity=10, conv_width=-1), INV, "conv_width", ""),
-    ("option out of range", pb.PlanStepRequest(trajectories=GOOD, dp_size=1, capacity=10,
-                                               options=pb.StepOptions(max_sampled_k=1)),
-     INV, "options.max_sampled_k", ">= 2"),
-    ("unknown search mode", pb.PlanStepRequest(trajectories=GOOD, dp_size=1, capacity=10,
-                                               options=pb.StepOptions(search=7)), INV, "options.search", "7"),
-    ("trajectory over capacity", pb.PlanStepRequest(trajectories=GOOD, dp_size=1, capacity=5),
-     INV, "trajectories[1]", "capacity T = 5"),
-    ("too many replicas", pb.PlanStepRequest(trajectories=GOOD, dp_size=3, capacity=10), PRE, "dp_size", "N >= D"),
-    ("too many tokens", pb.PlanStepRequest(trajectories=_tree([-1, 0], [2**30, 2**30 - 2], [1, 1]), dp_size=1,
-                                           capacity=10), RES, "trajectories.tree.trajectory_end[1]", "limit"),
+    (
+        "capacity negative",
+        pb.PlanStepRequest(trajectories=GOOD, dp_size=1, capacity=-4),
+        INV,
+        "capacity",
+        "got -4",
+    ),
+    (
+        "chunk too large",
+        pb.PlanStepRequest(trajectories=GOOD, dp_size=1, capacity=10, chunk_size=2**21),
+        INV,
+        "chunk_size",
+        "[1, 1048576]",
+    ),
+    (
+        "conv width",
+        pb.PlanStepRequest(trajectories=GOOD, dp_size=1, capacity=10, conv_width=-1),
+        INV,
+        "conv_width",
+        "",
+    ),
+    (
+        "option out of range",
+        pb.PlanStepRequest(
+            trajectories=GOOD, dp_size=1, capacity=10, options=pb.StepOptions(max_sampled_k=1)
+        ),
+        INV,
+        "options.max_sampled_k",
+        ">= 2",
+    ),
+    (
+        "unknown search mode",
+        pb.PlanStepRequest(trajectories=GOOD, dp_size=1, capacity=10, options=pb.StepOptions(search=7)),
+        INV,
+        "options.search",
+        "7",
+    ),
+    (
+        "trajectory over capacity",
+        pb.PlanStepRequest(trajectories=GOOD, dp_size=1, capacity=5),
+        INV,
+        "trajectories[1]",
+        "capacity T = 5",
+    ),
+    (
+        "too many replicas",
+        pb.PlanStepRequest(trajectories=GOOD, dp_size=3, capacity=10),
+        PRE,
+        "dp_size",
+        "N >= D",
+    ),
+    (
+        "too many tokens",
+        pb.PlanStepRequest(trajectories=_tree([-1, 0], [2**30, 2**30 - 2], [1, 1]), dp_size=1, capacity=10),
+        RES,
+        "trajectories.tree.trajectory_end[1]",
+        "limit",
+    ),
 ]
 
 
@@ -179,14 +304,17 @@ def test_bad_plan_step_requests(server, remote, case, request_, code, field, fra
     from harts_planner.rpc.client import translate
 
     err = translate(e.value)  # the client maps status + detail back to the planner error and field
-    assert err.field == field and isinstance(err, {INV: hp.InvalidArgumentError, RES: hp.ResourceLimitError,
-                                                   PRE: hp.InfeasibleError}[code])
+    assert err.field == field and isinstance(
+        err, {INV: hp.InvalidArgumentError, RES: hp.ResourceLimitError, PRE: hp.InfeasibleError}[code]
+    )
     assert remote.health() == "SERVING"  # the server keeps serving
 
 
 def test_bad_plan_calls_requests(remote):
     tree = SegmentTree([-1, 0, 0], [3, 2, 4], [1, 2])
-    with pytest.raises(hp.InvalidArgumentError, match=r"microbatch\[1\]: trajectory index 7 is out of range") as e:
+    with pytest.raises(
+        hp.InvalidArgumentError, match=r"microbatch\[1\]: trajectory index 7 is out of range"
+    ) as e:
         remote.plan_calls(tree, 4, [0, 7])
     assert e.value.field == "microbatch[1]"
     with pytest.raises(hp.InvalidArgumentError, match="appears more than once"):
@@ -199,7 +327,9 @@ def test_unparsable_bytes_are_invalid_argument(server):
     channel, call = _raw_channel(server)
     with channel, pytest.raises(grpc.RpcError) as e:
         call(b"\xff\xff\xff\xff\x0f", timeout=30)
-    assert e.value.code() == INV and e.value.details().startswith("request: not a valid harts.planner.v1.PlanStepRequest")
+    assert e.value.code() == INV and e.value.details().startswith(
+        "request: not a valid harts.planner.v1.PlanStepRequest"
+    )
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -217,8 +347,10 @@ def test_fuzz_raw_request_bytes(server, data):
 
 # ---------------------------------------------------------------------------------- limits, deadlines
 def test_over_limit_request_is_refused_and_server_keeps_serving():
-    with create_server("127.0.0.1:0", workers=2, max_message_bytes=64 << 10) as srv, \
-            Planner(srv.address, timeout=30) as p:
+    with (
+        create_server("127.0.0.1:0", workers=2, max_message_bytes=64 << 10) as srv,
+        Planner(srv.address, timeout=30) as p,
+    ):
         tokens = np.arange(40_000, dtype=np.int32)  # 160 KB of tokens > 64 KiB
         with pytest.raises(hp.ResourceLimitError, match="request") as e:
             p.plan_step((tokens, np.array([0, 40_000])), 1, 50_000)
@@ -241,7 +373,7 @@ def test_deadline_is_honoured(remote, small_batch):
     big = RolloutBatch.from_arrays(syn.tokens, syn.offsets, syn.tree_ids)
     with pytest.raises(SidecarTimeoutError):
         remote.plan_step(payload(big, "tokens"), 1, 2 * int(big.lengths.max()), timeout=1e-3)
-    assert remote.plan_step(small_batch, 1, 40000).num_microbatches >= 1   # and it keeps serving
+    assert remote.plan_step(small_batch, 1, 40000).num_microbatches >= 1  # and it keeps serving
 
 
 def test_unreachable_sidecar():
@@ -255,8 +387,10 @@ def test_sixteen_concurrent_clients_get_correct_plans(server):
     for seed in range(16):
         syn = synth.generate("tiny" if seed % 2 else "small", seed=seed)
         batches.append(RolloutBatch.from_arrays(syn.tokens, syn.offsets, syn.tree_ids))
-    expected = [Planner().plan_step(b, 1 + i % 2, int(b.lengths.max()) + 7 * i, call_plans=True)
-                for i, b in enumerate(batches)]
+    expected = [
+        Planner().plan_step(b, 1 + i % 2, int(b.lengths.max()) + 7 * i, call_plans=True)
+        for i, b in enumerate(batches)
+    ]
     results: list = [None] * 16
     barrier = threading.Barrier(16)
 
@@ -265,8 +399,10 @@ def test_sixteen_concurrent_clients_get_correct_plans(server):
             barrier.wait()
             b = batches[i]
             source = b.segment_tree() if i % 3 else PackedTokens(b.tokens, b.offsets, b.tree_ids)
-            results[i] = [p.plan_step(source, 1 + i % 2, int(b.lengths.max()) + 7 * i, call_plans=True)
-                          for _ in range(3)]
+            results[i] = [
+                p.plan_step(source, 1 + i % 2, int(b.lengths.max()) + 7 * i, call_plans=True)
+                for _ in range(3)
+            ]
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
     for t in threads:

@@ -21,7 +21,7 @@ def _case(dtype):
     logits = (torch.randn(C, V, generator=g, dtype=torch.float64) * 3).to(dtype)
     rows = torch.randint(0, C, (P,), generator=g)
     labels = torch.randint(0, V, (P,), generator=g)
-    labels[:3] = torch.tensor([0, V - 1, V // 2])       # both shard edges
+    labels[:3] = torch.tensor([0, V - 1, V // 2])  # both shard edges
     upstream = torch.randn(P, generator=g, dtype=torch.float64)
     return logits, rows, labels, upstream
 
@@ -37,7 +37,9 @@ def _vp_worker(rank, world, dtype, chunk):
     return {"lp": lp.detach(), "grad": local.grad, "range": (a, b)}
 
 
-@pytest.mark.parametrize("dtype,chunk", [(torch.float64, 8192), (torch.float32, 5)], ids=["f64", "f32-chunk5"])
+@pytest.mark.parametrize(
+    "dtype,chunk", [(torch.float64, 8192), (torch.float32, 5)], ids=["f64", "f32-chunk5"]
+)
 def test_vocab_parallel_logprobs_match_single_process(dtype, chunk):
     out = run_distributed(_vp_worker, 2, dtype, chunk, timeout=60)
     logits, rows, labels, upstream = _case(dtype)
@@ -61,7 +63,7 @@ def test_vocab_range_covers_vocab():
 
 
 # ----------------------------------------------------------------- the model's vocab-parallel LM head
-N, D, ROWS = 13, 6, 4          # 4 row chunks of the fused head; V = 53 splits unevenly (27 + 26)
+N, D, ROWS = 13, 6, 4  # 4 row chunks of the fused head; V = 53 splits unevenly (27 + 26)
 
 
 def _head_case():
@@ -69,9 +71,9 @@ def _head_case():
     hidden = torch.randn(N, D, generator=g, dtype=torch.float64)
     weight = torch.randn(V, D, generator=g, dtype=torch.float64)
     rows = torch.randint(0, N, (P,), generator=g)
-    rows[-1] = N - 1                                     # a target in the last (short) chunk
+    rows[-1] = N - 1  # a target in the last (short) chunk
     labels = torch.randint(0, V, (P,), generator=g)
-    labels[:3] = torch.tensor([0, V - 1, 26])            # both shard edges and the last id of shard 0
+    labels[:3] = torch.tensor([0, V - 1, 26])  # both shard edges and the last id of shard 0
     upstream = torch.randn(P, generator=g, dtype=torch.float64)
     ids = torch.cat([torch.tensor([0, V - 1, 26, 27]), torch.randint(0, V, (N - 4,), generator=g)])
     return hidden, weight, rows, labels, upstream, ids
@@ -85,14 +87,21 @@ def _row_blocks():
     from harts_runtime.parallel.comm import row_split
 
     sizes = row_split(N, 2)
-    return [slice(sum(sizes[:r]), sum(sizes[:r + 1])) for r in range(2)]
+    return [slice(sum(sizes[:r]), sum(sizes[: r + 1])) for r in range(2)]
 
 
 class _CollectiveLog:
     """Records (op, numel) of every collective issued through ``torch.distributed`` while active."""
 
-    OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-           "all_to_all_single", "broadcast")
+    OPS = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_to_all_single",
+        "broadcast",
+    )
 
     def __init__(self):
         import torch.distributed as dist
@@ -140,9 +149,18 @@ def _head_worker(rank, world):
         x = embed(ids)
         x_w = _embed_upstream()
         (x * (split_rows(x_w, dist.group.WORLD) if sp else x_w)).sum().backward()
-        out[sp] = {"lp": lp.detach(), "dh": h.grad, "dw": head.weight.grad, "range": head.weight._harts_vocab_range,
-                   "fwd": fwd.calls, "bwd": bwd.calls, "logits": head(hidden), "x": x.detach(),
-                   "dembed": embed.weight.grad, "embed_range": embed.weight._harts_vocab_range}
+        out[sp] = {
+            "lp": lp.detach(),
+            "dh": h.grad,
+            "dw": head.weight.grad,
+            "range": head.weight._harts_vocab_range,
+            "fwd": fwd.calls,
+            "bwd": bwd.calls,
+            "logits": head(hidden),
+            "x": x.detach(),
+            "dembed": embed.weight.grad,
+            "embed_range": embed.weight._harts_vocab_range,
+        }
     return out
 
 
@@ -162,8 +180,14 @@ def _head_reference():
     e = weight.clone().requires_grad_(True)
     x = torch.nn.functional.embedding(ids, e)
     (x * _embed_upstream()).sum().backward()
-    return {"lp": lp.detach(), "dh": h.grad, "dw": w.grad, "logits": hidden @ weight.t(), "x": x.detach(),
-            "dembed": e.grad}
+    return {
+        "lp": lp.detach(),
+        "dh": h.grad,
+        "dw": w.grad,
+        "logits": hidden @ weight.t(),
+        "x": x.detach(),
+        "dembed": e.grad,
+    }
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])

@@ -1,17 +1,17 @@
 """Hybrid model: flavors and config errors, the chunked LM-head log-probs against materialised
 logits, MoE expert-load counts under recomputation, and the FLOP model against brute force."""
 
-import harts_planner as hp
 import numpy as np
 import pytest
 import torch
 
+import harts_planner as hp
 from harts_runtime.flops import attended_keys, layer_costs, model_flops, work_compression
 from harts_runtime.model import ChunkedLMHeadLogProbs, ConfigError, HybridModel, lm_chunks, model_config
 from harts_runtime.testing import random_trajectories
 from harts_runtime.views import TreeOrder
 
-TOL_LP = (1e-12, 1e-10)      # float64 chunked vs materialised log-probs and their gradients
+TOL_LP = (1e-12, 1e-10)  # float64 chunked vs materialised log-probs and their gradients
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -20,8 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_ling_tiny_matches_table_1():
     c = model_config("ling-tiny")
     assert c.num_layers == 24
-    assert c.mixers == (("kda",) * 3 + ("mla",)) * 6                      # 6 x (3 KDA + 1 MLA)
-    assert c.ffns == ("dense",) + ("moe",) * 23                            # layer 1 dense, 2-24 MoE
+    assert c.mixers == (("kda",) * 3 + ("mla",)) * 6  # 6 x (3 KDA + 1 MLA)
+    assert c.ffns == ("dense",) + ("moe",) * 23  # layer 1 dense, 2-24 MoE
     assert (c.hidden_size, c.num_heads, c.dense_intermediate) == (1536, 16, 4608)
     assert (c.num_experts, c.top_k, c.expert_intermediate) == (128, 8, 512)
     assert (c.conv_size, c.chunk_size, c.vocab_size, c.dtype) == (4, 64, 157_184, "bfloat16")
@@ -29,15 +29,18 @@ def test_ling_tiny_matches_table_1():
     assert r.mixers == (("kda",) * 3 + ("mla",)) * 2 and r.ffns == ("dense",) + ("moe",) * 7
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"flavor": "nope"}, "flavor"),
-    ({"flavor": "ling-tiny", "num_layers": 25}, "num_layers"),
-    ({"flavor": "debug", "mixers": ("kda", "rnn", "kda", "mla")}, "mixers[1]"),
-    ({"flavor": "debug", "ffns": ("dense",)}, "ffns"),
-    ({"flavor": "debug", "top_k": 9}, "top_k"),
-    ({"flavor": "debug", "dtype": "float16"}, "dtype"),
-    ({"flavor": "debug", "bogus": 1}, "bogus"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"flavor": "nope"}, "flavor"),
+        ({"flavor": "ling-tiny", "num_layers": 25}, "num_layers"),
+        ({"flavor": "debug", "mixers": ("kda", "rnn", "kda", "mla")}, "mixers[1]"),
+        ({"flavor": "debug", "ffns": ("dense",)}, "ffns"),
+        ({"flavor": "debug", "top_k": 9}, "top_k"),
+        ({"flavor": "debug", "dtype": "float16"}, "dtype"),
+        ({"flavor": "debug", "bogus": 1}, "bogus"),
+    ],
+)
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ConfigError) as e:
         model_config(**kwargs)
@@ -47,7 +50,9 @@ def test_config_errors_name_the_field(kwargs, field):
 def test_any_layer_pattern_builds_and_runs():
     from harts_runtime.train import StepInputs, step_logprobs
 
-    cfg = model_config("debug", mixers=("gqa", "kda", "kda", "mla", "kda"), ffns=("moe", "dense", "moe", "moe", "dense"))
+    cfg = model_config(
+        "debug", mixers=("gqa", "kda", "kda", "mla", "kda"), ffns=("moe", "dense", "moe", "moe", "dense")
+    )
     model = HybridModel(cfg)
     assert [b.mixer_kind for b in model.blocks] == list(cfg.mixers)
     batch = hp.RolloutBatch.from_token_lists(random_trajectories(np.random.default_rng(0), num=5, max_new=12))
@@ -61,7 +66,7 @@ def test_chunked_lm_head_equals_materialised_log_softmax(rows):
     n, d, v, p = 11, 6, 13, 40
     h = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(v, d, generator=g, dtype=torch.float64, requires_grad=True)
-    row_index = torch.randint(0, n, (p,), generator=g)                      # shared rows, own labels
+    row_index = torch.randint(0, n, (p,), generator=g)  # shared rows, own labels
     labels = torch.randint(0, v, (p,), generator=g)
     gout = torch.randn(p, generator=g, dtype=torch.float64)
     order, bounds = lm_chunks(row_index.numpy(), n, rows)
@@ -83,7 +88,9 @@ def test_moe_counts_accumulate_once_with_recomputation():
         torch.manual_seed(0)
         model = HybridModel(model_config("debug"))
         run_microbatch(model, step, np.arange(batch.num_trajectories), "compact", recompute)
-        counts.append(torch.stack([b.ffn.local_tokens_per_expert.clone() for b in model.blocks if b.ffn_kind == "moe"]))
+        counts.append(
+            torch.stack([b.ffn.local_tokens_per_expert.clone() for b in model.blocks if b.ffn_kind == "moe"])
+        )
     torch.testing.assert_close(counts[0], counts[1], atol=0, rtol=0)
     # every semantic position is counted top_k times per MoE layer (multiplicity weighting)
     assert counts[0].sum(1).tolist() == [2.0 * batch.semantic_tokens] * counts[0].shape[0]
@@ -91,12 +98,15 @@ def test_moe_counts_accumulate_once_with_recomputation():
 
 def test_attended_keys_equals_brute_force_tree_mask():
     for seed in range(5):
-        batch = hp.RolloutBatch.from_token_lists(random_trajectories(np.random.default_rng(seed), num=9, max_new=8))
-        mask = TreeOrder.from_batch(batch).dense_mask()                       # [C, C] ancestor-or-self
+        batch = hp.RolloutBatch.from_token_lists(
+            random_trajectories(np.random.default_rng(seed), num=9, max_new=8)
+        )
+        mask = TreeOrder.from_batch(batch).dense_mask()  # [C, C] ancestor-or-self
         assert attended_keys(batch.row_depth) == int(mask.sum())
         lengths = np.asarray(batch.lengths)
-        assert attended_keys(np.concatenate([np.arange(n) for n in lengths])) == \
-            sum(int(np.tril(np.ones((n, n))).sum()) for n in lengths)
+        assert attended_keys(np.concatenate([np.arange(n) for n in lengths])) == sum(
+            int(np.tril(np.ones((n, n))).sum()) for n in lengths
+        )
         plan = hp.plan_calls(batch, 8, conv_width=4)
         assert attended_keys(plan.position_ids) == int(mask.sum())
 
@@ -111,7 +121,9 @@ def test_model_flops_equal_a_per_row_brute_force_sum():
         for m, f in zip(cfg.mixers, cfg.ffns):
             brute += per[m] + per[f] + (per[f"{m}_per_key"] * (p + 1) if m != "kda" else 0)
         brute += per["lm_head"]
-    assert model_flops(cfg, len(positions), attended_keys(positions), training=False) == pytest.approx(brute, rel=1e-12)
+    assert model_flops(cfg, len(positions), attended_keys(positions), training=False) == pytest.approx(
+        brute, rel=1e-12
+    )
     # no sharing: ideal work compression 1; sharing: above row compression (shared rows sit early)
     lens = [5, 7]
     w = work_compression(cfg, lens, [np.arange(5), np.arange(7)])
