@@ -425,6 +425,7 @@ def slow_tree(n: int = 15_000, seed: int = 0) -> SegmentTree:
     return SegmentTree(parent, length, np.flatnonzero(~has_child).astype(np.int32))
 
 
+@pytest.mark.slow
 def test_sigterm_drains(tmp_path):
     tree = slow_tree()
     cap = int(RolloutBatch.from_segment_tree(tree).lengths.max()) * 2
