@@ -43,7 +43,12 @@ def test_wire_tables_cover_every_plan_field():
     from harts_planner.rpc import planner_pb2 as pb
 
     wire = {f.name for f in pb.CallPlan.DESCRIPTOR.fields}
-    assert wire == set(call_plan.ARRAY_FIELDS) | set(call_plan.SCALAR_FIELDS)
+    # every field but the flag of a plan sent without its debug part (omit_debug)
+    assert wire == set(call_plan.ARRAY_FIELDS) | set(call_plan.SCALAR_FIELDS) | {"debug_omitted"}
+    assert (
+        pb.CallPlan.DESCRIPTOR.fields_by_name["debug_omitted"].type
+        == pb.CallPlan.DESCRIPTOR.fields[0].TYPE_BOOL
+    )
     batch = hp.RolloutBatch.from_token_lists([[1, 2, 3], [1, 2, 4], [1, 5]])
     plan = hp.plan_calls(batch, 2)
     for name, dtype in call_plan.ARRAY_FIELDS.items():

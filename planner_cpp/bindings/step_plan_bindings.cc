@@ -1,13 +1,17 @@
 // Bindings of the step planner (harts/step_plan.h): a table of definitions.
-// The Python wrapper is harts_planner.step_plan (StepPlan, plan_step).
+// The Python wrapper is harts_planner.step_plan (StepPlan, plan_step). The option defaults
+// and the planner's size limits are exported from the C++ definitions (default_step_options,
+// planner_limits), so Python and planner.proto's comments are checked against one source.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include "glue.h"
+#include "harts/call_layout.h"
 #include "harts/contiguous_dp.h"
 #include "harts/errors.h"
 #include "harts/microbatch.h"
+#include "harts/min_call.h"
 #include "harts/natural_partition.h"
 #include "harts/rollout_batch.h"
 #include "harts/step_plan.h"
@@ -18,6 +22,38 @@ using harts::StepPlan;
 using harts::py_glue::View;
 
 namespace {
+
+// The defaults of every search option (dp_size and capacity are required arguments, not options).
+const harts::PlannerOptions kDefaults{};
+
+// Search options and their defaults, in planner.proto's StepOptions order.
+py::dict DefaultStepOptions() {
+  py::dict d;
+  d["exact_threshold"] = kDefaults.exact_threshold;
+  d["max_sampled_k"] = kDefaults.max_sampled_k;
+  d["refine_window"] = kDefaults.refine_window;
+  d["refine_sweeps"] = kDefaults.refine_sweeps;
+  d["max_anchors"] = kDefaults.max_anchors;
+  d["repair_window"] = kDefaults.repair_window;
+  d["repair_iterations"] = kDefaults.repair_iterations;
+  d["greedy"] = kDefaults.greedy;
+  d["refine"] = kDefaults.refine;
+  d["component_greedy"] = kDefaults.component_greedy;
+  d["search"] = kDefaults.search;
+  return d;
+}
+
+// The size limits of the planner's inputs (rollout_batch.h, min_call.h, call_layout.h, step_plan.h).
+py::dict PlannerLimits() {
+  py::dict d;
+  d["MAX_TRAJECTORIES"] = harts::kMaxTrajectories;
+  d["MAX_SEMANTIC_TOKENS"] = harts::kMaxSemanticTokens;
+  d["MAX_TREE_SEGMENTS"] = harts::kMaxTreeSegments;
+  d["MAX_CHUNK_SIZE"] = harts::kMaxChunkSize;
+  d["MAX_CONV_WIDTH"] = harts::kMaxConvWidth;
+  d["MAX_EXACT_CELLS"] = harts::kMaxExactCells;
+  return d;
+}
 
 py::tuple ObjectiveTuple(const harts::Objective& o) {
   return py::make_tuple(o.total_work, o.slot_critical_work, o.max_replica_work);
@@ -120,11 +156,17 @@ void DefineStepPlan(py::module_& m) {
         return out;
       });
 
-  m.def("plan_step", &Plan, py::arg("batch"), py::arg("dp_size"), py::arg("capacity"), py::arg("exact_threshold") = 512,
-        py::arg("max_sampled_k") = 32, py::arg("refine_window") = 8, py::arg("refine_sweeps") = 2,
-        py::arg("max_anchors") = 3, py::arg("repair_window") = 8, py::arg("repair_iterations") = 4,
-        py::arg("greedy") = true, py::arg("refine") = true, py::arg("component_greedy") = true,
-        py::arg("search") = "auto", "Plan one step (harts/step_plan.h); releases the GIL.");
+  m.def("plan_step", &Plan, py::arg("batch"), py::arg("dp_size"), py::arg("capacity"),
+        py::arg("exact_threshold") = kDefaults.exact_threshold, py::arg("max_sampled_k") = kDefaults.max_sampled_k,
+        py::arg("refine_window") = kDefaults.refine_window, py::arg("refine_sweeps") = kDefaults.refine_sweeps,
+        py::arg("max_anchors") = kDefaults.max_anchors, py::arg("repair_window") = kDefaults.repair_window,
+        py::arg("repair_iterations") = kDefaults.repair_iterations, py::arg("greedy") = kDefaults.greedy,
+        py::arg("refine") = kDefaults.refine, py::arg("component_greedy") = kDefaults.component_greedy,
+        py::arg("search") = kDefaults.search, "Plan one step (harts/step_plan.h); releases the GIL.");
+  m.def("default_step_options", &DefaultStepOptions,
+        "A new dict: every search option of plan_step and its default (harts::PlannerOptions).");
+  m.def("planner_limits", &PlannerLimits,
+        "A new dict: the planner's size limits (kMaxTrajectories, ..., kMaxExactCells) by their Python names.");
   m.def("natural_partition", &NaturalCuts, py::arg("batch"), py::arg("capacity"),
         "Cuts (int32 ranks, K0 + 1 entries) of the natural partition P0.");
   m.def("exact_contiguous_partitions", &ExactPartitions, py::arg("batch"), py::arg("capacity"), py::arg("ks"),

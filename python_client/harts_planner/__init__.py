@@ -11,7 +11,7 @@ Public API::
 
 from harts_planner._native import MAX_SEMANTIC_TOKENS, MAX_TRAJECTORIES
 from harts_planner.batch import PackedTokens, RolloutBatch, SegmentTree
-from harts_planner.call_plan import CallPlan, plan_calls
+from harts_planner.call_plan import CallLayout, CallPlan, CallPlanDebug, plan_calls
 from harts_planner.errors import HartsError, InfeasibleError, InvalidArgumentError, ResourceLimitError
 from harts_planner.planner import Planner
 from harts_planner.step_plan import StepPlan, plan_step
@@ -24,6 +24,8 @@ __all__ = [
     "SegmentTree",
     "Planner",
     "CallPlan",
+    "CallLayout",
+    "CallPlanDebug",
     "plan_calls",
     "StepPlan",
     "plan_step",

@@ -26,24 +26,9 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from harts_planner import _native
+from harts_planner import _native, checks
 from harts_planner.errors import invalid
-
-
-def _as_array(values, dtype, field: str) -> np.ndarray:
-    """Return ``values`` as a C-contiguous 1-D array of ``dtype`` (zero copy when it already is)."""
-    arr = np.asarray(values)
-    if arr.ndim != 1:
-        raise invalid(field, f"must be one-dimensional, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise invalid(field, f"must hold integers, got dtype {arr.dtype}")
-    if arr.dtype != dtype and arr.size:
-        info = np.iinfo(dtype)
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < info.min or hi > info.max:
-            bad = lo if lo < info.min else hi
-            raise invalid(field, f"value {bad} does not fit {np.dtype(dtype).name}")
-    return np.ascontiguousarray(arr, dtype=dtype)
+from harts_planner.fields import NativeField
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -68,10 +53,10 @@ class PackedTokens:
     tree_ids: np.ndarray | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "tokens", _as_array(self.tokens, np.int32, "tokens"))
-        object.__setattr__(self, "offsets", _as_array(self.offsets, np.int64, "offsets"))
+        object.__setattr__(self, "tokens", checks.int_array(self.tokens, np.int32, "tokens"))
+        object.__setattr__(self, "offsets", checks.int_array(self.offsets, np.int64, "offsets"))
         if self.tree_ids is not None:
-            object.__setattr__(self, "tree_ids", _as_array(self.tree_ids, np.int64, "tree_ids"))
+            object.__setattr__(self, "tree_ids", checks.int_array(self.tree_ids, np.int64, "tree_ids"))
 
     @property
     def num_trajectories(self) -> int:
@@ -110,9 +95,9 @@ class SegmentTree:
 
     def __post_init__(self):
         for name in ("parent", "length", "trajectory_end"):
-            object.__setattr__(self, name, _as_array(getattr(self, name), np.int32, name))
+            object.__setattr__(self, name, checks.int_array(getattr(self, name), np.int32, name))
         if self.tree_ids is not None:
-            object.__setattr__(self, "tree_ids", _as_array(self.tree_ids, np.int64, "tree_ids"))
+            object.__setattr__(self, "tree_ids", checks.int_array(self.tree_ids, np.int64, "tree_ids"))
 
     @property
     def num_segments(self) -> int:
@@ -167,10 +152,10 @@ class RolloutBatch:
         ResourceLimitError
             More than ``MAX_TRAJECTORIES`` trajectories or ``MAX_SEMANTIC_TOKENS`` tokens.
         """
-        tokens = _as_array(tokens, np.int32, "tokens")
-        offsets = _as_array(offsets, np.int64, "offsets")
+        tokens = checks.int_array(tokens, np.int32, "tokens")
+        offsets = checks.int_array(offsets, np.int64, "offsets")
         if tree_ids is not None:
-            tree_ids = _as_array(tree_ids, np.int64, "tree_ids")
+            tree_ids = checks.int_array(tree_ids, np.int64, "tree_ids")
         native = _native.ingest(tokens, offsets, tree_ids)
         return cls(native, tokens, offsets, tree_ids)
 
@@ -188,8 +173,10 @@ class RolloutBatch:
                 raise invalid(f"trajectories[{i}]", "trajectory is empty")
         offsets = np.zeros(len(trajectories) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        pieces = [_as_array(t, np.int64, f"trajectories[{i}]") for i, t in enumerate(trajectories)]
-        return cls.from_arrays(_as_array(np.concatenate(pieces), np.int32, "tokens"), offsets, tree_ids)
+        pieces = [checks.int_array(t, np.int64, f"trajectories[{i}]") for i, t in enumerate(trajectories)]
+        return cls.from_arrays(
+            checks.int_array(np.concatenate(pieces), np.int32, "tokens"), offsets, tree_ids
+        )
 
     @classmethod
     def from_segment_tree(cls, tree: SegmentTree) -> RolloutBatch:
@@ -250,25 +237,10 @@ class RolloutBatch:
         save_batch(path, self._tokens, self._offsets, self._input_tree_ids)
 
     # ------------------------------------------------------------------ sizes
-    @property
-    def num_trajectories(self) -> int:
-        """N, the number of trajectories."""
-        return self._native.num_trajectories
-
-    @property
-    def semantic_tokens(self) -> int:
-        """S, the number of semantic positions (sum of trajectory lengths)."""
-        return self._native.semantic_tokens
-
-    @property
-    def compact_tokens(self) -> int:
-        """C, the number of compact rows (unique token prefixes) of the whole batch."""
-        return self._native.compact_tokens
-
-    @property
-    def num_segments(self) -> int:
-        """V, the number of segments of the segment forest."""
-        return self._native.num_segments
+    num_trajectories = NativeField("N, the number of trajectories.")
+    semantic_tokens = NativeField("S, the number of semantic positions (sum of trajectory lengths).")
+    compact_tokens = NativeField("C, the number of compact rows (unique token prefixes) of the whole batch.")
+    num_segments = NativeField("V, the number of segments of the segment forest.")
 
     @property
     def compression(self) -> float:
@@ -286,21 +258,14 @@ class RolloutBatch:
         """int64 [N + 1]: the input offsets (the prefix sums of :attr:`lengths`)."""
         return self._offsets
 
-    @property
-    def lengths(self) -> np.ndarray:
-        """int64 [N]: trajectory lengths |x_i|."""
-        return self._native.lengths
-
-    @property
-    def tree_ids(self) -> np.ndarray:
-        """int64 [N]: the given tree ids, or (if none were given) the index of the trajectory's
-        compact component (its rollout tree as recovered from shared tokens)."""
-        return self._native.tree_ids
-
-    @property
-    def component(self) -> np.ndarray:
-        """int32 [N]: index into :attr:`segment_roots` of the trajectory's compact component."""
-        return self._native.component
+    lengths = NativeField("int64 [N]: trajectory lengths |x_i|.")
+    tree_ids = NativeField(
+        "int64 [N]: the given tree ids, or (if none were given) the index of the trajectory's compact "
+        "component (its rollout tree as recovered from shared tokens)."
+    )
+    component = NativeField(
+        "int32 [N]: index into :attr:`segment_roots` of the trajectory's compact component."
+    )
 
     def trajectory(self, i: int) -> np.ndarray:
         """int32 view of trajectory ``i``'s tokens (InvalidArgumentError without tokens)."""
@@ -309,20 +274,13 @@ class RolloutBatch:
         return self._tokens[self._offsets[i] : self._offsets[i + 1]]
 
     # ------------------------------------------------------------------ order and LCP
-    @property
-    def order(self) -> np.ndarray:
-        """int32 [N]: ``order[r]`` is the trajectory of rank ``r`` (stable lexicographic order)."""
-        return self._native.order
-
-    @property
-    def rank(self) -> np.ndarray:
-        """int32 [N]: inverse of :attr:`order`."""
-        return self._native.rank
-
-    @property
-    def adjacent_lcp(self) -> np.ndarray:
-        """int32 [N]: ``adjacent_lcp[r] = LCP(x[order[r-1]], x[order[r]])``; entry 0 is 0."""
-        return self._native.adjacent_lcp
+    order = NativeField(
+        "int32 [N]: ``order[r]`` is the trajectory of rank ``r`` (stable lexicographic order)."
+    )
+    rank = NativeField("int32 [N]: inverse of :attr:`order`.")
+    adjacent_lcp = NativeField(
+        "int32 [N]: ``adjacent_lcp[r] = LCP(x[order[r-1]], x[order[r]])``; entry 0 is 0."
+    )
 
     def lcp(self, i: int, j: int) -> int:
         """LCP(x_i, x_j) of two trajectory indices, O(1) by RMQ (|x_i| when ``i == j``)."""
@@ -336,89 +294,31 @@ class RolloutBatch:
         """Compact work C(M) of a set of distinct trajectory indices (Equation 5 after sorting).
 
         Raises InvalidArgumentError for an index out of range or repeated."""
-        return self._native.subset_work(_as_array(trajectories, np.int32, "trajectories"))
+        return self._native.subset_work(checks.int_array(trajectories, np.int32, "trajectories"))
 
     # ------------------------------------------------------------------ compact trie
-    @property
-    def compact_map(self) -> np.ndarray:
-        """int32 [S]: m, the compact row of every semantic position (Equation 3)."""
-        return self._native.compact_map
-
-    @property
-    def multiplicity(self) -> np.ndarray:
-        """int32 [C]: q_c, semantic positions per compact row; sums to S (Equation 20)."""
-        return self._native.multiplicity
-
-    @property
-    def row_parent(self) -> np.ndarray:
-        """int32 [C]: parent row of each compact row, -1 for a first token."""
-        return self._native.row_parent
-
-    @property
-    def row_depth(self) -> np.ndarray:
-        """int32 [C]: position of each row in its trajectories (0-based)."""
-        return self._native.row_depth
-
-    @property
-    def row_segment(self) -> np.ndarray:
-        """int32 [C]: segment containing each compact row."""
-        return self._native.row_segment
+    compact_map = NativeField("int32 [S]: m, the compact row of every semantic position (Equation 3).")
+    multiplicity = NativeField("int32 [C]: q_c, semantic positions per compact row; sums to S (Equation 20).")
+    row_parent = NativeField("int32 [C]: parent row of each compact row, -1 for a first token.")
+    row_depth = NativeField("int32 [C]: position of each row in its trajectories (0-based).")
+    row_segment = NativeField("int32 [C]: segment containing each compact row.")
 
     # ------------------------------------------------------------------ segment forest
-    @property
-    def segment_start(self) -> np.ndarray:
-        """int32 [V]: first position s_v of each segment."""
-        return self._native.segment_start
-
-    @property
-    def segment_end(self) -> np.ndarray:
-        """int32 [V]: exclusive end position e_v of each segment."""
-        return self._native.segment_end
-
-    @property
-    def segment_parent(self) -> np.ndarray:
-        """int32 [V]: parent segment, -1 for a root (one root per compact component)."""
-        return self._native.segment_parent
-
-    @property
-    def segment_subtree_end(self) -> np.ndarray:
-        """int32 [V]: the subtree of v is the preorder id range ``[v, segment_subtree_end[v])``."""
-        return self._native.segment_subtree_end
-
-    @property
-    def segment_row_begin(self) -> np.ndarray:
-        """int64 [V]: segment v holds compact rows ``[row_begin, row_begin + end - start)``."""
-        return self._native.segment_row_begin
-
-    @property
-    def segment_multiplicity(self) -> np.ndarray:
-        """int32 [V]: number of trajectories through each segment."""
-        return self._native.segment_multiplicity
-
-    @property
-    def segment_child_offsets(self) -> np.ndarray:
-        """int64 [V + 1]: CSR offsets into :attr:`segment_children`."""
-        return self._native.segment_child_offsets
-
-    @property
-    def segment_children(self) -> np.ndarray:
-        """int32 [V - roots]: children of each segment, lexicographic order, CSR."""
-        return self._native.segment_children
-
-    @property
-    def segment_end_offsets(self) -> np.ndarray:
-        """int64 [V + 1]: CSR offsets into :attr:`segment_ending`."""
-        return self._native.segment_end_offsets
-
-    @property
-    def segment_ending(self) -> np.ndarray:
-        """int32 [N]: trajectories ending at each segment's end, rank order, CSR."""
-        return self._native.segment_ending
-
-    @property
-    def segment_roots(self) -> np.ndarray:
-        """int32 [R]: root segments (one per compact component), lexicographic order."""
-        return self._native.segment_roots
+    segment_start = NativeField("int32 [V]: first position s_v of each segment.")
+    segment_end = NativeField("int32 [V]: exclusive end position e_v of each segment.")
+    segment_parent = NativeField("int32 [V]: parent segment, -1 for a root (one root per compact component).")
+    segment_subtree_end = NativeField(
+        "int32 [V]: the subtree of v is the preorder id range ``[v, segment_subtree_end[v])``."
+    )
+    segment_row_begin = NativeField(
+        "int64 [V]: segment v holds compact rows ``[row_begin, row_begin + end - start)``."
+    )
+    segment_multiplicity = NativeField("int32 [V]: number of trajectories through each segment.")
+    segment_child_offsets = NativeField("int64 [V + 1]: CSR offsets into :attr:`segment_children`.")
+    segment_children = NativeField("int32 [V - roots]: children of each segment, lexicographic order, CSR.")
+    segment_end_offsets = NativeField("int64 [V + 1]: CSR offsets into :attr:`segment_ending`.")
+    segment_ending = NativeField("int32 [N]: trajectories ending at each segment's end, rank order, CSR.")
+    segment_roots = NativeField("int32 [R]: root segments (one per compact component), lexicographic order.")
 
     def children(self, v: int) -> np.ndarray:
         """Children of segment ``v``."""
@@ -460,3 +360,13 @@ class RolloutBatch:
             f"RolloutBatch(trajectories={self.num_trajectories}, semantic_tokens={self.semantic_tokens}, "
             f"compact_tokens={self.compact_tokens}, segments={self.num_segments})"
         )
+
+
+def ingest(source: PackedTokens | SegmentTree) -> RolloutBatch:
+    """The batch of packed tokens (:meth:`RolloutBatch.from_arrays`) or of a compacted tree
+    (:meth:`RolloutBatch.from_segment_tree`); raises as those do, with their field names."""
+    if isinstance(source, SegmentTree):
+        return RolloutBatch.from_segment_tree(source)
+    if isinstance(source, PackedTokens):
+        return RolloutBatch.from_arrays(source.tokens, source.offsets, source.tree_ids)
+    raise invalid("trajectories", f"must be PackedTokens or SegmentTree, got {type(source).__name__}")

@@ -17,21 +17,42 @@ Glossary (Section 3.3 and Section 4.2 of the paper; ``min_call.h`` and ``call_la
 * physical row: the order shared by every layer. Own rows of a sequence are contiguous,
   sequences of a round adjacent, rounds in order.
 * packed input of round ``r``: per sequence, its replay rows then its own rows.
+
+The contract with a runtime
+---------------------------
+A plan has two parts, in these objects and in the wire message ``harts.planner.v1.CallPlan``:
+
+* the *layout* (:class:`CallLayout`, :data:`SCALAR_FIELDS` + :data:`LAYOUT_FIELDS`: 8 scalars and
+  27 arrays): everything a runtime reads to run the microbatch (``harts_runtime.layout`` accepts any
+  object with these attributes; a :class:`CallPlan` is one);
+* the *debug* part (:class:`CallPlanDebug`, :data:`DEBUG_FIELDS`: 19 arrays): Algorithm 1's internal
+  choices (the dynamic program, the recovered chains, the slot producers), for tests, viewers and
+  :meth:`CallPlan.to_dict`. A sidecar omits it on request (``omit_debug``; ``debug=False`` in
+  :meth:`harts_planner.Planner.plan_calls`).
+
+A :class:`CallPlan` exposes every array of both parts under its wire name.
 """
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 
-from harts_planner import _native
-from harts_planner.errors import invalid
+from harts_planner import _native, checks
+from harts_planner.errors import InvalidArgumentError, invalid
+from harts_planner.fields import NativeField
 
-MAX_CHUNK_SIZE: int = _native.MAX_CHUNK_SIZE
-MAX_CONV_WIDTH: int = _native.MAX_CONV_WIDTH
+MAX_CHUNK_SIZE: int = checks.MAX_CHUNK_SIZE
+MAX_CONV_WIDTH: int = checks.MAX_CONV_WIDTH
+#: Defaults of every ``chunk_size`` / ``conv_width`` argument (and of a request's unset field).
+DEFAULT_CHUNK_SIZE: int = 64
+DEFAULT_CONV_WIDTH: int = 4
 
 _I32, _I64 = np.dtype("<i4"), np.dtype("<i8")
 
-#: Scalars of a call plan (names of the native plan, of the wire message and of the properties).
+#: Scalars of a call plan (names of the native plan, of the wire message and of the attributes);
+#: all of them belong to the layout.
 SCALAR_FIELDS: tuple[str, ...] = (
     "chunk_size",
     "conv_width",
@@ -43,50 +64,36 @@ SCALAR_FIELDS: tuple[str, ...] = (
     "num_state_slots",
 )
 
-#: Every array of a call plan: name on the native plan (and field of the wire message
-#: ``harts.planner.v1.CallPlan``) -> little-endian dtype. Equality and the wire codec use this table.
-ARRAY_FIELDS: dict[str, np.dtype] = {
+#: The layout: the arrays a runtime reads (``harts_runtime.layout.CallLayoutArrays``). Name on the
+#: native plan, field of the wire message ``harts.planner.v1.CallPlan`` and attribute of
+#: :class:`CallLayout` / :class:`CallPlan` -> little-endian dtype.
+LAYOUT_FIELDS: dict[str, np.dtype] = {
+    # segment forest
     "segment_start": _I32,
     "segment_end": _I32,
     "segment_parent": _I32,
     "segment_child_offsets": _I64,
     "segment_children": _I32,
     "segment_roots": _I32,
-    "segment_row_begin": _I64,
-    "t_pre": _I32,
-    "t_in": _I32,
-    "direct_child": _I32,
-    "segment_sequence": _I32,
+    "segment_physical_begin": _I32,
+    # rounds and state handoffs
     "round_sequence_offsets": _I32,
-    "sequence_round": _I32,
-    "sequence_chain_offsets": _I32,
-    "sequence_chain": _I32,
-    "sequence_anchor": _I32,
-    "sequence_start": _I32,
-    "sequence_end": _I32,
     "sequence_state_slot": _I32,
     "sequence_request_offsets": _I32,
-    "slot_producer": _I32,
-    "slot_position": _I32,
-    "slot_segment": _I32,
-    "physical_to_row": _I32,
+    "request_sequence": _I32,
+    "request_chunk": _I32,
+    "request_slot": _I32,
+    # physical layout
     "row_to_physical": _I32,
     "position_ids": _I32,
-    "segment_physical_begin": _I32,
     "sequence_physical_offsets": _I32,
-    "round_physical_offsets": _I32,
     "packed_offsets": _I64,
     "gather_index": _I32,
     "packed_output_row": _I32,
     "cu_offsets": _I32,
     "cu_seqlens": _I32,
-    "request_sequence": _I32,
-    "request_position": _I32,
-    "request_chunk": _I32,
-    "request_slot": _I32,
-    "sequence_replay_length": _I32,
-    "conv_context": _I32,
     "own_conv_context": _I32,
+    # links to the batch
     "trajectories": _I32,
     "row_to_global": _I32,
     "physical_to_global": _I32,
@@ -94,322 +101,328 @@ ARRAY_FIELDS: dict[str, np.dtype] = {
     "semantic_to_physical": _I32,
 }
 
+#: The debug part: Algorithm 1's internal choices (the T_pre / T_in program, chains, slot producers),
+#: name -> little-endian dtype as in :data:`LAYOUT_FIELDS`. No runtime needs them.
+DEBUG_FIELDS: dict[str, np.dtype] = {
+    "segment_row_begin": _I64,
+    "t_pre": _I32,
+    "t_in": _I32,
+    "direct_child": _I32,
+    "segment_sequence": _I32,
+    "sequence_round": _I32,
+    "sequence_chain_offsets": _I32,
+    "sequence_chain": _I32,
+    "sequence_anchor": _I32,
+    "sequence_start": _I32,
+    "sequence_end": _I32,
+    "slot_producer": _I32,
+    "slot_position": _I32,
+    "slot_segment": _I32,
+    "physical_to_row": _I32,
+    "round_physical_offsets": _I32,
+    "request_position": _I32,
+    "sequence_replay_length": _I32,
+    "conv_context": _I32,
+}
 
-def _check_int(value, field: str, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise invalid(field, f"must be an integer, got {type(value).__name__}")
-    value = int(value)
-    if not lo <= value <= hi:
-        raise invalid(field, f"must be in [{lo}, {hi}], got {value}")
-    return value
+#: Every array of a call plan (:data:`LAYOUT_FIELDS` then :data:`DEBUG_FIELDS`): equality and the
+#: wire codec use this table.
+ARRAY_FIELDS: dict[str, np.dtype] = {**LAYOUT_FIELDS, **DEBUG_FIELDS}
 
 
-def _int32_ids(values, field: str) -> np.ndarray:
-    arr = np.asarray(values)
-    if arr.ndim != 1:
-        raise invalid(field, f"must be one-dimensional, got shape {arr.shape}")
-    if arr.size == 0:
-        raise invalid(field, "a microbatch needs at least one trajectory")
-    if arr.dtype.kind not in "iu":
-        raise invalid(field, f"must hold integers, got dtype {arr.dtype}")
-    info = np.iinfo(np.int32)
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < info.min or hi > info.max:
-        j = int(np.argmax((arr < info.min) | (arr > info.max)))
-        raise invalid(f"{field}[{j}]", f"trajectory index {int(arr[j])} is out of range")
-    return np.ascontiguousarray(arr, dtype=np.int32)
+def debug_omitted(name: str) -> InvalidArgumentError:
+    """The error raised on reading the debug part of a plan received without it (field ``debug``)."""
+    return invalid(
+        "debug",
+        f"this plan was received without its debug part (omit_debug), so {name} is not available; "
+        "request the plan with debug=True",
+    )
 
 
-class CallPlan:
-    """The rounds, sequences, state handoffs and physical layout of one microbatch.
+class _LayoutOnly:
+    """Stand-in for a native plan whose debug arrays were omitted: holds the scalars and the layout
+    arrays; reading a debug array raises :func:`debug_omitted`."""
 
-    Build one with :func:`plan_calls` (or :func:`plan_segment_forest`, or a
-    :class:`harts_planner.Planner`). Every array property is a read-only numpy view of memory owned
-    by the C++ plan (no copies), or of the response bytes for a plan received from a sidecar.
-    Shapes use ``V`` segments, ``C`` compact rows, ``Q`` sequences, ``K`` rounds
-    (= :attr:`num_calls`), ``P`` state slots, ``w`` the convolution width.
+    def __init__(self, fields: dict):
+        self.__dict__.update(fields)
 
-    Two plans compare equal (``==``) when every scalar of :data:`SCALAR_FIELDS` and every array of
-    :data:`ARRAY_FIELDS` is equal.
-    """
+    @classmethod
+    def of(cls, native) -> _LayoutOnly:
+        return cls({f: getattr(native, f) for f in (*SCALAR_FIELDS, *LAYOUT_FIELDS)})
+
+    def __getattr__(self, name: str):  # only called for names not set: the omitted debug arrays
+        if name in DEBUG_FIELDS:
+            raise debug_omitted(name)
+        raise AttributeError(name)
+
+
+class _PlanPart:
+    """A view of some of a native plan's attributes (``_FIELDS``), compared field by field."""
+
+    __slots__ = ("_native",)
+    _FIELDS: tuple[str, ...] = ()
 
     def __init__(self, native):
         self._native = native
 
     def __eq__(self, other) -> bool:
-        if not isinstance(other, CallPlan):
+        if type(other) is not type(self):
             return NotImplemented
-        a, b = self._native, other._native
-        return all(getattr(a, f) == getattr(b, f) for f in SCALAR_FIELDS) and all(
-            np.array_equal(getattr(a, f), getattr(b, f)) for f in ARRAY_FIELDS
-        )
+        return all(np.array_equal(getattr(self, f), getattr(other, f)) for f in self._FIELDS)
 
-    __hash__ = None  # mutable-looking value object: equality by content, no hashing
+    __hash__ = None
+
+
+class CallLayout(_PlanPart):
+    """The layout of a call plan: what a runtime reads (:attr:`CallPlan.layout`).
+
+    The 8 scalars of :data:`SCALAR_FIELDS` and the 27 arrays of :data:`LAYOUT_FIELDS`, nothing else:
+    read-only numpy views of the plan's memory (no copies). Shapes use ``V`` segments, ``C`` compact
+    rows, ``Q`` sequences, ``K`` rounds (= :attr:`num_calls`), ``P`` state slots, ``R`` replayed rows,
+    ``k`` microbatch trajectories, ``w`` the convolution width. Two layouts compare equal (``==``)
+    when every field is equal.
+    """
+
+    __slots__ = ()
+    _FIELDS = (*SCALAR_FIELDS, *LAYOUT_FIELDS)
 
     # ------------------------------------------------------------------ scalars
-    @property
-    def num_calls(self) -> int:
-        """K: number of rounds (packed calls), the maximum of ``T_pre(root)`` over the trees."""
-        return self._native.num_calls
-
-    @property
-    def replay_tokens(self) -> int:
-        """R (Equation 15): replayed state-update positions, independent of the choices."""
-        return self._native.replay_tokens
-
-    @property
-    def compact_tokens(self) -> int:
-        """C: compact rows of the microbatch (Equation 5 on its trajectories)."""
-        return self._native.compact_tokens
-
-    @property
-    def chunk_size(self) -> int:
-        """B."""
-        return self._native.chunk_size
-
-    @property
-    def conv_width(self) -> int:
-        """w: causal-convolution width used for :attr:`conv_context`."""
-        return self._native.conv_width
-
-    @property
-    def num_segments(self) -> int:
-        """V."""
-        return self._native.num_segments
-
-    @property
-    def num_sequences(self) -> int:
-        """Q."""
-        return self._native.num_sequences
-
-    @property
-    def num_state_slots(self) -> int:
-        """P: boundary states handed from one round to a later one (size of a state buffer)."""
-        return self._native.num_state_slots
+    chunk_size = NativeField("B.")
+    conv_width = NativeField("w: causal-convolution width used for the convolution contexts.")
+    num_calls = NativeField(
+        "K: number of rounds (packed calls), the maximum of ``T_pre(root)`` over the trees."
+    )
+    replay_tokens = NativeField(
+        "R (Equation 15): replayed state-update positions, independent of the choices."
+    )
+    compact_tokens = NativeField("C: compact rows of the microbatch (Equation 5 on its trajectories).")
+    num_segments = NativeField("V.")
+    num_sequences = NativeField("Q.")
+    num_state_slots = NativeField(
+        "P: boundary states handed from one round to a later one (size of a state buffer)."
+    )
 
     # ------------------------------------------------------------------ segment forest
-    @property
-    def segment_start(self) -> np.ndarray:
-        """int32 [V]: s_v."""
-        return self._native.segment_start
+    segment_start = NativeField("int32 [V]: s_v.")
+    segment_end = NativeField("int32 [V]: e_v.")
+    segment_parent = NativeField("int32 [V]: parent segment, -1 for a root.")
+    segment_child_offsets = NativeField("int64 [V + 1]: CSR offsets into :attr:`segment_children`.")
+    segment_children = NativeField("int32: children of each segment in the fixed child order of Algorithm 1.")
+    segment_roots = NativeField("int32: root segments (one per tree of the microbatch).")
+    segment_physical_begin = NativeField(
+        "int32 [V]: first physical row of each segment (its rows are contiguous)."
+    )
+
+    # ------------------------------------------------------------------ rounds and state handoffs
+    round_sequence_offsets = NativeField(
+        "int32 [K + 1]: the sequences of round r are ``[offsets[r], offsets[r + 1])``."
+    )
+    sequence_state_slot = NativeField(
+        "int32 [Q]: state-consume table, the slot each sequence starts from; -1 = zero state."
+    )
+    sequence_request_offsets = NativeField(
+        "int32 [Q + 1]: CSR offsets of each sequence's rows in the request table."
+    )
+    request_sequence = NativeField("int32 [P]: state-request table, producing sequence (sorted).")
+    request_chunk = NativeField(
+        "int32 [P]: the requested boundary as a chunk index of the producer's packed sequence, "
+        "``(position - anchor) / B`` (>= 1)."
+    )
+    request_slot = NativeField("int32 [P]: slot id into a state buffer of :attr:`num_state_slots` entries.")
+
+    # ------------------------------------------------------------------ physical layout
+    row_to_physical = NativeField("int32 [C]: physical row of each microbatch row.")
+    position_ids = NativeField("int32 [C]: absolute trajectory position of every physical row (for RoPE).")
+    sequence_physical_offsets = NativeField(
+        "int32 [Q + 1]: own rows of sequence q are physical ``[offsets[q], offsets[q + 1])``."
+    )
+    packed_offsets = NativeField(
+        "int64 [K + 1]: round r's packed rows are ``[offsets[r], offsets[r + 1])`` of "
+        ":attr:`gather_index` / :attr:`packed_output_row`; total ``C + R``."
+    )
+    gather_index = NativeField(
+        "int32 [C + R]: physical row read by every packed row, all rounds concatenated "
+        "(replay rows read their ancestor's physical row)."
+    )
+    packed_output_row = NativeField(
+        "int32 [C + R]: physical row each packed output is written to; -1 for replay rows."
+    )
+    cu_offsets = NativeField(
+        "int32 [K + 1]: round r's cu_seqlens are ``cu_seqlens[cu_offsets[r]:cu_offsets[r+1]]``."
+    )
+    cu_seqlens = NativeField(
+        "int32 [Q + K]: every round's cu_seqlens (from 0, replay rows included), concatenated."
+    )
 
     @property
-    def segment_end(self) -> np.ndarray:
-        """int32 [V]: e_v."""
-        return self._native.segment_end
+    def own_conv_context(self) -> np.ndarray:
+        """int32 [Q, w - 1]: physical rows of the w - 1 true ancestors before each sequence's first
+        *own* row (positions ``[start - w + 1, start)``), oldest first; -1 where the position would
+        be negative. For a runtime that convolves only own rows and gathers the replay rows'
+        existing post-convolution results (Section 4.2)."""
+        n = self._native
+        return n.own_conv_context.reshape(n.num_sequences, n.conv_width - 1)
 
-    @property
-    def segment_parent(self) -> np.ndarray:
-        """int32 [V]: parent segment, -1 for a root."""
-        return self._native.segment_parent
+    # ------------------------------------------------------------------ links to the batch
+    trajectories = NativeField("int32 [k]: the microbatch's trajectory ids, in the caller's order.")
+    row_to_global = NativeField(
+        "int32 [C]: batch compact row of each microbatch row (empty for a bare forest)."
+    )
+    physical_to_global = NativeField(
+        "int32 [C]: batch compact row of each physical row, to gather hidden states."
+    )
+    semantic_offsets = NativeField("int64 [k + 1]: prefix sums of the trajectories' lengths.")
+    semantic_to_physical = NativeField(
+        "int32 [sum of lengths]: physical row of position p of ``trajectories[j]`` at "
+        "``semantic_offsets[j] + p``."
+    )
 
-    @property
-    def segment_child_offsets(self) -> np.ndarray:
-        """int64 [V + 1]: CSR offsets into :attr:`segment_children`."""
-        return self._native.segment_child_offsets
+    def __repr__(self) -> str:
+        return (
+            f"CallLayout(num_calls={self.num_calls}, compact_tokens={self.compact_tokens}, "
+            f"replay_tokens={self.replay_tokens}, sequences={self.num_sequences})"
+        )
 
-    @property
-    def segment_children(self) -> np.ndarray:
-        """int32: children of each segment in the fixed child order of Algorithm 1."""
-        return self._native.segment_children
 
-    @property
-    def segment_roots(self) -> np.ndarray:
-        """int32: root segments (one per tree of the microbatch)."""
-        return self._native.segment_roots
+class CallPlanDebug(_PlanPart):
+    """The debug part of a call plan: Algorithm 1's internal choices (:attr:`CallPlan.debug`).
 
-    @property
-    def segment_row_begin(self) -> np.ndarray:
-        """int64 [V]: segment v holds rows ``[row_begin, row_begin + e_v - s_v)``."""
-        return self._native.segment_row_begin
+    The 19 arrays of :data:`DEBUG_FIELDS` (read-only views; shapes as in :class:`CallLayout`) and the
+    helpers that read only them. A runtime needs none of it; tests, viewers and
+    :meth:`CallPlan.to_dict` do. Two debug parts compare equal when every array is equal.
+    """
 
-    def children(self, v: int) -> np.ndarray:
-        """Children of segment ``v``."""
-        o = self.segment_child_offsets
-        return self.segment_children[o[v] : o[v + 1]]
+    __slots__ = ()
+    _FIELDS = tuple(DEBUG_FIELDS)
+
+    # ------------------------------------------------------------------ segment rows
+    segment_row_begin = NativeField("int64 [V]: segment v holds rows ``[row_begin, row_begin + e_v - s_v)``.")
 
     # ------------------------------------------------------------------ dynamic program
-    @property
-    def t_pre(self) -> np.ndarray:
-        """int32 [V]: T_pre (Equation 14)."""
-        return self._native.t_pre
-
-    @property
-    def t_in(self) -> np.ndarray:
-        """int32 [V]: T_in (Equation 13)."""
-        return self._native.t_in
-
-    @property
-    def direct_child(self) -> np.ndarray:
-        """int32 [V]: the chosen direct continuation, -1 for a leaf."""
-        return self._native.direct_child
-
-    @property
-    def segment_sequence(self) -> np.ndarray:
-        """int32 [V]: the sequence that outputs each segment."""
-        return self._native.segment_sequence
+    t_pre = NativeField("int32 [V]: T_pre (Equation 14).")
+    t_in = NativeField("int32 [V]: T_in (Equation 13).")
+    direct_child = NativeField("int32 [V]: the chosen direct continuation, -1 for a leaf.")
+    segment_sequence = NativeField("int32 [V]: the sequence that outputs each segment.")
 
     # ------------------------------------------------------------------ sequences
-    @property
-    def round_sequence_offsets(self) -> np.ndarray:
-        """int32 [K + 1]: the sequences of round r are ``[offsets[r], offsets[r + 1])``."""
-        return self._native.round_sequence_offsets
-
-    @property
-    def sequence_round(self) -> np.ndarray:
-        """int32 [Q]: round of each sequence (non-decreasing)."""
-        return self._native.sequence_round
-
-    @property
-    def sequence_chain_offsets(self) -> np.ndarray:
-        """int32 [Q + 1]: CSR offsets into :attr:`sequence_chain`."""
-        return self._native.sequence_chain_offsets
-
-    @property
-    def sequence_chain(self) -> np.ndarray:
-        """int32 [V]: each sequence's segments (direct continuations), head first."""
-        return self._native.sequence_chain
+    sequence_round = NativeField("int32 [Q]: round of each sequence (non-decreasing).")
+    sequence_chain_offsets = NativeField("int32 [Q + 1]: CSR offsets into :attr:`sequence_chain`.")
+    sequence_chain = NativeField("int32 [V]: each sequence's segments (direct continuations), head first.")
+    sequence_anchor = NativeField(
+        "int32 [Q]: b, the position of the initial state; the replay is ``[b, start)``."
+    )
+    sequence_start = NativeField("int32 [Q]: s_head, the first own position.")
+    sequence_end = NativeField("int32 [Q]: end position of the chain's leaf.")
+    sequence_replay_length = NativeField(
+        "int32 [Q]: ``start - anchor`` (= start mod B), the replay rows of each sequence."
+    )
 
     def chain(self, q: int) -> np.ndarray:
         """Segments of sequence ``q``."""
         o = self.sequence_chain_offsets
         return self.sequence_chain[o[q] : o[q + 1]]
 
-    @property
-    def sequence_anchor(self) -> np.ndarray:
-        """int32 [Q]: b, the position of the initial state; the replay is ``[b, start)``."""
-        return self._native.sequence_anchor
-
-    @property
-    def sequence_start(self) -> np.ndarray:
-        """int32 [Q]: s_head, the first own position."""
-        return self._native.sequence_start
-
-    @property
-    def sequence_end(self) -> np.ndarray:
-        """int32 [Q]: end position of the chain's leaf."""
-        return self._native.sequence_end
-
-    @property
-    def sequence_replay_length(self) -> np.ndarray:
-        """int32 [Q]: ``start - anchor`` (= start mod B), the replay rows of each sequence."""
-        return self._native.sequence_replay_length
-
-    @property
-    def sequence_state_slot(self) -> np.ndarray:
-        """int32 [Q]: state-consume table, the slot each sequence starts from; -1 = zero state."""
-        return self._native.sequence_state_slot
-
-    @property
-    def sequence_request_offsets(self) -> np.ndarray:
-        """int32 [Q + 1]: CSR offsets of each sequence's rows in the request table."""
-        return self._native.sequence_request_offsets
-
-    # ------------------------------------------------------------------ state handoff
-    @property
-    def request_sequence(self) -> np.ndarray:
-        """int32 [P]: state-request table, producing sequence (sorted)."""
-        return self._native.request_sequence
-
-    @property
-    def request_position(self) -> np.ndarray:
-        """int32 [P]: absolute chunk-boundary position of the requested state."""
-        return self._native.request_position
-
-    @property
-    def request_chunk(self) -> np.ndarray:
-        """int32 [P]: the same boundary as a chunk index of the producer's packed sequence,
-        ``(position - anchor) / B`` (>= 1)."""
-        return self._native.request_chunk
-
-    @property
-    def request_slot(self) -> np.ndarray:
-        """int32 [P]: slot id into a state buffer of :attr:`num_state_slots` entries."""
-        return self._native.request_slot
-
-    @property
-    def slot_producer(self) -> np.ndarray:
-        """int32 [P]: producing sequence of each slot."""
-        return self._native.slot_producer
-
-    @property
-    def slot_position(self) -> np.ndarray:
-        """int32 [P]: absolute position of each slot's state."""
-        return self._native.slot_position
-
-    @property
-    def slot_segment(self) -> np.ndarray:
-        """int32 [P]: the producer's segment holding position ``slot_position - 1``."""
-        return self._native.slot_segment
+    # ------------------------------------------------------------------ state slots
+    slot_producer = NativeField("int32 [P]: producing sequence of each slot.")
+    slot_position = NativeField("int32 [P]: absolute position of each slot's state.")
+    slot_segment = NativeField("int32 [P]: the producer's segment holding position ``slot_position - 1``.")
+    request_position = NativeField("int32 [P]: absolute chunk-boundary position of each requested state.")
 
     # ------------------------------------------------------------------ physical layout
-    @property
-    def physical_to_row(self) -> np.ndarray:
-        """int32 [C]: microbatch row stored at each physical row."""
-        return self._native.physical_to_row
+    physical_to_row = NativeField("int32 [C]: microbatch row stored at each physical row.")
+    round_physical_offsets = NativeField(
+        "int32 [K + 1]: own rows of round r are physical ``[offsets[r], offsets[r + 1])``."
+    )
 
     @property
-    def row_to_physical(self) -> np.ndarray:
-        """int32 [C]: inverse of :attr:`physical_to_row`."""
-        return self._native.row_to_physical
+    def conv_context(self) -> np.ndarray:
+        """int32 [Q, w - 1]: physical rows of the w - 1 true ancestors before each sequence's first
+        *packed* row (positions ``[anchor - w + 1, anchor)``), oldest first; -1 where the position
+        would be negative."""
+        n = self._native
+        return n.conv_context.reshape(n.num_sequences, n.conv_width - 1)
+
+
+class CallPlan(CallLayout, CallPlanDebug):
+    """The rounds, sequences, state handoffs and physical layout of one microbatch.
+
+    Build one with :func:`plan_calls` (or :func:`plan_segment_forest`, or a
+    :class:`harts_planner.Planner`). Every array attribute is a read-only numpy view of memory owned
+    by the C++ plan (no copies), or of the response bytes for a plan received from a sidecar.
+    Shapes use ``V`` segments, ``C`` compact rows, ``Q`` sequences, ``K`` rounds
+    (= :attr:`num_calls`), ``P`` state slots, ``w`` the convolution width.
+
+    The plan is its :attr:`layout` (what a runtime reads) and its :attr:`debug` part (Algorithm 1's
+    choices); every array of both is also an attribute of the plan itself, by its wire name. A plan
+    received with ``debug=False`` has no debug part: :attr:`debug`, its arrays and the descriptions
+    that read them (:meth:`to_dict`) raise :class:`~harts_planner.InvalidArgumentError` on field
+    ``debug``.
+
+    Two plans compare equal (``==``) when both have the debug part or neither has, and every scalar
+    of :data:`SCALAR_FIELDS` and every array of :data:`ARRAY_FIELDS` they have is equal.
+    """
+
+    def __init__(self, native):
+        self._native = native
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> CallPlan:
+        """A plan over already decoded values (the wire codec's): every scalar of
+        :data:`SCALAR_FIELDS` and array of :data:`LAYOUT_FIELDS`, and either every array of
+        :data:`DEBUG_FIELDS` or none of them (a plan without its debug part). Arrays are used as
+        given (they should be read-only, of the tables' dtypes); own_conv_context and conv_context
+        flat, ``Q * (w - 1)`` values. Raises ValueError naming a missing field."""
+        missing = [f for f in (*SCALAR_FIELDS, *LAYOUT_FIELDS) if f not in fields]
+        debug = [f for f in DEBUG_FIELDS if f in fields]
+        if not missing and debug and len(debug) < len(DEBUG_FIELDS):
+            missing = [f for f in DEBUG_FIELDS if f not in fields]
+        if missing:
+            raise ValueError(f"{missing[0]}: missing from the plan's fields")
+        return cls(types.SimpleNamespace(**fields) if debug else _LayoutOnly(dict(fields)))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, CallPlan):
+            return NotImplemented
+        if self.has_debug != other.has_debug:
+            return False
+        a, b = self._native, other._native
+        arrays = ARRAY_FIELDS if self.has_debug else LAYOUT_FIELDS
+        return all(getattr(a, f) == getattr(b, f) for f in SCALAR_FIELDS) and all(
+            np.array_equal(getattr(a, f), getattr(b, f)) for f in arrays
+        )
+
+    __hash__ = None  # mutable-looking value object: equality by content, no hashing
+
+    # ------------------------------------------------------------------ parts
+    @property
+    def layout(self) -> CallLayout:
+        """The layout (:class:`CallLayout`): the 8 scalars and 27 arrays a runtime reads."""
+        return CallLayout(self._native)
 
     @property
-    def position_ids(self) -> np.ndarray:
-        """int32 [C]: absolute trajectory position of every physical row (for RoPE)."""
-        return self._native.position_ids
+    def has_debug(self) -> bool:
+        """False for a plan received from a sidecar with ``debug=False`` (``omit_debug``)."""
+        return not isinstance(self._native, _LayoutOnly)
 
     @property
-    def row_to_global(self) -> np.ndarray:
-        """int32 [C]: batch compact row of each microbatch row (empty for a bare forest)."""
-        return self._native.row_to_global
+    def debug(self) -> CallPlanDebug:
+        """The debug part (:class:`CallPlanDebug`): Algorithm 1's internal choices.
 
-    @property
-    def physical_to_global(self) -> np.ndarray:
-        """int32 [C]: batch compact row of each physical row, to gather hidden states."""
-        return self._native.physical_to_global
+        Raises InvalidArgumentError (field ``debug``) for a plan received without it."""
+        if not self.has_debug:
+            raise debug_omitted("CallPlan.debug")
+        return CallPlanDebug(self._native)
 
-    @property
-    def segment_physical_begin(self) -> np.ndarray:
-        """int32 [V]: first physical row of each segment (its rows are contiguous)."""
-        return self._native.segment_physical_begin
+    def without_debug(self) -> CallPlan:
+        """The same plan without its debug part, as a sidecar returns it for ``omit_debug``
+        (the layout arrays are shared, not copied)."""
+        return self if not self.has_debug else CallPlan(_LayoutOnly.of(self._native))
 
-    @property
-    def sequence_physical_offsets(self) -> np.ndarray:
-        """int32 [Q + 1]: own rows of sequence q are physical ``[offsets[q], offsets[q + 1])``."""
-        return self._native.sequence_physical_offsets
-
-    @property
-    def round_physical_offsets(self) -> np.ndarray:
-        """int32 [K + 1]: own rows of round r are physical ``[offsets[r], offsets[r + 1])``."""
-        return self._native.round_physical_offsets
-
-    # ------------------------------------------------------------------ packed calls
-    @property
-    def packed_offsets(self) -> np.ndarray:
-        """int64 [K + 1]: round r's packed rows are ``[offsets[r], offsets[r + 1])`` of
-        :attr:`gather_index` / :attr:`packed_output_row`; total ``C + R``."""
-        return self._native.packed_offsets
-
-    @property
-    def gather_index(self) -> np.ndarray:
-        """int32 [C + R]: physical row read by every packed row, all rounds concatenated
-        (replay rows read their ancestor's physical row)."""
-        return self._native.gather_index
-
-    @property
-    def packed_output_row(self) -> np.ndarray:
-        """int32 [C + R]: physical row each packed output is written to; -1 for replay rows."""
-        return self._native.packed_output_row
-
-    @property
-    def cu_offsets(self) -> np.ndarray:
-        """int32 [K + 1]: round r's cu_seqlens are ``cu_seqlens[cu_offsets[r]:cu_offsets[r+1]]``."""
-        return self._native.cu_offsets
-
-    @property
-    def cu_seqlens(self) -> np.ndarray:
-        """int32 [Q + K]: every round's cu_seqlens, concatenated (round r: :meth:`round_cu_seqlens`)."""
-        return self._native.cu_seqlens
+    # ------------------------------------------------------------------ helpers over the layout
+    def children(self, v: int) -> np.ndarray:
+        """Children of segment ``v``."""
+        o = self.segment_child_offsets
+        return self.segment_children[o[v] : o[v + 1]]
 
     def round_cu_seqlens(self, r: int) -> np.ndarray:
         """int32 [n_r + 1]: cu_seqlens of round ``r`` (starting at 0, replay rows included)."""
@@ -430,44 +443,11 @@ class CallPlan:
         return self.packed_output_row[o[r] : o[r + 1]]
 
     def _check_round(self, r: int) -> None:
-        if not 0 <= r < self.num_calls:
-            raise invalid("round", f"must be in [0, {self.num_calls}), got {r}")
-
-    # ------------------------------------------------------------------ convolution
-    @property
-    def conv_context(self) -> np.ndarray:
-        """int32 [Q, w - 1]: physical rows of the w - 1 true ancestors before each sequence's
-        first *packed* row (positions ``[anchor - w + 1, anchor)``), oldest first; -1 where
-        the position would be negative."""
-        return self._native.conv_context.reshape(self.num_sequences, self.conv_width - 1)
-
-    @property
-    def own_conv_context(self) -> np.ndarray:
-        """int32 [Q, w - 1]: the same before each sequence's first *own* row (positions
-        ``[start - w + 1, start)``), for a runtime that convolves only own rows and gathers the
-        replay rows' existing post-convolution results (Section 4.2)."""
-        return self._native.own_conv_context.reshape(self.num_sequences, self.conv_width - 1)
-
-    # ------------------------------------------------------------------ semantic positions
-    @property
-    def trajectories(self) -> np.ndarray:
-        """int32 [k]: the microbatch's trajectory ids, in the caller's order."""
-        return self._native.trajectories
-
-    @property
-    def semantic_offsets(self) -> np.ndarray:
-        """int64 [k + 1]: prefix sums of the trajectories' lengths."""
-        return self._native.semantic_offsets
-
-    @property
-    def semantic_to_physical(self) -> np.ndarray:
-        """int32 [sum of lengths]: physical row of position p of ``trajectories[j]`` at
-        ``semantic_offsets[j] + p``."""
-        return self._native.semantic_to_physical
+        checks.index(r, "round", self.num_calls)
 
     # ------------------------------------------------------------------ description
     def sequence_dict(self, q: int) -> dict:
-        """JSON-able description of sequence ``q``."""
+        """JSON-able description of sequence ``q`` (reads the debug part)."""
         slot = int(self.sequence_state_slot[q])
         ro = self.sequence_request_offsets
         requests = [
@@ -498,7 +478,7 @@ class CallPlan:
 
     def to_dict(self, segments: bool = True) -> dict:
         """JSON-able description: scalars, rounds with their sequences and, when ``segments``,
-        one entry per segment (start, end, parent, T_pre, T_in, sequence)."""
+        one entry per segment (start, end, parent, T_pre, T_in, sequence). Reads the debug part."""
         rounds = []
         so = self.round_sequence_offsets
         for r in range(self.num_calls):
@@ -544,7 +524,9 @@ class CallPlan:
         )
 
 
-def plan_calls(batch, chunk_size: int = 64, trajectories=None, conv_width: int = 4) -> CallPlan:
+def plan_calls(
+    batch, chunk_size: int = DEFAULT_CHUNK_SIZE, trajectories=None, conv_width: int = DEFAULT_CONV_WIDTH
+) -> CallPlan:
     """Minimum-call plan and compact physical layout of one microbatch (Algorithm 1).
 
     Parameters
@@ -574,38 +556,42 @@ def plan_calls(batch, chunk_size: int = 64, trajectories=None, conv_width: int =
     """
     if not isinstance(getattr(batch, "_native", None), _native.CompactBatch):
         raise invalid("batch", f"must be a RolloutBatch, got {type(batch).__name__}")
-    chunk_size = _check_int(chunk_size, "chunk_size", 1, MAX_CHUNK_SIZE)
-    conv_width = _check_int(conv_width, "conv_width", 1, MAX_CONV_WIDTH)
-    ids = None if trajectories is None else _int32_ids(trajectories, "trajectories")
+    chunk_size = checks.chunk_size(chunk_size)
+    conv_width = checks.conv_width(conv_width)
+    ids = None if trajectories is None else checks.trajectory_ids(trajectories, "trajectories")
     return CallPlan(_native.plan_calls(batch._native, chunk_size, ids, conv_width))
 
 
-def plan_segment_forest(parent, start, end, chunk_size: int = 64, conv_width: int = 4) -> CallPlan:
+def plan_segment_forest(
+    parent, start, end, chunk_size: int = DEFAULT_CHUNK_SIZE, conv_width: int = DEFAULT_CONV_WIDTH
+) -> CallPlan:
     """Plan an already compacted segment forest (no token batch): per segment its parent
     (-1 for a root), start and end positions. Children follow increasing id; rows are numbered
     in DFS preorder. The batch links (:attr:`CallPlan.row_to_global`, semantic maps) are empty.
 
     Raises InvalidArgumentError naming ``parent[i]``, ``start[i]``, ``end[i]``, ``chunk_size``
     or ``conv_width`` (a root must start at 0; a child starts at its parent's end)."""
-    chunk_size = _check_int(chunk_size, "chunk_size", 1, MAX_CHUNK_SIZE)
-    conv_width = _check_int(conv_width, "conv_width", 1, MAX_CONV_WIDTH)
-    arrays = []
-    for name, values in (("parent", parent), ("start", start), ("end", end)):
-        arr = np.asarray(values)
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            raise invalid(name, f"must be a one-dimensional integer array, got {arr.dtype} {arr.shape}")
-        if arr.size and (int(arr.min()) < np.iinfo(np.int32).min or int(arr.max()) > np.iinfo(np.int32).max):
-            raise invalid(name, "values must fit int32")
-        arrays.append(np.ascontiguousarray(arr, dtype=np.int32))
+    chunk_size = checks.chunk_size(chunk_size)
+    conv_width = checks.conv_width(conv_width)
+    arrays = [
+        checks.int_array(v, np.int32, name)
+        for name, v in (("parent", parent), ("start", start), ("end", end))
+    ]
     return CallPlan(_native.plan_segment_forest(*arrays, chunk_size, conv_width))
 
 
 __all__ = [
+    "CallLayout",
     "CallPlan",
+    "CallPlanDebug",
     "plan_calls",
     "plan_segment_forest",
     "MAX_CHUNK_SIZE",
     "MAX_CONV_WIDTH",
+    "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_CONV_WIDTH",
     "ARRAY_FIELDS",
+    "DEBUG_FIELDS",
+    "LAYOUT_FIELDS",
     "SCALAR_FIELDS",
 ]

@@ -69,9 +69,9 @@ def _demo_plans(batch, args) -> dict:
 
 def _demo_model(args) -> None:
     """A few training steps of the `debug` hybrid model, compact and trajectory-wise side by side
-    (needs the runtime extra: torch)."""
+    (``harts_runtime.train_demo``; needs the runtime extra: torch)."""
     try:
-        from harts_runtime import train
+        from harts_runtime import train_demo
     except ImportError as e:  # the base install has no torch: say how to get the model step
         print(
             f"model step skipped ({e.name or e} is not installed): pip install '.[runtime]' torch==2.13.0, "
@@ -81,22 +81,7 @@ def _demo_model(args) -> None:
     print("HARTS demo: debug hybrid model (KDA + MLA + GQA, dense + MoE), compact vs trajectory-wise")
     sys.stdout.flush()
     preset = "tiny" if args.preset == "tiny" else "small"  # CPU-sized: the small preset, capped
-    train.main(
-        [
-            "--flavor",
-            "debug",
-            "--preset",
-            preset,
-            "--max-len",
-            "1024",
-            "--steps",
-            str(args.model_steps),
-            "--mode",
-            "both",
-            "--device",
-            "cpu",
-        ]
-    )
+    train_demo(preset=preset, steps=args.model_steps, seed=0, max_len=1024, device="cpu")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -1,12 +1,15 @@
 """Planner errors. Every class subclasses :class:`ValueError` and carries ``field``.
 
-=====================  ======================  =====================
-Python                 C++                     gRPC status
-=====================  ======================  =====================
-InvalidArgumentError   harts::InvalidArgument  INVALID_ARGUMENT
-ResourceLimitError     harts::ResourceExhausted RESOURCE_EXHAUSTED
+=====================  ========================  =====================
+Python                 C++                       gRPC status
+=====================  ========================  =====================
+InvalidArgumentError   harts::InvalidArgument    INVALID_ARGUMENT
+ResourceLimitError     harts::ResourceExhausted  RESOURCE_EXHAUSTED
 InfeasibleError        harts::FailedPrecondition FAILED_PRECONDITION
-=====================  ======================  =====================
+=====================  ========================  =====================
+
+The gRPC column, with the google.rpc detail that names the field, is the table
+:data:`harts_planner.rpc.status.TABLE` that the sidecar's server and client both use.
 """
 
 from __future__ import annotations

@@ -18,9 +18,11 @@ Trajectories can be given as
 * a :class:`SegmentTree` (a compacted tree built client-side: a few bytes per segment), or
 * :class:`PackedTokens` / a ``(tokens, offsets[, tree_ids])`` tuple (the raw step: 4 bytes per token).
 
-Both transports run the same code on the same arrays (the sidecar runs this module's in-process
-path behind ``harts_planner.rpc.server``), so the returned :class:`StepPlan` / :class:`CallPlan`
-objects compare equal. Errors are the same classes: :class:`InvalidArgumentError`,
+Both transports run the same code on the same arrays (the sidecar runs the in-process path,
+:func:`harts_planner.step_plan.plan_step_with_calls` and :func:`harts_planner.plan_calls`, behind
+``harts_planner.rpc.server``), so the returned :class:`StepPlan` / :class:`CallPlan` objects compare
+equal. With ``debug=False`` both return call plans without their debug part (only the layout a
+runtime reads; a sidecar then sends less). Errors are the same classes: :class:`InvalidArgumentError`,
 :class:`ResourceLimitError`, :class:`InfeasibleError` (``.field`` names the argument; for the
 sidecar, the request field path such as ``trajectories.tree.parent[3]``), plus
 :class:`harts_planner.rpc.client.SidecarError` for transport failures (unavailable, deadline).
@@ -30,10 +32,11 @@ from __future__ import annotations
 
 import time
 
-from harts_planner.batch import PackedTokens, RolloutBatch, SegmentTree
-from harts_planner.call_plan import CallPlan, plan_calls
+from harts_planner import checks
+from harts_planner.batch import PackedTokens, RolloutBatch, SegmentTree, ingest
+from harts_planner.call_plan import DEFAULT_CHUNK_SIZE, DEFAULT_CONV_WIDTH, CallPlan, plan_calls
 from harts_planner.errors import invalid
-from harts_planner.step_plan import StepPlan, plan_step
+from harts_planner.step_plan import StepPlan, plan_step_with_calls
 
 #: Default deadline of a sidecar call, seconds.
 DEFAULT_TIMEOUT = 600.0
@@ -50,29 +53,6 @@ def as_source(trajectories) -> RolloutBatch | PackedTokens | SegmentTree:
         "must be a RolloutBatch, SegmentTree, PackedTokens or a (tokens, offsets"
         f"[, tree_ids]) tuple, got {type(trajectories).__name__}",
     )
-
-
-def local_plan_step(
-    batch: RolloutBatch,
-    dp_size: int,
-    capacity: int,
-    chunk_size: int,
-    options: dict,
-    call_plans: bool,
-    conv_width: int,
-    check=None,
-) -> StepPlan:
-    """The step plan (and, with ``call_plans``, every microbatch's call plan) of a batch.
-    ``check()`` is called between microbatches (the sidecar's deadline check)."""
-    plan = plan_step(batch, dp_size, capacity, chunk_size, **options)
-    if call_plans:
-        plans = []
-        for mb in plan.microbatches:
-            if check is not None:
-                check()
-            plans.append(plan_calls(batch, chunk_size, trajectories=mb, conv_width=conv_width))
-        plan._call_plans = plans
-    return plan
 
 
 class Planner:
@@ -132,10 +112,11 @@ class Planner:
         trajectories,
         dp_size: int,
         capacity: int,
-        chunk_size: int = 64,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
         *,
         call_plans: bool = False,
-        conv_width: int = 4,
+        conv_width: int = DEFAULT_CONV_WIDTH,
+        debug: bool = True,
         timeout: float | None = None,
         **options,
     ) -> StepPlan:
@@ -154,6 +135,9 @@ class Planner:
             they travel in the response, which a large step can push over the message-size limit).
         conv_width : int, default 4
             w for the call plans' convolution context.
+        debug : bool, default True
+            With ``call_plans``: keep each call plan's debug part (:attr:`CallPlan.debug`); False returns
+            the layouts alone (a sidecar leaves the debug arrays out of the response: ``omit_debug``).
         timeout : float, optional
             Sidecar deadline for this call (default: the Planner's).
         **options
@@ -170,19 +154,22 @@ class Planner:
         harts_planner.rpc.client.SidecarError
             Sidecar unreachable, draining, or past the deadline.
         """
-        from harts_planner.rpc import codec
-
         source = as_source(trajectories)
-        chunk_size, conv_width = codec.check_call_args(chunk_size, conv_width)
+        chunk_size, conv_width = checks.chunk_size(chunk_size), checks.conv_width(conv_width)
+        call_plans, debug = checks.boolean(call_plans, "call_plans"), checks.boolean(debug, "debug")
         if self._client is None:
             start = time.perf_counter()
-            batch = source if isinstance(source, RolloutBatch) else codec.ingest(source)
-            plan = local_plan_step(batch, dp_size, capacity, chunk_size, options, call_plans, conv_width)
+            batch = source if isinstance(source, RolloutBatch) else ingest(source)
+            plan = plan_step_with_calls(
+                batch, dp_size, capacity, chunk_size, options, call_plans, conv_width, debug
+            )
             plan.wall_seconds = time.perf_counter() - start
             return plan
+        from harts_planner.rpc import codec
+
         wire = source.segment_tree() if isinstance(source, RolloutBatch) else source
         request = codec.serialize_plan_step_request(
-            wire, dp_size, capacity, chunk_size, options, call_plans, conv_width
+            wire, dp_size, capacity, chunk_size, options, call_plans, conv_width, debug
         )
         start = time.perf_counter()
         response = self._client.plan_step(request, timeout=self._timeout(timeout))
@@ -195,27 +182,31 @@ class Planner:
     def plan_calls(
         self,
         trajectories,
-        chunk_size: int = 64,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
         microbatch=None,
-        conv_width: int = 4,
+        conv_width: int = DEFAULT_CONV_WIDTH,
         *,
+        debug: bool = True,
         timeout: float | None = None,
     ) -> CallPlan:
         """Minimum-call plan and physical layout of one microbatch (see :func:`harts_planner.plan_calls`).
 
-        ``microbatch`` holds distinct trajectory indices (None: every trajectory). Raises as
-        :meth:`plan_step`; a bad index is reported on field ``microbatch[j]`` by the sidecar and
-        ``trajectories[j]`` in-process.
+        ``microbatch`` holds distinct trajectory indices (None: every trajectory). ``debug=False``
+        returns the plan without its debug part (:meth:`CallPlan.without_debug`; a sidecar sends only
+        the layout: ``omit_debug``). Raises as :meth:`plan_step`; a bad index is reported on field
+        ``microbatch[j]`` by the sidecar and ``trajectories[j]`` in-process.
         """
+        source = as_source(trajectories)
+        chunk_size, conv_width = checks.chunk_size(chunk_size), checks.conv_width(conv_width)
+        debug = checks.boolean(debug, "debug")
+        if self._client is None:
+            batch = source if isinstance(source, RolloutBatch) else ingest(source)
+            plan = plan_calls(batch, chunk_size, trajectories=microbatch, conv_width=conv_width)
+            return plan if debug else plan.without_debug()
         from harts_planner.rpc import codec
 
-        source = as_source(trajectories)
-        chunk_size, conv_width = codec.check_call_args(chunk_size, conv_width)
-        if self._client is None:
-            batch = source if isinstance(source, RolloutBatch) else codec.ingest(source)
-            return plan_calls(batch, chunk_size, trajectories=microbatch, conv_width=conv_width)
         wire = source.segment_tree() if isinstance(source, RolloutBatch) else source
-        request = codec.serialize_plan_calls_request(wire, microbatch, chunk_size, conv_width)
+        request = codec.serialize_plan_calls_request(wire, microbatch, chunk_size, conv_width, debug)
         response = self._client.plan_calls(request, timeout=self._timeout(timeout))
         plan = codec.decode_call_plan(response.plan)
         plan.server_stats = codec.stats_dict(response.stats)
@@ -229,4 +220,4 @@ class Planner:
         return self.timeout if timeout is None else timeout
 
 
-__all__ = ["Planner", "DEFAULT_TIMEOUT", "as_source", "local_plan_step"]
+__all__ = ["Planner", "DEFAULT_TIMEOUT", "as_source"]

@@ -24,14 +24,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from harts_planner import _native
+from harts_planner import _native, checks
 from harts_planner.batch import RolloutBatch
+from harts_planner.call_plan import DEFAULT_CHUNK_SIZE, plan_calls
 from harts_planner.errors import invalid
+from harts_planner.fields import NativeField
 
 __all__ = [
     "StepPlan",
     "imbalance",
     "plan_step",
+    "plan_step_with_calls",
     "schedule_metrics",
     "verify_schedule",
     "ARRAY_FIELDS",
@@ -65,29 +68,32 @@ SCALAR_FIELDS: tuple[str, ...] = (
     "selected",
 )
 
-#: Options of :func:`plan_step` and their defaults (the paper's parameters).
-DEFAULT_OPTIONS: dict[str, object] = {
-    "exact_threshold": 512,  # N0: exact contiguous DP when N <= N0
-    "max_sampled_k": 32,  # Q_max: sampled K values of heuristic search
-    "refine_window": 8,  # H of boundary refinement
-    "refine_sweeps": 2,  # boundary-refinement sweeps
-    "max_anchors": 3,  # B_ref: refined anchors (the greedy candidate counts as one)
-    "repair_window": 8,  # H of sparse repair
-    "repair_iterations": 4,  # sparse-repair iterations
-    "greedy": True,  # run the trie-aware greedy path
-    "refine": True,  # boundary refinement and sparse repair
-    "component_greedy": True,  # extension, not in the paper: per-tree greedy candidate (False = paper)
-    "search": "auto",  # "auto" | "exact" | "heuristic"
-}
+#: Options of :func:`plan_step` and their defaults (the paper's parameters), read from the C++
+#: ``harts::PlannerOptions`` (``harts/step_plan.h``) through ``_native.default_step_options()``:
+#:
+#: ==================  =======  =========================================================================
+#: option              default  meaning
+#: ==================  =======  =========================================================================
+#: exact_threshold     512      N0: exact contiguous DP when N <= N0 (``search="auto"``)
+#: max_sampled_k       32       Q_max: sampled K values of heuristic search (>= 2)
+#: refine_window       8        H of boundary refinement
+#: refine_sweeps       2        boundary-refinement sweeps
+#: max_anchors         3        B_ref: refined anchors (the greedy candidate counts as one)
+#: repair_window       8        H of sparse repair
+#: repair_iterations   4        sparse-repair iterations
+#: greedy              True     run the trie-aware greedy path
+#: refine              True     boundary refinement and sparse repair
+#: component_greedy    True     extension, not in the paper: per-tree greedy candidate (False = paper)
+#: search              "auto"   ``"auto"`` | ``"exact"`` | ``"heuristic"``
+#: ==================  =======  =========================================================================
+#:
+#: ``planner.proto`` states the same defaults in its ``StepOptions`` comments (a test checks both).
+DEFAULT_OPTIONS: dict[str, object] = _native.default_step_options()
 
 
-def _check_int(value, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise invalid(field, f"must be an integer, got {value!r}")
-    return int(value)
-
-
-def plan_step(batch: RolloutBatch, dp_size: int, capacity: int, chunk_size: int = 64, **options) -> StepPlan:
+def plan_step(
+    batch: RolloutBatch, dp_size: int, capacity: int, chunk_size: int = DEFAULT_CHUNK_SIZE, **options
+) -> StepPlan:
     """Plan one training step: microbatches, their DP replicas and their slots.
 
     Parameters
@@ -99,7 +105,7 @@ def plan_step(batch: RolloutBatch, dp_size: int, capacity: int, chunk_size: int 
     capacity : int
         T >= 1, the most compact tokens (unique token prefixes) per microbatch.
     chunk_size : int, default 64
-        Linear-attention chunk size B; only used by :meth:`StepPlan.call_plans`.
+        Linear-attention chunk size B in ``[1, MAX_CHUNK_SIZE]``; only used by :meth:`StepPlan.call_plans`.
     **options
         Search parameters, defaults in :data:`DEFAULT_OPTIONS`: ``exact_threshold`` (N0 = 512),
         ``max_sampled_k`` (Q_max = 32), ``refine_window`` (H = 8), ``refine_sweeps`` (2),
@@ -128,29 +134,43 @@ def plan_step(batch: RolloutBatch, dp_size: int, capacity: int, chunk_size: int 
     """
     if not isinstance(batch, RolloutBatch):
         raise invalid("batch", f"must be a harts_planner.RolloutBatch, got {type(batch).__name__}")
-    dp_size = _check_int(dp_size, "dp_size")
-    capacity = _check_int(capacity, "capacity")
-    chunk_size = _check_int(chunk_size, "chunk_size")
-    if chunk_size < 1:
-        raise invalid("chunk_size", f"must be >= 1, got {chunk_size}")
+    dp_size = checks.int64(dp_size, "dp_size")
+    capacity = checks.int64(capacity, "capacity")
+    chunk_size = checks.chunk_size(chunk_size)
     merged = dict(DEFAULT_OPTIONS)
-    for name, value in options.items():
-        if name not in DEFAULT_OPTIONS:
-            raise invalid(name, f"unknown option; choose from {sorted(DEFAULT_OPTIONS)}")
-        default = DEFAULT_OPTIONS[name]
-        if isinstance(default, bool):
-            if not isinstance(value, (bool, np.bool_)):
-                raise invalid(name, f"must be a bool, got {value!r}")
-            value = bool(value)
-        elif isinstance(default, int):
-            value = _check_int(value, name)
-        elif not isinstance(value, str):
-            raise invalid(name, f"must be a string, got {value!r}")
-        merged[name] = value
+    merged.update(checks.step_options(options, DEFAULT_OPTIONS))
     start = time.perf_counter()
     native = _native.plan_step(batch._native, dp_size, capacity, **merged)
     wall = time.perf_counter() - start
     return StepPlan(native, batch, chunk_size, merged, wall)
+
+
+def plan_step_with_calls(
+    batch: RolloutBatch,
+    dp_size: int,
+    capacity: int,
+    chunk_size: int,
+    options: dict,
+    call_plans: bool,
+    conv_width: int,
+    debug: bool = True,
+    check=None,
+) -> StepPlan:
+    """:func:`plan_step` and, with ``call_plans``, every microbatch's call plan right away (at
+    ``conv_width``; without their debug part unless ``debug``), as the sidecar and
+    :meth:`harts_planner.Planner.plan_step` return them. ``check()``, when given, is called before each
+    microbatch's call plan (the sidecar's deadline check; what it raises propagates). Raises as
+    :func:`plan_step` and :func:`harts_planner.plan_calls`."""
+    plan = plan_step(batch, dp_size, capacity, chunk_size, **options)
+    if call_plans:
+        plans = []
+        for mb in plan.microbatches:
+            if check is not None:
+                check()
+            calls = plan_calls(batch, plan.chunk_size, trajectories=mb, conv_width=conv_width)
+            plans.append(calls if debug else calls.without_debug())
+        plan._call_plans = plans
+    return plan
 
 
 def imbalance(per_replica_work) -> float:
@@ -297,47 +317,27 @@ class StepPlan:
         """True once the per-microbatch call plans are computed or were received."""
         return self._call_plans is not None
 
-    @property
-    def dp_size(self) -> int:
-        """D."""
-        return self._native.dp_size
-
-    @property
-    def capacity(self) -> int:
-        """T."""
-        return self._native.capacity
-
-    @property
-    def num_microbatches(self) -> int:
-        """K (a multiple of D)."""
-        return self._native.num_microbatches
+    dp_size = NativeField("D.")
+    capacity = NativeField("T.")
+    num_microbatches = NativeField("K (a multiple of D).")
 
     @property
     def num_slots(self) -> int:
         """K / D."""
         return self.num_microbatches // self.dp_size
 
-    @property
-    def replica(self) -> np.ndarray:
-        return self._native.replica
-
-    @property
-    def slot(self) -> np.ndarray:
-        return self._native.slot
-
-    @property
-    def work(self) -> np.ndarray:
-        return self._native.work
+    replica = NativeField("int32 [K]: DP replica of each microbatch, in ``[0, D)``.")
+    slot = NativeField("int32 [K]: slot of each microbatch, in ``[0, K / D)``.")
+    work = NativeField("int64 [K]: compact work ``w(M) <= T`` of each microbatch.")
 
     def microbatch_at(self, replica: int, slot: int) -> np.ndarray:
         """Trajectory indices of ``M_{replica, slot}``."""
         return self.microbatches[slot * self.dp_size + replica]
 
     # ------------------------------------------------------------------ objective and metrics
-    @property
-    def objective(self) -> tuple[int, int, int]:
-        """J = (total work, aggregate slot-critical work, max replica work), Equation (4)."""
-        return self._native.objective
+    objective = NativeField(
+        "tuple[int, int, int]: J = (total work, aggregate slot-critical work, max replica work), Equation (4)."
+    )
 
     @property
     def total_work(self) -> int:
@@ -351,10 +351,9 @@ class StepPlan:
     def max_replica_work(self) -> int:
         return self.objective[2]
 
-    @property
-    def compact_tokens(self) -> int:
-        """G = C(X), compact tokens of the whole batch in one trie: a lower bound on total work."""
-        return self._native.compact_tokens
+    compact_tokens = NativeField(
+        "G = C(X), compact tokens of the whole batch in one trie: a lower bound on total work."
+    )
 
     @property
     def metrics(self) -> dict:
@@ -376,43 +375,24 @@ class StepPlan:
         return self.metrics["step_imbalance"]
 
     # ------------------------------------------------------------------ provenance
-    @property
-    def planning_seconds(self) -> float:
-        return self._native.planning_seconds
-
-    @property
-    def phase_seconds(self) -> dict:
-        return self._native.phase_seconds
-
-    @property
-    def source(self) -> str:
-        """Which candidate won: ``exact``, ``evolved``, ``greedy:<order>/<policy>``, with ``+boundary`` /
-        ``+repair`` when refined."""
-        return self._native.source
-
-    @property
-    def search_mode(self) -> str:
-        return self._native.search_mode
-
-    @property
-    def natural_k(self) -> int:
-        """K0, microbatches of the natural partition."""
-        return self._native.natural_k
+    planning_seconds = NativeField("float: time spent in the C++ planner (timing: not compared by ``==``).")
+    phase_seconds = NativeField("dict[str, float]: C++ planner time per phase (timing).")
+    source = NativeField(
+        "Which candidate won: ``exact``, ``evolved``, ``greedy:<order>/<policy>``, with ``+boundary`` / "
+        "``+repair`` when refined."
+    )
+    search_mode = NativeField('The base search that ran: ``"exact"`` or ``"heuristic"``.')
+    natural_k = NativeField("K0, microbatches of the natural partition.")
 
     @property
     def k_range(self) -> tuple[int, int]:
         """(K_min, K_max) of Equations (7)-(8)."""
         return self._native.k_min, self._native.k_max
 
-    @property
-    def candidates(self) -> list[dict]:
-        """Every candidate compared: dicts with ``source``, ``k`` and ``objective``."""
-        return self._native.candidates
-
-    @property
-    def selected(self) -> int:
-        """Index of the selected candidate in :attr:`candidates`."""
-        return self._native.selected
+    candidates = NativeField(
+        "list[dict]: every candidate compared: dicts with ``source``, ``k`` and ``objective``."
+    )
+    selected = NativeField("Index of the selected candidate in :attr:`candidates`.")
 
     # ------------------------------------------------------------------ call plans
     def call_plans(self) -> list:
@@ -430,11 +410,6 @@ class StepPlan:
                 "with Planner.plan_step(..., call_plans=True) or Planner.plan_calls",
             )
         if self._call_plans is None:
-            import harts_planner
-
-            plan_calls = getattr(harts_planner, "plan_calls", None)
-            if plan_calls is None:
-                raise NotImplementedError("harts_planner.plan_calls is not available in this build")
             self._call_plans = [
                 plan_calls(self._batch, self.chunk_size, trajectories=mb) for mb in self.microbatches
             ]

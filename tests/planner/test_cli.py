@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -30,7 +32,7 @@ def test_demo_json_reports_what_ingestion_found(capsys):
 
 
 def test_demo_table(capsys):
-    assert cli.main(["demo", "--preset", "tiny", "--quiet", "--model-steps", "2"]) == 0
+    assert cli.main(["demo", "--preset", "tiny", "--quiet", "--model-steps", "0"]) == 0
     text = capsys.readouterr().out
     for label in (
         "trajectories",
@@ -44,7 +46,39 @@ def test_demo_table(capsys):
         "time",
     ):
         assert label in text
+    assert "debug hybrid model" not in text  # --model-steps 0: no model step
+
+
+@pytest.mark.parametrize(
+    "preset, runtime_preset", [("tiny", "tiny"), ("small", "small"), ("swe-like", "small")]
+)
+def test_demo_model_step_calls_the_runtime_demo(monkeypatch, capsys, preset, runtime_preset):
+    """The model step is ``harts_runtime.train_demo`` with a CPU-sized preset (a stand-in module here:
+    the planner tests need no torch)."""
+    calls = []
+    fake = types.ModuleType("harts_runtime")
+    fake.train_demo = lambda **kwargs: calls.append(kwargs) or []
+    monkeypatch.setitem(sys.modules, "harts_runtime", fake)
+    assert cli.main(["demo", "--preset", preset, "--quiet", "--model-steps", "3"]) == 0
+    assert calls == [{"preset": runtime_preset, "steps": 3, "seed": 0, "max_len": 1024, "device": "cpu"}]
+    assert "debug hybrid model" in capsys.readouterr().out
+
+
+def test_demo_without_the_runtime_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "harts_runtime", None)  # import harts_runtime raises ImportError
+    assert cli.main(["demo", "--preset", "tiny", "--quiet", "--model-steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "model step skipped (harts_runtime is not installed): pip install '.[runtime]'" in out
+
+
+@pytest.mark.slow
+def test_demo_trains_the_model_compact_and_trajectory_wise(capsys):
     # the whole pipeline: the debug model trained compact and trajectory-wise from the same weights
+    runtime = pytest.importorskip("harts_runtime")
+    if not hasattr(runtime, "train_demo"):
+        pytest.skip("harts_runtime.train_demo is not in this checkout")
+    assert cli.main(["demo", "--preset", "tiny", "--quiet", "--model-steps", "2"]) == 0
+    text = capsys.readouterr().out
     diffs = [
         float(line.rsplit("=", 1)[1])
         for line in text.splitlines()

@@ -201,6 +201,7 @@ def small_trees(draw):
     return parent, lengths, b
 
 
+@pytest.mark.slow
 @settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(small_trees(), st.integers(1, 5))
 def test_optimal_on_random_trees(tree, width):
@@ -247,6 +248,7 @@ def token_batches(draw):
     return trajs, list(ids[:k])
 
 
+@pytest.mark.slow
 @settings(max_examples=600, deadline=None)
 @given(token_batches(), st.integers(1, 7), st.integers(1, 4))
 def test_random_token_batches_and_subsets(data, b, width):

@@ -303,20 +303,12 @@ def test_call_plans_use_plan_calls(monkeypatch):
         calls.append((b, chunk_size, list(trajectories)))
         return len(trajectories)
 
-    monkeypatch.setattr(harts_planner, "plan_calls", fake_plan_calls, raising=False)
+    monkeypatch.setattr(harts_planner.step_plan, "plan_calls", fake_plan_calls)
     out = plan.call_plans()
     assert out == [len(mb) for mb in plan.microbatches]
     assert [c[2] for c in calls] == [mb.tolist() for mb in plan.microbatches]
     assert all(c[0] is batch and c[1] == 2 for c in calls)
     assert plan.call_plans() is out  # cached
-
-
-def test_call_plans_without_min_call_planner(monkeypatch):
-    batch = RolloutBatch.from_token_lists([[1, 2, 3], [1, 2, 4]])
-    plan = plan_step(batch, 1, 10)
-    monkeypatch.delattr(harts_planner, "plan_calls", raising=False)
-    with pytest.raises(NotImplementedError):
-        plan.call_plans()
 
 
 def test_concurrent_planning_is_deterministic():
@@ -338,8 +330,8 @@ def test_concurrent_planning_is_deterministic():
     assert all(r == results[0] for r in results)
 
 
-@pytest.mark.slow
-def test_swe_like_step_plans_under_a_second():
+def test_swe_like_step_plans():
+    # (planning time is measured by benchmarks/planner_quality.py, not asserted here)
     from harts_planner import synth
 
     syn = synth.generate("swe-like", seed=0)
@@ -348,7 +340,6 @@ def test_swe_like_step_plans_under_a_second():
         plan = plan_step(batch, dp, 65536)
         check_plan(batch, plan, dp, 65536)
         assert plan.search_mode == "heuristic"
-        assert plan.planning_seconds < 1.0
 
 
 # ---------------------------------------------------------------------------- benchmark baselines

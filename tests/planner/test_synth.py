@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 
 import numpy as np
 import pytest
@@ -112,18 +111,15 @@ def test_preset_scale(
     assert batch.compact_tokens_expected < batch.semantic_tokens
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_swe_like_matches_table_2_scale(seed: int) -> None:
-    start = time.perf_counter()
+    # (its generation time is reported, not asserted: harts-planner demo --json, generate_seconds)
     batch = synth.generate("swe-like", seed)
-    elapsed = time.perf_counter() - start
     n, s, c = len(batch.tree_ids), batch.semantic_tokens, batch.compact_tokens_expected
     assert 1_250 <= n <= 2_450
     assert 32_000_000 <= s <= 62_000_000
     assert 4.5 <= s / c <= 6.5
     assert 22_000 <= s / n <= 32_000
-    assert elapsed < 10.0
     assert_well_formed(batch, 157_184)
 
 

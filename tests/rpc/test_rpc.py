@@ -74,6 +74,77 @@ def test_round_trip_equals_in_process(server, remote, small_batch, kind):
     assert remote.plan_calls(source, 16) == hp.plan_calls(b, 16)
 
 
+def _assert_layout_only(plan, full):
+    """``plan`` is ``full`` without its debug part: the same layout, and every way to the debug part
+    raises InvalidArgumentError on field "debug"."""
+    assert not plan.has_debug and full.has_debug
+    assert plan.layout == full.layout and plan == full.without_debug() and plan != full
+    for name in hp.call_plan.LAYOUT_FIELDS:
+        assert np.array_equal(getattr(plan, name), getattr(full, name)), name
+    for read in (lambda: plan.debug, lambda: plan.t_pre, lambda: plan.chain(0), plan.to_dict):
+        with pytest.raises(hp.InvalidArgumentError, match="debug=True") as e:
+            read()
+        assert e.value.field == "debug"
+
+
+@pytest.mark.parametrize("kind", ["tree", "tokens"])
+def test_omit_debug_returns_the_layout_alone(server, remote, small_batch, kind):
+    b = small_batch
+    source = {"tree": b.segment_tree(), "tokens": PackedTokens(b.tokens, b.offsets, b.tree_ids)}[kind]
+    mb = Planner().plan_step(b, 2, int(b.lengths.max()) + 500).microbatches[1]
+    full = hp.plan_calls(b, 16, mb, conv_width=3)
+    got = remote.plan_calls(source, 16, mb, conv_width=3, debug=False)
+    _assert_layout_only(got, full)
+    assert got == Planner().plan_calls(b, 16, mb, conv_width=3, debug=False)  # both transports agree
+    # In a step: every call plan without its debug part, equal to the in-process ones.
+    cap = int(b.lengths.max()) + 500
+    step = remote.plan_step(source, 2, cap, 32, call_plans=True, conv_width=3, debug=False)
+    local = Planner().plan_step(b, 2, cap, 32, call_plans=True, conv_width=3)
+    assert step == Planner().plan_step(b, 2, cap, 32, call_plans=True, conv_width=3, debug=False)
+    assert len(step.call_plans()) == len(local.call_plans())
+    for got_plan, full_plan in zip(step.call_plans(), local.call_plans()):
+        _assert_layout_only(got_plan, full_plan)
+
+
+def test_omit_debug_on_the_wire(server, small_batch):
+    """The response of an omit_debug request: debug_omitted set, every debug array empty, the layout
+    arrays byte for byte those of the full response, and fewer bytes in all."""
+    tree = small_batch.segment_tree()
+    full_req = codec.plan_calls_request(tree, None, 8, 4)
+    lean_req = codec.plan_calls_request(tree, None, 8, 4, debug=False)
+    assert lean_req.omit_debug and not full_req.omit_debug
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.unary_unary(
+            codec.PLAN_CALLS, request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
+        full, lean = (
+            pb.PlanCallsResponse.FromString(call(r.SerializeToString(), timeout=30)).plan
+            for r in (full_req, lean_req)
+        )
+    assert lean.debug_omitted and not full.debug_omitted
+    for name in hp.call_plan.DEBUG_FIELDS:
+        assert getattr(lean, name) == b"", name
+    for name in (*hp.call_plan.SCALAR_FIELDS, *hp.call_plan.LAYOUT_FIELDS):
+        assert getattr(lean, name) == getattr(full, name), name
+    assert lean.ByteSize() < full.ByteSize()
+    assert codec.decode_call_plan(lean) == codec.decode_call_plan(full).without_debug()
+    # the codec: a plan without debug encodes as such, whatever is asked
+    plan = hp.plan_calls(small_batch, 8)
+    assert codec.encode_call_plan(plan, debug=False) == lean
+    assert codec.encode_call_plan(plan.without_debug()) == lean
+    assert codec.encode_call_plan(plan) == full
+
+
+def test_debug_flag_is_a_bool(remote, small_batch):
+    for planner in (remote, Planner()):
+        with pytest.raises(hp.InvalidArgumentError) as e:
+            planner.plan_calls(small_batch, 16, debug="no")
+        assert e.value.field == "debug"
+        with pytest.raises(hp.InvalidArgumentError) as e:
+            planner.plan_step(small_batch, 1, 40000, call_plans=1)
+        assert e.value.field == "call_plans"
+
+
 def test_plans_are_deterministic_bytes(server, small_batch):
     request = codec.plan_step_request(small_batch.segment_tree(), 2, 40000, 64, {}, True, 4)
     channel, call = _raw_channel(server)
@@ -425,6 +496,7 @@ def slow_tree(n: int = 15_000, seed: int = 0) -> SegmentTree:
     return SegmentTree(parent, length, np.flatnonzero(~has_child).astype(np.int32))
 
 
+@pytest.mark.slow
 def test_sigterm_drains(tmp_path):
     tree = slow_tree()
     cap = int(RolloutBatch.from_segment_tree(tree).lengths.max()) * 2

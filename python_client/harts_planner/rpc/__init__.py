@@ -5,5 +5,7 @@ Use :class:`harts_planner.Planner` rather than these modules directly:
 
 * :mod:`harts_planner.rpc.server`: ``create_server``, ``serve``, ``SidecarProcess``;
 * :mod:`harts_planner.rpc.client`: ``SidecarClient``, status codes -> exceptions;
-* :mod:`harts_planner.rpc.codec`: plans and requests <-> wire messages.
+* :mod:`harts_planner.rpc.codec`: plans and requests <-> wire messages;
+* :mod:`harts_planner.rpc.status`: planner errors <-> gRPC status codes and google.rpc details;
+* :mod:`harts_planner.rpc.snapshot`: the committed descriptor snapshot of ``planner.proto``.
 """

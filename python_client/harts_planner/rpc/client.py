@@ -13,19 +13,16 @@ anything else          :class:`SidecarError`
 =====================  ============================================  ========================
 
 The field comes from the google.rpc.Status details the server attaches (BadRequest,
-QuotaFailure, PreconditionFailure), or, for a limit enforced by gRPC itself (an over-size
-message), is ``"request"`` / ``"response"``.
+QuotaFailure, PreconditionFailure: the table of :mod:`harts_planner.rpc.status`), or, for a limit
+enforced by gRPC itself (an over-size message), is ``"request"`` / ``"response"``.
 """
 
 from __future__ import annotations
 
 import grpc
-from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_status import rpc_status
 
-from harts_planner.errors import InfeasibleError, InvalidArgumentError, ResourceLimitError
-from harts_planner.rpc import codec
+from harts_planner.rpc import codec, status
 from harts_planner.rpc import planner_pb2 as pb
 
 #: Default message-size limit of client and server: a 59M-token step is 236 MB of tokens.
@@ -49,37 +46,12 @@ class SidecarTimeoutError(SidecarError, TimeoutError):
     """The call's deadline passed (DEADLINE_EXCEEDED)."""
 
 
-_HARTS_ERRORS = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceLimitError,
-    grpc.StatusCode.FAILED_PRECONDITION: InfeasibleError,
-}
-
-
-def _field_of(err: grpc.RpcError) -> str | None:
-    status = rpc_status.from_call(err)
-    if status is None:
-        return None
-    for detail in status.details:
-        for cls, attr, key in (
-            (error_details_pb2.BadRequest, "field_violations", "field"),
-            (error_details_pb2.QuotaFailure, "violations", "subject"),
-            (error_details_pb2.PreconditionFailure, "violations", "subject"),
-        ):
-            if detail.Is(cls.DESCRIPTOR):
-                msg = cls()
-                detail.Unpack(msg)
-                for violation in getattr(msg, attr):
-                    return getattr(violation, key)
-    return None
-
-
 def translate(err: grpc.RpcError) -> Exception:
     """The exception a failed call raises (see the module table)."""
     code, message = err.code(), err.details() or ""
-    cls = _HARTS_ERRORS.get(code)
+    cls = status.error_class(code)
     if cls is not None:
-        field = _field_of(err)
+        field = status.field_of(err)
         if field is None:  # a limit gRPC enforced itself, before our handler ran
             field = "response" if "Sent message" in message or "response" in message.lower() else "request"
             message = f"{field}: {message}"

@@ -16,10 +16,18 @@ import types
 
 import numpy as np
 
+from harts_planner import batch as _batch
 from harts_planner import call_plan as _call_plan
+from harts_planner import checks
 from harts_planner import step_plan as _step_plan
 from harts_planner.batch import PackedTokens, RolloutBatch, SegmentTree
-from harts_planner.call_plan import MAX_CHUNK_SIZE, MAX_CONV_WIDTH, CallPlan
+from harts_planner.call_plan import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_CONV_WIDTH,
+    MAX_CHUNK_SIZE,
+    MAX_CONV_WIDTH,
+    CallPlan,
+)
 from harts_planner.errors import HartsError, invalid
 from harts_planner.rpc import planner_pb2 as pb
 from harts_planner.step_plan import DEFAULT_OPTIONS, StepPlan
@@ -27,9 +35,6 @@ from harts_planner.step_plan import DEFAULT_OPTIONS, StepPlan
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PlannerService"].full_name
 PLAN_STEP = f"/{SERVICE_NAME}/PlanStep"
 PLAN_CALLS = f"/{SERVICE_NAME}/PlanCalls"
-
-DEFAULT_CHUNK_SIZE = 64
-DEFAULT_CONV_WIDTH = 4
 
 I32, I64 = np.dtype("<i4"), np.dtype("<i8")
 
@@ -143,9 +148,7 @@ def ingest(source: PackedTokens | SegmentTree, *, wire: bool = False) -> Rollout
     """The batch of packed tokens or of a compacted tree. With ``wire``, error fields are
     request paths (``trajectories.tree.parent[4]``)."""
     try:
-        if isinstance(source, SegmentTree):
-            return RolloutBatch.from_segment_tree(source)
-        return RolloutBatch.from_arrays(source.tokens, source.offsets, source.tree_ids)
+        return _batch.ingest(source)
     except HartsError as e:
         if not wire:
             raise
@@ -153,41 +156,17 @@ def ingest(source: PackedTokens | SegmentTree, *, wire: bool = False) -> Rollout
 
 
 # ---------------------------------------------------------------------------------- options
-def check_call_args(chunk_size, conv_width) -> tuple[int, int]:
-    """Validated (chunk_size, conv_width); InvalidArgumentError naming the argument."""
-    out = []
-    for name, value, hi in (
-        ("chunk_size", chunk_size, MAX_CHUNK_SIZE),
-        ("conv_width", conv_width, MAX_CONV_WIDTH),
-    ):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise invalid(name, f"must be an integer, got {value!r}")
-        if not 1 <= int(value) <= hi:
-            raise invalid(name, f"must be in [1, {hi}], got {int(value)}")
-        out.append(int(value))
-    return out[0], out[1]
-
-
 def encode_options(options: dict) -> pb.StepOptions:
-    """StepOptions with every given option set (names as in ``DEFAULT_OPTIONS``)."""
+    """StepOptions with every given option set (names as in ``DEFAULT_OPTIONS``; the checks of
+    :func:`harts_planner.checks.step_options`, and ``search`` one of the SearchMode names)."""
     msg = pb.StepOptions()
-    for name, value in options.items():
-        if name not in DEFAULT_OPTIONS:
-            raise invalid(name, f"unknown option; choose from {sorted(DEFAULT_OPTIONS)}")
+    for name, value in checks.step_options(options, DEFAULT_OPTIONS).items():
         if name == "search":
             if value not in _SEARCH_TO_WIRE:
                 raise invalid("search", f"must be one of {sorted(_SEARCH_TO_WIRE)}, got {value!r}")
             msg.search = _SEARCH_TO_WIRE[value]
-        elif name in _BOOL_OPTIONS:
-            if not isinstance(value, (bool, np.bool_)):
-                raise invalid(name, f"must be a bool, got {value!r}")
-            setattr(msg, name, bool(value))
         else:
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise invalid(name, f"must be an integer, got {value!r}")
-            if not -(2**63) <= int(value) < 2**63:
-                raise invalid(name, f"must fit int64, got {value}")
-            setattr(msg, name, int(value))
+            setattr(msg, name, value)
     return msg
 
 
@@ -216,35 +195,34 @@ def plan_step_request(
     options: dict,
     call_plans: bool,
     conv_width: int,
+    debug: bool = True,
 ) -> pb.PlanStepRequest:
-    """The PlanStep request of a client call."""
-    for name, value in (("dp_size", dp_size), ("capacity", capacity)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise invalid(name, f"must be an integer, got {value!r}")
-        if not 1 <= int(value) < 2**63:
-            raise invalid(name, f"must be >= 1, got {int(value)}")
+    """The PlanStep request of a client call (``debug=False`` sets ``omit_debug``)."""
     return pb.PlanStepRequest(
         trajectories=encode_trajectories(source),
-        dp_size=int(dp_size),
-        capacity=int(capacity),
-        chunk_size=chunk_size,
+        dp_size=checks.int64(dp_size, "dp_size", 1),
+        capacity=checks.int64(capacity, "capacity", 1),
+        chunk_size=checks.chunk_size(chunk_size),
         options=encode_options(options),
-        include_call_plans=bool(call_plans),
-        conv_width=conv_width,
+        include_call_plans=checks.boolean(call_plans, "call_plans"),
+        conv_width=checks.conv_width(conv_width),
+        omit_debug=not checks.boolean(debug, "debug"),
     )
 
 
 def plan_calls_request(
-    source: PackedTokens | SegmentTree, microbatch, chunk_size: int, conv_width: int
+    source: PackedTokens | SegmentTree, microbatch, chunk_size: int, conv_width: int, debug: bool = True
 ) -> pb.PlanCallsRequest:
-    """The PlanCalls request of a client call (``microbatch`` None = every trajectory)."""
+    """The PlanCalls request of a client call (``microbatch`` None = every trajectory;
+    ``debug=False`` sets ``omit_debug``)."""
     msg = pb.PlanCallsRequest(
-        trajectories=encode_trajectories(source), chunk_size=chunk_size, conv_width=conv_width
+        trajectories=encode_trajectories(source),
+        chunk_size=checks.chunk_size(chunk_size),
+        conv_width=checks.conv_width(conv_width),
+        omit_debug=not checks.boolean(debug, "debug"),
     )
     if microbatch is not None:
-        from harts_planner.call_plan import _int32_ids
-
-        msg.microbatch = pack(_int32_ids(microbatch, "microbatch"), I32)
+        msg.microbatch = pack(checks.trajectory_ids(microbatch, "microbatch"), I32)
     return msg
 
 
@@ -290,19 +268,19 @@ def _trajectories_parts(source: PackedTokens | SegmentTree) -> list:
 
 
 def serialize_plan_step_request(
-    source, dp_size, capacity, chunk_size, options, call_plans, conv_width
+    source, dp_size, capacity, chunk_size, options, call_plans, conv_width, debug=True
 ) -> bytes:
     """Wire bytes of :func:`plan_step_request` with the arrays copied once."""
     head = plan_step_request(
-        SegmentTree([], [], []), dp_size, capacity, chunk_size, options, call_plans, conv_width
+        SegmentTree([], [], []), dp_size, capacity, chunk_size, options, call_plans, conv_width, debug
     )
     head.ClearField("trajectories")
     return b"".join([head.SerializeToString(), *_trajectories_parts(source)])
 
 
-def serialize_plan_calls_request(source, microbatch, chunk_size, conv_width) -> bytes:
+def serialize_plan_calls_request(source, microbatch, chunk_size, conv_width, debug=True) -> bytes:
     """Wire bytes of :func:`plan_calls_request` with the arrays copied once."""
-    head = plan_calls_request(SegmentTree([], [], []), microbatch, chunk_size, conv_width)
+    head = plan_calls_request(SegmentTree([], [], []), microbatch, chunk_size, conv_width, debug)
     head.ClearField("trajectories")
     return b"".join([head.SerializeToString(), *_trajectories_parts(source)])
 
@@ -324,41 +302,53 @@ def _defaulted(value: int, default: int, field: str, hi: int) -> int:
 
 def decode_plan_step_request(req: pb.PlanStepRequest) -> dict:
     """Validated scalar arguments of a PlanStep request: dp_size, capacity, chunk_size,
-    conv_width, call_plans, options (the trajectories are decoded by :func:`decode_trajectories`)."""
+    conv_width, call_plans, debug, options (the trajectories are decoded by :func:`decode_trajectories`)."""
     return {
         "dp_size": _required_positive(req.dp_size, "dp_size"),
         "capacity": _required_positive(req.capacity, "capacity"),
         "chunk_size": _defaulted(req.chunk_size, DEFAULT_CHUNK_SIZE, "chunk_size", MAX_CHUNK_SIZE),
         "conv_width": _defaulted(req.conv_width, DEFAULT_CONV_WIDTH, "conv_width", MAX_CONV_WIDTH),
         "call_plans": req.include_call_plans,
+        "debug": not req.omit_debug,
         "options": decode_options(req.options),
     }
 
 
 def decode_plan_calls_request(req: pb.PlanCallsRequest) -> dict:
-    """Validated scalar arguments of a PlanCalls request: chunk_size, conv_width, microbatch."""
+    """Validated scalar arguments of a PlanCalls request: chunk_size, conv_width, microbatch, debug."""
     microbatch = unpack(req.microbatch, I32, "microbatch") if req.microbatch else None
     return {
         "chunk_size": _defaulted(req.chunk_size, DEFAULT_CHUNK_SIZE, "chunk_size", MAX_CHUNK_SIZE),
         "conv_width": _defaulted(req.conv_width, DEFAULT_CONV_WIDTH, "conv_width", MAX_CONV_WIDTH),
         "microbatch": microbatch,
+        "debug": not req.omit_debug,
     }
 
 
 # ---------------------------------------------------------------------------------- plans
-def encode_call_plan(plan: CallPlan) -> pb.CallPlan:
+def encode_call_plan(plan: CallPlan, debug: bool = True) -> pb.CallPlan:
+    """The wire form of a call plan: its layout and, when ``debug`` and the plan has it, its debug
+    part (otherwise ``debug_omitted`` is set and the debug arrays stay empty)."""
     native = plan._native
     msg = pb.CallPlan(**{f: int(getattr(native, f)) for f in _call_plan.SCALAR_FIELDS})
-    for name, dtype in _call_plan.ARRAY_FIELDS.items():
+    for name, dtype in _call_plan.LAYOUT_FIELDS.items():
         setattr(msg, name, pack(getattr(native, name), dtype))
+    if debug and plan.has_debug:
+        for name, dtype in _call_plan.DEBUG_FIELDS.items():
+            setattr(msg, name, pack(getattr(native, name), dtype))
+    else:
+        msg.debug_omitted = True
     return msg
 
 
 def decode_call_plan(msg: pb.CallPlan) -> CallPlan:
+    """The call plan of a wire message (views of its bytes); without its debug part when
+    ``msg.debug_omitted``. Raises InvalidArgumentError naming ``plan.<field>`` for a misaligned array."""
     fields = {f: int(getattr(msg, f)) for f in _call_plan.SCALAR_FIELDS}
-    for name, dtype in _call_plan.ARRAY_FIELDS.items():
+    arrays = _call_plan.LAYOUT_FIELDS if msg.debug_omitted else _call_plan.ARRAY_FIELDS
+    for name, dtype in arrays.items():
         fields[name] = unpack(getattr(msg, name), dtype, f"plan.{name}")
-    return CallPlan(types.SimpleNamespace(**fields))
+    return CallPlan.from_fields(fields)
 
 
 def _objective(msg: pb.Objective) -> tuple[int, int, int]:

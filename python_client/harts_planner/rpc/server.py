@@ -7,7 +7,8 @@
 * Limits: messages up to ``max_message_bytes`` each way (1 GiB by default; a larger request is
   refused by gRPC with RESOURCE_EXHAUSTED before it is parsed), and the planner's own limits.
 * Errors: bad requests get INVALID_ARGUMENT / RESOURCE_EXHAUSTED / FAILED_PRECONDITION with a
-  message and a google.rpc detail naming the request field; unparsable bytes are
+  message and a google.rpc detail naming the request field (the table of
+  :mod:`harts_planner.rpc.status`); unparsable bytes are
   INVALID_ARGUMENT on field ``request``; anything unexpected is INTERNAL and logged. The server
   keeps serving either way.
 * Deadlines: checked before and between the phases of a plan (DEADLINE_EXCEEDED).
@@ -34,19 +35,16 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
-from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError
-from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from grpc_status import rpc_status
 
 from harts_planner.call_plan import plan_calls
-from harts_planner.errors import HartsError, InfeasibleError, ResourceLimitError
-from harts_planner.planner import local_plan_step
-from harts_planner.rpc import codec
+from harts_planner.errors import HartsError
+from harts_planner.rpc import codec, status
 from harts_planner.rpc import planner_pb2 as pb
 from harts_planner.rpc.client import DEFAULT_MAX_MESSAGE_BYTES
+from harts_planner.step_plan import plan_step_with_calls
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
@@ -70,54 +68,11 @@ class _AbortRpcError(Exception):
 
 
 def _from_harts(err: HartsError) -> _AbortRpcError:
-    code = (
-        grpc.StatusCode.RESOURCE_EXHAUSTED
-        if isinstance(err, ResourceLimitError)
-        else grpc.StatusCode.FAILED_PRECONDITION
-        if isinstance(err, InfeasibleError)
-        else grpc.StatusCode.INVALID_ARGUMENT
-    )
-    return _AbortRpcError(code, str(err), getattr(err, "field", None) or "request")
+    return _AbortRpcError(status.for_error(err).code, str(err), getattr(err, "field", None) or "request")
 
 
 def _rich_status(abort: _AbortRpcError) -> grpc.Status:
-    details = []
-    if abort.field is not None:
-        detail = any_pb2.Any()
-        if abort.code == grpc.StatusCode.INVALID_ARGUMENT:
-            detail.Pack(
-                error_details_pb2.BadRequest(
-                    field_violations=[
-                        error_details_pb2.BadRequest.FieldViolation(
-                            field=abort.field, description=abort.message
-                        )
-                    ]
-                )
-            )
-        elif abort.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            detail.Pack(
-                error_details_pb2.QuotaFailure(
-                    violations=[
-                        error_details_pb2.QuotaFailure.Violation(
-                            subject=abort.field, description=abort.message
-                        )
-                    ]
-                )
-            )
-        else:
-            detail.Pack(
-                error_details_pb2.PreconditionFailure(
-                    violations=[
-                        error_details_pb2.PreconditionFailure.Violation(
-                            type="PLAN", subject=abort.field, description=abort.message
-                        )
-                    ]
-                )
-            )
-        details.append(detail)
-    return rpc_status.to_status(
-        status_pb2.Status(code=getattr(code_pb2, abort.code.name), message=abort.message, details=details)
-    )
+    return status.rich_status(abort.code, abort.message, abort.field)
 
 
 @dataclass
@@ -259,7 +214,7 @@ class PlannerServicer:
         self._check_deadline(context, "planning")
         t0 = time.perf_counter()
         try:
-            plan = local_plan_step(
+            plan = plan_step_with_calls(
                 batch,
                 args["dp_size"],
                 args["capacity"],
@@ -267,6 +222,7 @@ class PlannerServicer:
                 args["options"],
                 args["call_plans"],
                 args["conv_width"],
+                debug=args["debug"],
                 check=lambda: self._check_deadline(context, "the next call plan"),
             )
         except HartsError as e:
@@ -310,7 +266,7 @@ class PlannerServicer:
             raise codec.renamed(e, {"trajectories": "microbatch"}) from None
         t1 = time.perf_counter()
         self._check_deadline(context, "encoding")
-        response = pb.PlanCallsResponse(plan=codec.encode_call_plan(plan))
+        response = pb.PlanCallsResponse(plan=codec.encode_call_plan(plan, debug=args["debug"]))
         t2 = time.perf_counter()
         response.stats.CopyFrom(
             codec.stats_message(
