@@ -199,7 +199,7 @@ std::vector<int32_t> RolloutBatch::SortedRanks(const int32_t* ids, int64_t k, co
   const int64_t n = num_trajectories();
   std::vector<int32_t> ranks(k);
   for (int64_t j = 0; j < k; ++j) {
-    if (ids[j] < 0 || ids[j] >= n) CheckTrajectoryIndex(ids[j], n, Indexed(field, j));
+    if (ids[j] < 0 || ids[j] >= n) CheckTrajectoryIndex(ids[j], n, Indexed(field, j));  // field built on failure only
     ranks[j] = rank_[ids[j]];
   }
   std::sort(ranks.begin(), ranks.end());

@@ -8,6 +8,11 @@
 namespace harts {
 namespace {
 
+// "a segment id in [0, V), got x": the words of both id checks (parent, trajectory_end).
+std::string SegmentIdIn(int64_t v_count, int64_t got) {
+  return "a segment id in [0, " + std::to_string(v_count) + "), got " + std::to_string(got);
+}
+
 // Step 2 (segments) of the checks in segment_tree.h.
 void CheckSegmentCount(int64_t v_count, int64_t max_segments) {
   if (v_count < 1) throw InvalidArgument("parent", "a segment tree needs at least one segment");
@@ -18,8 +23,7 @@ void CheckSegmentCount(int64_t v_count, int64_t max_segments) {
 void CheckParent(const int32_t* parent, int64_t v_count, int64_t v) {
   const int32_t p = parent[v];
   if (p < -1 || p >= v_count)
-    throw InvalidArgument(Indexed("parent", v), "must be -1 (a root) or a segment id in [0, " +
-                                                    std::to_string(v_count) + "), got " + std::to_string(p));
+    throw InvalidArgument(Indexed("parent", v), "must be -1 (a root) or " + SegmentIdIn(v_count, p));
   if (p == v) throw InvalidArgument(Indexed("parent", v), "segment " + std::to_string(v) + " is its own parent");
 }
 
@@ -101,8 +105,7 @@ SegmentForest SegmentForestFromTree(const SegmentTreeView& t, std::vector<int32_
   for (int64_t i = 0; i < n; ++i) {
     const int32_t v = t.trajectory_end[i];
     if (v < 0 || v >= v_count)
-      throw InvalidArgument(Indexed("trajectory_end", i),
-                            "must be a segment id in [0, " + std::to_string(v_count) + "), got " + std::to_string(v));
+      throw InvalidArgument(Indexed("trajectory_end", i), "must be " + SegmentIdIn(v_count, v));
     ends_here[v] = 1;
     total += end_position[v];
     if (total > kMaxSemanticTokens)

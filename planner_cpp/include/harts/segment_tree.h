@@ -35,8 +35,8 @@
 //   4. positions (position form) RE num_rows <= kMaxForestRows       "end"
 //                by id: start[v] = 0 for a root, end[parent[v]] else "start[v]"
 //   5. acyclic   every segment is reached from a root; else the      "parent[v]"
-//                smallest unreached v lies on a parent cycle (implied by 4 in the position
-//                form: positions strictly increase along parent links)
+//                smallest unreached v (on or below a parent cycle, no root above it); in
+//                the position form 4 implies it (positions grow along parent links)
 //   6. ends      (length form) by index: 0 <= trajectory_end[i] < V  "trajectory_end[i]"
 //                RE the trajectories 0..i hold <= kMaxSemanticTokens "trajectory_end[i]"
 //                every leaf ends a trajectory                        "trajectory_end"
