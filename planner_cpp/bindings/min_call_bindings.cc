@@ -1,6 +1,6 @@
 // Bindings of the minimum-call planner and the compact physical layout (min_call.h,
-// call_layout.h, segment_tree.h for bare forests): a table of definitions; arrays are zero-copy views owned by the
-// plan.
+// call_layout.h; segment_tree.h for bare forests): a table of definitions; arrays are
+// zero-copy views owned by the plan.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 

@@ -101,7 +101,8 @@ MicrobatchCallPlan PlanMicrobatch(const RolloutBatch& batch, const int32_t* ids,
                                   int64_t conv_width);
 
 // Plans a bare segment forest (a topology from segment_tree.h, e.g. SegmentForestFromArrays).
-// Errors: InvalidArgument "chunk_size", "conv_width"; ResourceExhausted as above.
+// Errors: InvalidArgument "chunk_size", "conv_width"; ResourceExhausted "chunk_size" when a
+// round packs more than int32 rows.
 // O(|V| + C + R + |V| * w).
 MicrobatchCallPlan PlanSegmentForest(SegmentForest forest, int64_t chunk_size, int64_t conv_width);
 
