@@ -1,5 +1,6 @@
 // Bindings of the minimum-call planner and the compact physical layout (min_call.h,
-// call_layout.h): a table of definitions; arrays are zero-copy views owned by the plan.
+// call_layout.h; segment_tree.h for bare forests): a table of definitions; arrays are
+// zero-copy views owned by the plan.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -11,6 +12,7 @@
 #include "harts/errors.h"
 #include "harts/min_call.h"
 #include "harts/rollout_batch.h"
+#include "harts/segment_tree.h"
 
 namespace py = pybind11;
 using harts::CallLayout;
@@ -33,20 +35,21 @@ std::unique_ptr<MicrobatchCallPlan> PlanCalls(const RolloutBatch& batch, int64_t
       harts::PlanMicrobatch(batch, has_ids ? ids.data() : nullptr, has_ids ? ids.size() : 0, chunk_size, conv_width));
 }
 
+harts::SegmentForestView ForestView(const py::array_t<int32_t>& parent, const py::array_t<int32_t>& start,
+                                    const py::array_t<int32_t>& end) {
+  return {parent.data(), parent.size(), start.data(), start.size(), end.data(), end.size()};
+}
+
 std::unique_ptr<MicrobatchCallPlan> PlanForest(const py::handle& parent_obj, const py::handle& start_obj,
                                                const py::handle& end_obj, int64_t chunk_size, int64_t conv_width) {
   auto parent = RequireArray<int32_t>(parent_obj, "parent");
   auto start = RequireArray<int32_t>(start_obj, "start");
   auto end = RequireArray<int32_t>(end_obj, "end");
-  if (start.size() != parent.size())
-    throw harts::InvalidArgument("start", "needs one entry per segment (" + std::to_string(parent.size()) + ")");
-  if (end.size() != parent.size())
-    throw harts::InvalidArgument("end", "needs one entry per segment (" + std::to_string(parent.size()) + ")");
   py::gil_scoped_release release;
   harts::ValidateChunkSize(chunk_size);
   harts::ValidateConvWidth(conv_width);
-  return std::make_unique<MicrobatchCallPlan>(harts::PlanSegmentForest(
-      harts::SegmentForestFromArrays(parent.data(), start.data(), end.data(), parent.size()), chunk_size, conv_width));
+  return std::make_unique<MicrobatchCallPlan>(
+      harts::PlanSegmentForest(harts::SegmentForestFromArrays(ForestView(parent, start, end)), chunk_size, conv_width));
 }
 
 // Planning of a bare forest, phase by phase, for benchmarks/min_call.py (seconds, steady clock).
@@ -55,8 +58,6 @@ py::dict TimePlanForest(const py::handle& parent_obj, const py::handle& start_ob
   auto parent = RequireArray<int32_t>(parent_obj, "parent");
   auto start = RequireArray<int32_t>(start_obj, "start");
   auto end = RequireArray<int32_t>(end_obj, "end");
-  if (start.size() != parent.size() || end.size() != parent.size())
-    throw harts::InvalidArgument("start", "parent, start and end need one entry per segment");
   harts::ValidateChunkSize(chunk_size);
   harts::ValidateConvWidth(conv_width);
   using Clock = std::chrono::steady_clock;
@@ -67,7 +68,7 @@ py::dict TimePlanForest(const py::handle& parent_obj, const py::handle& start_ob
   {
     py::gil_scoped_release release;
     const auto t0 = Clock::now();
-    const SegmentForest f = harts::SegmentForestFromArrays(parent.data(), start.data(), end.data(), parent.size());
+    const SegmentForest f = harts::SegmentForestFromArrays(ForestView(parent, start, end));
     const auto t1 = Clock::now();
     plan = harts::PlanMinCalls(f, chunk_size);
     const auto t2 = Clock::now();

@@ -32,15 +32,17 @@ std::unique_ptr<RolloutBatch> IngestSegmentTree(const py::handle& parent_obj, co
   auto parent = RequireArray<int32_t>(parent_obj, "parent");
   auto length = RequireArray<int32_t>(length_obj, "length");
   auto ends = RequireArray<int32_t>(ends_obj, "trajectory_end");
-  if (length.size() != parent.size())
-    throw harts::InvalidArgument(
-        "length", "needs one entry per segment (len(parent) = " + std::to_string(parent.size()) + "), got " +
-                      std::to_string(length.size()));
   py::array_t<int64_t> tree_ids;
   const bool has_tree_ids = !tree_ids_obj.is_none();
   if (has_tree_ids) tree_ids = RequireArray<int64_t>(tree_ids_obj, "tree_ids");
   py::gil_scoped_release release;
-  const harts::SegmentTreeView view{parent.data(), length.data(), parent.size(), ends.data(), ends.size()};
+  harts::SegmentTreeView view;
+  view.parent = parent.data();
+  view.num_segments = parent.size();
+  view.length = length.data();
+  view.num_lengths = length.size();
+  view.trajectory_end = ends.data();
+  view.num_trajectories = ends.size();
   return RolloutBatch::FromSegmentTree(view, has_tree_ids ? tree_ids.data() : nullptr,
                                        has_tree_ids ? tree_ids.size() : 0);
 }
@@ -69,12 +71,6 @@ int64_t SubsetWork(const RolloutBatch& b, const py::handle& ids_obj) {
   auto ids = RequireArray<int32_t>(ids_obj, "trajectories");
   py::gil_scoped_release release;
   return b.SubsetWork(ids.data(), ids.size());
-}
-
-void CheckTrajectory(const RolloutBatch& b, int64_t i, const char* field) {
-  if (i < 0 || i >= b.num_trajectories())
-    throw harts::InvalidArgument(field, "trajectory index " + std::to_string(i) + " is out of range [0, " +
-                                            std::to_string(b.num_trajectories()) + ")");
 }
 
 }  // namespace
@@ -117,8 +113,8 @@ PYBIND11_MODULE(_native, m) {
       .def(
           "lcp",
           [](const RolloutBatch& b, int64_t i, int64_t j) {
-            CheckTrajectory(b, i, "i");
-            CheckTrajectory(b, j, "j");
+            harts::CheckTrajectoryIndex(i, b.num_trajectories(), "i");
+            harts::CheckTrajectoryIndex(j, b.num_trajectories(), "j");
             return b.Lcp(i, j);
           },
           py::arg("i"), py::arg("j"))

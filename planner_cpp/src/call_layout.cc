@@ -9,11 +9,7 @@
 
 namespace harts {
 
-void ValidateConvWidth(int64_t conv_width) {
-  if (conv_width < 1 || conv_width > kMaxConvWidth)
-    throw InvalidArgument("conv_width",
-                          "must be in [1, " + std::to_string(kMaxConvWidth) + "], got " + std::to_string(conv_width));
-}
+void ValidateConvWidth(int64_t conv_width) { RequireInRange(conv_width, 1, kMaxConvWidth, "conv_width"); }
 
 CallLayout BuildCallLayout(const SegmentForest& f, const MinCallPlan& plan, int64_t conv_width) {
   const int64_t num_rows = f.num_rows;

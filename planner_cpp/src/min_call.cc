@@ -4,19 +4,16 @@
 #include <cassert>
 #include <limits>
 #include <stdexcept>
-#include <string>
+#include <utility>
 
 #include "harts/errors.h"
 
 namespace harts {
 namespace {
 
-std::string Idx(const char* name, int64_t i) { return std::string(name) + "[" + std::to_string(i) + "]"; }
-
 // Segments with every parent before its children: the ids themselves when parent < child
 // throughout (a preorder numbering, as BuildSegmentForest gives; sequential memory access),
-// otherwise breadth-first from the roots. Returns fewer than forest.size() ids when some
-// segments are unreachable (a cycle).
+// otherwise breadth-first from the roots. Precondition: acyclic (segment_tree.h checks it).
 std::vector<int32_t> ParentsFirstOrder(const SegmentForest& f) {
   std::vector<int32_t> order;
   order.reserve(static_cast<size_t>(f.size()));
@@ -41,76 +38,7 @@ bool SameChunk(const SegmentForest& f, int64_t v, int64_t chunk_size) {
 
 }  // namespace
 
-void ValidateChunkSize(int64_t chunk_size) {
-  if (chunk_size < 1 || chunk_size > kMaxChunkSize)
-    throw InvalidArgument("chunk_size",
-                          "must be in [1, " + std::to_string(kMaxChunkSize) + "], got " + std::to_string(chunk_size));
-}
-
-SegmentForest SegmentForestFromArrays(const int32_t* parent, const int32_t* start, const int32_t* end, int64_t n) {
-  if (n < 1) throw InvalidArgument("parent", "a segment forest needs at least one segment");
-  if (n > std::numeric_limits<int32_t>::max())
-    throw ResourceExhausted("parent", std::to_string(n) + " segments exceed the int32 limit");
-  SegmentForest f;
-  f.start.assign(start, start + n);
-  f.end.assign(end, end + n);
-  f.parent.assign(parent, parent + n);
-  f.child_offsets.assign(n + 1, 0);
-  int64_t rows = 0;
-  for (int64_t v = 0; v < n; ++v) {
-    if (parent[v] < -1 || parent[v] >= n || parent[v] == v)
-      throw InvalidArgument(Idx("parent", v), "must be -1 or another segment id in [0, " + std::to_string(n) +
-                                                  "), got " + std::to_string(parent[v]));
-    if (start[v] < 0) throw InvalidArgument(Idx("start", v), "must be >= 0, got " + std::to_string(start[v]));
-    if (end[v] <= start[v])
-      throw InvalidArgument(Idx("end", v),
-                            "must exceed start (" + std::to_string(start[v]) + "), got " + std::to_string(end[v]));
-    rows += end[v] - start[v];
-    if (parent[v] >= 0)
-      ++f.child_offsets[parent[v] + 1];
-    else
-      f.roots.push_back(static_cast<int32_t>(v));
-  }
-  if (rows > std::numeric_limits<int32_t>::max())
-    throw ResourceExhausted("end", std::to_string(rows) + " compact rows exceed the int32 limit");
-  for (int64_t v = 0; v < n; ++v) {
-    const int64_t expected = parent[v] < 0 ? 0 : end[parent[v]];
-    if (start[v] != expected)
-      throw InvalidArgument(Idx("start", v),
-                            parent[v] < 0
-                                ? "a root segment must start at position 0, got " + std::to_string(start[v])
-                                : "must equal end[" + std::to_string(parent[v]) + "] = " + std::to_string(expected) +
-                                      " (its parent's end), got " + std::to_string(start[v]));
-  }
-  for (int64_t v = 0; v < n; ++v) f.child_offsets[v + 1] += f.child_offsets[v];
-  f.children.resize(static_cast<size_t>(f.child_offsets[n]));
-  std::vector<int64_t> fill(f.child_offsets.begin(), f.child_offsets.end() - 1);
-  for (int64_t v = 0; v < n; ++v)  // increasing id within each parent
-    if (parent[v] >= 0) f.children[fill[parent[v]]++] = static_cast<int32_t>(v);
-
-  const std::vector<int32_t> order = ParentsFirstOrder(f);
-  if (static_cast<int64_t>(order.size()) < n) {
-    std::vector<char> seen(n, 0);
-    for (int32_t v : order) seen[v] = 1;
-    const int64_t v = std::find(seen.begin(), seen.end(), 0) - seen.begin();
-    throw InvalidArgument(Idx("parent", v),
-                          "segment " + std::to_string(v) + " lies on a parent cycle (no root above it)");
-  }
-  // Rows in DFS preorder (children in CSR order), with an explicit stack.
-  f.row_begin.assign(n, 0);
-  f.num_rows = rows;
-  std::vector<int32_t> stack(f.roots.rbegin(), f.roots.rend());
-  int64_t next_row = 0;
-  while (!stack.empty()) {
-    const int32_t v = stack.back();
-    stack.pop_back();
-    f.row_begin[v] = next_row;
-    next_row += f.end[v] - f.start[v];
-    for (int64_t i = f.child_offsets[v + 1]; i-- > f.child_offsets[v];) stack.push_back(f.children[i]);
-  }
-  assert(next_row == rows);
-  return f;
-}
+void ValidateChunkSize(int64_t chunk_size) { RequireInRange(chunk_size, 1, kMaxChunkSize, "chunk_size"); }
 
 MinCallCounts ComputeMinCallCounts(const SegmentForest& f, int64_t chunk_size) {
   const int64_t n = f.size();
@@ -155,60 +83,70 @@ int64_t MandatoryReplay(const SegmentForest& f, int64_t chunk_size) {
   return r;
 }
 
-MinCallPlan PlanMinCalls(const SegmentForest& f, int64_t chunk_size) {
+MinCallRecovery RecoverContinuations(const SegmentForest& f, int64_t chunk_size, const MinCallCounts& counts) {
   const int64_t n = f.size();
-  MinCallPlan p;
-  p.chunk_size = chunk_size;
-  MinCallCounts counts = ComputeMinCallCounts(f, chunk_size);
-  p.t_pre = std::move(counts.t_pre);
-  p.t_in = std::move(counts.t_in);
-
-  // Recovery (Algorithm 1, lines 8-21). Each segment receives (ready, budget, round) from its
-  // parent, so one pass in parents-first order replaces the recursion.
-  const std::vector<int32_t> order = ParentsFirstOrder(f);
-  std::vector<char> ready(n, 0), is_head(n, 0);
-  std::vector<int32_t> budget(n, 0), round(n, 0);
-  p.direct_child.assign(n, -1);
+  const std::vector<int32_t>& t_pre = counts.t_pre;
+  const std::vector<int32_t>& t_in = counts.t_in;
+  MinCallRecovery rec;
+  rec.direct_child.assign(n, -1);
+  rec.round.assign(n, 0);
+  // Each segment receives (ready, budget, round) from its parent, so one pass in parents-first
+  // order replaces the recursion of Algorithm 1.
+  std::vector<char> ready(n, 0);
+  std::vector<int32_t> budget(n, 0);
   for (int32_t root : f.roots) {
     ready[root] = 1;
-    is_head[root] = 1;
-    budget[root] = p.t_pre[root];
-    p.num_calls = std::max(p.num_calls, p.t_pre[root]);
+    budget[root] = t_pre[root];
+    rec.num_calls = std::max(rec.num_calls, t_pre[root]);
   }
-  for (const int32_t v : order) {
+  for (const int32_t v : ParentsFirstOrder(f)) {
     const int64_t lo = f.child_offsets[v], hi = f.child_offsets[v + 1];
     if (lo == hi) continue;
     const bool same = ready[v] && SameChunk(f, v, chunk_size);
     const int32_t delta = same ? 0 : 1;
     const int32_t k_round = budget[v], k_side = k_round - delta;
-    int64_t over = 0;  // f: children whose T_pre exceeds the side budget
-    for (int64_t i = lo; i < hi; ++i) over += p.t_pre[f.children[i]] > k_side;
+    int64_t over = 0;  // Algorithm 1's f: children whose T_pre exceeds the side budget
+    for (int64_t i = lo; i < hi; ++i) over += t_pre[f.children[i]] > k_side;
     int32_t o = -1;
     for (int64_t i = lo; i < hi && o < 0; ++i) {
       const int32_t u = f.children[i];
-      const int32_t h = same ? p.t_pre[u] : p.t_in[u];
-      if (h <= k_round && over - (p.t_pre[u] > k_side) == 0) o = u;
+      const int32_t h = same ? t_pre[u] : t_in[u];
+      if (h <= k_round && over - (t_pre[u] > k_side) == 0) o = u;
     }
     if (o < 0) throw std::logic_error("PlanMinCalls: no feasible direct continuation (budget invariant broken)");
-    p.direct_child[v] = o;
+    rec.direct_child[v] = o;
     ready[o] = same;
     budget[o] = k_round;
-    round[o] = round[v];
+    rec.round[o] = rec.round[v];
     for (int64_t i = lo; i < hi; ++i) {
       const int32_t u = f.children[i];
       if (u == o) continue;
-      is_head[u] = 1;
       ready[u] = 1;
       budget[u] = k_side;
-      round[u] = round[v] + delta;
+      rec.round[u] = rec.round[v] + delta;
     }
   }
+  return rec;
+}
+
+MinCallPlan AssignSequences(const SegmentForest& f, int64_t chunk_size, MinCallCounts counts,
+                            MinCallRecovery recovery) {
+  const int64_t n = f.size();
+  MinCallPlan p;
+  p.chunk_size = chunk_size;
+  p.num_calls = recovery.num_calls;
+  p.t_pre = std::move(counts.t_pre);
+  p.t_in = std::move(counts.t_in);
+  p.direct_child = std::move(recovery.direct_child);
+  const std::vector<int32_t>& round = recovery.round;
+  // Heads: the roots and every child that does not continue its parent's sequence.
+  auto is_head = [&](int64_t v) { return f.parent[v] < 0 || p.direct_child[f.parent[v]] != v; };
 
   // Sequences: heads bucketed by round, increasing head id within a round.
   p.round_offsets.assign(p.num_calls + 1, 0);
   int64_t num_sequences = 0;
   for (int64_t v = 0; v < n; ++v) {
-    if (!is_head[v]) continue;
+    if (!is_head(v)) continue;
     assert(round[v] < p.num_calls);
     ++p.round_offsets[round[v] + 1];
     ++num_sequences;
@@ -218,7 +156,7 @@ MinCallPlan PlanMinCalls(const SegmentForest& f, int64_t chunk_size) {
   {
     std::vector<int32_t> fill(p.round_offsets.begin(), p.round_offsets.end() - 1);
     for (int64_t v = 0; v < n; ++v)
-      if (is_head[v]) heads[fill[round[v]]++] = static_cast<int32_t>(v);
+      if (is_head(v)) heads[fill[round[v]]++] = static_cast<int32_t>(v);
   }
   p.sequence_round.resize(num_sequences);
   p.chain_offsets.assign(num_sequences + 1, 0);
@@ -253,7 +191,7 @@ MinCallPlan PlanMinCalls(const SegmentForest& f, int64_t chunk_size) {
   // is returned by the sequence outputting that segment; every consumer of one segment needs
   // the same state, S_{a(e_P)}, so there is at most one slot per producing segment P.
   std::vector<int32_t> anchor_segment(n, -1);
-  for (const int32_t v : order) {
+  for (const int32_t v : ParentsFirstOrder(f)) {
     const int32_t par = f.parent[v];
     if (par < 0) continue;
     anchor_segment[v] = Anchor(f.start[v], chunk_size) == Anchor(f.start[par], chunk_size) ? anchor_segment[par] : par;
@@ -285,6 +223,12 @@ MinCallPlan PlanMinCalls(const SegmentForest& f, int64_t chunk_size) {
     assert(p.sequence_round[p.slot_producer[slot]] < p.sequence_round[q]);
   }
   return p;
+}
+
+MinCallPlan PlanMinCalls(const SegmentForest& f, int64_t chunk_size) {
+  MinCallCounts counts = ComputeMinCallCounts(f, chunk_size);
+  MinCallRecovery recovery = RecoverContinuations(f, chunk_size, counts);
+  return AssignSequences(f, chunk_size, std::move(counts), std::move(recovery));
 }
 
 }  // namespace harts

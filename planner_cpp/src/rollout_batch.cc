@@ -8,9 +8,21 @@
 namespace harts {
 namespace {
 
-std::string Idx(const char* name, int64_t i) { return std::string(name) + "[" + std::to_string(i) + "]"; }
+// tree_ids, when given: one entry >= 0 per trajectory.
+void ValidateTreeIds(const int64_t* tree_ids, int64_t num_tree_ids, int64_t n) {
+  if (tree_ids == nullptr) return;
+  RequireOnePer(num_tree_ids, n, "trajectory", "tree_ids");
+  for (int64_t i = 0; i < n; ++i)
+    if (tree_ids[i] < 0) throw InvalidArgument(Indexed("tree_ids", i), MustBeAtLeast(0, tree_ids[i]));
+}
 
 }  // namespace
+
+void CheckTrajectoryIndex(int64_t i, int64_t n, const std::string& field) {
+  if (i < 0 || i >= n)
+    throw InvalidArgument(field,
+                          "trajectory index " + std::to_string(i) + " is out of range [0, " + std::to_string(n) + ")");
+}
 
 void ValidateTrajectories(const int32_t* tokens, int64_t num_tokens, const int64_t* offsets, int64_t num_offsets,
                           const int64_t* tree_ids, int64_t num_tree_ids) {
@@ -18,41 +30,30 @@ void ValidateTrajectories(const int32_t* tokens, int64_t num_tokens, const int64
     throw InvalidArgument("offsets",
                           "needs N + 1 >= 2 entries (at least one trajectory), got " + std::to_string(num_offsets));
   const int64_t n = num_offsets - 1;
-  if (n > kMaxTrajectories)
-    throw ResourceExhausted(
-        "offsets", std::to_string(n) + " trajectories exceed the limit of " + std::to_string(kMaxTrajectories));
-  if (num_tokens > kMaxSemanticTokens)
-    throw ResourceExhausted("tokens", std::to_string(num_tokens) + " semantic tokens exceed the limit of " +
-                                          std::to_string(kMaxSemanticTokens));
+  RequireWithinLimit(n, kMaxTrajectories, "trajectories", "offsets");
+  RequireWithinLimit(num_tokens, kMaxSemanticTokens, "semantic tokens", "tokens");
   if (offsets[0] != 0) throw InvalidArgument("offsets[0]", "must be 0, got " + std::to_string(offsets[0]));
   for (int64_t i = 0; i < n; ++i) {
     if (offsets[i + 1] <= offsets[i])
-      throw InvalidArgument(Idx("offsets", i + 1), offsets[i + 1] == offsets[i]
-                                                       ? "trajectory " + std::to_string(i) + " is empty"
-                                                       : "offsets must be strictly increasing, got " +
-                                                             std::to_string(offsets[i + 1]) + " after " +
-                                                             std::to_string(offsets[i]));
+      throw InvalidArgument(Indexed("offsets", i + 1), offsets[i + 1] == offsets[i]
+                                                           ? "trajectory " + std::to_string(i) + " is empty"
+                                                           : "offsets must be strictly increasing, got " +
+                                                                 std::to_string(offsets[i + 1]) + " after " +
+                                                                 std::to_string(offsets[i]));
   }
   if (offsets[n] != num_tokens)
-    throw InvalidArgument(Idx("offsets", n), "must equal len(tokens) = " + std::to_string(num_tokens) + ", got " +
-                                                 std::to_string(offsets[n]));
+    throw InvalidArgument(Indexed("offsets", n), "must equal len(tokens) = " + std::to_string(num_tokens) + ", got " +
+                                                     std::to_string(offsets[n]));
   int32_t min_token = 0;
   for (int64_t s = 0; s < num_tokens; ++s) min_token = std::min(min_token, tokens[s]);
   if (min_token < 0) {
     const int64_t s = std::find_if(tokens, tokens + num_tokens, [](int32_t t) { return t < 0; }) - tokens;
     const int64_t i = std::upper_bound(offsets, offsets + num_offsets, s) - offsets - 1;
-    throw InvalidArgument(Idx("tokens", s), "token ids must be >= 0, got " + std::to_string(tokens[s]) +
-                                                " (trajectory " + std::to_string(i) + ", position " +
-                                                std::to_string(s - offsets[i]) + ")");
+    throw InvalidArgument(Indexed("tokens", s), "token ids must be >= 0, got " + std::to_string(tokens[s]) +
+                                                    " (trajectory " + std::to_string(i) + ", position " +
+                                                    std::to_string(s - offsets[i]) + ")");
   }
-  if (tree_ids != nullptr) {
-    if (num_tree_ids != n)
-      throw InvalidArgument("tree_ids", "needs one entry per trajectory (" + std::to_string(n) + "), got " +
-                                            std::to_string(num_tree_ids));
-    for (int64_t i = 0; i < n; ++i)
-      if (tree_ids[i] < 0)
-        throw InvalidArgument(Idx("tree_ids", i), "must be >= 0, got " + std::to_string(tree_ids[i]));
-  }
+  ValidateTreeIds(tree_ids, num_tree_ids, n);
 }
 
 std::unique_ptr<RolloutBatch> RolloutBatch::Ingest(const int32_t* tokens, int64_t num_tokens, const int64_t* offsets,
@@ -72,92 +73,13 @@ std::unique_ptr<RolloutBatch> RolloutBatch::Ingest(const int32_t* tokens, int64_
   return b;
 }
 
-std::vector<int32_t> ValidateSegmentTree(const SegmentTreeView& t, std::vector<int64_t>* end_position) {
-  const int64_t v_count = t.num_segments, n = t.num_trajectories;
-  if (v_count < 1) throw InvalidArgument("parent", "a segment tree needs at least one segment");
-  if (v_count > kMaxTreeSegments)
-    throw ResourceExhausted(
-        "parent", std::to_string(v_count) + " segments exceed the limit of " + std::to_string(kMaxTreeSegments));
-  if (n < 1) throw InvalidArgument("trajectory_end", "needs at least one trajectory");
-  if (n > kMaxTrajectories)
-    throw ResourceExhausted(
-        "trajectory_end", std::to_string(n) + " trajectories exceed the limit of " + std::to_string(kMaxTrajectories));
-  // Children CSR (increasing id within a parent), roots by increasing id.
-  std::vector<int64_t> child_offsets(v_count + 1, 0);
-  std::vector<int32_t> roots;
-  for (int64_t v = 0; v < v_count; ++v) {
-    const int32_t p = t.parent[v];
-    if (p < -1 || p >= v_count)
-      throw InvalidArgument(Idx("parent", v), "must be -1 (a root) or a segment id in [0, " + std::to_string(v_count) +
-                                                  "), got " + std::to_string(p));
-    if (p == v) throw InvalidArgument(Idx("parent", v), "segment " + std::to_string(v) + " is its own parent");
-    if (t.length[v] < 1)
-      throw InvalidArgument(Idx("length", v), "a segment holds at least one token, got " + std::to_string(t.length[v]));
-    if (p < 0)
-      roots.push_back(static_cast<int32_t>(v));
-    else
-      ++child_offsets[p + 1];
-  }
-  for (int64_t v = 0; v < v_count; ++v) child_offsets[v + 1] += child_offsets[v];
-  std::vector<int32_t> children(child_offsets[v_count]);
-  {
-    std::vector<int64_t> fill(child_offsets.begin(), child_offsets.end() - 1);
-    for (int64_t v = 0; v < v_count; ++v)
-      if (t.parent[v] >= 0) children[fill[t.parent[v]]++] = static_cast<int32_t>(v);
-  }
-  // Preorder with an explicit stack; segments never reached lie on a parent cycle.
-  std::vector<int32_t> preorder;
-  preorder.reserve(v_count);
-  end_position->assign(v_count, -1);
-  std::vector<int32_t> stack(roots.rbegin(), roots.rend());
-  while (!stack.empty()) {
-    const int32_t v = stack.back();
-    stack.pop_back();
-    preorder.push_back(v);
-    const int64_t start = t.parent[v] < 0 ? 0 : (*end_position)[t.parent[v]];
-    (*end_position)[v] = start + t.length[v];  // <= V * 2^31: no int64 overflow
-    for (int64_t i = child_offsets[v + 1]; i-- > child_offsets[v];) stack.push_back(children[i]);
-  }
-  if (static_cast<int64_t>(preorder.size()) < v_count) {
-    int64_t v = 0;
-    while ((*end_position)[v] >= 0) ++v;
-    throw InvalidArgument(Idx("parent", v),
-                          "segment " + std::to_string(v) + " lies on a parent cycle (no root above it)");
-  }
-  std::vector<char> ends_here(v_count, 0);
-  int64_t total = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t v = t.trajectory_end[i];
-    if (v < 0 || v >= v_count)
-      throw InvalidArgument(Idx("trajectory_end", i),
-                            "must be a segment id in [0, " + std::to_string(v_count) + "), got " + std::to_string(v));
-    ends_here[v] = 1;
-    total += (*end_position)[v];
-    if (total > kMaxSemanticTokens)
-      throw ResourceExhausted(Idx("trajectory_end", i),
-                              "the trajectories up to " + std::to_string(i) + " hold " + std::to_string(total) +
-                                  " semantic tokens, over the limit of " + std::to_string(kMaxSemanticTokens));
-  }
-  for (int64_t v = 0; v < v_count; ++v)
-    if (child_offsets[v + 1] == child_offsets[v] && !ends_here[v])
-      throw InvalidArgument("trajectory_end",
-                            "leaf segment " + std::to_string(v) + " ends no trajectory (every leaf must end one)");
-  return preorder;
-}
-
 std::unique_ptr<RolloutBatch> RolloutBatch::FromSegmentTree(const SegmentTreeView& t, const int64_t* tree_ids,
                                                             int64_t num_tree_ids) {
-  std::vector<int64_t> end_position;
-  const std::vector<int32_t> preorder = ValidateSegmentTree(t, &end_position);
+  std::vector<int32_t> preorder;
+  const SegmentForest tree = SegmentForestFromTree(t, &preorder);  // ids kept, not canonical
+  const std::vector<int32_t>& end_position = tree.end;
   const int64_t n = t.num_trajectories, v_count = t.num_segments;
-  if (tree_ids != nullptr) {
-    if (num_tree_ids != n)
-      throw InvalidArgument("tree_ids", "needs one entry per trajectory (" + std::to_string(n) + "), got " +
-                                            std::to_string(num_tree_ids));
-    for (int64_t i = 0; i < n; ++i)
-      if (tree_ids[i] < 0)
-        throw InvalidArgument(Idx("tree_ids", i), "must be >= 0, got " + std::to_string(tree_ids[i]));
-  }
+  ValidateTreeIds(tree_ids, num_tree_ids, n);
   std::unique_ptr<RolloutBatch> b(new RolloutBatch());
   b->lengths_.resize(n);
   b->offsets_.assign(n + 1, 0);
@@ -185,7 +107,7 @@ std::unique_ptr<RolloutBatch> RolloutBatch::FromSegmentTree(const SegmentTreeVie
     while (!path.empty() && path.back() != t.parent[v]) {  // leave finished segments
       const int32_t u = path.back();
       path.pop_back();
-      climb = std::min<int64_t>(climb, end_position[u] - t.length[u]);
+      climb = std::min<int64_t>(climb, tree.start[u]);
     }
     if (t.parent[v] < 0) climb = 0;  // a new root shares nothing with earlier trees
     path.push_back(v);
@@ -277,9 +199,7 @@ std::vector<int32_t> RolloutBatch::SortedRanks(const int32_t* ids, int64_t k, co
   const int64_t n = num_trajectories();
   std::vector<int32_t> ranks(k);
   for (int64_t j = 0; j < k; ++j) {
-    if (ids[j] < 0 || ids[j] >= n)
-      throw InvalidArgument(Idx(field, j), "trajectory index " + std::to_string(ids[j]) + " is out of range [0, " +
-                                               std::to_string(n) + ")");
+    if (ids[j] < 0 || ids[j] >= n) CheckTrajectoryIndex(ids[j], n, Indexed(field, j));  // field built on failure only
     ranks[j] = rank_[ids[j]];
   }
   std::sort(ranks.begin(), ranks.end());

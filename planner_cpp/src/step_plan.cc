@@ -23,10 +23,6 @@ using Clock = std::chrono::steady_clock;
 
 double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-void RequireAtLeast(int64_t value, int64_t lo, const char* field) {
-  if (value < lo) throw InvalidArgument(field, "must be >= " + std::to_string(lo) + ", got " + std::to_string(value));
-}
-
 struct Candidate {
   std::string source;
   Grouping grouping;
@@ -53,7 +49,7 @@ void ValidatePlannerOptions(const PlannerOptions& o) {
 void CheckTrajectoriesFit(const RolloutBatch& batch, int64_t capacity) {
   for (int64_t i = 0; i < batch.num_trajectories(); ++i)
     if (batch.lengths()[i] > capacity)
-      throw InvalidArgument("trajectories[" + std::to_string(i) + "]",
+      throw InvalidArgument(Indexed("trajectories", i),
                             "trajectory " + std::to_string(i) + " has " + std::to_string(batch.lengths()[i]) +
                                 " tokens, more than the microbatch capacity T = " + std::to_string(capacity) +
                                 "; a trajectory cannot be split between microbatches");

@@ -11,6 +11,7 @@
 
 #include "check.h"
 #include "harts/errors.h"
+#include "harts/segment_tree.h"
 
 namespace harts {
 namespace {
@@ -20,7 +21,8 @@ using testing::ExpectError;
 struct Tree {
   std::vector<int32_t> parent, start, end;
   SegmentForest Forest() const {
-    return SegmentForestFromArrays(parent.data(), start.data(), end.data(), static_cast<int64_t>(parent.size()));
+    return SegmentForestFromArrays({parent.data(), static_cast<int64_t>(parent.size()), start.data(),
+                                    static_cast<int64_t>(start.size()), end.data(), static_cast<int64_t>(end.size())});
   }
 };
 
@@ -181,6 +183,51 @@ void TestBruteForce() {
   CHECK(cases > 4000);
 }
 
+// The three phases run one by one: each phase's output has its documented properties, and
+// their composition is PlanMinCalls.
+void TestPhases() {
+  std::mt19937 rng(2024);
+  for (int iter = 0; iter < 2000; ++iter) {
+    const int64_t chunk = std::uniform_int_distribution<int>(1, 6)(rng);
+    const int n = std::uniform_int_distribution<int>(1, 30)(rng);
+    const SegmentForest f = RandomTree(rng, n, static_cast<int>(2 * chunk + 1), iter % 3 == 0 ? 0.2 : 0.0).Forest();
+    // Phase 1: leaves need one round; T_pre(v) <= T_in(v) (Equation 14 takes T_in or a
+    // maximum that T_in's second term bounds); a parent needs at least each child's T_pre.
+    const MinCallCounts counts = ComputeMinCallCounts(f, chunk);
+    int32_t most = 0;
+    for (int64_t v = 0; v < f.size(); ++v) {
+      CHECK(counts.t_pre[v] >= 1 && counts.t_pre[v] <= counts.t_in[v]);
+      if (f.num_children(v) == 0) CHECK(counts.t_pre[v] == 1 && counts.t_in[v] == 1);
+      for (int64_t i = f.child_offsets[v]; i < f.child_offsets[v + 1]; ++i)
+        CHECK(counts.t_pre[f.children[i]] <= counts.t_pre[v]);
+      if (f.parent[v] < 0) most = std::max(most, counts.t_pre[v]);
+    }
+    // Phase 2: the call count is the roots' T_pre; a direct continuation stays in its
+    // parent's round, a side branch runs in the same round or the next one.
+    const MinCallRecovery rec = RecoverContinuations(f, chunk, counts);
+    CHECK_EQ(rec.num_calls, most);
+    for (int64_t v = 0; v < f.size(); ++v) {
+      CHECK(rec.round[v] >= 0 && rec.round[v] < rec.num_calls);
+      const int32_t p = f.parent[v];
+      if (p < 0) {
+        CHECK_EQ(rec.round[v], 0);
+      } else if (rec.direct_child[p] == v) {
+        CHECK_EQ(rec.round[v], rec.round[p]);
+      } else {
+        CHECK(rec.round[v] == rec.round[p] || rec.round[v] == rec.round[p] + 1);
+      }
+    }
+    // Phase 3 keeps the recovery's choices and rounds.
+    const MinCallPlan plan = AssignSequences(f, chunk, counts, rec);
+    CHECK(plan.direct_child == rec.direct_child && plan.t_pre == counts.t_pre && plan.t_in == counts.t_in);
+    for (int64_t v = 0; v < f.size(); ++v) CHECK_EQ(plan.sequence_round[plan.segment_sequence[v]], rec.round[v]);
+    CheckPlan(f, plan, chunk);
+    const MinCallPlan composed = PlanMinCalls(f, chunk);
+    CHECK(composed.chain == plan.chain && composed.sequence_slot == plan.sequence_slot);
+    CHECK(composed.request_slot == plan.request_slot && composed.slot_position == plan.slot_position);
+  }
+}
+
 // Contracting a unary segment into its only child leaves the result unchanged.
 void TestUnaryInvariance() {
   std::mt19937 rng(777);
@@ -310,6 +357,9 @@ void TestErrors() {
   ExpectError<InvalidArgument>([] { Tree{{1, 0}, {0, 2}, {2, 4}}.Forest(); }, "start[0]");  // cycle has no root
   ExpectError<InvalidArgument>([] { Tree{{2, 0, 1, -1}, {4, 4, 4, 0}, {4, 4, 4, 4}}.Forest(); }, "end[0]");
   ExpectError<InvalidArgument>([] { Tree{{}, {}, {}}.Forest(); }, "parent");
+  ExpectError<InvalidArgument>([] { Tree{{-1}, {0, 1}, {1}}.Forest(); }, "start");  // sizes differ
+  ExpectError<InvalidArgument>([] { Tree{{-1}, {0}, {}}.Forest(); }, "end");
+  ExpectError<InvalidArgument>([] { Tree{{-1}, {-1}, {1}}.Forest(); }, "start[0]");
 }
 
 void TestCycle() {
@@ -328,6 +378,7 @@ int main() {
   harts::TestErrors();
   harts::TestCycle();
   harts::TestBruteForce();
+  harts::TestPhases();
   harts::TestUnaryInvariance();
   harts::TestDeepChain();
   std::printf("min_call_test: OK\n");

@@ -1,8 +1,9 @@
-// RolloutBatch::FromSegmentTree against the token path: for random token batches, the
-// batch built from their exported segment tree equals the ingested batch array for array
-// and gives byte-identical step and call plans; non-canonical trees (ids in any order,
-// unary segments nobody ends at) equal the batch of tokens spelling them; and every
-// malformed tree is refused with an error naming its field.
+// segment_tree.h and RolloutBatch::FromSegmentTree against the token path: for random token
+// batches, the batch built from their exported segment tree equals the ingested batch array
+// for array and gives byte-identical step and call plans; non-canonical trees (ids in any
+// order, unary segments nobody ends at) equal the batch of tokens spelling them; the length
+// and position forms build the same topology; and every malformed tree is refused with an
+// error naming its field.
 #include <algorithm>
 #include <functional>
 #include <numeric>
@@ -14,6 +15,7 @@
 #include "harts/call_layout.h"
 #include "harts/errors.h"
 #include "harts/rollout_batch.h"
+#include "harts/segment_tree.h"
 #include "harts/step_plan.h"
 #include "planner_test_util.h"
 
@@ -25,8 +27,14 @@ using testing::ExpectError;
 struct Tree {
   std::vector<int32_t> parent, length, trajectory_end;
   SegmentTreeView view() const {
-    return {parent.data(), length.data(), static_cast<int64_t>(parent.size()), trajectory_end.data(),
-            static_cast<int64_t>(trajectory_end.size())};
+    SegmentTreeView v;
+    v.parent = parent.data();
+    v.num_segments = static_cast<int64_t>(parent.size());
+    v.length = length.data();
+    v.num_lengths = static_cast<int64_t>(length.size());
+    v.trajectory_end = trajectory_end.data();
+    v.num_trajectories = static_cast<int64_t>(trajectory_end.size());
+    return v;
   }
 };
 
@@ -135,34 +143,73 @@ std::vector<testing::Traj> Spell(const Tree& t) {
   return out;
 }
 
+// A random tree with ids in any order and unary segments without ends.
+Tree RandomTree(std::mt19937& rng) {
+  const int v_count = 1 + static_cast<int>(rng() % 14);
+  std::vector<int32_t> perm(v_count);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  Tree t;
+  t.parent.assign(v_count, -1);
+  t.length.resize(v_count);
+  for (int k = 0; k < v_count; ++k) {  // perm[k]'s parent is some perm[j], j < k, or none
+    const int j = static_cast<int>(rng() % (k + 1)) - 1;
+    if (k > 0 && j >= 0 && rng() % 5) t.parent[perm[k]] = perm[j];
+    t.length[perm[k]] = 1 + static_cast<int32_t>(rng() % 4);
+  }
+  std::vector<char> has_child(v_count, 0);
+  for (int32_t p : t.parent)
+    if (p >= 0) has_child[p] = 1;
+  for (int v = 0; v < v_count; ++v)
+    if (!has_child[v] || rng() % 4 == 0) t.trajectory_end.push_back(v);
+  const int extra = static_cast<int>(rng() % 3);
+  for (int k = 0; k < extra; ++k) t.trajectory_end.push_back(t.trajectory_end[rng() % t.trajectory_end.size()]);
+  std::shuffle(t.trajectory_end.begin(), t.trajectory_end.end(), rng);
+  return t;
+}
+
 // Random trees with ids in any order and unary segments without ends.
 void NonCanonicalTrees() {
   std::mt19937 rng(11);
   for (int trial = 0; trial < 300; ++trial) {
-    const int v_count = 1 + static_cast<int>(rng() % 14);
-    std::vector<int32_t> perm(v_count);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    Tree t;
-    t.parent.assign(v_count, -1);
-    t.length.resize(v_count);
-    for (int k = 0; k < v_count; ++k) {  // perm[k]'s parent is some perm[j], j < k, or none
-      const int j = static_cast<int>(rng() % (k + 1)) - 1;
-      if (k > 0 && j >= 0 && rng() % 5) t.parent[perm[k]] = perm[j];
-      t.length[perm[k]] = 1 + static_cast<int32_t>(rng() % 4);
-    }
-    std::vector<char> has_child(v_count, 0);
-    for (int32_t p : t.parent)
-      if (p >= 0) has_child[p] = 1;
-    for (int v = 0; v < v_count; ++v)
-      if (!has_child[v] || rng() % 4 == 0) t.trajectory_end.push_back(v);
-    const int extra = static_cast<int>(rng() % 3);
-    for (int k = 0; k < extra; ++k) t.trajectory_end.push_back(t.trajectory_end[rng() % t.trajectory_end.size()]);
-    std::shuffle(t.trajectory_end.begin(), t.trajectory_end.end(), rng);
+    const Tree t = RandomTree(rng);
     auto a = testing::MakeBatch(Spell(t));
     auto b = RolloutBatch::FromSegmentTree(t.view(), nullptr, 0);
     CheckSameBatch(*a, *b);
     CheckSamePlans(*a, *b, rng);
+  }
+}
+
+void CheckSameTopology(const SegmentForest& a, const SegmentForest& b) {
+  CHECK(a.start == b.start && a.end == b.end && a.parent == b.parent && a.roots == b.roots);
+  CHECK(a.child_offsets == b.child_offsets && a.children == b.children && a.row_begin == b.row_begin);
+  CHECK_EQ(a.num_rows, b.num_rows);
+}
+
+// The two forms of segment_tree.h build the same topology: the length form of a batch's
+// exported tree reproduces its canonical forest's topology, and the position form of any
+// tree (ids in any order, unary segments) equals its length form, preorder included.
+void BothFormsAgree() {
+  std::mt19937 rng(23);
+  for (int trial = 0; trial < 300; ++trial) {
+    auto batch = testing::MakeBatch(testing::RandomTrajectories(rng, 1 + static_cast<int>(rng() % 20), 10, 3, 0.3));
+    CheckSameTopology(SegmentForestFromTree(ExportTree(*batch).view()), batch->forest());
+
+    const Tree t = RandomTree(rng);
+    std::vector<int32_t> tree_order, forest_order;
+    const SegmentForest from_tree = SegmentForestFromTree(t.view(), &tree_order);
+    const int64_t v_count = static_cast<int64_t>(t.parent.size());
+    const SegmentForest from_arrays = SegmentForestFromArrays(
+        {t.parent.data(), v_count, from_tree.start.data(), v_count, from_tree.end.data(), v_count}, &forest_order);
+    CheckSameTopology(from_tree, from_arrays);
+    CHECK(tree_order == forest_order);
+    for (int64_t v = 0; v < v_count; ++v) CHECK_EQ(from_tree.end[v] - from_tree.start[v], t.length[v]);
+    // Rows follow the preorder.
+    int64_t row = 0;
+    for (int32_t v : tree_order) {
+      CHECK_EQ(from_tree.row_begin[v], row);
+      row += t.length[v];
+    }
   }
 }
 
@@ -178,6 +225,8 @@ void Errors() {
   ExpectError<InvalidArgument>(build({{-1, 0}, {1, 1}, {2}}), "trajectory_end[0]");
   ExpectError<InvalidArgument>(build({{-1, 0}, {1, 1}, {-1}}), "trajectory_end[0]");
   ExpectError<InvalidArgument>(build({{-1, 0, 0}, {1, 1, 1}, {1}}), "trajectory_end");  // leaf 2 ends nothing
+  ExpectError<InvalidArgument>(build({{-1, 0}, {1, 1, 1}, {1}}), "length");             // sizes differ
+  ExpectError<InvalidArgument>(build({{-1, 0}, {1}, {1}}), "length");
   // Too many semantic tokens: two trajectories of 2^31 - 2 tokens each.
   const int32_t big = 1 << 30;
   ExpectError<ResourceExhausted>(build({{-1, 0}, {big, big - 2}, {1, 1}}), "trajectory_end[1]");
@@ -197,6 +246,7 @@ void Errors() {
 int main() {
   harts::RoundTripRandomBatches();
   harts::NonCanonicalTrees();
+  harts::BothFormsAgree();
   harts::Errors();
   std::printf("segment_tree_test: OK\n");
   return 0;

@@ -37,7 +37,8 @@ namespace harts {
 
 inline constexpr int64_t kMaxConvWidth = 1024;
 
-// Throws InvalidArgument("conv_width") unless 1 <= conv_width <= kMaxConvWidth.
+// Throws InvalidArgument("conv_width", "must be in [1, kMaxConvWidth], got ...") unless
+// 1 <= conv_width <= kMaxConvWidth.
 void ValidateConvWidth(int64_t conv_width);
 
 struct CallLayout {
@@ -99,7 +100,10 @@ struct MicrobatchCallPlan {
 MicrobatchCallPlan PlanMicrobatch(const RolloutBatch& batch, const int32_t* ids, int64_t k, int64_t chunk_size,
                                   int64_t conv_width);
 
-// Plans a bare segment forest (see SegmentForestFromArrays). O(|V| + C + R + |V| * w).
+// Plans a bare segment forest (a topology from segment_tree.h, e.g. SegmentForestFromArrays).
+// Errors: InvalidArgument "chunk_size", "conv_width"; ResourceExhausted "chunk_size" when a
+// round packs more than int32 rows.
+// O(|V| + C + R + |V| * w).
 MicrobatchCallPlan PlanSegmentForest(SegmentForest forest, int64_t chunk_size, int64_t conv_width);
 
 }  // namespace harts

@@ -41,29 +41,12 @@ namespace harts {
 
 inline constexpr int64_t kMaxChunkSize = int64_t{1} << 20;
 
-// Throws InvalidArgument("chunk_size") unless 1 <= chunk_size <= kMaxChunkSize.
+// Throws InvalidArgument("chunk_size", "must be in [1, kMaxChunkSize], got ...") unless
+// 1 <= chunk_size <= kMaxChunkSize.
 void ValidateChunkSize(int64_t chunk_size);
 
 // a(p) = B * floor(p / B) for p >= 0.
 inline int64_t Anchor(int64_t p, int64_t chunk_size) { return p - p % chunk_size; }
-
-// Builds a segment forest from per-segment arrays (the "already compacted segment tree" input
-// of the sidecar). Segment ids are kept; children are ordered by increasing id (this fixes
-// the child order of Algorithm 1); compact rows are numbered in DFS preorder, so segment v
-// holds rows [row_begin_v, row_begin_v + e_v - s_v). Only the topology fields (start, end,
-// parent, child CSR, roots, row_begin, num_rows) are filled; the trajectory fields are empty.
-// Preconditions (InvalidArgument naming "parent[i]", "start[i]" or "end[i]"): n >= 1;
-// -1 <= parent[v] < n, no cycles; 0 <= start[v] < end[v]; a root starts at 0; a child starts
-// where its parent ends. ResourceExhausted when the rows or positions overflow int32.
-// O(n) time and space.
-SegmentForest SegmentForestFromArrays(const int32_t* parent, const int32_t* start, const int32_t* end, int64_t n);
-
-// T_pre and T_in of every segment (Equations 12-14). O(|V| + |E|).
-struct MinCallCounts {
-  std::vector<int32_t> t_pre;
-  std::vector<int32_t> t_in;
-};
-MinCallCounts ComputeMinCallCounts(const SegmentForest& forest, int64_t chunk_size);
 
 // Mandatory replay R of Equation (15). O(|V|).
 int64_t MandatoryReplay(const SegmentForest& forest, int64_t chunk_size);
@@ -106,10 +89,52 @@ struct MinCallPlan {
   int64_t num_slots() const { return static_cast<int64_t>(slot_producer.size()); }
 };
 
-// Algorithm 1: the counting pass, then recovery (first child in child order that fits its
-// continuation budget and covers every child over the side budget; side branches in the
-// earliest legal round). Deterministic. O(|V| + |E|) time, O(|V|) space, no recursion.
-// Precondition: chunk_size validated; forest non-empty.
+// Algorithm 1 in three phases; PlanMinCalls composes them. Each phase visits every segment
+// and edge a constant number of times, parents first or children first, without recursion.
+// Preconditions of all three: chunk_size validated (ValidateChunkSize); the forest non-empty
+// and acyclic with its topology filled (start, end, parent, child CSR, roots: a forest from
+// BuildSegmentForest or segment_tree.h); each phase's input made by the phase before it from
+// the same forest and chunk size.
+
+// Phase 1, counting (Algorithm 1, lines 1-7): T_pre and T_in of every segment, children
+// before parents (Equations 12-14). O(|V| + |E|) time, O(|V|) space.
+struct MinCallCounts {
+  std::vector<int32_t> t_pre;  // [V]
+  std::vector<int32_t> t_in;   // [V]
+};
+MinCallCounts ComputeMinCallCounts(const SegmentForest& forest, int64_t chunk_size);
+
+// Phase 2, recovery of the direct continuations (lines 8-21). Parents first, a segment v
+// receives (ready, budget K_round, round r) from its parent (a root: ready, T_pre(root),
+// round 0); an internal v with same = ready and e_v < a_v + B picks as direct continuation
+// the first child o in child order with H[o] <= K_round (H = T_pre if same, else T_in) that
+// leaves no other child over the side budget K_side = K_round - [not same]. o inherits
+// (same, K_round, r); every other child heads a new sequence with (ready, K_side, r + [not
+// same]). A sequence's chain is its head followed by direct continuations down to a leaf.
+// O(|V| + |E|) time, O(|V|) space. Throws std::logic_error if no child qualifies, which
+// counts from phase 1 rule out.
+struct MinCallRecovery {
+  int32_t num_calls = 0;              // rounds: max over roots of T_pre(root)
+  std::vector<int32_t> direct_child;  // [V] the chosen direct continuation, -1 for a leaf
+  std::vector<int32_t> round;         // [V] round of the sequence whose chain holds v
+};
+MinCallRecovery RecoverContinuations(const SegmentForest& forest, int64_t chunk_size, const MinCallCounts& counts);
+
+// Phase 3, sequences and state slots (line 22 and the state handoffs). The heads (the roots
+// and every child that is not its parent's direct continuation) become the sequences,
+// numbered by (round, head id), each with its chain, anchor b_q = a(s_head) and replay
+// [b_q, s_head). A head with b_q > 0 consumes S_{b_q}, returned by the sequence that outputs
+// the segment P holding position b_q - 1 of its path (then b_q = a(e_P)). All consumers of
+// one P need that same state, so there is one slot per producing segment, numbered by
+// (producer, position). The counts and the recovery move into the plan. O(|V|) time and
+// space.
+MinCallPlan AssignSequences(const SegmentForest& forest, int64_t chunk_size, MinCallCounts counts,
+                            MinCallRecovery recovery);
+
+// Algorithm 1: AssignSequences(RecoverContinuations(ComputeMinCallCounts(...))). The plan
+// takes the first child in child order that fits its continuation budget and covers every
+// child over the side budget, and launches side branches in the earliest legal round.
+// Deterministic. O(|V| + |E|) time, O(|V|) space, no recursion. Preconditions as above.
 MinCallPlan PlanMinCalls(const SegmentForest& forest, int64_t chunk_size);
 
 }  // namespace harts

@@ -13,20 +13,19 @@
 //   rank             position in the stable lexicographic order of trajectories.
 //   W(lo, hi)        compact work of the trajectories of ranks [lo, hi) (Eq. 5).
 //
-// Limits (violations throw ResourceExhausted naming the field):
+// Limits (limits.h; violations throw ResourceExhausted naming the field):
 //   1 <= N <= kMaxTrajectories, S <= kMaxSemanticTokens (so every row and position fits
 //   int32). Preconditions (violations throw InvalidArgument naming the field):
 //   offsets has N + 1 entries, offsets[0] = 0, offsets[N] = len(tokens), strictly
 //   increasing (no empty trajectory); tokens >= 0; tree_ids, if given, has N entries >= 0.
 //
-// A batch can also be built from an already compacted segment tree (FromSegmentTree):
-// per segment its parent and token count, per trajectory the segment at whose end it
-// ends. The tree stands for the tokens: sibling order (increasing segment id, roots
-// likewise) is the lexicographic order, siblings are distinct, and trajectories ending at
-// the same segment are identical. The result equals, array for array, the batch ingested
-// from any token buffer with that tree (such as the tree of a batch's own segment forest:
-// parent, end - start, and the segment each trajectory ends at), so every plan made from
-// it is identical too.
+// A batch can also be built from an already compacted segment tree (FromSegmentTree, the
+// length form of segment_tree.h): per segment its parent and token count, per trajectory
+// the segment at whose end it ends. The tree stands for the tokens: sibling order
+// (increasing segment id, roots likewise) is the lexicographic order, siblings are
+// distinct, and trajectories ending at the same segment are identical. The result equals, array for array, the batch
+// ingested from any token buffer with that tree (such as the tree of a batch's own segment forest: parent, end - start,
+// and the segment each trajectory ends at), so every plan made from it is identical too.
 //
 // Complexity: Ingest is O(N log N) trajectory comparisons (each O(LCP / 16)), plus O(S)
 // for the map m, plus O(N log N) for the RMQ index. FromSegmentTree is O(V + N log N),
@@ -37,48 +36,26 @@
 #define HARTS_ROLLOUT_BATCH_H_
 
 #include <cstdint>
-#include <limits>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "harts/lex_order.h"
+#include "harts/limits.h"
 #include "harts/rmq.h"
 #include "harts/segment_forest.h"
+#include "harts/segment_tree.h"
 
 namespace harts {
-
-inline constexpr int64_t kMaxTrajectories = int64_t{1} << 24;
-inline constexpr int64_t kMaxSemanticTokens = std::numeric_limits<int32_t>::max();
-// Segments of a compacted tree: a canonical tree has at most 2N of them.
-inline constexpr int64_t kMaxTreeSegments = 2 * kMaxTrajectories;
 
 // Checks the preconditions above; throws InvalidArgument / ResourceExhausted.
 void ValidateTrajectories(const int32_t* tokens, int64_t num_tokens, const int64_t* offsets, int64_t num_offsets,
                           const int64_t* tree_ids, int64_t num_tree_ids);
 
-// An already compacted segment tree (the sidecar's "compacted tree" request).
-//   parent[v]          parent segment of v in [0, V), or -1 for a root; no cycles.
-//   length[v]          tokens of segment v, >= 1.
-//   trajectory_end[i]  the segment at whose last token trajectory i ends, in [0, V).
-// Every leaf segment must end at least one trajectory (no token belongs to no trajectory).
-// Unary segments at which no trajectory ends are allowed; they are merged with their
-// child, as ingestion from tokens would.
-struct SegmentTreeView {
-  const int32_t* parent;
-  const int32_t* length;
-  int64_t num_segments;
-  const int32_t* trajectory_end;
-  int64_t num_trajectories;
-};
-
-// Checks a SegmentTreeView. InvalidArgument naming "parent[v]" (out of range, or on a
-// cycle), "length[v]" (< 1), "trajectory_end[i]" (out of range), "trajectory_end" (a leaf
-// no trajectory ends at; N = 0), "length" (sizes differ); ResourceExhausted naming
-// "parent" (V > kMaxTreeSegments), "trajectory_end" (N > kMaxTrajectories, or S >
-// kMaxSemanticTokens). O(V + N). Returns the segments in DFS preorder (children and roots
-// by increasing id) and, in `end_position`, the absolute end position of every segment.
-std::vector<int32_t> ValidateSegmentTree(const SegmentTreeView& tree, std::vector<int64_t>* end_position);
+// Throws InvalidArgument naming `field` ("trajectory index i is out of range [0, n)") unless
+// 0 <= i < n.
+void CheckTrajectoryIndex(int64_t i, int64_t n, const std::string& field);
 
 class RolloutBatch {
  public:
@@ -87,7 +64,7 @@ class RolloutBatch {
   static std::unique_ptr<RolloutBatch> Ingest(const int32_t* tokens, int64_t num_tokens, const int64_t* offsets,
                                               int64_t num_offsets, const int64_t* tree_ids, int64_t num_tree_ids);
 
-  // Validates (ValidateSegmentTree, tree_ids as in ValidateTrajectories) and builds the
+  // Validates (SegmentForestFromTree, tree_ids as in ValidateTrajectories) and builds the
   // batch of a compacted segment tree; trajectory i is the root-to-trajectory_end[i] path,
   // offsets are the prefix sums of the lengths. O(V + N log N); no per-token work.
   static std::unique_ptr<RolloutBatch> FromSegmentTree(const SegmentTreeView& tree, const int64_t* tree_ids,
