@@ -21,7 +21,7 @@ from harts_runtime.ops.attention import compact_attention, trajectory_attention
 __all__ = ["AttentionConfig", "CompactAttention", "CompactAttentionBase"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class AttentionConfig:
     """Multi-head / grouped-query self-attention."""
 

@@ -61,7 +61,7 @@ from harts_runtime.modules.norms import GatedRMSNorm, l2_norm
 __all__ = ["KDAConfig", "KDALayer"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class KDAConfig:
     """Shape and execution options of a :class:`KDALayer`."""
 

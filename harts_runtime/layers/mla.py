@@ -21,7 +21,7 @@ from harts_runtime.modules.rope import apply_rope, rope_cos_sin
 __all__ = ["CompactMLA", "MLAConfig"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MLAConfig:
     """Multi-head latent attention (DeepSeek-V2/V3 style; simplifications in the module docstring)."""
 

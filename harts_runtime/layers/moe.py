@@ -45,7 +45,7 @@ from harts_runtime.layout.rows import RowLayout
 __all__ = ["CompactMoE", "MoEConfig", "MoEOutput", "grouped_mm", "route", "router_losses"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MoEConfig:
     """Routed-expert FFN (SwiGLU experts)."""
 

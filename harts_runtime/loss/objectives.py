@@ -123,7 +123,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise InvalidInputError("kl_estimator", f"unknown {estimator!r}; choose k1, k2 or k3")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PolicyLossConfig:
     """Clipped policy-gradient loss (PPO / GRPO / DAPO variants)."""
 

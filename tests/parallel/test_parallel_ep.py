@@ -70,6 +70,7 @@ def _ep_worker(rank, world, name):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CFGS))
 def test_expert_parallel_moe_matches_single_process(name):
     res = run_distributed(_ep_worker, 2, name, timeout=60)

@@ -133,6 +133,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_two_process_step_matches_single_process(name):
     dims_kw, recompute = CONFIGS[name]
@@ -141,6 +142,7 @@ def test_two_process_step_matches_single_process(name):
     _check(results, _reference(dims.dp, recompute), dims)
 
 
+@pytest.mark.slow
 def test_four_process_dp2_tp2_sp_ep2_matches_single_process():
     """All of it at once (4 gloo processes, ~8 s): two replicas, each TP2 with sequence parallelism,
     experts sharded over the replicas. Checks that EP keeps what SP set on the MoE (the row shard and

@@ -136,6 +136,7 @@ def tp_results():
     return run_distributed(_tp_worker, 2, KINDS, timeout=120)
 
 
+@pytest.mark.slow  # the module fixture runs every layer on 2 processes (seconds)
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_tensor_parallel_layer_matches_single_process(tp_results, kind, sp):

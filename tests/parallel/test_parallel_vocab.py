@@ -40,6 +40,7 @@ def _vp_worker(rank, world, dtype, chunk):
     return {"lp": lp.detach(), "grad": local.grad, "range": (a, b), "fwd": fwd.calls, "bwd": bwd.calls}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "dtype,chunk", [(torch.float64, 8192), (torch.float32, 5)], ids=["f64", "f32-chunk5"]
 )
@@ -195,6 +196,7 @@ def _head_reference():
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_vocab_parallel_lm_head_matches_fused_single_process_head(head_results, sp):
     ref = _head_reference()
@@ -212,6 +214,7 @@ def test_vocab_parallel_lm_head_matches_fused_single_process_head(head_results, 
         torch.testing.assert_close(r["dembed"], ref["dembed"][a:b], **tol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_vocab_parallel_lm_head_communicates_only_row_scalars(head_results, sp):
     """Forward: the head's own collectives are N row maxima and N sum-exps + P target logits, whatever

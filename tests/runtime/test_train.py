@@ -264,6 +264,7 @@ def test_train_demo_prints_and_returns_every_step():
     assert res[0]["abs_loss_diff"] < 1e-5
 
 
+@pytest.mark.slow
 def test_gpu_eval_script_smoke_on_cpu(tmp_path):
     """benchmarks/train_eval.py end to end at CPU smoke sizes: every section runs and reports."""
     import importlib.util

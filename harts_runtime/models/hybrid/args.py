@@ -28,7 +28,7 @@ FFNS = ("dense", "moe")
 """FFN names of :attr:`ModelConfig.ffns`."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelConfig:
     """Shape, layer pattern and execution options of a :class:`HybridModel`."""
 
