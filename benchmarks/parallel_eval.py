@@ -247,7 +247,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from harts_runtime import model_config
-    from harts_runtime.cli import synthetic_step
+    from harts_runtime.demo import synthetic_step
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if args.device == "cuda":

@@ -15,13 +15,16 @@ package                            what
 :mod:`harts_runtime.models`        model families: ``models/<family>/{args,model}.py``
 :mod:`harts_runtime.loss`          mapped log-probs (optional TP group) and GRPO / PPO objectives
 :mod:`harts_runtime.parallel`      DP from the step plan, TP / SP, EP, vocabulary parallelism
-``step_inputs``, ``train``, ``cli``  the step's inputs, the step, ``harts-train`` / :func:`train_demo`
+``step_inputs``, ``train``         the step's inputs (:class:`StepInputs`), the step (:func:`train_step`)
+``recompute``, ``errors``          the one recomputation switch, the one error class
+``demo``, ``cli``                  :func:`train_demo`, ``harts-train``
+``flops``, ``testing``             the FLOP model; test-only trees, decompositions and dense masks
 =================================  ===============================================================
 
 The public API below is importable from ``harts_runtime`` itself; module paths inside may move.
 """
 
-from harts_runtime.cli import train_demo
+from harts_runtime.demo import train_demo
 from harts_runtime.errors import ConfigError, InvalidInputError, ParallelConfigError, StepInputsError
 from harts_runtime.layout import (
     MODES,
