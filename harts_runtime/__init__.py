@@ -21,67 +21,62 @@ package                            what
 ``flops``, ``testing``             the FLOP model; test-only trees, decompositions and dense masks
 =================================  ===============================================================
 
-The public API below is importable from ``harts_runtime`` itself; module paths inside may move.
+The public API (:data:`__all__`) is importable from ``harts_runtime`` itself; module paths inside
+may move. Names are loaded on first use, so ``import harts_runtime`` needs neither torch nor the
+planner, and a submodule (``harts_runtime.ops.attention``, say) imports only what it needs.
 """
 
-from harts_runtime.demo import train_demo
-from harts_runtime.errors import ConfigError, InvalidInputError, ParallelConfigError, StepInputsError
-from harts_runtime.layout import (
-    MODES,
-    CallLayoutArrays,
-    Microbatch,
-    RowLayout,
-    compact_layout,
-    compact_microbatch,
-    pack_trajectories,
-    trajectory_layout,
-    trajectory_microbatch,
-)
-from harts_runtime.loss import PolicyLossConfig, mapped_logprobs, policy_loss, targets_from_batch
-from harts_runtime.models import FLAVORS, HybridModel, ModelConfig, model_config
-from harts_runtime.recompute import apply_recompute, recompute_enabled
-from harts_runtime.step_inputs import StepInputs
-from harts_runtime.train import (
-    StepResult,
-    forward_microbatch,
-    make_microbatch,
-    plan_microbatches,
-    run_microbatch,
-    step_logprobs,
-    train_step,
-)
+from __future__ import annotations
 
-__all__ = [
-    "FLAVORS",
-    "MODES",
-    "CallLayoutArrays",
-    "ConfigError",
-    "HybridModel",
-    "InvalidInputError",
-    "Microbatch",
-    "ModelConfig",
-    "ParallelConfigError",
-    "PolicyLossConfig",
-    "RowLayout",
-    "StepInputs",
-    "StepInputsError",
-    "StepResult",
-    "apply_recompute",
-    "compact_layout",
-    "compact_microbatch",
-    "forward_microbatch",
-    "make_microbatch",
-    "mapped_logprobs",
-    "model_config",
-    "pack_trajectories",
-    "plan_microbatches",
-    "policy_loss",
-    "recompute_enabled",
-    "run_microbatch",
-    "step_logprobs",
-    "targets_from_batch",
-    "train_demo",
-    "train_step",
-    "trajectory_layout",
-    "trajectory_microbatch",
-]
+import importlib
+
+_EXPORTS = {
+    "train_demo": "harts_runtime.demo",
+    "ConfigError": "harts_runtime.errors",
+    "InvalidInputError": "harts_runtime.errors",
+    "ParallelConfigError": "harts_runtime.errors",
+    "StepInputsError": "harts_runtime.errors",
+    "CallLayoutArrays": "harts_runtime.layout",
+    "MODES": "harts_runtime.layout",
+    "Microbatch": "harts_runtime.layout",
+    "RowLayout": "harts_runtime.layout",
+    "compact_layout": "harts_runtime.layout",
+    "compact_microbatch": "harts_runtime.layout",
+    "pack_trajectories": "harts_runtime.layout",
+    "trajectory_layout": "harts_runtime.layout",
+    "trajectory_microbatch": "harts_runtime.layout",
+    "PolicyLossConfig": "harts_runtime.loss",
+    "mapped_logprobs": "harts_runtime.loss",
+    "policy_loss": "harts_runtime.loss",
+    "targets_from_batch": "harts_runtime.loss",
+    "FLAVORS": "harts_runtime.models",
+    "HybridModel": "harts_runtime.models",
+    "ModelConfig": "harts_runtime.models",
+    "model_config": "harts_runtime.models",
+    "apply_recompute": "harts_runtime.recompute",
+    "recompute_enabled": "harts_runtime.recompute",
+    "StepInputs": "harts_runtime.step_inputs",
+    "StepResult": "harts_runtime.train",
+    "forward_microbatch": "harts_runtime.train",
+    "make_microbatch": "harts_runtime.train",
+    "plan_microbatches": "harts_runtime.train",
+    "run_microbatch": "harts_runtime.train",
+    "step_logprobs": "harts_runtime.train",
+    "train_step": "harts_runtime.train",
+}
+"""Public name -> the module that defines it."""
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'harts_runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

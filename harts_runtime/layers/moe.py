@@ -42,7 +42,7 @@ from torch import nn
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.rows import RowLayout
 
-__all__ = ["CompactMoE", "MoEConfig", "MoEOutput", "grouped_mm", "route", "router_losses"]
+__all__ = ["SCORE_FUNCS", "CompactMoE", "MoEConfig", "MoEOutput", "grouped_mm", "route", "router_losses"]
 
 
 @dataclass(kw_only=True)
@@ -99,6 +99,21 @@ class MoEOutput:
     """``aux_loss_coef * aux_loss + z_loss_coef * z_loss``."""
 
 
+def _softmax_scores(logits: torch.Tensor):
+    scores = logits.softmax(-1)
+    return scores, scores
+
+
+def _sigmoid_scores(logits: torch.Tensor):
+    scores = logits.sigmoid()
+    return scores, scores / (scores.sum(-1, keepdim=True) + 1e-20)
+
+
+SCORE_FUNCS = {"softmax": _softmax_scores, "sigmoid": _sigmoid_scores}
+"""Router score name -> ``logits [N, E] -> (scores, probs)``: the scores select and weight the
+experts, ``probs`` (sigmoid scores normalised per row) enter the load-balancing loss."""
+
+
 def route(
     logits: torch.Tensor,
     top_k: int,
@@ -124,14 +139,9 @@ def route(
     topk_weight : Tensor, [N, k]
         Combine weights (unbiased scores of the selected experts, optionally renormalised, scaled).
     """
-    if score_func == "softmax":
-        scores = logits.softmax(-1)
-        probs = scores
-    elif score_func == "sigmoid":
-        scores = logits.sigmoid()
-        probs = scores / (scores.sum(-1, keepdim=True) + 1e-20)
-    else:
-        raise InvalidInputError("score_func", f"unknown {score_func!r}; choose softmax or sigmoid")
+    if score_func not in SCORE_FUNCS:
+        raise InvalidInputError("score_func", f"unknown {score_func!r}; choose one of {sorted(SCORE_FUNCS)}")
+    scores, probs = SCORE_FUNCS[score_func](logits)
     select = scores.detach() if expert_bias is None else scores.detach() + expert_bias
     topk_idx = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :top_k]
     weight = scores.gather(1, topk_idx)

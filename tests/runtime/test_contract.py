@@ -4,11 +4,15 @@
 * the runtime reads nothing but the layout: a stand-in that has only the 8 scalars and 27 arrays
   gives the same microbatch (every index tensor) and the same log-probs as the CallPlan itself;
 * a missing layout field is named; step inputs need a real ``RolloutBatch`` (no duck typing);
-* the runtime imports no private planner name; the public API is importable from ``harts_runtime``.
+* the runtime imports no private planner name; the public API is importable from ``harts_runtime``,
+  whose names load on first use (the layers, ops and test helpers import without the planner).
 """
 
 import ast
 import pathlib
+import subprocess
+import sys
+import textwrap
 import types
 
 import numpy as np
@@ -141,3 +145,16 @@ def test_the_public_api_is_importable_from_the_package():
     for alias in ("StepInputsError", "ConfigError", "ParallelConfigError"):
         assert getattr(harts_runtime, alias) is InvalidInputError
     assert issubclass(InvalidInputError, ValueError)
+
+
+def test_importing_the_package_and_the_layers_needs_no_planner():
+    code = textwrap.dedent("""
+        import sys
+        import harts_runtime
+        assert "torch" not in sys.modules and "harts_planner" not in sys.modules
+        import harts_runtime.layers, harts_runtime.ops.attention, harts_runtime.testing
+        assert "harts_planner" not in sys.modules, "a layer imported the planner"
+        assert harts_runtime.HybridModel.__name__ == "HybridModel"
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]

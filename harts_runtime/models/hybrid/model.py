@@ -180,7 +180,7 @@ class HybridModel(nn.Module):
         it). In training mode the MoE expert-load counts are added to ``local_tokens_per_expert``
         once (a recomputed block does not count twice).
         """
-        x = self.embed(layout.input_ids)
+        x = self.embed(layout.need("input_ids"))
         router = x.new_zeros((), dtype=torch.float32)
         for block in self.blocks:
             x, r, counts = block(x, layout)
