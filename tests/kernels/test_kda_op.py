@@ -94,7 +94,7 @@ def test_batched_form_equals_varlen():
     assert_close("final", fv, fb)
 
 
-@pytest.mark.parametrize("B", [pytest.param(64, marks=pytest.mark.slow), 16, 5])
+@pytest.mark.parametrize("B", [64, 16, 5])
 def test_requested_states_equal_split_and_resume(B):
     lens = [3 * B + 7, 2 * B, B + 1]
     x, s0, cu = make_inputs(lens, seed=1)
@@ -140,11 +140,7 @@ def _gradcheck(fn, lens, B, rs, rc, outputs, fast_mode=False):
     assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-6, rtol=1e-4, fast_mode=fast_mode)
 
 
-@pytest.mark.parametrize(
-    "outputs",
-    [pytest.param(("o", "final", "states"), marks=pytest.mark.slow), ("states",)],
-    ids=["all", "states-only"],
-)
+@pytest.mark.parametrize("outputs", [("o", "final", "states"), ("states",)], ids=["all", "states-only"])
 def test_gradcheck_chunked_requested_states(outputs):
     # full Jacobian for all outputs; random projections (fast mode) when only states flow back
     _gradcheck(
