@@ -1,7 +1,7 @@
 """Full attention on compact tokens: ancestor-KV views vs FlexAttention tree mask (issue 7).
 
 For each rollout-tree case and attention shape, times forward and forward+backward of
-``harts_runtime.attention.compact_attention`` with every available GPU backend:
+``harts_runtime.ops.attention.compact_attention`` with every available GPU backend:
 
 * view-based: ``varlen`` (torch varlen_attn), ``flash_attn``, ``te`` — gather packed Q / ancestor KV
   views, packed kernel with bottom-right causal alignment, scatter back;
@@ -37,9 +37,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from harts_runtime.attention import available_backends, compact_attention
-from harts_runtime.testing import synthetic_tree_batch
-from harts_runtime.views import views_from_batch
+from harts_runtime.ops.attention import available_backends, compact_attention
+from harts_runtime.testing import synthetic_tree_batch, views_from_batch
 
 CASES = {  # synthetic_tree_batch arguments; sizes (C, S/C) as generated with these seeds
     "agentic-20k": {
@@ -152,7 +151,7 @@ def trajectory_varlen(q, k, v, batch, scale):
     """Trajectory-wise baseline: expand to S rows, each trajectory a causal varlen sequence."""
     from torch.nn.attention.varlen import varlen_attn
 
-    from harts_runtime.attention import _pad_head_dims, _repeat_kv
+    from harts_runtime.ops.attention import _pad_head_dims, _repeat_kv
 
     sem = batch_tensors(batch, q.device)
     qs, ks, vs = q.index_select(0, sem["map"]), k.index_select(0, sem["map"]), v.index_select(0, sem["map"])

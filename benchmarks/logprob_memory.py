@@ -2,7 +2,7 @@
 
 For each rollout-tree case and logits dtype, runs forward + backward of
 
-* ``mapped``: ``harts_runtime.logprobs.mapped_logprobs`` on the C compact logit rows (per-row max
+* ``mapped``: ``harts_runtime.loss.logprobs.mapped_logprobs`` on the C compact logit rows (per-row max
   and sum-exp once, one target logit per semantic position; gradient only for compact rows);
 * ``expanded``: the trajectory-wise path: gather P = S - N rows of logits, float32
   ``log_softmax``, gather targets (what a trainer does without prefix sharing);
@@ -69,7 +69,7 @@ def child(case: str, dtype_name: str, path: str, device_name: str, repeats: int)
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from harts_runtime.logprobs import expanded_logprobs, mapped_logprobs, targets_from_batch
+    from harts_runtime.loss.logprobs import expanded_logprobs, mapped_logprobs, targets_from_batch
     from harts_runtime.testing import synthetic_tree_batch
 
     class MaxNumel(TorchDispatchMode):

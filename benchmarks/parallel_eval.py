@@ -55,7 +55,7 @@ def _sync(dev):
 def _baseline_schedule(lengths: np.ndarray, capacity: int, dp: int) -> list[list[np.ndarray]]:
     """Trajectory baseline: first-fit-decreasing packs of expanded trajectories, LPT to replicas by
     raw tokens, then splits of the largest pack until every replica has the same count."""
-    from harts_runtime.train import pack_trajectories
+    from harts_runtime import pack_trajectories
 
     packs = [np.asarray(p) for p in pack_trajectories(lengths, capacity)]
     while len(packs) % dp or len(packs) < dp:
@@ -105,9 +105,8 @@ def _grad_report(model, ref_grads, groups) -> dict:
 
 def run_config(name, args, dev, step, world) -> dict:
     import harts_planner as hp
-    from harts_runtime.model import HybridModel, model_config
+    from harts_runtime import HybridModel, apply_recompute, model_config, run_microbatch, train_step
     from harts_runtime.parallel import ParallelDims, parallelize, run_replica_step
-    from harts_runtime.train import run_microbatch, train_step
 
     dims = ParallelDims(world_size=world, **CONFIGS[name])
     groups = dims.build_groups()
@@ -125,7 +124,7 @@ def run_config(name, args, dev, step, world) -> dict:
     if rank == 0:
         torch.manual_seed(args.seed)
         ref = HybridModel(cfg, device=dev).train()
-        ref_loss += train_step(ref, None, step, step_plan=plan, recompute=args.recompute).loss
+        ref_loss += train_step(apply_recompute(ref, args.recompute), None, step, step_plan=plan).loss
         torch.save(
             {n: p.grad.detach().cpu() for n, p in ref.named_parameters() if p.grad is not None}, ref_path
         )
@@ -142,7 +141,7 @@ def run_config(name, args, dev, step, world) -> dict:
 
     torch.manual_seed(args.seed)
     model = HybridModel(cfg, device=dev).train()
-    parallelize(model, dims, groups)
+    parallelize(model, dims, groups, recompute=args.recompute)
     params = list(model.parameters())
 
     def step_once(mode, schedule_plan=None, baseline=None):
@@ -155,7 +154,7 @@ def run_config(name, args, dev, step, world) -> dict:
             res = run_replica_step(
                 schedule_plan,
                 groups.dp_rank,
-                lambda j, traj: run_microbatch(model, step, traj, "compact", args.recompute)[0],
+                lambda j, traj: run_microbatch(model, step, traj, "compact")[0],
                 params=params,
                 groups=groups,
                 backward=False,
@@ -172,7 +171,7 @@ def run_config(name, args, dev, step, world) -> dict:
             res = run_replica_step(
                 _P,
                 groups.dp_rank,
-                lambda j, traj: run_microbatch(model, step, traj, "trajectory", args.recompute)[0],
+                lambda j, traj: run_microbatch(model, step, traj, "trajectory")[0],
                 params=params,
                 groups=groups,
                 backward=False,
@@ -247,8 +246,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results/parallel_eval.json")
     args = ap.parse_args(argv)
 
-    from harts_runtime.model import model_config
-    from harts_runtime.train import _synthetic_step
+    from harts_runtime import model_config
+    from harts_runtime.demo import synthetic_step
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if args.device == "cuda":
@@ -259,7 +258,7 @@ def main(argv=None) -> int:
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10))
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg = model_config(args.flavor, args.layers)
-    step = _synthetic_step(args.preset, args.seed, cfg.vocab_size, args.max_len, "grpo")
+    step = synthetic_step(args.preset, args.seed, cfg.vocab_size, args.max_len, "grpo")
     results = []
     for name in args.configs.split(","):
         if name not in CONFIGS:

@@ -55,9 +55,17 @@ sys.path.append(os.path.join(ROOT, "python_client"))
 
 import harts_planner as hp
 from harts_planner import synth
+from harts_runtime import (
+    HybridModel,
+    StepInputs,
+    apply_recompute,
+    make_microbatch,
+    model_config,
+    plan_microbatches,
+    run_microbatch,
+    train_step,
+)
 from harts_runtime.flops import work_compression
-from harts_runtime.model import HybridModel, model_config
-from harts_runtime.train import StepInputs, _make_microbatch, plan_microbatches, run_microbatch, train_step
 
 DEPTHS = 6
 GRAD_SAMPLE = 16_000_000  # gradient entries kept per run for the gradient cosine
@@ -146,10 +154,11 @@ def section_speedup(args, model, dev, shared):
     mbs, plans, plan_s = plan_microbatches(step, "compact", args.capacity, cfg)
     work = work_compression(cfg, step.batch.lengths, [p.position_ids for p in plans])
     tmbs, _, _ = plan_microbatches(step, "trajectory", args.capacity, cfg)
+    apply_recompute(model)  # this section measures with full-block recomputation
     # warm-up: one microbatch per mode (compilation, autotuning), recomputation on
     for mode, first in (("compact", mbs[0]), ("trajectory", tmbs[0])):
         t = time.perf_counter()
-        run_microbatch(model, step, first, mode, True, call_plan=plans[0] if mode == "compact" else None)
+        run_microbatch(model, step, first, mode, call_plan=plans[0] if mode == "compact" else None)
         model.zero_grad(set_to_none=True)
         sync(dev)
         log(f"warm-up {mode}: {time.perf_counter() - t:.1f}s")
@@ -158,7 +167,7 @@ def section_speedup(args, model, dev, shared):
         for mode in ("compact", "trajectory"):
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
-            r = train_step(model, None, step, None, mode, True, capacity=args.capacity)
+            r = train_step(model, None, step, None, mode, capacity=args.capacity)
             model.zero_grad(set_to_none=True)
             d = r.to_dict()
             d["peak_memory_gib"] = (
@@ -198,6 +207,7 @@ def _run_collect(model, step, mode, recompute, capacity, no_replay=False, grad=T
     loss and (when ``grad``) the flattened gradient."""
     cfg = model.config
     mbs, plans, _ = plan_microbatches(step, mode, capacity, cfg)
+    apply_recompute(model, recompute)
     dev = model.device
     rowmap = torch.empty(step.num_targets, dtype=torch.int64, device=dev)
     labels = torch.empty(step.num_targets, dtype=torch.int64, device=dev)
@@ -205,12 +215,11 @@ def _run_collect(model, step, mode, recompute, capacity, no_replay=False, grad=T
     model.zero_grad(set_to_none=True)
     with torch.set_grad_enabled(grad):
         for i, traj in enumerate(mbs):
-            mb = _make_microbatch(model, step, traj, mode, plans[i] if plans else None)
+            mb = make_microbatch(model, step, traj, mode, plans[i] if plans else None)
             ls, st = run_microbatch(
                 model,
                 step,
                 mode=mode,
-                recompute=recompute,
                 microbatch=mb,
                 no_replay=no_replay,
                 backward=grad,
@@ -370,9 +379,10 @@ def section_breakdown(args, model, dev, shared):
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     sync(dev)
     t = time.perf_counter()
+    apply_recompute(model)
     with profile(activities=acts) as prof:
-        mb = _make_microbatch(model, step, mbs[0], "compact", plans[0])
-        run_microbatch(model, step, mode="compact", recompute=True, microbatch=mb)
+        mb = make_microbatch(model, step, mbs[0], "compact", plans[0])
+        run_microbatch(model, step, mode="compact", microbatch=mb)
         sync(dev)
     wall = time.perf_counter() - t
     model.zero_grad(set_to_none=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from harts_runtime.model import ModelConfig
+from harts_runtime.models import ModelConfig
 
 __all__ = ["attended_keys", "layer_costs", "model_flops", "work_compression"]
 

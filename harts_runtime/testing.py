@@ -1,21 +1,46 @@
-"""Random rollout trees and trajectory-wise expansion helpers for tests and benchmarks.
+"""Test-only code: random rollout trees, fresh tokens, and the decompositions and dense masks that
+check the runtime's index views against the tree (also used by the benchmarks).
 
-Nothing here is used by training; it builds small batches whose compact and expanded (trajectory-
-wise) computations can be compared.
+Nothing here is used by training. It builds small batches whose compact and expanded (trajectory-
+wise) computations can be compared (:func:`random_batch`, :func:`synthetic_tree_batch`,
+:class:`FreshTokens`, :class:`SimpleBatch`), the attention branch decompositions other than the
+train step's one-branch-per-packed-sequence (:func:`segment_branches`, :func:`chain_branches`,
+:func:`path_branches`, :func:`run_branches`, :func:`views_from_batch`), and dense ``[C, C]`` masks of
+what views and tree orders define (:func:`tree_dense_mask`, :func:`views_dense_mask`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+import torch
+
+from harts_runtime.errors import InvalidInputError
+from harts_runtime.layout.views import (
+    AttentionViews,
+    Branches,
+    TreeOrder,
+    _run_starts,
+    build_views,
+    expand_ranges,
+)
 
 __all__ = [
     "FreshTokens",
     "SimpleBatch",
+    "chain_branches",
     "make_batch",
+    "path_branches",
     "random_batch",
     "random_trajectories",
+    "run_branches",
+    "segment_branches",
     "synthetic_tree_batch",
     "trajectory_rows",
+    "tree_dense_mask",
+    "views_dense_mask",
+    "views_from_batch",
 ]
 
 
@@ -38,7 +63,7 @@ class SimpleBatch:
     """Pure-Python stand-in for :class:`harts_planner.RolloutBatch` (the compact trie only), for
     machines without the compiled planner. Rows are numbered in the lexicographic DFS preorder of
     the token trie, as in RolloutBatch; there is no segment forest (build views with
-    :func:`harts_runtime.views.run_branches`).
+    :func:`run_branches`).
     """
 
     def __init__(self, trajectories):
@@ -155,3 +180,109 @@ def trajectory_rows(batch) -> list[np.ndarray]:
     """Compact row of every position of every trajectory: ``compact_map`` split by ``offsets``."""
     m, off = batch.compact_map, batch.offsets
     return [np.asarray(m[off[i] : off[i + 1]], dtype=np.int64) for i in range(batch.num_trajectories)]
+
+
+# ------------------------------------------------------------------ test decompositions of the views
+def segment_branches(batch) -> Branches:
+    """One branch per segment of a :class:`harts_planner.RolloutBatch` (its rows, in order)."""
+    begin = np.asarray(batch.segment_row_begin, dtype=np.int64)
+    lengths = np.asarray(batch.segment_end, dtype=np.int64) - np.asarray(batch.segment_start, dtype=np.int64)
+    cu = np.zeros(len(begin) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    return Branches(expand_ranges(begin, begin + lengths), cu)
+
+
+def chain_branches(batch, chains: Sequence[Sequence[int]]) -> Branches:
+    """One branch per chain of segments (each a parent-to-child path of segment ids).
+
+    The rows of a chain are its segments' rows in order; :func:`build_views` checks that the chains
+    are root-to-node paths and that together they cover each row at most once.
+    """
+    begin = np.asarray(batch.segment_row_begin, dtype=np.int64)
+    lengths = np.asarray(batch.segment_end, dtype=np.int64) - np.asarray(batch.segment_start, dtype=np.int64)
+    segs = (
+        np.concatenate([np.asarray(c, dtype=np.int64) for c in chains])
+        if chains
+        else np.zeros(0, dtype=np.int64)
+    )
+    per_chain = np.array([int(lengths[np.asarray(c, dtype=np.int64)].sum()) for c in chains], dtype=np.int64)
+    cu = np.zeros(len(chains) + 1, dtype=np.int64)
+    np.cumsum(per_chain, out=cu[1:])
+    return Branches(expand_ranges(begin[segs], begin[segs] + lengths[segs]), cu)
+
+
+def run_branches(row_parent) -> Branches:
+    """Maximal runs of consecutive rows ``r, r + 1, ...`` with ``parent[r + 1] = r``, from the parent
+    array alone. With rows in DFS preorder (a RolloutBatch) these are the direct-continuation chains
+    of :func:`path_branches`; in any other row order they are still a valid (finer) decomposition.
+    """
+    parent = np.asarray(row_parent, dtype=np.int64)
+    starts = np.unique(_run_starts(parent))
+    return Branches(np.arange(len(parent), dtype=np.int64), np.append(starts, len(parent)).astype(np.int64))
+
+
+def path_branches(batch) -> Branches:
+    """Direct-continuation chains: a chain starts at every root and every non-first child segment and
+    continues into the first child. Segments and rows are in preorder, so each chain is a contiguous
+    row range and there is one branch per leaf segment.
+
+    The packed KV length ``C + sum over forks v of (|ch(v)| - 1) * e_v`` does not depend on which
+    child continues, so this choice is as good as any for attention.
+    """
+    parent = np.asarray(batch.segment_parent, dtype=np.int64)
+    begin = np.asarray(batch.segment_row_begin, dtype=np.int64)
+    is_start = parent != np.arange(len(parent)) - 1
+    is_start[:1] = True
+    starts = np.nonzero(is_start)[0]
+    cu = np.append(begin[starts], batch.compact_tokens).astype(np.int64)
+    return Branches(np.arange(batch.compact_tokens, dtype=np.int64), cu)
+
+
+def views_from_batch(batch, decomposition: str = "paths", chains=None) -> AttentionViews:
+    """Views of a whole :class:`harts_planner.RolloutBatch`.
+
+    Parameters
+    ----------
+    decomposition : {"paths", "segments", "chains"}
+        ``paths``: :func:`path_branches` (one branch per leaf, fewest branches); ``segments``: one
+        branch per segment; ``chains``: the given ``chains`` of segment ids.
+    """
+    if not hasattr(batch, "segment_row_begin"):  # a trie without segments (testing.SimpleBatch)
+        if decomposition != "paths":
+            raise InvalidInputError(
+                "decomposition", f"{decomposition!r} needs a RolloutBatch's segment forest"
+            )
+        return build_views(batch.row_parent, run_branches(batch.row_parent))
+    if decomposition == "paths":
+        branches = path_branches(batch)
+    elif decomposition == "segments":
+        branches = segment_branches(batch)
+    elif decomposition == "chains":
+        if chains is None:
+            raise InvalidInputError("chains", "required for decomposition='chains'")
+        branches = chain_branches(batch, chains)
+    else:
+        raise InvalidInputError(
+            "decomposition", f"unknown {decomposition!r}; choose paths, segments or chains"
+        )
+    return build_views(batch.row_parent, branches, TreeOrder.from_batch(batch))
+
+
+def tree_dense_mask(tree: TreeOrder) -> np.ndarray:
+    """bool [C, C]: ``mask[q, k]`` iff row k is an ancestor of, or equal to, row q."""
+    return (tree.pre[None, :] <= tree.pre[:, None]) & (tree.pre[:, None] < tree.end[None, :])
+
+
+def views_dense_mask(views: AttentionViews) -> torch.Tensor:
+    """bool [C, C]: ``mask[q_row, kv_row]`` as the views define it (Equation 22)."""
+    c = views.num_rows
+    mask = torch.zeros(c, c, dtype=torch.bool)
+    cq, ck = views.cu_seqlens_q.tolist(), views.cu_seqlens_k.tolist()
+    qi, ki = views.q_index.cpu(), views.kv_index.cpu()
+    for b in range(views.num_branches):
+        lq, lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+        h = lk - lq
+        allowed = torch.arange(lk)[None, :] <= h + torch.arange(lq)[:, None]  # [lq, lk]
+        rows, cols = qi[cq[b] : cq[b + 1]], ki[ck[b] : ck[b + 1]]
+        mask[rows[:, None].expand(lq, lk)[allowed], cols[None, :].expand(lq, lk)[allowed]] = True
+    return mask

@@ -23,15 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from harts_runtime.errors import ParallelConfigError
+
 __all__ = ["ParallelConfigError", "ParallelDims", "ParallelGroups"]
-
-
-class ParallelConfigError(ValueError):
-    """An invalid parallel configuration; ``field`` names the offending degree or setting."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 @dataclass(frozen=True)

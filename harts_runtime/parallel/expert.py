@@ -1,4 +1,4 @@
-"""Expert parallelism for :class:`harts_runtime.moe.CompactMoE` (paper Sections 3.5, 4.2, 4.3).
+"""Expert parallelism for :class:`harts_runtime.layers.moe.CompactMoE` (paper Sections 3.5, 4.2, 4.3).
 
 Each rank of an EP group of size ``ep`` keeps experts ``[r * E / ep, (r + 1) * E / ep)``; the router,
 the expert bias and the multiplicity-weighted statistics stay replicated and are computed on the
@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from harts_runtime.moe import CompactMoE, grouped_mm
+from harts_runtime.layers.moe import CompactMoE, grouped_mm
 from harts_runtime.parallel.comm import all_to_all_rows
 from harts_runtime.parallel.dims import ParallelConfigError
 

@@ -12,11 +12,11 @@
 3. :func:`apply_dp`: make the replicas identical (broadcast from DP rank 0 of each group) and tag the
    parameters for :func:`harts_runtime.parallel.data.allreduce_gradients`; the step itself is run by
    :func:`harts_runtime.parallel.data.run_replica_step` over the step plan;
-4. :func:`apply_recompute` (optional): full-block activation recomputation with
-   ``torch.utils.checkpoint`` (non-reentrant). Use it *or* the train step's own ``recompute`` flag.
+4. :func:`~harts_runtime.recompute.apply_recompute` (optional): full-block activation recomputation
+   with ``torch.utils.checkpoint`` (non-reentrant), the runtime's one recomputation switch.
 
-The model is any module whose blocks have ``.mixer`` and ``.ffn`` children (``harts_runtime.model``'s
-``HybridModel.blocks``); layers are recognised by type. The single-process code never imports this
+The model is any module whose blocks have ``.mixer`` and ``.ffn`` children
+(``harts_runtime.models.HybridModel.blocks``); layers are recognised by type. The single-process code never imports this
 package: it only offers two plain hooks that the parallel path fills in (an LM head with
 ``mapped_logprobs``, used by ``HybridModel.logprobs``, and ``CompactMoE.row_shard``).
 
@@ -35,13 +35,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from harts_runtime.moe import CompactMoE
+from harts_runtime.layers.moe import CompactMoE
 from harts_runtime.parallel.dims import ParallelConfigError, ParallelDims, ParallelGroups
 from harts_runtime.parallel.expert import ExpertParallelMoE
 from harts_runtime.parallel.tensor import SequenceParallelRows, _is_swiglu, tensor_parallel_layer
 from harts_runtime.parallel.vocab import VocabParallelEmbedding, VocabParallelLMHead
+from harts_runtime.recompute import apply_recompute
 
 __all__ = ["apply_dp", "apply_ep", "apply_recompute", "apply_tp", "megatron_groups", "parallelize"]
 
@@ -122,41 +122,6 @@ def apply_dp(model: nn.Module, groups: ParallelGroups) -> None:
         kind, size = ("edp", dims.dp // dims.ep) if expert else ("dp", dims.dp)
         if size > 1:
             dist.broadcast(t.data, src=groups.ranks[kind][0], group=getattr(groups, kind))
-
-
-class _Checkpointed(nn.Module):
-    """Wraps a block: forward under ``torch.utils.checkpoint`` while grad is enabled."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            modules = self.__dict__.get("_modules")  # absent while copying / unpickling
-            if not modules or "block" not in modules:
-                raise
-            return getattr(modules["block"], name)
-
-    def forward(self, *args, **kwargs):
-        if torch.is_grad_enabled():
-            return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
-        return self.block(*args, **kwargs)
-
-
-def apply_recompute(model: nn.Module) -> None:
-    """Full-block activation recomputation: each block's forward is re-run in backward."""
-    for parent in list(model.modules()):
-        if isinstance(parent, _Checkpointed):
-            continue
-        for name, child in list(parent.named_children()):
-            if hasattr(child, "mixer") and hasattr(child, "ffn") and not isinstance(child, _Checkpointed):
-                if isinstance(parent, nn.ModuleList):
-                    parent[int(name)] = _Checkpointed(child)
-                else:
-                    setattr(parent, name, _Checkpointed(child))
 
 
 def parallelize(

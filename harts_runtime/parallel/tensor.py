@@ -37,8 +37,9 @@ import dataclasses
 import torch
 from torch import nn
 
-from harts_runtime.attention import CompactAttention, CompactMLA
-from harts_runtime.kda import KDALayer
+from harts_runtime.layers.attention import CompactAttention
+from harts_runtime.layers.kda import KDALayer
+from harts_runtime.layers.mla import CompactMLA
 from harts_runtime.parallel.comm import copy_to_tp, gather_rows, reduce_from_tp, row_split, scatter_rows_sum
 from harts_runtime.parallel.dims import ParallelConfigError
 
@@ -79,6 +80,15 @@ def _shard_param(mod: nn.Module, name: str, rank: int, world: int, field: str, d
     p = getattr(mod, name)
     s = _block(p.shape[dim], rank, world, field)
     setattr(mod, name, _param_like(p, p[s] if dim == 0 else p[:, s]))
+
+
+def _shard_channels(conv: nn.Conv1d, rank: int, world: int, field: str) -> None:
+    """A depthwise convolution (``weight`` [C, 1, w]) keeps channels ``[rank * C / w, ...)``."""
+    _shard_param(conv, "weight", rank, world, field)
+    c = conv.weight.shape[0]
+    conv.in_channels = conv.out_channels = conv.groups = c
+    if hasattr(conv, "hidden_size"):
+        conv.hidden_size = c
 
 
 def _mark_partial(*modules_or_params) -> None:
@@ -123,18 +133,24 @@ def _shard_mla(m: CompactMLA, rank: int, tp: int) -> None:
 
 
 def _shard_kda(m: KDALayer, rank: int, tp: int) -> None:
+    """Heads: the q/k/v, decay (``f_proj.1``), beta and output-gate (``g_proj.1``) projections by
+    columns, the three short convolutions by channels, ``A_log`` and ``dt_bias`` by head, ``o_proj``
+    by rows; the low-rank down-projections ``f_proj.0`` / ``g_proj.0`` and the per-channel
+    ``o_norm`` stay replicated with partial gradients (fla's parameter names)."""
     c = m.config
     for lin in (m.q_proj, m.k_proj, m.v_proj, m.f_proj[1], m.b_proj, m.g_proj[1]):
         shard_columns(lin, rank, tp, "num_heads")
-    for name in ("q_conv", "k_conv", "v_conv", "A_log", "dt_bias"):
+    for conv in (m.q_conv1d, m.k_conv1d, m.v_conv1d):
+        _shard_channels(conv, rank, tp, "num_heads")
+    for name in ("A_log", "dt_bias"):
         _shard_param(m, name, rank, tp, "num_heads")
     shard_rows(m.o_proj, rank, tp, "num_heads")
-    _mark_partial(m.f_proj[0], m.g_proj[0], m.o_norm_weight)
+    _mark_partial(m.f_proj[0], m.g_proj[0], m.o_norm)
     m.config = dataclasses.replace(c, num_heads=c.num_heads // tp)
 
 
 def _shard_swiglu(m: nn.Module, rank: int, tp: int) -> None:
-    """A SwiGLU FFN with ``gate``/``up``/``down`` linears (``harts_runtime.model.DenseFFN``)."""
+    """A SwiGLU FFN with ``gate``/``up``/``down`` linears (``harts_runtime.layers.ffn.DenseFFN``)."""
     shard_columns(m.gate, rank, tp, "intermediate_size")
     shard_columns(m.up, rank, tp, "intermediate_size")
     shard_rows(m.down, rank, tp, "intermediate_size")
@@ -150,8 +166,8 @@ def tensor_parallel_layer(
     """Shard one layer in place over the TP group and install its region entry/exit hooks.
 
     Supported: :class:`CompactAttention` (MHA/GQA), :class:`CompactMLA`, :class:`KDALayer`, and SwiGLU
-    FFNs with ``gate``/``up``/``down``. The layer's first positional argument must be the hidden rows
-    ``[N, D]`` (all rows without SP, this rank's row block with SP) and its output ``[N, D]``.
+    FFNs with ``gate``/``up``/``down``. The layer is called as ``forward(x, layout)``: ``x`` the hidden
+    rows ``[N, D]`` (all rows without SP, this rank's row block with SP), the output ``[N, D]``.
     Raises :class:`ParallelConfigError` naming the dimension that ``tp`` does not divide.
     """
     if isinstance(m, CompactAttention):
@@ -179,7 +195,7 @@ def tensor_parallel_layer(
 
 
 class SequenceParallelRows:
-    """The ``row_shard`` of a :class:`harts_runtime.moe.CompactMoE` under sequence parallelism.
+    """The ``row_shard`` of a :class:`harts_runtime.layers.moe.CompactMoE` under sequence parallelism.
 
     Between TP regions each TP rank holds the contiguous :func:`row_split` block of the replica's N
     rows, so the MoE routes only those rows; but the layout's multiplicities ``q_c`` cover all N rows

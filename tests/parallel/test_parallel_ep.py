@@ -10,7 +10,8 @@ import copy
 import pytest
 import torch
 
-from harts_runtime.moe import CompactMoE, MoEConfig
+from harts_runtime.layers.moe import CompactMoE, MoEConfig
+from harts_runtime.layout import RowLayout
 from harts_runtime.parallel.dims import ParallelConfigError
 from harts_runtime.parallel.expert import ExpertParallelMoE
 from harts_runtime.parallel.launch import run_distributed
@@ -44,7 +45,7 @@ def _data(rank):
 
 def _run(moe, x, q, w):
     xr = x.clone().requires_grad_(True)
-    out = moe(xr, q)
+    out = moe(xr, RowLayout(q.numel(), multiplicity=q))
     ((out.hidden * w).sum() + out.router_loss).backward()
     return out, xr.grad
 
@@ -69,6 +70,7 @@ def _ep_worker(rank, world, name):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CFGS))
 def test_expert_parallel_moe_matches_single_process(name):
     res = run_distributed(_ep_worker, 2, name, timeout=60)

@@ -27,6 +27,7 @@ def _mcore_worker(rank, world, dims_kw):
     return {"ranks": groups.ranks, "dp_sum": float(t)}
 
 
+@pytest.mark.slow  # 2 processes each
 @pytest.mark.parametrize("dims_kw", [dict(dp=2), dict(tp=2), dict(dp=2, ep=2)], ids=["dp2", "tp2", "dp2-ep2"])
 def test_megatron_parallel_state_groups_match_parallel_dims(dims_kw):
     out = run_distributed(_mcore_worker, 2, dims_kw, timeout=120)

@@ -27,9 +27,8 @@ CAPACITY = 30  # 4 microbatches for D = 2 (2 slots), 2-3 for D = 1
 
 def _setup(dp):
     import harts_planner as hp
-    from harts_runtime.model import HybridModel, model_config
+    from harts_runtime import HybridModel, StepInputs, model_config
     from harts_runtime.testing import random_batch
-    from harts_runtime.train import StepInputs
 
     cfg = model_config("debug", use_expert_bias=True)
     torch.manual_seed(0)
@@ -41,17 +40,17 @@ def _setup(dp):
 
 
 def _parallel_worker(rank, world, dims_kw, recompute):
+    from harts_runtime import run_microbatch
     from harts_runtime.parallel import parallelize, run_replica_step, sync_expert_load
-    from harts_runtime.train import run_microbatch
 
     dims = ParallelDims(world_size=world, **dims_kw)
     groups = dims.build_groups()
     model, step, plan = _setup(dims.dp)
-    parallelize(model, dims, groups)
+    parallelize(model, dims, groups, recompute=recompute)
     model.train()
 
     def microbatch(slot, traj):
-        loss, _ = run_microbatch(model, step, traj, "compact", recompute)
+        loss, _ = run_microbatch(model, step, traj, "compact")
         return loss
 
     res = run_replica_step(
@@ -62,10 +61,12 @@ def _parallel_worker(rank, world, dims_kw, recompute):
         "loss": res.loss,
         "slots": len(res.slot_seconds),
         "coords": groups.coords,
-        "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-        "expert": {n: getattr(p, "_harts_expert", False) for n, p in model.named_parameters()},
+        "grads": {_name(n): p.grad.clone() for n, p in model.named_parameters()},
+        "expert": {_name(n): getattr(p, "_harts_expert", False) for n, p in model.named_parameters()},
         "vocab": {
-            n: p._harts_vocab_range for n, p in model.named_parameters() if hasattr(p, "_harts_vocab_range")
+            _name(n): p._harts_vocab_range
+            for n, p in model.named_parameters()
+            if hasattr(p, "_harts_vocab_range")
         },
         "counts": {
             f"blocks.{i}": b.ffn.local_tokens_per_expert.clone()
@@ -75,16 +76,21 @@ def _parallel_worker(rank, world, dims_kw, recompute):
     }
 
 
+def _name(n: str) -> str:
+    """A parameter name as without recomputation's ``.block.`` wrapper."""
+    return n.replace(".block.", ".")
+
+
 def _reference(dp, recompute):
-    from harts_runtime.train import train_step
+    from harts_runtime import apply_recompute, train_step
 
     model, step, plan = _setup(dp)
     model.train()
-    res = train_step(model, None, step, step_plan=plan, recompute=recompute)
+    res = train_step(apply_recompute(model, recompute), None, step, step_plan=plan)
     return {
         "loss": res.loss,
         "num_microbatches": res.num_microbatches,
-        "grads": {n: p.grad for n, p in model.named_parameters()},
+        "grads": {_name(n): p.grad for n, p in model.named_parameters()},
         "counts": {
             f"blocks.{i}": b.ffn.local_tokens_per_expert.clone()
             for i, b in enumerate(model.blocks)
@@ -127,6 +133,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_two_process_step_matches_single_process(name):
     dims_kw, recompute = CONFIGS[name]
@@ -135,6 +142,7 @@ def test_two_process_step_matches_single_process(name):
     _check(results, _reference(dims.dp, recompute), dims)
 
 
+@pytest.mark.slow
 def test_four_process_dp2_tp2_sp_ep2_matches_single_process():
     """All of it at once (4 gloo processes, ~8 s): two replicas, each TP2 with sequence parallelism,
     experts sharded over the replicas. Checks that EP keeps what SP set on the MoE (the row shard and
@@ -182,17 +190,20 @@ def test_replica_schedule_is_slot_ordered_and_covers_the_step():
 
 
 def test_apply_recompute_keeps_loss_and_gradients():
+    from harts_runtime import recompute_enabled, train_step
     from harts_runtime.parallel import apply_recompute
-    from harts_runtime.train import train_step
 
     grads, losses = [], []
     for wrap in (False, True):
         model, step, plan = _setup(1)
         if wrap:
             apply_recompute(model)
-            assert all(type(b).__name__ == "_Checkpointed" for b in model.blocks)
+            assert all(type(b).__name__ == "_Checkpointed" for b in model.blocks) and recompute_enabled(model)
         losses.append(train_step(model.train(), None, step, step_plan=plan).loss)
-        grads.append({n.replace(".block.", "."): p.grad for n, p in model.named_parameters()})
+        grads.append({_name(n): p.grad for n, p in model.named_parameters()})
+    apply_recompute(model, False)  # off again: the plain blocks, the plain names
+    assert not recompute_enabled(model) and all(type(b).__name__ == "Block" for b in model.blocks)
+    assert {n for n, _ in model.named_parameters()} == set(grads[0])
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:

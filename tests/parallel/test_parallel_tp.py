@@ -12,7 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from harts_runtime.attention import AttentionConfig, CompactAttention, CompactMLA, MLAConfig
+from harts_runtime.layers.attention import AttentionConfig, CompactAttention
+from harts_runtime.layers.mla import CompactMLA, MLAConfig
+from harts_runtime.layout import RowLayout
 from harts_runtime.parallel.dims import ParallelConfigError
 from harts_runtime.parallel.launch import run_distributed
 from harts_runtime.parallel.tensor import tensor_parallel_layer
@@ -21,21 +23,9 @@ from harts_runtime.testing import random_batch
 D = 32
 
 
-class SwiGLU(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.gate, self.up, self.down = (
-            nn.Linear(D, 24, bias=False),
-            nn.Linear(D, 24, bias=False),
-            nn.Linear(24, D, bias=False),
-        )
-
-    def forward(self, x):
-        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
-
-
 def _layers():
-    from harts_runtime.kda import KDAConfig, KDALayer
+    from harts_runtime.layers.ffn import DenseFFN
+    from harts_runtime.layers.kda import KDAConfig, KDALayer
 
     return {
         "gqa": lambda: CompactAttention(AttentionConfig(hidden_size=D, num_heads=4, num_kv_heads=2)),
@@ -64,23 +54,24 @@ def _layers():
         "kda": lambda: KDALayer(
             KDAConfig(hidden_size=D, num_heads=4, head_k_dim=8, head_v_dim=8, chunk_size=8)
         ),
-        "ffn": SwiGLU,
+        "ffn": lambda: DenseFFN(D, 24),
     }
 
 
 def _inputs(kind, batch):
+    """Rows and the layout the layer reads (every layer is called as ``layer(x, layout)``)."""
     import harts_planner as hp
-    from harts_runtime.kda import KDAExecutionPlan
-    from harts_runtime.views import views_from_batch
+    from harts_runtime.layout import KDAExecutionPlan
+    from harts_runtime.testing import views_from_batch
 
     if kind == "kda":
         plan = KDAExecutionPlan.from_call_plan(hp.plan_calls(batch, chunk_size=8, conv_width=4))
-        return plan.num_rows, (plan,)
+        return plan.num_rows, RowLayout(plan.num_rows, kda=plan)
     c = batch.compact_tokens
     if kind == "ffn":
-        return c, ()
+        return c, RowLayout(c)
     views = views_from_batch(batch, "segments")
-    return c, (views, torch.from_numpy(batch.row_depth.astype(np.int64)))
+    return c, RowLayout(c, positions=torch.from_numpy(batch.row_depth.astype(np.int64)), views=views)
 
 
 def _tp_worker(rank, world, kinds):
@@ -96,12 +87,12 @@ def _tp_worker(rank, world, kinds):
         for sp in (False, True):
             torch.manual_seed(0)
             ref = _layers()[kind]()
-            n, extra = _inputs(kind, batch)
+            n, layout = _inputs(kind, batch)
             g = torch.Generator().manual_seed(1)
             x = torch.randn(n, D, generator=g)
             w = torch.randn(n, D, generator=g)
             xr = x.clone().requires_grad_(True)
-            (ref(xr, *extra) * w).sum().backward()
+            (ref(xr, layout) * w).sum().backward()
 
             layer = tensor_parallel_layer(copy.deepcopy(ref), group, rank, world, sequence_parallel=sp)
             layer.zero_grad()
@@ -111,7 +102,7 @@ def _tp_worker(rank, world, kinds):
             else:
                 rows = slice(0, n)
             xt = x[rows].clone().requires_grad_(True)
-            y = layer(xt, *extra)
+            y = layer(xt, layout)
             (y * w[rows]).sum().backward()
             grads = {}
             ref_params = dict(ref.named_parameters())
@@ -129,7 +120,7 @@ def _tp_worker(rank, world, kinds):
                     grads[name] = ("shard", p.grad, r.grad.narrow(dim, rank * per, per))
             out[(kind, sp)] = {
                 "y": y.detach(),
-                "y_ref": ref(x, *extra).detach()[rows],
+                "y_ref": ref(x, layout).detach()[rows],
                 "dx": xt.grad,
                 "dx_ref": xr.grad[rows],
                 "grads": grads,
@@ -145,6 +136,7 @@ def tp_results():
     return run_distributed(_tp_worker, 2, KINDS, timeout=120)
 
 
+@pytest.mark.slow  # the module fixture runs every layer on 2 processes (seconds)
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_tensor_parallel_layer_matches_single_process(tp_results, kind, sp):

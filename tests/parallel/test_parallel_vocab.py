@@ -1,7 +1,8 @@
 """Vocabulary parallelism on 2 gloo processes vs the single-process code.
 
-* ``vocab_parallel_logprobs`` (materialised local logits) vs ``MappedLogProbs``;
-* the model's vocabulary-parallel LM head (fused, row-chunked) vs ``ChunkedLMHeadLogProbs``, and the
+* ``vocab_parallel_logprobs`` (materialised local logits) vs ``mapped_logprobs`` without a group;
+* the model's vocabulary-parallel LM head (fused, row-chunked) vs ``lm_head_logprobs`` without a
+  group (the same two functions of ``harts_runtime.loss.logprobs``, one process), and the
   masked-lookup embedding vs ``nn.Embedding``, with and without sequence parallelism, on an uneven
   vocabulary split (53 = 27 + 26); the collectives the head issues are recorded and checked.
 """
@@ -9,7 +10,7 @@
 import pytest
 import torch
 
-from harts_runtime.logprobs import mapped_logprobs
+from harts_runtime.loss.logprobs import mapped_logprobs
 from harts_runtime.parallel.launch import run_distributed
 from harts_runtime.parallel.vocab import vocab_parallel_logprobs, vocab_range
 
@@ -32,11 +33,14 @@ def _vp_worker(rank, world, dtype, chunk):
     logits, rows, labels, upstream = _case(dtype)
     a, b = vocab_range(V, rank, world)
     local = logits[:, a:b].clone().requires_grad_(True)
-    lp = vocab_parallel_logprobs(local, (rows, labels), a, dist.group.WORLD, chunk=chunk)
-    (lp * upstream.to(lp.dtype)).sum().backward()
-    return {"lp": lp.detach(), "grad": local.grad, "range": (a, b)}
+    with _CollectiveLog() as fwd:
+        lp = vocab_parallel_logprobs(local, (rows, labels), a, dist.group.WORLD, chunk=chunk)
+    with _CollectiveLog() as bwd:
+        (lp * upstream.to(lp.dtype)).sum().backward()
+    return {"lp": lp.detach(), "grad": local.grad, "range": (a, b), "fwd": fwd.calls, "bwd": bwd.calls}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "dtype,chunk", [(torch.float64, 8192), (torch.float32, 5)], ids=["f64", "f32-chunk5"]
 )
@@ -52,6 +56,8 @@ def test_vocab_parallel_logprobs_match_single_process(dtype, chunk):
     grad = torch.cat([r["grad"] for r in out], dim=1)
     assert [r["range"] for r in out] == [(0, 27), (27, 53)]
     torch.testing.assert_close(grad, ref_logits.grad, **tol)
+    for r in out:  # C row maxima, then C sum-exps + P target logits; nothing in backward
+        assert r["fwd"] == [("all_reduce", C), ("all_reduce", C + P)] and r["bwd"] == [], (r["fwd"], r["bwd"])
 
 
 def test_vocab_range_covers_vocab():
@@ -170,12 +176,12 @@ def head_results():
 
 
 def _head_reference():
-    from harts_runtime.model import ChunkedLMHeadLogProbs, lm_chunks
+    from harts_runtime.layout import lm_chunks
+    from harts_runtime.loss.logprobs import lm_head_logprobs
 
     hidden, weight, rows, labels, upstream, ids = _head_case()
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    order, bounds = lm_chunks(rows.numpy(), N, ROWS)
-    lp = ChunkedLMHeadLogProbs.apply(h, w, rows, labels, order, bounds, ROWS)
+    lp = lm_head_logprobs(h, w, rows, labels, lm_chunks(rows.numpy(), N, ROWS), ROWS)
     (lp * upstream).sum().backward()
     e = weight.clone().requires_grad_(True)
     x = torch.nn.functional.embedding(ids, e)
@@ -190,6 +196,7 @@ def _head_reference():
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_vocab_parallel_lm_head_matches_fused_single_process_head(head_results, sp):
     ref = _head_reference()
@@ -207,6 +214,7 @@ def test_vocab_parallel_lm_head_matches_fused_single_process_head(head_results, 
         torch.testing.assert_close(r["dembed"], ref["dembed"][a:b], **tol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_vocab_parallel_lm_head_communicates_only_row_scalars(head_results, sp):
     """Forward: the head's own collectives are N row maxima and N sum-exps + P target logits, whatever

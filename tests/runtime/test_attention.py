@@ -11,24 +11,18 @@ import numpy as np
 import pytest
 import torch
 
-from harts_runtime.attention import (
-    BACKENDS,
-    AttentionConfig,
-    CompactAttention,
-    CompactMLA,
-    MLAConfig,
-    available_backends,
-    compact_attention,
-    trajectory_attention,
-)
-from harts_runtime.testing import random_batch, trajectory_rows
-from harts_runtime.views import (
-    Branches,
-    TreeOrder,
-    build_views,
+from harts_runtime.layers.attention import AttentionConfig, CompactAttention
+from harts_runtime.layers.mla import CompactMLA, MLAConfig
+from harts_runtime.layout import Branches, RowLayout, TreeOrder, build_views
+from harts_runtime.ops.attention import BACKENDS, available_backends, compact_attention, trajectory_attention
+from harts_runtime.testing import (
     chain_branches,
     path_branches,
+    random_batch,
     segment_branches,
+    trajectory_rows,
+    tree_dense_mask,
+    views_dense_mask,
     views_from_batch,
 )
 
@@ -68,10 +62,10 @@ def test_views_define_exactly_the_tree_mask(seed):
     generic = TreeOrder.from_parent(batch.row_parent)
     np.testing.assert_array_equal(tree.pre, generic.pre)
     np.testing.assert_array_equal(tree.end, generic.end)
-    expected = torch.from_numpy(tree.dense_mask())
+    expected = torch.from_numpy(tree_dense_mask(tree))
     for name, branches in decompositions(batch, np.random.default_rng(seed)):
         views = build_views(batch.row_parent, branches, tree)
-        assert torch.equal(views.dense_mask(), expected), name
+        assert torch.equal(views_dense_mask(views), expected), name
         assert sorted(views.q_index.tolist()) == list(range(batch.compact_tokens))
 
 
@@ -106,8 +100,8 @@ def test_tree_order_from_parent_handles_any_row_order():
     parent = np.full(c, -1, dtype=np.int64)
     old_parent = batch.row_parent.astype(np.int64)
     parent[perm] = np.where(old_parent >= 0, perm[old_parent.clip(0)], -1)
-    mask = TreeOrder.from_parent(parent).dense_mask()
-    ref = TreeOrder.from_batch(batch).dense_mask()
+    mask = tree_dense_mask(TreeOrder.from_parent(parent))
+    ref = tree_dense_mask(TreeOrder.from_batch(batch))
     np.testing.assert_array_equal(mask[np.ix_(perm, perm)], ref)
 
 
@@ -256,7 +250,7 @@ def test_module_matches_trajectory_wise(kind, backend):
     sem = torch.from_numpy(batch.compact_map.astype(np.int64))
     positions = torch.from_numpy(batch.row_depth.astype(np.int64))
 
-    out = layer(hidden, views, positions, backend=backend)
+    out = layer(hidden, RowLayout(c, positions=positions, views=views), backend=backend)
     (out[sem] * weights).sum().backward()
     got = {"hidden": hidden.grad.clone(), **{n: p.grad.clone() for n, p in layer.named_parameters()}}
     layer.zero_grad()
@@ -273,8 +267,7 @@ def test_module_matches_trajectory_wise(kind, backend):
 def test_simple_batch_and_run_branches_match_the_planner():
     """The pure-Python fallback (used where the planner is not built, e.g. a bare GPU box) numbers rows
     like RolloutBatch, and run_branches equals path_branches on preorder rows."""
-    from harts_runtime.testing import SimpleBatch, random_trajectories
-    from harts_runtime.views import run_branches
+    from harts_runtime.testing import SimpleBatch, random_trajectories, run_branches
 
     for seed in range(5):
         trajs = random_trajectories(np.random.default_rng(seed), num=12)

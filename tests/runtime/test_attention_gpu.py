@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from harts_runtime.attention import BACKENDS, CompactMLA, MLAConfig, available_backends, compact_attention
-from harts_runtime.testing import random_batch, synthetic_tree_batch
-from harts_runtime.views import views_from_batch
+from harts_runtime.layers.mla import CompactMLA, MLAConfig
+from harts_runtime.layout import RowLayout
+from harts_runtime.ops.attention import BACKENDS, available_backends, compact_attention
+from harts_runtime.testing import random_batch, synthetic_tree_batch, views_from_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -131,7 +132,7 @@ def test_gpu_mla_module(backend):
     for b in ("reference", backend):
         mla.zero_grad()
         h = hidden.clone().requires_grad_()
-        out = mla(h, views, positions, backend=b)
+        out = mla(h, RowLayout(h.shape[0], positions=positions, views=views), backend=b)
         out.float().square().mean().backward()
         outs.append((out.detach(), h.grad, mla.kv_b_proj.weight.grad))
     for g, r in zip(*reversed(outs)):

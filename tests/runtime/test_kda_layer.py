@@ -3,7 +3,9 @@
 Every root-to-leaf trajectory is run unshared through the same layer
 (:meth:`KDALayer.forward_trajectories`); the compact layer runs the plan's rounds with replay,
 boundary-state handoffs and true-ancestor convolution context. Outputs at every semantic
-position and the gradients of all parameters and of the compact input must agree (fp32).
+position and the gradients of all parameters and of the compact input must agree (fp32), also
+when the layer is recomputed in backward (``torch.utils.checkpoint``, as ``apply_recompute`` wraps
+a block).
 """
 
 import random
@@ -11,10 +13,12 @@ import random
 import numpy as np
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import harts_planner as hp
-import harts_runtime.kda as kda_mod
-from harts_runtime.kda import KDAConfig, KDAExecutionPlan, KDALayer
+import harts_runtime.layers.kda as kda_mod
+from harts_runtime.layers.kda import KDAConfig, KDALayer
+from harts_runtime.layout import KDAExecutionPlan, RowLayout
 from harts_runtime.testing import FreshTokens as Tokens
 
 B = 8  # small chunk so that trees stay small
@@ -118,13 +122,19 @@ def setup(trajs, seed=0):
     layer = KDALayer(KDAConfig(hidden_size=D, num_heads=2, head_k_dim=8, head_v_dim=8, chunk_size=B))
     x = torch.randn(plan.compact_tokens, D)
     s2p = torch.from_numpy(np.asarray(plan.semantic_to_physical, dtype=np.int64))
-    return plan, KDAExecutionPlan.from_call_plan(plan), layer, x, s2p
+    ep = KDAExecutionPlan.from_call_plan(plan)
+    return plan, RowLayout(ep.num_rows, kda=ep), layer, x, s2p
 
 
-def run_both(layer, ep, plan, x, s2p, w_out, **kw):
+def forward(layer, x, layout, recompute=False):
+    """The layer, or the layer recomputed in backward (as a block under ``apply_recompute``)."""
+    return checkpoint(layer, x, layout, use_reentrant=False) if recompute else layer(x, layout)
+
+
+def run_both(layer, lay, plan, x, s2p, w_out, recompute=False):
     params = [p for _, p in layer.named_parameters()]
     xc = x.clone().requires_grad_(True)
-    y = layer(xc, ep, **kw)[s2p]
+    y = forward(layer, xc, lay, recompute)[s2p]
     gc = torch.autograd.grad((y * w_out).sum(), [xc] + params)
     xt = x.clone().requires_grad_(True)
     yt = layer.forward_trajectories(xt[s2p], plan.semantic_offsets)
@@ -135,9 +145,9 @@ def run_both(layer, ep, plan, x, s2p, w_out, **kw):
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_compact_equals_trajectory_wise(scenario, recompute):
-    plan, ep, layer, x, s2p = setup(SCENARIOS[scenario]())
+    plan, lay, layer, x, s2p = setup(SCENARIOS[scenario]())
     w_out = torch.randn(len(s2p), D, generator=torch.Generator().manual_seed(3))
-    y, yt, gc, gt = run_both(layer, ep, plan, x, s2p, w_out, recompute=recompute)
+    y, yt, gc, gt = run_both(layer, lay, plan, x, s2p, w_out, recompute=recompute)
     torch.testing.assert_close(
         y, yt, atol=TOL["y"][0], rtol=TOL["y"][1], msg=lambda m: f"y (every semantic position): {m}"
     )
@@ -157,7 +167,7 @@ def test_scenarios_exercise_handoffs_and_replay():
 
 
 def test_one_projection_per_compact_row_and_one_call_per_round(monkeypatch):
-    plan, ep, layer, x, _ = setup(forks_around_chunk_boundary())
+    plan, lay, layer, x, _ = setup(forks_around_chunk_boundary())
     rows, calls = [], []
     layer.q_proj.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
     real = kda_mod.chunk_kda_with_states
@@ -168,12 +178,12 @@ def test_one_projection_per_compact_row_and_one_call_per_round(monkeypatch):
 
     monkeypatch.setattr(kda_mod, "chunk_kda_with_states", counting)
     xc = x.clone().requires_grad_(True)
-    layer(xc, ep).sum().backward()
+    layer(xc, lay).sum().backward()
     assert rows == [plan.compact_tokens]
     assert calls == [int(n) for n in np.diff(plan.round_sequence_offsets)]  # one call per round
     rows.clear()
     calls.clear()
-    layer(xc, ep, recompute=True).sum().backward()
+    forward(layer, xc, lay, recompute=True).sum().backward()
     assert rows == [plan.compact_tokens] * 2  # forward + recompute
     assert len(calls) == 2 * plan.num_calls
 
@@ -190,11 +200,11 @@ def test_no_replay_is_exact_math_but_a_measurably_different_path():
         for p in (B - 1, B + 1, 2 * B + 3, 2 * B + 5, 3 * B + 2):
             br = trunk[:p] + t(2 * B)
             trajs += [br, br[: p + 4] + t(B + 3)]
-    plan, ep, layer, x, s2p = setup(trajs)
+    plan, lay, layer, x, s2p = setup(trajs)
     with torch.no_grad():
         yt = layer.forward_trajectories(x[s2p], plan.semantic_offsets)
-        err_replay = (layer(x, ep)[s2p] - yt).abs()
-        err_no_replay = (layer(x, ep, no_replay=True)[s2p] - yt).abs()
+        err_replay = (layer(x, lay)[s2p] - yt).abs()
+        err_no_replay = (layer(x, lay.replace(no_replay=True))[s2p] - yt).abs()
     torch.testing.assert_close(err_no_replay, torch.zeros_like(yt), atol=1e-4, rtol=0)  # same math
     assert err_replay.max() <= TOL["y"][0]
     assert err_no_replay.max() > 1e-7
@@ -203,9 +213,12 @@ def test_no_replay_is_exact_math_but_a_measurably_different_path():
 
 
 def test_plan_mismatch_is_rejected():
-    _, ep, layer, x, _ = setup(deep_chain())
+    _, lay, layer, x, _ = setup(deep_chain())
     with pytest.raises(ValueError, match="x: expected"):
-        layer(x[:-1], ep)
+        layer(x[:-1], lay)
     other = KDALayer(KDAConfig(hidden_size=D, num_heads=2, head_k_dim=8, head_v_dim=8, chunk_size=16))
     with pytest.raises(ValueError, match="chunk_size"):
-        other(x, ep)
+        other(x, lay)
+    with pytest.raises(ValueError, match="layout.kda") as e:
+        layer(x, RowLayout(x.shape[0]))  # a layout without a KDA plan
+    assert e.value.field == "layout.kda"

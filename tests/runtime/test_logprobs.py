@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harts_runtime.logprobs import LogProbTargets, expanded_logprobs, mapped_logprobs, targets_from_batch
+from harts_runtime.loss.logprobs import LogProbTargets, expanded_logprobs, mapped_logprobs, targets_from_batch
 from harts_runtime.testing import random_batch
 
 

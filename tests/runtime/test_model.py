@@ -6,10 +6,12 @@ import pytest
 import torch
 
 import harts_planner as hp
+from harts_runtime import ConfigError, HybridModel, StepInputs, apply_recompute, model_config, run_microbatch
 from harts_runtime.flops import attended_keys, layer_costs, model_flops, work_compression
-from harts_runtime.model import ChunkedLMHeadLogProbs, ConfigError, HybridModel, lm_chunks, model_config
-from harts_runtime.testing import random_trajectories
-from harts_runtime.views import TreeOrder
+from harts_runtime.layout import TreeOrder, lm_chunks
+from harts_runtime.loss.logprobs import lm_head_logprobs
+from harts_runtime.models.hybrid import FFN_BUILDERS, FFNS, MIXER_BUILDERS, MIXERS
+from harts_runtime.testing import random_trajectories, tree_dense_mask
 
 TOL_LP = (1e-12, 1e-10)  # float64 chunked vs materialised log-probs and their gradients
 
@@ -47,8 +49,12 @@ def test_config_errors_name_the_field(kwargs, field):
     assert e.value.field == field and isinstance(e.value, ValueError)
 
 
+def test_builder_tables_cover_every_layer_name():
+    assert set(MIXER_BUILDERS) == set(MIXERS) and set(FFN_BUILDERS) == set(FFNS)
+
+
 def test_any_layer_pattern_builds_and_runs():
-    from harts_runtime.train import StepInputs, step_logprobs
+    from harts_runtime import step_logprobs
 
     cfg = model_config(
         "debug", mixers=("gqa", "kda", "kda", "mla", "kda"), ffns=("moe", "dense", "moe", "moe", "dense")
@@ -69,8 +75,7 @@ def test_chunked_lm_head_equals_materialised_log_softmax(rows):
     row_index = torch.randint(0, n, (p,), generator=g)  # shared rows, own labels
     labels = torch.randint(0, v, (p,), generator=g)
     gout = torch.randn(p, generator=g, dtype=torch.float64)
-    order, bounds = lm_chunks(row_index.numpy(), n, rows)
-    lp = ChunkedLMHeadLogProbs.apply(h, w, row_index, labels, order, bounds, rows)
+    lp = lm_head_logprobs(h, w, row_index, labels, lm_chunks(row_index.numpy(), n, rows), rows)
     dh, dw = torch.autograd.grad((lp * gout).sum(), [h, w])
     ref = (h @ w.t()).log_softmax(-1)[row_index, labels]
     rh, rw = torch.autograd.grad((ref * gout).sum(), [h, w])
@@ -79,15 +84,13 @@ def test_chunked_lm_head_equals_materialised_log_softmax(rows):
 
 
 def test_moe_counts_accumulate_once_with_recomputation():
-    from harts_runtime.train import StepInputs, run_microbatch
-
     batch = hp.RolloutBatch.from_token_lists(random_trajectories(np.random.default_rng(1), num=6, max_new=10))
     step = StepInputs.synthetic(batch, 0)
     counts = []
     for recompute in (False, True):
         torch.manual_seed(0)
-        model = HybridModel(model_config("debug"))
-        run_microbatch(model, step, np.arange(batch.num_trajectories), "compact", recompute)
+        model = apply_recompute(HybridModel(model_config("debug")), recompute)
+        run_microbatch(model, step, np.arange(batch.num_trajectories), "compact")
         counts.append(
             torch.stack([b.ffn.local_tokens_per_expert.clone() for b in model.blocks if b.ffn_kind == "moe"])
         )
@@ -101,7 +104,7 @@ def test_attended_keys_equals_brute_force_tree_mask():
         batch = hp.RolloutBatch.from_token_lists(
             random_trajectories(np.random.default_rng(seed), num=9, max_new=8)
         )
-        mask = TreeOrder.from_batch(batch).dense_mask()  # [C, C] ancestor-or-self
+        mask = tree_dense_mask(TreeOrder.from_batch(batch))  # [C, C] ancestor-or-self
         assert attended_keys(batch.row_depth) == int(mask.sum())
         lengths = np.asarray(batch.lengths)
         assert attended_keys(np.concatenate([np.arange(n) for n in lengths])) == sum(

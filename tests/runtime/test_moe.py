@@ -10,8 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from harts_runtime.moe import CompactMoE, MoEConfig, grouped_mm, route
+from harts_runtime.layers.moe import CompactMoE, MoEConfig, grouped_mm, route
+from harts_runtime.layout import RowLayout
 from harts_runtime.testing import random_batch
+
+
+def rows(q: torch.Tensor) -> RowLayout:
+    """A layout that only carries the multiplicities ``q`` (what the MoE reads)."""
+    return RowLayout(q.numel(), multiplicity=q)
+
 
 CONFIGS = {
     "softmax": {"score_func": "softmax"},
@@ -50,12 +57,12 @@ def run(moe, hidden, sem, weights, compact: bool):
     hidden.grad = None
     if compact:
         q = torch.bincount(sem, minlength=hidden.shape[0])
-        out = moe(hidden, q)
-        rows = out.hidden[sem]
+        out = moe(hidden, rows(q))
+        picked = out.hidden[sem]
     else:
         out = moe(hidden[sem])
-        rows = out.hidden
-    ((rows * weights).sum() + out.router_loss).backward()
+        picked = out.hidden
+    ((picked * weights).sum() + out.router_loss).backward()
     return out, {"hidden": hidden.grad.clone(), **{n: p.grad.clone() for n, p in moe.named_parameters()}}
 
 
@@ -103,7 +110,7 @@ def test_grouped_and_loop_paths_agree_in_float64_and_float32():
             hidden = torch.randn(
                 40, 16, dtype=dtype, generator=torch.Generator().manual_seed(5), requires_grad=True
             )
-            out = moe(hidden, torch.arange(40) % 3)
+            out = moe(hidden, rows(torch.arange(40) % 3))
             (out.hidden.square().sum() + out.router_loss).backward()
             outs.append([out.hidden.detach(), hidden.grad] + [p.grad for p in moe.parameters()])
         for a, b in zip(*outs):
@@ -135,8 +142,8 @@ def test_padding_rows_with_zero_multiplicity_add_nothing():
     moe = make("softmax", True)
     hidden = torch.randn(batch.compact_tokens, 16)
     q = torch.from_numpy(batch.multiplicity.astype(np.int64))
-    padded = moe(torch.cat([hidden, torch.randn(4, 16)]), torch.cat([q, torch.zeros(4, dtype=q.dtype)]))
-    plain = moe(hidden, q)
+    padded = moe(torch.cat([hidden, torch.randn(4, 16)]), rows(torch.cat([q, torch.zeros(4, dtype=q.dtype)])))
+    plain = moe(hidden, rows(q))
     torch.testing.assert_close(padded.z_loss, plain.z_loss)
     torch.testing.assert_close(padded.aux_loss, plain.aux_loss)
     torch.testing.assert_close(padded.tokens_per_expert, plain.tokens_per_expert)
@@ -149,7 +156,7 @@ def test_expert_bias_update_equals_expanded_training():
     hidden = torch.randn(batch.compact_tokens, 16, generator=torch.Generator().manual_seed(1))
     compact, expanded = make("sigmoid_bias", True), make("sigmoid_bias", True)
     for _ in range(3):  # accumulate over three micro-steps, then update
-        compact(hidden, q)
+        compact(hidden, rows(q))
         expanded(hidden[sem])
     assert torch.equal(compact.local_tokens_per_expert, expanded.local_tokens_per_expert)
     counts = compact.update_expert_bias()
@@ -174,7 +181,7 @@ def test_grouped_path_on_cuda_bf16():
     """On CUDA (bf16, SM90) the grouped path uses torch._grouped_mm; it agrees with the loop."""
     import copy
 
-    from harts_runtime.moe import _grouped_mm_ok
+    from harts_runtime.layers.moe import _grouped_mm_ok
 
     torch.manual_seed(0)
     base = (
@@ -198,7 +205,7 @@ def test_grouped_path_on_cuda_bf16():
         moe = copy.deepcopy(base)
         moe.config.grouped = grouped
         hidden = x.clone().requires_grad_()
-        out = moe(hidden, q)
+        out = moe(hidden, rows(q))
         (out.hidden.float().square().mean() + out.router_loss).backward()
         outs.append([out.hidden, hidden.grad, moe.w_gate.grad, moe.w_down.grad, moe.router.grad])
     if hasattr(torch, "_grouped_mm"):

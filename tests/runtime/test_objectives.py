@@ -11,13 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from harts_runtime.attention import AttentionConfig, CompactAttention
-from harts_runtime.logprobs import mapped_logprobs, targets_from_batch
-from harts_runtime.moe import CompactMoE, MoEConfig
-from harts_runtime.objectives import (
+from harts_runtime.layers.attention import AttentionConfig, CompactAttention
+from harts_runtime.layers.moe import CompactMoE, MoEConfig
+from harts_runtime.layout import RowLayout
+from harts_runtime.loss.logprobs import mapped_logprobs, targets_from_batch
+from harts_runtime.loss.objectives import (
     AGG_MODES,
     PolicyLossConfig,
     aggregate,
+    aggregation_weights,
     gae,
     grpo_advantages,
     grpo_loss,
@@ -26,8 +28,7 @@ from harts_runtime.objectives import (
     policy_loss,
     ppo_loss,
 )
-from harts_runtime.testing import random_batch
-from harts_runtime.views import views_from_batch
+from harts_runtime.testing import random_batch, views_from_batch
 
 
 # ------------------------------------------------------------------ trajectory-wise references
@@ -108,6 +109,10 @@ def test_aggregate_matches_padded_reductions(mode):
     got = aggregate(loss, mask, cu, mode)
     want = verl_agg(padded(loss, cu), padded(mask.double(), cu), mode)
     torch.testing.assert_close(got, want)
+    # the mode is written once, as weights: aggregate == sum(w * loss), the train step's form
+    w = aggregation_weights(mask, cu, mode)
+    assert w.dtype == torch.float64 and w.shape == loss.shape and not w[~mask].any()
+    torch.testing.assert_close((w * loss).sum(), want)
 
 
 @pytest.mark.parametrize(
@@ -288,10 +293,15 @@ def test_tiny_hybrid_block_grpo_all_gradients_equal_trajectory_wise():
         )
 
     # HARTS: everything once per compact row.
-    views = views_from_batch(batch)
+    layout = RowLayout(
+        batch.compact_tokens,
+        positions=torch.from_numpy(batch.row_depth.astype(np.int64)),
+        multiplicity=torch.from_numpy(batch.multiplicity.astype(np.int64)),
+        views=views_from_batch(batch),
+    )
     x = model.embed(row_token)
-    x = x + model.attn(x, views, torch.from_numpy(batch.row_depth.astype(np.int64)))
-    moe_out = model.moe(x, torch.from_numpy(batch.multiplicity.astype(np.int64)))
+    x = x + model.attn(x, layout)
+    moe_out = model.moe(x, layout)
     x = x + moe_out.hidden
     loss_c = objective(mapped_logprobs(model.head(x), t), moe_out)
     loss_c.backward()

@@ -3,6 +3,7 @@ same per-token log-probs, loss and parameter gradients (fp32), with and without 
 the step-level loss normalisation makes microbatch contributions add up to the unchanged
 whole-step objective; a few optimizer steps learn a synthetic task; the CLI runs."""
 
+import io
 import random
 
 import numpy as np
@@ -10,18 +11,21 @@ import pytest
 import torch
 
 import harts_planner as hp
-from harts_runtime.model import HybridModel, model_config
-from harts_runtime.objectives import AGG_MODES, PolicyLossConfig, policy_loss
-from harts_runtime.testing import FreshTokens
-from harts_runtime.train import (
+from harts_runtime import (
+    HybridModel,
     StepInputs,
     StepInputsError,
-    main,
+    apply_recompute,
+    model_config,
     pack_trajectories,
     run_microbatch,
     step_logprobs,
+    train_demo,
     train_step,
 )
+from harts_runtime.cli import main
+from harts_runtime.loss.objectives import AGG_MODES, PolicyLossConfig, policy_loss
+from harts_runtime.testing import FreshTokens
 
 B = 8  # debug flavor chunk size
 # Named tolerances (atol, rtol), fp32 compact vs trajectory-wise.
@@ -70,7 +74,10 @@ def make(trajs, seed=0, **cfg):
 
 
 def grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    """Gradients by parameter name (names as without recomputation's ``.block.`` wrapper)."""
+    return {
+        n.replace(".block.", "."): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 def assert_grads_close(a, b, what):
@@ -85,11 +92,12 @@ def assert_grads_close(a, b, what):
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_compact_equals_trajectory(scenario, recompute):
     model, step = make(SCENARIOS[scenario]())
+    apply_recompute(model, recompute)
     all_traj = np.arange(step.batch.num_trajectories)
     out = {}
     for mode in ("compact", "trajectory"):
         model.zero_grad(set_to_none=True)
-        loss, st = run_microbatch(model, step, all_traj, mode, recompute)
+        loss, st = run_microbatch(model, step, all_traj, mode)
         lp = torch.empty(step.num_targets)
         lp[st["target_index"]] = st["logprobs"]
         out[mode] = (loss, lp, grads(model), st)
@@ -112,7 +120,8 @@ def test_train_step_over_different_microbatchings_agrees():
     for mode in ("compact", "trajectory"):
         for recompute in (False, True):
             model.zero_grad(set_to_none=True)
-            r = train_step(model, None, step, None, mode, recompute, capacity=48)
+            r = train_step(apply_recompute(model, recompute), None, step, None, mode, capacity=48)
+            assert r.recompute == recompute
             res[mode, recompute] = (r, grads(model))
     ref_r, ref_g = res["trajectory", False]
     assert res["compact", False][0].num_microbatches >= 2 and ref_r.num_microbatches >= 3
@@ -180,7 +189,9 @@ def test_a_few_steps_learn_a_synthetic_task():
         loss_config=PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=10.0),
     )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = [train_step(model, opt, step, None, "compact", recompute=i % 2 == 1).loss for i in range(6)]
+    losses = [
+        train_step(apply_recompute(model, i % 2 == 1), opt, step, None, "compact").loss for i in range(6)
+    ]
     assert losses[-1] < losses[0] - 0.5, losses
     assert float(step_logprobs(model, step, "compact").mean()) > float(old.mean()) + 0.5
 
@@ -236,6 +247,24 @@ def test_cli_runs_both_modes(capsys):
     assert len(diffs) == 2 and diffs[0] < 1e-5 and diffs[1] < 1e-3, diffs
 
 
+def test_train_demo_prints_and_returns_every_step():
+    out = io.StringIO()
+    res = train_demo(preset="tiny", steps=2, seed=3, max_len=64, out=out)
+    lines = out.getvalue().strip().splitlines()
+    assert [r["step"] for r in res] == [0, 1] and len(lines) == 6
+    for i, r in enumerate(res):
+        assert r["compact"]["mode"] == "compact" and r["trajectory"]["mode"] == "trajectory"
+        assert r["abs_loss_diff"] == abs(r["compact"]["loss"] - r["trajectory"]["loss"])
+        assert (
+            lines[3 * i].startswith(f"step {i} compact")
+            and f"loss={r['compact']['loss']:.6f}" in lines[3 * i]
+        )
+        assert lines[3 * i + 2] == f"step {i} |loss(compact) - loss(trajectory)| = {r['abs_loss_diff']:.3e}"
+        assert r["compact"]["rows"] < r["trajectory"]["rows"] == r["trajectory"]["semantic_tokens"]
+    assert res[0]["abs_loss_diff"] < 1e-5
+
+
+@pytest.mark.slow
 def test_gpu_eval_script_smoke_on_cpu(tmp_path):
     """benchmarks/train_eval.py end to end at CPU smoke sizes: every section runs and reports."""
     import importlib.util

@@ -1,6 +1,7 @@
-"""Full attention on compact tokens: MHA, GQA and MLA (paper Sections 3.4 and 4.2, Eq. 21-22).
+"""The full-attention op on compact rows and its backend registry (paper Sections 3.4, 4.2, Eq. 21-22).
 
-One layer, on C compact rows (any row order; see :mod:`harts_runtime.views`):
+The layers (:mod:`harts_runtime.layers.attention` for MHA/GQA, :mod:`harts_runtime.layers.mla`)
+run on C compact rows (any row order; see :mod:`harts_runtime.layout.views`):
 
 1. projections and RoPE run once per compact row, RoPE at the row's original trajectory position;
 2. each branch gathers a packed Q of its ``l`` current rows and a packed KV of its ``h`` ancestors
@@ -33,12 +34,6 @@ name           input   device   kernel
 
 Kernels that need equal Q/K and V head dims (flash-attn 2, torch varlen) get zero-padded head
 dims; zero columns change neither scores nor outputs (the scale is passed explicitly).
-
-MLA (:class:`CompactMLA`) follows DeepSeek-V2/V3 with these simplifications: the rotary key part is
-shared by all heads; RMSNorm on the latents; no YaRN / mscale; the rotate-half RoPE convention
-(:mod:`harts_runtime.rope`); no weight absorption (that only matters for decoding); no dropout.
-Its attention core sees ``Dqk = qk_nope + qk_rope`` against ``Dv = v_head_dim``, which is exactly
-the asymmetric case the backends must support.
 """
 
 from __future__ import annotations
@@ -52,21 +47,19 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.profiler import record_function
 
-from harts_runtime.rope import apply_rope, rope_cos_sin
-from harts_runtime.views import AttentionViews
+from harts_runtime.errors import InvalidInputError
+from harts_runtime.layout.views import AttentionViews
 
 __all__ = [
     "BACKENDS",
-    "AttentionConfig",
-    "CompactAttention",
-    "CompactMLA",
-    "MLAConfig",
+    "Backend",
     "available_backends",
     "compact_attention",
+    "scatter_rows",
     "trajectory_attention",
+    "tree_block_mask",
 ]
 
 
@@ -84,7 +77,7 @@ def _acc(x: torch.Tensor) -> torch.Tensor:
 def _groups(q: torch.Tensor, k: torch.Tensor) -> int:
     hq, hkv = q.shape[1], k.shape[1]
     if hq % hkv:
-        raise ValueError(f"heads: {hq} query heads are not a multiple of {hkv} KV heads")
+        raise InvalidInputError("heads", f"{hq} query heads are not a multiple of {hkv} KV heads")
     return hq // hkv
 
 
@@ -399,10 +392,10 @@ def compact_attention(
     try:
         spec = BACKENDS[backend]
     except KeyError:
-        raise ValueError(f"backend: unknown {backend!r}; choose one of {sorted(BACKENDS)}") from None
+        raise InvalidInputError("backend", f"unknown {backend!r}; choose one of {sorted(BACKENDS)}") from None
     if q.shape[0] != views.num_rows or k.shape[0] != views.num_rows or v.shape[0] != views.num_rows:
-        raise ValueError(
-            f"q/k/v: need {views.num_rows} rows (the views' C), got {q.shape[0]}/{k.shape[0]}/{v.shape[0]}"
+        raise InvalidInputError(
+            "q/k/v", f"need {views.num_rows} rows (the views' C), got {q.shape[0]}/{k.shape[0]}/{v.shape[0]}"
         )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if spec.kind == "tree":
@@ -415,142 +408,3 @@ def compact_attention(
         out = spec.fn(qp, kp, vp, views, scale)
     with record_function("harts.attn.views"):
         return scatter_rows(out, views)
-
-
-# -------------------------------------------------------------------------------- modules
-@dataclass
-class AttentionConfig:
-    """Multi-head / grouped-query self-attention."""
-
-    hidden_size: int
-    """Model width D."""
-    num_heads: int
-    """Query heads Hq."""
-    num_kv_heads: int | None = None
-    """KV heads Hkv (None: MHA, ``Hkv = Hq``; fewer: GQA; 1: MQA)."""
-    head_dim: int | None = None
-    """Per-head dim (None: ``hidden_size // num_heads``)."""
-    rope_theta: float = 10_000.0
-    """RoPE base."""
-    backend: str = "reference"
-    """Default key of :data:`BACKENDS`."""
-
-    def __post_init__(self):
-        self.num_kv_heads = self.num_kv_heads or self.num_heads
-        self.head_dim = self.head_dim or self.hidden_size // self.num_heads
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_kv_heads: {self.num_kv_heads} does not divide num_heads={self.num_heads}")
-
-
-class _CompactAttentionBase(nn.Module):
-    """Shared forward: ``project`` (per row) -> core -> ``o_proj`` (per row)."""
-
-    backend: str
-
-    def project(self, hidden: torch.Tensor, positions: torch.Tensor):
-        raise NotImplementedError
-
-    def forward(
-        self, hidden: torch.Tensor, views: AttentionViews, positions: torch.Tensor, backend: str | None = None
-    ) -> torch.Tensor:
-        """hidden [C, D] compact rows, ``positions`` int [C] (``row_depth``) -> [C, D]."""
-        q, k, v = self.project(hidden, positions)
-        o = compact_attention(q, k, v, views, backend=backend or self.backend, scale=self.scale)
-        return self.o_proj(o.reshape(o.shape[0], -1))
-
-    def forward_trajectory(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Trajectory-wise reference: hidden [L, D] of one trajectory -> [L, D], plain causal."""
-        positions = torch.arange(hidden.shape[0], device=hidden.device)
-        q, k, v = self.project(hidden, positions)
-        o = trajectory_attention(q, k, v, self.scale)
-        return self.o_proj(o.reshape(o.shape[0], -1))
-
-
-class CompactAttention(_CompactAttentionBase):
-    """MHA / GQA self-attention on compact rows (no bias; rotate-half RoPE on all head dims)."""
-
-    def __init__(self, config: AttentionConfig):
-        super().__init__()
-        c = config
-        self.config, self.backend = c, c.backend
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-        self.scale = c.head_dim**-0.5
-
-    def project(self, hidden: torch.Tensor, positions: torch.Tensor):
-        """hidden [N, D], positions [N] -> q [N, Hq, Dh], k [N, Hkv, Dh], v [N, Hkv, Dh]."""
-        c, n = self.config, hidden.shape[0]
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
-        q = apply_rope(self.q_proj(hidden).view(n, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(hidden).view(n, c.num_kv_heads, c.head_dim), cos, sin)
-        v = self.v_proj(hidden).view(n, c.num_kv_heads, c.head_dim)
-        return q, k, v
-
-
-@dataclass
-class MLAConfig:
-    """Multi-head latent attention (DeepSeek-V2/V3 style; simplifications in the module docstring)."""
-
-    hidden_size: int
-    """Model width D."""
-    num_heads: int
-    """Heads H (queries and keys/values alike)."""
-    kv_lora_rank: int
-    """Width of the compressed KV latent."""
-    qk_nope_head_dim: int
-    """Per-head query/key dims without RoPE."""
-    qk_rope_head_dim: int
-    """Per-head query/key dims with RoPE (the key part is shared by all heads)."""
-    v_head_dim: int
-    """Per-head value dim (may differ from ``qk_nope + qk_rope``)."""
-    q_lora_rank: int | None = None
-    """Width of the compressed query latent (None: a direct query projection)."""
-    rope_theta: float = 10_000.0
-    """RoPE base."""
-    norm_eps: float = 1e-6
-    """RMSNorm epsilon on the latents."""
-    backend: str = "reference"
-    """Default key of :data:`BACKENDS`."""
-
-
-class CompactMLA(_CompactAttentionBase):
-    """MLA on compact rows: latent projections and RoPE per row, asymmetric Q/K vs V head dims."""
-
-    def __init__(self, config: MLAConfig):
-        super().__init__()
-        c = config
-        self.config, self.backend = c, c.backend
-        dqk = c.qk_nope_head_dim + c.qk_rope_head_dim
-        if c.q_lora_rank is None:
-            self.q_proj = nn.Linear(c.hidden_size, c.num_heads * dqk, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
-            self.q_a_norm = nn.RMSNorm(c.q_lora_rank, eps=c.norm_eps)
-            self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_heads * dqk, bias=False)
-        self.kv_a_proj = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
-        self.kv_a_norm = nn.RMSNorm(c.kv_lora_rank, eps=c.norm_eps)
-        self.kv_b_proj = nn.Linear(
-            c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False
-        )
-        self.o_proj = nn.Linear(c.num_heads * c.v_head_dim, c.hidden_size, bias=False)
-        self.scale = dqk**-0.5
-
-    def project(self, hidden: torch.Tensor, positions: torch.Tensor):
-        """hidden [N, D], positions [N] -> q [N, H, Dqk], k [N, H, Dqk], v [N, H, Dv]."""
-        c, n = self.config, hidden.shape[0]
-        nope, rope, h = c.qk_nope_head_dim, c.qk_rope_head_dim, c.num_heads
-        cos, sin = rope_cos_sin(positions, rope, c.rope_theta)
-        if c.q_lora_rank is None:
-            q = self.q_proj(hidden)
-        else:
-            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(hidden)))
-        q = q.view(n, h, nope + rope)
-        q = torch.cat([q[..., :nope], apply_rope(q[..., nope:], cos, sin)], dim=-1)
-        kv_a = self.kv_a_proj(hidden)  # [N, r_kv + rope]
-        k_rope = apply_rope(kv_a[:, None, c.kv_lora_rank :], cos, sin)  # [N, 1, rope]
-        kv = self.kv_b_proj(self.kv_a_norm(kv_a[:, : c.kv_lora_rank])).view(n, h, nope + c.v_head_dim)
-        k = torch.cat([kv[..., :nope], k_rope.expand(n, h, rope)], dim=-1)  # [N, H, Dqk]
-        v = kv[..., nope:]  # [N, H, Dv]
-        return q, k, v

@@ -1,7 +1,7 @@
 """GRPO and PPO objectives over per-token log-probs and metadata, as a trajectory-wise trainer has them.
 
 Paper Section 3.5, Equation 18: ``L_policy = F(lambda, xi)``. These functions see only the current
-log-probs ``lambda`` (from :func:`harts_runtime.logprobs.mapped_logprobs`, original batch order)
+log-probs ``lambda`` (from :func:`harts_runtime.loss.logprobs.mapped_logprobs`, original batch order)
 and per-token metadata ``xi`` (advantages, masks, old/reference log-probs, trajectory boundaries);
 nothing in them knows about prefix sharing, so they are the objectives an ordinary trainer runs.
 
@@ -17,6 +17,10 @@ Reductions (``loss_agg_mode``, as in verl's ``agg_loss``), for a per-token loss 
 * ``seq-mean-token-sum-norm``: ``sum(l m) / norm`` (Dr. GRPO; ``norm`` defaults to the longest
   trajectory, the padded width of a [N, L] batch);
 * ``sum``: ``sum(l m)``.
+
+Each mode is written once, as per-token weights ``w`` (:func:`aggregation_weights`) with
+``aggregate(l, m, cu, mode) == sum(w * l)``: the train step computes the weights once for the
+whole step and sums ``w_t * l_t`` microbatch by microbatch (``harts_runtime.train``).
 """
 
 from __future__ import annotations
@@ -25,9 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
+from harts_runtime.errors import InvalidInputError
+
 __all__ = [
+    "AGG_MODES",
     "PolicyLossConfig",
     "aggregate",
+    "aggregation_weights",
     "gae",
     "grpo_advantages",
     "grpo_loss",
@@ -52,6 +60,40 @@ def per_token(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     return values[_seq_ids(cu_seqlens)]
 
 
+def aggregation_weights(
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    mode: str = "token-mean",
+    norm: float | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Per-token weights ``w`` [T] (``dtype``) of a reduction: ``aggregate(l, mask, cu, mode) == sum(w * l)``.
+
+    ``token-mean``: ``m / sum(m)``; ``seq-mean-token-mean``: ``m_t / (n_i * #active trajectories)``
+    (``n_i`` the masked tokens of ``t``'s trajectory, 0 for a trajectory without any);
+    ``seq-mean-token-sum``: ``m / N``; ``seq-mean-token-sum-norm``: ``m / norm`` (default: the
+    longest trajectory); ``sum``: ``m``. Raises :class:`~harts_runtime.errors.InvalidInputError`
+    (``field="loss_agg_mode"``) for an unknown mode. O(T).
+    """
+    m = mask.to(dtype)
+    cu = cu_seqlens.long()
+    if mode == "token-mean":
+        return m / m.sum().clamp_min(1.0)
+    if mode == "sum":
+        return m
+    if mode == "seq-mean-token-sum-norm":
+        return m / (float(cu.diff().max()) if norm is None else float(norm))
+    n = cu.numel() - 1
+    if mode == "seq-mean-token-sum":
+        return m / max(n, 1)
+    if mode == "seq-mean-token-mean":
+        seq = torch.repeat_interleave(torch.arange(n, device=cu.device), cu.diff())
+        count = torch.zeros(n, dtype=dtype, device=m.device).index_add(0, seq, m)
+        active = int((count > 0).sum())
+        return torch.where(count[seq] > 0, m / count[seq].clamp_min(1.0) / max(active, 1), 0.0)
+    raise InvalidInputError("loss_agg_mode", f"unknown {mode!r}; choose one of {AGG_MODES}")
+
+
 def aggregate(
     loss: torch.Tensor,
     mask: torch.Tensor,
@@ -59,27 +101,9 @@ def aggregate(
     mode: str = "token-mean",
     norm: float | None = None,
 ) -> torch.Tensor:
-    """Reduce a per-token loss [T] under ``mask`` [T] (bool or 0/1 float) to a scalar (module docstring)."""
-    m = mask.to(loss.dtype)
-    lm = loss * m
-    if mode == "token-mean":
-        return lm.sum() / m.sum().clamp_min(1.0)
-    if mode == "sum":
-        return lm.sum()
-    if mode == "seq-mean-token-sum-norm":
-        if norm is None:
-            norm = float(cu_seqlens.long().diff().max())
-        return lm.sum() / norm
-    seq = _seq_ids(cu_seqlens)
-    n = cu_seqlens.numel() - 1
-    seq_loss = torch.zeros(n, dtype=loss.dtype, device=loss.device).index_add(0, seq, lm)
-    seq_tokens = torch.zeros(n, dtype=loss.dtype, device=loss.device).index_add(0, seq, m)
-    if mode == "seq-mean-token-sum":
-        return seq_loss.mean()
-    if mode == "seq-mean-token-mean":
-        active = seq_tokens > 0
-        return (seq_loss[active] / seq_tokens[active]).sum() / active.sum().clamp_min(1)
-    raise ValueError(f"loss_agg_mode: unknown {mode!r}; choose one of {AGG_MODES}")
+    """Reduce a per-token loss [T] under ``mask`` [T] (bool or 0/1 float) to a scalar (module
+    docstring): ``sum(aggregation_weights(mask, cu_seqlens, mode, norm) * loss)``."""
+    return (loss * aggregation_weights(mask, cu_seqlens, mode, norm, dtype=loss.dtype)).sum()
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -96,10 +120,10 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     if estimator == "k3":
         r = (-d).clamp(-20.0, 20.0)
         return (torch.exp(r) - r - 1.0).clamp(-10.0, 10.0)
-    raise ValueError(f"kl_estimator: unknown {estimator!r}; choose k1, k2 or k3")
+    raise InvalidInputError("kl_estimator", f"unknown {estimator!r}; choose k1, k2 or k3")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PolicyLossConfig:
     """Clipped policy-gradient loss (PPO / GRPO / DAPO variants)."""
 
@@ -167,7 +191,7 @@ def policy_loss(
     }
     if cfg.kl_coef:
         if ref_logprobs is None:
-            raise ValueError("ref_logprobs: required when kl_coef != 0")
+            raise InvalidInputError("ref_logprobs", "required when kl_coef != 0")
         kl = aggregate(
             kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator),
             mask,

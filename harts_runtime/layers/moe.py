@@ -39,10 +39,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["CompactMoE", "MoEConfig", "MoEOutput", "grouped_mm", "route", "router_losses"]
+from harts_runtime.errors import InvalidInputError
+from harts_runtime.layout.rows import RowLayout
+
+__all__ = ["SCORE_FUNCS", "CompactMoE", "MoEConfig", "MoEOutput", "grouped_mm", "route", "router_losses"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MoEConfig:
     """Routed-expert FFN (SwiGLU experts)."""
 
@@ -70,6 +73,10 @@ class MoEConfig:
     """Weight of the router z-loss in :attr:`MoEOutput.router_loss`."""
     grouped: bool = True
     """Grouped-matmul expert path (True) or the per-expert loop reference (False)."""
+    accumulate_counts: bool = True
+    """Add each training-mode forward's counts to ``local_tokens_per_expert``. A model that
+    recomputes this forward (activation checkpointing) sets False and accumulates
+    :attr:`MoEOutput.tokens_per_expert` itself, once per forward (``HybridModel`` does)."""
 
 
 @dataclass
@@ -90,6 +97,21 @@ class MoEOutput:
     """[N, k] combine weights."""
     router_loss: torch.Tensor
     """``aux_loss_coef * aux_loss + z_loss_coef * z_loss``."""
+
+
+def _softmax_scores(logits: torch.Tensor):
+    scores = logits.softmax(-1)
+    return scores, scores
+
+
+def _sigmoid_scores(logits: torch.Tensor):
+    scores = logits.sigmoid()
+    return scores, scores / (scores.sum(-1, keepdim=True) + 1e-20)
+
+
+SCORE_FUNCS = {"softmax": _softmax_scores, "sigmoid": _sigmoid_scores}
+"""Router score name -> ``logits [N, E] -> (scores, probs)``: the scores select and weight the
+experts, ``probs`` (sigmoid scores normalised per row) enter the load-balancing loss."""
 
 
 def route(
@@ -117,14 +139,9 @@ def route(
     topk_weight : Tensor, [N, k]
         Combine weights (unbiased scores of the selected experts, optionally renormalised, scaled).
     """
-    if score_func == "softmax":
-        scores = logits.softmax(-1)
-        probs = scores
-    elif score_func == "sigmoid":
-        scores = logits.sigmoid()
-        probs = scores / (scores.sum(-1, keepdim=True) + 1e-20)
-    else:
-        raise ValueError(f"score_func: unknown {score_func!r}; choose softmax or sigmoid")
+    if score_func not in SCORE_FUNCS:
+        raise InvalidInputError("score_func", f"unknown {score_func!r}; choose one of {sorted(SCORE_FUNCS)}")
+    scores, probs = SCORE_FUNCS[score_func](logits)
     select = scores.detach() if expert_bias is None else scores.detach() + expert_bias
     topk_idx = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :top_k]
     weight = scores.gather(1, topk_idx)
@@ -225,7 +242,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, impl: str
     dtype, device and 16-byte alignment allow it). Both are differentiable.
     """
     if impl not in ("auto", "grouped_mm", "bmm"):
-        raise ValueError(f"impl: unknown {impl!r}; choose auto, grouped_mm or bmm")
+        raise InvalidInputError("impl", f"unknown {impl!r}; choose auto, grouped_mm or bmm")
     if impl == "grouped_mm" or (impl == "auto" and _grouped_mm_ok(x, w)):
         offs = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(x, w, offs=offs)
@@ -269,28 +286,24 @@ class CompactMoE(nn.Module):
         ):
             nn.init.normal_(w, std=fan_in**-0.5)
 
-    def forward(
-        self, hidden: torch.Tensor, multiplicity: torch.Tensor | None = None, *, count: bool = True
-    ) -> MoEOutput:
+    def forward(self, hidden: torch.Tensor, layout: RowLayout | None = None) -> MoEOutput:
         """Route and run experts once per row.
 
         Parameters
         ----------
         hidden : Tensor, shape [N, D]
             Compact rows (or expanded rows for the trajectory-wise baseline).
-        multiplicity : Tensor, int or float, shape [N], optional
-            ``q_c`` of each row; None weights every row once.
-        count : bool
-            Add the counts to ``local_tokens_per_expert`` in training mode. A caller that
-            recomputes this forward (activation checkpointing) passes False and accumulates
-            :attr:`MoEOutput.tokens_per_expert` itself, once.
+        layout : RowLayout, optional
+            Its ``multiplicity`` ``q_c`` [N] (int or float) weights the statistics; None (or a
+            layout without multiplicities) weights every row once.
 
         Returns
         -------
         MoEOutput
-            ``hidden`` [N, D] and the weighted router statistics; in training mode the counts are
-            also added to ``local_tokens_per_expert``.
+            ``hidden`` [N, D] and the weighted router statistics; in training mode with
+            ``config.accumulate_counts`` the counts are also added to ``local_tokens_per_expert``.
         """
+        multiplicity = None if layout is None else layout.multiplicity
         c = self.config
         dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         logits = hidden.to(dt) @ self.router.to(dt).t()  # [N, E]
@@ -308,7 +321,7 @@ class CompactMoE(nn.Module):
         aux, z, counts = router_losses(
             logits, probs, topk_idx, multiplicity, reduce=None if shard is None else shard.reduce
         )
-        if self.training and count:
+        if self.training and c.accumulate_counts:
             self.local_tokens_per_expert += counts.detach()
         experts = self._experts_grouped if c.grouped else self._experts_loop
         out = experts(hidden, topk_idx, weight.to(hidden.dtype))

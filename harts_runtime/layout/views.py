@@ -7,8 +7,9 @@ Glossary
 * chain: rows ``r_0, ..., r_{l-1}`` with ``parent[r_i] = r_{i-1}``; its *ancestors* are the rows on
   the path from the root to ``parent[r_0]`` (``h`` rows, root first).
 * branch decomposition (:class:`Branches`): a partition of the compact rows into chains. Any
-  partition works: one branch per segment, one per direct-continuation chain
-  (:func:`path_branches`), or one per input sequence of a call plan (non-replay rows).
+  partition works: one per input sequence of a call plan (non-replay rows, what the train step
+  uses), one branch per segment, or one per direct-continuation chain (the last two, and the dense
+  masks that check views against the tree, are test decompositions in :mod:`harts_runtime.testing`).
 * branch view (Equation 21): packed Q holds the branch's ``l`` current rows; packed KV holds its
   ``h`` ancestors followed by the same ``l`` current rows: ``|Q| = l``, ``|KV| = h + l``.
 * bottom-right causal alignment (Equation 22): query ``i`` reads KV entry ``j`` iff ``j <= h + i``.
@@ -32,20 +33,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-__all__ = [
-    "AttentionViews",
-    "Branches",
-    "TreeOrder",
-    "build_views",
-    "chain_branches",
-    "path_branches",
-    "run_branches",
-    "segment_branches",
-    "views_from_batch",
-]
+from harts_runtime.errors import InvalidInputError
+
+__all__ = ["AttentionViews", "Branches", "TreeOrder", "build_views", "expand_ranges"]
 
 
-def _expand_ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+def expand_ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """Concatenation of ``arange(lo[i], hi[i])`` over i, int64, without a Python loop."""
     lo = np.asarray(lo, dtype=np.int64)
     lengths = np.asarray(hi, dtype=np.int64) - lo
@@ -101,61 +94,6 @@ class Branches:
         return len(self.cu) - 1
 
 
-def segment_branches(batch) -> Branches:
-    """One branch per segment of a :class:`harts_planner.RolloutBatch` (its rows, in order)."""
-    begin = np.asarray(batch.segment_row_begin, dtype=np.int64)
-    lengths = np.asarray(batch.segment_end, dtype=np.int64) - np.asarray(batch.segment_start, dtype=np.int64)
-    cu = np.zeros(len(begin) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=cu[1:])
-    return Branches(_expand_ranges(begin, begin + lengths), cu)
-
-
-def chain_branches(batch, chains: Sequence[Sequence[int]]) -> Branches:
-    """One branch per chain of segments (each a parent-to-child path of segment ids).
-
-    The rows of a chain are its segments' rows in order; :func:`build_views` checks that the chains
-    are root-to-node paths and that together they cover each row at most once.
-    """
-    begin = np.asarray(batch.segment_row_begin, dtype=np.int64)
-    lengths = np.asarray(batch.segment_end, dtype=np.int64) - np.asarray(batch.segment_start, dtype=np.int64)
-    segs = (
-        np.concatenate([np.asarray(c, dtype=np.int64) for c in chains])
-        if chains
-        else np.zeros(0, dtype=np.int64)
-    )
-    per_chain = np.array([int(lengths[np.asarray(c, dtype=np.int64)].sum()) for c in chains], dtype=np.int64)
-    cu = np.zeros(len(chains) + 1, dtype=np.int64)
-    np.cumsum(per_chain, out=cu[1:])
-    return Branches(_expand_ranges(begin[segs], begin[segs] + lengths[segs]), cu)
-
-
-def run_branches(row_parent) -> Branches:
-    """Maximal runs of consecutive rows ``r, r + 1, ...`` with ``parent[r + 1] = r``, from the parent
-    array alone. With rows in DFS preorder (a RolloutBatch) these are the direct-continuation chains
-    of :func:`path_branches`; in any other row order they are still a valid (finer) decomposition.
-    """
-    parent = np.asarray(row_parent, dtype=np.int64)
-    starts = np.unique(_run_starts(parent))
-    return Branches(np.arange(len(parent), dtype=np.int64), np.append(starts, len(parent)).astype(np.int64))
-
-
-def path_branches(batch) -> Branches:
-    """Direct-continuation chains: a chain starts at every root and every non-first child segment and
-    continues into the first child. Segments and rows are in preorder, so each chain is a contiguous
-    row range and there is one branch per leaf segment.
-
-    The packed KV length ``C + sum over forks v of (|ch(v)| - 1) * e_v`` does not depend on which
-    child continues, so this choice is as good as any for attention.
-    """
-    parent = np.asarray(batch.segment_parent, dtype=np.int64)
-    begin = np.asarray(batch.segment_row_begin, dtype=np.int64)
-    is_start = parent != np.arange(len(parent)) - 1
-    is_start[:1] = True
-    starts = np.nonzero(is_start)[0]
-    cu = np.append(begin[starts], batch.compact_tokens).astype(np.int64)
-    return Branches(np.arange(batch.compact_tokens, dtype=np.int64), cu)
-
-
 @dataclass(frozen=True)
 class TreeOrder:
     """Preorder coordinates of the row forest: row ``k`` is an ancestor of, or equal to, row ``q``
@@ -208,12 +146,8 @@ class TreeOrder:
                 kids = children[child_offsets[r] : child_offsets[r + 1]]
                 stack.extend((int(k), False) for k in kids[::-1])
         if (pre < 0).any():
-            raise ValueError("row_parent: contains a cycle (some rows are unreachable from a root)")
+            raise InvalidInputError("row_parent", "contains a cycle (some rows are unreachable from a root)")
         return cls(pre, end)
-
-    def dense_mask(self) -> np.ndarray:
-        """bool [C, C]: ``mask[q, k]`` iff row k is an ancestor of, or equal to, row q (tests only)."""
-        return (self.pre[None, :] <= self.pre[:, None]) & (self.pre[:, None] < self.end[None, :])
 
 
 @dataclass(frozen=True, eq=False)
@@ -308,7 +242,7 @@ class AttentionViews:
         else:
             row_map = torch.as_tensor(np.asarray(row_map, dtype=np.int64), device=self.device)
         if row_map.numel() != self.num_rows:
-            raise ValueError(f"row_map: needs {self.num_rows} entries, got {row_map.numel()}")
+            raise InvalidInputError("row_map", f"needs {self.num_rows} entries, got {row_map.numel()}")
         q_index = row_map[self.q_index]
         q_inverse = None
         if num_rows == self.num_rows and self.q_inverse is not None:
@@ -332,20 +266,6 @@ class AttentionViews:
             end,
         )
 
-    def dense_mask(self) -> torch.Tensor:
-        """bool [C, C]: ``mask[q_row, kv_row]`` as the views define it (Equation 22), for tests."""
-        c = self.num_rows
-        mask = torch.zeros(c, c, dtype=torch.bool)
-        cq, ck = self.cu_seqlens_q.tolist(), self.cu_seqlens_k.tolist()
-        qi, ki = self.q_index.cpu(), self.kv_index.cpu()
-        for b in range(self.num_branches):
-            lq, lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
-            h = lk - lq
-            allowed = torch.arange(lk)[None, :] <= h + torch.arange(lq)[:, None]  # [lq, lk]
-            rows, cols = qi[cq[b] : cq[b + 1]], ki[ck[b] : ck[b + 1]]
-            mask[rows[:, None].expand(lq, lk)[allowed], cols[None, :].expand(lq, lk)[allowed]] = True
-        return mask
-
 
 def build_views(row_parent, branches: Branches, tree: TreeOrder | None = None) -> AttentionViews:
     """Build packed Q / KV index views for a branch decomposition.
@@ -366,8 +286,8 @@ def build_views(row_parent, branches: Branches, tree: TreeOrder | None = None) -
 
     Raises
     ------
-    ValueError
-        A row out of range, current in two branches, an empty branch, or a branch row whose parent
+    InvalidInputError
+        ``field="branches"``: a row out of range, current in two branches, an empty branch, or a branch row whose parent
         is not the row before it; the message names the branch and row.
     """
     parent = np.asarray(row_parent, dtype=np.int64)
@@ -376,21 +296,24 @@ def build_views(row_parent, branches: Branches, tree: TreeOrder | None = None) -
     n_b = len(cu) - 1
     lengths = np.diff(cu)
     if n_b and (lengths <= 0).any():
-        raise ValueError(f"branches: branch {int(np.argmax(lengths <= 0))} is empty")
+        raise InvalidInputError("branches", f"branch {int(np.argmax(lengths <= 0))} is empty")
     if rows.size and (rows.min() < 0 or rows.max() >= c):
-        raise ValueError(f"branches: row out of range [0, {c})")
+        raise InvalidInputError("branches", f"row out of range [0, {c})")
     uses = np.bincount(rows, minlength=c)
     if (uses > 1).any():
-        raise ValueError(f"branches: row {int(np.argmax(uses > 1))} is a current row of two branches")
+        raise InvalidInputError(
+            "branches", f"row {int(np.argmax(uses > 1))} is a current row of two branches"
+        )
     follows = np.ones(len(rows), dtype=bool)
     follows[cu[:-1]] = False
     bad = np.nonzero(follows & (parent[rows] != np.roll(rows, 1)))[0]
     if bad.size:
         i = int(bad[0])
         b = int(np.searchsorted(cu, i, side="right") - 1)
-        raise ValueError(
-            f"branches: branch {b} is not a chain: row {int(rows[i])} follows row "
-            f"{int(rows[i - 1])} but its parent is {int(parent[rows[i]])}"
+        raise InvalidInputError(
+            "branches",
+            f"branch {b} is not a chain: row {int(rows[i])} follows row "
+            f"{int(rows[i - 1])} but its parent is {int(parent[rows[i]])}",
         )
 
     # Ancestor paths, a run of consecutive rows at a time.
@@ -409,7 +332,7 @@ def build_views(row_parent, branches: Branches, tree: TreeOrder | None = None) -
             r = int(parent[s])
         lo.extend(reversed(b_lo))
         hi.extend(reversed(b_hi))
-    ancestors = _expand_ranges(np.array(lo, dtype=np.int64), np.array(hi, dtype=np.int64))
+    ancestors = expand_ranges(np.array(lo, dtype=np.int64), np.array(hi, dtype=np.int64))
 
     kv_len = h + lengths
     cu_k = np.zeros(n_b + 1, dtype=np.int64)
@@ -439,29 +362,3 @@ def build_views(row_parent, branches: Branches, tree: TreeOrder | None = None) -
         tree_pre=as_t(tree.pre, torch.int32),
         tree_end=as_t(tree.end, torch.int32),
     )
-
-
-def views_from_batch(batch, decomposition: str = "paths", chains=None) -> AttentionViews:
-    """Views of a whole :class:`harts_planner.RolloutBatch`.
-
-    Parameters
-    ----------
-    decomposition : {"paths", "segments", "chains"}
-        ``paths``: :func:`path_branches` (one branch per leaf, fewest branches); ``segments``: one
-        branch per segment; ``chains``: the given ``chains`` of segment ids.
-    """
-    if not hasattr(batch, "segment_row_begin"):  # a trie without segments (testing.SimpleBatch)
-        if decomposition != "paths":
-            raise ValueError(f"decomposition: {decomposition!r} needs a RolloutBatch's segment forest")
-        return build_views(batch.row_parent, run_branches(batch.row_parent))
-    if decomposition == "paths":
-        branches = path_branches(batch)
-    elif decomposition == "segments":
-        branches = segment_branches(batch)
-    elif decomposition == "chains":
-        if chains is None:
-            raise ValueError("chains: required for decomposition='chains'")
-        branches = chain_branches(batch, chains)
-    else:
-        raise ValueError(f"decomposition: unknown {decomposition!r}; choose paths, segments or chains")
-    return build_views(batch.row_parent, branches, TreeOrder.from_batch(batch))

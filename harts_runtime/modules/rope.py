@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from harts_runtime.errors import InvalidInputError
+
 __all__ = ["apply_rope", "rope_cos_sin"]
 
 
@@ -40,7 +42,7 @@ def rope_cos_sin(
     (cos, sin) : Tensor, shape [N, dim] each, on ``positions.device``.
     """
     if dim % 2:
-        raise ValueError(f"dim: rotary dimension must be even, got {dim}")
+        raise InvalidInputError("dim", f"the rotary dimension must be even, got {dim}")
     inv_freq = theta ** (-torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [N, dim / 2]
     angles = torch.cat([angles, angles], dim=-1)  # [N, dim]

@@ -1,0 +1,82 @@
+"""``harts-train``: train steps of a hybrid model on a synthetic rollout batch.
+
+``harts-train [--flavor debug|ling-tiny] [--layers N] [--preset P] [--seed N] [--max-len L]
+[--mode compact|trajectory|both] [--steps N] [--capacity T] [--recompute] [--objective grpo|ppo]
+[--lr LR] [--device cpu|cuda] [--json]`` prints one line (or JSON object) per step and mode;
+``--mode both`` is :func:`harts_runtime.demo.train_demo`. Run it as ``harts-train`` or
+``python -m harts_runtime.cli``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from harts_runtime.demo import train_demo, train_modes
+from harts_runtime.layout.rows import MODES
+
+__all__ = ["main"]
+
+
+def main(argv=None) -> int:
+    """``harts-train``: train steps on a synthetic rollout batch and print one line per step."""
+    ap = argparse.ArgumentParser(prog="harts-train", description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--flavor", default=None, help="model flavor: debug (CPU default) or ling-tiny (CUDA default)"
+    )
+    ap.add_argument(
+        "--layers", type=int, default=None, help="keep the first N layers of the flavor's pattern"
+    )
+    ap.add_argument(
+        "--preset", default="small", help="harts_planner.synth preset (tiny, small, medium, swe-like)"
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="cap trajectory length (default: 1024 on CPU, the preset's on CUDA)",
+    )
+    ap.add_argument("--mode", choices=MODES + ("both",), default="compact")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument(
+        "--capacity", type=int, default=None, help="T: rows per microbatch (CPU 4096, CUDA 65536)"
+    )
+    ap.add_argument("--recompute", action="store_true", help="full-block activation recomputation")
+    ap.add_argument("--objective", choices=("grpo", "ppo"), default="grpo")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", action="store_true", help="print one JSON object per step instead")
+    args = ap.parse_args(argv)
+    cpu = torch.device(args.device).type == "cpu"
+    opts = dict(
+        flavor=args.flavor,
+        layers=args.layers,
+        capacity=args.capacity,
+        recompute=args.recompute,
+        objective=args.objective,
+        lr=args.lr,
+    )
+    max_len = args.max_len if args.max_len is not None else (1024 if cpu else None)
+    if args.mode == "both" and not args.json:
+        train_demo(args.preset, args.steps, args.seed, max_len, args.device, **opts)
+    else:
+        modes = MODES if args.mode == "both" else (args.mode,)
+        train_modes(
+            modes,
+            preset=args.preset,
+            steps=args.steps,
+            seed=args.seed,
+            max_len=max_len,
+            device=args.device,
+            json_lines=args.json,
+            out=None,
+            **opts,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""The runtime's one error class.
+
+Every bad input the runtime rejects (step inputs, model and layer configurations, plans, parallel
+degrees) raises :class:`InvalidInputError`, a ``ValueError`` whose ``.field`` names the offending
+field (``"advantages"``, ``"mixers[1]"``, ``"call_plan.chunk_size"``, ``"tp"``) and whose message reads
+``"<field>: <what is wrong, with the limit>"``. The names the runtime used before it had one class
+stay importable as aliases of it: :data:`StepInputsError` (step inputs and train-step arguments),
+:data:`ConfigError` (model configuration) and :data:`ParallelConfigError` (parallel configuration).
+"""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "InvalidInputError", "ParallelConfigError", "StepInputsError"]
+
+
+class InvalidInputError(ValueError):
+    """A bad runtime input; ``.field`` names the offending field, the message says the limit."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+StepInputsError = InvalidInputError
+"""Alias: bad step inputs or train-step arguments."""
+ConfigError = InvalidInputError
+"""Alias: a bad model configuration."""
+ParallelConfigError = InvalidInputError
+"""Alias: an invalid parallel configuration."""

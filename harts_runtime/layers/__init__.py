@@ -1,0 +1,28 @@
+"""One file per layer; every mixer and FFN is called as ``forward(x [N, D], layout)`` with the
+microbatch's :class:`~harts_runtime.layout.rows.RowLayout`:
+
+* :mod:`~harts_runtime.layers.kda`: Kimi Delta Attention over the layout's KDA plan (fla's parameter names);
+* :mod:`~harts_runtime.layers.attention`: MHA / GQA over the layout's ancestor-KV views;
+* :mod:`~harts_runtime.layers.mla`: multi-head latent attention, likewise;
+* :mod:`~harts_runtime.layers.moe`: routed SwiGLU experts with multiplicity-weighted statistics;
+* :mod:`~harts_runtime.layers.ffn`: the dense SwiGLU FFN.
+"""
+
+from harts_runtime.layers.attention import AttentionConfig, CompactAttention
+from harts_runtime.layers.ffn import DenseFFN
+from harts_runtime.layers.kda import KDAConfig, KDALayer
+from harts_runtime.layers.mla import CompactMLA, MLAConfig
+from harts_runtime.layers.moe import CompactMoE, MoEConfig, MoEOutput
+
+__all__ = [
+    "AttentionConfig",
+    "CompactAttention",
+    "CompactMLA",
+    "CompactMoE",
+    "DenseFFN",
+    "KDAConfig",
+    "KDALayer",
+    "MLAConfig",
+    "MoEConfig",
+    "MoEOutput",
+]

@@ -1,0 +1,94 @@
+"""MHA / GQA self-attention on compact rows (paper Sections 3.4 and 4.2).
+
+Projections and RoPE run once per row (RoPE at the row's absolute trajectory position,
+``layout.positions``), the core is :func:`harts_runtime.ops.attention.compact_attention` over the
+layout's ancestor-KV views (``layout.views``), and the output projection runs once per row. No
+bias; rotate-half RoPE on all head dims. :class:`CompactAttentionBase` is shared with MLA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from harts_runtime.errors import InvalidInputError
+from harts_runtime.layout.rows import RowLayout
+from harts_runtime.modules.rope import apply_rope, rope_cos_sin
+from harts_runtime.ops.attention import compact_attention, trajectory_attention
+
+__all__ = ["AttentionConfig", "CompactAttention", "CompactAttentionBase"]
+
+
+@dataclass(kw_only=True)
+class AttentionConfig:
+    """Multi-head / grouped-query self-attention."""
+
+    hidden_size: int
+    """Model width D."""
+    num_heads: int
+    """Query heads Hq."""
+    num_kv_heads: int | None = None
+    """KV heads Hkv (None: MHA, ``Hkv = Hq``; fewer: GQA; 1: MQA)."""
+    head_dim: int | None = None
+    """Per-head dim (None: ``hidden_size // num_heads``)."""
+    rope_theta: float = 10_000.0
+    """RoPE base."""
+    backend: str = "reference"
+    """Default key of :data:`harts_runtime.ops.attention.BACKENDS`."""
+
+    def __post_init__(self):
+        self.num_kv_heads = self.num_kv_heads or self.num_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidInputError(
+                "num_kv_heads", f"{self.num_kv_heads} does not divide num_heads={self.num_heads}"
+            )
+
+
+class CompactAttentionBase(nn.Module):
+    """Shared forward: ``project`` (per row) -> core -> ``o_proj`` (per row)."""
+
+    backend: str
+
+    def project(self, hidden: torch.Tensor, positions: torch.Tensor):
+        raise NotImplementedError
+
+    def forward(self, hidden: torch.Tensor, layout: RowLayout, backend: str | None = None) -> torch.Tensor:
+        """hidden [C, D] rows of ``layout`` (its ``views`` and ``positions``) -> [C, D]."""
+        q, k, v = self.project(hidden, layout.need("positions"))
+        o = compact_attention(
+            q, k, v, layout.need("views"), backend=backend or self.backend, scale=self.scale
+        )
+        return self.o_proj(o.reshape(o.shape[0], -1))
+
+    def forward_trajectory(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Trajectory-wise reference: hidden [L, D] of one trajectory -> [L, D], plain causal."""
+        positions = torch.arange(hidden.shape[0], device=hidden.device)
+        q, k, v = self.project(hidden, positions)
+        o = trajectory_attention(q, k, v, self.scale)
+        return self.o_proj(o.reshape(o.shape[0], -1))
+
+
+class CompactAttention(CompactAttentionBase):
+    """MHA / GQA self-attention on compact rows (no bias; rotate-half RoPE on all head dims)."""
+
+    def __init__(self, config: AttentionConfig):
+        super().__init__()
+        c = config
+        self.config, self.backend = c, c.backend
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.scale = c.head_dim**-0.5
+
+    def project(self, hidden: torch.Tensor, positions: torch.Tensor):
+        """hidden [N, D], positions [N] -> q [N, Hq, Dh], k [N, Hkv, Dh], v [N, Hkv, Dh]."""
+        c, n = self.config, hidden.shape[0]
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
+        q = apply_rope(self.q_proj(hidden).view(n, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(hidden).view(n, c.num_kv_heads, c.head_dim), cos, sin)
+        v = self.v_proj(hidden).view(n, c.num_kv_heads, c.head_dim)
+        return q, k, v

@@ -1,0 +1,207 @@
+"""KDA layer on compact rows, executed over a minimum-call plan (Sections 3.3, 3.4, 4.2, 4.3).
+
+The parameters are those of ``fla.layers.kda.KimiDeltaAttention`` (flash-linear-attention 0.6.0,
+``num_v_heads == num_heads``, short convolutions without bias), under the same names, so an fla
+state dict loads with ``strict=True`` and no key map:
+
+=================================  ====================  =========================================
+name                               shape                 role
+=================================  ====================  =========================================
+``q_proj``, ``k_proj``             [H K, D]              query / key projections
+``v_proj``                         [H V, D]              value projection
+``q_conv1d``, ``k_conv1d``         ``.weight`` [H K, 1, w]  causal short convolutions (SiLU, no bias)
+``v_conv1d``                       ``.weight`` [H V, 1, w]
+``f_proj.0``, ``f_proj.1``         [V, D], [H K, V]      low-rank decay projection
+``b_proj``                         [H, D]                beta (sigmoid) projection
+``A_log``                          [H]                   decay rate: ``g = -exp(A_log) softplus(f + dt_bias)``
+``dt_bias``                        [H K]
+``g_proj.0``, ``g_proj.1``         [V, D], [H V, V] + bias [H V]   output-gate projection
+``o_norm``                         ``.weight`` [V]       sigmoid-gated RMS norm per head
+``o_proj``                         [D, H V]              output projection
+=================================  ====================  =========================================
+
+What runs where (the glossary of rounds, sequences and state slots is in
+:mod:`harts_runtime.layout.kda_plan`):
+
+* once per compact row: q/k/v/gate/beta projections, the causal short convolution (width ``w``,
+  window built from the row's true ancestors through ``conv_index``), the L2 norm of q and k, the
+  gated output norm and the output projection;
+* once per round: one packed KDA call over the round's sequences, replay rows gathered from the
+  already computed activations, initial states from earlier rounds' returned boundary states,
+  requested states returned in fp32 (differentiable);
+* every non-replay core output is written to its physical row exactly once.
+
+Recomputation is block-level (:func:`harts_runtime.recompute.apply_recompute`): backward
+re-executes the same rounds from the fixed plan; no activation or state outlives the layer call.
+``layout.no_replay`` selects the Section 5.4 ablation's schedule instead of the replay rounds.
+
+:meth:`KDALayer.forward_trajectories` is the slow reference: every trajectory through the same
+layer, unshared.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.profiler import record_function
+
+from harts_kernels.kda import chunk_kda_with_states
+from harts_runtime.errors import InvalidInputError
+from harts_runtime.layout.conv import trajectory_conv_index
+from harts_runtime.layout.kda_plan import KDASchedule
+from harts_runtime.layout.rows import RowLayout
+from harts_runtime.modules.convolution import ShortConvolution
+from harts_runtime.modules.norms import GatedRMSNorm, l2_norm
+
+__all__ = ["KDAConfig", "KDALayer"]
+
+
+@dataclass(kw_only=True)
+class KDAConfig:
+    """Shape and execution options of a :class:`KDALayer`."""
+
+    hidden_size: int = 64
+    """D, model width."""
+    num_heads: int = 2
+    """H (query/key heads = value heads)."""
+    head_k_dim: int = 16
+    """K, key/query head dim (the state is K x V per head)."""
+    head_v_dim: int = 16
+    """V, value head dim."""
+    conv_size: int = 4
+    """w, width of the causal short convolution on q, k and v (SiLU, no bias)."""
+    chunk_size: int = 64
+    """B, the chunk size of the KDA core; must match the plan's."""
+    norm_eps: float = 1e-5
+    """epsilon of the gated RMS norm on the core output."""
+    backend: str = "auto"
+    """KDA core backend: "auto" (Triton on CUDA, reference on CPU), "triton" or "naive"."""
+
+
+class KDALayer(nn.Module):
+    """Kimi Delta Attention (fla's ``KimiDeltaAttention`` parameters, H == HV) on compact rows."""
+
+    def __init__(self, config: KDAConfig):
+        super().__init__()
+        c = self.config = config
+        D, H, K, Vd, w = c.hidden_size, c.num_heads, c.head_k_dim, c.head_v_dim, c.conv_size
+        self.q_proj = nn.Linear(D, H * K, bias=False)
+        self.k_proj = nn.Linear(D, H * K, bias=False)
+        self.v_proj = nn.Linear(D, H * Vd, bias=False)
+        self.q_conv1d = ShortConvolution(H * K, w)
+        self.k_conv1d = ShortConvolution(H * K, w)
+        self.v_conv1d = ShortConvolution(H * Vd, w)
+        self.f_proj = nn.Sequential(nn.Linear(D, Vd, bias=False), nn.Linear(Vd, H * K, bias=False))
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.A_log = nn.Parameter(torch.log(torch.empty(H).uniform_(1, 16)))
+        dt = torch.exp(torch.rand(H * K) * (math.log(0.1) - math.log(0.001)) + math.log(0.001)).clamp(
+            min=1e-4
+        )
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        self.g_proj = nn.Sequential(nn.Linear(D, Vd, bias=False), nn.Linear(Vd, H * Vd, bias=True))
+        self.o_norm = GatedRMSNorm(Vd, eps=c.norm_eps)
+        self.o_proj = nn.Linear(H * Vd, D, bias=False)
+
+    # ---------------------------------------------------------------- token-wise parts
+    def _features(self, x: torch.Tensor, conv_index: torch.Tensor):
+        """Per-row KDA inputs. x: [R, D] -> q, k [R, H, K]; v [R, H, V]; g [R, H, K] (fp32 log
+        decay); beta [R, H]; out_gate [R, H, V]."""
+        c = self.config
+        R, H, K, Vd = x.shape[0], c.num_heads, c.head_k_dim, c.head_v_dim
+        q = l2_norm(self.q_conv1d(self.q_proj(x), conv_index).view(R, H, K))
+        k = l2_norm(self.k_conv1d(self.k_proj(x), conv_index).view(R, H, K))
+        v = self.v_conv1d(self.v_proj(x), conv_index).view(R, H, Vd)
+        f = self.f_proj(x).view(R, H, K).float() + self.dt_bias.view(H, K).float()
+        g = -self.A_log.float().exp().view(H, 1) * F.softplus(f)  # <= 0
+        beta = torch.sigmoid(self.b_proj(x).float()).to(x.dtype)
+        out_gate = self.g_proj(x).view(R, H, Vd)
+        return q, k, v, g, beta, out_gate
+
+    def _output(self, o: torch.Tensor, out_gate: torch.Tensor) -> torch.Tensor:
+        """Gated RMS norm per head, then the output projection. o: [R, H, V] -> [R, D]."""
+        return self.o_proj(self.o_norm(o, out_gate).reshape(o.shape[0], -1))
+
+    # ---------------------------------------------------------------- rounds
+    def _run_schedule(self, sched: KDASchedule, q, k, v, g, beta) -> torch.Tensor:
+        """Execute the rounds; returns the core output [C, H, V] in physical order."""
+        c = self.config
+        H, K, Vd = c.num_heads, c.head_k_dim, c.head_v_dim
+        slots: list[torch.Tensor | None] = [None] * sched.num_slots  # live for this call only
+        zero = None
+        outs = []
+        for rd in sched.rounds:
+            with record_function("harts.kda.gather"):
+                packed = [x.index_select(0, rd.gather).unsqueeze(0) for x in (q, k, v, g, beta)]
+            init = None
+            if any(s >= 0 for s in rd.init_slots):
+                if zero is None:
+                    zero = q.new_zeros(H, K, Vd, dtype=torch.float32)
+                missing = [s for s in rd.init_slots if s >= 0 and slots[s] is None]
+                if missing:
+                    raise InvalidInputError(
+                        "layout.kda", f"a round reads state slot {missing[0]} before it is produced"
+                    )
+                with record_function("harts.kda.states"):
+                    init = torch.stack([slots[s] if s >= 0 else zero for s in rd.init_slots])
+            want_final = any(s >= 0 for s in rd.final_slots)
+            with record_function("harts.kda.core"):
+                o, final, bstates = chunk_kda_with_states(
+                    *packed,
+                    initial_state=init,
+                    cu_seqlens=rd.cu_seqlens,
+                    chunk_size=c.chunk_size,
+                    request_seq=rd.request_seq,
+                    request_chunk=rd.request_chunk,
+                    output_final_state=want_final,
+                    backend=c.backend,
+                )
+            for j, s in enumerate(rd.request_slot):
+                slots[s] = bstates[j]
+            for j, s in enumerate(rd.final_slots):
+                if s >= 0:
+                    slots[s] = final[j]
+            o = o[0]
+            outs.append(o if rd.out_pos.numel() == o.shape[0] else o.index_select(0, rd.out_pos))
+        return torch.cat(outs).index_select(0, sched.write_perm)
+
+    def forward(self, x: torch.Tensor, layout: RowLayout) -> torch.Tensor:
+        """x: [C, D] compact hidden states in physical order -> [C, D] layer output.
+
+        Reads ``layout.kda`` (its replay schedule, or its no-replay schedule when
+        ``layout.no_replay``). Raises :class:`InvalidInputError` when the plan's chunk size or
+        convolution width is not the layer's, or ``x`` has not the plan's row count.
+        """
+        plan = layout.need("kda")
+        if plan.chunk_size != self.config.chunk_size:
+            raise InvalidInputError(
+                "layout.kda.chunk_size", f"{plan.chunk_size} != layer chunk_size {self.config.chunk_size}"
+            )
+        if plan.conv_width != self.config.conv_size:
+            raise InvalidInputError(
+                "layout.kda.conv_width", f"{plan.conv_width} != layer conv_size {self.config.conv_size}"
+            )
+        if x.shape[0] != plan.num_rows:
+            raise InvalidInputError("x", f"expected {plan.num_rows} compact rows, got {x.shape[0]}")
+        q, k, v, g, beta, out_gate = self._features(x, plan.conv_index)
+        o = self._run_schedule(plan.no_replay if layout.no_replay else plan.replay, q, k, v, g, beta)
+        return self._output(o, out_gate)
+
+    def forward_trajectories(self, x: torch.Tensor, offsets) -> torch.Tensor:
+        """Reference: every trajectory unshared. x: [S, D] semantic rows, trajectories at
+        ``[offsets[j], offsets[j+1])`` -> [S, D]. One packed call from zero states."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        conv_index = torch.from_numpy(trajectory_conv_index(offsets, self.config.conv_size)).to(x.device)
+        q, k, v, g, beta, out_gate = self._features(x, conv_index)
+        o, _, _ = chunk_kda_with_states(
+            *(t.unsqueeze(0) for t in (q, k, v, g, beta)),
+            cu_seqlens=offsets.tolist(),
+            chunk_size=self.config.chunk_size,
+            output_final_state=False,
+            backend=self.config.backend,
+        )
+        return self._output(o[0], out_gate)

@@ -1,0 +1,45 @@
+"""The loss side: :mod:`~harts_runtime.loss.logprobs` (mapped log-probs, on materialised logits
+and fused with the LM head, each with an optional vocabulary-parallel group) and
+:mod:`~harts_runtime.loss.objectives` (GRPO / PPO with the aggregation modes written once)."""
+
+from harts_runtime.loss.logprobs import (
+    LogProbTargets,
+    expanded_logprobs,
+    lm_head_logprobs,
+    mapped_logprobs,
+    targets_from_batch,
+)
+from harts_runtime.loss.objectives import (
+    AGG_MODES,
+    PolicyLossConfig,
+    aggregate,
+    aggregation_weights,
+    gae,
+    grpo_advantages,
+    grpo_loss,
+    kl_penalty,
+    per_token,
+    policy_loss,
+    ppo_loss,
+    value_loss,
+)
+
+__all__ = [
+    "AGG_MODES",
+    "LogProbTargets",
+    "PolicyLossConfig",
+    "aggregate",
+    "aggregation_weights",
+    "expanded_logprobs",
+    "gae",
+    "grpo_advantages",
+    "grpo_loss",
+    "kl_penalty",
+    "lm_head_logprobs",
+    "mapped_logprobs",
+    "per_token",
+    "policy_loss",
+    "ppo_loss",
+    "targets_from_batch",
+    "value_loss",
+]

@@ -1,0 +1,352 @@
+"""Compact-to-semantic log-probabilities: mapped cross-entropy (paper Section 3.5, Eq. 17 and 19).
+
+For every non-terminal semantic position ``s`` with next token ``y_s``::
+
+    lambda_s = z[m(s), y_s] - logsumexp_v z[m(s), v]                          (Equation 17)
+
+where ``z`` [C, V] are the compact logit rows and ``m(s)`` the compact row of ``s``. The
+vocabulary-wide logsumexp runs once per compact row; each semantic position then reads one target
+logit. Backward (Equation 19)::
+
+    dz[c, :] = -(sum_{s: m(s)=c} g_s) softmax(z_c) + sum_{s: m(s)=c} g_s e_{y_s}
+
+Nothing of size S x V is allocated; the semantic side is O(S) scalars. Positions sharing a row keep
+their own labels and gradients (they are summed, never multiplied by a count). The log-probs come
+back in the original batch order: the non-terminal positions of trajectory 0, then trajectory 1,
+and so on (:class:`LogProbTargets`), attached to the autograd graph, so an unchanged objective
+(:mod:`harts_runtime.loss.objectives`) can consume them.
+
+Two implementations, each one function with an optional tensor-parallel (vocabulary) group:
+
+* :func:`mapped_logprobs` on materialised logits [C, V] (an online logsumexp over vocabulary
+  chunks, so no [C, V] float32 temporary; backward writes one [C, V] gradient chunk by chunk);
+* :func:`lm_head_logprobs`, the fused LM head the model uses: ``z = hidden @ W^T`` a row chunk at a
+  time, never keeping ``[N, V]`` logits, each chunk's logits recomputed in backward (a fused linear
+  cross-entropy).
+
+With ``group`` (vocabulary parallelism, Section 3.5) each TP rank holds the columns
+``[vocab_start, vocab_start + V_r)`` (logits, or rows of the LM-head weight) and labels are global
+ids. Each rank computes its local logsumexp ``l_r`` per row and the target logits it owns (zero
+elsewhere); then exactly two collectives of scalars run, whatever the chunking:
+
+1. ``all_reduce(MAX)`` of ``l_r`` (C floats): ``M``;
+2. ``all_reduce(SUM)`` of ``[exp(l_r - M), target]`` (C + P floats): ``lse = M + log(sum)``.
+
+No rank ever sees another rank's vocabulary columns. Backward needs no communication: the incoming
+gradient ``g`` [P] is the same on every TP rank (the objective is replicated), and each rank writes
+its own columns of Equation (19). Without a group the local logsumexp is the result (bit for bit
+the single-process computation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_CHUNK",
+    "ChunkedLMHeadLogProbs",
+    "LogProbTargets",
+    "MappedLogProbs",
+    "expanded_logprobs",
+    "lm_head_logprobs",
+    "mapped_logprobs",
+    "targets_from_batch",
+]
+
+DEFAULT_CHUNK = 8192
+"""Vocabulary columns per chunk of :func:`mapped_logprobs`: temporaries are [C, chunk] float32."""
+
+
+@dataclass(frozen=True)
+class LogProbTargets:
+    """The semantic side of mapped log-probs, in original batch order (O(S) integers).
+
+    Attributes
+    ----------
+    row_index : Tensor, int64, shape [P]
+        Compact logit row ``m(s)`` of every non-terminal semantic position.
+    labels : Tensor, int64, shape [P]
+        Next token ``y_s``.
+    positions : Tensor, int64, shape [P]
+        Flat semantic index ``s`` (``offsets[i] + p``) of each entry.
+    cu_seqlens : Tensor, int64, shape [N + 1]
+        Trajectory ``i`` owns entries ``[cu_seqlens[i], cu_seqlens[i + 1])`` (its ``len - 1``
+        positions).
+    num_semantic : int
+        S.
+    """
+
+    row_index: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+    num_semantic: int
+
+    def to(self, device) -> LogProbTargets:
+        return LogProbTargets(
+            self.row_index.to(device),
+            self.labels.to(device),
+            self.positions.to(device),
+            self.cu_seqlens.to(device),
+            self.num_semantic,
+        )
+
+    def to_semantic(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Scatter [P] values to [S] semantic positions (terminal positions get ``fill``)."""
+        out = values.new_full((self.num_semantic,), fill)
+        return out.index_copy(0, self.positions, values)
+
+
+def targets_from_batch(batch) -> LogProbTargets:
+    """Next-token targets of a :class:`harts_planner.RolloutBatch`: for each trajectory, positions
+    ``0 .. len - 2`` with the row ``compact_map[s]`` and label ``tokens[s + 1]``."""
+    off = np.asarray(batch.offsets, dtype=np.int64)
+    s = int(off[-1])
+    terminal = np.zeros(s, dtype=bool)
+    terminal[off[1:] - 1] = True
+    positions = np.nonzero(~terminal)[0]
+    rows = np.asarray(batch.compact_map, dtype=np.int64)[positions]
+    labels = np.asarray(batch.tokens, dtype=np.int64)[positions + 1]
+    cu = off - np.arange(len(off), dtype=np.int64)
+    t = torch.from_numpy
+    return LogProbTargets(t(rows), t(labels), t(positions), t(cu), s)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _owned(labels: torch.Tensor, vocab_start: int, v: int):
+    """Local column of every label and whether this rank's ``[vocab_start, vocab_start + v)`` has it."""
+    local = labels - vocab_start
+    return local, (local >= 0) & (local < v)
+
+
+def _combine_over_group(lse_local: torch.Tensor, target: torch.Tensor, group):
+    """The two collectives of the module docstring: ``(global lse [C], summed target [P])``."""
+    n = lse_local.numel()
+    top = lse_local.clone()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)  # C scalars
+    buf = torch.cat([torch.exp(lse_local - top), target])
+    dist.all_reduce(buf, group=group)  # C + P scalars
+    return top + buf[:n].log(), buf[n:]
+
+
+def _row_logsumexp(logits: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[C] logsumexp over the columns (float32; float64 for float64 logits), an online max/sum-exp
+    over column chunks."""
+    c, v = logits.shape
+    dt = _compute_dtype(logits.dtype)
+    m = torch.full((c,), float("-inf"), device=logits.device, dtype=dt)
+    acc = torch.zeros(c, device=logits.device, dtype=dt)
+    for a in range(0, v, chunk):
+        z = logits[:, a : a + chunk].to(dt)  # [C, chunk]
+        m_new = torch.maximum(m, z.amax(1))
+        acc = acc * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(1)
+        m = m_new
+    return m + acc.log()
+
+
+class MappedLogProbs(torch.autograd.Function):
+    """``lambda = logits[row_index, labels] - logsumexp(logits)[row_index]`` without S x V tensors.
+
+    forward(logits [C, V_r], row_index int64 [P], labels int64 [P], chunk int, vocab_start int,
+    group ProcessGroup | None) -> float32 (float64 for float64 logits) [P], equal on every rank of
+    ``group``. backward: d logits [C, V_r] (``logits.dtype``), chunked; nothing for the other inputs.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, row_index, labels, chunk, vocab_start, group):
+        v = logits.shape[1]
+        lse = _row_logsumexp(logits, chunk)  # [C] local
+        local, mine = _owned(labels, vocab_start, v)
+        if group is None:
+            target = logits[row_index, local].to(lse.dtype)  # [P]
+        else:
+            picked = logits[row_index, local.clamp(0, max(v - 1, 0))].to(lse.dtype)
+            target = torch.where(mine, picked, torch.zeros((), dtype=lse.dtype, device=logits.device))
+            lse, target = _combine_over_group(lse, target, group)
+        ctx.save_for_backward(logits, row_index, local, mine, lse)
+        ctx.chunk, ctx.grouped = chunk, group is not None
+        return target - lse[row_index]
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, row_index, local, mine, lse = ctx.saved_tensors
+        g = grad.to(lse.dtype)
+        row_grad = torch.zeros_like(lse).index_add_(0, row_index, g)  # [C] sum_s g_s
+        rows, cols, gs = (row_index[mine], local[mine], g[mine]) if ctx.grouped else (row_index, local, g)
+        # Target terms grouped by vocabulary chunk, so each chunk is finished in float32 and
+        # rounded to the logits' dtype once.
+        by_label = torch.argsort(cols)
+        sorted_cols = cols[by_label]
+        dlogits = torch.empty_like(logits)
+        chunk = ctx.chunk
+        bounds = torch.searchsorted(
+            sorted_cols, torch.arange(0, logits.shape[1] + chunk, chunk, device=cols.device)
+        ).tolist()
+        for i, a in enumerate(range(0, logits.shape[1], chunk)):
+            z = logits[:, a : a + chunk].to(lse.dtype)  # [C, chunk]
+            d = torch.exp(z - lse[:, None]).mul_(-row_grad[:, None])
+            sel = by_label[bounds[i] : bounds[i + 1]]
+            if sel.numel():
+                d.index_put_((rows[sel], cols[sel] - a), gs[sel], accumulate=True)
+            dlogits[:, a : a + chunk] = d
+        return dlogits, None, None, None, None, None
+
+
+def _targets(targets: LogProbTargets | tuple):
+    return (targets.row_index, targets.labels) if isinstance(targets, LogProbTargets) else targets
+
+
+def mapped_logprobs(
+    logits: torch.Tensor,
+    targets: LogProbTargets | tuple,
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    vocab_start: int = 0,
+    group=None,
+) -> torch.Tensor:
+    """Current log-probs of every non-terminal semantic position, in original batch order.
+
+    Parameters
+    ----------
+    logits : Tensor, shape [C, V] (with ``group``: [C, V_r], this rank's columns)
+        Compact logit rows (any float dtype; math in float32).
+    targets : LogProbTargets or (row_index [P], labels [P])
+        Semantic -> compact row map of the non-terminal positions and their next tokens (global
+        vocabulary ids).
+    chunk : int
+        Vocabulary columns per chunk.
+    vocab_start : int
+        First global vocabulary id of ``logits``' columns (0 without a group).
+    group : ProcessGroup, optional
+        The TP group over which the vocabulary is split (module docstring); None: single process.
+
+    Returns
+    -------
+    Tensor, float32 (float64 for float64 logits), shape [P]
+        ``log_softmax(logits[row_index[i]])[labels[i]]`` of the full vocabulary, equal on every rank
+        of ``group``; differentiable in ``logits``.
+    """
+    row_index, labels = _targets(targets)
+    return MappedLogProbs.apply(logits, row_index, labels, int(chunk), int(vocab_start), group)
+
+
+def expanded_logprobs(logits: torch.Tensor, targets: LogProbTargets | tuple) -> torch.Tensor:
+    """Trajectory-wise baseline: expand to [P, V] rows, ``log_softmax``, gather (allocates P x V)."""
+    row_index, labels = _targets(targets)
+    expanded = logits.index_select(0, row_index).float()  # [P, V]
+    return expanded.log_softmax(-1).gather(1, labels[:, None])[:, 0]
+
+
+class ChunkedLMHeadLogProbs(torch.autograd.Function):
+    """``lp[i] = z[r_i, y_i] - logsumexp(z[r_i])`` with ``z = hidden @ W^T``, row chunk by row chunk.
+
+    forward(hidden [N, D], weight [V_r, D], row_index [P], labels [P], order [P], bounds, rows,
+    vocab_start, group) -> float32 (float64 for float64 hidden) [P]. ``order``/``bounds`` from
+    :func:`harts_runtime.layout.rows.lm_chunks`. Logits are computed in the model dtype and reduced
+    in float32 (as :class:`MappedLogProbs` on materialised logits); a first pass over row chunks
+    keeps only each row's local logsumexp and the target logits this rank owns (``N + P`` scalars),
+    then (with a group) the two collectives of the module docstring run once per microbatch.
+    Backward recomputes each chunk's logits; ``dz = (onehot-sum - rowgrad * softmax)`` per chunk,
+    then ``dhidden = dz @ W`` (partial over the vocabulary with a group) and ``dW += dz^T @ hidden``
+    (fp32 accumulation); no collective.
+
+    With a group, ``hidden`` holds *all* N rows of the microbatch on every rank (the caller enters
+    the TP region with ``harts_runtime.parallel.comm.copy_to_tp``, or ``gather_rows`` under sequence
+    parallelism, whose backward sums the partial ``dhidden`` of the ranks).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, row_index, labels, order, bounds, rows, vocab_start, group):
+        acc = _compute_dtype(hidden.dtype)
+        n, v = hidden.shape[0], weight.shape[0]
+        lse = torch.empty(n, device=hidden.device, dtype=acc)
+        target = torch.zeros(row_index.numel(), device=hidden.device, dtype=acc)
+        zero = torch.zeros((), dtype=acc, device=hidden.device)
+        for i, a in enumerate(range(0, n, rows)):
+            z = (hidden[a : a + rows] @ weight.t()).to(acc)  # [r, V_r]
+            lse[a : a + rows] = torch.logsumexp(z, -1)
+            lo, hi = bounds[i], bounds[i + 1]
+            if hi > lo:
+                sel = order[lo:hi]
+                r = row_index[sel] - a
+                if group is None:
+                    target[sel] = z[r, labels[sel]]
+                else:
+                    local, mine = _owned(labels[sel], vocab_start, v)
+                    target[sel] = torch.where(mine, z[r, local.clamp(0, v - 1)], zero)
+        if group is not None:
+            lse, target = _combine_over_group(lse, target, group)
+        ctx.save_for_backward(hidden, weight, row_index, labels, order, lse)
+        ctx.bounds, ctx.rows, ctx.vocab_start, ctx.grouped = bounds, rows, vocab_start, group is not None
+        return target - lse[row_index]
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, row_index, labels, order, lse = ctx.saved_tensors
+        bounds, rows = ctx.bounds, ctx.rows
+        acc = lse.dtype
+        g = grad.to(acc)  # identical on every TP rank (replicated objective)
+        n, v = hidden.shape[0], weight.shape[0]
+        row_grad = torch.zeros(n, device=hidden.device, dtype=acc).index_add_(0, row_index, g)
+        dh = torch.empty_like(hidden)
+        dw = torch.zeros(weight.shape, device=weight.device, dtype=acc)
+        for i, a in enumerate(range(0, n, rows)):
+            h = hidden[a : a + rows]
+            z = (h @ weight.t()).to(acc)
+            d = torch.exp(z - lse[a : a + rows, None]).mul_(-row_grad[a : a + rows, None])
+            lo, hi = bounds[i], bounds[i + 1]
+            if hi > lo:
+                sel = order[lo:hi]
+                if ctx.grouped:
+                    local, mine = _owned(labels[sel], ctx.vocab_start, v)
+                    d.index_put_((row_index[sel][mine] - a, local[mine]), g[sel][mine], accumulate=True)
+                else:
+                    d.index_put_((row_index[sel] - a, labels[sel]), g[sel], accumulate=True)
+            d = d.to(hidden.dtype)
+            dh[a : a + rows] = d @ weight
+            dw.add_((d.t() @ h).to(acc))
+        return dh, dw.to(weight.dtype), None, None, None, None, None, None, None
+
+
+def lm_head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    row_index: torch.Tensor,
+    labels: torch.Tensor,
+    chunks: tuple,
+    rows: int,
+    *,
+    vocab_start: int = 0,
+    group=None,
+) -> torch.Tensor:
+    """Fused LM head + mapped log-probs (:class:`ChunkedLMHeadLogProbs`) of N rows.
+
+    Parameters
+    ----------
+    hidden : Tensor [N, D]
+        Final normed hidden rows (with ``group``: all N rows, on every rank).
+    weight : Tensor [V, D] (with ``group``: [V_r, D], this rank's vocabulary rows)
+    row_index, labels : Tensor int64 [P]
+        Row and (global) next token of every target.
+    chunks : (order Tensor [P], bounds list[int])
+        From :func:`harts_runtime.layout.rows.lm_chunks` for N rows and ``rows`` rows per chunk.
+    rows : int
+        Rows per chunk (temporaries are ``[rows, V_r]`` fp32).
+    vocab_start, group
+        As for :func:`mapped_logprobs`.
+
+    Returns
+    -------
+    Tensor float32 (float64 for float64 hidden) [P], equal on every rank of ``group``.
+    """
+    order, bounds = chunks[0].to(hidden.device), chunks[1]
+    return ChunkedLMHeadLogProbs.apply(
+        hidden, weight, row_index, labels, order, bounds, int(rows), int(vocab_start), group
+    )

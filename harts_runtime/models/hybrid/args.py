@@ -1,0 +1,208 @@
+"""The hybrid family's configuration and named flavors (as torchtitan's ``models/llama3/model/args.py``).
+
+:class:`ModelConfig` holds the shape, the layer pattern and the execution options of a
+:class:`harts_runtime.models.hybrid.model.HybridModel`; it validates itself on construction and
+raises :class:`~harts_runtime.errors.InvalidInputError` naming the field.
+
+Named flavors (:data:`FLAVORS`, :func:`model_config`): ``ling-tiny`` (Table 1; the table does not
+give head dims or the MLA ranks, so KDA uses 16 heads of 128 and MLA follows DeepSeek-V2-Lite:
+KV rank 512, 128 + 64 query/key dims, 128 value dims; sigmoid routing with an expert bias as in
+Ling 2.0) and ``debug`` (tiny, fp32, CPU). ``model_config("ling-tiny", num_layers=8)`` keeps the
+first 8 layers of the pattern (2 x (3 KDA + 1 MLA), layer 1 dense) for a smaller GPU run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from harts_runtime.errors import InvalidInputError
+
+__all__ = ["FFNS", "FLAVORS", "MIXERS", "ModelConfig", "model_config"]
+
+MIXERS = ("kda", "mla", "gqa")
+"""Token-mixer names of :attr:`ModelConfig.mixers` (the model's builder table has one entry each)."""
+FFNS = ("dense", "moe")
+"""FFN names of :attr:`ModelConfig.ffns`."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Shape, layer pattern and execution options of a :class:`HybridModel`."""
+
+    vocab_size: int = 64
+    """V."""
+    hidden_size: int = 32
+    """D."""
+    mixers: tuple = ("kda", "mla")
+    """Token mixer of each layer: ``kda`` (linear), ``mla`` or ``gqa`` (full attention)."""
+    ffns: tuple = ("dense", "moe")
+    """FFN of each layer: ``dense`` (SwiGLU) or ``moe`` (routed SwiGLU experts)."""
+    num_heads: int = 2
+    """Attention heads (MLA/GQA query heads and KDA heads)."""
+    # KDA
+    kda_head_dim: int = 8
+    """KDA key and value head dim (the state is K x V per head)."""
+    conv_size: int = 4
+    """KDA causal convolution width w."""
+    chunk_size: int = 8
+    """KDA chunk size B (32 or 64 on the Triton path)."""
+    # MLA
+    kv_lora_rank: int = 16
+    """MLA KV latent width."""
+    q_lora_rank: int | None = None
+    """MLA query latent width (None: direct query projection)."""
+    qk_nope_head_dim: int = 8
+    """MLA per-head query/key dims without RoPE."""
+    qk_rope_head_dim: int = 4
+    """MLA per-head query/key dims with RoPE."""
+    v_head_dim: int = 8
+    """MLA per-head value dim."""
+    # GQA
+    num_kv_heads: int | None = None
+    """GQA KV heads (None: MHA)."""
+    rope_theta: float = 10_000.0
+    """RoPE base."""
+    # FFN
+    dense_intermediate: int = 64
+    """Dense SwiGLU width."""
+    num_experts: int = 4
+    """E."""
+    top_k: int = 2
+    """Experts per row."""
+    expert_intermediate: int = 16
+    """Expert SwiGLU width."""
+    score_func: str = "softmax"
+    """Router scores: ``softmax`` or ``sigmoid``."""
+    norm_topk_prob: bool = False
+    """Renormalise the k selected scores."""
+    use_expert_bias: bool = False
+    """Aux-loss-free balancing bias (selection only)."""
+    aux_loss_coef: float = 1e-2
+    """Load-balancing loss weight."""
+    z_loss_coef: float = 1e-3
+    """Router z-loss weight."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    # execution
+    dtype: str = "float32"
+    """Parameter and activation dtype: ``float32`` or ``bfloat16`` (KDA states are always fp32)."""
+    attn_backend: str = "auto"
+    """Full-attention backend (``auto``: ``reference`` on CPU, ``varlen`` on CUDA)."""
+    kda_backend: str = "auto"
+    """KDA core backend (``auto``: Triton on CUDA, reference on CPU)."""
+    lm_head_rows: int = 2048
+    """Rows per LM-head chunk (temporaries are ``[rows, V]`` fp32)."""
+    init_std: float = 0.02
+    """Std of the normal init of linear and embedding weights."""
+
+    def __post_init__(self):
+        self.mixers, self.ffns = tuple(self.mixers), tuple(self.ffns)
+        if not self.mixers:
+            raise InvalidInputError("mixers", "needs at least one layer")
+        if len(self.mixers) != len(self.ffns):
+            raise InvalidInputError(
+                "ffns", f"needs one entry per layer ({len(self.mixers)}), got {len(self.ffns)}"
+            )
+        for i, m in enumerate(self.mixers):
+            if m not in MIXERS:
+                raise InvalidInputError(f"mixers[{i}]", f"unknown {m!r}; choose one of {MIXERS}")
+        for i, f in enumerate(self.ffns):
+            if f not in FFNS:
+                raise InvalidInputError(f"ffns[{i}]", f"unknown {f!r}; choose one of {FFNS}")
+        if self.dtype not in ("float32", "bfloat16", "float64"):
+            raise InvalidInputError("dtype", f"choose float32, bfloat16 or float64, got {self.dtype!r}")
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_heads",
+            "kda_head_dim",
+            "conv_size",
+            "chunk_size",
+            "lm_head_rows",
+        ):
+            if getattr(self, name) < 1:
+                raise InvalidInputError(name, f"must be >= 1, got {getattr(self, name)}")
+        if "moe" in self.ffns and not 1 <= self.top_k <= self.num_experts:
+            raise InvalidInputError(
+                "top_k", f"must be in [1, num_experts={self.num_experts}], got {self.top_k}"
+            )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.mixers)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+# ------------------------------------------------------------------------------- flavors
+def _ling_tiny(num_layers: int = 24) -> ModelConfig:
+    mixers = (("kda",) * 3 + ("mla",)) * 6
+    return ModelConfig(
+        vocab_size=157_184,
+        hidden_size=1536,
+        mixers=mixers[:num_layers],
+        ffns=(("dense",) + ("moe",) * 23)[:num_layers],
+        num_heads=16,
+        kda_head_dim=128,
+        conv_size=4,
+        chunk_size=64,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        dense_intermediate=4608,
+        num_experts=128,
+        top_k=8,
+        expert_intermediate=512,
+        score_func="sigmoid",
+        norm_topk_prob=True,
+        use_expert_bias=True,
+        aux_loss_coef=0.0,
+        z_loss_coef=1e-6,
+        dtype="bfloat16",
+        lm_head_rows=2048,
+    )
+
+
+def _debug(num_layers: int = 4) -> ModelConfig:
+    mixers = ("kda", "mla", "kda", "gqa")
+    return ModelConfig(
+        vocab_size=512,
+        mixers=(mixers * 8)[:num_layers],
+        ffns=(("dense", "moe", "moe", "dense") * 8)[:num_layers],
+        num_kv_heads=1,
+        lm_head_rows=16,
+    )
+
+
+FLAVORS = {"ling-tiny": _ling_tiny, "debug": _debug}
+"""Named flavors: a function of ``num_layers`` returning a :class:`ModelConfig`."""
+
+
+def model_config(flavor: str, num_layers: int | None = None, **overrides) -> ModelConfig:
+    """The config of a named flavor, optionally cut to its first ``num_layers`` layers.
+
+    Raises :class:`~harts_runtime.errors.InvalidInputError` (alias ``ConfigError``) naming
+    ``flavor``, ``num_layers`` or an override field.
+    """
+    if flavor not in FLAVORS:
+        raise InvalidInputError("flavor", f"unknown {flavor!r}; choose one of {sorted(FLAVORS)}")
+    cfg = FLAVORS[flavor]() if num_layers is None else FLAVORS[flavor](num_layers)
+    if num_layers is not None and (num_layers < 1 or cfg.num_layers != num_layers):
+        raise InvalidInputError(
+            "num_layers", f"flavor {flavor!r} supports 1..{cfg.num_layers} layers, got {num_layers}"
+        )
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    for name in overrides:
+        if name not in known:
+            raise InvalidInputError(name, "not a ModelConfig field")
+    return cfg.replace(**overrides) if overrides else cfg

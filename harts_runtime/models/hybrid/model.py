@@ -1,0 +1,223 @@
+"""Decoder-only hybrid-attention MoE model on compact rows (paper Sections 4, 5.1, Table 1).
+
+One model, two executions over the same rows abstraction (:class:`~harts_runtime.layout.rows.RowLayout`):
+
+* compact (HARTS): rows are the compact physical rows of one microbatch's call plan; KDA runs the
+  plan's rounds with replay and boundary-state handoffs, full attention reads ancestor-KV views,
+  MoE routes each row once with its multiplicity weighting the router statistics;
+* trajectory (baseline): rows are the microbatch's trajectories expanded and packed back to back;
+  KDA runs one packed call from zero states, attention views have no ancestors, multiplicities are 1.
+
+Block ``i`` (pre-norm): ``x += mixer_i(norm(x), layout); x += ffn_i(norm(x), layout)`` with
+``mixer_i`` in ``{"kda", "mla", "gqa"}`` and ``ffn_i`` in ``{"dense", "moe"}``, built from the
+tables :data:`MIXER_BUILDERS` and :data:`FFN_BUILDERS` (name -> builder of the layer from the
+:class:`~harts_runtime.models.hybrid.args.ModelConfig`); any order. Recomputation is block-level
+(:func:`harts_runtime.recompute.apply_recompute`); the MoE expert-load counts are accumulated once
+per forward, in :meth:`HybridModel.forward_hidden`, outside any checkpoint.
+
+The LM head never materialises ``[C, V]`` logits: :meth:`HybridModel.logprobs` computes the mapped
+log-probs of Equation 17 a row chunk at a time and recomputes each chunk's logits in backward
+(:func:`harts_runtime.loss.logprobs.lm_head_logprobs`, a fused linear cross-entropy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from harts_runtime.layers.attention import AttentionConfig, CompactAttention
+from harts_runtime.layers.ffn import DenseFFN
+from harts_runtime.layers.kda import KDAConfig, KDALayer
+from harts_runtime.layers.mla import CompactMLA, MLAConfig
+from harts_runtime.layers.moe import CompactMoE, MoEConfig, MoEOutput
+from harts_runtime.layout.rows import RowLayout, lm_chunks
+from harts_runtime.loss.logprobs import lm_head_logprobs
+from harts_runtime.models.hybrid.args import ModelConfig
+from harts_runtime.modules.norms import RMSNorm
+
+__all__ = ["FFN_BUILDERS", "MIXER_BUILDERS", "Block", "HybridModel"]
+
+
+def _kda(cfg: ModelConfig, attn_backend: str) -> nn.Module:
+    return KDALayer(
+        KDAConfig(
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_heads,
+            head_k_dim=cfg.kda_head_dim,
+            head_v_dim=cfg.kda_head_dim,
+            conv_size=cfg.conv_size,
+            chunk_size=cfg.chunk_size,
+            backend=cfg.kda_backend,
+        )
+    )
+
+
+def _mla(cfg: ModelConfig, attn_backend: str) -> nn.Module:
+    return CompactMLA(
+        MLAConfig(
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_heads,
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_nope_head_dim=cfg.qk_nope_head_dim,
+            qk_rope_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            q_lora_rank=cfg.q_lora_rank,
+            rope_theta=cfg.rope_theta,
+            backend=attn_backend,
+        )
+    )
+
+
+def _gqa(cfg: ModelConfig, attn_backend: str) -> nn.Module:
+    return CompactAttention(
+        AttentionConfig(
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            rope_theta=cfg.rope_theta,
+            backend=attn_backend,
+        )
+    )
+
+
+def _dense(cfg: ModelConfig) -> nn.Module:
+    return DenseFFN(cfg.hidden_size, cfg.dense_intermediate)
+
+
+def _moe(cfg: ModelConfig) -> nn.Module:
+    return CompactMoE(
+        MoEConfig(
+            hidden_size=cfg.hidden_size,
+            num_experts=cfg.num_experts,
+            top_k=cfg.top_k,
+            intermediate_size=cfg.expert_intermediate,
+            score_func=cfg.score_func,
+            norm_topk_prob=cfg.norm_topk_prob,
+            routed_scaling_factor=1.0,
+            use_expert_bias=cfg.use_expert_bias,
+            aux_loss_coef=cfg.aux_loss_coef,
+            z_loss_coef=cfg.z_loss_coef,
+            accumulate_counts=False,  # HybridModel.forward_hidden counts once, outside recomputation
+        )
+    )
+
+
+MIXER_BUILDERS: dict[str, Callable[[ModelConfig, str], nn.Module]] = {"kda": _kda, "mla": _mla, "gqa": _gqa}
+"""Mixer name -> ``builder(config, attention_backend)`` (one entry per name of ``args.MIXERS``)."""
+FFN_BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {"dense": _dense, "moe": _moe}
+"""FFN name -> ``builder(config)`` (one entry per name of ``args.FFNS``)."""
+
+
+class Block(nn.Module):
+    """Pre-norm block: mixer then FFN, each with a residual."""
+
+    def __init__(self, cfg: ModelConfig, mixer: str, ffn: str, attn_backend: str):
+        super().__init__()
+        self.mixer_kind, self.ffn_kind = mixer, ffn  # names, for profiler ranges and reports
+        self.norm1 = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.norm2 = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mixer = MIXER_BUILDERS[mixer](cfg, attn_backend)
+        self.ffn = FFN_BUILDERS[ffn](cfg)
+
+    def forward(self, x: torch.Tensor, layout: RowLayout):
+        """x [N, D] -> (x [N, D], router_loss scalar fp32, tokens_per_expert [E] or empty)."""
+        with record_function(f"harts.mixer.{self.mixer_kind}"):
+            x = x + self.mixer(self.norm1(x), layout)
+        h = self.norm2(x)
+        with record_function(f"harts.ffn.{self.ffn_kind}"):
+            out = self.ffn(h, layout)
+        if isinstance(out, MoEOutput):  # an FFN with router statistics
+            return x + out.hidden, out.router_loss.float(), out.tokens_per_expert
+        return x + out, x.new_zeros((), dtype=torch.float32), x.new_zeros(0, dtype=torch.float32)
+
+
+class HybridModel(nn.Module):
+    """Embedding, blocks, final RMSNorm and an untied LM head [V, D]."""
+
+    def __init__(self, config: ModelConfig, device=None):
+        super().__init__()
+        self.config = c = config
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        backend = c.attn_backend
+        if backend == "auto":
+            backend = "varlen" if dev.type == "cuda" else "reference"
+        with dev:  # build and initialise on the target device
+            self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+            self.blocks = nn.ModuleList(Block(c, m, f, backend) for m, f in zip(c.mixers, c.ffns))
+            self.norm = RMSNorm(c.hidden_size, c.norm_eps)
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+            self._init_weights()
+        self.to(device=dev, dtype=c.torch_dtype)
+        for moe in self.moe_layers():  # expert-load counts and the bias stay fp32 (exact counts)
+            moe.expert_bias.data = moe.expert_bias.data.float()
+            moe.local_tokens_per_expert.data = moe.local_tokens_per_expert.data.float()
+
+    def _init_weights(self):
+        std = self.config.init_std
+        for mod in self.modules():
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(mod.weight, std=std)
+                if getattr(mod, "bias", None) is not None:
+                    nn.init.zeros_(mod.bias)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def moe_layers(self) -> list[nn.Module]:
+        """The blocks' MoE FFNs (modules with expert-load counts), in block order."""
+        return [b.ffn for b in self.blocks if hasattr(b.ffn, "local_tokens_per_expert")]
+
+    def forward_hidden(self, layout: RowLayout):
+        """Rows -> final normed hidden states.
+
+        Returns ``(hidden [N, D], router_loss)``: ``router_loss`` is the sum over MoE layers of
+        their multiplicity-weighted ``aux_coef * aux + z_coef * z`` for this layout's rows (each
+        normalised by the layout's semantic-token count, as :mod:`harts_runtime.layers.moe` defines
+        it). In training mode the MoE expert-load counts are added to ``local_tokens_per_expert``
+        once (a recomputed block does not count twice).
+        """
+        x = self.embed(layout.need("input_ids"))
+        router = x.new_zeros((), dtype=torch.float32)
+        for block in self.blocks:
+            x, r, counts = block(x, layout)
+            router = router + r
+            if counts.numel() and self.training:
+                block.ffn.local_tokens_per_expert += counts.detach()
+        return self.norm(x), router
+
+    def logprobs(
+        self, hidden: torch.Tensor, row_index: torch.Tensor, labels: torch.Tensor, chunks: tuple | None = None
+    ) -> torch.Tensor:
+        """Mapped log-probs ``log_softmax(hidden @ W^T)[row_index, labels]`` (Equation 17) without
+        ``[N, V]`` logits; see :func:`harts_runtime.loss.logprobs.lm_head_logprobs`. ``chunks`` from
+        :func:`harts_runtime.layout.rows.lm_chunks`.
+
+        A head that provides its own ``mapped_logprobs(hidden, row_index, labels, chunks, rows)``
+        (the vocabulary-parallel head installed by ``harts_runtime.parallel``) computes them instead;
+        this keeps the single-process path free of any parallel import.
+        """
+        rows = self.config.lm_head_rows
+        head = getattr(self.lm_head, "mapped_logprobs", None)
+        if head is not None:
+            with record_function("harts.lm_head"):
+                return head(hidden, row_index, labels, chunks, rows)
+        if chunks is None:
+            chunks = lm_chunks(row_index.cpu().numpy(), hidden.shape[0], rows)
+        with record_function("harts.lm_head"):
+            return lm_head_logprobs(hidden, self.lm_head.weight, row_index, labels, chunks, rows)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full logits of some rows (evaluation only): [n, D] -> [n, V] in the model dtype (under
+        vocabulary parallelism the rows must be the same on every TP rank; the columns are gathered)."""
+        return self.lm_head(hidden)
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> None:
+        """Aux-loss-free bias step of every MoE layer (no-op without ``use_expert_bias``)."""
+        for moe in self.moe_layers():
+            if moe.config.use_expert_bias:
+                moe.update_expert_bias()

@@ -1,0 +1,175 @@
+"""A rollout batch plus the per-token RL metadata of one train step (:class:`StepInputs`).
+
+Per-token tensors have one entry per *non-terminal* semantic position (``P = S - N``) in original
+batch order: the positions ``0 .. len_i - 2`` of trajectory 0, then trajectory 1, ...; entry ``t``
+scores the next token. The step-level aggregation weights of the loss (``weights``: the
+denominators of ``loss_agg_mode`` computed once over the whole step) are what makes microbatch
+contributions add up to the whole-step loss (see :mod:`harts_runtime.train`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from harts_planner import RolloutBatch
+from harts_runtime.errors import InvalidInputError
+from harts_runtime.layout.views import TreeOrder
+from harts_runtime.loss.objectives import PolicyLossConfig, aggregation_weights, grpo_advantages, per_token
+
+__all__ = ["StepInputs"]
+
+
+@dataclass
+class StepInputs:
+    """A rollout batch plus per-token RL metadata, in original batch order.
+
+    Per-token tensors have one entry per *non-terminal* semantic position (``P = S - N``): the
+    positions ``0 .. len_i - 2`` of trajectory 0, then trajectory 1, ... (the order of
+    :func:`harts_runtime.logprobs.targets_from_batch`); entry ``t`` scores the next token.
+    """
+
+    batch: RolloutBatch
+    """The step's rollout batch (a ``harts_planner.RolloutBatch``)."""
+    advantages: torch.Tensor
+    """float32 [P] per-token advantages (GRPO: the trajectory's group-relative advantage)."""
+    loss_mask: torch.Tensor
+    """bool or float [P] action / loss mask."""
+    old_logprobs: torch.Tensor
+    """float32 [P] rollout-policy log-probs."""
+    ref_logprobs: torch.Tensor | None = None
+    """float32 [P] reference-policy log-probs (needed when the KL coefficient is non-zero)."""
+    group_ids: torch.Tensor | None = None
+    """int64 [N] GRPO group of each trajectory (metadata; the advantages are already per token)."""
+    objective: str = "grpo"
+    """``grpo`` or ``ppo``: the default :class:`PolicyLossConfig` when ``loss_config`` is None."""
+    loss_config: PolicyLossConfig | None = None
+    """Clip, KL and ``loss_agg_mode`` (None: the objective's defaults)."""
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        b = self.batch
+        if not isinstance(b, RolloutBatch):
+            raise InvalidInputError("batch", f"must be a harts_planner.RolloutBatch, got {type(b).__name__}")
+        if not b.has_tokens:
+            raise InvalidInputError(
+                "batch", "needs its tokens (a RolloutBatch built from a SegmentTree has none)"
+            )
+        n = b.num_trajectories
+        p = b.semantic_tokens - n
+        for name in ("advantages", "loss_mask", "old_logprobs", "ref_logprobs"):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != p:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise InvalidInputError(
+                    name, f"expected a 1-D tensor of P = S - N = {p} entries, got {shape}"
+                )
+        if self.group_ids is not None and self.group_ids.numel() != n:
+            raise InvalidInputError("group_ids", f"expected {n} entries, got {self.group_ids.numel()}")
+        if self.objective not in ("grpo", "ppo"):
+            raise InvalidInputError("objective", f"choose grpo or ppo, got {self.objective!r}")
+        if self.config.kl_coef and self.ref_logprobs is None:
+            raise InvalidInputError("ref_logprobs", "required when kl_coef != 0")
+
+    # ------------------------------------------------------------------ derived (cached)
+    @property
+    def config(self) -> PolicyLossConfig:
+        """The effective policy-loss config."""
+        if self.loss_config is not None:
+            return self.loss_config
+        if self.objective == "grpo":
+            return PolicyLossConfig(kl_coef=0.001, loss_agg_mode="seq-mean-token-mean")
+        return PolicyLossConfig(clip_ratio_c=3.0, loss_agg_mode="token-mean")
+
+    @property
+    def num_targets(self) -> int:
+        """P."""
+        return self.batch.semantic_tokens - self.batch.num_trajectories
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """int64 [N + 1]: trajectory i owns per-token entries ``[cu[i], cu[i + 1])``."""
+        off = np.asarray(self.batch.offsets, dtype=np.int64)
+        return torch.from_numpy(off - np.arange(len(off), dtype=np.int64))
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """float32 [P] step-level aggregation weights (float64
+        :func:`~harts_runtime.loss.objectives.aggregation_weights` of the whole step, rounded once)."""
+        if "weights" not in self._cache:
+            cfg = self.config
+            self._cache["weights"] = aggregation_weights(
+                self.loss_mask.cpu(), self.cu_seqlens, cfg.loss_agg_mode, cfg.loss_norm
+            ).float()
+        return self._cache["weights"]
+
+    def _host(self, name: str, make):
+        if name not in self._cache:
+            self._cache[name] = make()
+        return self._cache[name]
+
+    @property
+    def row_token(self) -> np.ndarray:
+        """int64 [C]: the token of every batch compact row."""
+
+        def make():
+            out = np.empty(self.batch.compact_tokens, dtype=np.int64)
+            out[np.asarray(self.batch.compact_map, dtype=np.int64)] = np.asarray(
+                self.batch.tokens, dtype=np.int64
+            )
+            return out
+
+        return self._host("row_token", make)
+
+    @property
+    def tree(self) -> TreeOrder:
+        """Preorder coordinates of the batch rows (ancestor test for tree-mask backends)."""
+        return self._host("tree", lambda: TreeOrder.from_batch(self.batch))
+
+    def device_metadata(self, device) -> dict:
+        """advantages, old/ref log-probs and weights on ``device`` (moved once per device)."""
+        key = ("meta", str(device))
+        if key not in self._cache:
+            mv = lambda t: None if t is None else t.to(device=device, dtype=torch.float32)
+            self._cache[key] = {
+                "advantages": mv(self.advantages),
+                "old_logprobs": mv(self.old_logprobs),
+                "ref_logprobs": mv(self.ref_logprobs),
+                "weights": mv(self.weights),
+            }
+        return self._cache[key]
+
+    @classmethod
+    def synthetic(
+        cls,
+        batch,
+        seed: int = 0,
+        objective: str = "grpo",
+        mask_prob: float = 0.8,
+        old_logprobs: torch.Tensor | None = None,
+        vocab_size: int | None = None,
+    ) -> StepInputs:
+        """Random RL metadata for a batch: rewards per trajectory, GRPO advantages over tree groups,
+        a Bernoulli loss mask, old log-probs near ``-log V`` (or the given ones), reference log-probs
+        near the old ones."""
+        rng = np.random.default_rng(seed)
+        n = batch.num_trajectories
+        p = batch.semantic_tokens - n
+        groups = torch.from_numpy(np.asarray(batch.component, dtype=np.int64))
+        rewards = torch.from_numpy(rng.standard_normal(n)).float()
+        off = np.asarray(batch.offsets, dtype=np.int64)
+        cu = torch.from_numpy(off - np.arange(len(off), dtype=np.int64))
+        adv = per_token(grpo_advantages(rewards, groups), cu).float()
+        mask = torch.from_numpy(rng.random(p) < mask_prob)
+        base = -float(np.log(vocab_size or 1000))
+        old = (
+            old_logprobs
+            if old_logprobs is not None
+            else torch.from_numpy(base + 0.1 * rng.standard_normal(p)).float()
+        )
+        ref = old + torch.from_numpy(0.05 * rng.standard_normal(p)).float()
+        return cls(batch, adv, mask, old.float(), ref, groups, objective)
