@@ -298,11 +298,3 @@ def step_logprobs(
         _, lp, _ = forward_microbatch(model, mb, no_replay=no_replay)
         out[mb.target_index] = lp
     return out
-
-
-def main(argv=None) -> int:
-    """Transitional: ``harts_runtime.cli.main`` (``harts-train``) for ``harts-planner demo`` until it
-    calls :func:`harts_runtime.train_demo`; remove with that change."""
-    from harts_runtime.cli import main as cli_main
-
-    return cli_main(argv)
