@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from harts_planner.synth import random_trajectories  # the suites' one random-tree generator
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.views import (
     AttentionViews,
@@ -116,26 +117,6 @@ def make_batch(trajectories):
     except ImportError:
         return SimpleBatch(trajectories)
     return RolloutBatch.from_token_lists(trajectories)
-
-
-def random_trajectories(
-    rng: np.random.Generator, num: int = 8, vocab: int = 5, max_new: int = 6, new_tree_prob: float = 0.15
-) -> list[list[int]]:
-    """Trajectories of a random forest: each one copies a random prefix of an earlier one and appends
-    0..``max_new`` random tokens (so forks, prefix trajectories and exact duplicates all occur), or
-    starts a new tree. A small ``vocab`` adds accidental sharing.
-    """
-    trajs = [rng.integers(0, vocab, int(rng.integers(2, 2 + max_new))).tolist()]
-    while len(trajs) < num:
-        if rng.random() < new_tree_prob:
-            trajs.append(rng.integers(0, vocab, int(rng.integers(1, 2 + max_new))).tolist())
-            continue
-        base = trajs[int(rng.integers(len(trajs)))]
-        cut = int(rng.integers(1, len(base) + 1))
-        extra = rng.integers(0, vocab, int(rng.integers(0, max_new + 1))).tolist()
-        trajs.append(base[:cut] + extra)
-    rng.shuffle(trajs)
-    return trajs
 
 
 def random_batch(seed: int, **kwargs):

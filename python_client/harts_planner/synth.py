@@ -47,6 +47,14 @@ under 65,536 compact tokens (roughly one in ten is larger).
 
 Determinism: the same preset, seed and overrides give byte-identical arrays (one
 ``numpy.random.Generator(PCG64(seed))`` drives every draw).
+
+Small random forests for tests
+------------------------------
+:func:`random_trajectories` is the one random-tree generator of the test suites (planner, sidecar,
+runtime): each trajectory copies a random prefix of an earlier one and extends it, so forks inside
+segments, prefix trajectories and exact duplicates all occur. It draws through three methods of
+``rng`` only (``integers``, ``random``, ``shuffle``), so a ``numpy.random.Generator`` drives it in
+seeded tests and hypothesis drives it, with shrinking, through an adapter (``tests/trees.py``).
 """
 
 from __future__ import annotations
@@ -58,7 +66,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PRESETS", "SynthBatch", "SynthConfig", "generate"]
+__all__ = ["PRESETS", "SynthBatch", "SynthConfig", "generate", "random_trajectories"]
 
 IntRange = tuple[int, int]
 ProgressFn = Callable[[int, int], None]
@@ -607,3 +615,54 @@ def generate(
         seed=seed,
         compact_tokens_expected=len(pool),
     )
+
+
+def random_trajectories(
+    rng,
+    num: int = 8,
+    vocab: int = 5,
+    max_new: int = 6,
+    new_tree_prob: float = 0.15,
+    *,
+    min_new: int = 0,
+    first_len: tuple[int, int] | None = None,
+    tokens: Callable[[int], list[int]] | None = None,
+) -> list[list[int]]:
+    """Trajectories of a small random forest, for property tests and fuzzing.
+
+    The first trajectory has ``first_len`` tokens (uniform in ``[lo, hi]``; default
+    ``[2, max_new + 1]``). Each further one starts a new tree with probability ``new_tree_prob``
+    (``1 .. max_new + 1`` tokens), or copies a prefix of ``1 .. len`` tokens of a uniformly chosen
+    earlier trajectory and appends ``min_new .. max_new`` tokens. The list is shuffled at the end.
+
+    Parameters
+    ----------
+    rng : numpy.random.Generator, or any object with ``integers(lo, hi[, size])`` (``hi``
+        exclusive), ``random()`` and ``shuffle(list)``
+    num : int
+        Number of trajectories (>= 1).
+    vocab : int
+        New tokens are uniform in ``[0, vocab)``; a small vocabulary adds accidental sharing.
+    tokens : callable, optional
+        ``tokens(n)`` returns the ``n`` new tokens instead (e.g. ids never used before, so that the
+        only sharing is the copied prefixes).
+
+    Returns
+    -------
+    list of list of int
+        ``num`` non-empty trajectories.
+    """
+    if num < 1:
+        raise ValueError(f"num: must be >= 1, got {num}")
+    draw_tokens = tokens or (lambda n: [int(x) for x in rng.integers(0, vocab, n)])
+    lo, hi = first_len if first_len is not None else (2, max_new + 1)
+    trajs = [draw_tokens(int(rng.integers(lo, hi + 1)))]
+    while len(trajs) < num:
+        if rng.random() < new_tree_prob:
+            trajs.append(draw_tokens(int(rng.integers(1, 2 + max_new))))
+            continue
+        base = trajs[int(rng.integers(0, len(trajs)))]
+        cut = int(rng.integers(1, len(base) + 1))
+        trajs.append(base[:cut] + draw_tokens(int(rng.integers(min_new, max_new + 1))))
+    rng.shuffle(trajs)
+    return trajs

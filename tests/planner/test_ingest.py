@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from trees import forests
 from trie_oracle import naive_ingest, subset_work
 
 import harts_planner as hp
@@ -16,18 +17,8 @@ trajectory = st.lists(token, min_size=1, max_size=7)
 batches = st.lists(trajectory, min_size=1, max_size=9)
 
 
-@st.composite
-def tree_batches(draw):
-    trajs = [draw(trajectory)]
-    for _ in range(draw(st.integers(0, 8))):
-        base = trajs[draw(st.integers(0, len(trajs) - 1))]
-        cut = draw(st.integers(0, len(base)))
-        tail = draw(st.lists(token, min_size=0 if cut else 1, max_size=5))
-        trajs.append(base[:cut] + tail)
-    return trajs
-
-
-any_batch = st.one_of(batches, tree_batches())
+# Forests (copied prefixes, forks, duplicates) from the suites' one generator, tokens 0..2 as above.
+any_batch = st.one_of(batches, forests(max_num=9, vocab=3, max_new=5))
 
 
 @settings(max_examples=300, deadline=None)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from trees import forests
 
 import harts_planner as hp
 from harts_planner import PackedTokens, RolloutBatch, SegmentTree
@@ -39,7 +40,10 @@ BATCH_ARRAYS = [
     "offsets",
 ]
 
-trajectories = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=7), min_size=1, max_size=14)
+trajectories = st.one_of(
+    st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=7), min_size=1, max_size=14),
+    forests(max_num=14, vocab=3, max_new=6),  # copied prefixes: deep forks, prefixes, duplicates
+)
 
 
 def assert_same_batch(a: RolloutBatch, b: RolloutBatch) -> None:

@@ -8,8 +8,6 @@ when the layer is recomputed in backward (``torch.utils.checkpoint``, as ``apply
 a block).
 """
 
-import random
-
 import numpy as np
 import pytest
 import torch
@@ -20,6 +18,7 @@ import harts_runtime.layers.kda as kda_mod
 from harts_runtime.layers.kda import KDAConfig, KDALayer
 from harts_runtime.layout import KDAExecutionPlan, RowLayout
 from harts_runtime.testing import FreshTokens as Tokens
+from harts_runtime.testing import random_trajectories
 
 B = 8  # small chunk so that trees stay small
 D = 16
@@ -75,16 +74,15 @@ def binary_tree(t=None, depth=3, seg=B + 3):
 
 
 def random_tree(t, rng, n=8, length=30):
-    trajs = [t(rng.randint(5, length))]
-    for _ in range(n - 1):
-        parent = rng.choice(trajs)
-        p = rng.randint(1, len(parent) - 1)
-        trajs.append(parent[:p] + t(rng.randint(1, length)))
-    return trajs
+    """One tree of ``n`` trajectories from the suites' generator: prefixes copied, fresh tokens appended
+    (so the only sharing is the copied prefixes), first trajectory 5..length tokens, tails 1..length."""
+    return random_trajectories(
+        rng, n, max_new=length, new_tree_prob=0.0, min_new=1, first_len=(5, length), tokens=t
+    )
 
 
 def many_trees():
-    t, rng = Tokens(), random.Random(7)
+    t, rng = Tokens(), np.random.default_rng(7)
     out = forks_around_chunk_boundary(t) + deep_chain(t, depth=4) + high_fan_out(t)
     for _ in range(4):
         out += random_tree(t, rng)
@@ -94,10 +92,10 @@ def many_trees():
 
 def random_forest_seed(seed):
     def build():
-        t, rng = Tokens(), random.Random(seed)
+        t, rng = Tokens(), np.random.default_rng(seed)
         out = []
         for _ in range(3):
-            out += random_tree(t, rng, n=rng.randint(2, 9), length=3 * B)
+            out += random_tree(t, rng, n=int(rng.integers(2, 10)), length=3 * B)
         return out
 
     return build
