@@ -58,3 +58,29 @@ def test_wire_tables_cover_every_plan_field():
     assert set(step_plan.ARRAY_FIELDS) <= wire_step
     for name, dtype in step_plan.ARRAY_FIELDS.items():
         assert getattr(step._native, name).dtype == np.dtype(dtype), name
+
+
+def test_test_file_basenames_are_unique():
+    """pytest imports test files by basename (no __init__.py in tests/): two equal names in different
+    area folders fail collection."""
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def test_license_file_matches_pyproject():
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert meta["license"]["text"] == "Apache-2.0"
+    assert "Apache License" in (ROOT / "LICENSE").read_text().split("Version 2.0")[0]
+
+
+def test_lint_stage_runs_first_in_ci_and_pins_its_tools():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert ci.index("bash .ci/lint") < ci.index(_quickstart_lines()[1])
+    lint = (ROOT / ".ci" / "lint").read_text()
+    for check in ("ruff check", "ruff format --check", "clang-format --dry-run -Werror"):
+        assert check in lint
+    assert "RUFF_VERSION=" in lint and "CLANG_FORMAT_VERSION=" in lint
