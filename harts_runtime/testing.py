@@ -16,7 +16,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from harts_planner.synth import random_trajectories  # the suites' one random-tree generator
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.views import (
     AttentionViews,
@@ -117,6 +116,14 @@ def make_batch(trajectories):
     except ImportError:
         return SimpleBatch(trajectories)
     return RolloutBatch.from_token_lists(trajectories)
+
+
+def random_trajectories(rng, num: int = 8, **kwargs) -> list[list[int]]:
+    """The suites' one random-tree generator, :func:`harts_planner.synth.random_trajectories`
+    (imported on call: importing this module needs no planner, see :class:`SimpleBatch`)."""
+    from harts_planner.synth import random_trajectories as generate
+
+    return generate(rng, num, **kwargs)
 
 
 def random_batch(seed: int, **kwargs):
