@@ -232,24 +232,16 @@ class PlannerServicer:
         response = pb.PlanStepResponse(plan=codec.encode_step_plan(plan))
         if args["call_plans"]:
             response.call_plans.extend(codec.encode_call_plan(c) for c in plan.call_plans())
-        t2 = time.perf_counter()
-        response.stats.CopyFrom(
-            codec.stats_message(
-                batch,
-                decode_seconds=decode_s,
-                ingest_seconds=ingest_s,
-                plan_seconds=t1 - t0,
-                encode_seconds=t2 - t1,
-            )
-        )
-        record.update(
+        _finish(
+            response,
+            record,
+            batch,
+            (decode_s, ingest_s, t1 - t0, time.perf_counter() - t1),
             dp_size=args["dp_size"],
             capacity=args["capacity"],
             microbatches=plan.num_microbatches,
             total_work=plan.total_work,
             call_plans=args["call_plans"],
-            plan_ms=round((t1 - t0) * 1e3, 3),
-            encode_ms=round((t2 - t1) * 1e3, 3),
         )
         return response
 
@@ -267,24 +259,32 @@ class PlannerServicer:
         t1 = time.perf_counter()
         self._check_deadline(context, "encoding")
         response = pb.PlanCallsResponse(plan=codec.encode_call_plan(plan, debug=args["debug"]))
-        t2 = time.perf_counter()
-        response.stats.CopyFrom(
-            codec.stats_message(
-                batch,
-                decode_seconds=decode_s,
-                ingest_seconds=ingest_s,
-                plan_seconds=t1 - t0,
-                encode_seconds=t2 - t1,
-            )
-        )
-        record.update(
+        _finish(
+            response,
+            record,
+            batch,
+            (decode_s, ingest_s, t1 - t0, time.perf_counter() - t1),
             chunk_size=args["chunk_size"],
             calls=plan.num_calls,
             replay_tokens=plan.replay_tokens,
-            plan_ms=round((t1 - t0) * 1e3, 3),
-            encode_ms=round((t2 - t1) * 1e3, 3),
         )
         return response
+
+
+def _finish(response, record: dict, batch, seconds: tuple, **fields) -> None:
+    """Both RPCs' epilogue: the response's PlanStats (``seconds`` = decode, ingest, plan, encode)
+    and the request's log record (its ``fields`` plus plan and encode milliseconds)."""
+    decode_s, ingest_s, plan_s, encode_s = seconds
+    response.stats.CopyFrom(
+        codec.stats_message(
+            batch,
+            decode_seconds=decode_s,
+            ingest_seconds=ingest_s,
+            plan_seconds=plan_s,
+            encode_seconds=encode_s,
+        )
+    )
+    record.update(fields, plan_ms=round(plan_s * 1e3, 3), encode_ms=round(encode_s * 1e3, 3))
 
 
 # ---------------------------------------------------------------------------------- server
