@@ -28,7 +28,7 @@ class StepInputs:
 
     Per-token tensors have one entry per *non-terminal* semantic position (``P = S - N``): the
     positions ``0 .. len_i - 2`` of trajectory 0, then trajectory 1, ... (the order of
-    :func:`harts_runtime.logprobs.targets_from_batch`); entry ``t`` scores the next token.
+    :func:`harts_runtime.loss.logprobs.targets_from_batch`); entry ``t`` scores the next token.
     """
 
     batch: RolloutBatch
