@@ -99,7 +99,9 @@ def train_modes(
     for i in range(steps):
         row: dict = {"step": i}
         for mode in modes:
-            with tqdm(desc=f"step {i} {mode[:4]}", unit="mb", disable=json_lines, leave=False) as bar:
+            # disable=None: a bar on a terminal only (not in logs or pipes)
+            bar_off = True if json_lines else None
+            with tqdm(desc=f"step {i} {mode[:4]}", unit="mb", disable=bar_off, leave=False) as bar:
 
                 def progress(done, total, bar=bar):
                     bar.total = total
