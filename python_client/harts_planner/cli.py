@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -230,17 +231,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from harts_planner.rpc import limits
     from harts_planner.rpc.server import serve
 
-    limit = args.max_message_bytes if args.max_message_bytes else args.max_message_mb * (1 << 20)
-    return serve(
+    message = args.max_message_bytes if args.max_message_bytes else args.max_message_mb * limits.MiB
+    message = min(message, 2**31 - 1)  # --max-message-mb 2047 is 2^31 - 2^20; gRPC's bound is 2^31 - 1
+    bounds = limits.Limits(
+        max_rows=args.max_rows,
+        max_plan_memory_bytes=args.max_plan_memory_mb * limits.MiB,
+        max_response_bytes=None if args.max_response_mb is None else args.max_response_mb * limits.MiB,
+        max_inflight_bytes=args.max_inflight_mb * limits.MiB,
+        max_queued=args.max_queued,
+    )
+    code = serve(
         args.host,
         args.port,
         workers=args.workers,
-        max_message_bytes=limit,
+        max_message_bytes=message,
         grace=args.grace,
         log_format=args.log_format,
+        limits=bounds,
     )
+    if code != 0:  # a cancelled plan did not stop: a normal exit would wait for its thread
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -357,14 +373,148 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------- argument types
+# Every option value is checked where it is given (argparse ``type=``): a bad one ends the command
+# before any work with one line, ``harts-planner <command>: error: argument --dp: must be >= 1, got 0``.
+INT64_MAX = 2**63 - 1
+
+
+def _range_text(lo, hi) -> str:
+    if lo is not None and hi is not None:
+        return f"must be in [{lo}, {hi}]"
+    return f"must be >= {lo}" if lo is not None else f"must be <= {hi}"
+
+
+def int_arg(lo: int | None = None, hi: int | None = INT64_MAX):
+    """An argparse type: a decimal integer in ``[lo, hi]`` (int64 unless ``hi`` says otherwise)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"{_range_text(lo, hi)}, got {value}")
+        return value
+
+    return parse
+
+
+def float_arg(lo: float = 0.0, hi: float = 1e9):
+    """An argparse type: a finite number in ``[lo, hi]``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not lo <= value <= hi:  # also NaN
+            raise argparse.ArgumentTypeError(f"must be in [{lo:g}, {hi:g}], got {text}")
+        return value
+
+    return parse
+
+
+def _batch_formats() -> tuple[str, ...]:
+    from harts_planner.batch_io import FORMATS
+
+    return tuple(FORMATS)
+
+
+def _suffix_of(text: str) -> str:
+    return os.path.splitext(text)[1].lower()
+
+
+def input_batch(text: str) -> str:
+    """An argparse type: an existing, readable batch file (``.hrb`` or ``.jsonl``)."""
+    if _suffix_of(text) not in _batch_formats():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: not a batch file; the name must end in {' or '.join(_batch_formats())}"
+        )
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: no such file")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: is a directory, not a batch file")
+    if not os.access(text, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: not readable")
+    return text
+
+
+def output_file(suffixes: tuple[str, ...] | None = None):
+    """An argparse type: a file path to write (its directory exists, it is not a directory, and its
+    name ends in one of ``suffixes`` when given)."""
+
+    def parse(text: str) -> str:
+        choices = _batch_formats() if suffixes is None else suffixes
+        if choices and _suffix_of(text) not in choices:
+            raise argparse.ArgumentTypeError(f"{text!r}: the name must end in {' or '.join(choices)}")
+        if os.path.isdir(text):
+            raise argparse.ArgumentTypeError(f"{text!r}: is a directory")
+        parent = os.path.dirname(os.path.abspath(text))
+        if not os.path.isdir(parent):
+            raise argparse.ArgumentTypeError(f"{text!r}: directory {parent!r} does not exist")
+        return text
+
+    return parse
+
+
+def json_destination(text: str) -> str:
+    """``-`` (stdout) or a file path to write."""
+    return text if text == "-" else output_file(())(text)
+
+
+def target_arg(text: str) -> str:
+    """An argparse type: a sidecar address ``host:port`` (``[v6]:port``), or a gRPC target with a
+    scheme (``unix:PATH``, ``dns:///host:port``)."""
+    if text.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")):
+        return text
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or host in ("[", "[]"):
+        raise argparse.ArgumentTypeError(f"must be HOST:PORT, got {text!r}")
+    try:
+        number = int(port, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"port of {text!r} must be an integer, got {port!r}") from None
+    if not 1 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"port of {text!r} must be in [1, 65535], got {number}")
+    return text
+
+
+def host_arg(text: str) -> str:
+    """An argparse type: a host name or address to bind (no port, no spaces)."""
+    bare = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    if not bare or any(c.isspace() for c in bare) or ("/" in bare):
+        raise argparse.ArgumentTypeError(f"must be a host name or address, got {text!r}")
+    return bare
+
+
+def _presets() -> list[str]:
+    from harts_planner.synth import PRESETS
+
+    return sorted(PRESETS)
+
+
+# ---------------------------------------------------------------------------------- the parser
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: ``PROG: error: MESSAGE (see PROG --help)``."""
+
+    def error(self, message: str):  # noqa: D102 (argparse API)
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _step_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("file", help="a batch file (.hrb or .jsonl, see `harts-planner synth`)")
-    p.add_argument("--dp", type=int, default=1, help="DP degree D (default 1)")
+    p.add_argument("file", type=input_batch, help="a batch file (.hrb or .jsonl, see `harts-planner synth`)")
+    p.add_argument("--dp", type=int_arg(1), default=1, help="DP degree D (default 1)")
     p.add_argument(
-        "--capacity", type=int, default=65536, help="compact tokens per microbatch T (default 65536)"
+        "--capacity", type=int_arg(1), default=65536, help="compact tokens per microbatch T (default 65536)"
     )
-    p.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk size B (default 64)")
-    p.add_argument("--target", help="host:port of a sidecar (default: plan in-process)")
+    p.add_argument(
+        "--chunk-size",
+        type=int_arg(1, 1 << 20),
+        default=64,
+        help="linear-attention chunk size B in [1, 2^20] (default 64)",
+    )
+    p.add_argument("--target", type=target_arg, help="host:port of a sidecar (default: plan in-process)")
     p.add_argument(
         "--request",
         choices=("tree", "tokens"),
@@ -374,22 +524,29 @@ def _step_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from harts_planner.rpc import limits
+
+    p = _Parser(
         prog="harts-planner", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    presets = _presets()
 
     d = sub.add_parser("demo", help="generate a SWE-like synthetic step, ingest it, print a summary")
-    d.add_argument("--preset", default="swe-like", help="synthetic preset (default: swe-like)")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument(
+        "--preset", default="swe-like", choices=presets, help="synthetic preset (default: swe-like)"
+    )
+    d.add_argument("--seed", type=int_arg(0), default=0, help="generator seed >= 0 (default 0)")
     d.add_argument("--json", action="store_true", help="print the summary as JSON")
     d.add_argument("--quiet", action="store_true", help="no progress bars")
-    d.add_argument("--dp", type=int, default=2, help="DP degree D of the step plan (default 2)")
-    d.add_argument("--capacity", type=int, default=65_536, help="microbatch capacity T in compact tokens")
-    d.add_argument("--chunk-size", type=int, default=64, help="KDA chunk size B")
+    d.add_argument("--dp", type=int_arg(1), default=2, help="DP degree D of the step plan (default 2)")
+    d.add_argument(
+        "--capacity", type=int_arg(1), default=65_536, help="microbatch capacity T in compact tokens"
+    )
+    d.add_argument("--chunk-size", type=int_arg(1, 1 << 20), default=64, help="KDA chunk size B")
     d.add_argument(
         "--model-steps",
-        type=int,
+        type=int_arg(0, 1_000_000),
         default=1,
         help="training steps of the debug model, compact vs trajectory (needs torch; 0 = skip; "
         "not with --json)",
@@ -397,10 +554,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("synth", help="write a synthetic batch (.hrb or .jsonl)")
-    s.add_argument("output")
-    s.add_argument("--preset", default="swe-like")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--quiet", action="store_true")
+    s.add_argument("output", type=output_file(), help="file to write, OUT.hrb or OUT.jsonl")
+    s.add_argument(
+        "--preset", default="swe-like", choices=presets, help="synthetic preset (default swe-like)"
+    )
+    s.add_argument("--seed", type=int_arg(0), default=0, help="generator seed >= 0 (default 0)")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_synth)
 
     pl = sub.add_parser("plan", help="plan a saved batch; print a summary table (or --json)")
@@ -411,45 +570,99 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="run the gRPC planner sidecar")
     sv.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)"
+        "--host",
+        type=host_arg,
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1; 0.0.0.0 for all)",
     )
-    sv.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 picks a free one)")
-    sv.add_argument("--workers", type=int, default=None, help="planner threads (default: one per core, >= 2)")
+    sv.add_argument(
+        "--port",
+        type=int_arg(0, 65535),
+        default=50051,
+        help="port in [0, 65535] (default 50051; 0 picks a free one)",
+    )
+    sv.add_argument(
+        "--workers", type=int_arg(1, 1024), default=None, help="planner threads (default: one per core, >= 2)"
+    )
     sv.add_argument(
         "--max-message-mb",
-        type=int,
+        type=int_arg(1, limits.MAX_MESSAGE_MB),
         default=1024,
-        help="largest request/response in MiB (default 1024: a 59M-token step is 236 MB)",
+        help=f"largest request/response in MiB, at most {limits.MAX_MESSAGE_MB} (default 1024: a 59M-token "
+        "step is 236 MB)",
     )
-    sv.add_argument("--max-message-bytes", type=int, default=None, help=argparse.SUPPRESS)
+    sv.add_argument("--max-message-bytes", type=int_arg(1, 2**31 - 1), default=None, help=argparse.SUPPRESS)
+    sv.add_argument(
+        "--max-rows",
+        type=int_arg(1, 2**40),
+        default=limits.DEFAULT.max_rows,
+        help="most rows (compact + replay) of the call plans one request may ask for "
+        f"(default {limits.DEFAULT.max_rows:,})",
+    )
+    sv.add_argument(
+        "--max-plan-memory-mb",
+        type=int_arg(1, 1 << 30),
+        default=limits.DEFAULT.max_plan_memory_bytes >> 20,
+        help="most server memory one request's plan may need, estimated before planning "
+        f"(default {limits.DEFAULT.max_plan_memory_bytes >> 20})",
+    )
+    sv.add_argument(
+        "--max-response-mb",
+        type=int_arg(1, limits.MAX_MESSAGE_MB),
+        default=None,
+        help="largest response, estimated before planning (default: --max-message-mb)",
+    )
+    sv.add_argument(
+        "--max-inflight-mb",
+        type=int_arg(1, 1 << 30),
+        default=limits.DEFAULT.max_inflight_bytes >> 20,
+        help="most request bytes held at once, queued or planning "
+        f"(default {limits.DEFAULT.max_inflight_bytes >> 20})",
+    )
+    sv.add_argument(
+        "--max-queued",
+        type=int_arg(0, 4096),
+        default=limits.DEFAULT.max_queued,
+        help=f"requests that may wait for a planner thread (default {limits.DEFAULT.max_queued}); "
+        "more get RESOURCE_EXHAUSTED",
+    )
     sv.add_argument(
         "--grace",
-        type=float,
+        type=float_arg(0.0, 1e6),
         default=300.0,
-        help="seconds in-flight plans get to finish after SIGTERM (default 300)",
+        help="seconds in-flight plans get to finish after SIGTERM before they are cancelled (default 300)",
     )
     sv.add_argument("--log-format", choices=("json", "text"), default="json", help="log lines on stderr")
     sv.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="planning latency in-process and over gRPC (p50/p95/p99, throughput)")
-    b.add_argument("--preset", default="swe-like", help="synthetic preset (default swe-like)")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--batch", help="plan this batch file instead of a synthetic one")
-    b.add_argument("--dp", type=int, default=2, help="DP degree D (default 2)")
-    b.add_argument("--capacity", type=int, default=65536, help="T (default 65536)")
-    b.add_argument("--request", choices=("tokens", "tree", "both"), default="both")
-    b.add_argument("--transport", choices=("inprocess", "grpc", "both"), default="both")
-    b.add_argument("--target", help="host:port of a running sidecar (default: start one)")
-    b.add_argument("--workers", type=int, default=None, help="worker threads of the started sidecar")
-    b.add_argument("--clients", type=int, default=1, help="concurrent clients (default 1)")
-    b.add_argument("--requests", type=int, default=20, help="timed requests per row (default 20)")
-    b.add_argument("--warmup", type=int, default=1, help="untimed requests per client first (default 1)")
+    b.add_argument(
+        "--preset", default="swe-like", choices=presets, help="synthetic preset (default swe-like)"
+    )
+    b.add_argument("--seed", type=int_arg(0), default=0, help="generator seed >= 0 (default 0)")
+    b.add_argument("--batch", type=input_batch, help="plan this batch file instead of a synthetic one")
+    b.add_argument("--dp", type=int_arg(1), default=2, help="DP degree D (default 2)")
+    b.add_argument("--capacity", type=int_arg(1), default=65536, help="T (default 65536)")
+    b.add_argument("--request", choices=("tokens", "tree", "both"), default="both", help="what to send")
+    b.add_argument("--transport", choices=("inprocess", "grpc", "both"), default="both", help="how to plan")
+    b.add_argument("--target", type=target_arg, help="host:port of a running sidecar (default: start one)")
+    b.add_argument(
+        "--workers", type=int_arg(1, 1024), default=None, help="worker threads of the started sidecar"
+    )
+    b.add_argument("--clients", type=int_arg(1, 1024), default=1, help="concurrent clients (default 1)")
+    b.add_argument(
+        "--requests", type=int_arg(1, 10**9), default=20, help="timed requests per row (default 20)"
+    )
+    b.add_argument(
+        "--warmup", type=int_arg(0, 10**6), default=1, help="untimed requests per client first (default 1)"
+    )
     b.add_argument("--call-plans", action="store_true", help="also plan every microbatch's calls")
     b.add_argument(
         "--json",
         nargs="?",
         const="-",
         default=None,
+        type=json_destination,
         metavar="PATH",
         help="write the report as JSON to PATH (or stdout with no PATH)",
     )
@@ -458,20 +671,82 @@ def build_parser() -> argparse.ArgumentParser:
 
     sh = sub.add_parser("show", help="render a plan as a self-contained HTML/SVG page")
     _step_args(sh)
-    sh.add_argument("-o", "--output", help="HTML file to write (default: FILE with .html)")
+    sh.add_argument(
+        "-o", "--output", type=output_file(()), help="HTML file to write (default: FILE with .html)"
+    )
     sh.add_argument("--title", help="page title")
-    sh.add_argument("--max-segments", type=int, default=5000, help="largest tree drawn per microbatch")
+    sh.add_argument(
+        "--max-segments", type=int_arg(0, 10**9), default=5000, help="largest tree drawn per microbatch"
+    )
     sh.set_defaults(func=cmd_show)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+# ---------------------------------------------------------------------------------- errors
+def _fail(message: str, code: int) -> int:
+    """One line on stderr, then the exit code."""
+    text = " ".join(str(message).split()) or "unknown error"
+    print(f"harts-planner: error: {text}", file=sys.stderr)
+    return code
+
+
+def _os_error(e: OSError) -> str:
+    where = f"{e.filename!r}: " if getattr(e, "filename", None) else ""
+    return f"{where}{e.strerror or e}"
+
+
+def _stdout_gone() -> int:
+    """The reader of our stdout went away (``plan --json | head``): stop quietly, as a killed
+    ``yes | head`` does (exit 128 + SIGPIPE), without Python's 'Exception ignored' at exit."""
     try:
-        return args.func(args)
-    except ValueError as e:  # HartsError and friends: clear message, no traceback
-        print(f"harts-planner: error: {e}", file=sys.stderr)
-        return 2
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 128 + 13
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed command; every failure becomes one line on stderr and a non-zero exit code:
+    2 for bad input (any ValueError: HartsError, BatchFormatError, ...), 1 for everything else
+    (a file that cannot be read or written, an unreachable sidecar, a server that cannot bind, and,
+    set HARTS_TRACEBACK=1 to see where, an internal error), 130 for Ctrl-C."""
+    from harts_planner.rpc.client import SidecarError
+
+    try:
+        code = args.func(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        return _stdout_gone()
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    except SidecarError as e:  # before OSError: SidecarUnavailableError is a ConnectionError
+        return _fail(str(e), 1)
+    except RecursionError as e:  # deeply nested input: a ValueError in spirit, a RuntimeError in type
+        return _fail(f"input nested too deeply ({e})", 2)
+    except ValueError as e:  # HartsError and friends: the message names the field
+        return _fail(str(e), 2)
+    except OSError as e:
+        return _fail(_os_error(e), 1)
+    except MemoryError:
+        return _fail("out of memory", 1)
+    except RuntimeError as e:  # a sidecar that cannot bind or start
+        return _fail(str(e), 1)
+    except Exception as e:
+        if os.environ.get("HARTS_TRACEBACK"):
+            raise
+        return _fail(f"internal error: {type(e).__name__}: {e} (set HARTS_TRACEBACK=1 for the traceback)", 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``harts-planner`` entry point: the exit code (0 for ``--help``, 2 for a usage error,
+    already printed as one line; else :func:`run`'s)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    return run(args)
 
 
 if __name__ == "__main__":

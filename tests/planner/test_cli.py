@@ -74,6 +74,7 @@ def test_demo_without_the_runtime_says_how_to_install_it(monkeypatch, capsys):
 @pytest.mark.slow
 def test_demo_trains_the_model_compact_and_trajectory_wise(capsys):
     # the whole pipeline: the debug model trained compact and trajectory-wise from the same weights
+    pytest.importorskip("torch")  # harts_runtime imports without torch; its demo needs it
     runtime = pytest.importorskip("harts_runtime")
     if not hasattr(runtime, "train_demo"):
         pytest.skip("harts_runtime.train_demo is not in this checkout")

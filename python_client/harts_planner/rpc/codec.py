@@ -12,6 +12,7 @@ Errors raised while decoding a *request* are :class:`~harts_planner.InvalidArgum
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import numpy as np
@@ -144,15 +145,103 @@ def decode_trajectories(msg: pb.Trajectories) -> PackedTokens | SegmentTree:
     )
 
 
-def ingest(source: PackedTokens | SegmentTree, *, wire: bool = False) -> RolloutBatch:
-    """The batch of packed tokens or of a compacted tree. With ``wire``, error fields are
-    request paths (``trajectories.tree.parent[4]``)."""
+def accepts_cancel(fn) -> bool:
+    """Whether a planner function takes ``cancel=`` (a ``CancelToken``)."""
     try:
+        return "cancel" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def cancel_kwargs(fn, cancel) -> dict:
+    """``{"cancel": cancel}`` when ``fn`` takes it and a token is given, else ``{}``."""
+    return {"cancel": cancel} if cancel is not None and accepts_cancel(fn) else {}
+
+
+def ingest(source: PackedTokens | SegmentTree, *, wire: bool = False, cancel=None) -> RolloutBatch:
+    """The batch of packed tokens or of a compacted tree. With ``wire``, error fields are
+    request paths (``trajectories.tree.parent[4]``). ``cancel``: a CancelToken the ingestion polls
+    (where the planner takes one)."""
+    try:
+        if isinstance(source, SegmentTree):
+            make = RolloutBatch.from_segment_tree
+            return make(source, **cancel_kwargs(make, cancel))
+        if isinstance(source, PackedTokens):
+            make = RolloutBatch.from_arrays
+            return make(source.tokens, source.offsets, source.tree_ids, **cancel_kwargs(make, cancel))
         return _batch.ingest(source)
     except HartsError as e:
         if not wire:
             raise
         raise renamed(e, _TREE_FIELDS if isinstance(source, SegmentTree) else _PACKED_FIELDS) from None
+
+
+def _limit_error(field: str, message: str) -> HartsError:
+    from harts_planner.rpc.limits import limit_error
+
+    return limit_error(field, message)
+
+
+def validate_packed(source: PackedTokens) -> None:
+    """The checks that ingesting packed tokens starts with (``ValidateTrajectories`` of
+    ``harts/rollout_batch.h``), in the same order, with the same messages and with request field paths,
+    in O(S) vectorized numpy and no allocation beyond O(N) (so that a bad tokens request is refused
+    before it waits for a planner thread; tested against the C++ checks).
+
+    Raises InvalidArgumentError / ResourceLimitError naming ``trajectories.packed.offsets[i]``,
+    ``trajectories.packed.tokens[s]``, ``trajectories.tree_ids[i]``, ...
+    """
+    tokens, offsets, tree_ids = source.tokens, source.offsets, source.tree_ids
+    f_off, f_tok, f_ids = "trajectories.packed.offsets", "trajectories.packed.tokens", "trajectories.tree_ids"
+    if len(offsets) < 2:
+        raise invalid(f_off, f"needs N + 1 >= 2 entries (at least one trajectory), got {len(offsets)}")
+    n = len(offsets) - 1
+    if n > _batch._native.MAX_TRAJECTORIES:
+        raise _limit_error(f_off, f"{n} trajectories exceed the limit of {_batch._native.MAX_TRAJECTORIES}")
+    if len(tokens) > _batch._native.MAX_SEMANTIC_TOKENS:
+        raise _limit_error(
+            f_tok, f"{len(tokens)} semantic tokens exceed the limit of {_batch._native.MAX_SEMANTIC_TOKENS}"
+        )
+    if offsets[0] != 0:
+        raise invalid(f"{f_off}[0]", f"must be 0, got {int(offsets[0])}")
+    steps = np.diff(offsets)
+    bad = np.flatnonzero(steps <= 0)
+    if len(bad):
+        i = int(bad[0])
+        raise invalid(
+            f"{f_off}[{i + 1}]",
+            f"trajectory {i} is empty"
+            if steps[i] == 0
+            else f"offsets must be strictly increasing, got {int(offsets[i + 1])} after {int(offsets[i])}",
+        )
+    if offsets[n] != len(tokens):
+        raise invalid(f"{f_off}[{n}]", f"must equal len(tokens) = {len(tokens)}, got {int(offsets[n])}")
+    if len(tokens) and tokens.min() < 0:
+        s = int(np.argmax(tokens < 0))
+        i = int(np.searchsorted(offsets, s, side="right")) - 1
+        raise invalid(
+            f"{f_tok}[{s}]",
+            f"token ids must be >= 0, got {int(tokens[s])} (trajectory {i}, position {s - int(offsets[i])})",
+        )
+    if tree_ids is not None:
+        if len(tree_ids) != n:
+            raise invalid(f_ids, f"needs one entry per trajectory ({n}), got {len(tree_ids)}")
+        if len(tree_ids) and tree_ids.min() < 0:
+            i = int(np.argmax(tree_ids < 0))
+            raise invalid(f"{f_ids}[{i}]", f"must be >= 0, got {int(tree_ids[i])}")
+
+
+def check_microbatch(ids: np.ndarray, num_trajectories: int, field: str = "microbatch") -> None:
+    """Every index of a request's microbatch in ``[0, N)`` (the message of the C++ check, on
+    ``microbatch[j]``); repeats are found by the planner."""
+    if len(ids) == 0:
+        return
+    bad = np.flatnonzero((ids < 0) | (ids >= num_trajectories))
+    if len(bad):
+        j = int(bad[0])
+        raise invalid(
+            f"{field}[{j}]", f"trajectory index {int(ids[j])} is out of range [0, {num_trajectories})"
+        )
 
 
 # ---------------------------------------------------------------------------------- options

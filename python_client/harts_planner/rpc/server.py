@@ -1,28 +1,39 @@
 """The planner sidecar: a grpcio server around the C++ planner core.
 
-* ``harts.planner.v1.PlannerService`` (``PlanStep``, ``PlanCalls``); the core releases the GIL,
-  so ``workers`` threads plan concurrently.
-* The stock health service (``grpc.health.v1``; service ``""`` and the planner's full name) and
-  server reflection.
-* Limits: messages up to ``max_message_bytes`` each way (1 GiB by default; a larger request is
-  refused by gRPC with RESOURCE_EXHAUSTED before it is parsed), and the planner's own limits.
+* ``harts.planner.v1.PlannerService`` (``PlanStep``, ``PlanCalls``) and the stock health service
+  (``grpc.health.v1``; service ``""`` and the planner's full name) and server reflection.
+* Two stages per request. *Admission*, on the RPC's own thread and before any planner thread is
+  taken: parse, check the scalars, validate the trajectories (a segment tree is indexed, O(V + N log N);
+  packed tokens get the vectorized checks ingestion starts with), and estimate what the plan will cost
+  (:mod:`harts_planner.rpc.limits`: rows, memory, response bytes). A bad request is answered here,
+  without waiting behind running plans; an unaffordable one is refused with RESOURCE_EXHAUSTED naming
+  the field and the limit. *Planning*, on one of ``workers`` planner threads (the core releases the
+  GIL): ingestion of packed tokens, the plan, the response. A request waits for a planner thread for as
+  long as its deadline allows; at most ``max_queued`` wait (more get RESOURCE_EXHAUSTED).
+* Limits (:class:`harts_planner.rpc.limits.Limits`): messages up to ``max_message_bytes`` each way
+  (1 GiB by default; gRPC refuses a larger request with RESOURCE_EXHAUSTED before it is parsed), the
+  cost limits, and at most ``max_inflight_bytes`` of requests held at once (RESOURCE_EXHAUSTED).
 * Errors: bad requests get INVALID_ARGUMENT / RESOURCE_EXHAUSTED / FAILED_PRECONDITION with a
   message and a google.rpc detail naming the request field (the table of
-  :mod:`harts_planner.rpc.status`); unparsable bytes are
-  INVALID_ARGUMENT on field ``request``; anything unexpected is INTERNAL and logged. The server
-  keeps serving either way.
-* Deadlines: checked before and between the phases of a plan (DEADLINE_EXCEEDED).
+  :mod:`harts_planner.rpc.status`); unparsable bytes are INVALID_ARGUMENT on field ``request``;
+  anything unexpected is INTERNAL and logged. The server keeps serving either way.
+* Deadlines and cancellation: each request has a cancel token (:class:`RequestControl`) that expires
+  with the RPC's deadline and is cancelled when the client cancels; it is checked while the request
+  waits for a planner thread and between phases, and the planner polls it inside its loops where it
+  takes one (``cancel=``), so an abandoned plan frees its thread. The log line then says
+  DEADLINE_EXCEEDED or CANCELLED.
 * Logging: one structured record per RPC (logger ``harts_planner.rpc``; JSON lines with
-  ``serve(log_format="json")``): method, peer, status, input kind, sizes, phase times.
+  ``serve(log_format="json")``): method, peer, status, input kind, sizes, estimates, phase times.
 * Graceful shutdown (:meth:`PlannerServer.drain`, run by ``serve`` on SIGTERM/SIGINT): health goes
-  NOT_SERVING, new plans get UNAVAILABLE, in-flight plans finish (up to ``grace`` seconds), then
-  the server stops.
+  NOT_SERVING; queued and new requests get UNAVAILABLE at once; in-flight plans get ``grace`` seconds,
+  then are cancelled through their tokens (UNAVAILABLE); then the server stops.
 
 ``create_server("127.0.0.1:0")`` gives a started server on a free port (``.port``), as tests use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -35,20 +46,29 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from harts_planner import _native, checks
+from harts_planner import errors as _errors
 from harts_planner.call_plan import plan_calls
 from harts_planner.errors import HartsError
 from harts_planner.rpc import codec, status
+from harts_planner.rpc import limits as _limits
 from harts_planner.rpc import planner_pb2 as pb
 from harts_planner.rpc.client import DEFAULT_MAX_MESSAGE_BYTES
-from harts_planner.step_plan import plan_step_with_calls
+from harts_planner.rpc.codec import SegmentTree
+from harts_planner.step_plan import plan_step
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
 DEFAULT_GRACE_SECONDS = 300.0
+#: After the grace period: how long cancelled plans get to stop before the server gives up on them.
+CANCEL_WAIT_SECONDS = 5.0
+#: RPC threads beyond the planner threads and the queue (health checks, admission of new requests).
+SPARE_THREADS = 8
 LOGGER = logging.getLogger("harts_planner.rpc")
 LOGGER.addHandler(logging.NullHandler())  # a library logs nothing unless configured (serve() does)
 
@@ -75,6 +95,11 @@ def _rich_status(abort: _AbortRpcError) -> grpc.Status:
     return status.rich_status(abort.code, abort.message, abort.field)
 
 
+def _cancelled_error_class():
+    """The planner's cancellation error (``harts_planner.PlanCancelledError``), where it has one."""
+    return getattr(_errors, "PlanCancelledError", None) or getattr(_native, "PlanCancelledError", None)
+
+
 @dataclass
 class _Unparsable:
     """What the request deserializer returns for bytes that are not a valid message."""
@@ -87,59 +112,247 @@ def _deserializer(cls):
     def parse(data: bytes):
         try:
             return cls.FromString(data)
-        except DecodeError as e:
-            return _Unparsable(cls.DESCRIPTOR.full_name, str(e))
+        except (DecodeError, RecursionError) as e:
+            return _Unparsable(cls.DESCRIPTOR.full_name, str(e) or type(e).__name__)
 
     return parse
 
 
+# ---------------------------------------------------------------------------------- one request
+class RequestControl:
+    """Cancellation of one RPC: a deadline (the RPC's), a cancelled flag and, where the planner has
+    one (``harts_planner._native.CancelToken``), the token the planner polls inside its loops.
+
+    The token is cancelled when the RPC terminates early (the client cancelled, or its deadline
+    passed: gRPC calls back) and when the server cuts the plan off (:meth:`cancel` at the end of a
+    drain's grace). ``wake`` is called on every cancellation (the servicer wakes waiting requests).
+    """
+
+    def __init__(self, context, wake=None):
+        self.context = context
+        self._wake = wake
+        self._lock = threading.Lock()
+        self.reason: str | None = None  # "client" or "shutdown" once cancelled
+        self._done = False
+        remaining = context.time_remaining() if context is not None else None
+        self.deadline = None if remaining is None else time.monotonic() + max(remaining, 0.0)
+        token_class = getattr(_native, "CancelToken", None)
+        self.token = token_class() if token_class is not None else None
+        if self.token is not None and remaining is not None:
+            self.token.set_deadline(max(remaining, 0.0))
+        if context is not None and not context.add_callback(self._terminated):
+            self._terminated()  # the RPC has already ended
+
+    def _terminated(self) -> None:
+        """gRPC's callback: the RPC ended (completed, cancelled by the client, or past its deadline)."""
+        if not self._done:
+            self.cancel("client")
+
+    def cancel(self, reason: str) -> None:
+        """Stop this request's plan (the planner stops at its next poll); thread-safe."""
+        with self._lock:
+            if self.reason is None:
+                self.reason = reason
+        if self.token is not None:
+            self.token.cancel()
+        if self._wake is not None:
+            self._wake()
+
+    def finish(self) -> None:
+        """The handler is done: later callbacks are not cancellations."""
+        self._done = True
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def stop_status(self) -> _AbortRpcError | None:
+        """Why this request must stop now (DEADLINE_EXCEEDED, CANCELLED, UNAVAILABLE), or None."""
+        if self.expired():
+            return _AbortRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded", "deadline")
+        if self.reason == "shutdown":
+            return _AbortRpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                "the server shut down before the plan finished; retry on another planner",
+            )
+        if self.reason is not None or (self.context is not None and not self.context.is_active()):
+            return _AbortRpcError(grpc.StatusCode.CANCELLED, "the client cancelled the request")
+        return None
+
+    def check(self, phase: str) -> None:
+        """Raise the stop status (its message says which phase was next), if any."""
+        stop = self.stop_status()
+        if stop is not None:
+            stop.message = f"{stop.message} before {phase}"
+            raise stop
+
+    def from_cancelled(self, err: HartsError) -> _AbortRpcError:
+        """The status of a plan the planner stopped (``PlanCancelledError``)."""
+        stop = self.stop_status()
+        if stop is None:  # the token's own clock ran out first
+            stop = _AbortRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded", "deadline")
+        stop.message = f"{stop.message} ({err})"
+        return stop
+
+
+@dataclass
+class _Job:
+    """An admitted request: its arguments, its trajectories and what is known of its batch."""
+
+    args: dict
+    source: object
+    batch: object | None  # the batch of a segment tree (built at admission), None for tokens
+    cost: _limits.Cost
+    decode_s: float = 0.0  # request -> arrays
+    ingest_s: float = 0.0  # arrays -> batch (a tree: at admission; tokens: on a planner thread)
+
+
 # ---------------------------------------------------------------------------------- servicer
 class PlannerServicer:
-    """Handlers of PlanStep and PlanCalls; tracks in-flight plans for draining."""
+    """Handlers of PlanStep and PlanCalls: admission, planner threads, draining."""
 
     def __init__(
-        self, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, logger: logging.Logger = LOGGER
+        self,
+        *,
+        workers: int | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        limits: _limits.Limits = _limits.DEFAULT,
+        logger: logging.Logger = LOGGER,
     ):
+        self.workers = default_workers() if workers is None else workers
         self.max_message_bytes = max_message_bytes
+        self.limits = limits
         self.logger = logger
         self._lock = threading.Condition()
-        self._inflight = 0
+        self._active = 0  # RPCs inside a handler
+        self._planning = 0  # RPCs holding a planner thread
+        self._queued = 0  # RPCs waiting for one
+        self._inflight_bytes = 0
         self._draining = False
+        self._controls: set[RequestControl] = set()
 
-    # ------------------------------------------------------------------ draining
+    # ------------------------------------------------------------------ state
     @property
     def inflight(self) -> int:
+        """Requests inside a handler (admission, queued or planning)."""
         with self._lock:
-            return self._inflight
+            return self._active
+
+    def counts(self) -> dict:
+        with self._lock:
+            return {
+                "active": self._active,
+                "planning": self._planning,
+                "queued": self._queued,
+                "inflight_bytes": self._inflight_bytes,
+            }
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
 
     def begin_drain(self) -> None:
-        """Refuse new plans (UNAVAILABLE) from now on."""
+        """Refuse new plans (UNAVAILABLE) from now on; requests waiting for a planner thread get
+        UNAVAILABLE at once."""
         with self._lock:
             self._draining = True
+            self._lock.notify_all()
+
+    def cancel_inflight(self) -> int:
+        """Cancel every request in a handler through its token (UNAVAILABLE); returns how many."""
+        with self._lock:
+            controls = list(self._controls)
+        for c in controls:
+            c.cancel("shutdown")
+        return len(controls)
 
     def wait_idle(self, timeout: float | None) -> bool:
-        """Wait until no plan is in flight; False when ``timeout`` passed first."""
+        """Wait until no request is in a handler; False when ``timeout`` passed first."""
         with self._lock:
-            return self._lock.wait_for(lambda: self._inflight == 0, timeout)
+            return self._lock.wait_for(lambda: self._active == 0, timeout)
 
     # ------------------------------------------------------------------ RPCs
     def PlanStep(self, request, context):  # noqa: N802 (gRPC method name)
-        return self._serve("PlanStep", request, context, self._plan_step)
+        return self._serve("PlanStep", request, context, self._admit_step, self._plan_step)
 
     def PlanCalls(self, request, context):  # noqa: N802
-        return self._serve("PlanCalls", request, context, self._plan_calls)
+        return self._serve("PlanCalls", request, context, self._admit_calls, self._plan_calls)
 
-    def _serve(self, method: str, request, context, body):
-        start = time.perf_counter()
-        record: dict = {"event": "rpc", "method": method, "peer": context.peer()}
+    def _enter(self, size: int, context) -> RequestControl:
+        """Count the request in (its bytes against the in-flight bound) and make its control."""
         with self._lock:
             if self._draining:
-                record.update(code="UNAVAILABLE", total_ms=0.0)
-                self.logger.info("rpc", extra={"fields": record})
-                context.abort(
+                raise _AbortRpcError(
                     grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another planner"
                 )
-            self._inflight += 1
+            bound = self.limits.max_inflight_bytes
+            if self._inflight_bytes + size > bound and self._inflight_bytes > 0:
+                raise _AbortRpcError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"request: {size:,} bytes would bring the requests this server holds to "
+                    f"{self._inflight_bytes + size:,} bytes, over its limit of {bound:,} (--max-inflight-mb); "
+                    "retry later or on another planner",
+                    "request",
+                )
+            self._inflight_bytes += size
+        control = RequestControl(context, self._wake)
+        with self._lock:
+            self._controls.add(control)
+        return control
+
+    def _leave(self, size: int, control: RequestControl | None) -> None:
+        with self._lock:
+            self._inflight_bytes -= size
+            self._active -= 1
+            if control is not None:
+                self._controls.discard(control)
+            self._lock.notify_all()
+
+    @contextlib.contextmanager
+    def _planner_thread(self, control: RequestControl, record: dict):
+        """Hold one of the ``workers`` planner threads; wait for one while the request's deadline
+        allows. Raises UNAVAILABLE when draining, RESOURCE_EXHAUSTED when ``max_queued`` wait already,
+        DEADLINE_EXCEEDED / CANCELLED when the request stops waiting."""
+        t0 = time.perf_counter()
+        with self._lock:
+            if self._planning >= self.workers and self._queued >= self.limits.max_queued:
+                raise _AbortRpcError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"request: {self._queued} requests already wait for this server's {self.workers} planner "
+                    f"threads, its limit (--max-queued {self.limits.max_queued}); retry later or on another planner",
+                    "request",
+                )
+            self._queued += 1
+            try:
+                while True:
+                    if self._draining:
+                        raise _AbortRpcError(
+                            grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another planner"
+                        )
+                    control.check("a planner thread was free")
+                    if self._planning < self.workers:
+                        break
+                    remaining = control.remaining()
+                    self._lock.wait(1.0 if remaining is None else min(max(remaining, 0.0) + 1e-3, 1.0))
+            finally:
+                self._queued -= 1
+            self._planning += 1
+        record["queue_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._planning -= 1
+                self._lock.notify_all()
+
+    def _serve(self, method: str, request, context, admit, plan):
+        start = time.perf_counter()
+        record: dict = {"event": "rpc", "method": method, "peer": context.peer()}
+        size, control = 0, None
+        with self._lock:
+            self._active += 1
         try:
             if isinstance(request, _Unparsable):
                 raise _AbortRpcError(
@@ -147,15 +360,28 @@ class PlannerServicer:
                     f"request: not a valid {request.type_name} message ({request.error})",
                     "request",
                 )
-            record["request_bytes"] = request.ByteSize()
-            response = body(request, context, record)
-            record["response_bytes"] = size = response.ByteSize()
-            if size > self.max_message_bytes:
+            size = request.ByteSize()
+            record["request_bytes"] = size
+            control = self._enter(size, context)
+            try:
+                job = admit(request, control, record)
+                record["admit_ms"] = round((time.perf_counter() - start) * 1e3, 3)
+                control.check("planning")
+                with self._planner_thread(control, record):
+                    response = plan(job, control, record)
+            except HartsError as e:
+                cancelled = _cancelled_error_class()
+                if cancelled is not None and isinstance(e, cancelled):
+                    raise control.from_cancelled(e) from None
+                raise
+            record["response_bytes"] = response_size = response.ByteSize()
+            response_limit = self.limits.response_limit(self.max_message_bytes)
+            if response_size > response_limit:
                 field = "include_call_plans" if getattr(request, "include_call_plans", False) else "response"
                 raise _AbortRpcError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{field}: the response would be {size} bytes, over the server's message limit of "
-                    f"{self.max_message_bytes} bytes"
+                    f"{field}: the response would be {response_size:,} bytes, over the server's limit of "
+                    f"{response_limit:,} bytes"
                     + (
                         "; plan the microbatches' calls with PlanCalls"
                         if field == "include_call_plans"
@@ -163,6 +389,7 @@ class PlannerServicer:
                     ),
                     field,
                 )
+            control.check("sending the response")
             record["code"] = "OK"
             return response
         except _AbortRpcError as a:
@@ -172,71 +399,192 @@ class PlannerServicer:
             a = _from_harts(e)
             record.update(code=a.code.name, field=a.field, error=a.message)
             context.abort_with_status(_rich_status(a))
+        except MemoryError:  # an estimate fell short: refuse, keep serving
+            record.update(code="RESOURCE_EXHAUSTED", field="request", error="out of memory")
+            context.abort_with_status(
+                _rich_status(
+                    _AbortRpcError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        "request: the server ran out of memory planning it",
+                        "request",
+                    )
+                )
+            )
         except Exception as e:  # a bug: report INTERNAL, keep serving
             record.update(code="INTERNAL", error=f"{type(e).__name__}: {e}")
             self.logger.exception("unexpected error in %s", method)
             context.abort(grpc.StatusCode.INTERNAL, f"internal planner error: {type(e).__name__}: {e}")
         finally:
+            if control is not None:
+                control.finish()
             record["total_ms"] = round((time.perf_counter() - start) * 1e3, 3)
             level = logging.INFO if record.get("code") == "OK" else logging.WARNING
             self.logger.log(level, "rpc", extra={"fields": record})
-            with self._lock:
-                self._inflight -= 1
-                self._lock.notify_all()
+            self._leave(size, control)
 
-    @staticmethod
-    def _check_deadline(context, phase: str) -> None:
-        remaining = context.time_remaining()
-        if (remaining is not None and remaining <= 0) or not context.is_active():
-            raise _AbortRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline exceeded before {phase}")
+    # ------------------------------------------------------------------ admission
+    def _check_cost(self, cost: _limits.Cost, record: dict) -> None:
+        record["estimate"] = {
+            "rows": cost.rows,
+            "memory_bytes": cost.memory_bytes,
+            "response_bytes": cost.response_bytes,
+        }
+        cost.check(self.limits, self.max_message_bytes)
 
-    def _ingest(self, request, context, record):
-        self._check_deadline(context, "decoding")
+    def _admit_source(self, request, control, record):
+        """Decode the trajectories; index a segment tree (its validation; O(V + N log N), no per-row
+        work), check packed tokens. Returns (source, batch or None, decode seconds, ingest seconds)."""
         t0 = time.perf_counter()
         source = codec.decode_trajectories(request.trajectories)
-        record["input"] = "tree" if isinstance(source, codec.SegmentTree) else "tokens"
+        record["input"] = "tree" if isinstance(source, SegmentTree) else "tokens"
+        batch = None
         t1 = time.perf_counter()
-        batch = codec.ingest(source, wire=True)
+        if isinstance(source, SegmentTree):
+            batch = codec.ingest(source, wire=True, cancel=control.token)
+            record.update(
+                trajectories=batch.num_trajectories,
+                semantic_tokens=batch.semantic_tokens,
+                compact_tokens=batch.compact_tokens,
+                segments=batch.num_segments,
+            )
+        else:
+            codec.validate_packed(source)
+            record.update(trajectories=source.num_trajectories, semantic_tokens=len(source.tokens))
         t2 = time.perf_counter()
-        record.update(
-            trajectories=batch.num_trajectories,
-            semantic_tokens=batch.semantic_tokens,
-            compact_tokens=batch.compact_tokens,
-            segments=batch.num_segments,
-            decode_ms=round((t1 - t0) * 1e3, 3),
-            ingest_ms=round((t2 - t1) * 1e3, 3),
-        )
-        return batch, t1 - t0, t2 - t1
+        record["decode_ms"] = round((t1 - t0) * 1e3, 3)
+        if batch is not None:
+            record["ingest_ms"] = round((t2 - t1) * 1e3, 3)
+        else:
+            record["validate_ms"] = round((t2 - t1) * 1e3, 3)
+        return source, batch, t1 - t0, (t2 - t1 if batch is not None else 0.0)
 
-    def _plan_step(self, request, context, record):
+    def _admit_step(self, request, control, record) -> _Job:
         args = codec.decode_plan_step_request(request)
-        batch, decode_s, ingest_s = self._ingest(request, context, record)
-        self._check_deadline(context, "planning")
+        source, batch, decode_s, ingest_s = self._admit_source(request, control, record)
+        if batch is not None:
+            cost = _limits.step_cost(batch.num_trajectories, batch.num_segments)
+            if args["call_plans"]:
+                # At least every compact row and semantic position once; exact after the step plan.
+                floor = _limits.call_plan_cost(
+                    batch.compact_tokens,
+                    batch.semantic_tokens,
+                    batch.num_trajectories,
+                    0,
+                    args["chunk_size"],
+                    args["conv_width"],
+                    args["debug"],
+                    field="include_call_plans",
+                )
+                cost = (
+                    _limits.Cost(floor.rows, 0, floor.response_bytes, "include_call_plans", _CALLS_HINT)
+                    + cost
+                    + _limits.batch_rows_cost(
+                        batch.compact_tokens, batch.semantic_tokens, "include_call_plans"
+                    )
+                )
+        else:
+            n, s = source.num_trajectories, len(source.tokens)
+            cost = _limits.tokens_ingest_cost(s, n) + _limits.step_cost(n, 2 * n)
+        self._check_cost(cost, record)
+        return _Job(args, source, batch, cost, decode_s, ingest_s)
+
+    def _admit_calls(self, request, control, record) -> _Job:
+        args = codec.decode_plan_calls_request(request)
+        source, batch, decode_s, ingest_s = self._admit_source(request, control, record)
+        ids = args["microbatch"]
+        field = "microbatch"
+        hint = "plan a smaller microbatch" if ids is not None else "set microbatch to plan part of the batch"
+        if batch is not None:
+            n = batch.num_trajectories
+            if ids is None:
+                rows, positions, k, segments = (
+                    batch.compact_tokens,
+                    batch.semantic_tokens,
+                    n,
+                    batch.num_segments,
+                )
+            else:
+                codec.check_microbatch(ids, n)
+                try:
+                    rows = batch.subset_work(ids)  # O(k log k); also finds repeats
+                except HartsError as e:
+                    raise codec.renamed(e, {"trajectories": "microbatch"}) from None
+                k = len(ids)
+                positions = int(batch.lengths[ids].sum())
+                segments = min(2 * k - 1, batch.num_segments)
+            cost = _limits.call_plan_cost(
+                rows,
+                positions,
+                k,
+                segments,
+                args["chunk_size"],
+                args["conv_width"],
+                args["debug"],
+                field=field,
+                hint=hint,
+            ) + _limits.batch_rows_cost(batch.compact_tokens, batch.semantic_tokens, field)
+        else:
+            n, s = source.num_trajectories, len(source.tokens)
+            if ids is None:
+                positions, k = s, n
+            else:
+                codec.check_microbatch(ids, n)
+                lengths = np.diff(source.offsets)
+                positions, k = int(lengths[ids].sum()), len(ids)
+            # Rows are at most the positions until the batch is built.
+            cost = _limits.call_plan_cost(
+                positions,
+                positions,
+                k,
+                min(2 * k - 1, 2 * n),
+                args["chunk_size"],
+                args["conv_width"],
+                args["debug"],
+                field=field,
+                hint=hint,
+            ) + _limits.tokens_ingest_cost(s, n)
+        self._check_cost(cost, record)
+        return _Job(args, source, batch, cost, decode_s, ingest_s)
+
+    # ------------------------------------------------------------------ planning
+    def _batch(self, job: _Job, control: RequestControl, record: dict):
+        """The job's batch: built at admission (tree) or ingested now (tokens)."""
+        if job.batch is not None:
+            return job.batch, job.ingest_s
+        control.check("ingestion")
+        t0 = time.perf_counter()
+        batch = codec.ingest(job.source, wire=True, cancel=control.token)
+        record.update(compact_tokens=batch.compact_tokens, segments=batch.num_segments)
+        return batch, time.perf_counter() - t0
+
+    def _plan_step(self, job: _Job, control: RequestControl, record: dict):
+        args = job.args
+        batch, ingest_s = self._batch(job, control, record)
+        control.check("planning")
         t0 = time.perf_counter()
         try:
-            plan = plan_step_with_calls(
+            plan = plan_step(
                 batch,
                 args["dp_size"],
                 args["capacity"],
                 args["chunk_size"],
-                args["options"],
-                args["call_plans"],
-                args["conv_width"],
-                debug=args["debug"],
-                check=lambda: self._check_deadline(context, "the next call plan"),
+                **args["options"],
+                **codec.cancel_kwargs(plan_step, control.token),
             )
         except HartsError as e:
             raise codec.renamed(e, codec.OPTION_FIELDS) from None
         t1 = time.perf_counter()
-        self._check_deadline(context, "encoding")
         response = pb.PlanStepResponse(plan=codec.encode_step_plan(plan))
+        encode_s = time.perf_counter() - t1
+        calls_s = 0.0
         if args["call_plans"]:
-            response.call_plans.extend(codec.encode_call_plan(c) for c in plan.call_plans())
+            calls_s, encode_calls_s = self._step_call_plans(plan, batch, job, control, record, response)
+            encode_s += encode_calls_s
         _finish(
             response,
             record,
             batch,
-            (decode_s, ingest_s, t1 - t0, time.perf_counter() - t1),
+            (job.decode_s, ingest_s, t1 - t0 + calls_s, encode_s),
             dp_size=args["dp_size"],
             capacity=args["capacity"],
             microbatches=plan.num_microbatches,
@@ -245,35 +593,86 @@ class PlannerServicer:
         )
         return response
 
-    def _plan_calls(self, request, context, record):
-        args = codec.decode_plan_calls_request(request)
-        batch, decode_s, ingest_s = self._ingest(request, context, record)
-        self._check_deadline(context, "planning")
+    def _step_call_plans(self, plan, batch, job, control, record, response) -> tuple[float, float]:
+        """Every microbatch's call plan into ``response``, after checking their cost now that the
+        microbatches (and their compact work) are known; each plan is encoded and dropped at once.
+        Returns (planning seconds, encoding seconds)."""
+        args = job.args
+        lengths = batch.lengths
+        total = _limits.Cost(0, 0, 0, "include_call_plans", _CALLS_HINT)
+        for m, members in enumerate(plan.microbatches):
+            k = len(members)
+            total = total + _limits.call_plan_cost(
+                int(plan.work[m]),
+                int(lengths[members].sum()),
+                k,
+                2 * k - 1,
+                args["chunk_size"],
+                args["conv_width"],
+                args["debug"],
+                field="include_call_plans",
+            )
+        if job.batch is not None:  # a batch from a tree builds its per-row arrays
+            total = total + _limits.batch_rows_cost(
+                batch.compact_tokens, batch.semantic_tokens, "include_call_plans"
+            )
+        self._check_cost(total, record)
+        plan_s = encode_s = 0.0
+        for members in plan.microbatches:
+            control.check("the next call plan")
+            t0 = time.perf_counter()
+            calls = plan_calls(
+                batch,
+                args["chunk_size"],
+                trajectories=members,
+                conv_width=args["conv_width"],
+                **codec.cancel_kwargs(plan_calls, control.token),
+            )
+            t1 = time.perf_counter()
+            response.call_plans.append(codec.encode_call_plan(calls, debug=args["debug"]))
+            del calls
+            plan_s += t1 - t0
+            encode_s += time.perf_counter() - t1
+        return plan_s, encode_s
+
+    def _plan_calls(self, job: _Job, control: RequestControl, record: dict):
+        args = job.args
+        batch, ingest_s = self._batch(job, control, record)
+        control.check("planning")
         t0 = time.perf_counter()
         try:
             plan = plan_calls(
-                batch, args["chunk_size"], trajectories=args["microbatch"], conv_width=args["conv_width"]
+                batch,
+                args["chunk_size"],
+                trajectories=args["microbatch"],
+                conv_width=args["conv_width"],
+                **codec.cancel_kwargs(plan_calls, control.token),
             )
         except HartsError as e:
             raise codec.renamed(e, {"trajectories": "microbatch"}) from None
         t1 = time.perf_counter()
-        self._check_deadline(context, "encoding")
+        control.check("encoding")
         response = pb.PlanCallsResponse(plan=codec.encode_call_plan(plan, debug=args["debug"]))
+        calls, replay = plan.num_calls, plan.replay_tokens
+        del plan
         _finish(
             response,
             record,
             batch,
-            (decode_s, ingest_s, t1 - t0, time.perf_counter() - t1),
+            (job.decode_s, ingest_s, t1 - t0, time.perf_counter() - t1),
             chunk_size=args["chunk_size"],
-            calls=plan.num_calls,
-            replay_tokens=plan.replay_tokens,
+            calls=calls,
+            replay_tokens=replay,
         )
         return response
 
 
+_CALLS_HINT = "plan the microbatches' calls with PlanCalls, one microbatch per request"
+
+
 def _finish(response, record: dict, batch, seconds: tuple, **fields) -> None:
     """Both RPCs' epilogue: the response's PlanStats (``seconds`` = decode, ingest, plan, encode)
-    and the request's log record (its ``fields`` plus plan and encode milliseconds)."""
+    and the request's log record (its ``fields`` plus ingest, plan and encode milliseconds)."""
     decode_s, ingest_s, plan_s, encode_s = seconds
     response.stats.CopyFrom(
         codec.stats_message(
@@ -284,10 +683,33 @@ def _finish(response, record: dict, batch, seconds: tuple, **fields) -> None:
             encode_seconds=encode_s,
         )
     )
-    record.update(fields, plan_ms=round(plan_s * 1e3, 3), encode_ms=round(encode_s * 1e3, 3))
+    record.update(
+        fields,
+        ingest_ms=round(ingest_s * 1e3, 3),
+        plan_ms=round(plan_s * 1e3, 3),
+        encode_ms=round(encode_s * 1e3, 3),
+    )
 
 
 # ---------------------------------------------------------------------------------- server
+@dataclass
+class DrainResult:
+    """How a drain ended: ``finished`` every in-flight plan in the grace period; else ``cancelled``
+    of them were cut off and ``stopped`` says whether they all stopped within CANCEL_WAIT_SECONDS."""
+
+    finished: bool
+    cancelled: int = 0
+    stopped: bool = True
+
+    def __bool__(self) -> bool:
+        return self.finished
+
+    @property
+    def exit_code(self) -> int:
+        """0 when nothing is left running (finished, or cancelled and stopped), else 1."""
+        return 0 if self.finished or self.stopped else 1
+
+
 class PlannerServer:
     """A started planner server: ``.port``, ``.address``, :meth:`drain`, :meth:`stop`."""
 
@@ -312,19 +734,53 @@ class PlannerServer:
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
         return f"{host}:{self.port}"
 
-    def drain(self, grace: float = DEFAULT_GRACE_SECONDS) -> bool:
-        """Graceful shutdown: health NOT_SERVING, refuse new plans, wait up to ``grace`` seconds for
-        in-flight plans, then stop. Returns True when every in-flight plan finished."""
+    def drain(
+        self, grace: float = DEFAULT_GRACE_SECONDS, *, cut: threading.Event | None = None
+    ) -> DrainResult:
+        """Graceful shutdown: health NOT_SERVING; queued and new requests get UNAVAILABLE at once;
+        in-flight plans get ``grace`` seconds (fewer when ``cut`` is set meanwhile: a second signal),
+        then are cancelled through their tokens and get CANCEL_WAIT_SECONDS to stop; then the server
+        stops. Truthy when every in-flight plan finished."""
         self.health.enter_graceful_shutdown()
         self.servicer.begin_drain()
+        counts = self.servicer.counts()
         LOGGER.info(
             "drain",
-            extra={"fields": {"event": "drain", "inflight": self.servicer.inflight, "grace_s": grace}},
+            extra={
+                "fields": {
+                    "event": "drain",
+                    "inflight": counts["planning"],
+                    "queued": counts["queued"],
+                    "grace_s": grace,
+                }
+            },
         )
-        finished = self.servicer.wait_idle(grace)
-        self.stop(grace=1.0)
-        LOGGER.info("stopped", extra={"fields": {"event": "stopped", "drained": finished}})
-        return finished
+        deadline = time.monotonic() + grace
+        finished = False
+        while True:
+            left = deadline - time.monotonic()
+            if self.servicer.wait_idle(max(0.0, min(left, 0.1))):
+                finished = True
+                break
+            if left <= 0 or (cut is not None and cut.is_set()):
+                break
+        result = DrainResult(finished)
+        if not finished:
+            result.cancelled = self.servicer.cancel_inflight()
+            result.stopped = self.servicer.wait_idle(CANCEL_WAIT_SECONDS)
+        self.stop(grace=0.5)
+        LOGGER.info(
+            "stopped",
+            extra={
+                "fields": {
+                    "event": "stopped",
+                    "drained": result.finished,
+                    "cancelled": result.cancelled,
+                    "stuck": not result.stopped,
+                }
+            },
+        )
+        return result
 
     def stop(self, grace: float | None = None) -> None:
         """Stop now (in-flight RPCs get ``grace`` seconds)."""
@@ -348,26 +804,33 @@ def create_server(
     *,
     workers: int | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    limits: _limits.Limits = _limits.DEFAULT,
 ) -> PlannerServer:
     """Build and start a planner server on ``address`` (``host:port``; port 0 picks a free one).
 
-    Raises ``RuntimeError`` when the address cannot be bound.
+    ``workers`` planner threads (default :func:`default_workers`); RPC threads are
+    ``workers + limits.max_queued + SPARE_THREADS``, and gRPC itself refuses RPCs beyond them
+    (RESOURCE_EXHAUSTED). Raises ValueError for a bad argument, ``RuntimeError`` when the address
+    cannot be bound.
     """
-    workers = default_workers() if workers is None else workers
-    if workers < 1:
-        raise ValueError(f"workers: must be >= 1, got {workers}")
-    if max_message_bytes < 1:
-        raise ValueError(f"max_message_bytes: must be >= 1, got {max_message_bytes}")
-    max_message_bytes = min(int(max_message_bytes), 2**31 - 1)
+    workers = default_workers() if workers is None else checks.integer(workers, "workers", 1, 1 << 16)
+    max_message_bytes = checks.integer(max_message_bytes, "max_message_bytes", 1)
+    if max_message_bytes > 2**31 - 1:
+        raise ValueError(f"max_message_bytes: must be <= {2**31 - 1} (gRPC's limit), got {max_message_bytes}")
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"address: must be HOST:PORT with a port in [0, 65535], got {address!r}")
+    threads = workers + limits.max_queued + SPARE_THREADS
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="harts-planner"),
+        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="harts-planner"),
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),
         ],
+        maximum_concurrent_rpcs=threads,
     )
-    servicer = PlannerServicer(max_message_bytes=max_message_bytes)
+    servicer = PlannerServicer(workers=workers, max_message_bytes=max_message_bytes, limits=limits)
     handlers = {
         "PlanStep": grpc.unary_unary_rpc_method_handler(
             servicer.PlanStep,
@@ -391,13 +854,14 @@ def create_server(
         ),
         server,
     )
-    host, _, port_text = address.rpartition(":")
     try:
         port = server.add_insecure_port(address)
-    except RuntimeError as e:
-        raise RuntimeError(f"cannot bind {address}: {e}") from None
-    if port == 0 and port_text != "0":
-        raise RuntimeError(f"cannot bind {address}")
+    except RuntimeError:
+        port = 0
+    if port <= 0:
+        raise RuntimeError(
+            f"cannot bind {address}: the address is in use, not an address of this machine, or not valid"
+        )
     server.start()
     for service in ("", codec.SERVICE_NAME):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -452,26 +916,43 @@ def serve(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     grace: float = DEFAULT_GRACE_SECONDS,
     log_format: str = "json",
+    limits: _limits.Limits = _limits.DEFAULT,
 ) -> int:
-    """Run a sidecar until SIGTERM or SIGINT, then drain (see :meth:`PlannerServer.drain`).
+    """Run a sidecar until SIGTERM or SIGINT, then drain (see :meth:`PlannerServer.drain`; a second
+    signal ends the grace period at once).
 
-    Prints ``harts-planner: serving on HOST:PORT`` to stdout once it accepts requests. Returns 0
-    after a complete drain, 1 when in-flight plans were cut off after ``grace`` seconds.
+    Prints ``harts-planner: serving on HOST:PORT`` to stdout once it accepts requests. Returns 0 once
+    nothing is left running (every in-flight plan finished, or was cancelled and stopped), 1 when a
+    cancelled plan did not stop (the caller should then end the process with ``os._exit``, as
+    ``harts-planner serve`` does: a normal exit would wait for it). Raises ValueError / RuntimeError
+    (cannot bind) before serving.
     """
-    configure_logging(log_format)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    server = create_server(address, workers=workers, max_message_bytes=max_message_bytes)
-    stop = threading.Event()
+    server = create_server(address, workers=workers, max_message_bytes=max_message_bytes, limits=limits)
+    configure_logging(log_format)
+    stop, cut = threading.Event(), threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        (cut if stop.is_set() else stop).set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
+        signal.signal(sig, on_signal)
     LOGGER.info(
         "serving",
         extra={
             "fields": {
                 "event": "serving",
                 "address": server.address,
-                "workers": workers or default_workers(),
+                "workers": server.servicer.workers,
                 "max_message_bytes": server.servicer.max_message_bytes,
+                "limits": {
+                    "max_rows": limits.max_rows,
+                    "max_plan_memory_bytes": limits.max_plan_memory_bytes,
+                    "max_response_bytes": limits.response_limit(server.servicer.max_message_bytes),
+                    "max_inflight_bytes": limits.max_inflight_bytes,
+                    "max_queued": limits.max_queued,
+                },
+                "grace_s": grace,
                 "pid": os.getpid(),
             }
         },
@@ -479,14 +960,16 @@ def serve(
     print(f"harts-planner: serving on {server.address}", flush=True)
     while not stop.wait(0.5):
         pass
-    return 0 if server.drain(grace) else 1
+    return server.drain(grace, cut=cut).exit_code
 
 
 class SidecarProcess:
     """A ``harts-planner serve`` child process on a free port (for tests and benchmarks).
 
     ``with SidecarProcess(workers=2) as sidecar: Planner(sidecar.address)``; leaving the block
-    sends SIGTERM and waits for the drain.
+    sends SIGTERM and waits for the drain. ``extra_args`` are more ``serve`` flags
+    (``["--max-rows", "1000"]``); ``preexec_fn`` runs in the child before it starts (e.g. an
+    address-space limit).
     """
 
     def __init__(
@@ -497,15 +980,24 @@ class SidecarProcess:
         grace: float = 30.0,
         log_path: str | None = None,
         startup_timeout: float = 60.0,
+        extra_args: list[str] | None = None,
+        preexec_fn=None,
     ):
         cmd = [sys.executable, "-m", "harts_planner.cli", "serve", "--port", "0", "--grace", str(grace)]
         if workers is not None:
             cmd += ["--workers", str(workers)]
         if max_message_bytes is not None:
             cmd += ["--max-message-bytes", str(max_message_bytes)]
+        cmd += list(extra_args or [])
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=self._log, text=True, preexec_fn=preexec_fn
+        )
         self.address = self._read_address(startup_timeout)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     def _read_address(self, timeout: float) -> str:
         result: list[str] = []
@@ -516,6 +1008,7 @@ class SidecarProcess:
         prefix = "harts-planner: serving on "
         if not line.startswith(prefix):
             self.proc.kill()
+            self.proc.wait()
             raise RuntimeError(f"sidecar did not start (exit code {self.proc.poll()}, said {line!r})")
         return line[len(prefix) :].strip()
 
@@ -541,8 +1034,10 @@ class SidecarProcess:
 
 
 __all__ = [
+    "DrainResult",
     "PlannerServer",
     "PlannerServicer",
+    "RequestControl",
     "SidecarProcess",
     "create_server",
     "serve",
