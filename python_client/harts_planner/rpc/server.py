@@ -100,6 +100,15 @@ def _cancelled_error_class():
     return getattr(_errors, "PlanCancelledError", None) or getattr(_native, "PlanCancelledError", None)
 
 
+def _is_cancellation(err: HartsError, control) -> bool:
+    """A plan stopped through its token: the planner's PlanCancelledError, or any planner error on
+    field "cancelled" / "deadline" once the request has a reason to stop."""
+    cls = _cancelled_error_class()
+    if cls is not None and isinstance(err, cls):
+        return True
+    return getattr(err, "field", None) in ("cancelled", "deadline") and control.stop_status() is not None
+
+
 @dataclass
 class _Unparsable:
     """What the request deserializer returns for bytes that are not a valid message."""
@@ -119,6 +128,31 @@ def _deserializer(cls):
 
 
 # ---------------------------------------------------------------------------------- one request
+class PythonCancelToken:
+    """The ``CancelToken`` interface (``cancel()``, ``set_deadline(seconds)``, ``cancel_requested``)
+    for a planner core without one: Python code can poll it, the C++ loops cannot."""
+
+    def __init__(self):
+        self._cancelled = False
+        self.deadline: float | None = None  # time.monotonic() value
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    def set_deadline(self, seconds_from_now: float) -> None:
+        self.deadline = time.monotonic() + seconds_from_now
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self._cancelled
+
+
+def new_cancel_token():
+    """A planner CancelToken: ``harts_planner._native.CancelToken`` where the core has it."""
+    native = getattr(_native, "CancelToken", None)
+    return native() if native is not None else PythonCancelToken()
+
+
 class RequestControl:
     """Cancellation of one RPC: a deadline (the RPC's), a cancelled flag and, where the planner has
     one (``harts_planner._native.CancelToken``), the token the planner polls inside its loops.
@@ -136,9 +170,8 @@ class RequestControl:
         self._done = False
         remaining = context.time_remaining() if context is not None else None
         self.deadline = None if remaining is None else time.monotonic() + max(remaining, 0.0)
-        token_class = getattr(_native, "CancelToken", None)
-        self.token = token_class() if token_class is not None else None
-        if self.token is not None and remaining is not None:
+        self.token = new_cancel_token()
+        if remaining is not None:
             self.token.set_deadline(max(remaining, 0.0))
         if context is not None and not context.add_callback(self._terminated):
             self._terminated()  # the RPC has already ended
@@ -153,8 +186,7 @@ class RequestControl:
         with self._lock:
             if self.reason is None:
                 self.reason = reason
-        if self.token is not None:
-            self.token.cancel()
+        self.token.cancel()
         if self._wake is not None:
             self._wake()
 
@@ -350,7 +382,7 @@ class PlannerServicer:
     def _serve(self, method: str, request, context, admit, plan):
         start = time.perf_counter()
         record: dict = {"event": "rpc", "method": method, "peer": context.peer()}
-        size, control = 0, None
+        held, control = 0, None  # request bytes counted in, the request's control
         with self._lock:
             self._active += 1
         try:
@@ -360,9 +392,9 @@ class PlannerServicer:
                     f"request: not a valid {request.type_name} message ({request.error})",
                     "request",
                 )
-            size = request.ByteSize()
-            record["request_bytes"] = size
+            record["request_bytes"] = size = request.ByteSize()
             control = self._enter(size, context)
+            held = size
             try:
                 job = admit(request, control, record)
                 record["admit_ms"] = round((time.perf_counter() - start) * 1e3, 3)
@@ -370,8 +402,7 @@ class PlannerServicer:
                 with self._planner_thread(control, record):
                     response = plan(job, control, record)
             except HartsError as e:
-                cancelled = _cancelled_error_class()
-                if cancelled is not None and isinstance(e, cancelled):
+                if _is_cancellation(e, control):
                     raise control.from_cancelled(e) from None
                 raise
             record["response_bytes"] = response_size = response.ByteSize()
@@ -420,7 +451,7 @@ class PlannerServicer:
             record["total_ms"] = round((time.perf_counter() - start) * 1e3, 3)
             level = logging.INFO if record.get("code") == "OK" else logging.WARNING
             self.logger.log(level, "rpc", extra={"fields": record})
-            self._leave(size, control)
+            self._leave(held, control)
 
     # ------------------------------------------------------------------ admission
     def _check_cost(self, cost: _limits.Cost, record: dict) -> None:
@@ -574,6 +605,7 @@ class PlannerServicer:
         except HartsError as e:
             raise codec.renamed(e, codec.OPTION_FIELDS) from None
         t1 = time.perf_counter()
+        record.update(microbatches=plan.num_microbatches, total_work=plan.total_work)
         response = pb.PlanStepResponse(plan=codec.encode_step_plan(plan))
         encode_s = time.perf_counter() - t1
         calls_s = 0.0
