@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, EncodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -115,6 +115,11 @@ class _Unparsable:
 
     type_name: str
     error: str
+
+
+def _serialized(data: bytes) -> bytes:
+    """The response serializer: handlers return their response serialized already."""
+    return data
 
 
 def _deserializer(cls):
@@ -421,8 +426,12 @@ class PlannerServicer:
                     field,
                 )
             control.check("sending the response")
+            t0 = time.perf_counter()
+            data = response.SerializeToString()  # here, so that a failure is ours to report
+            del response
+            record["serialize_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
             record["code"] = "OK"
-            return response
+            return data
         except _AbortRpcError as a:
             record.update(code=a.code.name, field=a.field, error=a.message)
             context.abort_with_status(_rich_status(a))
@@ -430,7 +439,7 @@ class PlannerServicer:
             a = _from_harts(e)
             record.update(code=a.code.name, field=a.field, error=a.message)
             context.abort_with_status(_rich_status(a))
-        except MemoryError:  # an estimate fell short: refuse, keep serving
+        except (MemoryError, EncodeError):  # an estimate fell short: refuse, keep serving
             record.update(code="RESOURCE_EXHAUSTED", field="request", error="out of memory")
             context.abort_with_status(
                 _rich_status(
@@ -867,12 +876,12 @@ def create_server(
         "PlanStep": grpc.unary_unary_rpc_method_handler(
             servicer.PlanStep,
             request_deserializer=_deserializer(pb.PlanStepRequest),
-            response_serializer=pb.PlanStepResponse.SerializeToString,
+            response_serializer=_serialized,
         ),
         "PlanCalls": grpc.unary_unary_rpc_method_handler(
             servicer.PlanCalls,
             request_deserializer=_deserializer(pb.PlanCallsRequest),
-            response_serializer=pb.PlanCallsResponse.SerializeToString,
+            response_serializer=_serialized,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(codec.SERVICE_NAME, handlers),))
@@ -1001,7 +1010,7 @@ class SidecarProcess:
     ``with SidecarProcess(workers=2) as sidecar: Planner(sidecar.address)``; leaving the block
     sends SIGTERM and waits for the drain. ``extra_args`` are more ``serve`` flags
     (``["--max-rows", "1000"]``); ``preexec_fn`` runs in the child before it starts (e.g. an
-    address-space limit).
+    address-space limit); ``env`` replaces its environment.
     """
 
     def __init__(
@@ -1014,6 +1023,7 @@ class SidecarProcess:
         startup_timeout: float = 60.0,
         extra_args: list[str] | None = None,
         preexec_fn=None,
+        env: dict | None = None,
     ):
         cmd = [sys.executable, "-m", "harts_planner.cli", "serve", "--port", "0", "--grace", str(grace)]
         if workers is not None:
@@ -1023,7 +1033,7 @@ class SidecarProcess:
         cmd += list(extra_args or [])
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=self._log, text=True, preexec_fn=preexec_fn
+            cmd, stdout=subprocess.PIPE, stderr=self._log, text=True, preexec_fn=preexec_fn, env=env
         )
         self.address = self._read_address(startup_timeout)
 
