@@ -1,12 +1,10 @@
 """The gRPC sidecar: round trips equal the in-process plans, health, reflection, every bad-request
 class with its status code and field, size limits, deadlines, concurrent clients, malformed bytes,
-and the SIGTERM drain of a real `harts-planner serve` process."""
+(the SIGTERM drain of a real `harts-planner serve` process: test_sidecar_shutdown.py)."""
 
 from __future__ import annotations
 
-import json
 import threading
-import time
 
 import grpc
 import numpy as np
@@ -19,7 +17,7 @@ from harts_planner import PackedTokens, Planner, RolloutBatch, SegmentTree, synt
 from harts_planner.rpc import codec
 from harts_planner.rpc import planner_pb2 as pb
 from harts_planner.rpc.client import SidecarTimeoutError, SidecarUnavailableError
-from harts_planner.rpc.server import SidecarProcess, create_server
+from harts_planner.rpc.server import create_server
 
 
 @pytest.fixture(scope="module")
@@ -485,56 +483,3 @@ def test_sixteen_concurrent_clients_get_correct_plans(server):
         t.join(120)
     for i in range(16):
         assert results[i] is not None and all(r == expected[i] for r in results[i]), i
-
-
-# ---------------------------------------------------------------------------------- SIGTERM
-def slow_tree(n: int = 15_000, seed: int = 0) -> SegmentTree:
-    """A random tree whose step takes seconds to plan (random parents, lengths 1-199)."""
-    rng = np.random.default_rng(seed)
-    parent = np.floor(rng.random(n) * np.arange(n)).astype(np.int32)
-    parent[0] = -1
-    length = rng.integers(1, 200, size=n).astype(np.int32)
-    has_child = np.zeros(n, dtype=bool)
-    has_child[parent[1:]] = True
-    return SegmentTree(parent, length, np.flatnonzero(~has_child).astype(np.int32))
-
-
-@pytest.mark.slow
-def test_sigterm_drains(tmp_path):
-    tree = slow_tree()
-    cap = int(RolloutBatch.from_segment_tree(tree).lengths.max()) * 2
-    log = tmp_path / "serve.log"
-    sidecar = SidecarProcess(workers=2, grace=60, log_path=str(log))
-    try:
-        box: dict = {}
-
-        def slow() -> None:
-            with Planner(sidecar.address, timeout=120) as p:
-                box["plan"] = p.plan_step(tree, 2, cap)
-
-        worker = threading.Thread(target=slow)
-        worker.start()
-        time.sleep(0.6)  # the plan is in flight (it takes seconds)
-        sidecar.proc.send_signal(15)
-        with Planner(sidecar.address, timeout=10) as p:
-            deadline = time.time() + 10
-            while p.health() != "NOT_SERVING" and time.time() < deadline:
-                time.sleep(0.05)
-            assert p.health() == "NOT_SERVING"
-            with pytest.raises(SidecarUnavailableError, match="shutting down"):
-                p.plan_step(SegmentTree([-1], [2], [0]), 1, 4)
-        worker.join(120)
-        assert sidecar.proc.wait(60) == 0
-    finally:
-        if sidecar.proc.poll() is None:
-            sidecar.proc.kill()
-    assert box["plan"] == Planner().plan_step(tree, 2, cap)  # the in-flight plan finished, correct
-    records = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
-    drain = next(r for r in records if r.get("event") == "drain")
-    assert drain["inflight"] == 1
-    rpcs = [r for r in records if r.get("event") == "rpc"]
-    ok = [r for r in rpcs if r["method"] == "PlanStep" and r["code"] == "OK"]
-    assert ok and ok[0]["input"] == "tree" and ok[0]["trajectories"] == tree.num_trajectories
-    assert {"plan_ms", "ingest_ms", "decode_ms", "total_ms", "microbatches", "request_bytes"} <= ok[0].keys()
-    assert any(r["code"] == "UNAVAILABLE" for r in rpcs)
-    assert records[-1]["event"] == "stopped" and records[-1]["drained"] is True

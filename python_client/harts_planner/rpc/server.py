@@ -1010,7 +1010,8 @@ class SidecarProcess:
     ``with SidecarProcess(workers=2) as sidecar: Planner(sidecar.address)``; leaving the block
     sends SIGTERM and waits for the drain. ``extra_args`` are more ``serve`` flags
     (``["--max-rows", "1000"]``); ``preexec_fn`` runs in the child before it starts (e.g. an
-    address-space limit); ``env`` replaces its environment.
+    address-space limit); ``env`` replaces its environment; ``command`` replaces
+    ``python -m harts_planner.cli`` (a test's launcher).
     """
 
     def __init__(
@@ -1024,8 +1025,10 @@ class SidecarProcess:
         extra_args: list[str] | None = None,
         preexec_fn=None,
         env: dict | None = None,
+        command: list[str] | None = None,
     ):
-        cmd = [sys.executable, "-m", "harts_planner.cli", "serve", "--port", "0", "--grace", str(grace)]
+        cmd = list(command or [sys.executable, "-m", "harts_planner.cli"])
+        cmd += ["serve", "--port", "0", "--grace", str(grace)]
         if workers is not None:
             cmd += ["--workers", str(workers)]
         if max_message_bytes is not None:
