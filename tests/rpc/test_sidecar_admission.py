@@ -248,11 +248,13 @@ def test_deadline_while_queued(gate, records):
     with _server(workers=1) as srv, Raw(srv.address) as raw:
         held = raw.future("PLAN_STEP", HELD)
         gate.wait_entered()
-        code, _ = raw.code("PLAN_STEP", step_request(capacity=50), timeout=0.3)
-        assert code == DEADLINE
-        (late,) = records.wait_for(code="DEADLINE_EXCEEDED")
-        assert late["queue_ms"] if "queue_ms" in late else True
-        assert srv.servicer.counts()["queued"] == 0  # it left the queue
+        late = raw.future("PLAN_STEP", step_request(capacity=50), timeout=2.0)
+        assert wait_until(lambda: srv.servicer.counts()["queued"] == 1)
+        assert future_code(late) == DEADLINE
+        (record,) = records.wait_for(code="DEADLINE_EXCEEDED")
+        assert record["method"] == "PlanStep" and "before a planner thread was free" in record["error"]
+        assert wait_until(lambda: srv.servicer.counts()["queued"] == 0)  # it left the queue
+        assert not held.done()
         gate.open()
         assert future_code(held) == grpc.StatusCode.OK
 
@@ -288,8 +290,9 @@ def test_a_plan_finished_after_its_client_left_is_logged_cancelled(monkeypatch, 
 
 def test_deadline_inside_a_plan(gate, records):
     with _server(workers=1) as srv, Raw(srv.address) as raw:
-        code, _ = raw.code("PLAN_CALLS", calls_request(chunk_size=GATED_CHUNK), timeout=0.3)
-        assert code == DEADLINE
+        late = raw.future("PLAN_CALLS", calls_request(chunk_size=GATED_CHUNK), timeout=2.0)
+        gate.wait_entered()
+        assert future_code(late) == DEADLINE
         (record,) = records.wait_for(code="DEADLINE_EXCEEDED")
         assert record["method"] == "PlanCalls" and gate.cancelled == 1
         assert raw.code("PLAN_CALLS", calls_request())[0] == grpc.StatusCode.OK

@@ -171,7 +171,7 @@ class RequestControl:
         self.context = context
         self._wake = wake
         self._lock = threading.Lock()
-        self.reason: str | None = None  # "client" or "shutdown" once cancelled
+        self.reason: str | None = None  # "client", "deadline" or "shutdown" once cancelled
         self._done = False
         remaining = context.time_remaining() if context is not None else None
         self.deadline = None if remaining is None else time.monotonic() + max(remaining, 0.0)
@@ -182,9 +182,11 @@ class RequestControl:
             self._terminated()  # the RPC has already ended
 
     def _terminated(self) -> None:
-        """gRPC's callback: the RPC ended (completed, cancelled by the client, or past its deadline)."""
+        """gRPC's callback: the RPC ended (completed, cancelled by the client, or past its deadline;
+        gRPC's clock may run a little ahead of ours, hence the margin)."""
         if not self._done:
-            self.cancel("client")
+            remaining = self.remaining()
+            self.cancel("deadline" if remaining is not None and remaining < 0.05 else "client")
 
     def cancel(self, reason: str) -> None:
         """Stop this request's plan (the planner stops at its next poll); thread-safe."""
@@ -207,7 +209,7 @@ class RequestControl:
 
     def stop_status(self) -> _AbortRpcError | None:
         """Why this request must stop now (DEADLINE_EXCEEDED, CANCELLED, UNAVAILABLE), or None."""
-        if self.expired():
+        if self.reason == "deadline" or self.expired():
             return _AbortRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded", "deadline")
         if self.reason == "shutdown":
             return _AbortRpcError(
