@@ -115,7 +115,8 @@ def load_batch(path: PathLike, *, format: str | None = None) -> Batch:
     BatchFormatError
         If the file is malformed: for ``.hrb`` a bad magic, unsupported version, unknown flags,
         wrong file size (truncated or trailing bytes), checksum mismatch or invalid batch arrays;
-        for ``.jsonl`` invalid JSON or fields, with the line number.
+        for ``.jsonl`` invalid JSON (also nested too deeply, or not UTF-8) or fields, with the line
+        number.
     ValueError
         If the format is unknown or cannot be inferred.
     OSError
@@ -290,8 +291,14 @@ def _load_jsonl(path: Path) -> Batch:
     trajectories: list[list[int]] = []
     tree_ids: list[int] = []
     first_has_tree_id: bool | None = None
-    with path.open("r", encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise BatchFormatError(
+                    f"line {number}: not UTF-8 text ({error.reason} at byte {error.start})"
+                ) from None
             if not line.strip():
                 continue
             tokens, tree_id = _parse_jsonl_line(line, number)
@@ -324,6 +331,8 @@ def _parse_jsonl_line(line: str, number: int) -> tuple[list[int], int | None]:
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise BatchFormatError(f"line {number}: invalid JSON: {error.msg}") from None
+    except RecursionError:
+        raise BatchFormatError(f"line {number}: invalid JSON: nested too deeply") from None
     if not isinstance(record, dict):
         raise BatchFormatError(f"line {number}: expected a JSON object, got {type(record).__name__}")
     unknown = sorted(set(record) - {"tokens", "tree_id"})

@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -842,6 +843,26 @@ class PlannerServer:
             self.stop(grace=None)
 
 
+def _bind_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound (a name that does not resolve, an address in use or of no
+    interface here), found with a plain socket before gRPC tries (whose failure is a log line on
+    stderr and no reason); None when some address of it binds."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        return f"cannot resolve host {host!r} ({getattr(e, 'strerror', None) or e})"
+    problem = "no address to bind"
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's listener
+                probe.bind(sockaddr)
+            return None
+        except OSError as e:
+            problem = e.strerror or str(e)
+    return problem
+
+
 def create_server(
     address: str = f"{DEFAULT_HOST}:0",
     *,
@@ -863,6 +884,9 @@ def create_server(
     host, sep, port_text = address.rpartition(":")
     if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise ValueError(f"address: must be HOST:PORT with a port in [0, 65535], got {address!r}")
+    problem = _bind_problem(host.strip("[]"), int(port_text))
+    if problem is not None:
+        raise RuntimeError(f"cannot bind {address}: {problem}")
     threads = workers + limits.max_queued + SPARE_THREADS
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="harts-planner"),
