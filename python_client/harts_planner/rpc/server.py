@@ -975,6 +975,22 @@ def configure_logging(log_format: str = "json", level: int = logging.INFO, strea
 
 
 # ---------------------------------------------------------------------------------- entry points
+def cap_malloc_arenas(arenas: int) -> bool:
+    """Cap glibc's malloc arenas (``mallopt(M_ARENA_MAX)``, as ``MALLOC_ARENA_MAX`` does) unless the
+    environment sets them: the sidecar's many RPC threads would otherwise each get an arena and hold
+    freed request buffers apart (a 16-client load peaked at 1.0-1.15 GB instead of 0.64 GB). True
+    when capped (glibc only)."""
+    if os.environ.get("MALLOC_ARENA_MAX") or not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-8, max(1, int(arenas))))  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        return False
+
+
 def serve(
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
@@ -995,6 +1011,7 @@ def serve(
     (cannot bind) before serving.
     """
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    cap_malloc_arenas((default_workers() if workers is None else workers) + 1)
     server = create_server(address, workers=workers, max_message_bytes=max_message_bytes, limits=limits)
     configure_logging(log_format)
     stop, cut = threading.Event(), threading.Event()
