@@ -30,6 +30,7 @@ sidecar, the request field path such as ``trajectories.tree.parent[3]``), plus
 
 from __future__ import annotations
 
+import math
 import time
 
 from harts_planner import checks
@@ -65,9 +66,13 @@ class Planner:
         ``"host:port"`` of a ``harts-planner serve`` sidecar; None plans in this process (the C++
         core releases the GIL, so threads may share one Planner).
     timeout : float, default 600
-        Deadline of each sidecar call in seconds (per call override: ``timeout=``).
+        Deadline of each sidecar call in seconds, > 0, or None for none (per call override:
+        ``timeout=``). The sidecar stops planning when it passes.
     max_message_bytes : int, default 1 GiB
-        Largest request/response this client sends or accepts (the server has its own limit).
+        Largest request/response this client sends or accepts, in [1, 2^31 - 1] (the server has its
+        own limit).
+
+    Raises InvalidArgumentError naming ``target``, ``timeout`` or ``max_message_bytes``.
 
     A Planner is thread-safe and a context manager (closing the sidecar channel).
     """
@@ -79,8 +84,14 @@ class Planner:
         timeout: float | None = DEFAULT_TIMEOUT,
         max_message_bytes: int | None = None,
     ):
+        if target is not None:
+            checks.string(target, "target")
+            if not target.strip():
+                raise invalid("target", "must be host:port (or a gRPC target), got an empty string")
         self.target = target
-        self.timeout = timeout
+        self.timeout = _check_timeout(timeout, "timeout")
+        if max_message_bytes is not None:
+            max_message_bytes = checks.integer(max_message_bytes, "max_message_bytes", 1, 2**31 - 1)
         self._client = None
         if target is not None:
             from harts_planner.rpc.client import SidecarClient
@@ -217,7 +228,21 @@ class Planner:
         return "SERVING" if self._client is None else self._client.health(timeout=timeout)
 
     def _timeout(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
+        return self.timeout if timeout is None else _check_timeout(timeout, "timeout")
+
+
+def _check_timeout(value, field: str) -> float | None:
+    """None (no deadline) or a finite number of seconds > 0."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise invalid(field, f"must be a finite number of seconds > 0 or None, got {value!r}")
+    return float(value)
 
 
 __all__ = ["Planner", "DEFAULT_TIMEOUT", "as_source"]

@@ -19,7 +19,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from harts_planner import checks
 from harts_planner.call_plan import CallPlan
+from harts_planner.errors import invalid
 from harts_planner.step_plan import StepPlan
 
 #: Round colours (Tableau 10), cycled after ten rounds.
@@ -78,7 +80,7 @@ def segment_names(plan: CallPlan, names: Sequence[str] | None) -> list[str]:
     if names is None:
         return [f"s{v}" for v in range(plan.num_segments)]
     if len(names) != plan.num_segments:
-        raise ValueError(f"names: needs one name per segment ({plan.num_segments}), got {len(names)}")
+        raise invalid("names", f"needs one name per segment ({plan.num_segments}), got {len(names)}")
     return [str(n) for n in names]
 
 
@@ -270,6 +272,8 @@ def render_call_plan(
     plan: CallPlan, *, title: str = "HARTS call plan", names: Sequence[str] | None = None
 ) -> str:
     """A page with one microbatch's tree, its rounds and totals."""
+    if not isinstance(plan, CallPlan):
+        raise invalid("plan", f"must be a CallPlan, got {type(plan).__name__}")
     return _page(
         title,
         [
@@ -289,6 +293,10 @@ def render_step_plan(
     Uses :meth:`StepPlan.call_plans` (computed if needed). Trees of microbatches with more than
     ``max_segments`` segments are summarized, not drawn; the first ``open_trees`` are expanded.
     """
+    if not isinstance(step, StepPlan):
+        raise invalid("step", f"must be a StepPlan, got {type(step).__name__}")
+    max_segments = checks.integer(max_segments, "max_segments", 0)
+    open_trees = checks.integer(open_trees, "open_trees", 0)
     calls = step.call_plans()
     j = step.objective
     metrics = step.metrics
@@ -338,7 +346,7 @@ def render(plan, **kwargs) -> str:
         return render_step_plan(plan, **kwargs)
     if isinstance(plan, CallPlan):
         return render_call_plan(plan, **kwargs)
-    raise TypeError(f"plan: must be a StepPlan or CallPlan, got {type(plan).__name__}")
+    raise invalid("plan", f"must be a StepPlan or CallPlan, got {type(plan).__name__}")
 
 
 __all__ = [

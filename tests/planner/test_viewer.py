@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 import pytest
 from min_call_oracle import APPENDIX_A, batch_from_trajectories, case_tree, preorder, tree_batch
 
-from harts_planner import Planner, RolloutBatch, plan_calls, synth, viewer
+from harts_planner import InvalidArgumentError, Planner, RolloutBatch, plan_calls, plan_step, synth, viewer
 
 SVG = "{http://www.w3.org/2000/svg}"
 XHTML = "{http://www.w3.org/1999/xhtml}"
@@ -76,9 +76,20 @@ def test_step_plan_page_lays_out_microbatches_by_replica_and_slot():
 
 
 def test_render_rejects_wrong_names_and_types():
-    plan = plan_calls(RolloutBatch.from_token_lists([[1, 2], [1, 3]]), 4)
-    with pytest.raises(ValueError, match="names: needs one name per segment"):
+    batch = RolloutBatch.from_token_lists([[1, 2], [1, 3]])
+    plan = plan_calls(batch, 4)
+    step = plan_step(batch, 1, 8)
+    with pytest.raises(InvalidArgumentError, match="names: needs one name per segment") as e:
         viewer.render_call_plan(plan, names=["a"])
-    with pytest.raises(TypeError):
-        viewer.render(object())
+    assert e.value.field == "names"
+    for call, field in (
+        (lambda: viewer.render(object()), "plan"),
+        (lambda: viewer.render_call_plan("plan"), "plan"),
+        (lambda: viewer.render_step_plan(plan), "step"),
+        (lambda: viewer.render_step_plan(step, max_segments=-1), "max_segments"),
+        (lambda: viewer.render_step_plan(step, open_trees=1.5), "open_trees"),
+    ):
+        with pytest.raises(InvalidArgumentError) as e:
+            call()
+        assert e.value.field == field
     assert "<svg" in viewer.render(plan)

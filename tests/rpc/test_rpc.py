@@ -483,3 +483,25 @@ def test_sixteen_concurrent_clients_get_correct_plans(server):
         t.join(120)
     for i in range(16):
         assert results[i] is not None and all(r == expected[i] for r in results[i]), i
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"target": ""}, "target"),
+        ({"target": 5}, "target"),
+        ({"timeout": 0}, "timeout"),
+        ({"timeout": -1.0}, "timeout"),
+        ({"timeout": float("inf")}, "timeout"),
+        ({"timeout": True}, "timeout"),
+        ({"target": "127.0.0.1:9", "max_message_bytes": 2**31}, "max_message_bytes"),
+        ({"target": "127.0.0.1:9", "max_message_bytes": 0}, "max_message_bytes"),
+    ],
+)
+def test_planner_arguments_are_checked_where_given(kwargs, field):
+    with pytest.raises(hp.InvalidArgumentError) as e:
+        Planner(**kwargs)
+    assert e.value.field == field
+    with Planner("127.0.0.1:9") as p, pytest.raises(hp.InvalidArgumentError) as e:
+        p.plan_step(SegmentTree([-1], [2], [0]), 1, 4, timeout=-2)
+    assert e.value.field == "timeout"
