@@ -214,6 +214,19 @@ INVALID = [  # (method, request, code, field) answered at admission
         INV,
         "trajectories.packed.offsets[2]",
     ),
+    ("PLAN_STEP", codec.plan_step_request(TREE, 1, 5, 64, {}, False, 4), INV, "trajectories[1]"),
+    (
+        "PLAN_STEP",
+        codec.plan_step_request(TREE, 1, 10, 64, {"max_sampled_k": 1}, False, 4),
+        INV,
+        "options.max_sampled_k",
+    ),
+    (
+        "PLAN_STEP",
+        codec.plan_step_request(TREE, 3, 10, 64, {}, False, 4),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "dp_size",
+    ),
     ("PLAN_CALLS", codec.plan_calls_request(TREE, [0, 7], 4, 4), INV, "microbatch[1]"),
     ("PLAN_CALLS", codec.plan_calls_request(TREE, [1, 1], 4, 4), INV, "microbatch"),
     (
@@ -240,7 +253,9 @@ def test_invalid_requests_are_answered_while_plans_hold_every_thread(gate, recor
         assert not held.done() and not queued.done()  # still held: nothing waited for them
         gate.open()
         assert future_code(held) == future_code(queued) == grpc.StatusCode.OK
-    assert len(records.rpcs(code="INVALID_ARGUMENT")) == len(INVALID) - 1  # one RESOURCE_EXHAUSTED
+    assert (
+        len(records.rpcs(code="INVALID_ARGUMENT")) == len(INVALID) - 2
+    )  # one RESOURCE_EXHAUSTED, one FAILED_PRECONDITION
 
 
 # ---------------------------------------------------------------------------------- deadlines, cancellation
@@ -282,7 +297,8 @@ def test_a_plan_finished_after_its_client_left_is_logged_cancelled(monkeypatch, 
         held = raw.future("PLAN_STEP", HELD)
         gate.wait_entered()
         held.cancel()
-        gate.open()
+        assert wait_until(lambda: any(c.reason == "client" for c in list(srv.servicer._controls)))
+        gate.open()  # the plan finishes after the server saw the cancellation
         (record,) = records.wait_for(code="CANCELLED")
         assert record["method"] == "PlanStep" and not records.rpcs(code="OK")
         assert wait_until(lambda: srv.servicer.counts()["active"] == 0)
@@ -363,3 +379,41 @@ def test_packed_checks_are_the_ingestion_checks(source):
     except hp.HartsError as e:
         got = (type(e), e.field, str(e))
     assert got == expected
+
+
+@st.composite
+def step_arguments(draw):
+    lengths = draw(st.lists(st.integers(1, 6), min_size=1, max_size=5))
+    tokens = [[j] + [draw(st.integers(0, 2)) for _ in range(n - 1)] for j, n in enumerate(lengths)]
+    options = {}
+    for name, lo in codec.OPTION_MINIMUMS.items():
+        if draw(st.booleans()):
+            options[name] = draw(st.integers(lo - 2, lo + 3))
+    if draw(st.booleans()):
+        options["search"] = draw(st.sampled_from(["auto", "exact", "heuristic", "fast"]))
+    return tokens, draw(st.integers(0, 4)), draw(st.integers(0, 7)), options
+
+
+@settings(max_examples=300, deadline=None)
+@given(step_arguments())
+def test_step_checks_are_the_planners_first_checks(args):
+    """``codec.check_step`` raises exactly what ``plan_step`` raises first (class, field, message) when
+    that is one of its up-front checks, and nothing when the plan succeeds."""
+    tokens, dp, cap, options = args
+    batch = RolloutBatch.from_token_lists(tokens)
+    try:
+        hp.plan_step(batch, dp, cap, **options)
+        expected = None
+    except hp.HartsError as e:
+        expected = (type(e), e.field, str(e))
+    try:
+        codec.check_step(batch.lengths, dp, cap, options)
+        got = None
+    except hp.HartsError as e:
+        got = (type(e), e.field, str(e))
+    if expected is None or got is not None:
+        assert got == expected
+    else:  # a check that needs the plan (K_min, the exact table): left to the planner
+        assert (
+            expected[1] in ("capacity", "search") and "K_min" in expected[2] or "table cells" in expected[2]
+        )

@@ -244,6 +244,52 @@ def check_microbatch(ids: np.ndarray, num_trajectories: int, field: str = "micro
         )
 
 
+#: Least value of each integer option (``ValidatePlannerOptions`` of ``harts/step_plan.h``).
+OPTION_MINIMUMS = {
+    "exact_threshold": 0,
+    "max_sampled_k": 2,
+    "refine_window": 0,
+    "refine_sweeps": 0,
+    "max_anchors": 0,
+    "repair_window": 0,
+    "repair_iterations": 0,
+}
+
+
+def check_step(lengths: np.ndarray, dp_size: int, capacity: int, options: dict) -> None:
+    """The checks ``PlanStep`` starts with (``ValidatePlannerOptions``, ``CheckTrajectoriesFit`` and
+    N >= D in ``harts/step_plan.h``), in the same order, with the same errors and fields
+    (``max_sampled_k``, ``trajectories[i]``, ``dp_size``), from the trajectory lengths alone: O(N),
+    so that the sidecar answers them before a planner thread is taken (tested against the planner)."""
+    from harts_planner.errors import InfeasibleError
+
+    for name, value in (("dp_size", dp_size), ("capacity", capacity)):
+        if value < 1:
+            raise invalid(name, f"must be >= 1, got {value}")
+    merged = {**DEFAULT_OPTIONS, **options}
+    for name, lo in OPTION_MINIMUMS.items():
+        if merged[name] < lo:
+            raise invalid(name, f"must be >= {lo}, got {merged[name]}")
+    if merged["search"] not in _SEARCH_TO_WIRE:
+        raise invalid("search", f'must be "auto", "exact" or "heuristic", got "{merged["search"]}"')
+    over = np.flatnonzero(lengths > capacity)
+    if len(over):
+        i = int(over[0])
+        raise invalid(
+            f"trajectories[{i}]",
+            f"trajectory {i} has {int(lengths[i])} tokens, more than the microbatch capacity T = {capacity}; "
+            "a trajectory cannot be split between microbatches",
+        )
+    n = len(lengths)
+    if n < dp_size:
+        err = InfeasibleError(
+            f"dp_size: the batch has {n} trajectories but D = {dp_size} replicas each need at least one "
+            "non-empty microbatch (N >= D is required)"
+        )
+        err.field = "dp_size"
+        raise err
+
+
 # ---------------------------------------------------------------------------------- options
 def encode_options(options: dict) -> pb.StepOptions:
     """StepOptions with every given option set (names as in ``DEFAULT_OPTIONS``; the checks of

@@ -33,6 +33,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -173,6 +174,7 @@ class RequestControl:
         self._wake = wake
         self._lock = threading.Lock()
         self.reason: str | None = None  # "client", "deadline" or "shutdown" once cancelled
+        self.waiter = None  # while it waits for a planner thread (the servicer's)
         self._done = False
         remaining = context.time_remaining() if context is not None else None
         self.deadline = None if remaining is None else time.monotonic() + max(remaining, 0.0)
@@ -196,7 +198,7 @@ class RequestControl:
                 self.reason = reason
         self.token.cancel()
         if self._wake is not None:
-            self._wake()
+            self._wake(self)
 
     def finish(self) -> None:
         """The handler is done: later callbacks are not cancellations."""
@@ -249,6 +251,21 @@ class _Job:
     ingest_s: float = 0.0  # arrays -> batch (a tree: at admission; tokens: on a planner thread)
 
 
+class _Waiter:
+    """A request waiting for a planner thread: set ``event`` to wake it; ``granted`` once a finished
+    plan handed it its thread."""
+
+    __slots__ = ("event", "granted")
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.granted = False
+
+
+def _unavailable() -> _AbortRpcError:
+    return _AbortRpcError(grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another planner")
+
+
 # ---------------------------------------------------------------------------------- servicer
 class PlannerServicer:
     """Handlers of PlanStep and PlanCalls: admission, planner threads, draining."""
@@ -272,6 +289,9 @@ class PlannerServicer:
         self._inflight_bytes = 0
         self._draining = False
         self._controls: set[RequestControl] = set()
+        # Requests waiting for a planner thread, first come first served; a finished plan hands its
+        # thread to the first one directly (no thundering herd of wake-ups).
+        self._waiters: collections.deque[_Waiter] = collections.deque()
 
     # ------------------------------------------------------------------ state
     @property
@@ -289,15 +309,19 @@ class PlannerServicer:
                 "inflight_bytes": self._inflight_bytes,
             }
 
-    def _wake(self) -> None:
+    def _wake(self, control: RequestControl) -> None:
+        """A request was cancelled: wake it if it waits for a planner thread."""
         with self._lock:
-            self._lock.notify_all()
+            if control.waiter is not None:
+                control.waiter.event.set()
 
     def begin_drain(self) -> None:
         """Refuse new plans (UNAVAILABLE) from now on; requests waiting for a planner thread get
         UNAVAILABLE at once."""
         with self._lock:
             self._draining = True
+            for waiter in self._waiters:
+                waiter.event.set()
             self._lock.notify_all()
 
     def cancel_inflight(self) -> int:
@@ -324,9 +348,7 @@ class PlannerServicer:
         """Count the request in (its bytes against the in-flight bound) and make its control."""
         with self._lock:
             if self._draining:
-                raise _AbortRpcError(
-                    grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another planner"
-                )
+                raise _unavailable()
             bound = self.limits.max_inflight_bytes
             if self._inflight_bytes + size > bound and self._inflight_bytes > 0:
                 raise _AbortRpcError(
@@ -352,40 +374,70 @@ class PlannerServicer:
 
     @contextlib.contextmanager
     def _planner_thread(self, control: RequestControl, record: dict):
-        """Hold one of the ``workers`` planner threads; wait for one while the request's deadline
-        allows. Raises UNAVAILABLE when draining, RESOURCE_EXHAUSTED when ``max_queued`` wait already,
-        DEADLINE_EXCEEDED / CANCELLED when the request stops waiting."""
+        """Hold one of the ``workers`` planner threads; wait for one (first come, first served) while
+        the request's deadline allows. Raises UNAVAILABLE when draining, RESOURCE_EXHAUSTED when
+        ``max_queued`` wait already, DEADLINE_EXCEEDED / CANCELLED when the request stops waiting."""
         t0 = time.perf_counter()
         with self._lock:
-            if self._planning >= self.workers and self._queued >= self.limits.max_queued:
-                raise _AbortRpcError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"request: {self._queued} requests already wait for this server's {self.workers} planner "
-                    f"threads, its limit (--max-queued {self.limits.max_queued}); retry later or on another planner",
-                    "request",
-                )
-            self._queued += 1
-            try:
-                while True:
-                    if self._draining:
-                        raise _AbortRpcError(
-                            grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another planner"
-                        )
-                    control.check("a planner thread was free")
-                    if self._planning < self.workers:
-                        break
-                    remaining = control.remaining()
-                    self._lock.wait(1.0 if remaining is None else min(max(remaining, 0.0) + 1e-3, 1.0))
-            finally:
-                self._queued -= 1
-            self._planning += 1
+            if self._draining:
+                raise _unavailable()
+            if self._planning < self.workers and not self._waiters:
+                self._planning += 1
+                waiter = None
+            else:
+                if self._queued >= self.limits.max_queued:
+                    raise _AbortRpcError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"request: {self._queued} requests already wait for this server's {self.workers} "
+                        f"planner threads, its limit (--max-queued {self.limits.max_queued}); retry later or "
+                        "on another planner",
+                        "request",
+                    )
+                waiter = control.waiter = _Waiter()
+                self._waiters.append(waiter)
+                self._queued += 1
+        if waiter is not None:
+            self._wait_for_thread(waiter, control)
         record["queue_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
         try:
             yield
         finally:
             with self._lock:
-                self._planning -= 1
-                self._lock.notify_all()
+                self._release_thread_locked()
+
+    def _wait_for_thread(self, waiter: _Waiter, control: RequestControl) -> None:
+        """Wait until a finished plan hands ``waiter`` its thread; leave the queue (and pass on a
+        thread handed over meanwhile) when the request stops waiting."""
+        try:
+            while True:
+                with self._lock:  # every event.set() is under the lock too: none is lost
+                    stop = _unavailable() if self._draining else control.stop_status()
+                    if waiter.granted:
+                        if stop is None:
+                            return
+                        self._release_thread_locked()  # handed over as it gave up: pass it on
+                    elif stop is not None:
+                        self._waiters.remove(waiter)
+                    if stop is not None:
+                        if stop.code != grpc.StatusCode.UNAVAILABLE:
+                            stop.message = f"{stop.message} before a planner thread was free"
+                        raise stop
+                    waiter.event.clear()
+                remaining = control.remaining()
+                waiter.event.wait(1.0 if remaining is None else min(max(remaining, 0.0) + 1e-3, 1.0))
+        finally:
+            with self._lock:
+                self._queued -= 1
+                control.waiter = None
+
+    def _release_thread_locked(self) -> None:
+        """A plan is done with its thread: hand it to the first waiter, or free it."""
+        if self._waiters:
+            waiter = self._waiters.popleft()
+            waiter.granted = True
+            waiter.event.set()
+        else:
+            self._planning -= 1
 
     def _serve(self, method: str, request, context, admit, plan):
         start = time.perf_counter()
@@ -504,6 +556,11 @@ class PlannerServicer:
     def _admit_step(self, request, control, record) -> _Job:
         args = codec.decode_plan_step_request(request)
         source, batch, decode_s, ingest_s = self._admit_source(request, control, record)
+        lengths = batch.lengths if batch is not None else np.diff(source.offsets)
+        try:
+            codec.check_step(lengths, args["dp_size"], args["capacity"], args["options"])
+        except HartsError as e:
+            raise codec.renamed(e, codec.OPTION_FIELDS) from None
         if batch is not None:
             cost = _limits.step_cost(batch.num_trajectories, batch.num_segments)
             if args["call_plans"]:
