@@ -5,6 +5,9 @@
 [--lr LR] [--device cpu|cuda] [--json]`` prints one line (or JSON object) per step and mode;
 ``--mode both`` is :func:`harts_runtime.demo.train_demo`. Run it as ``harts-train`` or
 ``python -m harts_runtime.cli``.
+
+Errors (torch missing, an unknown flavor, a layer count the flavor lacks, a device that is not
+there, ...) are one line on stderr and exit code 2, never a traceback; ``--help`` works without torch.
 """
 
 from __future__ import annotations
@@ -12,12 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
-from harts_runtime.demo import train_demo, train_modes
-from harts_runtime.layout.rows import MODES
-
 __all__ = ["main"]
+
+MODES = ("compact", "trajectory")  # harts_runtime.layout.rows.MODES, without importing torch for --help
 
 
 def main(argv=None) -> int:
@@ -47,10 +47,31 @@ def main(argv=None) -> int:
     ap.add_argument("--recompute", action="store_true", help="full-block activation recomputation")
     ap.add_argument("--objective", choices=("grpo", "ppo"), default="grpo")
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda when available)")
     ap.add_argument("--json", action="store_true", help="print one JSON object per step instead")
     args = ap.parse_args(argv)
-    cpu = torch.device(args.device).type == "cpu"
+    try:
+        import torch
+    except ImportError as e:
+        ap.exit(
+            2, f"harts-train: error: {e.name or e} is not installed: pip install '.[runtime]' torch==2.13.0\n"
+        )
+    from harts_runtime.demo import train_demo, train_modes
+    from harts_runtime.errors import InvalidInputError
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device: not a device: {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device: {args.device} requested but CUDA is not available here")
+    for name in ("steps", "layers", "capacity", "max_len"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "steps" else 1):
+            ap.error(f"--{name.replace('_', '-')}: must be >= {0 if name == 'steps' else 1}, got {value}")
+    cpu = device.type == "cpu"
     opts = dict(
         flavor=args.flavor,
         layers=args.layers,
@@ -60,21 +81,27 @@ def main(argv=None) -> int:
         lr=args.lr,
     )
     max_len = args.max_len if args.max_len is not None else (1024 if cpu else None)
-    if args.mode == "both" and not args.json:
-        train_demo(args.preset, args.steps, args.seed, max_len, args.device, **opts)
-    else:
-        modes = MODES if args.mode == "both" else (args.mode,)
-        train_modes(
-            modes,
-            preset=args.preset,
-            steps=args.steps,
-            seed=args.seed,
-            max_len=max_len,
-            device=args.device,
-            json_lines=args.json,
-            out=None,
-            **opts,
-        )
+    try:
+        if args.mode == "both" and not args.json:
+            train_demo(args.preset, args.steps, args.seed, max_len, args.device, **opts)
+        else:
+            modes = MODES if args.mode == "both" else (args.mode,)
+            train_modes(
+                modes,
+                preset=args.preset,
+                steps=args.steps,
+                seed=args.seed,
+                max_len=max_len,
+                device=args.device,
+                json_lines=args.json,
+                out=None,
+                **opts,
+            )
+    except (InvalidInputError, ValueError) as e:  # planner and runtime errors name their field
+        ap.exit(2, f"harts-train: error: {e}\n")
+    except BrokenPipeError:  # `harts-train ... | head`
+        sys.stderr.close()
+        return 0
     return 0
 
 

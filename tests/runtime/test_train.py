@@ -286,3 +286,35 @@ def test_gpu_eval_script_smoke_on_cpu(tmp_path):
     assert replay["replay"][0]["tokens"] > 0 and sum(d["tokens"] for d in replay["replay"][1:]) > 0
     assert "harts.kda.core" in res["breakdown"]["ranges"]
     assert "## Speedup (Table 4)" in (tmp_path / "train_eval.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["--flavor", "nope"], "flavor: unknown 'nope'"),
+        (["--layers", "99"], "num_layers: flavor 'debug' supports 1..32 layers"),
+        (["--steps", "-1"], "--steps: must be >= 0"),
+        (["--device", "not-a-device"], "--device: not a device"),
+        (["--preset", "nope"], "preset: unknown preset 'nope'"),
+    ],
+)
+def test_cli_errors_are_one_line_and_exit_2(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", "--steps", "1", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("harts-train: error:")
+
+
+def test_cli_without_torch_says_what_to_install():
+    """`harts-train` is installed with the planner alone: --help works and a run is one error line."""
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['torch'] = None; from harts_runtime.cli import main; main(sys.argv[1:])"
+    helped = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True)
+    assert helped.returncode == 0 and "--flavor" in helped.stdout
+    ran = subprocess.run([sys.executable, "-c", code, "--steps", "1"], capture_output=True, text=True)
+    assert ran.returncode == 2 and "Traceback" not in ran.stderr
+    assert "torch is not installed: pip install '.[runtime]' torch==2.13.0" in ran.stderr
