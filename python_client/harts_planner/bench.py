@@ -17,7 +17,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from harts_planner import checks
 from harts_planner.batch import PackedTokens, RolloutBatch
+from harts_planner.errors import invalid
 from harts_planner.planner import Planner
 
 REQUEST_KINDS = ("tokens", "tree")
@@ -28,11 +30,11 @@ def payload(batch: RolloutBatch, kind: str):
     """What a client sends for ``kind``: PackedTokens (``tokens``) or the batch's SegmentTree (``tree``)."""
     if kind == "tokens":
         if batch.tokens is None:
-            raise ValueError("request: a batch built from a segment tree has no tokens to send")
+            raise invalid("request", "a batch built from a segment tree has no tokens to send")
         return PackedTokens(batch.tokens, batch.offsets, batch.tree_ids)
     if kind == "tree":
         return batch.segment_tree()
-    raise ValueError(f"request: must be one of {REQUEST_KINDS}, got {kind!r}")
+    raise invalid("request", f"must be one of {REQUEST_KINDS}, got {kind!r}")
 
 
 def percentiles(seconds: list[float]) -> dict:
@@ -67,8 +69,9 @@ def run(
     Returns percentiles (ms), ``throughput_per_s`` (plans per second of wall time), ``wall_s`` and
     ``mismatches`` (plans different from ``reference``; the first plan when ``reference`` is None).
     """
-    if clients < 1 or requests < 1 or warmup < 0:
-        raise ValueError("clients and requests must be >= 1, warmup >= 0")
+    clients = checks.integer(clients, "clients", 1)
+    requests = checks.integer(requests, "requests", 1)
+    warmup = checks.integer(warmup, "warmup", 0)
     planners = [make_planner() for _ in range(clients)]
     try:
         if reference is None:
