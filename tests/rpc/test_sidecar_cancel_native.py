@@ -1,0 +1,56 @@
+"""Deadlines and cancellation inside real C++ plans (issue 17): the planner polls the request's
+``harts_planner._native.CancelToken`` in its loops, so a plan whose client gave up stops and frees its
+planner thread, and the log says DEADLINE_EXCEEDED / CANCELLED. The slow request is many copies of
+the ``swe-like`` tree (a step that plans for seconds); bounds are generous (seconds, against a plan
+of many seconds). Skipped where the planner has no cancel token."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+from sidecar_fixtures import Raw, future_code, step_request, wait_until
+
+from harts_planner import RolloutBatch, SegmentTree, _native, synth
+from harts_planner.rpc import codec
+from harts_planner.rpc.server import create_server
+
+pytestmark = pytest.mark.skipif(not hasattr(_native, "CancelToken"), reason="the planner has no cancel token")
+
+#: Copies of the swe-like tree in the slow request (calibrated: its step plans for well over 5 s).
+COPIES = 400
+
+
+def copies_tree(tree: SegmentTree, copies: int) -> SegmentTree:
+    v = tree.num_segments
+    parent = np.concatenate([np.where(tree.parent < 0, -1, tree.parent + i * v) for i in range(copies)])
+    ends = np.concatenate([tree.trajectory_end + i * v for i in range(copies)])
+    return SegmentTree(parent.astype(np.int32), np.tile(tree.length, copies), ends.astype(np.int32))
+
+
+@pytest.fixture(scope="module")
+def slow_request():
+    syn = synth.generate("swe-like", seed=0)
+    tree = RolloutBatch.from_arrays(syn.tokens, syn.offsets, syn.tree_ids).segment_tree()
+    return codec.serialize_plan_step_request(copies_tree(tree, COPIES), 1, 65536, 64, {}, False, 4)
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_an_abandoned_plan_frees_its_thread(slow_request, records, how):
+    with create_server("127.0.0.1:0", workers=1) as srv, Raw(srv.address) as raw:
+        slow = raw.future("PLAN_STEP", slow_request, timeout=600 if how == "cancel" else 1.0)
+        assert wait_until(lambda: srv.servicer.counts()["planning"] == 1)
+        time.sleep(0.5)  # well inside the plan
+        if how == "cancel":
+            slow.cancel()
+        assert future_code(slow) == (
+            grpc.StatusCode.CANCELLED if how == "cancel" else grpc.StatusCode.DEADLINE_EXCEEDED
+        )
+        gave_up = time.monotonic()
+        assert raw.code("PLAN_STEP", step_request())[0] == grpc.StatusCode.OK
+        freed = time.monotonic() - gave_up
+        (record,) = records.wait_for(code="CANCELLED" if how == "cancel" else "DEADLINE_EXCEEDED")
+    assert record["method"] == "PlanStep" and record["trajectories"] > 100_000
+    assert freed < 3.0, freed  # the thread was free again at once, not after the whole plan
