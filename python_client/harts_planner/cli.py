@@ -603,7 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-plan-memory-mb",
         type=int_arg(1, 1 << 30),
         default=limits.DEFAULT.max_plan_memory_bytes >> 20,
-        help="most server memory one request's plan may need, estimated before planning "
+        help="most server memory the plans running at once may need, estimated before planning; "
+        "a request over it alone is refused, one that fits waits for room "
         f"(default {limits.DEFAULT.max_plan_memory_bytes >> 20})",
     )
     sv.add_argument(

@@ -55,6 +55,12 @@ class Gate:
     def open(self) -> None:
         self._open.set()
 
+    def close(self) -> None:
+        """Hold plans again; the counts start over."""
+        self._open.clear()
+        with self._cond:
+            self.entered = self.finished = self.cancelled = 0
+
     def wait_entered(self, n: int = 1, timeout: float = 30.0) -> None:
         with self._cond:
             assert self._cond.wait_for(lambda: self.entered >= n, timeout), f"{self.entered} plans entered"

@@ -188,6 +188,27 @@ def test_queue_is_bounded(gate):
         assert future_code(first) == future_code(second) == grpc.StatusCode.OK
 
 
+def test_plans_running_at_once_share_the_memory_budget(gate, records):
+    """Two plans that each fit the memory budget but not together run one after the other, even with
+    a planner thread free."""
+    big = calls_request(one_segment(20_000), chunk_size=GATED_CHUNK)
+    with _server(workers=3) as probe, Raw(probe.address) as raw:
+        gate.open()
+        assert raw.code("PLAN_CALLS", big)[0] == grpc.StatusCode.OK
+        estimate = records.wait_for(method="PlanCalls")[0]["estimate"]["memory_bytes"]
+    gate.close()
+    with _server(workers=3, max_plan_memory_bytes=int(1.5 * estimate)) as srv, Raw(srv.address) as raw:
+        first = raw.future("PLAN_CALLS", big)
+        gate.wait_entered()
+        second = raw.future("PLAN_CALLS", big)
+        assert wait_until(lambda: srv.servicer.counts()["queued"] == 1)
+        assert srv.servicer.counts()["planning"] == 1  # a thread is free, the memory is not
+        gate.open()
+        assert future_code(first) == future_code(second) == grpc.StatusCode.OK
+        assert gate.entered == 2
+        assert srv.servicer.counts()["reserved_bytes"] == 0
+
+
 # ---------------------------------------------------------------------------------- validation
 INVALID = [  # (method, request, code, field) answered at admission
     (
@@ -286,7 +307,13 @@ def test_client_cancellation_frees_the_queue_and_the_planner_thread(gate, record
         held.cancel()  # the plan polls its token and stops; the thread is free again
         assert len(records.wait_for(2, code="CANCELLED")) == 2 and gate.cancelled == 1
         assert raw.code("PLAN_STEP", step_request())[0] == grpc.StatusCode.OK  # gate still closed
-        assert srv.servicer.counts() == {"active": 0, "planning": 0, "queued": 0, "inflight_bytes": 0}
+        assert srv.servicer.counts() == {
+            "active": 0,
+            "planning": 0,
+            "reserved_bytes": 0,
+            "queued": 0,
+            "inflight_bytes": 0,
+        }
 
 
 def test_a_plan_finished_after_its_client_left_is_logged_cancelled(monkeypatch, records):

@@ -7,13 +7,15 @@ its estimate exceeds one of the server's :class:`Limits`:
 limit                      what it bounds                                    ``harts-planner serve``
 =========================  ================================================  ========================
 ``max_rows``               rows (compact + replay) of the call plans asked   ``--max-rows``
-``max_plan_memory_bytes``  server memory of one request's plan (estimate)    ``--max-plan-memory-mb``
+``max_plan_memory_bytes``  server memory of the plans running at once (est.)  ``--max-plan-memory-mb``
 ``max_response_bytes``     size of the response (estimate, then exact)       ``--max-response-mb``
 ``max_inflight_bytes``     request bytes held at once, queued or planning    ``--max-inflight-mb``
 ``max_queued``             requests waiting for a planner thread             ``--max-queued``
 =========================  ================================================  ========================
 
-The defaults fit a 24 GB machine with two planner threads.
+A request whose plan alone would need more than ``max_plan_memory_bytes`` is refused; one that fits
+waits (first come, first served) until the plans running at once leave it room. The defaults fit a
+24 GB machine whatever the number of planner threads.
 
 Estimates (:func:`call_plan_cost`, :func:`step_cost`, :func:`tokens_ingest_cost`) are upper bounds
 built from what a request states: trajectory and segment counts, the compact rows ``C`` and

@@ -8,8 +8,9 @@
   (:mod:`harts_planner.rpc.limits`: rows, memory, response bytes). A bad request is answered here,
   without waiting behind running plans; an unaffordable one is refused with RESOURCE_EXHAUSTED naming
   the field and the limit. *Planning*, on one of ``workers`` planner threads (the core releases the
-  GIL): ingestion of packed tokens, the plan, the response. A request waits for a planner thread for as
-  long as its deadline allows; at most ``max_queued`` wait (more get RESOURCE_EXHAUSTED).
+  GIL): ingestion of packed tokens, the plan, the response. A request waits for a planner thread, and
+  for room in the plan-memory budget the plans running at once share, first come first served and for
+  as long as its deadline allows; at most ``max_queued`` wait (more get RESOURCE_EXHAUSTED).
 * Limits (:class:`harts_planner.rpc.limits.Limits`): messages up to ``max_message_bytes`` each way
   (1 GiB by default; gRPC refuses a larger request with RESOURCE_EXHAUSTED before it is parsed), the
   cost limits, and at most ``max_inflight_bytes`` of requests held at once (RESOURCE_EXHAUSTED).
@@ -175,6 +176,7 @@ class RequestControl:
         self._lock = threading.Lock()
         self.reason: str | None = None  # "client", "deadline" or "shutdown" once cancelled
         self.waiter = None  # while it waits for a planner thread (the servicer's)
+        self.grant = None  # while it holds one
         self._done = False
         remaining = context.time_remaining() if context is not None else None
         self.deadline = None if remaining is None else time.monotonic() + max(remaining, 0.0)
@@ -252,14 +254,15 @@ class _Job:
 
 
 class _Waiter:
-    """A request waiting for a planner thread: set ``event`` to wake it; ``granted`` once a finished
-    plan handed it its thread."""
+    """A request's claim on a planner thread and ``memory`` bytes of the plan-memory budget: set
+    ``event`` to wake it; ``granted`` once it holds them."""
 
-    __slots__ = ("event", "granted")
+    __slots__ = ("event", "granted", "memory")
 
-    def __init__(self):
+    def __init__(self, memory: int):
         self.event = threading.Event()
         self.granted = False
+        self.memory = memory
 
 
 def _unavailable() -> _AbortRpcError:
@@ -285,6 +288,7 @@ class PlannerServicer:
         self._lock = threading.Condition()
         self._active = 0  # RPCs inside a handler
         self._planning = 0  # RPCs holding a planner thread
+        self._reserved = 0  # their estimated memory (bytes), at most max_plan_memory_bytes unless alone
         self._queued = 0  # RPCs waiting for one
         self._inflight_bytes = 0
         self._draining = False
@@ -305,6 +309,7 @@ class PlannerServicer:
             return {
                 "active": self._active,
                 "planning": self._planning,
+                "reserved_bytes": self._reserved,
                 "queued": self._queued,
                 "inflight_bytes": self._inflight_bytes,
             }
@@ -373,17 +378,19 @@ class PlannerServicer:
             self._lock.notify_all()
 
     @contextlib.contextmanager
-    def _planner_thread(self, control: RequestControl, record: dict):
-        """Hold one of the ``workers`` planner threads; wait for one (first come, first served) while
-        the request's deadline allows. Raises UNAVAILABLE when draining, RESOURCE_EXHAUSTED when
-        ``max_queued`` wait already, DEADLINE_EXCEEDED / CANCELLED when the request stops waiting."""
+    def _planner_thread(self, control: RequestControl, record: dict, memory: int):
+        """Hold one of the ``workers`` planner threads and ``memory`` bytes of the plan-memory budget
+        (``max_plan_memory_bytes``, shared by the plans running at once); wait for both, first come
+        first served, while the request's deadline allows. Raises UNAVAILABLE when draining,
+        RESOURCE_EXHAUSTED when ``max_queued`` wait already, DEADLINE_EXCEEDED / CANCELLED when the
+        request stops waiting."""
         t0 = time.perf_counter()
         with self._lock:
             if self._draining:
                 raise _unavailable()
-            if self._planning < self.workers and not self._waiters:
-                self._planning += 1
-                waiter = None
+            waiter = _Waiter(memory)
+            if not self._waiters and self._fits_locked(memory):
+                self._grant_locked(waiter)
             else:
                 if self._queued >= self.limits.max_queued:
                     raise _AbortRpcError(
@@ -393,21 +400,52 @@ class PlannerServicer:
                         "on another planner",
                         "request",
                     )
-                waiter = control.waiter = _Waiter()
+                control.waiter = waiter
                 self._waiters.append(waiter)
                 self._queued += 1
-        if waiter is not None:
+        if not waiter.granted:
             self._wait_for_thread(waiter, control)
+        control.grant = waiter
         record["queue_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
         try:
             yield
         finally:
             with self._lock:
-                self._release_thread_locked()
+                control.grant = None
+                self._release_locked(waiter)
+
+    def reserve_more(self, control: RequestControl, memory: int) -> None:
+        """A running plan needs ``memory`` more bytes than it reserved (its call plans, costed once
+        its microbatches are known): counted at once (the per-request limit was checked)."""
+        with self._lock:
+            if control.grant is not None and memory > 0:
+                control.grant.memory += memory
+                self._reserved += memory
+
+    def _fits_locked(self, memory: int) -> bool:
+        return self._planning < self.workers and (
+            self._reserved == 0 or self._reserved + memory <= self.limits.max_plan_memory_bytes
+        )
+
+    def _grant_locked(self, waiter: _Waiter) -> None:
+        self._planning += 1
+        self._reserved += waiter.memory
+        waiter.granted = True
+        waiter.event.set()
+
+    def _release_locked(self, waiter: _Waiter) -> None:
+        """A plan is done with its thread and memory: hand them on, first come first served."""
+        self._planning -= 1
+        self._reserved -= waiter.memory
+        self._dispatch_locked()
+
+    def _dispatch_locked(self) -> None:
+        while self._waiters and self._fits_locked(self._waiters[0].memory):
+            self._grant_locked(self._waiters.popleft())
 
     def _wait_for_thread(self, waiter: _Waiter, control: RequestControl) -> None:
-        """Wait until a finished plan hands ``waiter`` its thread; leave the queue (and pass on a
-        thread handed over meanwhile) when the request stops waiting."""
+        """Wait until a finished plan hands ``waiter`` a thread; leave the queue (and pass on what was
+        handed over meanwhile) when the request stops waiting."""
         try:
             while True:
                 with self._lock:  # every event.set() is under the lock too: none is lost
@@ -415,9 +453,10 @@ class PlannerServicer:
                     if waiter.granted:
                         if stop is None:
                             return
-                        self._release_thread_locked()  # handed over as it gave up: pass it on
+                        self._release_locked(waiter)  # handed over as it gave up: pass it on
                     elif stop is not None:
                         self._waiters.remove(waiter)
+                        self._dispatch_locked()  # it may have held up the queue
                     if stop is not None:
                         if stop.code != grpc.StatusCode.UNAVAILABLE:
                             stop.message = f"{stop.message} before a planner thread was free"
@@ -429,15 +468,6 @@ class PlannerServicer:
             with self._lock:
                 self._queued -= 1
                 control.waiter = None
-
-    def _release_thread_locked(self) -> None:
-        """A plan is done with its thread: hand it to the first waiter, or free it."""
-        if self._waiters:
-            waiter = self._waiters.popleft()
-            waiter.granted = True
-            waiter.event.set()
-        else:
-            self._planning -= 1
 
     def _serve(self, method: str, request, context, admit, plan):
         start = time.perf_counter()
@@ -459,7 +489,7 @@ class PlannerServicer:
                 job = admit(request, control, record)
                 record["admit_ms"] = round((time.perf_counter() - start) * 1e3, 3)
                 control.check("planning")
-                with self._planner_thread(control, record):
+                with self._planner_thread(control, record, job.cost.memory_bytes):
                     response = plan(job, control, record)
             except HartsError as e:
                 if _is_cancellation(e, control):
@@ -717,7 +747,9 @@ class PlannerServicer:
             total = total + _limits.batch_rows_cost(
                 batch.compact_tokens, batch.semantic_tokens, "include_call_plans"
             )
+        total = total + _limits.step_cost(batch.num_trajectories, batch.num_segments, "include_call_plans")
         self._check_cost(total, record)
+        self.reserve_more(control, total.memory_bytes - job.cost.memory_bytes)
         plan_s = encode_s = 0.0
         for members in plan.microbatches:
             control.check("the next call plan")
