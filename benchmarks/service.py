@@ -26,9 +26,10 @@ each against a fresh ``harts-planner serve`` on 127.0.0.1, and writes
 * ``invalid_under_load``: ``--load-clients`` clients (default 32) for ``--load-seconds`` (default
   30): three quarters plan the ``swe-like`` tree in a loop, one quarter send invalid requests;
   latency of the invalid ones (before issue 17: ~750 ms p50, they waited behind plans).
-* ``deadlines``: two requests for ``--copies`` (default 18) concatenated ``swe-like`` trees (~640 KB)
-  with 1 s deadlines on a two-worker server, then a 3-token request: how long it waited and how long
-  the workers stayed busy (before: 15.3 s and 17 s).
+* ``deadlines``: two requests for ``--copies`` concatenated ``swe-like`` trees, segment lengths and T
+  divided by ``--scale`` (default 1000 and 40: 2.1M trajectories, a step that plans for ~19 s) with
+  1 s deadlines on a two-worker server, then a 3-token request: how long it waited and how long the
+  workers stayed busy (before issue 17, with 18 copies at full length: 15.3 s and 17 s).
 * ``cancel``: one such plan on a one-worker server, cancelled by its client after 1 s, then a
   3-token request: how long after the cancellation the worker was free (its queue time). Target:
   50 ms.
@@ -74,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--load-clients", type=int, default=32)
     p.add_argument("--load-seconds", type=float, default=30.0)
-    p.add_argument("--copies", type=int, default=18, help="swe-like trees per slow request (--robustness)")
+    p.add_argument("--copies", type=int, default=1000, help="swe-like trees per slow request (--robustness)")
+    p.add_argument(
+        "--scale", type=int, default=40, help="segment lengths and T divided by this in the slow request"
+    )
     args = p.parse_args(argv)
     results_dir = os.path.join(os.path.dirname(__file__), "results")
     if args.robustness:
@@ -219,12 +223,14 @@ def _timed(stub, data: bytes, timeout: float) -> tuple[str, float]:
     return code, time.perf_counter() - t0
 
 
-def copies_tree(tree: SegmentTree, copies: int) -> SegmentTree:
-    """``copies`` disjoint copies of a segment tree (a step of ``copies`` times the trajectories)."""
+def copies_tree(tree: SegmentTree, copies: int, scale: int = 1) -> SegmentTree:
+    """``copies`` disjoint copies of a segment tree (a step of ``copies`` times the trajectories),
+    segment lengths divided by ``scale`` (at least 1; to stay under 2^31 semantic tokens)."""
     v = tree.num_segments
     parent = np.concatenate([np.where(tree.parent < 0, -1, tree.parent + i * v) for i in range(copies)])
     ends = np.concatenate([tree.trajectory_end + i * v for i in range(copies)])
-    return SegmentTree(parent.astype(np.int32), np.tile(tree.length, copies), ends.astype(np.int32))
+    length = np.tile(np.maximum(tree.length // scale, 1), copies)
+    return SegmentTree(parent.astype(np.int32), length.astype(np.int32), ends.astype(np.int32))
 
 
 def _refusal(log: str) -> dict:
@@ -326,15 +332,14 @@ def _tiny_request() -> bytes:
     return codec.plan_step_request(SegmentTree([-1], [3], [0]), 1, 10, 64, {}, False, 4).SerializeToString()
 
 
-def _slow_request(big: SegmentTree, dp: int) -> bytes:
+def _slow_request(big: SegmentTree, dp: int, scale: int) -> bytes:
     from harts_planner.rpc import codec
 
-    cap = 65536
-    return codec.serialize_plan_step_request(big, dp, cap, 64, {}, False, 4)
+    return codec.serialize_plan_step_request(big, dp, 65536 // scale, 64, {}, False, 4)
 
 
 def _deadlines(args, big: SegmentTree, log: str) -> dict:
-    slow = _slow_request(big, 2)
+    slow = _slow_request(big, 2, args.scale)
     with SidecarProcess(workers=2, log_path=log) as sidecar:
         channel, stubs = _raw(sidecar.address)
         start = time.perf_counter()
@@ -372,15 +377,15 @@ def _deadlines(args, big: SegmentTree, log: str) -> dict:
     }
 
 
-def _plan_seconds(big: SegmentTree, dp: int) -> float:
+def _plan_seconds(big: SegmentTree, dp: int, scale: int) -> float:
     batch = RolloutBatch.from_segment_tree(big)
     t0 = time.perf_counter()
-    Planner().plan_step(batch, dp, 65536)
+    Planner().plan_step(batch, dp, 65536 // scale)
     return time.perf_counter() - t0
 
 
 def _cancel(args, big: SegmentTree, log: str) -> dict:
-    slow = _slow_request(big, 1)
+    slow = _slow_request(big, 1, args.scale)
     with SidecarProcess(workers=1, log_path=log) as sidecar:
         channel, stubs = _raw(sidecar.address)
         future = stubs["step"].future(slow, timeout=600)
@@ -404,7 +409,7 @@ def _cancel(args, big: SegmentTree, log: str) -> dict:
 
 
 def _sigterm(args, big: SegmentTree, log: str) -> dict:
-    slow = _slow_request(big, 1)
+    slow = _slow_request(big, 1, args.scale)
     sidecar = SidecarProcess(workers=1, grace=1.0, log_path=log)
     channel, stubs = _raw(sidecar.address)
     future = stubs["step"].future(slow, timeout=600)
@@ -451,8 +456,8 @@ def robustness(args) -> int:
     syn = synth.generate(args.preset, seed=args.seed)
     batch = RolloutBatch.from_arrays(syn.tokens, syn.offsets, syn.tree_ids)
     tree = batch.segment_tree()
-    big = copies_tree(tree, args.copies)
-    plan_s = _plan_seconds(big, 1)
+    big = copies_tree(tree, args.copies, args.scale)
+    plan_s = _plan_seconds(big, 1, args.scale)
     print(
         f"{args.preset}/{args.seed}: {batch.num_trajectories:,} trajectories; x{args.copies}: "
         f"{big.num_trajectories:,} trajectories, {big.num_segments:,} segments, plan_step {plan_s:.2f} s "
@@ -465,6 +470,7 @@ def robustness(args) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "preset": args.preset,
         "copies": args.copies,
+        "scale": args.scale,
         "slow_step": {
             "trajectories": big.num_trajectories,
             "segments": big.num_segments,

@@ -19,22 +19,26 @@ from harts_planner.rpc.server import create_server
 
 pytestmark = pytest.mark.skipif(not hasattr(_native, "CancelToken"), reason="the planner has no cancel token")
 
-#: Copies of the swe-like tree in the slow request (calibrated: its step plans for well over 5 s).
-COPIES = 400
+#: The slow request: 400 copies of the swe-like tree, segment lengths / 16 (to stay under 2^31 tokens),
+#: T = 65,536 / 16: 844,400 trajectories, a 10 MB request whose step plans for ~7 s on one core.
+COPIES, SCALE = 400, 16
 
 
-def copies_tree(tree: SegmentTree, copies: int) -> SegmentTree:
+def copies_tree(tree: SegmentTree, copies: int, scale: int = 1) -> SegmentTree:
+    """``copies`` disjoint copies of ``tree``, segment lengths divided by ``scale`` (at least 1)."""
     v = tree.num_segments
     parent = np.concatenate([np.where(tree.parent < 0, -1, tree.parent + i * v) for i in range(copies)])
     ends = np.concatenate([tree.trajectory_end + i * v for i in range(copies)])
-    return SegmentTree(parent.astype(np.int32), np.tile(tree.length, copies), ends.astype(np.int32))
+    length = np.tile(np.maximum(tree.length // scale, 1), copies)
+    return SegmentTree(parent.astype(np.int32), length.astype(np.int32), ends.astype(np.int32))
 
 
 @pytest.fixture(scope="module")
 def slow_request():
     syn = synth.generate("swe-like", seed=0)
     tree = RolloutBatch.from_arrays(syn.tokens, syn.offsets, syn.tree_ids).segment_tree()
-    return codec.serialize_plan_step_request(copies_tree(tree, COPIES), 1, 65536, 64, {}, False, 4)
+    big = copies_tree(tree, COPIES, SCALE)
+    return codec.serialize_plan_step_request(big, 1, 65536 // SCALE, 64, {}, False, 4)
 
 
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
