@@ -30,11 +30,12 @@ each against a fresh ``harts-planner serve`` on 127.0.0.1, and writes
   divided by ``--scale`` (default 1000 and 40: 2.1M trajectories, a step that plans for ~19 s) with
   1 s deadlines on a two-worker server, then a 3-token request: how long it waited and how long the
   workers stayed busy (before issue 17, with 18 copies at full length: 15.3 s and 17 s).
-* ``cancel``: one such plan on a one-worker server, cancelled by its client after 1 s, then a
+* ``cancel``: one such plan on a one-worker server, cancelled by its client after ``--cancel-after``
+  seconds (default 3: past its admission, inside the plan), then a
   3-token request: how long after the cancellation the worker was free (its queue time). Target:
   50 ms.
-* ``sigterm``: SIGTERM with ``--grace 1`` while that plan runs: the exit code and how long the
-  process took to exit (before: rc 1 after 6.9 s).
+* ``sigterm``: SIGTERM with ``--grace 1`` while that plan runs and a 3-token request waits: the
+  exit code and how long the process took to exit (before: rc 1 after 6.9 s).
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--copies", type=int, default=1000, help="swe-like trees per slow request (--robustness)")
     p.add_argument(
         "--scale", type=int, default=40, help="segment lengths and T divided by this in the slow request"
+    )
+    p.add_argument(
+        "--cancel-after", type=float, default=3.0, help="seconds into the slow request to cancel / SIGTERM"
     )
     args = p.parse_args(argv)
     results_dir = os.path.join(os.path.dirname(__file__), "results")
@@ -389,7 +393,7 @@ def _cancel(args, big: SegmentTree, log: str) -> dict:
     with SidecarProcess(workers=1, log_path=log) as sidecar:
         channel, stubs = _raw(sidecar.address)
         future = stubs["step"].future(slow, timeout=600)
-        time.sleep(1.0)
+        time.sleep(args.cancel_after)  # past admission (validation, estimate, the tree's index): planning
         cancelled_at = time.perf_counter()
         future.cancel()
         code, waited = _timed(stubs["step"], _tiny_request(), 600)
@@ -413,7 +417,7 @@ def _sigterm(args, big: SegmentTree, log: str) -> dict:
     sidecar = SidecarProcess(workers=1, grace=1.0, log_path=log)
     channel, stubs = _raw(sidecar.address)
     future = stubs["step"].future(slow, timeout=600)
-    time.sleep(0.5)
+    time.sleep(args.cancel_after)  # planning by now
     queued = stubs["step"].future(_tiny_request(), timeout=600)
     time.sleep(0.2)
     sent = time.perf_counter()
