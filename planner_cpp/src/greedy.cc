@@ -168,10 +168,11 @@ bool AlignToDp(const PlanContext& ctx, Grouping& g, int64_t dp_size, CancelToken
     const int32_t above = it + 1 != m.end() ? *(it + 1) : -1;
     g.work[k] -= RemovalDelta(ctx, m, r);
     m.erase(it);
+    const bool still_split = m.size() >= 2;  // (m dangles once g.groups grows)
     group_of[r] = static_cast<int32_t>(g.size());
     g.groups.push_back({r});
     g.work.push_back(ctx.Length(r));
-    if (m.size() >= 2) {
+    if (still_split) {
       for (int32_t nb : {below, above}) {
         if (nb < 0) continue;
         heap.push_back({cost(nb), nb});
