@@ -85,21 +85,27 @@ PlacementIndex::Choice PlacementIndex::Best(int32_t r, GreedyPolicy policy, int6
   return best;
 }
 
+void PlacementIndex::Rekey(int64_t k, int64_t work) {
+  const int32_t id = -static_cast<int32_t>(k);
+  if (work != g_->work[k]) {  // reuse the set node: no allocation
+    auto node = by_work_.extract({g_->work[k], id});
+    node.value().first = work;
+    by_work_.insert(std::move(node));
+    g_->work[k] = work;
+  }
+}
+
 void PlacementIndex::Insert(int64_t k, int32_t r, int64_t work) {
   assert(live_[k]);
-  by_work_.erase({g_->work[k], -static_cast<int32_t>(k)});
+  Rekey(k, work);
   InsertSorted(g_->groups[k], r);
-  g_->work[k] = work;
-  by_work_.insert({work, -static_cast<int32_t>(k)});
   Touch(Component(r), static_cast<int32_t>(k), +1);
 }
 
 void PlacementIndex::Erase(int64_t k, int32_t r, int64_t work) {
   assert(live_[k]);
-  by_work_.erase({g_->work[k], -static_cast<int32_t>(k)});
+  Rekey(k, work);
   EraseSorted(g_->groups[k], r);
-  g_->work[k] = work;
-  by_work_.insert({work, -static_cast<int32_t>(k)});
   Touch(Component(r), static_cast<int32_t>(k), -1);
 }
 

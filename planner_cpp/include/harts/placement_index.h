@@ -74,6 +74,7 @@ class PlacementIndex {
  private:
   int32_t Component(int32_t r) const { return comp_[r - lo_]; }
   void Touch(int32_t c, int32_t k, int32_t delta);
+  void Rekey(int64_t k, int64_t work);  // g_->work[k] = work, keeping by_work_ in step
 
   const PlanContext& ctx_;
   int32_t lo_, hi_;
