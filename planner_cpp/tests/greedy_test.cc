@@ -80,7 +80,9 @@ void CheckIndex(const PlanContext& ctx, std::mt19937& rng) {
     }
   }
   for (auto& m : g.groups) g.work.push_back(GroupWork(ctx, m));
-  PlacementIndex index(ctx, 0, n, &g);
+  // Small nodes and several levels, so that small batches exercise the hierarchy.
+  PlacementIndex index(ctx, 0, n, &g, 2 + static_cast<int32_t>(rng() % 6), static_cast<int32_t>(rng() % 5),
+                       static_cast<int32_t>(rng() % 4));
   std::vector<char> retired(g.size(), 0);
   for (int64_t k = 0; k < g.size(); ++k)
     if (rng() % 5 == 0) {
@@ -128,7 +130,7 @@ void CheckOne(const std::vector<testing::Traj>& trajs, int64_t cap, std::mt19937
   auto batch = testing::MakeBatch(trajs);
   const PlanContext ctx(*batch, cap);
   const int64_t n = ctx.size();
-  CheckIndex(ctx, rng);
+  for (int i = 0; i < 3; ++i) CheckIndex(ctx, rng);
   for (GreedyOrder order : {GreedyOrder::kLexAscending, GreedyOrder::kLexDescending, GreedyOrder::kLengthDesc,
                             GreedyOrder::kUniqueSuffix}) {
     const std::vector<int32_t> seq = ProcessingOrder(ctx, order);
@@ -206,9 +208,18 @@ int main() {
     const int n = 1 + static_cast<int>(rng() % (trial % 4 == 0 ? 60 : 14));
     auto trajs = harts::testing::RandomTrajectories(rng, n, 10, 3, 0.15);
     if (trial % 3 == 1) trajs = harts::testing::WithCommonPrefix(trajs, 1 + static_cast<int>(rng() % 4));
+    if (trial % 3 == 2) trajs = harts::testing::WithPrompts(trajs, 1 + static_cast<int>(rng() % 3), rng);
     int64_t longest = 0;
     for (auto& t : trajs) longest = std::max<int64_t>(longest, t.size());
     harts::CheckOne(trajs, longest + static_cast<int64_t>(rng() % 20), rng);
+  }
+  // Large batches behind a few system prompts: the default hierarchy has node levels.
+  for (int trial = 0; trial < 12; ++trial) {
+    auto trajs = harts::testing::RandomTrajectories(rng, 300 + static_cast<int>(rng() % 500), 12, 4, 0.1);
+    trajs = harts::testing::WithPrompts(trajs, 1 + trial % 4, rng);
+    int64_t longest = 0;
+    for (auto& t : trajs) longest = std::max<int64_t>(longest, t.size());
+    harts::CheckOne(trajs, longest + static_cast<int64_t>(rng() % 60), rng);
   }
   harts::CheckCancel();
   return 0;

@@ -63,6 +63,19 @@ inline std::vector<Traj> WithCommonPrefix(const std::vector<Traj>& trajs, int pr
   return out;
 }
 
+// The same trajectories, each behind one of `prompts` distinct system prompts (chosen at
+// random): a two-level trie, whose top level splits into `prompts` large parts.
+inline std::vector<Traj> WithPrompts(const std::vector<Traj>& trajs, int prompts, std::mt19937& rng) {
+  std::vector<Traj> out;
+  for (const Traj& t : trajs) {
+    const int p = static_cast<int>(rng() % prompts);
+    Traj u = {100 + p, 100 + p, 100 + p};
+    u.insert(u.end(), t.begin(), t.end());
+    out.push_back(std::move(u));
+  }
+  return out;
+}
+
 // Checks that `g` partitions [0, N) into non-empty sorted groups of exact work <= cap.
 inline void CheckGrouping(const PlanContext& ctx, const Grouping& g) {
   std::vector<int> seen(ctx.size(), 0);

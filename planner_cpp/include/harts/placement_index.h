@@ -6,28 +6,37 @@
 // the shared amount of microbatch.h. Probing all K microbatches costs O(K log) per rank.
 //
 // Glossary
-//   range [lo, hi)  the ranks the index covers; every group of the grouping holds ranks of it.
-//   floor F         min of the adjacent LCPs L_t, lo < t < hi (0 when hi - lo < 2): every two
-//                   ranks of the range share at least F tokens.
-//   component       a maximal run of ranks of the range with no L_t == F inside (for F = 0 the
-//                   rollout trees as recovered from shared tokens). Two ranks of one component
-//                   share more than F tokens, two ranks of different components exactly F.
-//   touching        a group touches a component when it holds one of its ranks.
+//   range        the ranks [lo, hi) the index covers; every group holds ranks of it.
+//   floor F(u)   of a rank range u: min of the adjacent LCPs L_t inside it (lo < t < hi); any
+//                two ranks of u share at least F(u) tokens.
+//   parts of u   the maximal sub-ranges of u with no L_t == F(u) inside: two ranks of one part
+//                share more than F(u) tokens, two ranks of different parts exactly F(u).
+//   hierarchy    the range is the root node; a part of a node with at least `min_node` ranks,
+//                at depth < `max_depth`, is a node itself (split again at its own floor); every
+//                other part is a cell. Each rank lies in one cell, below a chain of nodes. For
+//                rollout batches: the root's parts are the rollout trees (F = 0), or the system
+//                prompts, each a node whose parts are the trees behind it.
+//   touching     a group touches a node or cell when it holds one of its ranks.
 //
-// So for rank r of component c, a group that does not touch c has h = F exactly, and a
-// group that touches c has h > F. Best() therefore evaluates the groups touching c one by
-// one (exact h, O(log |M|) each) and takes the best of all other groups from one ordered set
-// keyed by work: under either policy the best group with a fixed h = F is the one with the
-// largest work <= T - len(r) + F (ties: the lowest index). The answer equals the full probe
-// of greedy.h, tie rules included:
+// So for rank r in cell c below nodes u_0 (root) > u_1 > ... > u_d, a group has
+//   h = exact LCP (> F(u_d))      if it touches c;
+//   h = F(u_j)                    if it touches u_j but not the next node or cell on the path;
+// and under either policy the best group of a level with a fixed h is the one with the largest
+// work <= T - len(r) + h (ties: the lowest index). Best() evaluates the groups touching c one by
+// one (O(log |M|) each) and each level from an ordered set by work: for a level whose next
+// node is indexed with complements (a node with at most kMaxComplements child nodes keeps,
+// per child node, the set of its groups not touching that child), that set; otherwise the
+// node's set of touching groups, skipping those that touch the next node or cell. The answer
+// equals the full probe, tie rules included:
 //   kBestFit    max (w(M) + dC, -index)
 //   kMaxShared  max (h_M(r), w(M) + dC, -index)
 //
-// Complexity: O(t_c log + (1 + s) log K) per Best() for t_c the groups touching r's
-// component and s the groups touching it that the ordered-set scan skips (s <= t_c); every
-// update O(log K + |M|). For rollout batches (trees of bounded size, any common prefix)
-// t_c is bounded by the tree's trajectories, so a greedy pass is O(N log N). A single
-// component spread over all K groups is the worst case: O(K log) per Best(), as probing.
+// Complexity: Best() is O(t_c log + sum_levels (1 + s_j) log K) for t_c the groups touching
+// r's cell and s_j the groups a scan skips (those touching the next node or cell, with a work
+// between the level's answer and its limit); an update re-keys the group in the O(depth)
+// sets it is in, O(|M| + depth log K). For rollout batches (cells of bounded size, a few
+// prompt levels) a greedy pass is O(N log N). The worst case, one cell spread over all K
+// groups, is O(K log) per Best(), as probing.
 #ifndef HARTS_PLACEMENT_INDEX_H_
 #define HARTS_PLACEMENT_INDEX_H_
 
@@ -44,9 +53,17 @@ enum class GreedyPolicy { kBestFit = 0, kMaxShared = 1 };
 
 class PlacementIndex {
  public:
+  static constexpr int32_t kDefaultMinNode = 128;  // ranks for a part to become a node
+  static constexpr int32_t kDefaultMaxDepth = 4;   // node levels below the root
+  static constexpr int32_t kMaxComplements = 8;    // child nodes for per-child complement sets
+
   // Indexes `g` (may be empty; every group's ranks in [lo, hi)), which it then owns the updates
-  // of: change it only through Insert / Erase / NewGroup / Retire. O((hi - lo) + sum |M| + K log K).
-  PlacementIndex(const PlanContext& ctx, int32_t lo, int32_t hi, Grouping* g);
+  // of: change it only through Insert / Erase / NewGroup / Retire.
+  // O((hi - lo) + sum |M| depth + K depth log K).
+  // (min_node, max_depth, max_complements: the hierarchy's shape; the defaults suit rollout
+  // batches, and any values give the same answers.)
+  PlacementIndex(const PlanContext& ctx, int32_t lo, int32_t hi, Grouping* g, int32_t min_node = kDefaultMinNode,
+                 int32_t max_depth = kDefaultMaxDepth, int32_t max_complements = kMaxComplements);
 
   struct Choice {
     int64_t group = -1;  // -1: no live group can take the rank
@@ -58,9 +75,9 @@ class PlacementIndex {
   // skipping `exclude` (-1: none).
   Choice Best(int32_t r, GreedyPolicy policy, int64_t exclude = -1);
 
-  // Adds rank r to live group k, whose work becomes `work`. O(|M| + log K).
+  // Adds rank r to live group k, whose work becomes `work`.
   void Insert(int64_t k, int32_t r, int64_t work);
-  // Removes member r from live group k, whose work becomes `work`. O(|M| + log K).
+  // Removes member r from live group k, whose work becomes `work`.
   void Erase(int64_t k, int32_t r, int64_t work);
   // A new live group {r}; returns its index.
   int64_t NewGroup(int32_t r);
@@ -68,25 +85,49 @@ class PlacementIndex {
   void Retire(int64_t k);
 
   bool live(int64_t k) const { return live_[k] != 0; }
-  int64_t floor() const { return floor_; }
-  int64_t num_components() const { return static_cast<int64_t>(touch_.size()); }
+  int64_t num_nodes() const { return static_cast<int64_t>(nodes_.size()); }
+  int64_t num_cells() const { return static_cast<int64_t>(cells_.size()); }
 
  private:
-  int32_t Component(int32_t r) const { return comp_[r - lo_]; }
-  void Touch(int32_t c, int32_t k, int32_t delta);
-  void Rekey(int64_t k, int64_t work);  // g_->work[k] = work, keeping by_work_ in step
+  using WorkSet = std::set<std::pair<int64_t, int32_t>>;  // (work, -group)
+
+  struct Node {
+    int64_t floor = 0;
+    int32_t parent = -1;           // node index; -1 for the root
+    int32_t slot = -1;             // position among the parent's child nodes
+    std::vector<int32_t> kids;     // child nodes
+    bool complements = false;      // kids.size() <= max_complements: `without` is kept
+    WorkSet touching;              // INVARIANT: every live group touching the node
+    std::vector<WorkSet> without;  // per child node j: the touching groups not touching kids[j]
+  };
+  struct Cell {
+    int32_t parent = 0;                              // node index
+    std::vector<std::pair<int32_t, int32_t>> touch;  // (group, members in the cell)
+  };
+
+  void Build(int32_t node, int32_t lo, int32_t hi, int32_t depth, int32_t min_node, int32_t max_depth,
+             int32_t max_complements);
+  // Adds or removes group k's entries in every set it belongs to, at its current work.
+  void Entries(int32_t k, bool add);
+  // Sets g_->work[k] = work, re-keying k's entries in place (its set memberships unchanged).
+  void Rekey(int32_t k, int64_t work);
+  // Member count of group k in node u > 0 (0 if none; a missing entry is added).
+  int32_t& NodeCount(int32_t k, int32_t u);
+  bool Touches(int32_t k, int32_t u) const;
+  void Count(int32_t k, int32_t r, int32_t delta);  // counts of r's cell and nodes
 
   const PlanContext& ctx_;
   int32_t lo_, hi_;
   Grouping* g_;
-  int64_t floor_ = 0;
-  std::vector<int32_t> comp_;                                    // hi - lo: component of each rank
-  std::vector<std::vector<std::pair<int32_t, int32_t>>> touch_;  // per component: (group, members in it)
-  // INVARIANT: holds (work, -k) for every live group k.
-  std::set<std::pair<int64_t, int32_t>> by_work_;
+  std::vector<Node> nodes_;
+  std::vector<Cell> cells_;
+  std::vector<int32_t> cell_of_;  // hi - lo: the cell of each rank
+  // Per group: (node, members in it) for every node other than the root it touches.
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> node_count_;
   std::vector<char> live_;
-  std::vector<uint32_t> mark_;  // per group: == stamp_ while it touches the queried component
+  std::vector<uint32_t> mark_;  // per group: == stamp_ while it touches the queried cell
   uint32_t stamp_ = 0;
+  std::vector<int32_t> path_;  // scratch: the nodes above the queried cell, deepest first
 };
 
 }  // namespace harts
