@@ -214,8 +214,8 @@ int main() {
     harts::CheckOne(trajs, longest + static_cast<int64_t>(rng() % 20), rng);
   }
   // Large batches behind a few system prompts: the default hierarchy has node levels.
-  for (int trial = 0; trial < 12; ++trial) {
-    auto trajs = harts::testing::RandomTrajectories(rng, 300 + static_cast<int>(rng() % 500), 12, 4, 0.1);
+  for (int trial = 0; trial < 6; ++trial) {
+    auto trajs = harts::testing::RandomTrajectories(rng, 260 + static_cast<int>(rng() % 240), 12, 4, 0.1);
     trajs = harts::testing::WithPrompts(trajs, 1 + trial % 4, rng);
     int64_t longest = 0;
     for (auto& t : trajs) longest = std::max<int64_t>(longest, t.size());

@@ -58,7 +58,7 @@ bool SamePlan(const StepPlan& a, const StepPlan& b) {
 // with the same plan. Bounds on how late it stops are generous (seconds, not milliseconds).
 void CheckCancellation() {
   std::mt19937 rng(41);
-  auto trajs = testing::RandomTrajectories(rng, 3000, 40, 4, 0.05);
+  auto trajs = testing::RandomTrajectories(rng, 2000, 40, 4, 0.05);
   auto batch = testing::MakeBatch(trajs);
   PlannerOptions o;
   o.dp_size = 4;
