@@ -16,7 +16,8 @@ subprocess pinned to one core, which
 
 ``swe-like`` copies hold ~57M semantic tokens each and a batch at most 2^31 - 1, so 50 copies do not
 fit: sizes above ``--max-real`` copies use every segment length scaled by ``--length-scale`` (rounded
-up) and T scaled alike ("scaled" rows), which keeps the shape of the trees. The log-log slope of
+up) and T scaled alike, but at least the longest trajectory ("scaled" rows), which keeps the shape of
+the trees. The log-log slope of
 planning time against trajectories is fitted over the unscaled sizes and over all sizes.
 
     python benchmarks/planner_scale.py                         # ~5 minutes (trees cached after)
@@ -108,10 +109,11 @@ def measure(args) -> dict:
 
     cache = _cache_dir(args.cache_dir)
     tree = concatenated_tree(cache, args.preset, args.child_copies, args.child_scale)
-    capacity = round(args.capacity * args.child_scale)
     t0 = time.perf_counter()
     batch = RolloutBatch.from_segment_tree(tree)
     build = time.perf_counter() - t0
+    # Scaled T, at least the longest trajectory (lengths are rounded up segment by segment).
+    capacity = max(round(args.capacity * args.child_scale), int(batch.lengths.max()))
     del tree
     rss_before = _read_status("VmRSS")
     peak_ok = _reset_peak()
