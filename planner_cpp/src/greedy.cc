@@ -75,7 +75,7 @@ Grouping GreedyPlace(const PlanContext& ctx, const std::vector<int32_t>& sequenc
   Grouping g;
   if (sequence.empty()) return g;
   const auto [lo, hi] = std::minmax_element(sequence.begin(), sequence.end());
-  PlacementIndex index(ctx, *lo, *hi + 1, &g);
+  PlacementIndex index(ctx, *lo, *hi + 1, &g, cancel);
   for (int32_t r : sequence) {
     Poll(cancel);
     const PlacementIndex::Choice c = index.Best(r, policy);
@@ -94,7 +94,7 @@ bool EliminateSmallMicrobatches(const PlanContext& ctx, Grouping& g, CancelToken
   std::iota(visit.begin(), visit.end(), 0);
   std::stable_sort(visit.begin(), visit.end(), [&](int64_t a, int64_t b) { return g.work[a] < g.work[b]; });
   const auto [lo, hi] = RankSpan(g);
-  PlacementIndex index(ctx, lo, hi, &g);
+  PlacementIndex index(ctx, lo, hi, &g, cancel);
   std::vector<char> removed(k, 0);
   bool any = false;
   struct Move {

@@ -6,8 +6,8 @@
 
 namespace harts {
 
-PlacementIndex::PlacementIndex(const PlanContext& ctx, int32_t lo, int32_t hi, Grouping* g, int32_t min_node,
-                               int32_t max_depth, int32_t max_complements)
+PlacementIndex::PlacementIndex(const PlanContext& ctx, int32_t lo, int32_t hi, Grouping* g, CancelToken* cancel,
+                               int32_t min_node, int32_t max_depth, int32_t max_complements)
     : ctx_(ctx), lo_(lo), hi_(hi), g_(g), cell_of_(std::max(0, hi - lo), 0) {
   assert(0 <= lo && lo <= hi && hi <= ctx.size());
   nodes_.emplace_back();
@@ -17,6 +17,7 @@ PlacementIndex::PlacementIndex(const PlanContext& ctx, int32_t lo, int32_t hi, G
   mark_.assign(k, 0);
   node_count_.resize(k);
   for (int64_t j = 0; j < k; ++j) {
+    Poll(cancel);
     for (int32_t r : g->groups[j]) Count(static_cast<int32_t>(j), r, +1);
     Entries(static_cast<int32_t>(j), true);
   }

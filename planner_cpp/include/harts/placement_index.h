@@ -45,6 +45,7 @@
 #include <utility>
 #include <vector>
 
+#include "harts/cancel.h"
 #include "harts/microbatch.h"
 
 namespace harts {
@@ -62,8 +63,10 @@ class PlacementIndex {
   // O((hi - lo) + sum |M| depth + K depth log K).
   // (min_node, max_depth, max_complements: the hierarchy's shape; the defaults suit rollout
   // batches, and any values give the same answers.)
-  PlacementIndex(const PlanContext& ctx, int32_t lo, int32_t hi, Grouping* g, int32_t min_node = kDefaultMinNode,
-                 int32_t max_depth = kDefaultMaxDepth, int32_t max_complements = kMaxComplements);
+  // Polls `cancel` (cancel.h) per indexed group.
+  PlacementIndex(const PlanContext& ctx, int32_t lo, int32_t hi, Grouping* g, CancelToken* cancel = nullptr,
+                 int32_t min_node = kDefaultMinNode, int32_t max_depth = kDefaultMaxDepth,
+                 int32_t max_complements = kMaxComplements);
 
   struct Choice {
     int64_t group = -1;  // -1: no live group can take the rank
