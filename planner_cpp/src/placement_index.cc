@@ -7,11 +7,11 @@
 namespace harts {
 
 PlacementIndex::PlacementIndex(const PlanContext& ctx, int32_t lo, int32_t hi, Grouping* g, CancelToken* cancel,
-                               int32_t min_node, int32_t max_depth, int32_t max_complements)
+                               int32_t min_node, int32_t max_depth)
     : ctx_(ctx), lo_(lo), hi_(hi), g_(g), cell_of_(std::max(0, hi - lo), 0) {
   assert(0 <= lo && lo <= hi && hi <= ctx.size());
   nodes_.emplace_back();
-  if (hi > lo) Build(0, lo, hi, 0, std::max(min_node, 2), max_depth, max_complements);
+  if (hi > lo) Build(0, lo, hi, 0, std::max(min_node, 2), max_depth);
   const int64_t k = g->size();
   live_.assign(k, 1);
   mark_.assign(k, 0);
@@ -23,8 +23,7 @@ PlacementIndex::PlacementIndex(const PlanContext& ctx, int32_t lo, int32_t hi, G
   }
 }
 
-void PlacementIndex::Build(int32_t node, int32_t lo, int32_t hi, int32_t depth, int32_t min_node, int32_t max_depth,
-                           int32_t max_complements) {
+void PlacementIndex::Build(int32_t node, int32_t lo, int32_t hi, int32_t depth, int32_t min_node, int32_t max_depth) {
   int64_t floor = 0;
   if (hi - lo >= 2) {
     floor = std::numeric_limits<int64_t>::max();
@@ -38,9 +37,7 @@ void PlacementIndex::Build(int32_t node, int32_t lo, int32_t hi, int32_t depth, 
       const int32_t child = static_cast<int32_t>(nodes_.size());
       nodes_.emplace_back();
       nodes_[child].parent = node;
-      nodes_[child].slot = static_cast<int32_t>(nodes_[node].kids.size());
-      nodes_[node].kids.push_back(child);
-      Build(child, a, b, depth + 1, min_node, max_depth, max_complements);
+      Build(child, a, b, depth + 1, min_node, max_depth);
     } else {
       const int32_t cell = static_cast<int32_t>(cells_.size());
       cells_.push_back(Cell{node, {}});
@@ -48,9 +45,6 @@ void PlacementIndex::Build(int32_t node, int32_t lo, int32_t hi, int32_t depth, 
     }
     a = b;
   }
-  Node& u = nodes_[node];
-  u.complements = !u.kids.empty() && static_cast<int64_t>(u.kids.size()) <= max_complements;
-  if (u.complements) u.without.resize(u.kids.size());
 }
 
 int32_t& PlacementIndex::NodeCount(int32_t k, int32_t u) {
@@ -98,20 +92,10 @@ void PlacementIndex::Count(int32_t k, int32_t r, int32_t delta) {
 void PlacementIndex::Entries(int32_t k, bool add) {
   const std::pair<int64_t, int32_t> key{g_->work[k], -k};
   auto apply = [&](int32_t u) {
-    Node& node = nodes_[u];
     if (add) {
-      node.touching.insert(key);
+      nodes_[u].touching.insert(key);
     } else {
-      node.touching.erase(key);
-    }
-    if (!node.complements) return;
-    for (size_t j = 0; j < node.kids.size(); ++j) {
-      if (Touches(k, node.kids[j])) continue;
-      if (add) {
-        node.without[j].insert(key);
-      } else {
-        node.without[j].erase(key);
-      }
+      nodes_[u].touching.erase(key);
     }
   };
   apply(0);
@@ -151,17 +135,15 @@ PlacementIndex::Choice PlacementIndex::Best(int32_t r, GreedyPolicy policy, int6
   // touching u but not `below` share exactly F(u); the best has the largest work <= T - len + F(u).
   int32_t below = -1;
   for (int32_t u = cells_[c].parent; u >= 0; below = u, u = nodes_[u].parent) {
-    const Node& node = nodes_[u];
-    const int64_t floor = node.floor;
-    const bool complement = below >= 0 && node.complements;
-    const WorkSet& set = complement ? node.without[nodes_[below].slot] : node.touching;
+    const WorkSet& set = nodes_[u].touching;
+    const int64_t floor = nodes_[u].floor;
     auto it = set.upper_bound({cap - len + floor, std::numeric_limits<int32_t>::max()});
     bool found = false;
     while (it != set.begin()) {
       --it;
       const int32_t k = -it->second;
       if (k == exclude) continue;
-      if (!complement && (below < 0 ? mark_[k] == stamp_ : Touches(k, below))) continue;
+      if (below < 0 ? mark_[k] == stamp_ : Touches(k, below)) continue;
       const Choice cand{k, it->first + len - floor, floor};
       if (better(cand, best)) best = cand;
       found = true;
@@ -176,20 +158,13 @@ void PlacementIndex::Rekey(int32_t k, int64_t work) {
   const int64_t old = g_->work[k];
   g_->work[k] = work;
   if (work == old) return;
-  auto move = [&](WorkSet& set) {  // reuses the set node: no allocation
-    auto handle = set.extract({old, -k});
+  auto move = [&](int32_t u) {  // reuses the set node: no allocation
+    auto handle = nodes_[u].touching.extract({old, -k});
     handle.value().first = work;
-    set.insert(std::move(handle));
+    nodes_[u].touching.insert(std::move(handle));
   };
-  auto apply = [&](int32_t u) {
-    Node& node = nodes_[u];
-    move(node.touching);
-    if (!node.complements) return;
-    for (size_t j = 0; j < node.kids.size(); ++j)
-      if (!Touches(k, node.kids[j])) move(node.without[j]);
-  };
-  apply(0);
-  for (const auto& [u, count] : node_count_[k]) apply(u);
+  move(0);
+  for (const auto& [u, count] : node_count_[k]) move(u);
 }
 
 void PlacementIndex::Insert(int64_t k, int32_t r, int64_t work) {

@@ -81,8 +81,7 @@ void CheckIndex(const PlanContext& ctx, std::mt19937& rng) {
   }
   for (auto& m : g.groups) g.work.push_back(GroupWork(ctx, m));
   // Small nodes and several levels, so that small batches exercise the hierarchy.
-  PlacementIndex index(ctx, 0, n, &g, nullptr, 2 + static_cast<int32_t>(rng() % 6), static_cast<int32_t>(rng() % 5),
-                       static_cast<int32_t>(rng() % 4));
+  PlacementIndex index(ctx, 0, n, &g, nullptr, 2 + static_cast<int32_t>(rng() % 6), static_cast<int32_t>(rng() % 5));
   std::vector<char> retired(g.size(), 0);
   for (int64_t k = 0; k < g.size(); ++k)
     if (rng() % 5 == 0) {

@@ -23,20 +23,20 @@
 //   h = F(u_j)                    if it touches u_j but not the next node or cell on the path;
 // and under either policy the best group of a level with a fixed h is the one with the largest
 // work <= T - len(r) + h (ties: the lowest index). Best() evaluates the groups touching c one by
-// one (O(log |M|) each) and each level from an ordered set by work: for a level whose next
-// node is indexed with complements (a node with at most kMaxComplements child nodes keeps,
-// per child node, the set of its groups not touching that child), that set; otherwise the
-// node's set of touching groups, skipping those that touch the next node or cell. The answer
-// equals the full probe, tie rules included:
+// one (O(log |M|) each) and each level from the node's ordered set of touching groups by work,
+// skipping those that touch the next node or cell on the path (already evaluated, with a larger
+// h). The answer equals the full probe, tie rules included:
 //   kBestFit    max (w(M) + dC, -index)
 //   kMaxShared  max (h_M(r), w(M) + dC, -index)
 //
 // Complexity: Best() is O(t_c log + sum_levels (1 + s_j) log K) for t_c the groups touching
-// r's cell and s_j the groups a scan skips (those touching the next node or cell, with a work
-// between the level's answer and its limit); an update re-keys the group in the O(depth)
-// sets it is in, O(|M| + depth log K). For rollout batches (cells of bounded size, a few
-// prompt levels) a greedy pass is O(N log N). The worst case, one cell spread over all K
-// groups, is O(K log) per Best(), as probing.
+// r's cell and s_j the groups a level's scan skips (those touching the next node or cell, with
+// a work between the level's answer and its limit); an update re-keys the group in the set of
+// every node it touches, O(|M| + n_M log K) for n_M such nodes. For rollout batches (trees of
+// bounded size behind a few prompt levels) n_M and t_c are small and a greedy pass is
+// O(N log N). Deep, bushy tries whose microbatches gather trajectories from many subtrees make
+// n_M grow (a random recursive tree of 75k trajectories: seconds); one cell spread over all K
+// groups is the worst case, O(K log) per Best(), as probing.
 #ifndef HARTS_PLACEMENT_INDEX_H_
 #define HARTS_PLACEMENT_INDEX_H_
 
@@ -55,18 +55,15 @@ enum class GreedyPolicy { kBestFit = 0, kMaxShared = 1 };
 class PlacementIndex {
  public:
   static constexpr int32_t kDefaultMinNode = 128;  // ranks for a part to become a node
-  static constexpr int32_t kDefaultMaxDepth = 4;   // node levels below the root
-  static constexpr int32_t kMaxComplements = 8;    // child nodes for per-child complement sets
+  static constexpr int32_t kDefaultMaxDepth = 16;  // node levels below the root
 
   // Indexes `g` (may be empty; every group's ranks in [lo, hi)), which it then owns the updates
   // of: change it only through Insert / Erase / NewGroup / Retire.
   // O((hi - lo) + sum |M| depth + K depth log K).
-  // (min_node, max_depth, max_complements: the hierarchy's shape; the defaults suit rollout
-  // batches, and any values give the same answers.)
-  // Polls `cancel` (cancel.h) per indexed group.
+  // (min_node, max_depth: the hierarchy's shape; the defaults suit rollout batches, and any
+  // values give the same answers.) Polls `cancel` (cancel.h) per indexed group.
   PlacementIndex(const PlanContext& ctx, int32_t lo, int32_t hi, Grouping* g, CancelToken* cancel = nullptr,
-                 int32_t min_node = kDefaultMinNode, int32_t max_depth = kDefaultMaxDepth,
-                 int32_t max_complements = kMaxComplements);
+                 int32_t min_node = kDefaultMinNode, int32_t max_depth = kDefaultMaxDepth);
 
   struct Choice {
     int64_t group = -1;  // -1: no live group can take the rank
@@ -96,20 +93,15 @@ class PlacementIndex {
 
   struct Node {
     int64_t floor = 0;
-    int32_t parent = -1;           // node index; -1 for the root
-    int32_t slot = -1;             // position among the parent's child nodes
-    std::vector<int32_t> kids;     // child nodes
-    bool complements = false;      // kids.size() <= max_complements: `without` is kept
-    WorkSet touching;              // INVARIANT: every live group touching the node
-    std::vector<WorkSet> without;  // per child node j: the touching groups not touching kids[j]
+    int32_t parent = -1;  // node index; -1 for the root
+    WorkSet touching;     // INVARIANT: every live group touching the node
   };
   struct Cell {
     int32_t parent = 0;                              // node index
     std::vector<std::pair<int32_t, int32_t>> touch;  // (group, members in the cell)
   };
 
-  void Build(int32_t node, int32_t lo, int32_t hi, int32_t depth, int32_t min_node, int32_t max_depth,
-             int32_t max_complements);
+  void Build(int32_t node, int32_t lo, int32_t hi, int32_t depth, int32_t min_node, int32_t max_depth);
   // Adds or removes group k's entries in every set it belongs to, at its current work.
   void Entries(int32_t k, bool add);
   // Sets g_->work[k] = work, re-keying k's entries in place (its set memberships unchanged).
