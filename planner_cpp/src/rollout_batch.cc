@@ -9,11 +9,12 @@ namespace harts {
 namespace {
 
 // tree_ids, when given: one entry >= 0 per trajectory.
-void ValidateTreeIds(const int64_t* tree_ids, int64_t num_tree_ids, int64_t n) {
+void ValidateTreeIds(const int64_t* tree_ids, int64_t num_tree_ids, int64_t n, CancelToken* cancel) {
   if (tree_ids == nullptr) return;
   RequireOnePer(num_tree_ids, n, "trajectory", "tree_ids");
-  for (int64_t i = 0; i < n; ++i)
+  ForEachBlock(0, n, cancel, [&](int64_t i) {
     if (tree_ids[i] < 0) throw InvalidArgument(Indexed("tree_ids", i), MustBeAtLeast(0, tree_ids[i]));
+  });
 }
 
 }  // namespace
@@ -24,8 +25,7 @@ void CheckTrajectoryIndex(int64_t i, int64_t n, const std::string& field) {
                           "trajectory index " + std::to_string(i) + " is out of range [0, " + std::to_string(n) + ")");
 }
 
-void ValidateTrajectories(const int32_t* tokens, int64_t num_tokens, const int64_t* offsets, int64_t num_offsets,
-                          const int64_t* tree_ids, int64_t num_tree_ids) {
+void ValidateOffsets(int64_t num_tokens, const int64_t* offsets, int64_t num_offsets, CancelToken* cancel) {
   if (num_offsets < 2)
     throw InvalidArgument("offsets",
                           "needs N + 1 >= 2 entries (at least one trajectory), got " + std::to_string(num_offsets));
@@ -34,6 +34,7 @@ void ValidateTrajectories(const int32_t* tokens, int64_t num_tokens, const int64
   RequireWithinLimit(num_tokens, kMaxSemanticTokens, "semantic tokens", "tokens");
   if (offsets[0] != 0) throw InvalidArgument("offsets[0]", "must be 0, got " + std::to_string(offsets[0]));
   for (int64_t i = 0; i < n; ++i) {
+    if (i % kPollBlock == 0) Poll(cancel);
     if (offsets[i + 1] <= offsets[i])
       throw InvalidArgument(Indexed("offsets", i + 1), offsets[i + 1] == offsets[i]
                                                            ? "trajectory " + std::to_string(i) + " is empty"
@@ -44,8 +45,16 @@ void ValidateTrajectories(const int32_t* tokens, int64_t num_tokens, const int64
   if (offsets[n] != num_tokens)
     throw InvalidArgument(Indexed("offsets", n), "must equal len(tokens) = " + std::to_string(num_tokens) + ", got " +
                                                      std::to_string(offsets[n]));
+}
+
+void ValidateTrajectories(const int32_t* tokens, int64_t num_tokens, const int64_t* offsets, int64_t num_offsets,
+                          const int64_t* tree_ids, int64_t num_tree_ids, CancelToken* cancel) {
+  ValidateOffsets(num_tokens, offsets, num_offsets, cancel);
+  const int64_t n = num_offsets - 1;
   int32_t min_token = 0;
-  for (int64_t s = 0; s < num_tokens; ++s) min_token = std::min(min_token, tokens[s]);
+  ForEachChunk(0, num_tokens, kPollChunk, cancel, [&](int64_t lo, int64_t hi) {  // vectorized between polls
+    for (int64_t s = lo; s < hi; ++s) min_token = std::min(min_token, tokens[s]);
+  });
   if (min_token < 0) {
     const int64_t s = std::find_if(tokens, tokens + num_tokens, [](int32_t t) { return t < 0; }) - tokens;
     const int64_t i = std::upper_bound(offsets, offsets + num_offsets, s) - offsets - 1;
@@ -53,12 +62,13 @@ void ValidateTrajectories(const int32_t* tokens, int64_t num_tokens, const int64
                                                     " (trajectory " + std::to_string(i) + ", position " +
                                                     std::to_string(s - offsets[i]) + ")");
   }
-  ValidateTreeIds(tree_ids, num_tree_ids, n);
+  ValidateTreeIds(tree_ids, num_tree_ids, n, cancel);
 }
 
 std::unique_ptr<RolloutBatch> RolloutBatch::Ingest(const int32_t* tokens, int64_t num_tokens, const int64_t* offsets,
-                                                   int64_t num_offsets, const int64_t* tree_ids, int64_t num_tree_ids) {
-  ValidateTrajectories(tokens, num_tokens, offsets, num_offsets, tree_ids, num_tree_ids);
+                                                   int64_t num_offsets, const int64_t* tree_ids, int64_t num_tree_ids,
+                                                   CancelToken* cancel) {
+  ValidateTrajectories(tokens, num_tokens, offsets, num_offsets, tree_ids, num_tree_ids, cancel);
   std::unique_ptr<RolloutBatch> b(new RolloutBatch());
   const int64_t n = num_offsets - 1;
   b->offsets_.assign(offsets, offsets + num_offsets);
@@ -66,20 +76,20 @@ std::unique_ptr<RolloutBatch> RolloutBatch::Ingest(const int32_t* tokens, int64_
   for (int64_t i = 0; i < n; ++i) b->lengths_[i] = offsets[i + 1] - offsets[i];
 
   const TrajectoryView view{tokens, offsets, n};
-  b->order_ = LexicographicOrder(view);
-  b->lcp_ = AdjacentLcp(view, b->order_);
-  b->BuildIndex(tree_ids);
-  b->EnsureRows();
+  b->order_ = LexicographicOrder(view, cancel);
+  b->lcp_ = AdjacentLcp(view, b->order_, cancel);
+  b->BuildIndex(tree_ids, cancel);
+  b->EnsureRows(cancel);
   return b;
 }
 
 std::unique_ptr<RolloutBatch> RolloutBatch::FromSegmentTree(const SegmentTreeView& t, const int64_t* tree_ids,
-                                                            int64_t num_tree_ids) {
+                                                            int64_t num_tree_ids, CancelToken* cancel) {
   std::vector<int32_t> preorder;
-  const SegmentForest tree = SegmentForestFromTree(t, &preorder);  // ids kept, not canonical
+  const SegmentForest tree = SegmentForestFromTree(t, &preorder, cancel);  // ids kept, not canonical
   const std::vector<int32_t>& end_position = tree.end;
   const int64_t n = t.num_trajectories, v_count = t.num_segments;
-  ValidateTreeIds(tree_ids, num_tree_ids, n);
+  ValidateTreeIds(tree_ids, num_tree_ids, n, cancel);
   std::unique_ptr<RolloutBatch> b(new RolloutBatch());
   b->lengths_.resize(n);
   b->offsets_.assign(n + 1, 0);
@@ -104,6 +114,7 @@ std::unique_ptr<RolloutBatch> RolloutBatch::FromSegmentTree(const SegmentTreeVie
   std::vector<int32_t> path;  // ancestors of the current segment, root first
   int64_t climb = 0;          // min start of the segments left since the previous end
   for (const int32_t v : preorder) {
+    Poll(cancel);
     while (!path.empty() && path.back() != t.parent[v]) {  // leave finished segments
       const int32_t u = path.back();
       path.pop_back();
@@ -118,24 +129,26 @@ std::unique_ptr<RolloutBatch> RolloutBatch::FromSegmentTree(const SegmentTreeVie
       climb = end_position[v];
     }
   }
-  b->BuildIndex(tree_ids);
+  b->BuildIndex(tree_ids, cancel);
   return b;
 }
 
-void RolloutBatch::BuildIndex(const int64_t* tree_ids) {
+void RolloutBatch::BuildIndex(const int64_t* tree_ids, CancelToken* cancel) {
   const int64_t n = num_trajectories();
   rank_.resize(n);
   prefix_length_.assign(n + 1, 0);
   prefix_lcp_.assign(n + 1, 0);
   std::vector<int64_t> sorted_lengths(n);
   for (int64_t r = 0; r < n; ++r) {
+    if (r % kPollBlock == 0) Poll(cancel);
     rank_[order_[r]] = static_cast<int32_t>(r);
     sorted_lengths[r] = lengths_[order_[r]];
     prefix_length_[r + 1] = prefix_length_[r] + sorted_lengths[r];
     prefix_lcp_[r + 1] = prefix_lcp_[r] + lcp_[r];
   }
-  rmq_ = SparseTableRmq(lcp_);
-  forest_ = BuildSegmentForest(order_.data(), sorted_lengths.data(), lcp_.data(), n);
+  rmq_ = SparseTableRmq(lcp_, cancel);
+  forest_ = BuildSegmentForest(order_.data(), sorted_lengths.data(), lcp_.data(), n, cancel);
+  Check(cancel);
 
   const SegmentForest& f = forest_;
   segment_root_.resize(f.size());
@@ -151,7 +164,7 @@ void RolloutBatch::BuildIndex(const int64_t* tree_ids) {
     tree_ids_.assign(component_.begin(), component_.end());
 }
 
-void RolloutBatch::BuildCompactTrie() const {
+void RolloutBatch::BuildCompactTrie(CancelToken* cancel) const {
   const int64_t n = num_trajectories();
   const SegmentForest& f = forest_;
   const int64_t num_rows = f.num_rows;
@@ -162,24 +175,27 @@ void RolloutBatch::BuildCompactTrie() const {
   row_segment_.resize(num_rows);
   int64_t next_row = 0;
   for (int64_t r = 0; r < n; ++r) {
+    Poll(cancel);
     const int64_t i = order_[r];
     const int64_t l = r == 0 ? 0 : lcp_[r];
     int32_t* m = row_of_position_.data() + offsets_[i];
     if (l > 0) {
       const int32_t* prev = row_of_position_.data() + offsets_[order_[r - 1]];
-      std::copy(prev, prev + l, m);
+      ForEachChunk(0, l, kPollChunk, cancel, [&](int64_t lo, int64_t hi) { std::copy(prev + lo, prev + hi, m + lo); });
     }
-    for (int64_t p = l; p < lengths_[i]; ++p) {
+    ForEachBlock(l, lengths_[i], cancel, [&](int64_t p) {
       const int32_t c = static_cast<int32_t>(next_row++);
       m[p] = c;
       row_parent_[c] = p == 0 ? -1 : m[p - 1];
       row_depth_[c] = static_cast<int32_t>(p);
-    }
+    });
   }
   for (int64_t v = 0; v < f.size(); ++v) {
     const int64_t begin = f.row_begin[v], len = f.end[v] - f.start[v];
-    std::fill(multiplicity_.begin() + begin, multiplicity_.begin() + begin + len, f.multiplicity[v]);
-    std::fill(row_segment_.begin() + begin, row_segment_.begin() + begin + len, static_cast<int32_t>(v));
+    ForEachChunk(begin, begin + len, kPollChunk, cancel, [&](int64_t lo, int64_t hi) {
+      std::fill(multiplicity_.begin() + lo, multiplicity_.begin() + hi, f.multiplicity[v]);
+      std::fill(row_segment_.begin() + lo, row_segment_.begin() + hi, static_cast<int32_t>(v));
+    });
   }
 }
 

@@ -51,12 +51,14 @@ class Builder {
 
 }  // namespace
 
-SegmentForest BuildSegmentForest(const int32_t* ids, const int64_t* lengths, const int32_t* lcp, int64_t num_items) {
+SegmentForest BuildSegmentForest(const int32_t* ids, const int64_t* lengths, const int32_t* lcp, int64_t num_items,
+                                 CancelToken* cancel) {
   Builder b(num_items);
   std::vector<int32_t> stack = {0};
   std::vector<int64_t> row_base(static_cast<size_t>(num_items));
   int64_t rows = 0;
   for (int64_t k = 0; k < num_items; ++k) {
+    Poll(cancel);
     const int64_t l = k == 0 ? 0 : lcp[k];
     row_base[k] = rows;
     rows += lengths[k] - l;
@@ -107,6 +109,7 @@ SegmentForest BuildSegmentForest(const int32_t* ids, const int64_t* lengths, con
     bool entered;
   };
   std::vector<Frame> dfs;
+  dfs.reserve(num_segments);  // every segment is pushed once
   std::vector<int32_t> reversed;
   auto push_children = [&](int32_t node, int32_t segment) {
     reversed.clear();
@@ -118,6 +121,7 @@ SegmentForest BuildSegmentForest(const int32_t* ids, const int64_t* lengths, con
   int32_t next_id = 0;
   std::vector<int32_t> child_count(num_segments, 0);
   while (!dfs.empty()) {
+    Poll(cancel);
     Frame& fr = dfs.back();
     if (fr.entered) {
       f.subtree_end[fr.segment] = next_id;
@@ -149,9 +153,11 @@ SegmentForest BuildSegmentForest(const int32_t* ids, const int64_t* lengths, con
   // Owners: visiting items in order, the first item to reach v owns it; the walk stops
   // at the first segment already owned (its ancestors are owned too). O(V + K).
   std::fill(f.owner.begin(), f.owner.end(), -1);
-  for (int64_t k = 0; k < num_items; ++k)
+  ForEachBlock(0, num_items, cancel, [&](int64_t k) {
     for (int32_t v = f.item_segment[k]; v >= 0 && f.owner[v] < 0; v = f.parent[v]) f.owner[v] = static_cast<int32_t>(k);
+  });
   for (int64_t v = 0; v < num_segments; ++v) {
+    Poll(cancel);
     const int64_t k = f.owner[v];
     const int64_t l = k == 0 ? 0 : lcp[k];
     f.row_begin[v] = row_base[k] + (f.start[v] - l);
