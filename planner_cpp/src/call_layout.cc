@@ -13,6 +13,7 @@ namespace harts {
 void ValidateConvWidth(int64_t conv_width) { RequireInRange(conv_width, 1, kMaxConvWidth, "conv_width"); }
 
 CallLayout BuildCallLayout(const SegmentForest& f, const MinCallPlan& plan, int64_t conv_width, CancelToken* cancel) {
+  Check(cancel);
   const int64_t num_rows = f.num_rows;
   const int64_t num_segments = f.size();
   const int64_t num_sequences = plan.num_sequences();
@@ -145,7 +146,6 @@ MicrobatchCallPlan PlanForest(SegmentForest forest, int64_t chunk_size, int64_t 
   MicrobatchCallPlan m;
   m.forest = std::move(forest);
   m.plan = PlanMinCalls(m.forest, chunk_size, cancel);
-  Check(cancel);
   m.layout = BuildCallLayout(m.forest, m.plan, conv_width, cancel);
   return m;
 }

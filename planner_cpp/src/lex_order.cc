@@ -19,6 +19,7 @@ int64_t CommonPrefixLength(const int32_t* a, int64_t n, const int32_t* b, int64_
 }
 
 std::vector<int32_t> LexicographicOrder(const TrajectoryView& view, CancelToken* cancel) {
+  Check(cancel);
   std::vector<int32_t> order(static_cast<size_t>(view.num_trajectories));
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&view, cancel](int32_t x, int32_t y) {
@@ -34,6 +35,7 @@ std::vector<int32_t> LexicographicOrder(const TrajectoryView& view, CancelToken*
 }
 
 std::vector<int32_t> AdjacentLcp(const TrajectoryView& view, const std::vector<int32_t>& order, CancelToken* cancel) {
+  Check(cancel);
   std::vector<int32_t> lcp(order.size(), 0);
   for (size_t r = 1; r < order.size(); ++r) {
     Poll(cancel);

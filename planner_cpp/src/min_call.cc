@@ -39,6 +39,7 @@ std::vector<int32_t> ParentsFirstOrder(const SegmentForest& f, CancelToken* canc
 void ValidateChunkSize(int64_t chunk_size) { RequireInRange(chunk_size, 1, kMaxChunkSize, "chunk_size"); }
 
 MinCallCounts ComputeMinCallCounts(const SegmentForest& f, int64_t chunk_size, CancelToken* cancel) {
+  Check(cancel);
   const int64_t n = f.size();
   MinCallCounts c;
   c.t_pre.assign(n, 1);
@@ -84,6 +85,7 @@ int64_t MandatoryReplay(const SegmentForest& f, int64_t chunk_size) {
 
 MinCallRecovery RecoverContinuations(const SegmentForest& f, int64_t chunk_size, const MinCallCounts& counts,
                                      CancelToken* cancel) {
+  Check(cancel);
   const int64_t n = f.size();
   const std::vector<int32_t>& t_pre = counts.t_pre;
   const std::vector<int32_t>& t_in = counts.t_in;
@@ -132,6 +134,7 @@ MinCallRecovery RecoverContinuations(const SegmentForest& f, int64_t chunk_size,
 
 MinCallPlan AssignSequences(const SegmentForest& f, int64_t chunk_size, MinCallCounts counts, MinCallRecovery recovery,
                             CancelToken* cancel) {
+  Check(cancel);
   const int64_t n = f.size();
   MinCallPlan p;
   p.chunk_size = chunk_size;
@@ -239,11 +242,8 @@ MinCallPlan AssignSequences(const SegmentForest& f, int64_t chunk_size, MinCallC
 }
 
 MinCallPlan PlanMinCalls(const SegmentForest& f, int64_t chunk_size, CancelToken* cancel) {
-  Check(cancel);
-  MinCallCounts counts = ComputeMinCallCounts(f, chunk_size, cancel);
-  Check(cancel);
+  MinCallCounts counts = ComputeMinCallCounts(f, chunk_size, cancel);  // each phase checks the clock first
   MinCallRecovery recovery = RecoverContinuations(f, chunk_size, counts, cancel);
-  Check(cancel);
   return AssignSequences(f, chunk_size, std::move(counts), std::move(recovery), cancel);
 }
 

@@ -27,11 +27,8 @@ int64_t Linear(std::initializer_list<std::pair<int64_t, int64_t>> terms) {
   return total;
 }
 
-int64_t FloorLog2(int64_t x) {
-  int64_t k = 0;
-  while ((int64_t{2} << k) <= x) ++k;
-  return k;
-}
+// floor(log2 x) for x >= 1.
+int64_t FloorLog2(int64_t x) { return 63 - __builtin_clzll(static_cast<uint64_t>(x)); }
 
 // The replay walk of a sequence covers positions [max(0, b - w + 1), s_head) with
 // s_head - b < B; so at most B - 1 + (w - 1) rows, and at most the deepest start.
@@ -122,6 +119,7 @@ CallShape TreeCallShape(const SegmentTreeView& tree, const int32_t* ids, int64_t
 
 CallShape BatchCallShape(const RolloutBatch& batch, const int32_t* ids, int64_t k, int64_t chunk_size,
                          int64_t conv_width, CancelToken* cancel) {
+  Check(cancel);
   ValidateChunkSize(chunk_size);
   ValidateConvWidth(conv_width);
   const int64_t n = batch.num_trajectories();
@@ -137,9 +135,15 @@ CallShape BatchCallShape(const RolloutBatch& batch, const int32_t* ids, int64_t 
   CallShape s;
   s.trajectories = items;
   s.exact = true;
-  // The node depths on the current path, as BuildSegmentForest's stack holds them; the virtual
-  // root (depth 0) at the bottom.
-  std::vector<int64_t> stack = {0};
+  // The nodes on the current path, as BuildSegmentForest's stack holds them (the virtual root, at
+  // depth 0, at the bottom): their depths, and the heights (in nodes) of their subtrees so far.
+  std::vector<int64_t> depth = {0}, height = {1};
+  auto pop = [&] {  // closes the top node into its parent
+    const int64_t h = height.back();
+    depth.pop_back();
+    height.pop_back();
+    height.back() = std::max(height.back(), h + 1);
+  };
   int64_t previous_length = 0, longest = 0;
   for (int64_t j = 0; j < items; ++j) {
     Poll(cancel);
@@ -151,20 +155,24 @@ CallShape BatchCallShape(const RolloutBatch& batch, const int32_t* ids, int64_t 
     if (l < length && (j == 0 || l < previous_length) && l > 0) s.replay_rows += l % chunk_size;  // a fork at l
     if (j > 0 && l < previous_length) ++s.sequences;  // the previous item's node stays a leaf
     if (l == 0) ++s.roots;
-    while (stack.back() > l) {
-      stack.pop_back();
-      if (stack.back() < l) {  // a new fork at depth l
-        stack.push_back(l);
+    while (depth.back() > l) {
+      if (depth[depth.size() - 2] >= l) {
+        pop();
+      } else {  // a new fork at depth l above the top node
+        depth.back() = l;
+        height.back() += 1;
         ++s.segments;
       }
     }
     if (length > l) {
-      stack.push_back(length);
+      depth.push_back(length);
+      height.push_back(1);
       ++s.segments;
     }
-    s.height = std::max<int64_t>(s.height, static_cast<int64_t>(stack.size()) - 1);
     previous_length = length;
   }
+  while (depth.size() > 1) pop();
+  s.height = height[0] - 1;
   ++s.sequences;  // the last item ends a leaf
   s.state_slots = s.sequences - s.roots;
   s.longest_walk = WalkBound(chunk_size, conv_width, longest);
@@ -311,10 +319,21 @@ int64_t RowArraysBytes(int64_t semantic_tokens, int64_t compact_rows) {
 }
 
 int64_t StepPlanBytes(int64_t trajectories, int64_t canonical_segments, const PlannerOptions& options) {
-  (void)trajectories;
-  (void)canonical_segments;
-  (void)options;
-  return 0;  // calibrated below (plan_cost_test)
+  const int64_t n = trajectories;
+  // Candidates: every sampled K (at most max_sampled_k, at most N of them) and about 32 greedy,
+  // component and refined ones, each a grouping of the N trajectories with its per-microbatch
+  // arrays; measured at under 10 bytes per trajectory and candidate (plan_cost_test), counted as
+  // 16. Per trajectory and per segment: the planning context, orders and schedules.
+  const int64_t candidates = std::min<int64_t>(std::max<int64_t>(options.max_sampled_k, 0), n) + 32;
+  int64_t bytes = Linear({{16, Mul(n, candidates)}, {1024, n}, {256, canonical_segments}, {1, int64_t{1} << 20}});
+  const bool exact = options.search == "exact" || (options.search == "auto" && n <= options.exact_threshold);
+  if (exact) {
+    // The contiguous DP's table (two int64 and one int32 per cell) and one candidate per K: at
+    // most min(kMaxExactCells, (N + 1)^2) cells (PlanStep refuses a larger table).
+    const int64_t cells = std::min<int64_t>(kMaxExactCells, Mul(n + 1, n + 1));
+    bytes = Add(bytes, Mul(40, cells));
+  }
+  return bytes;
 }
 
 CallShape TreePartitionCallShape(const SegmentTreeView& tree, int64_t chunk_size, int64_t conv_width,

@@ -12,6 +12,7 @@ int FloorLog2(uint64_t x) { return 63 - __builtin_clzll(x); }
 
 SparseTableRmq::SparseTableRmq(const std::vector<int32_t>& values, CancelToken* cancel)
     : n_(static_cast<int64_t>(values.size())) {
+  Check(cancel);
   levels_.push_back(values);
   for (int64_t width = 2; width <= n_; width *= 2) {
     const std::vector<int32_t>& prev = levels_.back();

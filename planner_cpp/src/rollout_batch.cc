@@ -26,6 +26,7 @@ void CheckTrajectoryIndex(int64_t i, int64_t n, const std::string& field) {
 }
 
 void ValidateOffsets(int64_t num_tokens, const int64_t* offsets, int64_t num_offsets, CancelToken* cancel) {
+  Check(cancel);
   if (num_offsets < 2)
     throw InvalidArgument("offsets",
                           "needs N + 1 >= 2 entries (at least one trajectory), got " + std::to_string(num_offsets));

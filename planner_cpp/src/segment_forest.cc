@@ -53,6 +53,7 @@ class Builder {
 
 SegmentForest BuildSegmentForest(const int32_t* ids, const int64_t* lengths, const int32_t* lcp, int64_t num_items,
                                  CancelToken* cancel) {
+  Check(cancel);
   Builder b(num_items);
   std::vector<int32_t> stack = {0};
   std::vector<int64_t> row_base(static_cast<size_t>(num_items));

@@ -85,6 +85,7 @@ void NumberRows(const std::vector<int32_t>& preorder, SegmentForest* f) {
 }  // namespace
 
 SegmentForest SegmentForestFromTree(const SegmentTreeView& t, std::vector<int32_t>* preorder_out, CancelToken* cancel) {
+  Check(cancel);
   const int64_t v_count = t.num_segments, n = t.num_trajectories;
   RequireOnePer(t.num_lengths, v_count, "segment", "length");
   CheckSegmentCount(v_count, kMaxTreeSegments);
@@ -138,6 +139,7 @@ SegmentForest SegmentForestFromTree(const SegmentTreeView& t, std::vector<int32_
 
 SegmentForest SegmentForestFromArrays(const SegmentForestView& a, std::vector<int32_t>* preorder_out,
                                       CancelToken* cancel) {
+  Check(cancel);
   const int64_t v_count = a.num_segments;
   RequireOnePer(a.num_starts, v_count, "segment", "start");
   RequireOnePer(a.num_ends, v_count, "segment", "end");

@@ -20,7 +20,9 @@
 //
 // Loops. A loop whose iterations cost O(1) to O(log n) calls Poll() once per iteration; a loop over
 // rows or tokens, whose iterations cost a few nanoseconds, polls once per block of kPollBlock
-// iterations (ForEachBlock below); a loop whose iterations vary in cost polls in both places.
+// iterations (ForEachBlock below); a loop whose iterations vary in cost polls in both places. Every
+// entry point also calls Check() once on entry, so that an expired deadline stops even a call too
+// short to reach kClockStride polls.
 #ifndef HARTS_CANCEL_H_
 #define HARTS_CANCEL_H_
 

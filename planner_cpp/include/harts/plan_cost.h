@@ -37,7 +37,9 @@
 //   TokenIngestBytes RolloutBatch::Ingest, the per-row arrays included.
 //   RowArraysBytes   the per-row arrays a FromSegmentTree batch builds on first use.
 //   StepPlanBytes    PlanStep (step_plan.h), from N, the batch's segments and the options: a
-//                    bound calibrated on the current step planner (tested against it).
+//                    bound calibrated on the current step planner (tested against it on random
+//                    batches over the options that size its candidates: max_sampled_k, the
+//                    windows, the search mode), not derived from its code.
 // Every formula is a sum of per-element sizes; arithmetic saturates at kMaxCost so that no
 // request can overflow it.
 //
