@@ -12,7 +12,11 @@ namespace harts {
 
 void ValidateConvWidth(int64_t conv_width) { RequireInRange(conv_width, 1, kMaxConvWidth, "conv_width"); }
 
-CallLayout BuildCallLayout(const SegmentForest& f, const MinCallPlan& plan, int64_t conv_width, CancelToken* cancel) {
+namespace {
+
+// BuildCallLayout into `l` (empty).
+void FillLayout(const SegmentForest& f, const MinCallPlan& plan, int64_t conv_width, CancelToken* cancel,
+                CallLayout& l) {
   Check(cancel);
   const int64_t num_rows = f.num_rows;
   const int64_t num_segments = f.size();
@@ -20,14 +24,13 @@ CallLayout BuildCallLayout(const SegmentForest& f, const MinCallPlan& plan, int6
   const int64_t num_rounds = plan.num_calls;
   const int64_t ctx = conv_width - 1;
   const int64_t chunk = plan.chunk_size;
-  CallLayout l;
   l.conv_width = static_cast<int32_t>(conv_width);
 
   // Physical order: sequences are numbered round by round, so walking them in order visits
   // rounds in order; each chain is a path, so its rows come out in position order.
-  l.physical_to_row.resize(num_rows);
-  l.position_ids.resize(num_rows);
-  l.segment_physical_begin.assign(num_segments, -1);
+  ResizePolled(&l.physical_to_row, num_rows, cancel);
+  ResizePolled(&l.position_ids, num_rows, cancel);
+  AssignPolled(&l.segment_physical_begin, num_segments, -1, cancel);
   l.sequence_offsets.assign(num_sequences + 1, 0);
   l.round_offsets.assign(num_rounds + 1, 0);
   int32_t next = 0;
@@ -48,7 +51,7 @@ CallLayout BuildCallLayout(const SegmentForest& f, const MinCallPlan& plan, int6
   l.sequence_offsets[num_sequences] = next;
   assert(next == num_rows);
   for (int64_t r = 0; r <= num_rounds; ++r) l.round_offsets[r] = l.sequence_offsets[plan.round_offsets[r]];
-  l.row_to_physical.resize(num_rows);
+  ResizePolled(&l.row_to_physical, num_rows, cancel);
   ForEachBlock(0, next, cancel, [&](int64_t p) { l.row_to_physical[l.physical_to_row[p]] = static_cast<int32_t>(p); });
 
   // Packed inputs, conv contexts. One walk up the path per sequence collects the physical rows
@@ -59,9 +62,9 @@ CallLayout BuildCallLayout(const SegmentForest& f, const MinCallPlan& plan, int6
   l.gather_index.reserve(num_rows + plan.replay_tokens);
   l.packed_output_row.reserve(num_rows + plan.replay_tokens);
   l.cu_seqlens.reserve(num_sequences + num_rounds);
-  l.sequence_replay_length.resize(num_sequences);
-  l.conv_context.assign(num_sequences * ctx, -1);
-  l.own_conv_context.assign(num_sequences * ctx, -1);
+  ResizePolled(&l.sequence_replay_length, num_sequences, cancel);
+  AssignPolled(&l.conv_context, num_sequences * ctx, -1, cancel);
+  AssignPolled(&l.own_conv_context, num_sequences * ctx, -1, cancel);
   std::vector<int32_t> walk;  // walk[i]: physical row of position s_head - 1 - i
   {
     int64_t longest = 0;
@@ -125,7 +128,19 @@ CallLayout BuildCallLayout(const SegmentForest& f, const MinCallPlan& plan, int6
       l.request_slot.push_back(slot);
     }
   }
-  return l;
+}
+
+}  // namespace
+
+CallLayout BuildCallLayout(const SegmentForest& f, const MinCallPlan& plan, int64_t conv_width, CancelToken* cancel) {
+  auto l = std::make_unique<CallLayout>();
+  try {
+    FillLayout(f, plan, conv_width, cancel, *l);
+  } catch (...) {
+    DestroyInBackground(std::move(l));  // a cancelled layout returns without freeing its rows first
+    throw;
+  }
+  return std::move(*l);
 }
 
 namespace {
@@ -142,12 +157,71 @@ void CheckPlanBudget(const SegmentForest& forest, int64_t chunk_size, int64_t co
   CheckCallPlanBudget(shape, chunk_size, conv_width, field);
 }
 
-MicrobatchCallPlan PlanForest(SegmentForest forest, int64_t chunk_size, int64_t conv_width, CancelToken* cancel) {
-  MicrobatchCallPlan m;
-  m.forest = std::move(forest);
-  m.plan = PlanMinCalls(m.forest, chunk_size, cancel);
-  m.layout = BuildCallLayout(m.forest, m.plan, conv_width, cancel);
+// Algorithm 1 and the layout of `forest`, on the heap: on any error (Cancelled) the partial plan
+// is destroyed in the background (DestroyInBackground) before the error propagates.
+std::unique_ptr<MicrobatchCallPlan> PlanForest(SegmentForest forest, int64_t chunk_size, int64_t conv_width,
+                                               CancelToken* cancel) {
+  auto m = std::make_unique<MicrobatchCallPlan>();
+  try {
+    m->forest = std::move(forest);
+    m->plan = PlanMinCalls(m->forest, chunk_size, cancel);
+    FillLayout(m->forest, m->plan, conv_width, cancel, m->layout);
+  } catch (...) {
+    DestroyInBackground(std::move(m));
+    throw;
+  }
   return m;
+}
+
+// PlanMicrobatch's links to the batch: rows, physical rows and semantic positions as batch rows.
+void AddBatchLinks(const RolloutBatch& batch, const std::vector<int32_t>& ranks, std::vector<int32_t> trajectories,
+                   CancelToken* cancel, MicrobatchCallPlan& m) {
+  const int64_t items = static_cast<int64_t>(ranks.size());
+  m.trajectories = std::move(trajectories);
+  const SegmentForest& f = m.forest;
+  const CallLayout& l = m.layout;
+
+  // Microbatch rows -> batch rows, O(C + k): the rows of segment v are positions [s_v, e_v) of
+  // its owner's path, which the owner's batch path (walked up from the segment it ends at) holds
+  // as rows of the batch forest. Each item walks only the segments it owns (the bottom of its
+  // path), so no per-row array of the batch is needed.
+  const SegmentForest& fb = batch.forest();
+  ResizePolled(&m.row_to_global, f.num_rows, cancel);
+  for (int64_t item = 0; item < items; ++item) {
+    Poll(cancel);
+    int32_t u = fb.item_segment[ranks[item]];
+    for (int32_t v = f.item_segment[item]; v >= 0 && f.owner[v] == item; v = f.parent[v]) {
+      int32_t* out = m.row_to_global.data() + (f.row_begin[v] - f.start[v]);
+      for (int64_t p = f.end[v] - 1; p >= f.start[v]; --p) {
+        if ((f.end[v] - p) % kPollBlock == 0) Poll(cancel);
+        while (p < fb.start[u]) u = fb.parent[u];
+        out[p] = static_cast<int32_t>(fb.row_begin[u] + (p - fb.start[u]));
+      }
+    }
+  }
+  ResizePolled(&m.physical_to_global, f.num_rows, cancel);
+  ForEachBlock(0, f.num_rows, cancel,
+               [&](int64_t p) { m.physical_to_global[p] = m.row_to_global[l.physical_to_row[p]]; });
+
+  // Semantic positions -> physical rows, walking each trajectory up from its last segment.
+  const int64_t count = static_cast<int64_t>(m.trajectories.size());
+  m.semantic_offsets.assign(count + 1, 0);
+  for (int64_t j = 0; j < count; ++j)
+    m.semantic_offsets[j + 1] = m.semantic_offsets[j] + batch.lengths()[m.trajectories[j]];
+  ResizePolled(&m.semantic_to_physical, m.semantic_offsets[count], cancel);
+  for (int64_t j = 0; j < count; ++j) {
+    Poll(cancel);
+    const int32_t id = m.trajectories[j];
+    const int64_t item = std::lower_bound(ranks.begin(), ranks.end(), batch.rank()[id]) - ranks.begin();
+    int32_t v = f.item_segment[item];
+    int32_t* out = m.semantic_to_physical.data() + m.semantic_offsets[j];
+    const int64_t length = batch.lengths()[id];
+    for (int64_t p = length - 1; p >= 0; --p) {
+      if ((length - p) % kPollBlock == 0) Poll(cancel);
+      while (p < f.start[v]) v = f.parent[v];
+      out[p] = static_cast<int32_t>(l.segment_physical_begin[v] + (p - f.start[v]));
+    }
+  }
 }
 
 }  // namespace
@@ -157,7 +231,7 @@ MicrobatchCallPlan PlanSegmentForest(SegmentForest forest, int64_t chunk_size, i
   ValidateChunkSize(chunk_size);
   ValidateConvWidth(conv_width);
   CheckPlanBudget(forest, chunk_size, conv_width, 0, 0, "end");
-  return PlanForest(std::move(forest), chunk_size, conv_width, cancel);
+  return std::move(*PlanForest(std::move(forest), chunk_size, conv_width, cancel));
 }
 
 MicrobatchCallPlan PlanMicrobatch(const RolloutBatch& batch, const int32_t* ids, int64_t k, int64_t chunk_size,
@@ -189,53 +263,14 @@ MicrobatchCallPlan PlanMicrobatch(const RolloutBatch& batch, const int32_t* ids,
   });
   SegmentForest forest = BuildSegmentForest(item_ids.data(), lengths.data(), lcp.data(), items, cancel);
   CheckPlanBudget(forest, chunk_size, conv_width, items, semantic_tokens, "trajectories");
-  MicrobatchCallPlan m = PlanForest(std::move(forest), chunk_size, conv_width, cancel);
-  m.trajectories = std::move(trajectories);
-  const SegmentForest& f = m.forest;
-  const CallLayout& l = m.layout;
-
-  // Microbatch rows -> batch rows, O(C + k): the rows of segment v are positions [s_v, e_v) of
-  // its owner's path, which the owner's batch path (walked up from the segment it ends at) holds
-  // as rows of the batch forest. Each item walks only the segments it owns (the bottom of its
-  // path), so no per-row array of the batch is needed.
-  const SegmentForest& fb = batch.forest();
-  m.row_to_global.resize(f.num_rows);
-  for (int64_t item = 0; item < items; ++item) {
-    Poll(cancel);
-    int32_t u = fb.item_segment[ranks[item]];
-    for (int32_t v = f.item_segment[item]; v >= 0 && f.owner[v] == item; v = f.parent[v]) {
-      int32_t* out = m.row_to_global.data() + (f.row_begin[v] - f.start[v]);
-      for (int64_t p = f.end[v] - 1; p >= f.start[v]; --p) {
-        if ((f.end[v] - p) % kPollBlock == 0) Poll(cancel);
-        while (p < fb.start[u]) u = fb.parent[u];
-        out[p] = static_cast<int32_t>(fb.row_begin[u] + (p - fb.start[u]));
-      }
-    }
+  std::unique_ptr<MicrobatchCallPlan> owned = PlanForest(std::move(forest), chunk_size, conv_width, cancel);
+  try {
+    AddBatchLinks(batch, ranks, std::move(trajectories), cancel, *owned);
+  } catch (...) {
+    DestroyInBackground(std::move(owned));
+    throw;
   }
-  m.physical_to_global.resize(f.num_rows);
-  ForEachBlock(0, f.num_rows, cancel,
-               [&](int64_t p) { m.physical_to_global[p] = m.row_to_global[l.physical_to_row[p]]; });
-
-  // Semantic positions -> physical rows, walking each trajectory up from its last segment.
-  const int64_t count = static_cast<int64_t>(m.trajectories.size());
-  m.semantic_offsets.assign(count + 1, 0);
-  for (int64_t j = 0; j < count; ++j)
-    m.semantic_offsets[j + 1] = m.semantic_offsets[j] + batch.lengths()[m.trajectories[j]];
-  m.semantic_to_physical.resize(m.semantic_offsets[count]);
-  for (int64_t j = 0; j < count; ++j) {
-    Poll(cancel);
-    const int32_t id = m.trajectories[j];
-    const int64_t item = std::lower_bound(ranks.begin(), ranks.end(), batch.rank()[id]) - ranks.begin();
-    int32_t v = f.item_segment[item];
-    int32_t* out = m.semantic_to_physical.data() + m.semantic_offsets[j];
-    const int64_t length = batch.lengths()[id];
-    for (int64_t p = length - 1; p >= 0; --p) {
-      if ((length - p) % kPollBlock == 0) Poll(cancel);
-      while (p < f.start[v]) v = f.parent[v];
-      out[p] = static_cast<int32_t>(l.segment_physical_begin[v] + (p - f.start[v]));
-    }
-  }
-  return m;
+  return std::move(*owned);
 }
 
 }  // namespace harts

@@ -42,8 +42,8 @@ MinCallCounts ComputeMinCallCounts(const SegmentForest& f, int64_t chunk_size, C
   Check(cancel);
   const int64_t n = f.size();
   MinCallCounts c;
-  c.t_pre.assign(n, 1);
-  c.t_in.assign(n, 1);
+  AssignPolled(&c.t_pre, n, 1, cancel);
+  AssignPolled(&c.t_in, n, 1, cancel);
   const std::vector<int32_t> order = ParentsFirstOrder(f, cancel);
   for (auto it = order.rbegin(); it != order.rend(); ++it) {  // children before parents
     Poll(cancel);
@@ -90,12 +90,14 @@ MinCallRecovery RecoverContinuations(const SegmentForest& f, int64_t chunk_size,
   const std::vector<int32_t>& t_pre = counts.t_pre;
   const std::vector<int32_t>& t_in = counts.t_in;
   MinCallRecovery rec;
-  rec.direct_child.assign(n, -1);
-  rec.round.assign(n, 0);
+  AssignPolled(&rec.direct_child, n, -1, cancel);
+  ResizePolled(&rec.round, n, cancel);
   // Each segment receives (ready, budget, round) from its parent, so one pass in parents-first
   // order replaces the recursion of Algorithm 1.
-  std::vector<char> ready(n, 0);
-  std::vector<int32_t> budget(n, 0);
+  std::vector<char> ready;
+  std::vector<int32_t> budget;
+  ResizePolled(&ready, n, cancel);
+  ResizePolled(&budget, n, cancel);
   for (int32_t root : f.roots) {
     ready[root] = 1;
     budget[root] = t_pre[root];
@@ -168,7 +170,7 @@ MinCallPlan AssignSequences(const SegmentForest& f, int64_t chunk_size, MinCallC
   p.sequence_anchor.resize(num_sequences);
   p.sequence_start.resize(num_sequences);
   p.sequence_end.resize(num_sequences);
-  p.segment_sequence.assign(n, -1);
+  AssignPolled(&p.segment_sequence, n, -1, cancel);
   for (int64_t q = 0; q < num_sequences; ++q) {
     Poll(cancel);
     const int32_t head = heads[q];
@@ -196,14 +198,16 @@ MinCallPlan AssignSequences(const SegmentForest& f, int64_t chunk_size, MinCallC
   // in the parent, otherwise it inherits the parent's. A head consumes S_{a(s_head)}, which
   // is returned by the sequence outputting that segment; every consumer of one segment needs
   // the same state, S_{a(e_P)}, so there is at most one slot per producing segment P.
-  std::vector<int32_t> anchor_segment(n, -1);
+  std::vector<int32_t> anchor_segment;
+  AssignPolled(&anchor_segment, n, -1, cancel);
   for (const int32_t v : ParentsFirstOrder(f, cancel)) {
     Poll(cancel);
     const int32_t par = f.parent[v];
     if (par < 0) continue;
     anchor_segment[v] = Anchor(f.start[v], chunk_size) == Anchor(f.start[par], chunk_size) ? anchor_segment[par] : par;
   }
-  std::vector<int32_t> slot_of_segment(n, -1);
+  std::vector<int32_t> slot_of_segment;
+  AssignPolled(&slot_of_segment, n, -1, cancel);
   int64_t num_slots = 0;
   for (int32_t head : heads)
     if (anchor_segment[head] >= 0 && slot_of_segment[anchor_segment[head]] < 0) {

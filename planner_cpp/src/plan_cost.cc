@@ -250,7 +250,8 @@ CallBytes CallPlanBytes(const CallShape& s, int64_t chunk_size, int64_t conv_wid
   // ForestCallShape inside the backstop: depth and order [V].
   const int64_t shape_scratch = Mul(8, v);
   b.retained = Linear({{1, plan}, {1, layout}, {1, 4096}});  // + the MicrobatchCallPlan object
-  b.scratch = Linear({{1, plan_scratch}, {1, layout_scratch}, {1, shape_scratch}});
+  // + the MicrobatchCallPlan and CallLayout objects built on the heap before they are moved out.
+  b.scratch = Linear({{1, plan_scratch}, {1, layout_scratch}, {1, shape_scratch}, {1, 4096}});
   if (s.batch_links) {
     // BuildSegmentForest of the k items: retained start, end, parent, subtree_end, owner,
     // multiplicity, children [V], row_begin, child and end offsets [V (+ 1)] (int64), ending and

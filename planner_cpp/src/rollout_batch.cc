@@ -77,10 +77,15 @@ std::unique_ptr<RolloutBatch> RolloutBatch::Ingest(const int32_t* tokens, int64_
   for (int64_t i = 0; i < n; ++i) b->lengths_[i] = offsets[i + 1] - offsets[i];
 
   const TrajectoryView view{tokens, offsets, n};
-  b->order_ = LexicographicOrder(view, cancel);
-  b->lcp_ = AdjacentLcp(view, b->order_, cancel);
-  b->BuildIndex(tree_ids, cancel);
-  b->EnsureRows(cancel);
+  try {
+    b->order_ = LexicographicOrder(view, cancel);
+    b->lcp_ = AdjacentLcp(view, b->order_, cancel);
+    b->BuildIndex(tree_ids, cancel);
+    b->EnsureRows(cancel);
+  } catch (...) {
+    DestroyInBackground(std::move(b));  // a cancelled ingestion returns without freeing its rows first
+    throw;
+  }
   return b;
 }
 
@@ -169,11 +174,11 @@ void RolloutBatch::BuildCompactTrie(CancelToken* cancel) const {
   const int64_t n = num_trajectories();
   const SegmentForest& f = forest_;
   const int64_t num_rows = f.num_rows;
-  row_of_position_.resize(offsets_[n]);
-  row_parent_.resize(num_rows);
-  row_depth_.resize(num_rows);
-  multiplicity_.resize(num_rows);
-  row_segment_.resize(num_rows);
+  ResizePolled(&row_of_position_, offsets_[n], cancel);
+  ResizePolled(&row_parent_, num_rows, cancel);
+  ResizePolled(&row_depth_, num_rows, cancel);
+  ResizePolled(&multiplicity_, num_rows, cancel);
+  ResizePolled(&row_segment_, num_rows, cancel);
   int64_t next_row = 0;
   for (int64_t r = 0; r < n; ++r) {
     Poll(cancel);

@@ -30,7 +30,11 @@
 #include <chrono>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <string>
+#include <system_error>
+#include <thread>
+#include <vector>
 
 #include "harts/errors.h"
 
@@ -117,6 +121,36 @@ void ForEachChunk(int64_t begin, int64_t end, int64_t chunk, CancelToken* token,
   for (int64_t lo = begin; lo < end; lo += chunk) {
     Poll(token);
     body(lo, end - lo > chunk ? lo + chunk : end);
+  }
+}
+
+// v->assign(n, value) in pieces of kPollChunk elements, polling `token` (may be null) before each:
+// a vector of billions of elements is filled at memset speed with no long stretch between polls.
+// One allocation (reserve), as assign would make.
+template <typename T>
+void AssignPolled(std::vector<T>* v, int64_t n, const T& value, CancelToken* token) {
+  v->clear();
+  v->reserve(static_cast<size_t>(n));
+  ForEachChunk(0, n, kPollChunk, token, [&](int64_t, int64_t hi) { v->resize(static_cast<size_t>(hi), value); });
+}
+
+// v->resize(n) from empty, value-initialized, as AssignPolled.
+template <typename T>
+void ResizePolled(std::vector<T>* v, int64_t n, CancelToken* token) {
+  AssignPolled(v, n, T(), token);
+}
+
+// Destroys `owned` on a short-lived detached thread, so that a call stopped by Cancelled (or any
+// other error) returns at once instead of first handing its touched memory back to the system,
+// which costs tens of milliseconds per GB. Destroys it here when no thread can be started.
+template <typename T>
+void DestroyInBackground(std::unique_ptr<T> owned) {
+  if (owned == nullptr) return;
+  T* raw = owned.release();
+  try {
+    std::thread([raw] { delete raw; }).detach();
+  } catch (const std::system_error&) {
+    delete raw;
   }
 }
 
