@@ -4,6 +4,7 @@
 #include <string>
 
 #include "harts/errors.h"
+#include "harts/plan_cost.h"
 
 namespace harts {
 namespace {
@@ -97,6 +98,7 @@ std::unique_ptr<RolloutBatch> RolloutBatch::FromSegmentTree(const SegmentTreeVie
   const int64_t n = t.num_trajectories, v_count = t.num_segments;
   ValidateTreeIds(tree_ids, num_tree_ids, n, cancel);
   std::unique_ptr<RolloutBatch> b(new RolloutBatch());
+  b->rows_field_ = "length";
   b->lengths_.resize(n);
   b->offsets_.assign(n + 1, 0);
   for (int64_t i = 0; i < n; ++i) {
@@ -171,6 +173,12 @@ void RolloutBatch::BuildIndex(const int64_t* tree_ids, CancelToken* cancel) {
 }
 
 void RolloutBatch::BuildCompactTrie(CancelToken* cancel) const {
+  const int64_t bytes = RowArraysBytes(semantic_tokens(), compact_tokens());
+  if (bytes > MaxPlanBytes())
+    throw ResourceExhausted(
+        rows_field_, "the per-row arrays of " + std::to_string(semantic_tokens()) + " semantic tokens and " +
+                         std::to_string(compact_tokens()) + " compact rows need " + std::to_string(bytes) +
+                         " bytes, over the limit of " + std::to_string(MaxPlanBytes()) + " bytes (max_plan_bytes)");
   const int64_t n = num_trajectories();
   const SegmentForest& f = forest_;
   const int64_t num_rows = f.num_rows;

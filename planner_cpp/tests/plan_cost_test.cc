@@ -395,13 +395,23 @@ void TestBackstop() {
     ExpectError<ResourceExhausted>([&] { PlanMicrobatch(*batch, nullptr, 0, 64, 4); }, "trajectories");
     CHECK(meter.peak() < (int64_t{1} << 20));
   }
+  {
+    AllocMeter meter;  // the per-row arrays (4 S + 16 C bytes = 40 GB) are refused the same way
+    ExpectError<ResourceExhausted>([&] { batch->row_of_position(); }, "length");
+    CHECK(!batch->rows_built());
+    CHECK(meter.peak() < (int64_t{1} << 20));
+  }
   const auto small = testing::MakeBatch({{1, 2, 3}, {1, 2, 4}});
-  const int64_t previous = SetMaxPlanBytes(1000);
+  const int64_t previous = SetMaxPlanBytes(80);
+  const std::vector<int32_t> tokens = {1, 2, 3, 1, 2, 4};
+  const std::vector<int64_t> offsets = {0, 3, 6};
+  ExpectError<ResourceExhausted>([&] { RolloutBatch::Ingest(tokens.data(), 6, offsets.data(), 3, nullptr, 0); },
+                                 "tokens");
   CHECK_EQ(previous, kDefaultMaxPlanBytes);
   ExpectError<ResourceExhausted>([&] { PlanMicrobatch(*small, nullptr, 0, 64, 4); }, "trajectories");
   const SegmentForest f = SegmentForestFromTree(ExportTree(*small).view());
   ExpectError<ResourceExhausted>([&] { PlanSegmentForest(f, 64, 4); }, "end");
-  CHECK_EQ(SetMaxPlanBytes(previous), 1000);
+  CHECK_EQ(SetMaxPlanBytes(previous), 80);
   PlanMicrobatch(*small, nullptr, 0, 64, 4);  // fits again
   ExpectError<InvalidArgument>([] { SetMaxPlanBytes(0); }, "max_plan_bytes");
   CHECK_EQ(MaxPlanBytes(), kDefaultMaxPlanBytes);

@@ -332,6 +332,7 @@ def test_the_backstop_refuses_before_allocating_in_a_small_address_space():
         cap_address_space({GIB})
         out = {{"default": outcome(lambda: hp.plan_calls(batch, 64))}}
         out["forest"] = outcome(lambda: hp.call_plan.plan_segment_forest([-1], [0], [2**31 - 1], 64))
+        out["rows"] = outcome(lambda: batch.compact_map)
         previous = hp.set_max_plan_bytes({GIB} // 2)
         out["lowered"] = outcome(lambda: hp.plan_calls(big_batch, 64))
         out["previous"] = previous
@@ -341,6 +342,7 @@ def test_the_backstop_refuses_before_allocating_in_a_small_address_space():
     assert out == {
         "default": "ResourceLimitError trajectories",
         "forest": "ResourceLimitError end",
+        "rows": "ResourceLimitError length",
         "lowered": "ResourceLimitError trajectories",
         "previous": _native.DEFAULT_MAX_PLAN_BYTES,
     }

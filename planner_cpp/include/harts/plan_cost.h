@@ -45,7 +45,8 @@
 //
 // The backstop. PlanMicrobatch and PlanSegmentForest compute CallPlanBytes of the forest they
 // are about to plan and throw ResourceExhausted when it exceeds MaxPlanBytes() (process-wide,
-// default kDefaultMaxPlanBytes, set by SetMaxPlanBytes), before laying out a single row.
+// default kDefaultMaxPlanBytes, set by SetMaxPlanBytes), before laying out a single row; a
+// RolloutBatch refuses its per-row arrays (RowArraysBytes) the same way (rollout_batch.h).
 #ifndef HARTS_PLAN_COST_H_
 #define HARTS_PLAN_COST_H_
 

@@ -103,7 +103,9 @@ class RolloutBatch {
   const std::vector<int32_t>& order() const { return order_; }
   const std::vector<int32_t>& rank() const { return rank_; }
   const std::vector<int32_t>& adjacent_lcp() const { return lcp_; }
-  // Per-row arrays; the first call builds them (O(S)) when FromSegmentTree made the batch.
+  // Per-row arrays; the first call builds them (O(S)) when FromSegmentTree made the batch. The
+  // build (and Ingest) throws ResourceExhausted naming "tokens" (Ingest) or "length"
+  // (FromSegmentTree) when the arrays' 4 S + 16 C bytes exceed MaxPlanBytes() (plan_cost.h).
   const std::vector<int32_t>& row_of_position() const {
     EnsureRows();
     return row_of_position_;
@@ -155,6 +157,7 @@ class RolloutBatch {
   SparseTableRmq rmq_;                  // over lcp_
   // Built once by EnsureRows (INVARIANT: only read after it).
   mutable std::once_flag rows_once_;
+  const char* rows_field_ = "tokens";  // the input a refused per-row build names
   mutable std::atomic<bool> rows_built_{false};
   mutable std::vector<int32_t> row_of_position_;  // S
   mutable std::vector<int32_t> multiplicity_;     // C
