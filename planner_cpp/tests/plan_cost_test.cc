@@ -192,7 +192,7 @@ void CheckMicrobatch(const RolloutBatch& batch, const Tree& tree, const std::vec
 
 void TestShapesOfTokenBatches() {
   std::mt19937 rng(17);
-  for (int iter = 0; iter < 400; ++iter) {
+  for (int iter = 0; iter < 250; ++iter) {
     const int n = 1 + static_cast<int>(rng() % 40);
     const int max_len = 1 + static_cast<int>(rng() % (iter % 4 == 0 ? 300 : 20));
     const auto trajs = testing::RandomTrajectories(rng, n, max_len, 2 + static_cast<int>(rng() % 4), 0.15);
@@ -214,7 +214,7 @@ void TestShapesOfTokenBatches() {
 
 void TestShapesOfSegmentTrees() {
   std::mt19937 rng(29);
-  for (int iter = 0; iter < 300; ++iter) {
+  for (int iter = 0; iter < 200; ++iter) {
     const Tree tree = RandomTree(rng, 1 + static_cast<int>(rng() % 30), iter % 5 == 0 ? 500 : 12);
     const auto batch = RolloutBatch::FromSegmentTree(tree.view(), nullptr, 0);
     const int n = static_cast<int>(tree.trajectory_end.size());
@@ -232,7 +232,7 @@ void TestShapesOfSegmentTrees() {
 // Bare forests (position form, ids kept, unary segments kept): ForestCallShape is exact.
 void TestShapesOfBareForests() {
   std::mt19937 rng(31);
-  for (int iter = 0; iter < 300; ++iter) {
+  for (int iter = 0; iter < 200; ++iter) {
     const Tree tree = RandomTree(rng, 1 + static_cast<int>(rng() % 30), iter % 5 == 0 ? 300 : 10);
     const SegmentForest topology = SegmentForestFromTree(tree.view());
     const SegmentForestView view{topology.parent.data(), topology.size(),     topology.start.data(),
@@ -351,7 +351,7 @@ void TestPartitionBounds() {
 void TestStepPlanBytes() {
   std::mt19937 rng(43);
   for (int iter = 0; iter < 60; ++iter) {
-    const int n = 2 + static_cast<int>(rng() % (iter % 6 == 0 ? 3000 : 700));
+    const int n = 2 + static_cast<int>(rng() % (iter % 6 == 0 ? 2000 : 500));
     const auto trajs = testing::RandomTrajectories(rng, n, 1 + static_cast<int>(rng() % 80), 4, 0.1);
     const auto batch = testing::MakeBatch(trajs);
     int64_t longest = 0;
