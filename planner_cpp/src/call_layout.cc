@@ -173,6 +173,13 @@ std::unique_ptr<MicrobatchCallPlan> PlanForest(SegmentForest forest, int64_t chu
   return m;
 }
 
+// out[p] = base + p for p in [lo, hi), polling once per kPollChunk values.
+void FillRun(int32_t* out, int64_t lo, int64_t hi, int64_t base, CancelToken* cancel) {
+  ForEachChunk(lo, hi, kPollChunk, cancel, [&](int64_t a, int64_t b) {
+    for (int64_t p = a; p < b; ++p) out[p] = static_cast<int32_t>(base + p);
+  });
+}
+
 // PlanMicrobatch's links to the batch: rows, physical rows and semantic positions as batch rows.
 void AddBatchLinks(const RolloutBatch& batch, const std::vector<int32_t>& ranks, std::vector<int32_t> trajectories,
                    CancelToken* cancel, MicrobatchCallPlan& m) {
@@ -187,15 +194,18 @@ void AddBatchLinks(const RolloutBatch& batch, const std::vector<int32_t>& ranks,
   // path), so no per-row array of the batch is needed.
   const SegmentForest& fb = batch.forest();
   ResizePolled(&m.row_to_global, f.num_rows, cancel);
+  // Position p of batch segment u is batch row row_begin_u + p - start_u: each overlap of a
+  // microbatch segment with a batch segment is one run of consecutive rows.
   for (int64_t item = 0; item < items; ++item) {
     Poll(cancel);
     int32_t u = fb.item_segment[ranks[item]];
     for (int32_t v = f.item_segment[item]; v >= 0 && f.owner[v] == item; v = f.parent[v]) {
-      int32_t* out = m.row_to_global.data() + (f.row_begin[v] - f.start[v]);
-      for (int64_t p = f.end[v] - 1; p >= f.start[v]; --p) {
-        if ((f.end[v] - p) % kPollBlock == 0) Poll(cancel);
-        while (p < fb.start[u]) u = fb.parent[u];
-        out[p] = static_cast<int32_t>(fb.row_begin[u] + (p - fb.start[u]));
+      int32_t* out = m.row_to_global.data() + (f.row_begin[v] - f.start[v]);  // out[p], p in [s_v, e_v)
+      for (int64_t hi = f.end[v]; hi > f.start[v];) {
+        while (fb.start[u] >= hi) u = fb.parent[u];  // the batch segment holding position hi - 1
+        const int64_t lo = std::max<int64_t>(f.start[v], fb.start[u]);
+        FillRun(out, lo, hi, fb.row_begin[u] - fb.start[u], cancel);
+        hi = lo;
       }
     }
   }
@@ -215,11 +225,10 @@ void AddBatchLinks(const RolloutBatch& batch, const std::vector<int32_t>& ranks,
     const int64_t item = std::lower_bound(ranks.begin(), ranks.end(), batch.rank()[id]) - ranks.begin();
     int32_t v = f.item_segment[item];
     int32_t* out = m.semantic_to_physical.data() + m.semantic_offsets[j];
-    const int64_t length = batch.lengths()[id];
-    for (int64_t p = length - 1; p >= 0; --p) {
-      if ((length - p) % kPollBlock == 0) Poll(cancel);
-      while (p < f.start[v]) v = f.parent[v];
-      out[p] = static_cast<int32_t>(l.segment_physical_begin[v] + (p - f.start[v]));
+    for (int64_t hi = batch.lengths()[id]; hi > 0;) {  // one run per segment of the path
+      while (f.start[v] >= hi) v = f.parent[v];
+      FillRun(out, f.start[v], hi, l.segment_physical_begin[v] - f.start[v], cancel);
+      hi = f.start[v];
     }
   }
 }
