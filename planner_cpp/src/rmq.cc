@@ -13,10 +13,12 @@ int FloorLog2(uint64_t x) { return 63 - __builtin_clzll(x); }
 SparseTableRmq::SparseTableRmq(const std::vector<int32_t>& values, CancelToken* cancel)
     : n_(static_cast<int64_t>(values.size())) {
   Check(cancel);
-  levels_.push_back(values);
+  levels_.emplace_back();
+  CopyPolled(&levels_.back(), values.data(), n_, cancel);
   for (int64_t width = 2; width <= n_; width *= 2) {
     const std::vector<int32_t>& prev = levels_.back();
-    std::vector<int32_t> next(static_cast<size_t>(n_ - width + 1));
+    std::vector<int32_t> next;
+    ResizePolled(&next, n_ - width + 1, cancel);
     const int64_t half = width / 2;
     ForEachBlock(0, n_ - width + 1, cancel, [&](int64_t i) { next[i] = std::min(prev[i], prev[i + half]); });
     levels_.push_back(std::move(next));

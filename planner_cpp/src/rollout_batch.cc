@@ -73,9 +73,9 @@ std::unique_ptr<RolloutBatch> RolloutBatch::Ingest(const int32_t* tokens, int64_
   ValidateTrajectories(tokens, num_tokens, offsets, num_offsets, tree_ids, num_tree_ids, cancel);
   std::unique_ptr<RolloutBatch> b(new RolloutBatch());
   const int64_t n = num_offsets - 1;
-  b->offsets_.assign(offsets, offsets + num_offsets);
-  b->lengths_.resize(n);
-  for (int64_t i = 0; i < n; ++i) b->lengths_[i] = offsets[i + 1] - offsets[i];
+  CopyPolled(&b->offsets_, offsets, num_offsets, cancel);
+  ResizePolled(&b->lengths_, n, cancel);
+  ForEachBlock(0, n, cancel, [&](int64_t i) { b->lengths_[i] = offsets[i + 1] - offsets[i]; });
 
   const TrajectoryView view{tokens, offsets, n};
   try {
@@ -99,26 +99,29 @@ std::unique_ptr<RolloutBatch> RolloutBatch::FromSegmentTree(const SegmentTreeVie
   ValidateTreeIds(tree_ids, num_tree_ids, n, cancel);
   std::unique_ptr<RolloutBatch> b(new RolloutBatch());
   b->rows_field_ = "length";
-  b->lengths_.resize(n);
-  b->offsets_.assign(n + 1, 0);
-  for (int64_t i = 0; i < n; ++i) {
+  ResizePolled(&b->lengths_, n, cancel);
+  ResizePolled(&b->offsets_, n + 1, cancel);
+  ForEachBlock(0, n, cancel, [&](int64_t i) {
     b->lengths_[i] = end_position[t.trajectory_end[i]];
     b->offsets_[i + 1] = b->offsets_[i] + b->lengths_[i];
-  }
+  });
   // Trajectories ending at each segment, by index (a stable counting sort).
-  std::vector<int64_t> end_offsets(v_count + 1, 0);
-  for (int64_t i = 0; i < n; ++i) ++end_offsets[t.trajectory_end[i] + 1];
-  for (int64_t v = 0; v < v_count; ++v) end_offsets[v + 1] += end_offsets[v];
-  std::vector<int32_t> ending(n);
+  std::vector<int64_t> end_offsets;
+  ResizePolled(&end_offsets, v_count + 1, cancel);
+  ForEachBlock(0, n, cancel, [&](int64_t i) { ++end_offsets[t.trajectory_end[i] + 1]; });
+  ForEachBlock(0, v_count, cancel, [&](int64_t v) { end_offsets[v + 1] += end_offsets[v]; });
+  std::vector<int32_t> ending;
+  ResizePolled(&ending, n, cancel);
   {
-    std::vector<int64_t> fill(end_offsets.begin(), end_offsets.end() - 1);
-    for (int64_t i = 0; i < n; ++i) ending[fill[t.trajectory_end[i]]++] = static_cast<int32_t>(i);
+    std::vector<int64_t> fill;
+    CopyPolled(&fill, end_offsets.data(), v_count, cancel);
+    ForEachBlock(0, n, cancel, [&](int64_t i) { ending[fill[t.trajectory_end[i]]++] = static_cast<int32_t>(i); });
   }
   // Lexicographic order = preorder of the ends (a prefix precedes its extensions, siblings by
   // id). Adjacent LCP: the shallowest position the walk climbs to between two ends, i.e. the
   // start of every segment it leaves since the previous end; that is the end of their LCA.
   b->order_.reserve(n);
-  b->lcp_.assign(n, 0);
+  ResizePolled(&b->lcp_, n, cancel);
   std::vector<int32_t> path;  // ancestors of the current segment, root first
   int64_t climb = 0;          // min start of the segments left since the previous end
   for (const int32_t v : preorder) {
@@ -143,10 +146,11 @@ std::unique_ptr<RolloutBatch> RolloutBatch::FromSegmentTree(const SegmentTreeVie
 
 void RolloutBatch::BuildIndex(const int64_t* tree_ids, CancelToken* cancel) {
   const int64_t n = num_trajectories();
-  rank_.resize(n);
-  prefix_length_.assign(n + 1, 0);
-  prefix_lcp_.assign(n + 1, 0);
-  std::vector<int64_t> sorted_lengths(n);
+  ResizePolled(&rank_, n, cancel);
+  ResizePolled(&prefix_length_, n + 1, cancel);
+  ResizePolled(&prefix_lcp_, n + 1, cancel);
+  std::vector<int64_t> sorted_lengths;
+  ResizePolled(&sorted_lengths, n, cancel);
   for (int64_t r = 0; r < n; ++r) {
     if (r % kPollBlock == 0) Poll(cancel);
     rank_[order_[r]] = static_cast<int32_t>(r);
@@ -159,17 +163,21 @@ void RolloutBatch::BuildIndex(const int64_t* tree_ids, CancelToken* cancel) {
   Check(cancel);
 
   const SegmentForest& f = forest_;
-  segment_root_.resize(f.size());
-  std::vector<int32_t> root_index(f.size(), -1);
-  for (int64_t v = 0; v < f.size(); ++v)  // preorder: parents come first
+  ResizePolled(&segment_root_, f.size(), cancel);
+  std::vector<int32_t> root_index;
+  AssignPolled(&root_index, f.size(), -1, cancel);
+  ForEachBlock(0, f.size(), cancel, [&](int64_t v) {  // preorder: parents come first
     segment_root_[v] = f.parent[v] < 0 ? static_cast<int32_t>(v) : segment_root_[f.parent[v]];
+  });
   for (size_t k = 0; k < f.roots.size(); ++k) root_index[f.roots[k]] = static_cast<int32_t>(k);
-  component_.resize(n);
-  for (int64_t r = 0; r < n; ++r) component_[order_[r]] = root_index[segment_root_[f.item_segment[r]]];
-  if (tree_ids != nullptr)
-    tree_ids_.assign(tree_ids, tree_ids + n);
-  else
-    tree_ids_.assign(component_.begin(), component_.end());
+  ResizePolled(&component_, n, cancel);
+  ForEachBlock(0, n, cancel, [&](int64_t r) { component_[order_[r]] = root_index[segment_root_[f.item_segment[r]]]; });
+  if (tree_ids != nullptr) {
+    CopyPolled(&tree_ids_, tree_ids, n, cancel);
+  } else {
+    ResizePolled(&tree_ids_, n, cancel);
+    ForEachBlock(0, n, cancel, [&](int64_t i) { tree_ids_[i] = component_[i]; });
+  }
 }
 
 void RolloutBatch::BuildCompactTrie(CancelToken* cancel) const {

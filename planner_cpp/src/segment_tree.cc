@@ -30,8 +30,8 @@ void CheckParent(const int32_t* parent, int64_t v_count, int64_t v) {
 // Fills f->parent, child_offsets, children (increasing id within a parent) and roots
 // (increasing id). Parents must be in range. O(V).
 void BuildChildren(const int32_t* parent, int64_t v_count, SegmentForest* f, CancelToken* cancel) {
-  f->parent.assign(parent, parent + v_count);
-  f->child_offsets.assign(v_count + 1, 0);
+  CopyPolled(&f->parent, parent, v_count, cancel);
+  ResizePolled(&f->child_offsets, v_count + 1, cancel);
   f->roots.clear();
   ForEachBlock(0, v_count, cancel, [&](int64_t v) {
     if (parent[v] < 0)
@@ -39,9 +39,10 @@ void BuildChildren(const int32_t* parent, int64_t v_count, SegmentForest* f, Can
     else
       ++f->child_offsets[parent[v] + 1];
   });
-  for (int64_t v = 0; v < v_count; ++v) f->child_offsets[v + 1] += f->child_offsets[v];
-  f->children.resize(f->child_offsets[v_count]);
-  std::vector<int64_t> fill(f->child_offsets.begin(), f->child_offsets.end() - 1);
+  ForEachBlock(0, v_count, cancel, [&](int64_t v) { f->child_offsets[v + 1] += f->child_offsets[v]; });
+  ResizePolled(&f->children, f->child_offsets[v_count], cancel);
+  std::vector<int64_t> fill;
+  CopyPolled(&fill, f->child_offsets.data(), v_count, cancel);
   ForEachBlock(0, v_count, cancel, [&](int64_t v) {
     if (parent[v] >= 0) f->children[fill[parent[v]]++] = static_cast<int32_t>(v);
   });
@@ -101,12 +102,14 @@ SegmentForest SegmentForestFromTree(const SegmentTreeView& t, std::vector<int32_
   BuildChildren(t.parent, v_count, &f, cancel);
   std::vector<int32_t> preorder = PreorderOrThrow(f, v_count, cancel);
   // Positions along the preorder, in int64 until step 6 bounds them: <= V * 2^31.
-  std::vector<int64_t> end_position(v_count);
+  std::vector<int64_t> end_position;
+  ResizePolled(&end_position, v_count, cancel);
   ForEachBlock(0, v_count, cancel, [&](int64_t k) {
     const int32_t v = preorder[k];
     end_position[v] = (t.parent[v] < 0 ? 0 : end_position[t.parent[v]]) + t.length[v];
   });
-  std::vector<char> ends_here(v_count, 0);
+  std::vector<char> ends_here;
+  ResizePolled(&ends_here, v_count, cancel);
   int64_t total = 0;
   for (int64_t i = 0; i < n; ++i) {
     if (i % kPollBlock == 0) Poll(cancel);
@@ -126,12 +129,12 @@ SegmentForest SegmentForestFromTree(const SegmentTreeView& t, std::vector<int32_
                             "leaf segment " + std::to_string(v) + " ends no trajectory (every leaf must end one)");
   // Every segment lies on the path of a trajectory (its leaves end one), so every position is
   // at most a trajectory length <= kMaxSemanticTokens: int32 from here on.
-  f.start.resize(v_count);
-  f.end.resize(v_count);
-  for (int64_t v = 0; v < v_count; ++v) {
+  ResizePolled(&f.start, v_count, cancel);
+  ResizePolled(&f.end, v_count, cancel);
+  ForEachBlock(0, v_count, cancel, [&](int64_t v) {
     f.end[v] = static_cast<int32_t>(end_position[v]);
     f.start[v] = static_cast<int32_t>(end_position[v] - t.length[v]);
-  }
+  });
   NumberRows(preorder, &f);
   if (preorder_out != nullptr) *preorder_out = std::move(preorder);
   return f;

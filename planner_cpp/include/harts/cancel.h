@@ -111,8 +111,8 @@ inline void Check(CancelToken* token) {
 
 // Iterations of a per-row or per-token loop between two polls, and elements of a bulk copy or
 // fill (memcpy speed) between two polls.
-inline constexpr int64_t kPollBlock = int64_t{1} << 12;
-inline constexpr int64_t kPollChunk = int64_t{1} << 16;
+inline constexpr int64_t kPollBlock = int64_t{1} << 10;
+inline constexpr int64_t kPollChunk = int64_t{1} << 14;
 
 // Calls body(lo, hi) on the consecutive pieces [lo, hi) of [begin, end), each at most `chunk`
 // long, polling `token` (may be null) before each piece.
@@ -132,6 +132,14 @@ void AssignPolled(std::vector<T>* v, int64_t n, const T& value, CancelToken* tok
   v->clear();
   v->reserve(static_cast<size_t>(n));
   ForEachChunk(0, n, kPollChunk, token, [&](int64_t, int64_t hi) { v->resize(static_cast<size_t>(hi), value); });
+}
+
+// v->assign(first, first + n) in pieces, as AssignPolled.
+template <typename T>
+void CopyPolled(std::vector<T>* v, const T* first, int64_t n, CancelToken* token) {
+  v->clear();
+  v->reserve(static_cast<size_t>(n));
+  ForEachChunk(0, n, kPollChunk, token, [&](int64_t lo, int64_t hi) { v->insert(v->end(), first + lo, first + hi); });
 }
 
 // v->resize(n) from empty, value-initialized, as AssignPolled.
