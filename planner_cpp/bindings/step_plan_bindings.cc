@@ -84,10 +84,7 @@ StepPlan Plan(const RolloutBatch& batch, int64_t dp_size, int64_t capacity, hart
   o.component_greedy = component_greedy;
   o.search = search;
   py::gil_scoped_release release;
-  harts::Check(cancel);
-  // TODO(issue 17, merge): pass `cancel` once PlanStep takes its trailing CancelToken* (the
-  // step-planner rewrite); until then a plan is checked before it starts only.
-  return harts::PlanStep(batch, o);
+  return harts::PlanStep(batch, o, cancel);
 }
 
 std::vector<int32_t> NaturalCuts(const RolloutBatch& batch, int64_t capacity) {

@@ -47,10 +47,6 @@ Grouping Materialize(const PlanContext& ctx, const Candidate& c) {
   return c.cuts ? GroupingFromCuts(ctx, *c.cuts) : c.grouping;
 }
 
-void Check(CancelToken* cancel) {
-  if (cancel != nullptr) cancel->Check();
-}
-
 }  // namespace
 
 void ValidatePlannerOptions(const PlannerOptions& o) {

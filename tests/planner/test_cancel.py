@@ -97,7 +97,6 @@ def test_expired_deadline_stops_every_call(name):
 
 
 def test_expired_deadline_stops_plan_step():
-    # TODO(issue 17, merge): once PlanStep polls the token, this also stops a running step plan.
     with pytest.raises(hp.PlanCancelledError) as info:
         hp.plan_step(_batch(), 1, 16, cancel=_expired())
     assert info.value.deadline_exceeded
@@ -227,6 +226,39 @@ def test_cancel_from_another_thread_stops_a_long_ingestion():
     assert out["result"] == "cancelled" and out["field"] == "cancelled", out
     assert out["seconds"] - out["cancelled_at"] < 1.5, out
     assert out["ticks"] > 1000, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_a_running_step_plan_stops(how):
+    # A random tree of 150k segments (75k trajectories): its step plan takes seconds (~3.6 s here).
+    out = _run(
+        f"""
+        n = 150_000
+        rng = np.random.default_rng(0)
+        parent = np.floor(rng.random(n) * np.arange(n)).astype(np.int32)
+        parent[0] = -1
+        length = rng.integers(1, 200, size=n).astype(np.int32)
+        has_child = np.zeros(n, dtype=bool)
+        has_child[parent[1:]] = True
+        tree = hp.SegmentTree(parent, length, np.flatnonzero(~has_child).astype(np.int32))
+        batch = hp.RolloutBatch.from_segment_tree(tree)
+        cap = int(batch.lengths.max()) * 2
+        token = hp.CancelToken()
+        plan = lambda t: hp.plan_step(batch, 2, cap, cancel=t)
+        if {how!r} == "deadline":
+            token.set_deadline(0.3)
+            out = run(plan, token)
+        else:
+            out = run(plan, token, cancel_after=0.3)
+        print(json.dumps(out))
+        """
+    )
+    assert out["result"] == "cancelled" and out["field"] == (
+        "deadline" if how == "deadline" else "cancelled"
+    ), out
+    stopped_after = out["seconds"] - out.get("cancelled_at", 0.3)
+    assert stopped_after < 1.0, out  # the uncancelled plan runs for seconds more
 
 
 def test_gil_is_released_while_planning():
