@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "harts/cancel.h"
 #include "harts/errors.h"
 
 namespace harts::py_glue {
@@ -27,14 +28,19 @@ py::object& ErrorClass(const char* name) {
   static py::object* invalid = new py::object();
   static py::object* exhausted = new py::object();
   static py::object* infeasible = new py::object();
+  static py::object* cancelled = new py::object();
   std::string n(name);
-  return n == "InvalidArgumentError" ? *invalid : n == "ResourceLimitError" ? *exhausted : *infeasible;
+  return n == "InvalidArgumentError" ? *invalid
+         : n == "ResourceLimitError" ? *exhausted
+         : n == "PlanCancelledError" ? *cancelled
+                                     : *infeasible;
 }
 
 void Raise(const char* name, const Error& e) {
   py::object cls = ErrorClass(name);
   py::object exc = cls(e.what());
   exc.attr("field") = e.field();
+  if (const auto* c = dynamic_cast<const Cancelled*>(&e)) exc.attr("deadline_exceeded") = c->deadline_exceeded();
   PyErr_SetObject(cls.ptr(), exc.ptr());
 }
 
@@ -60,6 +66,12 @@ void RegisterErrors(py::module_& m) {
       make("ResourceLimitError", harts_error, "Input exceeds a documented size limit (gRPC RESOURCE_EXHAUSTED).");
   ErrorClass("InfeasibleError") =
       make("InfeasibleError", harts_error, "No plan satisfies the request (gRPC FAILED_PRECONDITION).");
+  py::object cancelled = make("PlanCancelledError", harts_error,
+                              "The plan was stopped by its CancelToken: `field` is \"cancelled\" (cancel()) or "
+                              "\"deadline\" (set_deadline); `deadline_exceeded` tells which (gRPC CANCELLED / "
+                              "DEADLINE_EXCEEDED).");
+  cancelled.attr("deadline_exceeded") = false;
+  ErrorClass("PlanCancelledError") = cancelled;
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -69,6 +81,8 @@ void RegisterErrors(py::module_& m) {
       Raise("ResourceLimitError", e);
     } catch (const FailedPrecondition& e) {
       Raise("InfeasibleError", e);
+    } catch (const Cancelled& e) {
+      Raise("PlanCancelledError", e);
     }
   });
 }

@@ -25,7 +25,10 @@ template <typename T>
 py::array_t<T> RequireArray(const py::handle& obj, const char* field);
 
 // Registers HartsError(ValueError) and its subclasses on `m` and translates
-// harts::Error subclasses into them, with the offending field as `.field`.
+// harts::Error subclasses into them, with the offending field as `.field`:
+// InvalidArgument -> InvalidArgumentError, ResourceExhausted -> ResourceLimitError,
+// FailedPrecondition -> InfeasibleError, Cancelled -> PlanCancelledError (and
+// `.deadline_exceeded`).
 void RegisterErrors(py::module_& m);
 
 }  // namespace harts::py_glue

@@ -9,6 +9,7 @@
 
 #include "glue.h"
 #include "harts/call_layout.h"
+#include "harts/cancel.h"
 #include "harts/errors.h"
 #include "harts/min_call.h"
 #include "harts/rollout_batch.h"
@@ -26,13 +27,13 @@ using harts::py_glue::View;
 namespace {
 
 std::unique_ptr<MicrobatchCallPlan> PlanCalls(const RolloutBatch& batch, int64_t chunk_size, const py::handle& ids_obj,
-                                              int64_t conv_width) {
+                                              int64_t conv_width, harts::CancelToken* cancel) {
   py::array_t<int32_t> ids;
   const bool has_ids = !ids_obj.is_none();
   if (has_ids) ids = RequireArray<int32_t>(ids_obj, "trajectories");
   py::gil_scoped_release release;
-  return std::make_unique<MicrobatchCallPlan>(
-      harts::PlanMicrobatch(batch, has_ids ? ids.data() : nullptr, has_ids ? ids.size() : 0, chunk_size, conv_width));
+  return std::make_unique<MicrobatchCallPlan>(harts::PlanMicrobatch(
+      batch, has_ids ? ids.data() : nullptr, has_ids ? ids.size() : 0, chunk_size, conv_width, cancel));
 }
 
 harts::SegmentForestView ForestView(const py::array_t<int32_t>& parent, const py::array_t<int32_t>& start,
@@ -41,15 +42,16 @@ harts::SegmentForestView ForestView(const py::array_t<int32_t>& parent, const py
 }
 
 std::unique_ptr<MicrobatchCallPlan> PlanForest(const py::handle& parent_obj, const py::handle& start_obj,
-                                               const py::handle& end_obj, int64_t chunk_size, int64_t conv_width) {
+                                               const py::handle& end_obj, int64_t chunk_size, int64_t conv_width,
+                                               harts::CancelToken* cancel) {
   auto parent = RequireArray<int32_t>(parent_obj, "parent");
   auto start = RequireArray<int32_t>(start_obj, "start");
   auto end = RequireArray<int32_t>(end_obj, "end");
   py::gil_scoped_release release;
   harts::ValidateChunkSize(chunk_size);
   harts::ValidateConvWidth(conv_width);
-  return std::make_unique<MicrobatchCallPlan>(
-      harts::PlanSegmentForest(harts::SegmentForestFromArrays(ForestView(parent, start, end)), chunk_size, conv_width));
+  return std::make_unique<MicrobatchCallPlan>(harts::PlanSegmentForest(
+      harts::SegmentForestFromArrays(ForestView(parent, start, end), nullptr, cancel), chunk_size, conv_width, cancel));
 }
 
 // Planning of a bare forest, phase by phase, for benchmarks/min_call.py (seconds, steady clock).
@@ -171,11 +173,13 @@ void DefineMinCall(py::module_& m) {
       .def_property_readonly("semantic_to_physical", OwnView(&M::semantic_to_physical));
 
   m.def("plan_calls", &PlanCalls, py::arg("batch"), py::arg("chunk_size"), py::arg("trajectories") = py::none(),
-        py::arg("conv_width") = 4,
-        "Minimum-call plan and physical layout of a microbatch (int32 trajectory ids, or None for all).");
+        py::arg("conv_width") = 4, py::arg("cancel") = py::none(),
+        "Minimum-call plan and physical layout of a microbatch (int32 trajectory ids, or None for all; optional "
+        "CancelToken). Releases the GIL.");
   m.def("plan_segment_forest", &PlanForest, py::arg("parent"), py::arg("start"), py::arg("end"), py::arg("chunk_size"),
-        py::arg("conv_width") = 4,
-        "Minimum-call plan and layout of a bare segment forest (int32 parent, start, end per segment).");
+        py::arg("conv_width") = 4, py::arg("cancel") = py::none(),
+        "Minimum-call plan and layout of a bare segment forest (int32 parent, start, end per segment; optional "
+        "CancelToken). Releases the GIL.");
   m.def("time_plan_segment_forest", &TimePlanForest, py::arg("parent"), py::arg("start"), py::arg("end"),
         py::arg("chunk_size"), py::arg("conv_width") = 4,
         "Benchmark helper: seconds spent building the forest, planning (Algorithm 1) and laying out.");

@@ -8,6 +8,7 @@
 
 #include "glue.h"
 #include "harts/call_layout.h"
+#include "harts/cancel.h"
 #include "harts/contiguous_dp.h"
 #include "harts/errors.h"
 #include "harts/microbatch.h"
@@ -64,10 +65,10 @@ auto PlanView(Member member) {
   return [member](py::object self) { return View(self.cast<const StepPlan&>().*member, self); };
 }
 
-StepPlan Plan(const RolloutBatch& batch, int64_t dp_size, int64_t capacity, int64_t exact_threshold,
-              int64_t max_sampled_k, int64_t refine_window, int64_t refine_sweeps, int64_t max_anchors,
-              int64_t repair_window, int64_t repair_iterations, bool greedy, bool refine, bool component_greedy,
-              const std::string& search) {
+StepPlan Plan(const RolloutBatch& batch, int64_t dp_size, int64_t capacity, harts::CancelToken* cancel,
+              int64_t exact_threshold, int64_t max_sampled_k, int64_t refine_window, int64_t refine_sweeps,
+              int64_t max_anchors, int64_t repair_window, int64_t repair_iterations, bool greedy, bool refine,
+              bool component_greedy, const std::string& search) {
   harts::PlannerOptions o;
   o.dp_size = dp_size;
   o.capacity = capacity;
@@ -83,7 +84,7 @@ StepPlan Plan(const RolloutBatch& batch, int64_t dp_size, int64_t capacity, int6
   o.component_greedy = component_greedy;
   o.search = search;
   py::gil_scoped_release release;
-  return harts::PlanStep(batch, o);
+  return harts::PlanStep(batch, o, cancel);
 }
 
 std::vector<int32_t> NaturalCuts(const RolloutBatch& batch, int64_t capacity) {
@@ -156,13 +157,16 @@ void DefineStepPlan(py::module_& m) {
         return out;
       });
 
-  m.def("plan_step", &Plan, py::arg("batch"), py::arg("dp_size"), py::arg("capacity"),
+  // `cancel` (a CancelToken or None) has no default, so that the keyword defaults shown in the
+  // signature are exactly the search options (tests/planner/test_plan_contract.py reads them).
+  m.def("plan_step", &Plan, py::arg("batch"), py::arg("dp_size"), py::arg("capacity"), py::arg("cancel").none(true),
         py::arg("exact_threshold") = kDefaults.exact_threshold, py::arg("max_sampled_k") = kDefaults.max_sampled_k,
         py::arg("refine_window") = kDefaults.refine_window, py::arg("refine_sweeps") = kDefaults.refine_sweeps,
         py::arg("max_anchors") = kDefaults.max_anchors, py::arg("repair_window") = kDefaults.repair_window,
         py::arg("repair_iterations") = kDefaults.repair_iterations, py::arg("greedy") = kDefaults.greedy,
         py::arg("refine") = kDefaults.refine, py::arg("component_greedy") = kDefaults.component_greedy,
-        py::arg("search") = kDefaults.search, "Plan one step (harts/step_plan.h); releases the GIL.");
+        py::arg("search") = kDefaults.search,
+        "Plan one step (harts/step_plan.h; cancel: a CancelToken or None); releases the GIL.");
   m.def("default_step_options", &DefaultStepOptions,
         "A new dict: every search option of plan_step and its default (harts::PlannerOptions).");
   m.def("planner_limits", &PlannerLimits,

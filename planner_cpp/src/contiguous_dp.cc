@@ -5,7 +5,8 @@
 
 namespace harts {
 
-std::vector<ContiguousResult> ExactContiguousPartitions(const PlanContext& ctx, const std::vector<int64_t>& ks) {
+std::vector<ContiguousResult> ExactContiguousPartitions(const PlanContext& ctx, const std::vector<int64_t>& ks,
+                                                        CancelToken* cancel) {
   constexpr int64_t kInf = std::numeric_limits<int64_t>::max();
   const int64_t n = ctx.size();
   const int64_t cap = ctx.capacity();
@@ -32,6 +33,7 @@ std::vector<ContiguousResult> ExactContiguousPartitions(const PlanContext& ctx, 
     int64_t* cur_max = mx.data() + k * width;
     int32_t* cur_arg = arg.data() + k * width;
     for (int64_t e = k; e <= n; ++e) {
+      Poll(cancel);
       int64_t best_total = kInf, best_max = kInf;
       int32_t best_s = -1;
       for (int64_t s = std::max<int64_t>(k - 1, first[e]); s < e; ++s) {

@@ -1,8 +1,11 @@
 #include "harts/greedy.h"
 
 #include <algorithm>
+#include <functional>
+#include <limits>
 #include <numeric>
 #include <optional>
+#include <set>
 #include <utility>
 
 namespace harts {
@@ -52,77 +55,75 @@ std::vector<int32_t> ProcessingOrder(const PlanContext& ctx, GreedyOrder order) 
   return seq;
 }
 
-Grouping GreedyPlace(const PlanContext& ctx, const std::vector<int32_t>& sequence, GreedyPolicy policy) {
+namespace {
+
+// [min, max + 1) of the ranks of `g` ([0, 0) when empty).
+std::pair<int32_t, int32_t> RankSpan(const Grouping& g) {
+  int32_t lo = std::numeric_limits<int32_t>::max(), hi = 0;
+  for (const std::vector<int32_t>& m : g.groups) {
+    if (m.empty()) continue;
+    lo = std::min(lo, m.front());
+    hi = std::max(hi, m.back() + 1);
+  }
+  return lo < hi ? std::make_pair(lo, hi) : std::make_pair(0, 0);
+}
+
+}  // namespace
+
+Grouping GreedyPlace(const PlanContext& ctx, const std::vector<int32_t>& sequence, GreedyPolicy policy,
+                     CancelToken* cancel) {
   Grouping g;
-  const int64_t cap = ctx.capacity();
+  if (sequence.empty()) return g;
+  const auto [lo, hi] = std::minmax_element(sequence.begin(), sequence.end());
+  PlacementIndex index(ctx, *lo, *hi + 1, &g, cancel);
   for (int32_t r : sequence) {
-    const int64_t len = ctx.Length(r);
-    int64_t best = -1, best_key = -1, best_after = -1;
-    for (int64_t k = 0; k < g.size(); ++k) {
-      const int64_t shared = SharedAmount(ctx, g.groups[k], r);
-      const int64_t after = g.work[k] + len - shared;
-      if (after > cap) continue;
-      const int64_t key = policy == GreedyPolicy::kBestFit ? after : shared;
-      if (key > best_key || (key == best_key && after > best_after)) {
-        best = k;
-        best_key = key;
-        best_after = after;
-      }
-    }
-    if (best < 0) {
-      g.groups.push_back({r});
-      g.work.push_back(len);
+    Poll(cancel);
+    const PlacementIndex::Choice c = index.Best(r, policy);
+    if (c.group < 0) {
+      index.NewGroup(r);
     } else {
-      InsertSorted(g.groups[best], r);
-      g.work[best] = best_after;
+      index.Insert(c.group, r, c.after);
     }
   }
   return g;
 }
 
-bool EliminateSmallMicrobatches(const PlanContext& ctx, Grouping& g) {
-  const int64_t cap = ctx.capacity();
+bool EliminateSmallMicrobatches(const PlanContext& ctx, Grouping& g, CancelToken* cancel) {
   const int64_t k = g.size();
   std::vector<int64_t> visit(k);
   std::iota(visit.begin(), visit.end(), 0);
   std::stable_sort(visit.begin(), visit.end(), [&](int64_t a, int64_t b) { return g.work[a] < g.work[b]; });
+  const auto [lo, hi] = RankSpan(g);
+  PlacementIndex index(ctx, lo, hi, &g, cancel);
   std::vector<char> removed(k, 0);
   bool any = false;
+  struct Move {
+    int64_t dest;
+    int32_t rank;
+    int64_t old_work;
+  };
+  std::vector<Move> moved;
   for (int64_t c : visit) {
-    // Tentatively move every member of c; undo on failure.
-    std::vector<std::pair<int64_t, int32_t>> moved;  // (destination, rank)
-    std::vector<int64_t> old_work;
+    // Tentatively move every member of c (the smallest dC, then the largest resulting work,
+    // then the lowest index: the max-shared order); undo on failure.
+    moved.clear();
     bool ok = true;
     for (int32_t r : g.groups[c]) {
-      int64_t best = -1, best_delta = 0, best_after = 0;
-      for (int64_t d = 0; d < k; ++d) {
-        if (d == c || removed[d]) continue;
-        const int64_t delta = InsertionDelta(ctx, g.groups[d], r);
-        const int64_t after = g.work[d] + delta;
-        if (after > cap) continue;
-        if (best < 0 || delta < best_delta || (delta == best_delta && after > best_after)) {
-          best = d;
-          best_delta = delta;
-          best_after = after;
-        }
-      }
-      if (best < 0) {
+      Poll(cancel);
+      const PlacementIndex::Choice best = index.Best(r, GreedyPolicy::kMaxShared, c);
+      if (best.group < 0) {
         ok = false;
         break;
       }
-      moved.push_back({best, r});
-      old_work.push_back(g.work[best]);
-      InsertSorted(g.groups[best], r);
-      g.work[best] = best_after;
+      moved.push_back({best.group, r, g.work[best.group]});
+      index.Insert(best.group, r, best.after);
     }
     if (ok) {
       removed[c] = 1;
+      index.Retire(c);
       any = true;
     } else {
-      for (size_t j = moved.size(); j-- > 0;) {
-        EraseSorted(g.groups[moved[j].first], moved[j].second);
-        g.work[moved[j].first] = old_work[j];
-      }
+      for (size_t j = moved.size(); j-- > 0;) index.Erase(moved[j].dest, moved[j].rank, moved[j].old_work);
     }
   }
   if (any) {
@@ -137,44 +138,60 @@ bool EliminateSmallMicrobatches(const PlanContext& ctx, Grouping& g) {
   return any;
 }
 
-bool AlignToDp(const PlanContext& ctx, Grouping& g, int64_t dp_size) {
+bool AlignToDp(const PlanContext& ctx, Grouping& g, int64_t dp_size, CancelToken* cancel) {
   const int64_t target = (g.size() + dp_size - 1) / dp_size * dp_size;
   if (target > ctx.size()) return false;
+  if (g.size() == target) return true;
+  // The split cost of member r of group k is its shared amount inside k; a min-heap of
+  // (cost, rank), entries re-validated on pop (a split changes its neighbours' costs only).
+  std::vector<int32_t> group_of(ctx.size(), -1);
+  for (int64_t k = 0; k < g.size(); ++k)
+    for (int32_t r : g.groups[k]) group_of[r] = static_cast<int32_t>(k);
+  auto cost = [&](int32_t r) { return SharedAmount(ctx, g.groups[group_of[r]], r, r); };
+  using Entry = std::pair<int64_t, int32_t>;
+  std::vector<Entry> heap;
+  for (int64_t k = 0; k < g.size(); ++k)
+    if (g.groups[k].size() >= 2)
+      for (int32_t r : g.groups[k]) heap.push_back({cost(r), r});
+  std::make_heap(heap.begin(), heap.end(), std::greater<Entry>());
   while (g.size() < target) {
-    int64_t best_group = -1, best_cost = 0;
-    int32_t best_rank = 0;
-    for (int64_t k = 0; k < g.size(); ++k) {
-      const std::vector<int32_t>& m = g.groups[k];
-      if (m.size() < 2) continue;
-      for (size_t j = 0; j < m.size(); ++j) {
-        const int64_t lp = j > 0 ? ctx.Lcp(m[j - 1], m[j]) : 0;
-        const int64_t lq = j + 1 < m.size() ? ctx.Lcp(m[j], m[j + 1]) : 0;
-        const int64_t cost = std::max(lp, lq);
-        if (best_group < 0 || cost < best_cost || (cost == best_cost && m[j] < best_rank)) {
-          best_group = k;
-          best_cost = cost;
-          best_rank = m[j];
-        }
+    Poll(cancel);
+    if (heap.empty()) return false;  // unreachable when target <= N
+    std::pop_heap(heap.begin(), heap.end(), std::greater<Entry>());
+    const auto [c, r] = heap.back();
+    heap.pop_back();
+    const int32_t k = group_of[r];
+    std::vector<int32_t>& m = g.groups[k];
+    if (m.size() < 2 || cost(r) != c) continue;  // stale
+    const auto it = std::lower_bound(m.begin(), m.end(), r);
+    const int32_t below = it != m.begin() ? *(it - 1) : -1;
+    const int32_t above = it + 1 != m.end() ? *(it + 1) : -1;
+    g.work[k] -= RemovalDelta(ctx, m, r);
+    m.erase(it);
+    const bool still_split = m.size() >= 2;  // (m dangles once g.groups grows)
+    group_of[r] = static_cast<int32_t>(g.size());
+    g.groups.push_back({r});
+    g.work.push_back(ctx.Length(r));
+    if (still_split) {
+      for (int32_t nb : {below, above}) {
+        if (nb < 0) continue;
+        heap.push_back({cost(nb), nb});
+        std::push_heap(heap.begin(), heap.end(), std::greater<Entry>());
       }
     }
-    if (best_group < 0) return false;  // unreachable when target <= N
-    g.work[best_group] -= RemovalDelta(ctx, g.groups[best_group], best_rank);
-    EraseSorted(g.groups[best_group], best_rank);
-    g.groups.push_back({best_rank});
-    g.work.push_back(ctx.Length(best_rank));
   }
   return true;
 }
 
-GreedyResult RunGreedy(const PlanContext& ctx, int64_t dp_size) {
+GreedyResult RunGreedy(const PlanContext& ctx, int64_t dp_size, CancelToken* cancel) {
   GreedyResult best;
   for (GreedyOrder order : {GreedyOrder::kLexAscending, GreedyOrder::kLexDescending, GreedyOrder::kLengthDesc,
                             GreedyOrder::kUniqueSuffix}) {
     const std::vector<int32_t> seq = ProcessingOrder(ctx, order);
     for (GreedyPolicy policy : {GreedyPolicy::kBestFit, GreedyPolicy::kMaxShared}) {
-      Grouping g = GreedyPlace(ctx, seq, policy);
-      EliminateSmallMicrobatches(ctx, g);
-      if (!AlignToDp(ctx, g, dp_size)) continue;
+      Grouping g = GreedyPlace(ctx, seq, policy, cancel);
+      EliminateSmallMicrobatches(ctx, g, cancel);
+      if (!AlignToDp(ctx, g, dp_size, cancel)) continue;
       const int64_t total = g.TotalWork();
       if (!best.feasible || g.size() < best.grouping.size() ||
           (g.size() == best.grouping.size() && total < best.grouping.TotalWork())) {
@@ -187,7 +204,7 @@ GreedyResult RunGreedy(const PlanContext& ctx, int64_t dp_size) {
   return best;
 }
 
-GreedyResult RunComponentGreedy(const PlanContext& ctx, int64_t dp_size) {
+GreedyResult RunComponentGreedy(const PlanContext& ctx, int64_t dp_size, CancelToken* cancel) {
   const int64_t n = ctx.size();
   const int64_t cap = ctx.capacity();
   // Components: maximal rank ranges with no zero adjacent LCP inside.
@@ -224,8 +241,8 @@ GreedyResult RunComponentGreedy(const PlanContext& ctx, int64_t dp_size) {
     for (int64_t c = 0; c < num_comp; ++c) {
       if (!large[c]) continue;
       for (GreedyPolicy policy : {GreedyPolicy::kBestFit, GreedyPolicy::kMaxShared}) {
-        Grouping g = GreedyPlace(ctx, seqs[c], policy);
-        EliminateSmallMicrobatches(ctx, g);
+        Grouping g = GreedyPlace(ctx, seqs[c], policy, cancel);
+        EliminateSmallMicrobatches(ctx, g, cancel);
         const int64_t total = g.TotalWork();
         if (!best[c] || total < best[c]->TotalWork() || (total == best[c]->TotalWork() && g.size() < best[c]->size()))
           best[c] = std::move(g);
@@ -240,31 +257,37 @@ GreedyResult RunComponentGreedy(const PlanContext& ctx, int64_t dp_size) {
     }
   }
 
-  // Best-fit decreasing packing.
+  // Best-fit decreasing packing: the fullest bin that fits (ties: the lowest index), from an
+  // ordered set of (work, -bin).
   std::vector<int64_t> by_work(items.size());
   std::iota(by_work.begin(), by_work.end(), 0);
   std::stable_sort(by_work.begin(), by_work.end(), [&](int64_t a, int64_t b) {
     return item_work[a] != item_work[b] ? item_work[a] > item_work[b] : items[a].front() < items[b].front();
   });
   Grouping g;
+  std::set<std::pair<int64_t, int32_t>> bins;
   for (int64_t it : by_work) {
-    int64_t target = -1;
-    for (int64_t k = 0; k < g.size(); ++k)
-      if (g.work[k] + item_work[it] <= cap && (target < 0 || g.work[k] > g.work[target])) target = k;
-    if (target < 0) {
-      g.groups.push_back(items[it]);
+    Poll(cancel);
+    auto pos = bins.upper_bound({cap - item_work[it], std::numeric_limits<int32_t>::max()});
+    if (pos == bins.begin()) {
+      bins.insert({item_work[it], -static_cast<int32_t>(g.size())});
+      g.groups.push_back(std::move(items[it]));
       g.work.push_back(item_work[it]);
     } else {
+      --pos;
+      const int32_t target = -pos->second;
+      bins.erase(pos);
       std::vector<int32_t>& m = g.groups[target];
       const size_t mid = m.size();
       m.insert(m.end(), items[it].begin(), items[it].end());
       std::inplace_merge(m.begin(), m.begin() + mid, m.end());
       g.work[target] += item_work[it];  // distinct components share no token
+      bins.insert({g.work[target], -target});
     }
   }
   GreedyResult result;
-  EliminateSmallMicrobatches(ctx, g);
-  if (!AlignToDp(ctx, g, dp_size)) return result;
+  EliminateSmallMicrobatches(ctx, g, cancel);
+  if (!AlignToDp(ctx, g, dp_size, cancel)) return result;
   result.feasible = true;
   result.grouping = std::move(g);
   result.name = "component";

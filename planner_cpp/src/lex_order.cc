@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <numeric>
 
 namespace harts {
 
@@ -18,10 +17,13 @@ int64_t CommonPrefixLength(const int32_t* a, int64_t n, const int32_t* b, int64_
   return i;
 }
 
-std::vector<int32_t> LexicographicOrder(const TrajectoryView& view) {
-  std::vector<int32_t> order(static_cast<size_t>(view.num_trajectories));
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&view](int32_t x, int32_t y) {
+std::vector<int32_t> LexicographicOrder(const TrajectoryView& view, CancelToken* cancel) {
+  Check(cancel);
+  std::vector<int32_t> order;
+  ResizePolled(&order, view.num_trajectories, cancel);
+  ForEachBlock(0, view.num_trajectories, cancel, [&](int64_t i) { order[i] = static_cast<int32_t>(i); });
+  std::stable_sort(order.begin(), order.end(), [&view, cancel](int32_t x, int32_t y) {
+    Poll(cancel);
     const int64_t nx = view.length(x), ny = view.length(y);
     const int32_t* px = view.begin(x);
     const int32_t* py = view.begin(y);
@@ -32,9 +34,12 @@ std::vector<int32_t> LexicographicOrder(const TrajectoryView& view) {
   return order;
 }
 
-std::vector<int32_t> AdjacentLcp(const TrajectoryView& view, const std::vector<int32_t>& order) {
-  std::vector<int32_t> lcp(order.size(), 0);
+std::vector<int32_t> AdjacentLcp(const TrajectoryView& view, const std::vector<int32_t>& order, CancelToken* cancel) {
+  Check(cancel);
+  std::vector<int32_t> lcp;
+  ResizePolled(&lcp, static_cast<int64_t>(order.size()), cancel);
   for (size_t r = 1; r < order.size(); ++r) {
+    Poll(cancel);
     const int32_t x = order[r - 1], y = order[r];
     lcp[r] = static_cast<int32_t>(CommonPrefixLength(view.begin(x), view.length(x), view.begin(y), view.length(y)));
   }

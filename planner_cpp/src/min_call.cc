@@ -11,10 +11,14 @@
 namespace harts {
 namespace {
 
-// Segments with every parent before its children: the ids themselves when parent < child
-// throughout (a preorder numbering, as BuildSegmentForest gives; sequential memory access),
-// otherwise breadth-first from the roots. Precondition: acyclic (segment_tree.h checks it).
-std::vector<int32_t> ParentsFirstOrder(const SegmentForest& f) {
+// True when v stays inside its entry chunk (Equation 11).
+bool SameChunk(const SegmentForest& f, int64_t v, int64_t chunk_size) {
+  return f.end[v] < Anchor(f.start[v], chunk_size) + chunk_size;
+}
+
+}  // namespace
+
+std::vector<int32_t> ParentsFirstOrder(const SegmentForest& f, CancelToken* cancel) {
   std::vector<int32_t> order;
   order.reserve(static_cast<size_t>(f.size()));
   bool increasing = true;
@@ -25,28 +29,24 @@ std::vector<int32_t> ParentsFirstOrder(const SegmentForest& f) {
   }
   order.insert(order.end(), f.roots.begin(), f.roots.end());
   for (size_t i = 0; i < order.size(); ++i) {
+    Poll(cancel);
     const int32_t v = order[i];
     order.insert(order.end(), f.children.begin() + f.child_offsets[v], f.children.begin() + f.child_offsets[v + 1]);
   }
   return order;
 }
 
-// True when v stays inside its entry chunk (Equation 11).
-bool SameChunk(const SegmentForest& f, int64_t v, int64_t chunk_size) {
-  return f.end[v] < Anchor(f.start[v], chunk_size) + chunk_size;
-}
-
-}  // namespace
-
 void ValidateChunkSize(int64_t chunk_size) { RequireInRange(chunk_size, 1, kMaxChunkSize, "chunk_size"); }
 
-MinCallCounts ComputeMinCallCounts(const SegmentForest& f, int64_t chunk_size) {
+MinCallCounts ComputeMinCallCounts(const SegmentForest& f, int64_t chunk_size, CancelToken* cancel) {
+  Check(cancel);
   const int64_t n = f.size();
   MinCallCounts c;
-  c.t_pre.assign(n, 1);
-  c.t_in.assign(n, 1);
-  const std::vector<int32_t> order = ParentsFirstOrder(f);
+  AssignPolled(&c.t_pre, n, 1, cancel);
+  AssignPolled(&c.t_in, n, 1, cancel);
+  const std::vector<int32_t> order = ParentsFirstOrder(f, cancel);
   for (auto it = order.rbegin(); it != order.rend(); ++it) {  // children before parents
+    Poll(cancel);
     const int32_t v = *it;
     const int64_t lo = f.child_offsets[v], hi = f.child_offsets[v + 1];
     if (lo == hi) continue;  // leaf: Equation (12)
@@ -83,23 +83,28 @@ int64_t MandatoryReplay(const SegmentForest& f, int64_t chunk_size) {
   return r;
 }
 
-MinCallRecovery RecoverContinuations(const SegmentForest& f, int64_t chunk_size, const MinCallCounts& counts) {
+MinCallRecovery RecoverContinuations(const SegmentForest& f, int64_t chunk_size, const MinCallCounts& counts,
+                                     CancelToken* cancel) {
+  Check(cancel);
   const int64_t n = f.size();
   const std::vector<int32_t>& t_pre = counts.t_pre;
   const std::vector<int32_t>& t_in = counts.t_in;
   MinCallRecovery rec;
-  rec.direct_child.assign(n, -1);
-  rec.round.assign(n, 0);
+  AssignPolled(&rec.direct_child, n, -1, cancel);
+  ResizePolled(&rec.round, n, cancel);
   // Each segment receives (ready, budget, round) from its parent, so one pass in parents-first
   // order replaces the recursion of Algorithm 1.
-  std::vector<char> ready(n, 0);
-  std::vector<int32_t> budget(n, 0);
+  std::vector<char> ready;
+  std::vector<int32_t> budget;
+  ResizePolled(&ready, n, cancel);
+  ResizePolled(&budget, n, cancel);
   for (int32_t root : f.roots) {
     ready[root] = 1;
     budget[root] = t_pre[root];
     rec.num_calls = std::max(rec.num_calls, t_pre[root]);
   }
-  for (const int32_t v : ParentsFirstOrder(f)) {
+  for (const int32_t v : ParentsFirstOrder(f, cancel)) {
+    Poll(cancel);
     const int64_t lo = f.child_offsets[v], hi = f.child_offsets[v + 1];
     if (lo == hi) continue;
     const bool same = ready[v] && SameChunk(f, v, chunk_size);
@@ -129,8 +134,9 @@ MinCallRecovery RecoverContinuations(const SegmentForest& f, int64_t chunk_size,
   return rec;
 }
 
-MinCallPlan AssignSequences(const SegmentForest& f, int64_t chunk_size, MinCallCounts counts,
-                            MinCallRecovery recovery) {
+MinCallPlan AssignSequences(const SegmentForest& f, int64_t chunk_size, MinCallCounts counts, MinCallRecovery recovery,
+                            CancelToken* cancel) {
+  Check(cancel);
   const int64_t n = f.size();
   MinCallPlan p;
   p.chunk_size = chunk_size;
@@ -164,8 +170,9 @@ MinCallPlan AssignSequences(const SegmentForest& f, int64_t chunk_size, MinCallC
   p.sequence_anchor.resize(num_sequences);
   p.sequence_start.resize(num_sequences);
   p.sequence_end.resize(num_sequences);
-  p.segment_sequence.assign(n, -1);
+  AssignPolled(&p.segment_sequence, n, -1, cancel);
   for (int64_t q = 0; q < num_sequences; ++q) {
+    Poll(cancel);
     const int32_t head = heads[q];
     p.sequence_round[q] = round[head];
     p.sequence_start[q] = f.start[head];
@@ -173,6 +180,7 @@ MinCallPlan AssignSequences(const SegmentForest& f, int64_t chunk_size, MinCallC
     p.replay_tokens += f.start[head] - p.sequence_anchor[q];
     int32_t v = head;
     for (;;) {
+      Poll(cancel);
       p.chain.push_back(v);
       p.segment_sequence[v] = static_cast<int32_t>(q);
       p.own_tokens += f.end[v] - f.start[v];
@@ -190,17 +198,29 @@ MinCallPlan AssignSequences(const SegmentForest& f, int64_t chunk_size, MinCallC
   // in the parent, otherwise it inherits the parent's. A head consumes S_{a(s_head)}, which
   // is returned by the sequence outputting that segment; every consumer of one segment needs
   // the same state, S_{a(e_P)}, so there is at most one slot per producing segment P.
-  std::vector<int32_t> anchor_segment(n, -1);
-  for (const int32_t v : ParentsFirstOrder(f)) {
+  std::vector<int32_t> anchor_segment;
+  AssignPolled(&anchor_segment, n, -1, cancel);
+  for (const int32_t v : ParentsFirstOrder(f, cancel)) {
+    Poll(cancel);
     const int32_t par = f.parent[v];
     if (par < 0) continue;
     anchor_segment[v] = Anchor(f.start[v], chunk_size) == Anchor(f.start[par], chunk_size) ? anchor_segment[par] : par;
   }
-  std::vector<int32_t> slot_of_segment(n, -1);
+  std::vector<int32_t> slot_of_segment;
+  AssignPolled(&slot_of_segment, n, -1, cancel);
+  int64_t num_slots = 0;
   for (int32_t head : heads)
-    if (anchor_segment[head] >= 0) slot_of_segment[anchor_segment[head]] = 0;  // mark
+    if (anchor_segment[head] >= 0 && slot_of_segment[anchor_segment[head]] < 0) {
+      slot_of_segment[anchor_segment[head]] = 0;  // mark
+      ++num_slots;
+    }
+  p.slot_producer.reserve(num_slots);
+  p.slot_position.reserve(num_slots);
+  p.slot_segment.reserve(num_slots);
+  p.request_slot.reserve(num_slots);
   p.request_offsets.assign(num_sequences + 1, 0);
   for (int64_t q = 0; q < num_sequences; ++q) {
+    Poll(cancel);
     for (int32_t i = p.chain_offsets[q]; i < p.chain_offsets[q + 1]; ++i) {
       const int32_t seg = p.chain[i];
       if (slot_of_segment[seg] < 0) continue;
@@ -225,10 +245,10 @@ MinCallPlan AssignSequences(const SegmentForest& f, int64_t chunk_size, MinCallC
   return p;
 }
 
-MinCallPlan PlanMinCalls(const SegmentForest& f, int64_t chunk_size) {
-  MinCallCounts counts = ComputeMinCallCounts(f, chunk_size);
-  MinCallRecovery recovery = RecoverContinuations(f, chunk_size, counts);
-  return AssignSequences(f, chunk_size, std::move(counts), std::move(recovery));
+MinCallPlan PlanMinCalls(const SegmentForest& f, int64_t chunk_size, CancelToken* cancel) {
+  MinCallCounts counts = ComputeMinCallCounts(f, chunk_size, cancel);  // each phase checks the clock first
+  MinCallRecovery recovery = RecoverContinuations(f, chunk_size, counts, cancel);
+  return AssignSequences(f, chunk_size, std::move(counts), std::move(recovery), cancel);
 }
 
 }  // namespace harts

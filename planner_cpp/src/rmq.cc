@@ -10,13 +10,17 @@ int FloorLog2(uint64_t x) { return 63 - __builtin_clzll(x); }
 
 }  // namespace
 
-SparseTableRmq::SparseTableRmq(const std::vector<int32_t>& values) : n_(static_cast<int64_t>(values.size())) {
-  levels_.push_back(values);
+SparseTableRmq::SparseTableRmq(const std::vector<int32_t>& values, CancelToken* cancel)
+    : n_(static_cast<int64_t>(values.size())) {
+  Check(cancel);
+  levels_.emplace_back();
+  CopyPolled(&levels_.back(), values.data(), n_, cancel);
   for (int64_t width = 2; width <= n_; width *= 2) {
     const std::vector<int32_t>& prev = levels_.back();
-    std::vector<int32_t> next(static_cast<size_t>(n_ - width + 1));
+    std::vector<int32_t> next;
+    ResizePolled(&next, n_ - width + 1, cancel);
     const int64_t half = width / 2;
-    for (int64_t i = 0; i + width <= n_; ++i) next[i] = std::min(prev[i], prev[i + half]);
+    ForEachBlock(0, n_ - width + 1, cancel, [&](int64_t i) { next[i] = std::min(prev[i], prev[i + half]); });
     levels_.push_back(std::move(next));
   }
 }

@@ -16,7 +16,8 @@ struct Node {
 
 class Builder {
  public:
-  explicit Builder(int64_t num_items) : next_end_(static_cast<size_t>(num_items), -1) {
+  Builder(int64_t num_items, CancelToken* cancel) {
+    AssignPolled(&next_end_, num_items, -1, cancel);
     nodes_.reserve(static_cast<size_t>(2 * num_items + 1));
     nodes_.emplace_back();  // virtual root, depth 0
   }
@@ -51,12 +52,16 @@ class Builder {
 
 }  // namespace
 
-SegmentForest BuildSegmentForest(const int32_t* ids, const int64_t* lengths, const int32_t* lcp, int64_t num_items) {
-  Builder b(num_items);
+SegmentForest BuildSegmentForest(const int32_t* ids, const int64_t* lengths, const int32_t* lcp, int64_t num_items,
+                                 CancelToken* cancel) {
+  Check(cancel);
+  Builder b(num_items, cancel);
   std::vector<int32_t> stack = {0};
-  std::vector<int64_t> row_base(static_cast<size_t>(num_items));
+  std::vector<int64_t> row_base;
+  ResizePolled(&row_base, num_items, cancel);
   int64_t rows = 0;
   for (int64_t k = 0; k < num_items; ++k) {
+    Poll(cancel);
     const int64_t l = k == 0 ? 0 : lcp[k];
     row_base[k] = rows;
     rows += lengths[k] - l;
@@ -89,16 +94,16 @@ SegmentForest BuildSegmentForest(const int32_t* ids, const int64_t* lengths, con
   // Number the segments (= non-root nodes) in preorder with an explicit stack.
   SegmentForest f;
   const int64_t num_segments = static_cast<int64_t>(b.nodes_.size()) - 1;
-  f.start.resize(num_segments);
-  f.end.resize(num_segments);
-  f.parent.resize(num_segments);
-  f.subtree_end.resize(num_segments);
-  f.owner.resize(num_segments);
-  f.row_begin.resize(num_segments);
-  f.multiplicity.assign(num_segments, 0);
-  f.child_offsets.assign(num_segments + 1, 0);
-  f.end_offsets.assign(num_segments + 1, 0);
-  f.item_segment.assign(num_items, -1);
+  ResizePolled(&f.start, num_segments, cancel);
+  ResizePolled(&f.end, num_segments, cancel);
+  ResizePolled(&f.parent, num_segments, cancel);
+  ResizePolled(&f.subtree_end, num_segments, cancel);
+  ResizePolled(&f.owner, num_segments, cancel);
+  ResizePolled(&f.row_begin, num_segments, cancel);
+  ResizePolled(&f.multiplicity, num_segments, cancel);
+  ResizePolled(&f.child_offsets, num_segments + 1, cancel);
+  ResizePolled(&f.end_offsets, num_segments + 1, cancel);
+  AssignPolled(&f.item_segment, num_items, -1, cancel);
   f.num_rows = rows;
 
   struct Frame {
@@ -107,6 +112,7 @@ SegmentForest BuildSegmentForest(const int32_t* ids, const int64_t* lengths, con
     bool entered;
   };
   std::vector<Frame> dfs;
+  dfs.reserve(num_segments);  // every segment is pushed once
   std::vector<int32_t> reversed;
   auto push_children = [&](int32_t node, int32_t segment) {
     reversed.clear();
@@ -116,8 +122,10 @@ SegmentForest BuildSegmentForest(const int32_t* ids, const int64_t* lengths, con
   };
   push_children(0, -1);
   int32_t next_id = 0;
-  std::vector<int32_t> child_count(num_segments, 0);
+  std::vector<int32_t> child_count;
+  ResizePolled(&child_count, num_segments, cancel);
   while (!dfs.empty()) {
+    Poll(cancel);
     Frame& fr = dfs.back();
     if (fr.entered) {
       f.subtree_end[fr.segment] = next_id;
@@ -149,22 +157,27 @@ SegmentForest BuildSegmentForest(const int32_t* ids, const int64_t* lengths, con
   // Owners: visiting items in order, the first item to reach v owns it; the walk stops
   // at the first segment already owned (its ancestors are owned too). O(V + K).
   std::fill(f.owner.begin(), f.owner.end(), -1);
-  for (int64_t k = 0; k < num_items; ++k)
+  ForEachBlock(0, num_items, cancel, [&](int64_t k) {
     for (int32_t v = f.item_segment[k]; v >= 0 && f.owner[v] < 0; v = f.parent[v]) f.owner[v] = static_cast<int32_t>(k);
+  });
   for (int64_t v = 0; v < num_segments; ++v) {
+    Poll(cancel);
     const int64_t k = f.owner[v];
     const int64_t l = k == 0 ? 0 : lcp[k];
     f.row_begin[v] = row_base[k] + (f.start[v] - l);
     f.child_offsets[v + 1] = f.child_offsets[v] + child_count[v];
     f.end_offsets[v + 1] += f.end_offsets[v];
   }
-  f.children.resize(f.child_offsets[num_segments]);
-  std::vector<int64_t> fill(f.child_offsets.begin(), f.child_offsets.end() - 1);
-  for (int64_t v = 0; v < num_segments; ++v)
+  ResizePolled(&f.children, f.child_offsets[num_segments], cancel);
+  std::vector<int64_t> fill;
+  CopyPolled(&fill, f.child_offsets.data(), num_segments, cancel);
+  ForEachBlock(0, num_segments, cancel, [&](int64_t v) {
     if (f.parent[v] >= 0) f.children[fill[f.parent[v]]++] = static_cast<int32_t>(v);
-  f.ending.resize(f.end_offsets[num_segments]);
-  std::vector<int64_t> end_fill(f.end_offsets.begin(), f.end_offsets.end() - 1);
-  for (int64_t k = 0; k < num_items; ++k) f.ending[end_fill[f.item_segment[k]]++] = ids[k];
+  });
+  ResizePolled(&f.ending, f.end_offsets[num_segments], cancel);
+  std::vector<int64_t> end_fill;
+  CopyPolled(&end_fill, f.end_offsets.data(), num_segments, cancel);
+  ForEachBlock(0, num_items, cancel, [&](int64_t k) { f.ending[end_fill[f.item_segment[k]]++] = ids[k]; });
   return f;
 }
 

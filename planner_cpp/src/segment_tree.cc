@@ -29,30 +29,33 @@ void CheckParent(const int32_t* parent, int64_t v_count, int64_t v) {
 
 // Fills f->parent, child_offsets, children (increasing id within a parent) and roots
 // (increasing id). Parents must be in range. O(V).
-void BuildChildren(const int32_t* parent, int64_t v_count, SegmentForest* f) {
-  f->parent.assign(parent, parent + v_count);
-  f->child_offsets.assign(v_count + 1, 0);
+void BuildChildren(const int32_t* parent, int64_t v_count, SegmentForest* f, CancelToken* cancel) {
+  CopyPolled(&f->parent, parent, v_count, cancel);
+  ResizePolled(&f->child_offsets, v_count + 1, cancel);
   f->roots.clear();
-  for (int64_t v = 0; v < v_count; ++v) {
+  ForEachBlock(0, v_count, cancel, [&](int64_t v) {
     if (parent[v] < 0)
       f->roots.push_back(static_cast<int32_t>(v));
     else
       ++f->child_offsets[parent[v] + 1];
-  }
-  for (int64_t v = 0; v < v_count; ++v) f->child_offsets[v + 1] += f->child_offsets[v];
-  f->children.resize(f->child_offsets[v_count]);
-  std::vector<int64_t> fill(f->child_offsets.begin(), f->child_offsets.end() - 1);
-  for (int64_t v = 0; v < v_count; ++v)
+  });
+  ForEachBlock(0, v_count, cancel, [&](int64_t v) { f->child_offsets[v + 1] += f->child_offsets[v]; });
+  ResizePolled(&f->children, f->child_offsets[v_count], cancel);
+  std::vector<int64_t> fill;
+  CopyPolled(&fill, f->child_offsets.data(), v_count, cancel);
+  ForEachBlock(0, v_count, cancel, [&](int64_t v) {
     if (parent[v] >= 0) f->children[fill[parent[v]]++] = static_cast<int32_t>(v);
+  });
 }
 
 // Step 5: the DFS preorder over the children CSR, with an explicit stack. Segments never
 // reached lie on a parent cycle, or below one; the smallest such id is reported. O(V).
-std::vector<int32_t> PreorderOrThrow(const SegmentForest& f, int64_t v_count) {
+std::vector<int32_t> PreorderOrThrow(const SegmentForest& f, int64_t v_count, CancelToken* cancel) {
   std::vector<int32_t> preorder;
   preorder.reserve(v_count);
   std::vector<int32_t> stack(f.roots.rbegin(), f.roots.rend());
   while (!stack.empty()) {
+    Poll(cancel);
     const int32_t v = stack.back();
     stack.pop_back();
     preorder.push_back(v);
@@ -82,27 +85,34 @@ void NumberRows(const std::vector<int32_t>& preorder, SegmentForest* f) {
 
 }  // namespace
 
-SegmentForest SegmentForestFromTree(const SegmentTreeView& t, std::vector<int32_t>* preorder_out) {
+SegmentForest SegmentForestFromTree(const SegmentTreeView& t, std::vector<int32_t>* preorder_out, CancelToken* cancel) {
+  Check(cancel);
   const int64_t v_count = t.num_segments, n = t.num_trajectories;
   RequireOnePer(t.num_lengths, v_count, "segment", "length");
   CheckSegmentCount(v_count, kMaxTreeSegments);
   if (n < 1) throw InvalidArgument("trajectory_end", "needs at least one trajectory");
   RequireWithinLimit(n, kMaxTrajectories, "trajectories", "trajectory_end");
-  for (int64_t v = 0; v < v_count; ++v) {
+  ForEachBlock(0, v_count, cancel, [&](int64_t v) {
     CheckParent(t.parent, v_count, v);
     if (t.length[v] < 1)
       throw InvalidArgument(Indexed("length", v),
                             "a segment holds at least one token, got " + std::to_string(t.length[v]));
-  }
+  });
   SegmentForest f;
-  BuildChildren(t.parent, v_count, &f);
-  std::vector<int32_t> preorder = PreorderOrThrow(f, v_count);
+  BuildChildren(t.parent, v_count, &f, cancel);
+  std::vector<int32_t> preorder = PreorderOrThrow(f, v_count, cancel);
   // Positions along the preorder, in int64 until step 6 bounds them: <= V * 2^31.
-  std::vector<int64_t> end_position(v_count);
-  for (const int32_t v : preorder) end_position[v] = (t.parent[v] < 0 ? 0 : end_position[t.parent[v]]) + t.length[v];
-  std::vector<char> ends_here(v_count, 0);
+  std::vector<int64_t> end_position;
+  ResizePolled(&end_position, v_count, cancel);
+  ForEachBlock(0, v_count, cancel, [&](int64_t k) {
+    const int32_t v = preorder[k];
+    end_position[v] = (t.parent[v] < 0 ? 0 : end_position[t.parent[v]]) + t.length[v];
+  });
+  std::vector<char> ends_here;
+  ResizePolled(&ends_here, v_count, cancel);
   int64_t total = 0;
   for (int64_t i = 0; i < n; ++i) {
+    if (i % kPollBlock == 0) Poll(cancel);
     const int32_t v = t.trajectory_end[i];
     if (v < 0 || v >= v_count)
       throw InvalidArgument(Indexed("trajectory_end", i), "must be " + SegmentIdIn(v_count, v));
@@ -119,24 +129,27 @@ SegmentForest SegmentForestFromTree(const SegmentTreeView& t, std::vector<int32_
                             "leaf segment " + std::to_string(v) + " ends no trajectory (every leaf must end one)");
   // Every segment lies on the path of a trajectory (its leaves end one), so every position is
   // at most a trajectory length <= kMaxSemanticTokens: int32 from here on.
-  f.start.resize(v_count);
-  f.end.resize(v_count);
-  for (int64_t v = 0; v < v_count; ++v) {
+  ResizePolled(&f.start, v_count, cancel);
+  ResizePolled(&f.end, v_count, cancel);
+  ForEachBlock(0, v_count, cancel, [&](int64_t v) {
     f.end[v] = static_cast<int32_t>(end_position[v]);
     f.start[v] = static_cast<int32_t>(end_position[v] - t.length[v]);
-  }
+  });
   NumberRows(preorder, &f);
   if (preorder_out != nullptr) *preorder_out = std::move(preorder);
   return f;
 }
 
-SegmentForest SegmentForestFromArrays(const SegmentForestView& a, std::vector<int32_t>* preorder_out) {
+SegmentForest SegmentForestFromArrays(const SegmentForestView& a, std::vector<int32_t>* preorder_out,
+                                      CancelToken* cancel) {
+  Check(cancel);
   const int64_t v_count = a.num_segments;
   RequireOnePer(a.num_starts, v_count, "segment", "start");
   RequireOnePer(a.num_ends, v_count, "segment", "end");
   CheckSegmentCount(v_count, kMaxForestSegments);
   int64_t rows = 0;
   for (int64_t v = 0; v < v_count; ++v) {
+    if (v % kPollBlock == 0) Poll(cancel);
     CheckParent(a.parent, v_count, v);
     if (a.start[v] < 0) throw InvalidArgument(Indexed("start", v), MustBeAtLeast(0, a.start[v]));
     if (a.end[v] <= a.start[v])
@@ -146,6 +159,7 @@ SegmentForest SegmentForestFromArrays(const SegmentForestView& a, std::vector<in
   }
   RequireWithinLimit(rows, kMaxForestRows, "compact rows", "end");
   for (int64_t v = 0; v < v_count; ++v) {
+    if (v % kPollBlock == 0) Poll(cancel);
     const int32_t p = a.parent[v];
     const int64_t expected = p < 0 ? 0 : a.end[p];
     if (a.start[v] != expected)
@@ -155,8 +169,8 @@ SegmentForest SegmentForestFromArrays(const SegmentForestView& a, std::vector<in
                                         " (its parent's end), got " + std::to_string(a.start[v]));
   }
   SegmentForest f;
-  BuildChildren(a.parent, v_count, &f);
-  std::vector<int32_t> preorder = PreorderOrThrow(f, v_count);
+  BuildChildren(a.parent, v_count, &f, cancel);
+  std::vector<int32_t> preorder = PreorderOrThrow(f, v_count, cancel);
   f.start.assign(a.start, a.start + v_count);
   f.end.assign(a.end, a.end + v_count);
   NumberRows(preorder, &f);

@@ -8,6 +8,7 @@
 
 #include "harts/candidate_range.h"
 #include "harts/contiguous_dp.h"
+#include "harts/contiguous_optimum.h"
 #include "harts/errors.h"
 #include "harts/evolution.h"
 #include "harts/greedy.h"
@@ -23,12 +24,28 @@ using Clock = std::chrono::steady_clock;
 
 double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+// A candidate grouping. Contiguous candidates keep only their cuts and works; their
+// Grouping is built when needed (an anchor to repair, or the winner).
 struct Candidate {
   std::string source;
-  Grouping grouping;
   std::optional<std::vector<int32_t>> cuts;  // set for contiguous candidates
+  Grouping grouping;                         // groups empty for a contiguous candidate
   Schedule schedule;
+
+  int64_t size() const { return static_cast<int64_t>(grouping.work.size()); }
+  int64_t TotalWork() const { return grouping.TotalWork(); }
 };
+
+Candidate Contiguous(const PlanContext& ctx, std::string source, std::vector<int32_t> cuts) {
+  Candidate c{std::move(source), std::nullopt, {}, {}};
+  for (size_t i = 0; i + 1 < cuts.size(); ++i) c.grouping.work.push_back(ctx.Work(cuts[i], cuts[i + 1]));
+  c.cuts = std::move(cuts);
+  return c;
+}
+
+Grouping Materialize(const PlanContext& ctx, const Candidate& c) {
+  return c.cuts ? GroupingFromCuts(ctx, *c.cuts) : c.grouping;
+}
 
 }  // namespace
 
@@ -55,9 +72,10 @@ void CheckTrajectoriesFit(const RolloutBatch& batch, int64_t capacity) {
                                 "; a trajectory cannot be split between microbatches");
 }
 
-StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o) {
+StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o, CancelToken* cancel) {
   const Clock::time_point start = Clock::now();
   ValidatePlannerOptions(o);
+  Check(cancel);
   const int64_t n = batch.num_trajectories();
   const int64_t d = o.dp_size;
   const int64_t cap = o.capacity;
@@ -76,7 +94,7 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o) {
   Clock::time_point phase = Clock::now();
 
   // 1. Natural partition and K range.
-  const std::vector<int32_t> natural = NaturalPartition(ctx);
+  const std::vector<int32_t> natural = NaturalPartition(ctx, cancel);
   const int64_t k0 = static_cast<int64_t>(natural.size()) - 1;
   const int64_t g_total = ctx.Work(0, n);
   const KRange range = CandidateRange(g_total, n, d, cap, k0);
@@ -92,6 +110,7 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o) {
                                              " trajectories fill at most " + std::to_string(d * (n / d)) +
                                              " non-empty microbatches with K a multiple of D");
   plan.phase_seconds.push_back({"natural_partition", Since(phase)});
+  Check(cancel);
   phase = Clock::now();
 
   // 2. Base candidates.
@@ -105,40 +124,36 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o) {
                                             std::to_string((range.k_max + 1) * (n + 1)) +
                                             " table cells, more than the limit of " + std::to_string(kMaxExactCells) +
                                             "; use search=\"auto\"");
-    for (ContiguousResult& r : ExactContiguousPartitions(ctx, range.Values())) {
-      if (!r.feasible) continue;
-      Candidate c{"exact", GroupingFromCuts(ctx, r.cuts), std::move(r.cuts), {}};
-      cands.push_back(std::move(c));
-    }
+    for (ContiguousResult& r : ExactContiguousPartitions(ctx, range.Values(), cancel))
+      if (r.feasible) cands.push_back(Contiguous(ctx, "exact", std::move(r.cuts)));
   } else {
-    for (EvolvedPartition& e : EvolvePartition(ctx, natural, SampleK(range, o.max_sampled_k))) {
-      if (!e.feasible) continue;
-      Candidate c{"evolved", GroupingFromCuts(ctx, e.cuts), std::move(e.cuts), {}};
-      cands.push_back(std::move(c));
-    }
+    for (EvolvedPartition& e : EvolvePartition(ctx, natural, SampleK(range, o.max_sampled_k), cancel))
+      if (e.feasible) cands.push_back(Contiguous(ctx, "evolved", std::move(e.cuts)));
   }
   const size_t num_base = cands.size();
   plan.phase_seconds.push_back({exact ? "exact_dp" : "evolution", Since(phase)});
+  Check(cancel);
   phase = Clock::now();
 
   // 3. Trie-aware greedy.
   int64_t greedy_index = -1;
   if (o.greedy) {
-    GreedyResult gr = RunGreedy(ctx, d);
+    GreedyResult gr = RunGreedy(ctx, d, cancel);
     if (gr.feasible) {
       greedy_index = static_cast<int64_t>(cands.size());
-      cands.push_back(Candidate{"greedy:" + gr.name, std::move(gr.grouping), std::nullopt, {}});
+      cands.push_back(Candidate{"greedy:" + gr.name, std::nullopt, std::move(gr.grouping), {}});
     }
   }
   int64_t component_index = -1;
   if (o.component_greedy) {
-    GreedyResult cr = RunComponentGreedy(ctx, d);
+    GreedyResult cr = RunComponentGreedy(ctx, d, cancel);
     if (cr.feasible) {
       component_index = static_cast<int64_t>(cands.size());
-      cands.push_back(Candidate{"greedy:" + cr.name, std::move(cr.grouping), std::nullopt, {}});
+      cands.push_back(Candidate{"greedy:" + cr.name, std::nullopt, std::move(cr.grouping), {}});
     }
   }
   plan.phase_seconds.push_back({"greedy", Since(phase)});
+  Check(cancel);
   phase = Clock::now();
 
   // 4. Refinement.
@@ -151,16 +166,16 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o) {
       if (static_cast<int64_t>(anchors.size()) < o.max_anchors) {
         size_t best = 0;
         for (size_t i = 1; i < num_base; ++i)
-          if (cands[i].grouping.TotalWork() < cands[best].grouping.TotalWork()) best = i;
+          if (cands[i].TotalWork() < cands[best].TotalWork()) best = i;
         taken[best] = 1;
         anchors.push_back(static_cast<int64_t>(best));
       }
-      const int64_t ref_k = greedy_index >= 0 ? cands[greedy_index].grouping.size() : k0;
+      const int64_t ref_k = greedy_index >= 0 ? cands[greedy_index].size() : k0;
       while (static_cast<int64_t>(anchors.size()) < o.max_anchors) {
         int64_t best = -1, best_dist = 0;
         for (size_t i = 0; i < num_base; ++i) {
           if (taken[i]) continue;
-          const int64_t dist = std::llabs(cands[i].grouping.size() - ref_k);
+          const int64_t dist = std::llabs(cands[i].size() - ref_k);
           if (best < 0 || dist < best_dist) {
             best = static_cast<int64_t>(i);
             best_dist = dist;
@@ -178,20 +193,45 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o) {
       std::string source = cands[a].source;
       if (cands[a].cuts) {
         std::vector<int32_t> cuts = *cands[a].cuts;
-        const int64_t moves = RefineBoundaries(ctx, cuts, o.refine_window, o.refine_sweeps);
+        const int64_t moves = RefineBoundaries(ctx, cuts, o.refine_window, o.refine_sweeps, cancel);
         changes += moves;
         if (moves > 0) source += "+boundary";
         g = GroupingFromCuts(ctx, cuts);
       } else {
         g = cands[a].grouping;
       }
-      const int64_t updates = SparseRepair(ctx, g, o.repair_window, o.repair_iterations);
+      const int64_t updates = SparseRepair(ctx, g, o.repair_window, o.repair_iterations, cancel);
       changes += updates;
       if (updates > 0) source += "+repair";
-      if (changes > 0) cands.push_back(Candidate{source, std::move(g), std::nullopt, {}});
+      if (changes > 0) cands.push_back(Candidate{source, std::nullopt, std::move(g), {}});
     }
   }
   plan.phase_seconds.push_back({"refinement", Since(phase)});
+  Check(cancel);
+  phase = Clock::now();
+
+  // 4b. The least-work contiguous partition over the whole K range (heuristic search only:
+  // the exact DP already covers every K of the range), boundary-refined and sparse-repaired
+  // like an anchor. Last in the order, so it only wins where it is strictly better.
+  if (!exact && o.contiguous_optimum) {
+    ContiguousOptimum opt = OptimalContiguousPartition(ctx, range, cancel);
+    if (opt.feasible) {
+      std::string source = "contiguous-optimum";
+      int64_t changes = 0;
+      if (o.refine) {
+        const int64_t moves = RefineBoundaries(ctx, opt.cuts, o.refine_window, o.refine_sweeps, cancel);
+        if (moves > 0) source += "+boundary";
+      }
+      cands.push_back(Contiguous(ctx, source, opt.cuts));
+      if (o.refine) {
+        Grouping g = GroupingFromCuts(ctx, opt.cuts);
+        changes = SparseRepair(ctx, g, o.repair_window, o.repair_iterations, cancel);
+        if (changes > 0) cands.push_back(Candidate{source + "+repair", std::nullopt, std::move(g), {}});
+      }
+    }
+  }
+  plan.phase_seconds.push_back({"contiguous_optimum", Since(phase)});
+  Check(cancel);
   phase = Clock::now();
 
   // 5. Schedules and selection.
@@ -206,15 +246,17 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o) {
   }
   int64_t best = -1;
   for (size_t i = 0; i < cands.size(); ++i) {
+    Check(cancel);
     cands[i].schedule = AssignReplicas(cands[i].grouping.work, d);
-    plan.candidates.push_back({cands[i].source, cands[i].grouping.size(), cands[i].schedule.objective});
+    plan.candidates.push_back({cands[i].source, cands[i].size(), cands[i].schedule.objective});
     if (best < 0 || cands[i].schedule.objective < cands[best].schedule.objective) best = static_cast<int64_t>(i);
   }
   plan.selected = best;
   const Candidate& c = cands[best];
   plan.source = c.source;
   plan.objective = c.schedule.objective;
-  const int64_t k = c.grouping.size();
+  const Grouping chosen = Materialize(ctx, c);
+  const int64_t k = chosen.size();
   std::vector<int32_t> by_position(k);  // microbatches ordered by (slot, replica)
   std::iota(by_position.begin(), by_position.end(), 0);
   std::sort(by_position.begin(), by_position.end(), [&](int32_t a, int32_t b) {
@@ -224,9 +266,9 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o) {
   plan.member_offsets.assign(1, 0);
   plan.members.reserve(n);
   for (int32_t m : by_position) {
-    for (int32_t r : c.grouping.groups[m]) plan.members.push_back(batch.order()[r]);
+    for (int32_t r : chosen.groups[m]) plan.members.push_back(batch.order()[r]);
     plan.member_offsets.push_back(static_cast<int64_t>(plan.members.size()));
-    plan.work.push_back(c.grouping.work[m]);
+    plan.work.push_back(chosen.work[m]);
     plan.replica.push_back(c.schedule.replica[m]);
     plan.slot.push_back(c.schedule.slot[m]);
   }

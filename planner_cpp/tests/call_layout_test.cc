@@ -166,6 +166,49 @@ void TestRandomBatches() {
   }
 }
 
+// PlanMicrobatch maps microbatch rows to batch rows by walking the batch forest, not through the
+// batch's per-row arrays: on random batches, and on the same batches rebuilt from their segment
+// tree (whose per-row arrays are built lazily), the map equals the per-row formula
+// row_of_position[offset of the owner + position] bit for bit, the two plans are identical, and
+// planning leaves the tree batch's per-row arrays unbuilt.
+void TestRowMapWithoutRowArrays() {
+  std::mt19937 rng(5);
+  for (int iter = 0; iter < 300; ++iter) {
+    const int n = 1 + static_cast<int>(rng() % 30);
+    const auto trajs = testing::RandomTrajectories(rng, n, 1 + static_cast<int>(rng() % 40), 3, 0.1);
+    const auto b = testing::MakeBatch(trajs);
+    const SegmentForest& bf = b->forest();
+    std::vector<int32_t> parent = bf.parent, length, ends(n);
+    for (int64_t v = 0; v < bf.size(); ++v) length.push_back(bf.end[v] - bf.start[v]);
+    for (int64_t r = 0; r < n; ++r) ends[b->order()[r]] = bf.item_segment[r];
+    const SegmentTreeView view{parent.data(), bf.size(), length.data(), bf.size(), ends.data(), n};
+    const auto t = RolloutBatch::FromSegmentTree(view, nullptr, 0);
+    std::vector<int32_t> ids(n);
+    for (int i = 0; i < n; ++i) ids[i] = i;
+    std::shuffle(ids.begin(), ids.end(), rng);
+    ids.resize(1 + rng() % n);
+    const int64_t chunk = 1 + rng() % 9, width = 1 + rng() % 4;
+    const MicrobatchCallPlan m = PlanMicrobatch(*b, ids.data(), static_cast<int64_t>(ids.size()), chunk, width);
+    const MicrobatchCallPlan mt = PlanMicrobatch(*t, ids.data(), static_cast<int64_t>(ids.size()), chunk, width);
+    CHECK(!t->rows_built());
+    CHECK(b->rows_built());
+    // The per-row formula, on the token batch's compact map.
+    std::vector<int32_t> sorted_ids(ids);
+    std::sort(sorted_ids.begin(), sorted_ids.end(), [&](int32_t x, int32_t y) { return b->rank()[x] < b->rank()[y]; });
+    std::vector<int32_t> expected(m.forest.num_rows);
+    for (int64_t v = 0; v < m.forest.size(); ++v) {
+      const int64_t base = b->offsets()[sorted_ids[m.forest.owner[v]]];
+      for (int64_t p = m.forest.start[v]; p < m.forest.end[v]; ++p)
+        expected[m.forest.row_begin[v] + (p - m.forest.start[v])] = b->row_of_position()[base + p];
+    }
+    CHECK(m.row_to_global == expected);
+    CHECK(mt.row_to_global == expected);
+    CHECK(mt.physical_to_global == m.physical_to_global && mt.semantic_to_physical == m.semantic_to_physical);
+    CHECK(mt.layout.gather_index == m.layout.gather_index && mt.plan.chain == m.plan.chain);
+    CHECK(mt.layout.conv_context == m.layout.conv_context && mt.plan.slot_position == m.plan.slot_position);
+  }
+}
+
 void TestErrors() {
   auto b = testing::MakeBatch({{1, 2, 3}, {1, 2, 4}, {5}});
   const std::vector<int32_t> ok = {0, 2};
@@ -190,6 +233,7 @@ void TestErrors() {
 int main() {
   harts::TestErrors();
   harts::TestRandomBatches();
+  harts::TestRowMapWithoutRowArrays();
   std::printf("call_layout_test: OK\n");
   return 0;
 }

@@ -14,6 +14,7 @@
 #include "harts/evolution.h"
 #include "harts/natural_partition.h"
 #include "planner_test_util.h"
+#include "step_reference.h"
 
 namespace harts {
 namespace {
@@ -114,10 +115,53 @@ void CheckOne(const std::vector<testing::Traj>& trajs, int64_t cap) {
   }
 }
 
+// Natural partition, BestValleyCut and evolution against the reference (rescanning)
+// implementations, on batches too large for brute force; every target K of the range.
+void CheckAgainstReference(const std::vector<testing::Traj>& trajs, int64_t cap) {
+  auto batch = testing::MakeBatch(trajs);
+  const PlanContext ctx(*batch, cap);
+  const int64_t n = ctx.size();
+  const std::vector<int32_t> natural = NaturalPartition(ctx);
+  CHECK(natural == reference::NaturalPartition(ctx));
+  for (int32_t lo = 0; lo + 2 <= n; lo += 1 + static_cast<int32_t>(n / 7))
+    for (int32_t hi = lo + 2; hi <= n; hi += 1 + static_cast<int32_t>(n / 9))
+      for (bool diff : {false, true}) {
+        std::tuple<int64_t, int64_t, int64_t, int32_t> best = {kInf, kInf, kInf, 0};
+        for (int32_t t = lo + 1; t < hi; ++t) {
+          const int64_t a = ctx.Work(lo, t), b = ctx.Work(t, hi);
+          best = std::min(best, std::make_tuple(ctx.AdjacentLcp(t), std::max(a, b), diff ? std::abs(a - b) : 0, t));
+        }
+        CHECK_EQ(BestValleyCut(ctx, lo, hi, diff), std::get<3>(best));
+      }
+  const int64_t k0 = static_cast<int64_t>(natural.size()) - 1;
+  std::vector<int64_t> targets;
+  for (int64_t k = 1; k <= n; ++k) targets.push_back(k);
+  const std::vector<EvolvedPartition> fast = EvolvePartition(ctx, natural, targets);
+  const std::vector<EvolvedPartition> slow = reference::EvolvePartition(ctx, natural, targets);
+  CHECK_EQ(fast.size(), slow.size());
+  for (size_t i = 0; i < fast.size(); ++i) {
+    CHECK_EQ(fast[i].k, slow[i].k);
+    CHECK_EQ(fast[i].feasible, slow[i].feasible);
+    CHECK(fast[i].cuts == slow[i].cuts);
+    if (fast[i].k >= k0) CHECK(fast[i].feasible);
+  }
+}
+
 }  // namespace
 }  // namespace harts
 
 int main() {
+  {
+    std::mt19937 rng(23);
+    for (int trial = 0; trial < 300; ++trial) {
+      const int n = 2 + static_cast<int>(rng() % 80);
+      auto trajs = harts::testing::RandomTrajectories(rng, n, 12, trial % 2 ? 2 : 4, 0.15);
+      if (trial % 3 == 0) trajs = harts::testing::WithCommonPrefix(trajs, 3);
+      int64_t longest = 0;
+      for (auto& t : trajs) longest = std::max<int64_t>(longest, t.size());
+      harts::CheckAgainstReference(trajs, longest + static_cast<int64_t>(rng() % 40));
+    }
+  }
   std::mt19937 rng(11);
   for (int trial = 0; trial < 400; ++trial) {
     const int n = 1 + static_cast<int>(rng() % 9);

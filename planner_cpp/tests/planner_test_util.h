@@ -51,6 +51,31 @@ inline std::vector<Traj> RandomTrajectories(std::mt19937& rng, int n, int max_le
   return out;
 }
 
+// The same trajectories behind a common prefix of `prefix` tokens (a shared system prompt:
+// every adjacent LCP is then >= prefix, so the batch is one component at floor 0).
+inline std::vector<Traj> WithCommonPrefix(const std::vector<Traj>& trajs, int prefix, int32_t token = 7) {
+  std::vector<Traj> out;
+  for (const Traj& t : trajs) {
+    Traj u(prefix, token);
+    u.insert(u.end(), t.begin(), t.end());
+    out.push_back(std::move(u));
+  }
+  return out;
+}
+
+// The same trajectories, each behind one of `prompts` distinct system prompts (chosen at
+// random): a two-level trie, whose top level splits into `prompts` large parts.
+inline std::vector<Traj> WithPrompts(const std::vector<Traj>& trajs, int prompts, std::mt19937& rng) {
+  std::vector<Traj> out;
+  for (const Traj& t : trajs) {
+    const int p = static_cast<int>(rng() % prompts);
+    Traj u = {100 + p, 100 + p, 100 + p};
+    u.insert(u.end(), t.begin(), t.end());
+    out.push_back(std::move(u));
+  }
+  return out;
+}
+
 // Checks that `g` partitions [0, N) into non-empty sorted groups of exact work <= cap.
 inline void CheckGrouping(const PlanContext& ctx, const Grouping& g) {
   std::vector<int> seen(ctx.size(), 0);

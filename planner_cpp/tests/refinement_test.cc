@@ -10,6 +10,7 @@
 #include "harts/natural_partition.h"
 #include "harts/sparse_repair.h"
 #include "planner_test_util.h"
+#include "step_reference.h"
 
 namespace harts {
 namespace {
@@ -91,6 +92,22 @@ void CheckOne(const std::vector<testing::Traj>& trajs, int64_t cap, std::mt19937
       if (!applied) break;
     }
   }
+  // Several iterations at once against the reference (full rescans): the same updates in the
+  // same order, on greedy groupings and on a contiguous one.
+  std::vector<Grouping> starts;
+  for (GreedyOrder order : {GreedyOrder::kLexAscending, GreedyOrder::kLengthDesc, GreedyOrder::kUniqueSuffix})
+    for (GreedyPolicy policy : {GreedyPolicy::kBestFit, GreedyPolicy::kMaxShared})
+      starts.push_back(GreedyPlace(ctx, ProcessingOrder(ctx, order), policy));
+  starts.push_back(GroupingFromCuts(ctx, NaturalPartition(ctx)));
+  for (const Grouping& start : starts) {
+    const int64_t window = rng() % 10;
+    const int64_t iterations = rng() % 12;
+    Grouping fast = start, slow = start;
+    CHECK_EQ(SparseRepair(ctx, fast, window, iterations), reference::SparseRepair(ctx, slow, window, iterations));
+    CHECK(fast.groups == slow.groups);
+    CHECK(fast.work == slow.work);
+    testing::CheckGrouping(ctx, fast);
+  }
 }
 
 }  // namespace
@@ -98,9 +115,10 @@ void CheckOne(const std::vector<testing::Traj>& trajs, int64_t cap, std::mt19937
 
 int main() {
   std::mt19937 rng(3);
-  for (int trial = 0; trial < 300; ++trial) {
-    const int n = 2 + static_cast<int>(rng() % 16);
+  for (int trial = 0; trial < 500; ++trial) {
+    const int n = 2 + static_cast<int>(rng() % (trial % 3 == 0 ? 70 : 16));
     auto trajs = harts::testing::RandomTrajectories(rng, n, 10, 3, 0.1);
+    if (trial % 4 == 1) trajs = harts::testing::WithCommonPrefix(trajs, 2);
     int64_t longest = 0;
     for (auto& t : trajs) longest = std::max<int64_t>(longest, t.size());
     harts::CheckOne(trajs, longest + static_cast<int64_t>(rng() % 15), rng);

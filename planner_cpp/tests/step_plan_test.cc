@@ -4,9 +4,11 @@
 #include "harts/step_plan.h"
 
 #include <algorithm>
+#include <chrono>
 #include <functional>
 #include <random>
 #include <string>
+#include <thread>
 
 #include "check.h"
 #include "harts/contiguous_dp.h"
@@ -45,10 +47,74 @@ void CheckPlan(const RolloutBatch& batch, const StepPlan& p, int64_t d, int64_t 
   CHECK(total >= p.compact_tokens);
 }
 
+bool SamePlan(const StepPlan& a, const StepPlan& b) {
+  return a.members == b.members && a.member_offsets == b.member_offsets && a.replica == b.replica && a.slot == b.slot &&
+         a.work == b.work && a.source == b.source && a.objective == b.objective;
+}
+
+// Cancellation: a cancelled or expired token stops PlanStep with Cancelled before any work; a
+// null token and a token never fired give the same plan; deadlines and Cancel() at many
+// points inside the plan either stop it (Cancelled, with the right field) or let it finish
+// with the same plan. Bounds on how late it stops are generous (seconds, not milliseconds).
+void CheckCancellation() {
+  std::mt19937 rng(41);
+  auto trajs = testing::RandomTrajectories(rng, 2000, 40, 4, 0.05);
+  auto batch = testing::MakeBatch(trajs);
+  PlannerOptions o;
+  o.dp_size = 4;
+  o.capacity = 400;
+  const StepPlan reference = PlanStep(*batch, o);
+  {
+    CancelToken never;
+    CHECK(SamePlan(PlanStep(*batch, o, &never), reference));
+    CHECK(SamePlan(PlanStep(*batch, o, nullptr), reference));
+  }
+  {
+    CancelToken token;
+    token.Cancel();
+    testing::ExpectError<Cancelled>([&] { PlanStep(*batch, o, &token); }, "cancelled");
+    CancelToken expired;
+    expired.SetDeadlineAfter(std::chrono::milliseconds(-1));
+    testing::ExpectError<Cancelled>([&] { PlanStep(*batch, o, &expired); }, "deadline");
+  }
+  using Clock = std::chrono::steady_clock;
+  int stopped = 0, finished = 0;
+  for (int64_t us = 0; us <= int64_t{1} << 27 && finished == 0; us = us == 0 ? 50 : us * 2) {
+    // A deadline `us` microseconds in.
+    CancelToken token;
+    token.SetDeadlineAfter(std::chrono::microseconds(us));
+    const Clock::time_point start = Clock::now();
+    try {
+      CHECK(SamePlan(PlanStep(*batch, o, &token), reference));
+      ++finished;
+    } catch (const Cancelled& e) {
+      CHECK(e.deadline_exceeded());
+      const double late = std::chrono::duration<double>(Clock::now() - start).count() - us * 1e-6;
+      CHECK(late < 2.0);
+      ++stopped;
+    }
+    // Cancel() from another thread `us` microseconds in.
+    CancelToken other;
+    std::thread canceller([&] {
+      std::this_thread::sleep_for(std::chrono::microseconds(us));
+      other.Cancel();
+    });
+    try {
+      CHECK(SamePlan(PlanStep(*batch, o, &other), reference));
+    } catch (const Cancelled& e) {
+      CHECK(!e.deadline_exceeded());
+      CHECK_EQ(e.field(), std::string("cancelled"));
+    }
+    canceller.join();
+  }
+  CHECK(stopped >= 1 && finished == 1);
+}
+
 }  // namespace
 }  // namespace harts
 
 int main() {
+  harts::CheckCancellation();
   using namespace harts;
   std::mt19937 rng(17);
   int planned = 0, infeasible = 0;
@@ -71,8 +137,9 @@ int main() {
       CHECK_EQ(p.search_mode, std::string(o.exact_threshold >= n ? "exact" : "heuristic"));
       CHECK(p.selected >= 0 && p.selected < static_cast<int64_t>(p.candidates.size()));
       for (const CandidateSummary& c : p.candidates) CHECK(!(c.objective < p.objective));
-      if (p.search_mode == "exact") {
-        // The selected total is at most every exact contiguous candidate's.
+      {
+        // The selected total is at most every exact contiguous candidate's, in exact search
+        // (its base candidates) and in heuristic search (the contiguous-optimum candidate).
         const PlanContext ctx(*batch, o.capacity);
         std::vector<int64_t> ks;
         for (int64_t k = p.k_min; k <= p.k_max; k += o.dp_size) ks.push_back(k);

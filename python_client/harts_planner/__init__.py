@@ -11,10 +11,31 @@ Public API::
 
 from harts_planner._native import MAX_SEMANTIC_TOKENS, MAX_TRAJECTORIES
 from harts_planner.batch import PackedTokens, RolloutBatch, SegmentTree
-from harts_planner.call_plan import CallLayout, CallPlan, CallPlanDebug, plan_calls
-from harts_planner.errors import HartsError, InfeasibleError, InvalidArgumentError, ResourceLimitError
+from harts_planner.call_plan import (
+    CallLayout,
+    CallPlan,
+    CallPlanDebug,
+    max_plan_bytes,
+    plan_calls,
+    set_max_plan_bytes,
+)
+from harts_planner.errors import (
+    CancelToken,
+    HartsError,
+    InfeasibleError,
+    InvalidArgumentError,
+    PlanCancelledError,
+    ResourceLimitError,
+)
 from harts_planner.planner import Planner
-from harts_planner.step_plan import StepPlan, plan_step
+from harts_planner.step_plan import (
+    CostLimits,
+    PlanCost,
+    StepPlan,
+    estimate_call_plans,
+    estimate_cost,
+    plan_step,
+)
 
 __version__ = "0.1.0"
 
@@ -29,6 +50,14 @@ __all__ = [
     "plan_calls",
     "StepPlan",
     "plan_step",
+    "CancelToken",
+    "PlanCancelledError",
+    "estimate_cost",
+    "estimate_call_plans",
+    "PlanCost",
+    "CostLimits",
+    "max_plan_bytes",
+    "set_max_plan_bytes",
     "HartsError",
     "InvalidArgumentError",
     "ResourceLimitError",

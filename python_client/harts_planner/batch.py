@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from harts_planner import _native, checks
-from harts_planner.errors import invalid
+from harts_planner.errors import cancel_token, invalid
 from harts_planner.fields import NativeField
 
 
@@ -132,7 +132,7 @@ class RolloutBatch:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_arrays(cls, tokens, offsets, tree_ids=None) -> RolloutBatch:
+    def from_arrays(cls, tokens, offsets, tree_ids=None, cancel=None) -> RolloutBatch:
         """Ingest a packed batch.
 
         Parameters
@@ -143,6 +143,8 @@ class RolloutBatch:
             ``offsets[0] = 0``, strictly increasing, ``offsets[N] = S``. Zero-copy when int64.
         tree_ids : array_like of int, shape [N], optional
             Rollout-tree id of each trajectory (metadata; sharing follows actual tokens).
+        cancel : CancelToken, optional
+            Stops the ingestion within milliseconds once cancelled or past its deadline.
 
         Raises
         ------
@@ -151,35 +153,55 @@ class RolloutBatch:
             the message names the field (``"offsets[3]: trajectory 2 is empty"``).
         ResourceLimitError
             More than ``MAX_TRAJECTORIES`` trajectories or ``MAX_SEMANTIC_TOKENS`` tokens.
+        PlanCancelledError
+            ``cancel`` fired (``field`` ``"cancelled"`` or ``"deadline"``).
+
+        The GIL is released while ingesting.
         """
+        cancel = cancel_token(cancel)
         tokens = checks.int_array(tokens, np.int32, "tokens")
         offsets = checks.int_array(offsets, np.int64, "offsets")
         if tree_ids is not None:
             tree_ids = checks.int_array(tree_ids, np.int64, "tree_ids")
-        native = _native.ingest(tokens, offsets, tree_ids)
+        native = _native.ingest(tokens, offsets, tree_ids, cancel)
         return cls(native, tokens, offsets, tree_ids)
 
     @classmethod
-    def from_token_lists(cls, trajectories: Iterable[Sequence[int]], tree_ids=None) -> RolloutBatch:
-        """Ingest a list of token lists (one per trajectory). Same errors as :meth:`from_arrays`,
-        with fields named ``trajectories[i]``."""
+    def from_token_lists(
+        cls, trajectories: Iterable[Sequence[int]], tree_ids=None, cancel=None
+    ) -> RolloutBatch:
+        """Ingest a list of token lists (one per trajectory). Same errors as :meth:`from_arrays`;
+        a trajectory that is not a non-empty sequence of token ids in ``[0, 2^31)`` is reported on
+        its field ``trajectories[i]``."""
+        if isinstance(trajectories, (str, bytes)) or not isinstance(trajectories, Iterable):
+            raise invalid(
+                "trajectories", f"must be an iterable of token lists, got {type(trajectories).__name__}"
+            )
         trajectories = list(trajectories)
         if not trajectories:
             raise invalid("trajectories", "a batch needs at least one trajectory")
-        lengths = np.empty(len(trajectories), dtype=np.int64)
+        pieces = []
         for i, t in enumerate(trajectories):
-            lengths[i] = len(t)
-            if lengths[i] == 0:
-                raise invalid(f"trajectories[{i}]", "trajectory is empty")
-        offsets = np.zeros(len(trajectories) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        pieces = [checks.int_array(t, np.int64, f"trajectories[{i}]") for i, t in enumerate(trajectories)]
-        return cls.from_arrays(
-            checks.int_array(np.concatenate(pieces), np.int32, "tokens"), offsets, tree_ids
-        )
+            field = f"trajectories[{i}]"
+            try:
+                shape_ok = np.ndim(t) == 1
+            except ValueError:  # a ragged nesting
+                shape_ok = False
+            if not shape_ok or isinstance(t, (str, bytes)):
+                raise invalid(field, f"must be a sequence of token ids, got {type(t).__name__}")
+            piece = checks.int_array(t, np.int32, field)
+            if piece.size == 0:
+                raise invalid(field, "trajectory is empty")
+            if piece.min() < 0:
+                p = int(np.argmax(piece < 0))
+                raise invalid(field, f"token ids must be >= 0, got {int(piece[p])} at position {p}")
+            pieces.append(piece)
+        offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
+        np.cumsum([len(p) for p in pieces], out=offsets[1:])
+        return cls.from_arrays(np.concatenate(pieces), offsets, tree_ids, cancel)
 
     @classmethod
-    def from_segment_tree(cls, tree: SegmentTree) -> RolloutBatch:
+    def from_segment_tree(cls, tree: SegmentTree, cancel=None) -> RolloutBatch:
         """Build the batch a compacted :class:`SegmentTree` stands for, without tokens.
 
         O(V + N log N): no per-token work until a per-row array (:attr:`compact_map`,
@@ -196,10 +218,17 @@ class RolloutBatch:
         ResourceLimitError
             More than ``MAX_TRAJECTORIES`` trajectories, ``2 * MAX_TRAJECTORIES`` segments, or
             ``MAX_SEMANTIC_TOKENS`` semantic tokens in all.
+        PlanCancelledError
+            ``cancel`` (a :class:`CancelToken`) fired.
+
+        The GIL is released while building.
         """
         if not isinstance(tree, SegmentTree):
             raise invalid("tree", f"must be a harts_planner.SegmentTree, got {type(tree).__name__}")
-        native = _native.ingest_segment_tree(tree.parent, tree.length, tree.trajectory_end, tree.tree_ids)
+        cancel = cancel_token(cancel)
+        native = _native.ingest_segment_tree(
+            tree.parent, tree.length, tree.trajectory_end, tree.tree_ids, cancel
+        )
         offsets = np.zeros(native.num_trajectories + 1, dtype=np.int64)
         np.cumsum(native.lengths, out=offsets[1:])
         return cls(native, None, offsets, tree.tree_ids)
@@ -268,7 +297,10 @@ class RolloutBatch:
     )
 
     def trajectory(self, i: int) -> np.ndarray:
-        """int32 view of trajectory ``i``'s tokens (InvalidArgumentError without tokens)."""
+        """int32 view of trajectory ``i``'s tokens, ``0 <= i < N``. Raises InvalidArgumentError for
+        an index out of range (field ``i``; negative indices are refused, not counted from the
+        end) and for a batch without tokens."""
+        i = _index(i, "i", self.num_trajectories, "trajectory")
         if self._tokens is None:
             raise invalid("tokens", "a batch built from a segment tree has no tokens")
         return self._tokens[self._offsets[i] : self._offsets[i + 1]]
@@ -283,12 +315,16 @@ class RolloutBatch:
     )
 
     def lcp(self, i: int, j: int) -> int:
-        """LCP(x_i, x_j) of two trajectory indices, O(1) by RMQ (|x_i| when ``i == j``)."""
-        return self._native.lcp(i, j)
+        """LCP(x_i, x_j) of two trajectory indices in ``[0, N)``, O(1) by RMQ (|x_i| when ``i == j``).
+        InvalidArgumentError (field ``i`` or ``j``) for an index out of range."""
+        n = self.num_trajectories
+        return self._native.lcp(_index(i, "i", n, "trajectory"), _index(j, "j", n, "trajectory"))
 
     def interval_work(self, lo: int, hi: int) -> int:
-        """W: compact work of the trajectories of ranks ``[lo, hi)`` (Equation 5), O(1)."""
-        return self._native.interval_work(lo, hi)
+        """W: compact work of the trajectories of ranks ``[lo, hi)`` (Equation 5), O(1), for
+        ``0 <= lo < hi <= N``. InvalidArgumentError (field ``lo, hi``, or ``lo`` / ``hi`` for a value
+        outside int64) otherwise."""
+        return self._native.interval_work(checks.int64(lo, "lo"), checks.int64(hi, "hi"))
 
     def subset_work(self, trajectories) -> int:
         """Compact work C(M) of a set of distinct trajectory indices (Equation 5 after sorting).
@@ -321,12 +357,15 @@ class RolloutBatch:
     segment_roots = NativeField("int32 [R]: root segments (one per compact component), lexicographic order.")
 
     def children(self, v: int) -> np.ndarray:
-        """Children of segment ``v``."""
+        """Children of segment ``v``, ``0 <= v < V`` (InvalidArgumentError naming ``v`` otherwise)."""
+        v = _index(v, "v", self.num_segments, "segment")
         o = self.segment_child_offsets
         return self.segment_children[o[v] : o[v + 1]]
 
     def ending(self, v: int) -> np.ndarray:
-        """Trajectories ending at the end of segment ``v``."""
+        """Trajectories ending at the end of segment ``v``, ``0 <= v < V`` (InvalidArgumentError
+        naming ``v`` otherwise)."""
+        v = _index(v, "v", self.num_segments, "segment")
         o = self.segment_end_offsets
         return self.segment_ending[o[v] : o[v + 1]]
 
@@ -362,11 +401,21 @@ class RolloutBatch:
         )
 
 
-def ingest(source: PackedTokens | SegmentTree) -> RolloutBatch:
+def _index(value, field: str, size: int, what: str) -> int:
+    """An integer in ``[0, size)``: InvalidArgumentError naming ``field`` otherwise, worded as the C++
+    core's ("trajectory index 5 is out of range [0, 2)"); negative indices are refused."""
+    value = checks.integer(value, field)
+    if not 0 <= value < size:
+        raise invalid(field, f"{what} index {value} is out of range [0, {size})")
+    return value
+
+
+def ingest(source: PackedTokens | SegmentTree, cancel=None) -> RolloutBatch:
     """The batch of packed tokens (:meth:`RolloutBatch.from_arrays`) or of a compacted tree
-    (:meth:`RolloutBatch.from_segment_tree`); raises as those do, with their field names."""
+    (:meth:`RolloutBatch.from_segment_tree`); raises as those do, with their field names.
+    ``cancel`` (a :class:`CancelToken`) as there."""
     if isinstance(source, SegmentTree):
-        return RolloutBatch.from_segment_tree(source)
+        return RolloutBatch.from_segment_tree(source, cancel)
     if isinstance(source, PackedTokens):
-        return RolloutBatch.from_arrays(source.tokens, source.offsets, source.tree_ids)
+        return RolloutBatch.from_arrays(source.tokens, source.offsets, source.tree_ids, cancel)
     raise invalid("trajectories", f"must be PackedTokens or SegmentTree, got {type(source).__name__}")

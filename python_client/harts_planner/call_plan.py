@@ -40,7 +40,7 @@ import types
 import numpy as np
 
 from harts_planner import _native, checks
-from harts_planner.errors import InvalidArgumentError, invalid
+from harts_planner.errors import InvalidArgumentError, cancel_token, invalid
 from harts_planner.fields import NativeField
 
 MAX_CHUNK_SIZE: int = checks.MAX_CHUNK_SIZE
@@ -128,6 +128,87 @@ DEBUG_FIELDS: dict[str, np.dtype] = {
 #: Every array of a call plan (:data:`LAYOUT_FIELDS` then :data:`DEBUG_FIELDS`): equality and the
 #: wire codec use this table.
 ARRAY_FIELDS: dict[str, np.dtype] = {**LAYOUT_FIELDS, **DEBUG_FIELDS}
+
+
+def _links(shape, n: int) -> int:
+    return n if shape.batch_links else 0
+
+
+#: Length of every array of :data:`ARRAY_FIELDS` from a plan's shape (``harts_planner._native.CallShape``,
+#: ``harts/plan_cost.h``: V ``segments``, C ``rows``, R ``replay_rows``, Q ``sequences``, the
+#: ``roots``, K ``rounds``, P ``state_slots``, k ``trajectories``, S_M ``semantic_tokens``) and the
+#: convolution context ``w - 1``, as ``(part linear in the shape, constant per plan)``: the length is
+#: ``linear(shape, context) + constant``, and for a sum of shapes over ``plans`` plans the summed
+#: lengths are ``linear(sum, context) + plans * constant``. The batch links are empty for a bare
+#: forest. For an exact shape every length is the plan's own, except those counted by K and P, and
+#: ``segment_children`` (V - roots), which are bounds (tests/planner/test_cost.py).
+ARRAY_LENGTHS: dict[str, tuple] = {
+    "segment_start": (lambda s, c: s.segments, 0),
+    "segment_end": (lambda s, c: s.segments, 0),
+    "segment_parent": (lambda s, c: s.segments, 0),
+    "segment_child_offsets": (lambda s, c: s.segments, 1),
+    "segment_children": (lambda s, c: s.segments, 0),
+    "segment_roots": (lambda s, c: s.roots, 0),
+    "segment_physical_begin": (lambda s, c: s.segments, 0),
+    "round_sequence_offsets": (lambda s, c: s.rounds, 1),
+    "sequence_state_slot": (lambda s, c: s.sequences, 0),
+    "sequence_request_offsets": (lambda s, c: s.sequences, 1),
+    "request_sequence": (lambda s, c: s.state_slots, 0),
+    "request_chunk": (lambda s, c: s.state_slots, 0),
+    "request_slot": (lambda s, c: s.state_slots, 0),
+    "row_to_physical": (lambda s, c: s.rows, 0),
+    "position_ids": (lambda s, c: s.rows, 0),
+    "sequence_physical_offsets": (lambda s, c: s.sequences, 1),
+    "packed_offsets": (lambda s, c: s.rounds, 1),
+    "gather_index": (lambda s, c: s.rows + s.replay_rows, 0),
+    "packed_output_row": (lambda s, c: s.rows + s.replay_rows, 0),
+    "cu_offsets": (lambda s, c: s.rounds, 1),
+    "cu_seqlens": (lambda s, c: s.sequences + s.rounds, 0),
+    "own_conv_context": (lambda s, c: s.sequences * c, 0),
+    "trajectories": (lambda s, c: s.trajectories, 0),
+    "row_to_global": (lambda s, c: _links(s, s.rows), 0),
+    "physical_to_global": (lambda s, c: _links(s, s.rows), 0),
+    "semantic_offsets": (lambda s, c: _links(s, s.trajectories + 1), 0),
+    "semantic_to_physical": (lambda s, c: s.semantic_tokens, 0),
+    "segment_row_begin": (lambda s, c: s.segments, 0),
+    "t_pre": (lambda s, c: s.segments, 0),
+    "t_in": (lambda s, c: s.segments, 0),
+    "direct_child": (lambda s, c: s.segments, 0),
+    "segment_sequence": (lambda s, c: s.segments, 0),
+    "sequence_round": (lambda s, c: s.sequences, 0),
+    "sequence_chain_offsets": (lambda s, c: s.sequences, 1),
+    "sequence_chain": (lambda s, c: s.segments, 0),
+    "sequence_anchor": (lambda s, c: s.sequences, 0),
+    "sequence_start": (lambda s, c: s.sequences, 0),
+    "sequence_end": (lambda s, c: s.sequences, 0),
+    "slot_producer": (lambda s, c: s.state_slots, 0),
+    "slot_position": (lambda s, c: s.state_slots, 0),
+    "slot_segment": (lambda s, c: s.state_slots, 0),
+    "physical_to_row": (lambda s, c: s.rows, 0),
+    "round_physical_offsets": (lambda s, c: s.rounds, 1),
+    "request_position": (lambda s, c: s.state_slots, 0),
+    "sequence_replay_length": (lambda s, c: s.sequences, 0),
+    "conv_context": (lambda s, c: s.sequences * c, 0),
+}
+
+#: Protobuf framing of one ``bytes`` field (a tag of at most 2 bytes, a length of at most 5) and of
+#: one ``int64`` or ``bool`` scalar (tag and varint, at most 11 bytes).
+_BYTES_FIELD_FRAMING, _SCALAR_FRAMING = 7, 11
+
+
+def wire_bytes(shape, conv_width: int, debug: bool = True, plans: int = 1) -> int:
+    """Upper bound on the serialized size of the ``harts.planner.v1.CallPlan`` message(s) of a plan
+    of ``shape``, or of ``plans`` plans whose shapes sum to ``shape``: every array's bytes
+    (:data:`ARRAY_LENGTHS` times its dtype's size; the debug arrays only when ``debug``) and
+    framing, the scalars and ``debug_omitted``. O(1)."""
+    context = conv_width - 1
+    fields = ARRAY_FIELDS if debug else LAYOUT_FIELDS
+    payload = sum(
+        (ARRAY_LENGTHS[name][0](shape, context) + plans * ARRAY_LENGTHS[name][1]) * dtype.itemsize
+        for name, dtype in fields.items()
+    )
+    framing = len(fields) * _BYTES_FIELD_FRAMING + (len(SCALAR_FIELDS) + 1) * _SCALAR_FRAMING
+    return payload + plans * framing
 
 
 def debug_omitted(name: str) -> InvalidArgumentError:
@@ -318,7 +399,8 @@ class CallPlanDebug(_PlanPart):
     )
 
     def chain(self, q: int) -> np.ndarray:
-        """Segments of sequence ``q``."""
+        """Segments of sequence ``q``, ``0 <= q < Q`` (InvalidArgumentError naming ``q`` otherwise)."""
+        q = checks.index(q, "q", self._native.num_sequences)
         o = self.sequence_chain_offsets
         return self.sequence_chain[o[q] : o[q + 1]]
 
@@ -420,7 +502,8 @@ class CallPlan(CallLayout, CallPlanDebug):
 
     # ------------------------------------------------------------------ helpers over the layout
     def children(self, v: int) -> np.ndarray:
-        """Children of segment ``v``."""
+        """Children of segment ``v``, ``0 <= v < V`` (InvalidArgumentError naming ``v`` otherwise)."""
+        v = checks.index(v, "v", self.num_segments)
         o = self.segment_child_offsets
         return self.segment_children[o[v] : o[v + 1]]
 
@@ -447,7 +530,8 @@ class CallPlan(CallLayout, CallPlanDebug):
 
     # ------------------------------------------------------------------ description
     def sequence_dict(self, q: int) -> dict:
-        """JSON-able description of sequence ``q`` (reads the debug part)."""
+        """JSON-able description of sequence ``q``, ``0 <= q < Q`` (reads the debug part)."""
+        q = checks.index(q, "q", self.num_sequences)
         slot = int(self.sequence_state_slot[q])
         ro = self.sequence_request_offsets
         requests = [
@@ -525,7 +609,11 @@ class CallPlan(CallLayout, CallPlanDebug):
 
 
 def plan_calls(
-    batch, chunk_size: int = DEFAULT_CHUNK_SIZE, trajectories=None, conv_width: int = DEFAULT_CONV_WIDTH
+    batch,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    trajectories=None,
+    conv_width: int = DEFAULT_CONV_WIDTH,
+    cancel=None,
 ) -> CallPlan:
     """Minimum-call plan and compact physical layout of one microbatch (Algorithm 1).
 
@@ -540,6 +628,8 @@ def plan_calls(
         for :attr:`CallPlan.semantic_to_physical`). ``None`` plans the whole batch.
     conv_width : int
         w, in ``[1, MAX_CONV_WIDTH]``; sets the shape of :attr:`CallPlan.conv_context`.
+    cancel : CancelToken, optional
+        Stops the planning within milliseconds once cancelled or past its deadline.
 
     Returns
     -------
@@ -550,34 +640,64 @@ def plan_calls(
     InvalidArgumentError
         ``batch`` not a RolloutBatch; ``chunk_size`` or ``conv_width`` out of range or not an
         integer; ``trajectories``
-        empty, not 1-D integers, an index out of range (``trajectories[j]``) or repeated.
+        empty, not 1-D integers, an index out of range (``trajectories[j]``) or repeated;
+        ``cancel`` not a CancelToken.
     ResourceLimitError
-        A round packs more than 2^31 - 1 rows.
+        A round packs more than 2^31 - 1 rows (``chunk_size``), or the plan would allocate more
+        than :func:`max_plan_bytes` (``trajectories``; :func:`harts_planner.estimate_cost` tells
+        beforehand).
+    PlanCancelledError
+        ``cancel`` fired.
+
+    Costs O(k log k + C + R + S_M) for the microbatch's k trajectories, C rows, R replay rows and
+    S_M tokens, whatever the size of the batch. The GIL is released while planning.
     """
     if not isinstance(getattr(batch, "_native", None), _native.CompactBatch):
         raise invalid("batch", f"must be a RolloutBatch, got {type(batch).__name__}")
     chunk_size = checks.chunk_size(chunk_size)
     conv_width = checks.conv_width(conv_width)
     ids = None if trajectories is None else checks.trajectory_ids(trajectories, "trajectories")
-    return CallPlan(_native.plan_calls(batch._native, chunk_size, ids, conv_width))
+    return CallPlan(_native.plan_calls(batch._native, chunk_size, ids, conv_width, cancel_token(cancel)))
 
 
 def plan_segment_forest(
-    parent, start, end, chunk_size: int = DEFAULT_CHUNK_SIZE, conv_width: int = DEFAULT_CONV_WIDTH
+    parent,
+    start,
+    end,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    conv_width: int = DEFAULT_CONV_WIDTH,
+    cancel=None,
 ) -> CallPlan:
     """Plan an already compacted segment forest (no token batch): per segment its parent
     (-1 for a root), start and end positions. Children follow increasing id; rows are numbered
     in DFS preorder. The batch links (:attr:`CallPlan.row_to_global`, semantic maps) are empty.
 
     Raises InvalidArgumentError naming ``parent[i]``, ``start[i]``, ``end[i]``, ``chunk_size``
-    or ``conv_width`` (a root must start at 0; a child starts at its parent's end)."""
+    or ``conv_width`` (a root must start at 0; a child starts at its parent's end);
+    ResourceLimitError naming ``end`` for a plan over :func:`max_plan_bytes`; PlanCancelledError
+    when ``cancel`` (a CancelToken) fires. Releases the GIL."""
     chunk_size = checks.chunk_size(chunk_size)
     conv_width = checks.conv_width(conv_width)
+    cancel = cancel_token(cancel)
     arrays = [
         checks.int_array(v, np.int32, name)
         for name, v in (("parent", parent), ("start", start), ("end", end))
     ]
-    return CallPlan(_native.plan_segment_forest(*arrays, chunk_size, conv_width))
+    return CallPlan(_native.plan_segment_forest(*arrays, chunk_size, conv_width, cancel))
+
+
+def max_plan_bytes() -> int:
+    """The most bytes one call plan may allocate (default 16 GiB): :func:`plan_calls` and
+    :func:`plan_segment_forest` refuse a larger plan with ResourceLimitError before allocating it
+    (the C++ backstop of ``harts/plan_cost.h``; :func:`harts_planner.estimate_cost` computes the
+    same bound from a request)."""
+    return _native.max_plan_bytes()
+
+
+def set_max_plan_bytes(limit: int) -> int:
+    """Set :func:`max_plan_bytes` for the whole process (``limit >= 1``); returns the previous
+    limit. InvalidArgumentError (field ``max_plan_bytes``) for a bad value."""
+    return _native.set_max_plan_bytes(checks.int64(limit, "max_plan_bytes", 1))
 
 
 __all__ = [
@@ -586,6 +706,10 @@ __all__ = [
     "CallPlanDebug",
     "plan_calls",
     "plan_segment_forest",
+    "max_plan_bytes",
+    "set_max_plan_bytes",
+    "wire_bytes",
+    "ARRAY_LENGTHS",
     "MAX_CHUNK_SIZE",
     "MAX_CONV_WIDTH",
     "DEFAULT_CHUNK_SIZE",

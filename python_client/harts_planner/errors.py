@@ -1,23 +1,34 @@
-"""Planner errors. Every class subclasses :class:`ValueError` and carries ``field``.
+"""Planner errors and cancellation. Every error class subclasses :class:`ValueError` and carries ``field``.
 
-=====================  ========================  =====================
+=====================  ========================  =====================================
 Python                 C++                       gRPC status
-=====================  ========================  =====================
+=====================  ========================  =====================================
 InvalidArgumentError   harts::InvalidArgument    INVALID_ARGUMENT
 ResourceLimitError     harts::ResourceExhausted  RESOURCE_EXHAUSTED
 InfeasibleError        harts::FailedPrecondition FAILED_PRECONDITION
-=====================  ========================  =====================
+PlanCancelledError     harts::Cancelled          CANCELLED (``field == "cancelled"``) or
+                                                 DEADLINE_EXCEEDED (``field == "deadline"``)
+=====================  ========================  =====================================
 
 The gRPC column, with the google.rpc detail that names the field, is the table
 :data:`harts_planner.rpc.status.TABLE` that the sidecar's server and client both use.
+
+Cancellation (``harts/cancel.h``): a :class:`CancelToken` passed as ``cancel=`` to
+:func:`~harts_planner.plan_calls`, :func:`~harts_planner.plan_step` or the
+:class:`~harts_planner.RolloutBatch` constructors stops the call within milliseconds once another
+thread calls :meth:`CancelToken.cancel` or its :meth:`CancelToken.set_deadline` passes; the call
+then raises :class:`PlanCancelledError` (``deadline_exceeded`` tells which) and returns nothing. The
+planning calls release the GIL, so other Python threads run meanwhile.
 """
 
 from __future__ import annotations
 
 from harts_planner._native import (  # noqa: F401  (re-exported)
+    CancelToken,
     HartsError,
     InfeasibleError,
     InvalidArgumentError,
+    PlanCancelledError,
     ResourceLimitError,
 )
 
@@ -29,4 +40,29 @@ def invalid(field: str, message: str) -> InvalidArgumentError:
     return err
 
 
-__all__ = ["HartsError", "InvalidArgumentError", "ResourceLimitError", "InfeasibleError", "invalid"]
+def resource_limit(field: str, message: str) -> ResourceLimitError:
+    """Build a :class:`ResourceLimitError` for ``field`` (formatted like the C++ ones)."""
+    err = ResourceLimitError(f"{field}: {message}")
+    err.field = field
+    return err
+
+
+def cancel_token(cancel, field: str = "cancel") -> CancelToken | None:
+    """``cancel`` when it is None or a :class:`CancelToken`; InvalidArgumentError naming ``field``
+    otherwise."""
+    if cancel is not None and not isinstance(cancel, CancelToken):
+        raise invalid(field, f"must be a harts_planner.CancelToken or None, got {type(cancel).__name__}")
+    return cancel
+
+
+__all__ = [
+    "CancelToken",
+    "HartsError",
+    "InvalidArgumentError",
+    "ResourceLimitError",
+    "InfeasibleError",
+    "PlanCancelledError",
+    "cancel_token",
+    "invalid",
+    "resource_limit",
+]

@@ -182,6 +182,56 @@ def test_exact_mode_beats_every_contiguous_partition(trajs, dp_size, slack):
             )
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    tree_batches(max_n=40, max_len=12),
+    st.integers(1, 4),
+    st.sampled_from([0, 1, 3, 20, 60]),
+    st.sampled_from([2, 3, 32]),
+    st.booleans(),
+)
+def test_heuristic_search_never_exceeds_the_contiguous_optimum(trajs, dp_size, slack, samples, shared_prefix):
+    """Heuristic search (N0 = 0, few sampled K) never plans more compact work than the best exact
+    contiguous partition over its K range (computed here by the exact DP of Eq. 9 for every K)."""
+    if shared_prefix:
+        trajs = [[9, 9, *t] for t in trajs]  # a common system prompt: one component
+    batch = RolloutBatch.from_token_lists(trajs)
+    capacity = int(batch.lengths.max()) + slack
+    try:
+        plan = plan_step(batch, dp_size, capacity, exact_threshold=0, max_sampled_k=samples)
+    except InfeasibleError:
+        return
+    check_plan(batch, plan, dp_size, capacity)
+    k_min, k_max = plan.k_range
+    exact = _native.exact_contiguous_partitions(
+        batch._native, capacity, list(range(k_min, k_max + 1, dp_size))
+    )
+    feasible = [r["total_work"] for r in exact if r["feasible"]]
+    if feasible:
+        assert plan.total_work <= min(feasible)
+        assert any(
+            c["source"].startswith("contiguous-optimum") and c["objective"][0] == min(feasible)
+            for c in plan.candidates
+        )
+
+
+def test_plans_from_a_segment_tree_match_the_token_batch():
+    """A larger heuristic step (several swe-like-shaped trees behind a common prefix): the batch
+    built from its segment tree plans byte for byte like the token batch."""
+    rng = np.random.default_rng(7)
+    trajs = [
+        [1, 1, 1, int(t), *rng.integers(0, 3, size=rng.integers(1, 30)).tolist()]
+        for t in rng.integers(0, 40, 900)
+    ]
+    batch = RolloutBatch.from_token_lists(trajs)
+    tree_batch = RolloutBatch.from_segment_tree(batch.segment_tree())
+    for dp in (1, 3):
+        a, b = plan_step(batch, dp, 200), plan_step(tree_batch, dp, 200)
+        check_plan(batch, a, dp, 200)
+        assert a.to_dict()["microbatches"] == b.to_dict()["microbatches"]
+        assert a.objective == b.objective and a.source == b.source
+
+
 def test_identical_trajectories_share_everything():
     batch = RolloutBatch.from_token_lists([[5, 6, 7, 8]] * 6)
     plan = plan_step(batch, 3, 4)

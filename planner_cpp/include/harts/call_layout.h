@@ -23,12 +23,19 @@
 //                  only its own rows and gathers replay rows after the convolution.
 //
 // Limits: every round's packed rows must fit int32 (cu_seqlens); ResourceExhausted otherwise.
+// PlanMicrobatch and PlanSegmentForest also refuse, before laying anything out, a plan whose
+// allocations (CallPlanBytes of plan_cost.h, an upper bound) exceed MaxPlanBytes():
+// ResourceExhausted naming "trajectories" (the microbatch) or "end" (a bare forest's rows).
+//
+// Cancellation: every function here takes a trailing `cancel` (cancel.h; may be null), polls it
+// once per segment and sequence and once per block of rows, and throws Cancelled when it fires.
 #ifndef HARTS_CALL_LAYOUT_H_
 #define HARTS_CALL_LAYOUT_H_
 
 #include <cstdint>
 #include <vector>
 
+#include "harts/cancel.h"
 #include "harts/min_call.h"
 #include "harts/rollout_batch.h"
 #include "harts/segment_forest.h"
@@ -76,7 +83,8 @@ struct CallLayout {
 };
 
 // Builds the layout of `plan` over `forest`. O(C + R + Q * w) time and space.
-CallLayout BuildCallLayout(const SegmentForest& forest, const MinCallPlan& plan, int64_t conv_width);
+CallLayout BuildCallLayout(const SegmentForest& forest, const MinCallPlan& plan, int64_t conv_width,
+                           CancelToken* cancel = nullptr);
 
 // A complete plan for one microbatch: its segment forest, the min-call plan, the layout, and
 // the links back to the batch.
@@ -95,16 +103,20 @@ struct MicrobatchCallPlan {
 
 // Plans the microbatch made of trajectories ids[0, k) of `batch` (all of them when
 // ids == nullptr). Errors: InvalidArgument "trajectories" (empty, out of range, repeated),
-// "chunk_size", "conv_width"; ResourceExhausted for int32 overflow of packed rows.
-// O(k log k + C + R + |V| * w) beyond the batch's own index.
+// "chunk_size", "conv_width"; ResourceExhausted for int32 overflow of packed rows ("chunk_size")
+// and for a plan over MaxPlanBytes() ("trajectories"); Cancelled.
+// O(k log k + C + R + S_M + |V| * w) for the microbatch's C rows, R replay rows and S_M semantic
+// positions, beyond the batch's own index: nothing of size O(batch) is read or built (in
+// particular not the batch's per-row arrays, which a batch from FromSegmentTree builds lazily).
 MicrobatchCallPlan PlanMicrobatch(const RolloutBatch& batch, const int32_t* ids, int64_t k, int64_t chunk_size,
-                                  int64_t conv_width);
+                                  int64_t conv_width, CancelToken* cancel = nullptr);
 
 // Plans a bare segment forest (a topology from segment_tree.h, e.g. SegmentForestFromArrays).
 // Errors: InvalidArgument "chunk_size", "conv_width"; ResourceExhausted "chunk_size" when a
-// round packs more than int32 rows.
+// round packs more than int32 rows, "end" for a plan over MaxPlanBytes(); Cancelled.
 // O(|V| + C + R + |V| * w).
-MicrobatchCallPlan PlanSegmentForest(SegmentForest forest, int64_t chunk_size, int64_t conv_width);
+MicrobatchCallPlan PlanSegmentForest(SegmentForest forest, int64_t chunk_size, int64_t conv_width,
+                                     CancelToken* cancel = nullptr);
 
 }  // namespace harts
 

@@ -12,9 +12,17 @@
 //
 // Cost: `Poll()` is one relaxed atomic load plus, every kClockStride-th call, one steady-clock read;
 // a loop that polls once per O(1)-to-O(log n) iteration stops within microseconds of the request.
-// Entry points take `CancelToken* cancel` (nullptr: never cancelled). INVARIANT: only the planning
-// thread calls Poll() (its stride counter is not shared); Cancel() and the deadline setters may be
-// called from any thread at any time.
+// Entry points take `CancelToken* cancel` (nullptr: never cancelled). Cancel() and the deadline
+// setters may be called from any thread at any time. Poll() is meant for the planning thread; the
+// stride counter is a relaxed atomic updated without a read-modify-write, so that two plans sharing
+// one token (a caller cancelling several at once) race on nothing but may lose counts (a clock read
+// comes a little later; never a missed cancellation).
+//
+// Loops. A loop whose iterations cost O(1) to O(log n) calls Poll() once per iteration; a loop over
+// rows or tokens, whose iterations cost a few nanoseconds, polls once per block of kPollBlock
+// iterations (ForEachBlock below); a loop whose iterations vary in cost polls in both places. Every
+// entry point also calls Check() once on entry, so that an expired deadline stops even a call too
+// short to reach kClockStride polls.
 #ifndef HARTS_CANCEL_H_
 #define HARTS_CANCEL_H_
 
@@ -22,7 +30,11 @@
 #include <chrono>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <string>
+#include <system_error>
+#include <thread>
+#include <vector>
 
 #include "harts/errors.h"
 
@@ -62,7 +74,9 @@ class CancelToken {
   // on every kClockStride-th call). O(1).
   void Poll() {
     if (cancelled_.load(std::memory_order_relaxed)) throw Cancelled("cancelled", "the plan was cancelled");
-    if (++polls_ % kClockStride == 0) CheckDeadline();
+    const uint32_t polls = polls_.load(std::memory_order_relaxed) + 1;
+    polls_.store(polls, std::memory_order_relaxed);
+    if (polls % kClockStride == 0) CheckDeadline();
   }
 
   // As Poll(), reading the clock now (for coarse checkpoints between phases).
@@ -82,12 +96,79 @@ class CancelToken {
   static constexpr int64_t kNoDeadline = std::numeric_limits<int64_t>::max();
   std::atomic<bool> cancelled_{false};
   std::atomic<int64_t> deadline_ns_{kNoDeadline};
-  uint32_t polls_ = 0;
+  std::atomic<uint32_t> polls_{0};
 };
 
 // Poll(token) for an optional token.
 inline void Poll(CancelToken* token) {
   if (token != nullptr) token->Poll();
+}
+
+// Check(token) for an optional token (phase boundaries).
+inline void Check(CancelToken* token) {
+  if (token != nullptr) token->Check();
+}
+
+// Iterations of a per-row or per-token loop between two polls, and elements of a bulk copy or
+// fill (memcpy speed) between two polls.
+inline constexpr int64_t kPollBlock = int64_t{1} << 10;
+inline constexpr int64_t kPollChunk = int64_t{1} << 14;
+
+// Calls body(lo, hi) on the consecutive pieces [lo, hi) of [begin, end), each at most `chunk`
+// long, polling `token` (may be null) before each piece.
+template <typename Body>
+void ForEachChunk(int64_t begin, int64_t end, int64_t chunk, CancelToken* token, Body&& body) {
+  for (int64_t lo = begin; lo < end; lo += chunk) {
+    Poll(token);
+    body(lo, end - lo > chunk ? lo + chunk : end);
+  }
+}
+
+// v->assign(n, value) in pieces of kPollChunk elements, polling `token` (may be null) before each:
+// a vector of billions of elements is filled at memset speed with no long stretch between polls.
+// One allocation (reserve), as assign would make.
+template <typename T>
+void AssignPolled(std::vector<T>* v, int64_t n, const T& value, CancelToken* token) {
+  v->clear();
+  v->reserve(static_cast<size_t>(n));
+  ForEachChunk(0, n, kPollChunk, token, [&](int64_t, int64_t hi) { v->resize(static_cast<size_t>(hi), value); });
+}
+
+// v->assign(first, first + n) in pieces, as AssignPolled.
+template <typename T>
+void CopyPolled(std::vector<T>* v, const T* first, int64_t n, CancelToken* token) {
+  v->clear();
+  v->reserve(static_cast<size_t>(n));
+  ForEachChunk(0, n, kPollChunk, token, [&](int64_t lo, int64_t hi) { v->insert(v->end(), first + lo, first + hi); });
+}
+
+// v->resize(n) from empty, value-initialized, as AssignPolled.
+template <typename T>
+void ResizePolled(std::vector<T>* v, int64_t n, CancelToken* token) {
+  AssignPolled(v, n, T(), token);
+}
+
+// Destroys `owned` on a short-lived detached thread, so that a call stopped by Cancelled (or any
+// other error) returns at once instead of first handing its touched memory back to the system,
+// which costs tens of milliseconds per GB. Destroys it here when no thread can be started.
+template <typename T>
+void DestroyInBackground(std::unique_ptr<T> owned) {
+  if (owned == nullptr) return;
+  T* raw = owned.release();
+  try {
+    std::thread([raw] { delete raw; }).detach();
+  } catch (const std::system_error&) {
+    delete raw;
+  }
+}
+
+// Calls body(i) for i in [begin, end), polling `token` (may be null) before every kPollBlock
+// iterations. O(end - begin) calls plus (end - begin) / kPollBlock polls.
+template <typename Body>
+void ForEachBlock(int64_t begin, int64_t end, CancelToken* token, Body&& body) {
+  ForEachChunk(begin, end, kPollBlock, token, [&body](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) body(i);
+  });
 }
 
 }  // namespace harts

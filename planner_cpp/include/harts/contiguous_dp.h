@@ -15,13 +15,15 @@
 // Only those starts are visited.
 //
 // Complexity: O(k_max * sum_e (e - first(e))) time, at most O(k_max * N^2) and typically
-// O(k_max * N * N / K0); O(k_max * N) memory.
+// O(k_max * N * N / K0); O(k_max * N) memory. Polls `cancel` (cancel.h) once per table cell
+// F[k, e].
 #ifndef HARTS_CONTIGUOUS_DP_H_
 #define HARTS_CONTIGUOUS_DP_H_
 
 #include <cstdint>
 #include <vector>
 
+#include "harts/cancel.h"
 #include "harts/microbatch.h"
 
 namespace harts {
@@ -36,7 +38,8 @@ struct ContiguousResult {
 
 // The optimal contiguous partition of all N ranks for each requested k (any order,
 // each 1 <= k; k > N is reported infeasible). One table serves every k.
-std::vector<ContiguousResult> ExactContiguousPartitions(const PlanContext& ctx, const std::vector<int64_t>& ks);
+std::vector<ContiguousResult> ExactContiguousPartitions(const PlanContext& ctx, const std::vector<int64_t>& ks,
+                                                        CancelToken* cancel = nullptr);
 
 }  // namespace harts
 

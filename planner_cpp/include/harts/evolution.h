@@ -15,13 +15,19 @@
 // descending order and targets above K0 by one split sequence in ascending order, so
 // each snapshot is the evolved partition at that K.
 //
-// Complexity: O(K0) per merge (O(K0^2) for the whole merge sequence) and O(N) per split.
+// Both run on heaps instead of rescans: merges on a lazy heap of (saving, merged work, cut)
+// over a linked list of cuts (a merge changes only the two neighbouring pairs), splits on an
+// ordered set of every microbatch's best cut (natural_partition.h's BestValleyCut without
+// the difference key), refreshed for the two halves of each split.
+// Complexity: O(K0 log K0) for the merge sequence, O(log N + log K) per split, O(K) per
+// requested snapshot. Polls `cancel` (cancel.h) once per merge or split.
 #ifndef HARTS_EVOLUTION_H_
 #define HARTS_EVOLUTION_H_
 
 #include <cstdint>
 #include <vector>
 
+#include "harts/cancel.h"
 #include "harts/microbatch.h"
 
 namespace harts {
@@ -34,7 +40,7 @@ struct EvolvedPartition {
 
 // One result per target (same order as `targets`). `natural` is P0's cuts.
 std::vector<EvolvedPartition> EvolvePartition(const PlanContext& ctx, const std::vector<int32_t>& natural,
-                                              const std::vector<int64_t>& targets);
+                                              const std::vector<int64_t>& targets, CancelToken* cancel = nullptr);
 
 }  // namespace harts
 

@@ -29,8 +29,11 @@
 // RunGreedy runs all 4 x 2 plans and keeps the one with the fewest microbatches, then
 // the least total work, then the first in (order, policy) enumeration order.
 //
-// Complexity: O(N * K * log(N / K)) per plan (each trajectory probes every microbatch),
-// plus O(N * K * log) for elimination and O(N) per alignment split.
+// Every destination search (placement and elimination) is exact but runs on a
+// PlacementIndex (placement_index.h) instead of probing all K microbatches.
+// Complexity: O(N log N) per plan for rollout batches (bounded trees; see
+// placement_index.h for the general bound), elimination likewise, alignment O(N + D log N).
+// Every long loop polls `cancel` (cancel.h) and throws Cancelled when it is set.
 #ifndef HARTS_GREEDY_H_
 #define HARTS_GREEDY_H_
 
@@ -38,12 +41,14 @@
 #include <string>
 #include <vector>
 
+#include "harts/cancel.h"
 #include "harts/microbatch.h"
+#include "harts/placement_index.h"
 
 namespace harts {
 
 enum class GreedyOrder { kLexAscending = 0, kLexDescending = 1, kLengthDesc = 2, kUniqueSuffix = 3 };
-enum class GreedyPolicy { kBestFit = 0, kMaxShared = 1 };
+// GreedyPolicy (kBestFit, kMaxShared) is defined in placement_index.h.
 
 const char* GreedyOrderName(GreedyOrder order);
 const char* GreedyPolicyName(GreedyPolicy policy);
@@ -51,12 +56,14 @@ const char* GreedyPolicyName(GreedyPolicy policy);
 // The processing order of ranks for `order`.
 std::vector<int32_t> ProcessingOrder(const PlanContext& ctx, GreedyOrder order);
 
-// Places every rank in `sequence` (a permutation of [0, N)) by `policy`.
-Grouping GreedyPlace(const PlanContext& ctx, const std::vector<int32_t>& sequence, GreedyPolicy policy);
+// Places every rank in `sequence` (distinct ranks, e.g. a permutation of [0, N)) by `policy`.
+Grouping GreedyPlace(const PlanContext& ctx, const std::vector<int32_t>& sequence, GreedyPolicy policy,
+                     CancelToken* cancel = nullptr);
 
-// Steps 1 and 2 above, in place; false when K cannot be aligned to dp_size.
-bool EliminateSmallMicrobatches(const PlanContext& ctx, Grouping& g);
-bool AlignToDp(const PlanContext& ctx, Grouping& g, int64_t dp_size);
+// Steps 1 and 2 above, in place. EliminateSmallMicrobatches returns whether it dissolved a
+// microbatch; AlignToDp returns false when K cannot be aligned to dp_size.
+bool EliminateSmallMicrobatches(const PlanContext& ctx, Grouping& g, CancelToken* cancel = nullptr);
+bool AlignToDp(const PlanContext& ctx, Grouping& g, int64_t dp_size, CancelToken* cancel = nullptr);
 
 struct GreedyResult {
   bool feasible = false;
@@ -64,7 +71,7 @@ struct GreedyResult {
   std::string name;  // e.g. "lex-ascending/best-fit"
 };
 
-GreedyResult RunGreedy(const PlanContext& ctx, int64_t dp_size);
+GreedyResult RunGreedy(const PlanContext& ctx, int64_t dp_size, CancelToken* cancel = nullptr);
 
 // Component greedy (an extension beyond the paper; PlannerOptions::component_greedy).
 // The compact trie's connected components (rollout trees as recovered from shared tokens)
@@ -80,8 +87,9 @@ GreedyResult RunGreedy(const PlanContext& ctx, int64_t dp_size);
 // Rationale: the global greedy lets trees interfere and contiguous candidates cannot pick
 // the best subset of a large tree's branches; per-tree partitions fix both (on the
 // swe-like preset they match CP-SAT's per-tree optimum).
-// Complexity: O(sum_c 8 * n_c * k_c * log) for the components plus O(I * K) packing.
-GreedyResult RunComponentGreedy(const PlanContext& ctx, int64_t dp_size);
+// Complexity: the 8 plans of every large component as above, plus O(I log K) packing
+// of I items (an ordered set of bins by work).
+GreedyResult RunComponentGreedy(const PlanContext& ctx, int64_t dp_size, CancelToken* cancel = nullptr);
 
 }  // namespace harts
 

@@ -9,12 +9,15 @@
 //   adjacent LCP lcp[r] = LCP(x_{order[r-1]}, x_{order[r]}) for r >= 1, lcp[0] = 0.
 //
 // Complexity: the sort performs O(N log N) comparisons, each costing O(LCP) token
-// comparisons done 64 bytes at a time; the adjacent LCPs cost O(sum of LCPs).
+// comparisons done 64 bytes at a time; the adjacent LCPs cost O(sum of LCPs). Both poll `cancel`
+// (cancel.h; may be null) once per comparison and throw Cancelled when it fires.
 #ifndef HARTS_LEX_ORDER_H_
 #define HARTS_LEX_ORDER_H_
 
 #include <cstdint>
 #include <vector>
+
+#include "harts/cancel.h"
 
 namespace harts {
 
@@ -34,10 +37,11 @@ struct TrajectoryView {
 int64_t CommonPrefixLength(const int32_t* a, int64_t n, const int32_t* b, int64_t m);
 
 // Stable lexicographic order: order[r] is the index of the trajectory of rank r.
-std::vector<int32_t> LexicographicOrder(const TrajectoryView& view);
+std::vector<int32_t> LexicographicOrder(const TrajectoryView& view, CancelToken* cancel = nullptr);
 
 // Adjacent LCPs of `order` (see glossary); lcp[0] = 0.
-std::vector<int32_t> AdjacentLcp(const TrajectoryView& view, const std::vector<int32_t>& order);
+std::vector<int32_t> AdjacentLcp(const TrajectoryView& view, const std::vector<int32_t>& order,
+                                 CancelToken* cancel = nullptr);
 
 }  // namespace harts
 

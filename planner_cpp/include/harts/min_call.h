@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "harts/cancel.h"
 #include "harts/segment_forest.h"
 
 namespace harts {
@@ -44,6 +45,11 @@ inline constexpr int64_t kMaxChunkSize = int64_t{1} << 20;
 // Throws InvalidArgument("chunk_size", "must be in [1, kMaxChunkSize], got ...") unless
 // 1 <= chunk_size <= kMaxChunkSize.
 void ValidateChunkSize(int64_t chunk_size);
+
+// The segments of `forest`, every parent before its children: the ids themselves when every
+// parent id is smaller than its child's (a preorder numbering, as BuildSegmentForest gives),
+// otherwise breadth first from the roots. Precondition: acyclic, topology filled. O(|V|).
+std::vector<int32_t> ParentsFirstOrder(const SegmentForest& forest, CancelToken* cancel = nullptr);
 
 // a(p) = B * floor(p / B) for p >= 0.
 inline int64_t Anchor(int64_t p, int64_t chunk_size) { return p - p % chunk_size; }
@@ -94,7 +100,8 @@ struct MinCallPlan {
 // Preconditions of all three: chunk_size validated (ValidateChunkSize); the forest non-empty
 // and acyclic with its topology filled (start, end, parent, child CSR, roots: a forest from
 // BuildSegmentForest or segment_tree.h); each phase's input made by the phase before it from
-// the same forest and chunk size.
+// the same forest and chunk size. Each phase takes a trailing `cancel` (cancel.h; may be null),
+// polls it once per segment and throws Cancelled when it fires (nothing is returned then).
 
 // Phase 1, counting (Algorithm 1, lines 1-7): T_pre and T_in of every segment, children
 // before parents (Equations 12-14). O(|V| + |E|) time, O(|V|) space.
@@ -102,7 +109,7 @@ struct MinCallCounts {
   std::vector<int32_t> t_pre;  // [V]
   std::vector<int32_t> t_in;   // [V]
 };
-MinCallCounts ComputeMinCallCounts(const SegmentForest& forest, int64_t chunk_size);
+MinCallCounts ComputeMinCallCounts(const SegmentForest& forest, int64_t chunk_size, CancelToken* cancel = nullptr);
 
 // Phase 2, recovery of the direct continuations (lines 8-21). Parents first, a segment v
 // receives (ready, budget K_round, round r) from its parent (a root: ready, T_pre(root),
@@ -118,7 +125,8 @@ struct MinCallRecovery {
   std::vector<int32_t> direct_child;  // [V] the chosen direct continuation, -1 for a leaf
   std::vector<int32_t> round;         // [V] round of the sequence whose chain holds v
 };
-MinCallRecovery RecoverContinuations(const SegmentForest& forest, int64_t chunk_size, const MinCallCounts& counts);
+MinCallRecovery RecoverContinuations(const SegmentForest& forest, int64_t chunk_size, const MinCallCounts& counts,
+                                     CancelToken* cancel = nullptr);
 
 // Phase 3, sequences and state slots (line 22 and the state handoffs). The heads (the roots
 // and every child that is not its parent's direct continuation) become the sequences,
@@ -129,13 +137,13 @@ MinCallRecovery RecoverContinuations(const SegmentForest& forest, int64_t chunk_
 // (producer, position). The counts and the recovery move into the plan. O(|V|) time and
 // space.
 MinCallPlan AssignSequences(const SegmentForest& forest, int64_t chunk_size, MinCallCounts counts,
-                            MinCallRecovery recovery);
+                            MinCallRecovery recovery, CancelToken* cancel = nullptr);
 
 // Algorithm 1: AssignSequences(RecoverContinuations(ComputeMinCallCounts(...))). The plan
 // takes the first child in child order that fits its continuation budget and covers every
 // child over the side budget, and launches side branches in the earliest legal round.
 // Deterministic. O(|V| + |E|) time, O(|V|) space, no recursion. Preconditions as above.
-MinCallPlan PlanMinCalls(const SegmentForest& forest, int64_t chunk_size);
+MinCallPlan PlanMinCalls(const SegmentForest& forest, int64_t chunk_size, CancelToken* cancel = nullptr);
 
 }  // namespace harts
 

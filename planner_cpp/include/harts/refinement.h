@@ -9,19 +9,21 @@
 // positions the leftmost wins). At most `sweeps` sweeps run; refinement stops early
 // after a sweep that moves no cut. K never changes.
 //
-// Complexity: O(K * H) per sweep.
+// Complexity: O(K * H) per sweep. Polls `cancel` (cancel.h) once per cut.
 #ifndef HARTS_REFINEMENT_H_
 #define HARTS_REFINEMENT_H_
 
 #include <cstdint>
 #include <vector>
 
+#include "harts/cancel.h"
 #include "harts/microbatch.h"
 
 namespace harts {
 
 // Refines `cuts` in place; returns the number of cut moves made.
-int64_t RefineBoundaries(const PlanContext& ctx, std::vector<int32_t>& cuts, int64_t window, int64_t sweeps);
+int64_t RefineBoundaries(const PlanContext& ctx, std::vector<int32_t>& cuts, int64_t window, int64_t sweeps,
+                         CancelToken* cancel = nullptr);
 
 }  // namespace harts
 

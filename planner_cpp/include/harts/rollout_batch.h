@@ -32,15 +32,21 @@
 // independent of S: the per-row arrays (row_of_position, multiplicity, row_parent,
 // row_depth, row_segment) are then built on first use, O(S), thread-safe. Lcp and
 // IntervalWork are O(1); SubsetWork is O(k log k) for k trajectories.
+//
+// Cancellation: Ingest, FromSegmentTree and ValidateTrajectories take a trailing `cancel`
+// (cancel.h; may be null), poll it in every loop (once per trajectory comparison, once per block
+// of tokens) and throw Cancelled when it fires; no batch is returned then.
 #ifndef HARTS_ROLLOUT_BATCH_H_
 #define HARTS_ROLLOUT_BATCH_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "harts/cancel.h"
 #include "harts/lex_order.h"
 #include "harts/limits.h"
 #include "harts/rmq.h"
@@ -49,9 +55,13 @@
 
 namespace harts {
 
+// The offsets checks of ValidateTrajectories (counts and limits, offsets[0] = 0, strictly
+// increasing, offsets[N] = num_tokens), without reading a token. O(N).
+void ValidateOffsets(int64_t num_tokens, const int64_t* offsets, int64_t num_offsets, CancelToken* cancel = nullptr);
+
 // Checks the preconditions above; throws InvalidArgument / ResourceExhausted.
 void ValidateTrajectories(const int32_t* tokens, int64_t num_tokens, const int64_t* offsets, int64_t num_offsets,
-                          const int64_t* tree_ids, int64_t num_tree_ids);
+                          const int64_t* tree_ids, int64_t num_tree_ids, CancelToken* cancel = nullptr);
 
 // Throws InvalidArgument naming `field` ("trajectory index i is out of range [0, n)") unless
 // 0 <= i < n.
@@ -62,13 +72,14 @@ class RolloutBatch {
   // Validates and ingests. `tree_ids` may be null (num_tree_ids ignored then).
   // The token buffer is read during the call only; nothing keeps a pointer to it.
   static std::unique_ptr<RolloutBatch> Ingest(const int32_t* tokens, int64_t num_tokens, const int64_t* offsets,
-                                              int64_t num_offsets, const int64_t* tree_ids, int64_t num_tree_ids);
+                                              int64_t num_offsets, const int64_t* tree_ids, int64_t num_tree_ids,
+                                              CancelToken* cancel = nullptr);
 
   // Validates (SegmentForestFromTree, tree_ids as in ValidateTrajectories) and builds the
   // batch of a compacted segment tree; trajectory i is the root-to-trajectory_end[i] path,
   // offsets are the prefix sums of the lengths. O(V + N log N); no per-token work.
   static std::unique_ptr<RolloutBatch> FromSegmentTree(const SegmentTreeView& tree, const int64_t* tree_ids,
-                                                       int64_t num_tree_ids);
+                                                       int64_t num_tree_ids, CancelToken* cancel = nullptr);
 
   int64_t num_trajectories() const { return static_cast<int64_t>(lengths_.size()); }
   int64_t semantic_tokens() const { return offsets_.back(); }
@@ -92,7 +103,9 @@ class RolloutBatch {
   const std::vector<int32_t>& order() const { return order_; }
   const std::vector<int32_t>& rank() const { return rank_; }
   const std::vector<int32_t>& adjacent_lcp() const { return lcp_; }
-  // Per-row arrays; the first call builds them (O(S)) when FromSegmentTree made the batch.
+  // Per-row arrays; the first call builds them (O(S)) when FromSegmentTree made the batch. The
+  // build (and Ingest) throws ResourceExhausted naming "tokens" (Ingest) or "length"
+  // (FromSegmentTree) when the arrays' 4 S + 16 C bytes exceed MaxPlanBytes() (plan_cost.h).
   const std::vector<int32_t>& row_of_position() const {
     EnsureRows();
     return row_of_position_;
@@ -116,15 +129,22 @@ class RolloutBatch {
   const std::vector<int32_t>& segment_root() const { return segment_root_; }
   const std::vector<int32_t>& component() const { return component_; }
   const SegmentForest& forest() const { return forest_; }
+  // True once the per-row arrays exist (always for Ingest; after the first per-row getter for
+  // FromSegmentTree). Call planning (call_layout.h) never builds them.
+  bool rows_built() const { return rows_built_.load(std::memory_order_acquire); }
 
  private:
   RolloutBatch() = default;
   // From offsets_, lengths_, order_ and lcp_: rank, prefix sums, RMQ, forest, components
   // and tree ids (the input ids, or the component index when tree_ids is null).
-  void BuildIndex(const int64_t* tree_ids);
-  void BuildCompactTrie() const;
-  void EnsureRows() const {
-    std::call_once(rows_once_, [this] { BuildCompactTrie(); });
+  void BuildIndex(const int64_t* tree_ids, CancelToken* cancel);
+  void BuildCompactTrie(CancelToken* cancel) const;
+  // A throwing (cancelled) build leaves the flag unset: the next call builds again.
+  void EnsureRows(CancelToken* cancel = nullptr) const {
+    std::call_once(rows_once_, [this, cancel] {
+      BuildCompactTrie(cancel);
+      rows_built_.store(true, std::memory_order_release);
+    });
   }
 
   std::vector<int64_t> offsets_;        // N + 1
@@ -137,6 +157,8 @@ class RolloutBatch {
   SparseTableRmq rmq_;                  // over lcp_
   // Built once by EnsureRows (INVARIANT: only read after it).
   mutable std::once_flag rows_once_;
+  const char* rows_field_ = "tokens";  // the input a refused per-row build names
+  mutable std::atomic<bool> rows_built_{false};
   mutable std::vector<int32_t> row_of_position_;  // S
   mutable std::vector<int32_t> multiplicity_;     // C
   mutable std::vector<int32_t> row_parent_;       // C, -1 for a root row

@@ -22,12 +22,15 @@
 // is the contiguous id range [v, subtree_end_v).
 //
 // Complexity: BuildSegmentForest is O(K) time and space (one stack pass over the
-// adjacent LCPs, the classic LCP-interval construction), independent of token counts.
+// adjacent LCPs, the classic LCP-interval construction), independent of token counts. It polls
+// `cancel` (cancel.h; may be null) once per item and segment and throws Cancelled when it fires.
 #ifndef HARTS_SEGMENT_FOREST_H_
 #define HARTS_SEGMENT_FOREST_H_
 
 #include <cstdint>
 #include <vector>
+
+#include "harts/cancel.h"
 
 namespace harts {
 
@@ -59,7 +62,8 @@ struct SegmentForest {
 //   lcp[k]      LCP(x_{k-1}, x_k) for k >= 1; lcp[0] is ignored (treated as 0).
 // Preconditions: the items are sorted lexicographically and the LCPs are exact
 // (0 <= lcp[k] <= min(lengths[k-1], lengths[k])). Violations are not detected.
-SegmentForest BuildSegmentForest(const int32_t* ids, const int64_t* lengths, const int32_t* lcp, int64_t num_items);
+SegmentForest BuildSegmentForest(const int32_t* ids, const int64_t* lengths, const int32_t* lcp, int64_t num_items,
+                                 CancelToken* cancel = nullptr);
 
 }  // namespace harts
 

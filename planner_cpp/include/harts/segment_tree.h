@@ -43,13 +43,15 @@
 // A valid length-form tree therefore has every position, row and id inside int32.
 //
 // Complexity: O(V) time and space for the position form, O(V + N) for the length form; no
-// recursion.
+// recursion. Both poll `cancel` (cancel.h; may be null) in their loops and throw Cancelled when it
+// fires.
 #ifndef HARTS_SEGMENT_TREE_H_
 #define HARTS_SEGMENT_TREE_H_
 
 #include <cstdint>
 #include <vector>
 
+#include "harts/cancel.h"
 #include "harts/limits.h"
 #include "harts/segment_forest.h"
 
@@ -87,8 +89,10 @@ struct SegmentForestView {
 // stay empty: a tree from arrays need not be canonical (ids need not follow the preorder;
 // the length form may have unary segments). When `preorder` is non-null it receives the V
 // segment ids in preorder.
-SegmentForest SegmentForestFromTree(const SegmentTreeView& tree, std::vector<int32_t>* preorder = nullptr);
-SegmentForest SegmentForestFromArrays(const SegmentForestView& forest, std::vector<int32_t>* preorder = nullptr);
+SegmentForest SegmentForestFromTree(const SegmentTreeView& tree, std::vector<int32_t>* preorder = nullptr,
+                                    CancelToken* cancel = nullptr);
+SegmentForest SegmentForestFromArrays(const SegmentForestView& forest, std::vector<int32_t>* preorder = nullptr,
+                                      CancelToken* cancel = nullptr);
 
 }  // namespace harts
 

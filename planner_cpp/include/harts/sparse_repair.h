@@ -13,18 +13,25 @@
 // iterations or at the first iteration where neither operation gains. Every update
 // keeps K, exact coverage, non-empty microbatches and the capacity constraint.
 //
-// Complexity: O(N * H * log(N / K)) per iteration.
+// The best update of every rank is kept in a max-gain tree over ranks (leftmost on ties) and
+// re-evaluated after an update only for the ranks it can affect: the members of the two
+// changed microbatches and the ranks within H of one. Swaps are evaluated on first need.
+// Complexity: O(N * H * log) once (plus once more for swaps when no move gains), then
+// O((|A| + |B|) * H^2 * log) per applied update of microbatches A, B. Polls `cancel`
+// (cancel.h) per iteration.
 #ifndef HARTS_SPARSE_REPAIR_H_
 #define HARTS_SPARSE_REPAIR_H_
 
 #include <cstdint>
 
+#include "harts/cancel.h"
 #include "harts/microbatch.h"
 
 namespace harts {
 
 // Repairs `g` in place; returns the number of updates applied.
-int64_t SparseRepair(const PlanContext& ctx, Grouping& g, int64_t window, int64_t iterations);
+int64_t SparseRepair(const PlanContext& ctx, Grouping& g, int64_t window, int64_t iterations,
+                     CancelToken* cancel = nullptr);
 
 }  // namespace harts
 
