@@ -18,7 +18,6 @@ import numpy as np
 
 import harts_planner as hp
 from harts_planner import SegmentTree
-from harts_planner.errors import invalid
 from harts_planner.rpc import codec
 from harts_planner.rpc import planner_pb2 as pb
 from harts_planner.rpc import server as server_module
@@ -30,14 +29,10 @@ TREE = SegmentTree([-1, 0, 0], [3, 2, 4], [1, 2])
 
 
 def cancelled_error(token) -> Exception:
-    """What a planner raises when its token is cancelled: ``harts_planner.PlanCancelledError`` where
-    the planner has it, else a planner error on field "cancelled" (which the server also reads as one)."""
-    cls = getattr(hp, "PlanCancelledError", None)
-    if cls is not None:
-        err = cls("cancelled: the plan was cancelled")
-        err.field = "cancelled"
-        return err
-    return invalid("cancelled", "the plan was cancelled")
+    """What a planner raises when its token is cancelled (``harts_planner.PlanCancelledError``)."""
+    err = hp.PlanCancelledError("cancelled: the plan was cancelled")
+    err.field = "cancelled"
+    return err
 
 
 class Gate:

@@ -53,13 +53,24 @@ def _fork_step(call_plans: bool) -> bytes:
     return step_request(fork_tree(1000, 4, 10), 2, 1020, call_plans=call_plans)
 
 
+def _memory(source, **kw) -> int:
+    """The server's memory estimate of a request (the planner's estimate, plus the response twice)."""
+    return limits.of_plan_cost(hp.estimate_cost(source, **kw)).memory_bytes
+
+
+BIG_TOKENS = PackedTokens(np.arange(200_000, dtype=np.int32) % 1000, [0, 200_000])
+#: A plan-memory limit between the probe (PlanCalls of TREE) and the refused requests below.
+PROBE_MEMORY = _memory(TREE)
+CALLS_LIMIT = (PROBE_MEMORY + _memory(one_segment(5000))) // 2
+TOKENS_LIMIT = (PROBE_MEMORY + _memory(BIG_TOKENS, request="step")) // 2
+
 COST_CASES = [  # (id, limits, method, request, field, limit flag)
     (
         "PlanCalls rows, whole batch",
         {"max_rows": 1000},
         "PLAN_CALLS",
         calls_request(one_segment(5000)),
-        "microbatch",
+        "trajectories",
         "--max-rows",
     ),
     (
@@ -75,15 +86,15 @@ COST_CASES = [  # (id, limits, method, request, field, limit flag)
         {"max_response_bytes": 50_000},
         "PLAN_CALLS",
         calls_request(one_segment(5000)),
-        "microbatch",
+        "trajectories",
         "--max-response-mb",
     ),
     (
         "PlanCalls memory",
-        {"max_plan_memory_bytes": 200_000},
+        {"max_plan_memory_bytes": CALLS_LIMIT},
         "PLAN_CALLS",
         calls_request(one_segment(5000)),
-        "microbatch",
+        "trajectories",
         "--max-plan-memory-mb",
     ),
     (
@@ -96,12 +107,10 @@ COST_CASES = [  # (id, limits, method, request, field, limit flag)
     ),
     (
         "PlanStep tokens memory",
-        {"max_plan_memory_bytes": 100_000},
+        {"max_plan_memory_bytes": TOKENS_LIMIT},
         "PLAN_STEP",
-        codec.plan_step_request(
-            PackedTokens(np.arange(5000, dtype=np.int32), [0, 5000]), 1, 6000, 64, {}, False, 4
-        ).SerializeToString(),
-        "trajectories.packed.tokens",
+        codec.plan_step_request(BIG_TOKENS, 1, 300_000, 64, {}, False, 4).SerializeToString(),
+        "trajectories",
         "--max-plan-memory-mb",
     ),
 ]
@@ -120,7 +129,7 @@ def test_cost_refusals_name_the_field_and_the_limit_before_any_planning(
         (record,) = records.wait_for(code="RESOURCE_EXHAUSTED")
         assert record["field"] == field and "plan_ms" not in record and "queue_ms" not in record
         assert record["estimate"]["rows"] >= 0
-        assert raw.code("PLAN_STEP", step_request())[0] == grpc.StatusCode.OK  # and it keeps serving
+        assert raw.code("PLAN_CALLS", calls_request())[0] == grpc.StatusCode.OK  # and it keeps serving
 
 
 def test_call_plans_are_costed_again_once_the_step_is_planned(gate, records):
@@ -139,25 +148,22 @@ def test_call_plans_are_costed_again_once_the_step_is_planned(gate, records):
         assert "plan_ms" not in refused  # the call plans never ran
 
 
-def test_estimates_bound_the_real_sizes():
-    """The response estimate is an upper bound of the real response, and tight on a big plan."""
+@pytest.mark.parametrize("debug", [True, False])
+def test_the_logged_estimates_are_the_plans_sizes(records, debug):
+    """For a segment tree the estimate of a PlanCalls is exact in rows and an upper bound of the
+    response bytes (tight on a big plan); the log line carries both."""
     tree = fork_tree(3000, 6, 700)
     batch = RolloutBatch.from_segment_tree(tree)
-    for debug in (True, False):
-        for chunk in (1, 16, 64):
-            plan = hp.plan_calls(batch, chunk, conv_width=3)
-            size = pb.PlanCallsResponse(plan=codec.encode_call_plan(plan, debug=debug)).ByteSize()
-            rows, estimate = limits.call_plan_response_bytes(
-                batch.compact_tokens,
-                batch.semantic_tokens,
-                batch.num_trajectories,
-                batch.num_segments,
-                chunk,
-                3,
-                debug,
-            )
-            assert plan.compact_tokens + plan.replay_tokens <= rows
-            assert size <= estimate <= 1.2 * size + 4096, (debug, chunk, size, estimate)
+    with _server() as srv, Raw(srv.address) as raw:
+        for chunk, microbatch in ((1, None), (16, [5, 0, 2]), (64, None)):
+            response = raw.call("PLAN_CALLS", calls_request(tree, microbatch, chunk, 3, debug))
+            plan = hp.plan_calls(batch, chunk, microbatch, conv_width=3)
+            record = records.rpcs(code="OK")[-1]
+            assert record["response_bytes"] <= record["estimate"]["response_bytes"]
+            assert record["estimate"]["rows"] == plan.compact_tokens + plan.replay_tokens
+            assert len(response) == record["response_bytes"]
+    big = [r for r in records.rpcs(code="OK") if r["response_bytes"] > 100_000]
+    assert big and all(r["estimate"]["response_bytes"] <= 1.2 * r["response_bytes"] + 4096 for r in big)
 
 
 # ---------------------------------------------------------------------------------- bounds
@@ -257,7 +263,12 @@ INVALID = [  # (method, request, code, field) answered at admission
         "microbatch[0]",
     ),
     ("PLAN_STEP", b"\xff\xff\xff\xff\x0f", INV, "request"),
-    ("PLAN_CALLS", calls_request(one_segment(50_000), chunk_size=8), RES, "microbatch"),  # --max-rows 10,000
+    (
+        "PLAN_CALLS",
+        calls_request(one_segment(50_000), chunk_size=8),
+        RES,
+        "trajectories",
+    ),  # --max-rows 10,000
 ]
 
 

@@ -2,7 +2,7 @@
 ``harts_planner._native.CancelToken`` in its loops, so a plan whose client gave up stops and frees its
 planner thread, and the log says DEADLINE_EXCEEDED / CANCELLED. The slow request is many copies of
 the ``swe-like`` tree (a step that plans for seconds); bounds are generous (seconds, against a plan
-of many seconds). Skipped where the planner has no cancel token."""
+of many seconds)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,9 @@ import numpy as np
 import pytest
 from sidecar_fixtures import Raw, future_code, step_request, wait_until
 
-from harts_planner import RolloutBatch, SegmentTree, _native, synth
+from harts_planner import RolloutBatch, SegmentTree, synth
 from harts_planner.rpc import codec
 from harts_planner.rpc.server import create_server
-
-pytestmark = pytest.mark.skipif(not hasattr(_native, "CancelToken"), reason="the planner has no cancel token")
 
 #: The slow request: 400 copies of the swe-like tree, segment lengths / 16 (to stay under 2^31 tokens),
 #: T = 65,536 / 16: 844,400 trajectories, a 10 MB request whose step plans for ~7 s on one core.

@@ -57,14 +57,14 @@ HUGE = [  # (id, method, request, field, the limit named)
         "26-byte PlanCalls of 2^31 - 1 rows",
         "PLAN_CALLS",
         calls_request(one_segment(2**31 - 1)),
-        "microbatch",
+        "trajectories",
         "--max-rows",
     ),
     (
         "PlanCalls of 2^26 rows",
         "PLAN_CALLS",
         calls_request(one_segment(2**26)),
-        "microbatch",
+        "trajectories",
         "--max-response-mb",
     ),
     (
@@ -99,7 +99,7 @@ def test_requests_for_huge_plans_are_refused_before_any_allocation(swe_tree, tmp
         whole = codec.plan_calls_request(swe_tree, None, 64, 4).SerializeToString()
         assert len(whole) < 60_000
         code, details = raw.code("PLAN_CALLS", whole, timeout=60)
-        assert code == RES and details.startswith("microbatch: ") and "--max-plan-memory-mb" in details
+        assert code == RES and details.startswith("trajectories: ") and "--max-plan-memory-mb" in details
         # Step plans of those shapes cost O(V + N): served.
         with Planner(sidecar.address, timeout=60) as p:
             assert p.plan_step(one_segment(2**31 - 1), 1, 2**31 - 1).num_microbatches == 1

@@ -12,7 +12,6 @@ Errors raised while decoding a *request* are :class:`~harts_planner.InvalidArgum
 
 from __future__ import annotations
 
-import inspect
 import types
 
 import numpy as np
@@ -105,13 +104,13 @@ def encode_trajectories(source: PackedTokens | SegmentTree) -> pb.Trajectories:
     return msg
 
 
-_PACKED_FIELDS = {
+PACKED_FIELDS = {
     "tokens": "trajectories.packed.tokens",
     "offsets": "trajectories.packed.offsets",
     "tree_ids": "trajectories.tree_ids",
     "trajectories": "trajectories",
 }
-_TREE_FIELDS = {
+TREE_FIELDS = {
     "parent": "trajectories.tree.parent",
     "length": "trajectories.tree.length",
     "trajectory_end": "trajectories.tree.trajectory_end",
@@ -145,35 +144,15 @@ def decode_trajectories(msg: pb.Trajectories) -> PackedTokens | SegmentTree:
     )
 
 
-def accepts_cancel(fn) -> bool:
-    """Whether a planner function takes ``cancel=`` (a ``CancelToken``)."""
-    try:
-        return "cancel" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def cancel_kwargs(fn, cancel) -> dict:
-    """``{"cancel": cancel}`` when ``fn`` takes it and a token is given, else ``{}``."""
-    return {"cancel": cancel} if cancel is not None and accepts_cancel(fn) else {}
-
-
 def ingest(source: PackedTokens | SegmentTree, *, wire: bool = False, cancel=None) -> RolloutBatch:
     """The batch of packed tokens or of a compacted tree. With ``wire``, error fields are
-    request paths (``trajectories.tree.parent[4]``). ``cancel``: a CancelToken the ingestion polls
-    (where the planner takes one)."""
+    request paths (``trajectories.tree.parent[4]``). ``cancel``: a CancelToken the ingestion polls."""
     try:
-        if isinstance(source, SegmentTree):
-            make = RolloutBatch.from_segment_tree
-            return make(source, **cancel_kwargs(make, cancel))
-        if isinstance(source, PackedTokens):
-            make = RolloutBatch.from_arrays
-            return make(source.tokens, source.offsets, source.tree_ids, **cancel_kwargs(make, cancel))
-        return _batch.ingest(source)
+        return _batch.ingest(source, cancel=cancel)
     except HartsError as e:
         if not wire:
             raise
-        raise renamed(e, _TREE_FIELDS if isinstance(source, SegmentTree) else _PACKED_FIELDS) from None
+        raise renamed(e, TREE_FIELDS if isinstance(source, SegmentTree) else PACKED_FIELDS) from None
 
 
 def _limit_error(field: str, message: str) -> HartsError:
@@ -229,19 +208,6 @@ def validate_packed(source: PackedTokens) -> None:
         if len(tree_ids) and tree_ids.min() < 0:
             i = int(np.argmax(tree_ids < 0))
             raise invalid(f"{f_ids}[{i}]", f"must be >= 0, got {int(tree_ids[i])}")
-
-
-def check_microbatch(ids: np.ndarray, num_trajectories: int, field: str = "microbatch") -> None:
-    """Every index of a request's microbatch in ``[0, N)`` (the message of the C++ check, on
-    ``microbatch[j]``); repeats are found by the planner."""
-    if len(ids) == 0:
-        return
-    bad = np.flatnonzero((ids < 0) | (ids >= num_trajectories))
-    if len(bad):
-        j = int(bad[0])
-        raise invalid(
-            f"{field}[{j}]", f"trajectory index {int(ids[j])} is out of range [0, {num_trajectories})"
-        )
 
 
 #: Least value of each integer option (``ValidatePlannerOptions`` of ``harts/step_plan.h``).

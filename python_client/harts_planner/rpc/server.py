@@ -20,8 +20,8 @@
   anything unexpected is INTERNAL and logged. The server keeps serving either way.
 * Deadlines and cancellation: each request has a cancel token (:class:`RequestControl`) that expires
   with the RPC's deadline and is cancelled when the client cancels; it is checked while the request
-  waits for a planner thread and between phases, and the planner polls it inside its loops where it
-  takes one (``cancel=``), so an abandoned plan frees its thread. The log line then says
+  waits for a planner thread and between phases, and the planner polls it inside its loops
+  (``cancel=``), so an abandoned plan frees its thread within milliseconds. The log line then says
   DEADLINE_EXCEEDED or CANCELLED.
 * Logging: one structured record per RPC (logger ``harts_planner.rpc``; JSON lines with
   ``serve(log_format="json")``): method, peer, status, input kind, sizes, estimates, phase times.
@@ -54,16 +54,15 @@ from google.protobuf.message import DecodeError, EncodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from harts_planner import _native, checks
-from harts_planner import errors as _errors
+from harts_planner import checks
 from harts_planner.call_plan import plan_calls
-from harts_planner.errors import HartsError
+from harts_planner.errors import CancelToken, HartsError, PlanCancelledError
 from harts_planner.rpc import codec, status
 from harts_planner.rpc import limits as _limits
 from harts_planner.rpc import planner_pb2 as pb
 from harts_planner.rpc.client import DEFAULT_MAX_MESSAGE_BYTES
-from harts_planner.rpc.codec import SegmentTree
-from harts_planner.step_plan import plan_step
+from harts_planner.rpc.codec import PackedTokens, SegmentTree
+from harts_planner.step_plan import estimate_call_plans, estimate_cost, plan_step
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
@@ -98,20 +97,6 @@ def _rich_status(abort: _AbortRpcError) -> grpc.Status:
     return status.rich_status(abort.code, abort.message, abort.field)
 
 
-def _cancelled_error_class():
-    """The planner's cancellation error (``harts_planner.PlanCancelledError``), where it has one."""
-    return getattr(_errors, "PlanCancelledError", None) or getattr(_native, "PlanCancelledError", None)
-
-
-def _is_cancellation(err: HartsError, control) -> bool:
-    """A plan stopped through its token: the planner's PlanCancelledError, or any planner error on
-    field "cancelled" / "deadline" once the request has a reason to stop."""
-    cls = _cancelled_error_class()
-    if cls is not None and isinstance(err, cls):
-        return True
-    return getattr(err, "field", None) in ("cancelled", "deadline") and control.stop_status() is not None
-
-
 @dataclass
 class _Unparsable:
     """What the request deserializer returns for bytes that are not a valid message."""
@@ -136,34 +121,9 @@ def _deserializer(cls):
 
 
 # ---------------------------------------------------------------------------------- one request
-class PythonCancelToken:
-    """The ``CancelToken`` interface (``cancel()``, ``set_deadline(seconds)``, ``cancel_requested``)
-    for a planner core without one: Python code can poll it, the C++ loops cannot."""
-
-    def __init__(self):
-        self._cancelled = False
-        self.deadline: float | None = None  # time.monotonic() value
-
-    def cancel(self) -> None:
-        self._cancelled = True
-
-    def set_deadline(self, seconds_from_now: float) -> None:
-        self.deadline = time.monotonic() + seconds_from_now
-
-    @property
-    def cancel_requested(self) -> bool:
-        return self._cancelled
-
-
-def new_cancel_token():
-    """A planner CancelToken: ``harts_planner._native.CancelToken`` where the core has it."""
-    native = getattr(_native, "CancelToken", None)
-    return native() if native is not None else PythonCancelToken()
-
-
 class RequestControl:
-    """Cancellation of one RPC: a deadline (the RPC's), a cancelled flag and, where the planner has
-    one (``harts_planner._native.CancelToken``), the token the planner polls inside its loops.
+    """Cancellation of one RPC: a deadline (the RPC's), a cancelled flag and the
+    :class:`harts_planner.CancelToken` the planner polls inside its loops.
 
     The token is cancelled when the RPC terminates early (the client cancelled, or its deadline
     passed: gRPC calls back) and when the server cuts the plan off (:meth:`cancel` at the end of a
@@ -180,7 +140,7 @@ class RequestControl:
         self._done = False
         remaining = context.time_remaining() if context is not None else None
         self.deadline = None if remaining is None else time.monotonic() + max(remaining, 0.0)
-        self.token = new_cancel_token()
+        self.token = CancelToken()
         if remaining is not None:
             self.token.set_deadline(max(remaining, 0.0))
         if context is not None and not context.add_callback(self._terminated):
@@ -232,7 +192,7 @@ class RequestControl:
             stop.message = f"{stop.message} before {phase}"
             raise stop
 
-    def from_cancelled(self, err: HartsError) -> _AbortRpcError:
+    def from_cancelled(self, err: PlanCancelledError) -> _AbortRpcError:
         """The status of a plan the planner stopped (``PlanCancelledError``)."""
         stop = self.stop_status()
         if stop is None:  # the token's own clock ran out first
@@ -491,10 +451,8 @@ class PlannerServicer:
                 control.check("planning")
                 with self._planner_thread(control, record, job.cost.memory_bytes):
                     response = plan(job, control, record)
-            except HartsError as e:
-                if _is_cancellation(e, control):
-                    raise control.from_cancelled(e) from None
-                raise
+            except PlanCancelledError as e:  # the planner stopped at the request's token
+                raise control.from_cancelled(e) from None
             record["response_bytes"] = response_size = response.ByteSize()
             response_limit = self.limits.response_limit(self.max_message_bytes)
             if response_size > response_limit:
@@ -548,132 +506,87 @@ class PlannerServicer:
             self._leave(held, control)
 
     # ------------------------------------------------------------------ admission
-    def _check_cost(self, cost: _limits.Cost, record: dict) -> None:
+    def _check_cost(self, cost: _limits.Cost, record: dict) -> _limits.Cost:
         record["estimate"] = {
             "rows": cost.rows,
             "memory_bytes": cost.memory_bytes,
             "response_bytes": cost.response_bytes,
         }
         cost.check(self.limits, self.max_message_bytes)
+        return cost
 
     def _admit_source(self, request, control, record):
-        """Decode the trajectories; index a segment tree (its validation; O(V + N log N), no per-row
-        work), check packed tokens. Returns (source, batch or None, decode seconds, ingest seconds)."""
+        """Decode the trajectories; give packed tokens the checks ingestion starts with. Returns
+        (source, decode seconds)."""
         t0 = time.perf_counter()
         source = codec.decode_trajectories(request.trajectories)
         record["input"] = "tree" if isinstance(source, SegmentTree) else "tokens"
-        batch = None
-        t1 = time.perf_counter()
-        if isinstance(source, SegmentTree):
-            batch = codec.ingest(source, wire=True, cancel=control.token)
-            record.update(
-                trajectories=batch.num_trajectories,
-                semantic_tokens=batch.semantic_tokens,
-                compact_tokens=batch.compact_tokens,
-                segments=batch.num_segments,
-            )
-        else:
+        if isinstance(source, PackedTokens):
             codec.validate_packed(source)
             record.update(trajectories=source.num_trajectories, semantic_tokens=len(source.tokens))
-        t2 = time.perf_counter()
-        record["decode_ms"] = round((t1 - t0) * 1e3, 3)
-        if batch is not None:
-            record["ingest_ms"] = round((t2 - t1) * 1e3, 3)
-        else:
-            record["validate_ms"] = round((t2 - t1) * 1e3, 3)
-        return source, batch, t1 - t0, (t2 - t1 if batch is not None else 0.0)
+        record["decode_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+        return source, time.perf_counter() - t0
+
+    def _estimate(self, source, control, record, args: dict, *, step: bool) -> _limits.Cost:
+        """What the request will cost (:func:`harts_planner.estimate_cost`: exact for a segment tree,
+        which it validates in O(V + N); bounds for packed tokens, from their offsets), checked against
+        the server's limits before any other work. A step's call plans depend on its microbatches:
+        here they are checked against a floor (every compact row of a tree at least once), and
+        exactly once the step is planned (:meth:`_step_call_plans`)."""
+        try:
+            cost = estimate_cost(
+                source,
+                request="step" if step else "calls",
+                microbatch=None if step else args["microbatch"],
+                chunk_size=args["chunk_size"],
+                conv_width=args["conv_width"],
+                debug=args["debug"],
+                options=args["options"] if step else None,
+                cancel=control.token,
+            )
+        except HartsError as e:
+            fields = codec.TREE_FIELDS if isinstance(source, SegmentTree) else codec.PACKED_FIELDS
+            raise codec.renamed(e, {**fields, **codec.OPTION_FIELDS}) from None
+        tokens = isinstance(source, PackedTokens)
+        checked = self._check_cost(_limits.of_plan_cost(cost, tokens=tokens), record)
+        if step and args["call_plans"] and not tokens:
+            floor = _limits.Cost(cost.compact_tokens, 0, 0, "include_call_plans", _limits.CALLS_HINT)
+            floor.check(self.limits, self.max_message_bytes)
+        return checked
+
+    def _ingest_tree(self, source, control, record):
+        """A segment tree's batch (O(V + N log N), no per-row work), or None for packed tokens
+        (ingested on a planner thread). Returns (batch, seconds)."""
+        if not isinstance(source, SegmentTree):
+            return None, 0.0
+        t0 = time.perf_counter()
+        batch = codec.ingest(source, wire=True, cancel=control.token)
+        record.update(
+            trajectories=batch.num_trajectories,
+            semantic_tokens=batch.semantic_tokens,
+            compact_tokens=batch.compact_tokens,
+            segments=batch.num_segments,
+            ingest_ms=round((time.perf_counter() - t0) * 1e3, 3),
+        )
+        return batch, time.perf_counter() - t0
 
     def _admit_step(self, request, control, record) -> _Job:
         args = codec.decode_plan_step_request(request)
-        source, batch, decode_s, ingest_s = self._admit_source(request, control, record)
+        source, decode_s = self._admit_source(request, control, record)
+        cost = self._estimate(source, control, record, args, step=True)
+        batch, ingest_s = self._ingest_tree(source, control, record)
         lengths = batch.lengths if batch is not None else np.diff(source.offsets)
         try:
             codec.check_step(lengths, args["dp_size"], args["capacity"], args["options"])
         except HartsError as e:
             raise codec.renamed(e, codec.OPTION_FIELDS) from None
-        if batch is not None:
-            cost = _limits.step_cost(batch.num_trajectories, batch.num_segments)
-            if args["call_plans"]:
-                # At least every compact row and semantic position once; exact after the step plan.
-                floor = _limits.call_plan_cost(
-                    batch.compact_tokens,
-                    batch.semantic_tokens,
-                    batch.num_trajectories,
-                    0,
-                    args["chunk_size"],
-                    args["conv_width"],
-                    args["debug"],
-                    field="include_call_plans",
-                )
-                cost = (
-                    _limits.Cost(floor.rows, 0, floor.response_bytes, "include_call_plans", _CALLS_HINT)
-                    + cost
-                    + _limits.batch_rows_cost(
-                        batch.compact_tokens, batch.semantic_tokens, "include_call_plans"
-                    )
-                )
-        else:
-            n, s = source.num_trajectories, len(source.tokens)
-            cost = _limits.tokens_ingest_cost(s, n) + _limits.step_cost(n, 2 * n)
-        self._check_cost(cost, record)
         return _Job(args, source, batch, cost, decode_s, ingest_s)
 
     def _admit_calls(self, request, control, record) -> _Job:
         args = codec.decode_plan_calls_request(request)
-        source, batch, decode_s, ingest_s = self._admit_source(request, control, record)
-        ids = args["microbatch"]
-        field = "microbatch"
-        hint = "plan a smaller microbatch" if ids is not None else "set microbatch to plan part of the batch"
-        if batch is not None:
-            n = batch.num_trajectories
-            if ids is None:
-                rows, positions, k, segments = (
-                    batch.compact_tokens,
-                    batch.semantic_tokens,
-                    n,
-                    batch.num_segments,
-                )
-            else:
-                codec.check_microbatch(ids, n)
-                try:
-                    rows = batch.subset_work(ids)  # O(k log k); also finds repeats
-                except HartsError as e:
-                    raise codec.renamed(e, {"trajectories": "microbatch"}) from None
-                k = len(ids)
-                positions = int(batch.lengths[ids].sum())
-                segments = min(2 * k - 1, batch.num_segments)
-            cost = _limits.call_plan_cost(
-                rows,
-                positions,
-                k,
-                segments,
-                args["chunk_size"],
-                args["conv_width"],
-                args["debug"],
-                field=field,
-                hint=hint,
-            ) + _limits.batch_rows_cost(batch.compact_tokens, batch.semantic_tokens, field)
-        else:
-            n, s = source.num_trajectories, len(source.tokens)
-            if ids is None:
-                positions, k = s, n
-            else:
-                codec.check_microbatch(ids, n)
-                lengths = np.diff(source.offsets)
-                positions, k = int(lengths[ids].sum()), len(ids)
-            # Rows are at most the positions until the batch is built.
-            cost = _limits.call_plan_cost(
-                positions,
-                positions,
-                k,
-                min(2 * k - 1, 2 * n),
-                args["chunk_size"],
-                args["conv_width"],
-                args["debug"],
-                field=field,
-                hint=hint,
-            ) + _limits.tokens_ingest_cost(s, n)
-        self._check_cost(cost, record)
+        source, decode_s = self._admit_source(request, control, record)
+        cost = self._estimate(source, control, record, args, step=False)
+        batch, ingest_s = self._ingest_tree(source, control, record)
         return _Job(args, source, batch, cost, decode_s, ingest_s)
 
     # ------------------------------------------------------------------ planning
@@ -698,8 +611,8 @@ class PlannerServicer:
                 args["dp_size"],
                 args["capacity"],
                 args["chunk_size"],
+                cancel=control.token,
                 **args["options"],
-                **codec.cancel_kwargs(plan_step, control.token),
             )
         except HartsError as e:
             raise codec.renamed(e, codec.OPTION_FIELDS) from None
@@ -729,26 +642,10 @@ class PlannerServicer:
         microbatches (and their compact work) are known; each plan is encoded and dropped at once.
         Returns (planning seconds, encoding seconds)."""
         args = job.args
-        lengths = batch.lengths
-        total = _limits.Cost(0, 0, 0, "include_call_plans", _CALLS_HINT)
-        for m, members in enumerate(plan.microbatches):
-            k = len(members)
-            total = total + _limits.call_plan_cost(
-                int(plan.work[m]),
-                int(lengths[members].sum()),
-                k,
-                2 * k - 1,
-                args["chunk_size"],
-                args["conv_width"],
-                args["debug"],
-                field="include_call_plans",
-            )
-        if job.batch is not None:  # a batch from a tree builds its per-row arrays
-            total = total + _limits.batch_rows_cost(
-                batch.compact_tokens, batch.semantic_tokens, "include_call_plans"
-            )
-        total = total + _limits.step_cost(batch.num_trajectories, batch.num_segments, "include_call_plans")
-        self._check_cost(total, record)
+        exact = estimate_call_plans(
+            batch, plan.microbatches, args["chunk_size"], args["conv_width"], args["debug"], control.token
+        )
+        total = self._check_cost(_limits.of_plan_cost(exact), record)
         self.reserve_more(control, total.memory_bytes - job.cost.memory_bytes)
         plan_s = encode_s = 0.0
         for members in plan.microbatches:
@@ -759,7 +656,7 @@ class PlannerServicer:
                 args["chunk_size"],
                 trajectories=members,
                 conv_width=args["conv_width"],
-                **codec.cancel_kwargs(plan_calls, control.token),
+                cancel=control.token,
             )
             t1 = time.perf_counter()
             response.call_plans.append(codec.encode_call_plan(calls, debug=args["debug"]))
@@ -779,7 +676,7 @@ class PlannerServicer:
                 args["chunk_size"],
                 trajectories=args["microbatch"],
                 conv_width=args["conv_width"],
-                **codec.cancel_kwargs(plan_calls, control.token),
+                cancel=control.token,
             )
         except HartsError as e:
             raise codec.renamed(e, {"trajectories": "microbatch"}) from None
@@ -798,9 +695,6 @@ class PlannerServicer:
             replay_tokens=replay,
         )
         return response
-
-
-_CALLS_HINT = "plan the microbatches' calls with PlanCalls, one microbatch per request"
 
 
 def _finish(response, record: dict, batch, seconds: tuple, **fields) -> None:
