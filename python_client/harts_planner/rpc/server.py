@@ -3,9 +3,11 @@
 * ``harts.planner.v1.PlannerService`` (``PlanStep``, ``PlanCalls``) and the stock health service
   (``grpc.health.v1``; service ``""`` and the planner's full name) and server reflection.
 * Two stages per request. *Admission*, on the RPC's own thread and before any planner thread is
-  taken: parse, check the scalars, validate the trajectories (a segment tree is indexed, O(V + N log N);
-  packed tokens get the vectorized checks ingestion starts with), and estimate what the plan will cost
-  (:mod:`harts_planner.rpc.limits`: rows, memory, response bytes). A bad request is answered here,
+  taken: parse and check the scalars (packed tokens also get the vectorized checks ingestion starts
+  with); estimate from the request alone what the plan will need (:func:`harts_planner.estimate_cost`,
+  which validates a segment tree in O(V + N): rows, memory, response bytes) and refuse it when that
+  exceeds the server's :mod:`~harts_planner.rpc.limits`, before any other work; then index a segment
+  tree (O(V + N log N)) and run the step planner's up-front checks. A bad request is answered here,
   without waiting behind running plans; an unaffordable one is refused with RESOURCE_EXHAUSTED naming
   the field and the limit. *Planning*, on one of ``workers`` planner threads (the core releases the
   GIL): ingestion of packed tokens, the plan, the response. A request waits for a planner thread, and
