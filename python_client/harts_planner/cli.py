@@ -604,7 +604,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int_arg(1, 1 << 30),
         default=limits.DEFAULT.max_plan_memory_bytes >> 20,
         help="most server memory the plans running at once may need, estimated before planning; "
-        "a request over it alone is refused, one that fits waits for room "
+        "a request over it alone is refused, one that fits waits for room; also the planner's "
+        "max_plan_bytes backstop for any one plan "
         f"(default {limits.DEFAULT.max_plan_memory_bytes >> 20})",
     )
     sv.add_argument(

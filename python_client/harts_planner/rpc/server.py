@@ -57,7 +57,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from harts_planner import checks
-from harts_planner.call_plan import plan_calls
+from harts_planner.call_plan import plan_calls, set_max_plan_bytes
 from harts_planner.errors import CancelToken, HartsError, PlanCancelledError
 from harts_planner.rpc import codec, status
 from harts_planner.rpc import limits as _limits
@@ -996,6 +996,9 @@ def serve(
     (cannot bind) before serving.
     """
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    # The planner's own backstop (max_plan_bytes) at the plan-memory budget: a plan whose estimate
+    # was admitted but whose arrays would still outgrow the budget stops with RESOURCE_EXHAUSTED.
+    set_max_plan_bytes(limits.max_plan_memory_bytes)
     cap_malloc_arenas((default_workers() if workers is None else workers) + 1)
     server = create_server(address, workers=workers, max_message_bytes=max_message_bytes, limits=limits)
     configure_logging(log_format)
