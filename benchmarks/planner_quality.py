@@ -4,7 +4,7 @@ For each synthetic ``swe-like`` step (seeds 0-9 by default) and each DP degree D
 microbatch capacity T = 65,536 compact tokens, the script plans the step with
 
 * ``harts``             -- ``harts_planner.plan_step`` with its defaults;
-* ``harts-paper``       -- the same with ``component_greedy=False`` (exactly the paper's candidates);
+* ``harts-paper``       -- the same with ``component_greedy=False, contiguous_optimum=False`` (exactly the paper's candidates);
 * ``or-tools``          -- Section 5.2's OR-Tools baseline, our reconstruction
                            (``baselines/ortools_baseline.py``; CP-SAT, 1 worker, seed 0, time limit
                            per replica);
@@ -51,7 +51,7 @@ BEGIN, END = "<!-- planner_quality:begin -->", "<!-- planner_quality:end -->"
 
 def run_method(name: str, batch: RolloutBatch, dp: int, capacity: int, args) -> dict:
     if name.startswith("harts"):
-        opts = {"component_greedy": False} if name == "harts-paper" else {}
+        opts = {"component_greedy": False, "contiguous_optimum": False} if name == "harts-paper" else {}
         best = None
         for _ in range(args.repeats):
             plan = plan_step(batch, dp, capacity, **opts)

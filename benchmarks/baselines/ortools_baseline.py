@@ -161,7 +161,7 @@ def cpsat_partition(
         m.AddExactlyOne(row)
         hb = hint_of_traj[int(trees[t][0])]
         for b, var in enumerate(row):
-            m.AddHint(var, b == hb)
+            m.AddHint(var, int(b == hb))
             loads[b].append((sizes[t], var))
         z[t] = row
     # Big trees: trajectory and segment variables.
@@ -176,7 +176,7 @@ def cpsat_partition(
             row = [m.NewBoolVar("") for _ in range(n_bins)]
             m.AddExactlyOne(row)
             for b, var in enumerate(row):
-                m.AddHint(var, b == hb)
+                m.AddHint(var, int(b == hb))
                 x[i, b] = var
             v = int(end_seg[i])
             while v >= 0:  # the trajectory's path of segments
@@ -187,7 +187,7 @@ def cpsat_partition(
     for v, row in y.items():
         p = int(parent[v])
         for b, var in enumerate(row):
-            m.AddHint(var, b in hint_segs.get(v, ()))
+            m.AddHint(var, int(b in hint_segs.get(v, ())))
             if p >= 0:
                 m.AddImplication(var, y[p][b])
             loads[b].append((int(seg_len[v]), var))

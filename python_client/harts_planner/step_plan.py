@@ -89,6 +89,8 @@ SCALAR_FIELDS: tuple[str, ...] = (
 #: greedy              True     run the trie-aware greedy path
 #: refine              True     boundary refinement and sparse repair
 #: component_greedy    True     extension, not in the paper: per-tree greedy candidate (False = paper)
+#: contiguous_optimum  True     extension, not in the paper: least-work contiguous partition over the
+#:                              heuristic search's K range, refined and repaired (False = paper)
 #: search              "auto"   ``"auto"`` | ``"exact"`` | ``"heuristic"``
 #: ==================  =======  =========================================================================
 #:
@@ -126,7 +128,11 @@ def plan_step(
         ``greedy`` (True), ``refine`` (True), ``search`` (``"auto"``, ``"exact"`` or ``"heuristic"``),
         and ``component_greedy`` (True): an extension beyond the paper that adds one candidate, per-tree
         greedy partitions packed best-fit decreasing (``harts/greedy.h``); it can only lower J.
-        ``component_greedy=False`` compares exactly the paper's candidate set.
+        ``contiguous_optimum`` (True): an extension that adds the least-total-work contiguous
+        partition over every K of the heuristic search's range (``harts/contiguous_optimum.h``,
+        exact), so a heuristic plan never does more compact work than that optimum; it can only
+        lower J. ``component_greedy=False, contiguous_optimum=False`` compares exactly the paper's
+        candidate set.
 
     Returns
     -------

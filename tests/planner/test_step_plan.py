@@ -215,6 +215,25 @@ def test_heuristic_search_never_exceeds_the_contiguous_optimum(trajs, dp_size, s
         )
 
 
+@settings(max_examples=60, deadline=None)
+@given(tree_batches(max_n=30, max_len=12), st.integers(1, 3), st.integers(0, 10), st.sampled_from([2, 32]))
+def test_contiguous_optimum_extension_never_worsens_j(trajs, dp_size, slack, samples):
+    """contiguous_optimum=False drops exactly the extension's candidates; the extension only lowers J."""
+    batch = RolloutBatch.from_token_lists(trajs)
+    capacity = int(batch.lengths.max()) + slack
+    opts = {"exact_threshold": 0, "max_sampled_k": samples}
+    try:
+        without = plan_step(batch, dp_size, capacity, contiguous_optimum=False, **opts)
+    except InfeasibleError:
+        return
+    plan = plan_step(batch, dp_size, capacity, **opts)
+    check_plan(batch, without, dp_size, capacity)
+    assert plan.objective <= without.objective
+    assert not any(c["source"].startswith("contiguous-optimum") for c in without.candidates)
+    assert [c for c in plan.candidates if not c["source"].startswith("contiguous-optimum")] == without.candidates
+    assert "contiguous_optimum" in plan.phase_seconds
+
+
 def test_plans_from_a_segment_tree_match_the_token_batch():
     """A larger heuristic step (several swe-like-shaped trees behind a common prefix): the batch
     built from its segment tree plans byte for byte like the token batch."""
