@@ -230,7 +230,9 @@ def test_contiguous_optimum_extension_never_worsens_j(trajs, dp_size, slack, sam
     check_plan(batch, without, dp_size, capacity)
     assert plan.objective <= without.objective
     assert not any(c["source"].startswith("contiguous-optimum") for c in without.candidates)
-    assert [c for c in plan.candidates if not c["source"].startswith("contiguous-optimum")] == without.candidates
+    assert [
+        c for c in plan.candidates if not c["source"].startswith("contiguous-optimum")
+    ] == without.candidates
     assert "contiguous_optimum" in plan.phase_seconds
 
 
