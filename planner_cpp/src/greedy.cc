@@ -28,10 +28,12 @@ const char* GreedyPolicyName(GreedyPolicy policy) {
   return policy == GreedyPolicy::kBestFit ? "best-fit" : "max-shared";
 }
 
-std::vector<int32_t> ProcessingOrder(const PlanContext& ctx, GreedyOrder order) {
+std::vector<int32_t> ProcessingOrder(const PlanContext& ctx, GreedyOrder order, CancelToken* cancel) {
   const int64_t n = ctx.size();
-  std::vector<int32_t> seq(n);
-  std::iota(seq.begin(), seq.end(), 0);
+  std::vector<int32_t> seq;
+  ResizePolled(&seq, n, cancel);
+  ForEachChunk(0, n, kPollChunk, cancel,
+               [&](int64_t lo, int64_t hi) { std::iota(&seq[lo], &seq[lo] + (hi - lo), lo); });
   switch (order) {
     case GreedyOrder::kLexAscending:
       break;
@@ -39,16 +41,17 @@ std::vector<int32_t> ProcessingOrder(const PlanContext& ctx, GreedyOrder order) 
       std::reverse(seq.begin(), seq.end());
       break;
     case GreedyOrder::kLengthDesc:
-      std::stable_sort(seq.begin(), seq.end(), [&](int32_t a, int32_t b) { return ctx.Length(a) > ctx.Length(b); });
+      StableSortPolled(&seq, [&](int32_t a, int32_t b) { return ctx.Length(a) > ctx.Length(b); }, cancel);
       break;
     case GreedyOrder::kUniqueSuffix: {
-      std::vector<int64_t> u(n);
-      for (int64_t r = 0; r < n; ++r) {
+      std::vector<int64_t> u;
+      ResizePolled(&u, n, cancel);
+      ForEachBlock(0, n, cancel, [&](int64_t r) {
         const int64_t lp = r > 0 ? ctx.AdjacentLcp(r) : 0;
         const int64_t lq = r + 1 < n ? ctx.AdjacentLcp(r + 1) : 0;
         u[r] = ctx.Length(r) - std::max(lp, lq);
-      }
-      std::stable_sort(seq.begin(), seq.end(), [&](int32_t a, int32_t b) { return u[a] > u[b]; });
+      });
+      StableSortPolled(&seq, [&](int32_t a, int32_t b) { return u[a] > u[b]; }, cancel);
       break;
     }
   }
@@ -72,29 +75,32 @@ std::pair<int32_t, int32_t> RankSpan(const Grouping& g) {
 
 Grouping GreedyPlace(const PlanContext& ctx, const std::vector<int32_t>& sequence, GreedyPolicy policy,
                      CancelToken* cancel) {
-  Grouping g;
-  if (sequence.empty()) return g;
+  if (sequence.empty()) return Grouping();
+  Disposable<Grouping> g;
   const auto [lo, hi] = std::minmax_element(sequence.begin(), sequence.end());
-  PlacementIndex index(ctx, *lo, *hi + 1, &g, cancel);
+  Disposable<PlacementIndex> index(ctx, *lo, *hi + 1, &*g, cancel);
   for (int32_t r : sequence) {
     Poll(cancel);
-    const PlacementIndex::Choice c = index.Best(r, policy);
+    const PlacementIndex::Choice c = index->Best(r, policy);
     if (c.group < 0) {
-      index.NewGroup(r);
+      index->NewGroup(r);
     } else {
-      index.Insert(c.group, r, c.after);
+      index->Insert(c.group, r, c.after);
     }
   }
-  return g;
+  index->Release(cancel);
+  return std::move(*g);
 }
 
 bool EliminateSmallMicrobatches(const PlanContext& ctx, Grouping& g, CancelToken* cancel) {
   const int64_t k = g.size();
-  std::vector<int64_t> visit(k);
-  std::iota(visit.begin(), visit.end(), 0);
-  std::stable_sort(visit.begin(), visit.end(), [&](int64_t a, int64_t b) { return g.work[a] < g.work[b]; });
+  std::vector<int64_t> visit;
+  ResizePolled(&visit, k, cancel);
+  ForEachBlock(0, k, cancel, [&](int64_t c) { visit[c] = c; });
+  StableSortPolled(&visit, [&](int64_t a, int64_t b) { return g.work[a] < g.work[b]; }, cancel);
   const auto [lo, hi] = RankSpan(g);
-  PlacementIndex index(ctx, lo, hi, &g, cancel);
+  Disposable<PlacementIndex> holder(ctx, lo, hi, &g, cancel);
+  PlacementIndex& index = *holder;
   std::vector<char> removed(k, 0);
   bool any = false;
   struct Move {
@@ -129,12 +135,15 @@ bool EliminateSmallMicrobatches(const PlanContext& ctx, Grouping& g, CancelToken
   if (any) {
     Grouping kept;
     for (int64_t c = 0; c < k; ++c) {
+      Poll(cancel);
       if (removed[c]) continue;
       kept.groups.push_back(std::move(g.groups[c]));
       kept.work.push_back(g.work[c]);
     }
+    ReleasePolled(&g, cancel);
     g = std::move(kept);
   }
+  index.Release(cancel);
   return any;
 }
 
@@ -144,15 +153,20 @@ bool AlignToDp(const PlanContext& ctx, Grouping& g, int64_t dp_size, CancelToken
   if (g.size() == target) return true;
   // The split cost of member r of group k is its shared amount inside k; a min-heap of
   // (cost, rank), entries re-validated on pop (a split changes its neighbours' costs only).
-  std::vector<int32_t> group_of(ctx.size(), -1);
-  for (int64_t k = 0; k < g.size(); ++k)
+  std::vector<int32_t> group_of;
+  AssignPolled<int32_t>(&group_of, ctx.size(), -1, cancel);
+  for (int64_t k = 0; k < g.size(); ++k) {
+    Poll(cancel);
     for (int32_t r : g.groups[k]) group_of[r] = static_cast<int32_t>(k);
+  }
   auto cost = [&](int32_t r) { return SharedAmount(ctx, g.groups[group_of[r]], r, r); };
   using Entry = std::pair<int64_t, int32_t>;
   std::vector<Entry> heap;
-  for (int64_t k = 0; k < g.size(); ++k)
+  for (int64_t k = 0; k < g.size(); ++k) {
+    Poll(cancel);
     if (g.groups[k].size() >= 2)
       for (int32_t r : g.groups[k]) heap.push_back({cost(r), r});
+  }
   std::make_heap(heap.begin(), heap.end(), std::greater<Entry>());
   while (g.size() < target) {
     Poll(cancel);
@@ -184,24 +198,28 @@ bool AlignToDp(const PlanContext& ctx, Grouping& g, int64_t dp_size, CancelToken
 }
 
 GreedyResult RunGreedy(const PlanContext& ctx, int64_t dp_size, CancelToken* cancel) {
-  GreedyResult best;
+  Disposable<GreedyResult> holder;
+  GreedyResult& best = *holder;
   for (GreedyOrder order : {GreedyOrder::kLexAscending, GreedyOrder::kLexDescending, GreedyOrder::kLengthDesc,
                             GreedyOrder::kUniqueSuffix}) {
-    const std::vector<int32_t> seq = ProcessingOrder(ctx, order);
+    const std::vector<int32_t> seq = ProcessingOrder(ctx, order, cancel);
     for (GreedyPolicy policy : {GreedyPolicy::kBestFit, GreedyPolicy::kMaxShared}) {
-      Grouping g = GreedyPlace(ctx, seq, policy, cancel);
+      Disposable<Grouping> placed(GreedyPlace(ctx, seq, policy, cancel));
+      Grouping& g = *placed;
       EliminateSmallMicrobatches(ctx, g, cancel);
       if (!AlignToDp(ctx, g, dp_size, cancel)) continue;
       const int64_t total = g.TotalWork();
       if (!best.feasible || g.size() < best.grouping.size() ||
           (g.size() == best.grouping.size() && total < best.grouping.TotalWork())) {
         best.feasible = true;
+        ReleasePolled(&best.grouping, cancel);
         best.grouping = std::move(g);
         best.name = std::string(GreedyOrderName(order)) + "/" + GreedyPolicyName(policy);
       }
+      ReleasePolled(&g, cancel);
     }
   }
-  return best;
+  return std::move(best);
 }
 
 GreedyResult RunComponentGreedy(const PlanContext& ctx, int64_t dp_size, CancelToken* cancel) {
@@ -209,19 +227,22 @@ GreedyResult RunComponentGreedy(const PlanContext& ctx, int64_t dp_size, CancelT
   const int64_t cap = ctx.capacity();
   // Components: maximal rank ranges with no zero adjacent LCP inside.
   std::vector<int32_t> comp_start = {0};
-  std::vector<int32_t> comp_of(n, 0);
-  for (int64_t r = 1; r < n; ++r) {
+  std::vector<int32_t> comp_of;
+  ResizePolled(&comp_of, n, cancel);
+  ForEachBlock(1, n, cancel, [&](int64_t r) {
     if (ctx.AdjacentLcp(r) == 0) comp_start.push_back(static_cast<int32_t>(r));
     comp_of[r] = static_cast<int32_t>(comp_start.size()) - 1;
-  }
+  });
   const int64_t num_comp = static_cast<int64_t>(comp_start.size());
   comp_start.push_back(static_cast<int32_t>(n));
 
   // Items: whole components, or the pieces of the best per-component greedy plan.
-  std::vector<std::vector<int32_t>> items;
+  Disposable<std::vector<std::vector<int32_t>>> item_holder;
+  std::vector<std::vector<int32_t>>& items = *item_holder;
   std::vector<int64_t> item_work;
   std::vector<char> large(num_comp, 0);
   for (int64_t c = 0; c < num_comp; ++c) {
+    Poll(cancel);
     const int64_t w = ctx.Work(comp_start[c], comp_start[c + 1]);
     if (w <= cap) {
       std::vector<int32_t> all(comp_start[c + 1] - comp_start[c]);
@@ -232,24 +253,33 @@ GreedyResult RunComponentGreedy(const PlanContext& ctx, int64_t dp_size, CancelT
       large[c] = 1;
     }
   }
-  std::vector<std::optional<Grouping>> best(num_comp);
+  Disposable<std::vector<std::optional<Grouping>>> best_holder(num_comp);
+  std::vector<std::optional<Grouping>>& best = *best_holder;
   for (GreedyOrder order : {GreedyOrder::kLexAscending, GreedyOrder::kLexDescending, GreedyOrder::kLengthDesc,
                             GreedyOrder::kUniqueSuffix}) {
     std::vector<std::vector<int32_t>> seqs(num_comp);
-    for (int32_t r : ProcessingOrder(ctx, order))
+    const std::vector<int32_t> order_seq = ProcessingOrder(ctx, order, cancel);
+    ForEachBlock(0, n, cancel, [&](int64_t i) {
+      const int32_t r = order_seq[i];
       if (large[comp_of[r]]) seqs[comp_of[r]].push_back(r);
+    });
     for (int64_t c = 0; c < num_comp; ++c) {
       if (!large[c]) continue;
       for (GreedyPolicy policy : {GreedyPolicy::kBestFit, GreedyPolicy::kMaxShared}) {
-        Grouping g = GreedyPlace(ctx, seqs[c], policy, cancel);
+        Disposable<Grouping> placed(GreedyPlace(ctx, seqs[c], policy, cancel));
+        Grouping& g = *placed;
         EliminateSmallMicrobatches(ctx, g, cancel);
         const int64_t total = g.TotalWork();
-        if (!best[c] || total < best[c]->TotalWork() || (total == best[c]->TotalWork() && g.size() < best[c]->size()))
+        if (!best[c] || total < best[c]->TotalWork() || (total == best[c]->TotalWork() && g.size() < best[c]->size())) {
+          if (best[c]) ReleasePolled(&*best[c], cancel);
           best[c] = std::move(g);
+        }
+        ReleasePolled(&g, cancel);
       }
     }
   }
   for (int64_t c = 0; c < num_comp; ++c) {
+    Poll(cancel);
     if (!large[c]) continue;
     for (int64_t k = 0; k < best[c]->size(); ++k) {
       items.push_back(std::move(best[c]->groups[k]));
@@ -259,12 +289,17 @@ GreedyResult RunComponentGreedy(const PlanContext& ctx, int64_t dp_size, CancelT
 
   // Best-fit decreasing packing: the fullest bin that fits (ties: the lowest index), from an
   // ordered set of (work, -bin).
-  std::vector<int64_t> by_work(items.size());
-  std::iota(by_work.begin(), by_work.end(), 0);
-  std::stable_sort(by_work.begin(), by_work.end(), [&](int64_t a, int64_t b) {
-    return item_work[a] != item_work[b] ? item_work[a] > item_work[b] : items[a].front() < items[b].front();
-  });
-  Grouping g;
+  std::vector<int64_t> by_work;
+  ResizePolled(&by_work, static_cast<int64_t>(items.size()), cancel);
+  ForEachBlock(0, static_cast<int64_t>(items.size()), cancel, [&](int64_t i) { by_work[i] = i; });
+  StableSortPolled(
+      &by_work,
+      [&](int64_t a, int64_t b) {
+        return item_work[a] != item_work[b] ? item_work[a] > item_work[b] : items[a].front() < items[b].front();
+      },
+      cancel);
+  Disposable<Grouping> packed;
+  Grouping& g = *packed;
   std::set<std::pair<int64_t, int32_t>> bins;
   for (int64_t it : by_work) {
     Poll(cancel);

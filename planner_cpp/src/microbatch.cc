@@ -54,6 +54,26 @@ int64_t Grouping::MaxWork() const {
   return best;
 }
 
+void ReleasePolled(Grouping* g, CancelToken* cancel) {
+  while (!g->groups.empty()) {
+    Poll(cancel);
+    for (int64_t i = 0; i < kPollBlock && !g->groups.empty(); ++i) g->groups.pop_back();
+  }
+  g->groups.shrink_to_fit();
+  g->work.clear();
+  g->work.shrink_to_fit();
+}
+
+void CopyPolled(const Grouping& from, Grouping* to, CancelToken* cancel) {
+  ReleasePolled(to, cancel);
+  to->groups.reserve(from.groups.size());
+  for (int64_t k = 0; k < from.size(); ++k) {
+    if (k % kPollBlock == 0) Poll(cancel);
+    to->groups.push_back(from.groups[k]);
+  }
+  to->work = from.work;
+}
+
 Grouping GroupingFromCuts(const PlanContext& ctx, const std::vector<int32_t>& cuts) {
   Grouping g;
   const size_t k = cuts.size() - 1;

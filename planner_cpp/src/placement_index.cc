@@ -23,6 +23,27 @@ PlacementIndex::PlacementIndex(const PlanContext& ctx, int32_t lo, int32_t hi, G
   }
 }
 
+void PlacementIndex::Release(CancelToken* cancel) {
+  const auto pop_blocks = [cancel](auto& v) {
+    while (!v.empty()) {
+      Poll(cancel);
+      for (int64_t i = 0; i < kPollBlock && !v.empty(); ++i) v.pop_back();
+    }
+    v.shrink_to_fit();
+  };
+  pop_blocks(cells_);
+  pop_blocks(node_count_);
+  for (Node& u : nodes_) {
+    while (!u.touching.empty()) {
+      Poll(cancel);
+      auto last = u.touching.begin();
+      for (int64_t i = 0; i < kPollBlock && last != u.touching.end(); ++i) ++last;
+      u.touching.erase(u.touching.begin(), last);
+    }
+  }
+  pop_blocks(nodes_);
+}
+
 void PlacementIndex::Build(int32_t node, int32_t lo, int32_t hi, int32_t depth, int32_t min_node, int32_t max_depth) {
   int64_t floor = 0;
   if (hi - lo >= 2) {

@@ -10,12 +10,14 @@ namespace {
 // holds the largest gain and its leftmost rank (the first found scanning r ascending).
 class GainTree {
  public:
-  explicit GainTree(int64_t n) : size_(1) {
+  // All n gains 0; O(n), polling `cancel` per block.
+  void Reset(int64_t n, CancelToken* cancel) {
+    size_ = 1;
     while (size_ < n) size_ *= 2;
-    gain_.assign(2 * size_, 0);
-    rank_.assign(2 * size_, 0);
-    for (int64_t i = 0; i < size_; ++i) rank_[size_ + i] = static_cast<int32_t>(i);
-    for (int64_t i = size_ - 1; i >= 1; --i) Pull(i);
+    AssignPolled<int64_t>(&gain_, 2 * size_, 0, cancel);
+    AssignPolled<int32_t>(&rank_, 2 * size_, 0, cancel);
+    ForEachBlock(0, size_, cancel, [&](int64_t i) { rank_[size_ + i] = static_cast<int32_t>(i); });
+    ForEachBlock(0, size_ - 1, cancel, [&](int64_t j) { Pull(size_ - 1 - j); });
   }
   void Set(int32_t r, int64_t gain) {
     int64_t i = size_ + r;
@@ -32,7 +34,7 @@ class GainTree {
     gain_[i] = gain_[from];
     rank_[i] = rank_[from];
   }
-  int64_t size_;
+  int64_t size_ = 1;
   std::vector<int64_t> gain_;
   std::vector<int32_t> rank_;
 };
@@ -40,21 +42,20 @@ class GainTree {
 class Repairer {
  public:
   Repairer(const PlanContext& ctx, Grouping& g, int64_t window, CancelToken* cancel)
-      : ctx_(ctx),
-        g_(g),
-        n_(ctx.size()),
-        window_(window),
-        group_of_(n_),
-        moves_(n_),
-        swaps_(n_),
-        move_dest_(n_, -1),
-        swap_with_(n_, -1),
-        swap_work_(n_, {0, 0}),
-        mark_(n_, 0),
-        seen_(g.size(), 0),
-        cancel_(cancel) {
-    for (int64_t k = 0; k < g.size(); ++k)
+      : ctx_(ctx), g_(g), n_(ctx.size()), window_(window), cancel_(cancel) {
+    // Every per-rank array filled in polled pieces (hundreds of MB for millions of ranks).
+    ResizePolled(&group_of_, n_, cancel_);
+    moves_.Reset(n_, cancel_);
+    swaps_.Reset(n_, cancel_);
+    AssignPolled<int32_t>(&move_dest_, n_, -1, cancel_);
+    AssignPolled<int32_t>(&swap_with_, n_, -1, cancel_);
+    ResizePolled(&swap_work_, n_, cancel_);
+    ResizePolled(&mark_, n_, cancel_);
+    ResizePolled(&seen_, g.size(), cancel_);
+    for (int64_t k = 0; k < g.size(); ++k) {
+      Poll(cancel_);
       for (int32_t r : g.groups[k]) group_of_[r] = static_cast<int32_t>(k);
+    }
     for (int32_t r = 0; r < n_; ++r) {
       Poll(cancel_);
       EvalMove(r);

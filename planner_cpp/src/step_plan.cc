@@ -43,10 +43,6 @@ Candidate Contiguous(const PlanContext& ctx, std::string source, std::vector<int
   return c;
 }
 
-Grouping Materialize(const PlanContext& ctx, const Candidate& c) {
-  return c.cuts ? GroupingFromCuts(ctx, *c.cuts) : c.grouping;
-}
-
 }  // namespace
 
 void ValidatePlannerOptions(const PlannerOptions& o) {
@@ -113,8 +109,9 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o, CancelToke
   Check(cancel);
   phase = Clock::now();
 
-  // 2. Base candidates.
-  std::vector<Candidate> cands;
+  // 2. Base candidates (dropped in the background when the plan stops early: cancel.h).
+  Disposable<std::vector<Candidate>> candidates;
+  std::vector<Candidate>& cands = *candidates;
   const bool exact = o.search == "exact" || (o.search == "auto" && n <= o.exact_threshold);
   plan.search_mode = exact ? "exact" : "heuristic";
   if (exact) {
@@ -189,7 +186,8 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o, CancelToke
     if (component_index >= 0) anchors.push_back(component_index);  // outside the B_ref budget
     for (int64_t a : anchors) {
       int64_t changes = 0;
-      Grouping g;
+      Disposable<Grouping> anchor;
+      Grouping& g = *anchor;
       std::string source = cands[a].source;
       if (cands[a].cuts) {
         std::vector<int32_t> cuts = *cands[a].cuts;
@@ -198,7 +196,7 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o, CancelToke
         if (moves > 0) source += "+boundary";
         g = GroupingFromCuts(ctx, cuts);
       } else {
-        g = cands[a].grouping;
+        CopyPolled(cands[a].grouping, &g, cancel);
       }
       const int64_t updates = SparseRepair(ctx, g, o.repair_window, o.repair_iterations, cancel);
       changes += updates;
@@ -224,7 +222,8 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o, CancelToke
       }
       cands.push_back(Contiguous(ctx, source, opt.cuts));
       if (o.refine) {
-        Grouping g = GroupingFromCuts(ctx, opt.cuts);
+        Disposable<Grouping> repaired(GroupingFromCuts(ctx, opt.cuts));
+        Grouping& g = *repaired;
         changes = SparseRepair(ctx, g, o.repair_window, o.repair_iterations, cancel);
         if (changes > 0) cands.push_back(Candidate{source + "+repair", std::nullopt, std::move(g), {}});
       }
@@ -252,10 +251,12 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o, CancelToke
     if (best < 0 || cands[i].schedule.objective < cands[best].schedule.objective) best = static_cast<int64_t>(i);
   }
   plan.selected = best;
-  const Candidate& c = cands[best];
+  Candidate& c = cands[best];
   plan.source = c.source;
   plan.objective = c.schedule.objective;
-  const Grouping chosen = Materialize(ctx, c);
+  Disposable<Grouping> chosen_holder(c.cuts ? GroupingFromCuts(ctx, *c.cuts) : std::move(c.grouping));
+  const Grouping& chosen = *chosen_holder;
+  for (Candidate& other : cands) ReleasePolled(&other.grouping, cancel);  // the others, polled
   const int64_t k = chosen.size();
   std::vector<int32_t> by_position(k);  // microbatches ordered by (slot, replica)
   std::iota(by_position.begin(), by_position.end(), 0);
@@ -266,12 +267,14 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o, CancelToke
   plan.member_offsets.assign(1, 0);
   plan.members.reserve(n);
   for (int32_t m : by_position) {
+    Poll(cancel);
     for (int32_t r : chosen.groups[m]) plan.members.push_back(batch.order()[r]);
     plan.member_offsets.push_back(static_cast<int64_t>(plan.members.size()));
     plan.work.push_back(chosen.work[m]);
     plan.replica.push_back(c.schedule.replica[m]);
     plan.slot.push_back(c.schedule.slot[m]);
   }
+  ReleasePolled(&*chosen_holder, cancel);
   plan.phase_seconds.push_back({"schedule", Since(phase)});
   plan.planning_seconds = Since(start);
   return plan;

@@ -6,11 +6,14 @@
 // tested from Python (tests/planner/test_cancel.py), where the GIL release is checked too.
 #include "harts/cancel.h"
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "check.h"
@@ -208,10 +211,63 @@ void TestQuietTokenChangesNothing() {
   CHECK(c.layout.gather_index == d.layout.gather_index && c.plan.t_pre == d.plan.t_pre);
 }
 
+// StableSortPolled is std::stable_sort (ties included) on either side of the chunk size, and a
+// cancelled token stops it with every element still present.
+void TestStableSortPolled() {
+  std::mt19937 rng(5);
+  for (const int64_t n : {int64_t{0}, int64_t{1}, int64_t{100}, kPollChunk - 1, kPollChunk, kPollChunk + 1,
+                          3 * kPollChunk + 17, 9 * kPollChunk}) {
+    std::vector<int32_t> keys(n);
+    for (int32_t& k : keys) k = static_cast<int32_t>(rng() % 50);  // many ties
+    std::vector<int32_t> expect(n), got(n);
+    std::iota(expect.begin(), expect.end(), 0);
+    std::iota(got.begin(), got.end(), 0);
+    const auto by_key = [&](int32_t a, int32_t b) { return keys[a] > keys[b]; };
+    std::stable_sort(expect.begin(), expect.end(), by_key);
+    CancelToken quiet;
+    StableSortPolled(&got, by_key, &quiet);
+    CHECK(got == expect);
+    if (n > 0) {
+      CancelToken stop;
+      stop.Cancel();
+      std::vector<int32_t> stopped(n);
+      std::iota(stopped.begin(), stopped.end(), 0);
+      ExpectError<Cancelled>([&] { StableSortPolled(&stopped, by_key, &stop); }, "cancelled");
+      std::sort(stopped.begin(), stopped.end());
+      for (int64_t i = 0; i < n; ++i) CHECK_EQ(stopped[i], static_cast<int32_t>(i));
+    }
+  }
+}
+
+// Disposable: a normal exit destroys here; an exception unwinding the scope hands the object to
+// a background thread (destroyed soon after, not before the exception is caught).
+struct Probe {
+  explicit Probe(std::atomic<int>* destroyed) : destroyed(destroyed) {}
+  ~Probe() { destroyed->fetch_add(1); }
+  std::atomic<int>* destroyed;
+};
+
+void TestDisposable() {
+  std::atomic<int> destroyed{0};
+  {
+    Disposable<Probe> p(&destroyed);
+  }
+  CHECK_EQ(destroyed.load(), 1);
+  try {
+    Disposable<Probe> p(&destroyed);
+    throw Cancelled("cancelled", "stop");
+  } catch (const Cancelled&) {
+  }
+  for (int i = 0; i < 2000 && destroyed.load() < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  CHECK_EQ(destroyed.load(), 2);
+}
+
 }  // namespace
 }  // namespace harts
 
 int main() {
+  harts::TestStableSortPolled();
+  harts::TestDisposable();
   harts::TestTokenContract();
   harts::TestCancelledTokenStopsEveryEntryPoint();
   harts::TestExpiredDeadlineStopsEveryEntryPoint();

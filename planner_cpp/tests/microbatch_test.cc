@@ -46,10 +46,38 @@ void CheckDeltas(const std::vector<testing::Traj>& trajs) {
   }
 }
 
+// CopyPolled copies a grouping exactly; ReleasePolled empties one; a cancelled token stops a
+// release with the grouping still destructible.
+void TestPolledCopyAndRelease() {
+  Grouping g;
+  for (int32_t k = 0; k < 3000; ++k) {
+    g.groups.push_back({k, k + 3000});
+    g.work.push_back(k);
+  }
+  Grouping copy;
+  copy.groups.push_back({7});
+  copy.work.push_back(1);
+  CancelToken quiet;
+  CopyPolled(g, &copy, &quiet);
+  CHECK(copy.groups == g.groups && copy.work == g.work);
+  ReleasePolled(&copy, &quiet);
+  CHECK(copy.groups.empty() && copy.work.empty());
+  CancelToken stop;
+  stop.Cancel();
+  bool stopped = false;
+  try {
+    ReleasePolled(&g, &stop);
+  } catch (const Cancelled&) {
+    stopped = true;
+  }
+  CHECK(stopped);
+}
+
 }  // namespace
 }  // namespace harts
 
 int main() {
+  harts::TestPolledCopyAndRelease();
   std::mt19937 rng(7);
   for (int trial = 0; trial < 300; ++trial) {
     const int n = 1 + static_cast<int>(rng() % 7);

@@ -54,7 +54,7 @@ const char* GreedyOrderName(GreedyOrder order);
 const char* GreedyPolicyName(GreedyPolicy policy);
 
 // The processing order of ranks for `order`.
-std::vector<int32_t> ProcessingOrder(const PlanContext& ctx, GreedyOrder order);
+std::vector<int32_t> ProcessingOrder(const PlanContext& ctx, GreedyOrder order, CancelToken* cancel = nullptr);
 
 // Places every rank in `sequence` (distinct ranks, e.g. a permutation of [0, N)) by `policy`.
 Grouping GreedyPlace(const PlanContext& ctx, const std::vector<int32_t>& sequence, GreedyPolicy policy,

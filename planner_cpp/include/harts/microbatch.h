@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "harts/cancel.h"
 #include "harts/rollout_batch.h"
 
 namespace harts {
@@ -87,6 +88,13 @@ struct Grouping {
   int64_t TotalWork() const;
   int64_t MaxWork() const;
 };
+
+// Empties *g, freeing its groups in blocks of kPollBlock with a poll of `cancel` (may be null)
+// before each: a grouping of millions of groups is dropped without a long unpolled stretch.
+void ReleasePolled(Grouping* g, CancelToken* cancel);
+
+// *to = from, group by group, polling `cancel` (may be null) every kPollBlock groups.
+void CopyPolled(const Grouping& from, Grouping* to, CancelToken* cancel);
 
 // The grouping of a contiguous partition. Precondition: cuts as in the glossary.
 Grouping GroupingFromCuts(const PlanContext& ctx, const std::vector<int32_t>& cuts);

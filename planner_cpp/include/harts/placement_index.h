@@ -84,6 +84,10 @@ class PlacementIndex {
   // Group k stops being a destination (dissolved); its members stay in g->groups[k].
   void Retire(int64_t k);
 
+  // Frees the index in blocks, polling `cancel` between them (its destructor would free millions
+  // of small containers in one stretch); the index is unusable afterwards.
+  void Release(CancelToken* cancel);
+
   bool live(int64_t k) const { return live_[k] != 0; }
   int64_t num_nodes() const { return static_cast<int64_t>(nodes_.size()); }
   int64_t num_cells() const { return static_cast<int64_t>(cells_.size()); }
