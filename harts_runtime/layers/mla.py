@@ -6,6 +6,9 @@ is shared by all heads; RMSNorm on the latents; no YaRN / mscale; the rotate-hal
 (:mod:`harts_runtime.modules.rope`); no weight absorption (that only matters for decoding); no
 dropout. The attention core sees ``Dqk = qk_nope + qk_rope`` against ``Dv = v_head_dim``, exactly
 the asymmetric case the backends must support.
+
+``use_rope=False`` is Kimi-Linear's MLA (NoPE): the same projections and split, the
+``qk_rope_head_dim`` part of the queries and of the shared key is used as projected, unrotated.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class MLAConfig:
     """Width of the compressed query latent (None: a direct query projection)."""
     rope_theta: float = 10_000.0
     """RoPE base."""
+    use_rope: bool = True
+    """Rotate the ``qk_rope_head_dim`` parts (False: NoPE, as Kimi-Linear; positions unused)."""
     norm_eps: float = 1e-6
     """RMSNorm epsilon on the latents."""
     backend: str = "reference"
@@ -73,15 +78,19 @@ class CompactMLA(CompactAttentionBase):
         """hidden [N, D], positions [N] -> q [N, H, Dqk], k [N, H, Dqk], v [N, H, Dv]."""
         c, n = self.config, hidden.shape[0]
         nope, rope, h = c.qk_nope_head_dim, c.qk_rope_head_dim, c.num_heads
-        cos, sin = rope_cos_sin(positions, rope, c.rope_theta)
+        if c.use_rope:
+            cos, sin = rope_cos_sin(positions, rope, c.rope_theta)
+            rotate = lambda t: apply_rope(t, cos, sin)
+        else:
+            rotate = lambda t: t
         if c.q_lora_rank is None:
             q = self.q_proj(hidden)
         else:
             q = self.q_b_proj(self.q_a_norm(self.q_a_proj(hidden)))
         q = q.view(n, h, nope + rope)
-        q = torch.cat([q[..., :nope], apply_rope(q[..., nope:], cos, sin)], dim=-1)
+        q = torch.cat([q[..., :nope], rotate(q[..., nope:])], dim=-1)
         kv_a = self.kv_a_proj(hidden)  # [N, r_kv + rope]
-        k_rope = apply_rope(kv_a[:, None, c.kv_lora_rank :], cos, sin)  # [N, 1, rope]
+        k_rope = rotate(kv_a[:, None, c.kv_lora_rank :])  # [N, 1, rope]
         kv = self.kv_b_proj(self.kv_a_norm(kv_a[:, : c.kv_lora_rank])).view(n, h, nope + c.v_head_dim)
         k = torch.cat([kv[..., :nope], k_rope.expand(n, h, rope)], dim=-1)  # [N, H, Dqk]
         v = kv[..., nope:]  # [N, H, Dv]

@@ -17,6 +17,14 @@ expanded rows computes (``p`` = routing probabilities, ``a`` = top-k assignment 
   ``local_tokens_per_expert``; :meth:`CompactMoE.update_expert_bias` applies
   ``bias += rate * sign(mean(f) - f)`` (Megatron ``get_updated_expert_bias``).
 
+Kimi-Linear / DeepSeek-V3 options (defaults off): group-limited selection (``num_expert_groups``
+groups of ``E / G`` experts; a row first keeps the ``topk_groups`` groups with the largest sum of
+their two best biased scores, then takes its top-k inside them), ``routed_scaling_factor`` on the
+combine weights, and ``num_shared_experts`` always-on SwiGLU experts (one SwiGLU of width
+``shared_intermediate_size``, default ``num_shared_experts * intermediate_size``) whose output is
+added to the routed output. Group limiting changes only which experts a row selects, so the
+statistics stay per row and the multiplicity weighting stays exact.
+
 Determinism: top-k is a stable descending sort of the (biased) scores, so ties go to the lower
 expert id, and a row's decision depends only on that row. Sequence-level aux losses (per-trajectory
 balance) are not implemented: they need per-trajectory mass, which a compact row shares across
@@ -41,6 +49,7 @@ from torch import nn
 
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.rows import RowLayout
+from harts_runtime.modules.swiglu import SwiGLU
 
 __all__ = ["SCORE_FUNCS", "CompactMoE", "MoEConfig", "MoEOutput", "grouped_mm", "route", "router_losses"]
 
@@ -71,6 +80,14 @@ class MoEConfig:
     """Weight of the load-balancing loss in :attr:`MoEOutput.router_loss`."""
     z_loss_coef: float = 0.0
     """Weight of the router z-loss in :attr:`MoEOutput.router_loss`."""
+    num_expert_groups: int = 1
+    """G: expert groups for group-limited selection (1: no limit; ``E`` must be a multiple)."""
+    topk_groups: int = 1
+    """Groups a row may select from (only with ``num_expert_groups > 1``)."""
+    num_shared_experts: int = 0
+    """Always-on shared experts (0: none), run as one SwiGLU ``shared_experts`` on every row."""
+    shared_intermediate_size: int | None = None
+    """Width of the shared SwiGLU (None: ``num_shared_experts * intermediate_size``)."""
     grouped: bool = True
     """Grouped-matmul expert path (True) or the per-expert loop reference (False)."""
     accumulate_counts: bool = True
@@ -121,6 +138,8 @@ def route(
     expert_bias=None,
     norm_topk_prob: bool = False,
     scaling: float = 1.0,
+    num_groups: int = 1,
+    topk_groups: int = 1,
 ):
     """Deterministic top-k routing of N rows.
 
@@ -129,6 +148,11 @@ def route(
     logits : Tensor, float32, shape [N, E]
     expert_bias : Tensor, shape [E], optional
         Added to the scores for selection only.
+    num_groups, topk_groups : int
+        Group-limited selection (DeepSeek-V3 / Kimi-Linear ``n_group`` / ``topk_group``): the E
+        experts form ``num_groups`` contiguous groups; a group's score is the sum of its two best
+        selection scores (its best one for groups of one expert); only the experts of the
+        ``topk_groups`` best groups can be selected. ``num_groups=1`` is plain top-k.
 
     Returns
     -------
@@ -143,6 +167,17 @@ def route(
         raise InvalidInputError("score_func", f"unknown {score_func!r}; choose one of {sorted(SCORE_FUNCS)}")
     scores, probs = SCORE_FUNCS[score_func](logits)
     select = scores.detach() if expert_bias is None else scores.detach() + expert_bias
+    if num_groups > 1:
+        n, e = select.shape
+        if e % num_groups or not 1 <= topk_groups <= num_groups:
+            raise InvalidInputError(
+                "num_expert_groups", f"{e} experts in {num_groups} groups, keeping {topk_groups}"
+            )
+        per = select.view(n, num_groups, e // num_groups)
+        group_score = per.topk(min(2, e // num_groups), dim=-1).values.sum(-1)  # [N, G]
+        keep = torch.sort(group_score, dim=-1, descending=True, stable=True).indices[:, :topk_groups]
+        allowed = torch.zeros(n, num_groups, dtype=torch.bool, device=select.device).scatter_(1, keep, True)
+        select = select.masked_fill(~allowed.repeat_interleave(e // num_groups, dim=1), float("-inf"))
     topk_idx = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :top_k]
     weight = scores.gather(1, topk_idx)
     if norm_topk_prob:
@@ -253,7 +288,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, impl: str
 class CompactMoE(nn.Module):
     """Routed SwiGLU experts on compact rows.
 
-    Parameters: ``router`` [E, D]; ``w_gate``, ``w_up`` [E, D, I]; ``w_down`` [E, I, D]. Buffers:
+    Parameters: ``router`` [E, D]; ``w_gate``, ``w_up`` [E, D, I]; ``w_down`` [E, I, D]; with
+    shared experts also ``shared_experts`` (a :class:`~harts_runtime.modules.swiglu.SwiGLU`:
+    ``gate``/``up`` [I_s, D], ``down`` [D, I_s]). Buffers:
     ``expert_bias`` [E] (selection only) and ``local_tokens_per_expert`` [E] (float32, weighted
     counts accumulated since the last :meth:`update_expert_bias`).
 
@@ -275,6 +312,9 @@ class CompactMoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(c.num_experts, c.intermediate_size, c.hidden_size))
         self.register_buffer("expert_bias", torch.zeros(c.num_experts))
         self.register_buffer("local_tokens_per_expert", torch.zeros(c.num_experts))
+        if c.num_shared_experts > 0:
+            width = c.shared_intermediate_size or c.num_shared_experts * c.intermediate_size
+            self.shared_experts = SwiGLU(c.hidden_size, width)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -314,6 +354,8 @@ class CompactMoE(nn.Module):
             self.expert_bias if c.use_expert_bias else None,
             c.norm_topk_prob,
             c.routed_scaling_factor,
+            c.num_expert_groups,
+            c.topk_groups,
         )
         shard = self.row_shard
         if shard is not None and multiplicity is not None:
@@ -325,6 +367,11 @@ class CompactMoE(nn.Module):
             self.local_tokens_per_expert += counts.detach()
         experts = self._experts_grouped if c.grouped else self._experts_loop
         out = experts(hidden, topk_idx, weight.to(hidden.dtype))
+        if c.num_shared_experts > 0:
+            shared = getattr(self, "shared_experts", None)
+            if shared is None:  # a subclass that did not build them (expert parallelism)
+                raise InvalidInputError("num_shared_experts", "this MoE module has no shared experts")
+            out = out + shared(hidden)
         return MoEOutput(
             out, aux, z, counts.detach(), topk_idx, weight, c.aux_loss_coef * aux + c.z_loss_coef * z
         )

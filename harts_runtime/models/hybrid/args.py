@@ -20,7 +20,7 @@ import torch
 
 from harts_runtime.errors import InvalidInputError
 
-__all__ = ["FFNS", "FLAVORS", "MIXERS", "ModelConfig", "model_config"]
+__all__ = ["FFNS", "FLAVORS", "MIXERS", "ModelConfig", "ffn_pattern", "model_config"]
 
 MIXERS = ("kda", "mla", "gqa")
 """Token-mixer names of :attr:`ModelConfig.mixers` (the model's builder table has one entry each)."""
@@ -45,6 +45,10 @@ class ModelConfig:
     # KDA
     kda_head_dim: int = 8
     """KDA key and value head dim (the state is K x V per head)."""
+    kda_num_heads: int | None = None
+    """KDA heads (None: ``num_heads``)."""
+    kda_norm_eps: float = 1e-5
+    """Epsilon of KDA's gated output RMSNorm."""
     conv_size: int = 4
     """KDA causal convolution width w."""
     chunk_size: int = 8
@@ -60,6 +64,8 @@ class ModelConfig:
     """MLA per-head query/key dims with RoPE."""
     v_head_dim: int = 8
     """MLA per-head value dim."""
+    mla_rope: bool = True
+    """Rotate MLA's ``qk_rope_head_dim`` parts (False: NoPE, as Kimi-Linear)."""
     # GQA
     num_kv_heads: int | None = None
     """GQA KV heads (None: MHA)."""
@@ -80,6 +86,16 @@ class ModelConfig:
     """Renormalise the k selected scores."""
     use_expert_bias: bool = False
     """Aux-loss-free balancing bias (selection only)."""
+    routed_scaling_factor: float = 1.0
+    """Multiplier on the routed experts' combine weights."""
+    num_expert_groups: int = 1
+    """Expert groups of group-limited routing (1: plain top-k)."""
+    topk_groups: int = 1
+    """Groups a row may route to (with ``num_expert_groups > 1``)."""
+    num_shared_experts: int = 0
+    """Always-on shared experts per MoE layer (0: none)."""
+    shared_expert_intermediate: int | None = None
+    """Width of the shared-expert SwiGLU (None: ``num_shared_experts * expert_intermediate``)."""
     aux_loss_coef: float = 1e-2
     """Load-balancing loss weight."""
     z_loss_coef: float = 1e-3
@@ -129,6 +145,23 @@ class ModelConfig:
             raise InvalidInputError(
                 "top_k", f"must be in [1, num_experts={self.num_experts}], got {self.top_k}"
             )
+        if self.kda_num_heads is not None and self.kda_num_heads < 1:
+            raise InvalidInputError("kda_num_heads", f"must be >= 1, got {self.kda_num_heads}")
+        if self.num_shared_experts < 0:
+            raise InvalidInputError("num_shared_experts", f"must be >= 0, got {self.num_shared_experts}")
+        g = self.num_expert_groups
+        if g < 1 or self.num_experts % g:
+            raise InvalidInputError(
+                "num_expert_groups", f"must be >= 1 and divide num_experts={self.num_experts}, got {g}"
+            )
+        if g > 1:
+            if not 1 <= self.topk_groups <= g:
+                raise InvalidInputError("topk_groups", f"must be in [1, {g}], got {self.topk_groups}")
+            if "moe" in self.ffns and self.top_k > self.topk_groups * (self.num_experts // g):
+                raise InvalidInputError(
+                    "top_k",
+                    f"{self.top_k} > the {self.topk_groups} x {self.num_experts // g} selectable experts",
+                )
 
     @property
     def num_layers(self) -> int:
@@ -140,6 +173,18 @@ class ModelConfig:
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+def ffn_pattern(num_layers: int, first_k_dense: int = 0, moe_layer_freq: int = 1) -> tuple:
+    """The DeepSeek-V3 / Kimi FFN pattern: layer ``i`` is ``moe`` when ``i >= first_k_dense`` and
+    ``i % moe_layer_freq == 0``, else ``dense``."""
+    if moe_layer_freq < 1:
+        raise InvalidInputError("moe_layer_freq", f"must be >= 1, got {moe_layer_freq}")
+    if first_k_dense < 0:
+        raise InvalidInputError("first_k_dense", f"must be >= 0, got {first_k_dense}")
+    return tuple(
+        "moe" if i >= first_k_dense and i % moe_layer_freq == 0 else "dense" for i in range(num_layers)
+    )
 
 
 # ------------------------------------------------------------------------------- flavors

@@ -45,11 +45,12 @@ def _kda(cfg: ModelConfig, attn_backend: str) -> nn.Module:
     return KDALayer(
         KDAConfig(
             hidden_size=cfg.hidden_size,
-            num_heads=cfg.num_heads,
+            num_heads=cfg.kda_num_heads or cfg.num_heads,
             head_k_dim=cfg.kda_head_dim,
             head_v_dim=cfg.kda_head_dim,
             conv_size=cfg.conv_size,
             chunk_size=cfg.chunk_size,
+            norm_eps=cfg.kda_norm_eps,
             backend=cfg.kda_backend,
         )
     )
@@ -66,6 +67,7 @@ def _mla(cfg: ModelConfig, attn_backend: str) -> nn.Module:
             v_head_dim=cfg.v_head_dim,
             q_lora_rank=cfg.q_lora_rank,
             rope_theta=cfg.rope_theta,
+            use_rope=cfg.mla_rope,
             backend=attn_backend,
         )
     )
@@ -96,8 +98,12 @@ def _moe(cfg: ModelConfig) -> nn.Module:
             intermediate_size=cfg.expert_intermediate,
             score_func=cfg.score_func,
             norm_topk_prob=cfg.norm_topk_prob,
-            routed_scaling_factor=1.0,
+            routed_scaling_factor=cfg.routed_scaling_factor,
             use_expert_bias=cfg.use_expert_bias,
+            num_expert_groups=cfg.num_expert_groups,
+            topk_groups=cfg.topk_groups,
+            num_shared_experts=cfg.num_shared_experts,
+            shared_intermediate_size=cfg.shared_expert_intermediate,
             aux_loss_coef=cfg.aux_loss_coef,
             z_loss_coef=cfg.z_loss_coef,
             accumulate_counts=False,  # HybridModel.forward_hidden counts once, outside recomputation
