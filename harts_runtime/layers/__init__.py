@@ -3,6 +3,7 @@ microbatch's :class:`~harts_runtime.layout.rows.RowLayout`:
 
 * :mod:`~harts_runtime.layers.kda`: Kimi Delta Attention over the layout's KDA plan (fla's parameter names);
 * :mod:`~harts_runtime.layers.attention`: MHA / GQA over the layout's ancestor-KV views;
+* :mod:`~harts_runtime.layers.gated_attention`: Qwen3-Next / Qwen3.5 gated GQA, likewise;
 * :mod:`~harts_runtime.layers.mla`: multi-head latent attention, likewise;
 * :mod:`~harts_runtime.layers.moe`: routed SwiGLU experts with multiplicity-weighted statistics;
 * :mod:`~harts_runtime.layers.ffn`: the dense SwiGLU FFN.
@@ -10,6 +11,7 @@ microbatch's :class:`~harts_runtime.layout.rows.RowLayout`:
 
 from harts_runtime.layers.attention import AttentionConfig, CompactAttention
 from harts_runtime.layers.ffn import DenseFFN
+from harts_runtime.layers.gated_attention import CompactGatedAttention, GatedAttentionConfig
 from harts_runtime.layers.kda import KDAConfig, KDALayer
 from harts_runtime.layers.mla import CompactMLA, MLAConfig
 from harts_runtime.layers.moe import CompactMoE, MoEConfig, MoEOutput
@@ -17,9 +19,11 @@ from harts_runtime.layers.moe import CompactMoE, MoEConfig, MoEOutput
 __all__ = [
     "AttentionConfig",
     "CompactAttention",
+    "CompactGatedAttention",
     "CompactMLA",
     "CompactMoE",
     "DenseFFN",
+    "GatedAttentionConfig",
     "KDAConfig",
     "KDALayer",
     "MLAConfig",

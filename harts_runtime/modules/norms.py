@@ -1,42 +1,72 @@
-"""Normalisations with float32 statistics: RMSNorm, the sigmoid-gated RMSNorm of KDA's output
-(``fla.modules.FusedRMSNormGated(activation="sigmoid")``'s parameters and math) and the L2 norm of
-KDA's queries and keys. Each returns its input's dtype; the statistics are computed in float32."""
+"""Normalisations with float32 statistics: RMSNorm (optionally zero-centred, Qwen3-Next's
+``Qwen3NextRMSNorm``), the gated RMSNorm of KDA's output (``fla.modules.FusedRMSNormGated(
+activation="sigmoid")``'s parameters and math) and of Qwen3-Next / Qwen3.5's gated-delta-net output
+(``activation="silu"``), and the L2 norm of KDA's queries and keys. Each returns its input's dtype;
+the statistics are computed in float32."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from harts_runtime.errors import InvalidInputError
 
 __all__ = ["GatedRMSNorm", "RMSNorm", "l2_norm"]
 
 
 class RMSNorm(nn.Module):
-    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim; ``weight`` [dim] (ones at init)."""
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim; ``weight`` [dim] (ones at init).
 
-    def __init__(self, dim: int, eps: float):
+    ``zero_centered=True``: ``x * rsqrt(mean(x^2) + eps) * (1 + weight)`` with ``weight`` zeros at
+    init, all in float32 and cast to ``x.dtype`` once at the end: the math of transformers'
+    ``Qwen3NextRMSNorm`` / ``Qwen3_5MoeRMSNorm`` (so their checkpoints' norm weights load as is).
+    """
+
+    def __init__(self, dim: int, eps: float, *, zero_centered: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return (xf * self.weight.float()).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, zero_centered={self.zero_centered}"
+
+
+_GATE_ACTIVATIONS = {"sigmoid": torch.sigmoid, "silu": F.silu, "swish": F.silu}
 
 
 class GatedRMSNorm(nn.Module):
-    """``rmsnorm(x) * weight * sigmoid(gate)`` over the last dim (per head: x, gate [..., dim]);
-    ``weight`` [dim] (ones at init). The parameters of ``fla.modules.FusedRMSNormGated``."""
+    """``rmsnorm(x) * weight * act(gate)`` over the last dim (per head: x, gate [..., dim]);
+    ``weight`` [dim] (ones at init). The parameters of ``fla.modules.FusedRMSNormGated``.
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5):
+    ``activation``: ``"sigmoid"`` (KDA's output norm, the default) or ``"silu"`` (``"swish"``): the
+    output norm of Qwen3-Next / Qwen3.5's gated delta net (transformers' ``Qwen3NextRMSNormGated``,
+    norm before gate). Everything is float32 with one cast at the end, as fla's kernel; transformers'
+    torch fallback rounds the normalised ``x`` to the input dtype before the weight, so below float32
+    the two differ by that rounding (equal in float32).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, *, activation: str = "sigmoid"):
         super().__init__()
-        self.hidden_size, self.eps = hidden_size, eps
+        if activation not in _GATE_ACTIVATIONS:
+            raise InvalidInputError(
+                "activation", f"{activation!r}; choose one of {sorted(_GATE_ACTIVATIONS)}"
+            )
+        self.hidden_size, self.eps, self.activation = hidden_size, eps, activation
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float() * torch.sigmoid(gate.float())).to(x.dtype)
+        return (xf * self.weight.float() * _GATE_ACTIVATIONS[self.activation](gate.float())).to(x.dtype)
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
