@@ -31,6 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TOL_OUT = {"rtol": 1e-5, "atol": 1e-6}  # layer outputs, |y| ~ 0.5
 TOL_DHIDDEN = {"rtol": 1e-5, "atol": 1e-5}  # input-row gradients, summed over many positions
 TOL_DPARAM = {"rtol": 1e-5, "atol": 1e-4}  # weight gradients, summed over all rows (|g| ~ 10-100)
+TOL_BF16_OUT = {"rtol": 2e-2, "atol": 1e-2}  # bfloat16 layer outputs (measured max |diff| 2e-3)
 
 VARIANTS = {  # heads, kv heads, head_dim, partial_rotary_factor, attention_bias
     "gqa_partial_rope": (4, 2, 16, 0.25, False),
@@ -169,7 +170,7 @@ def test_trajectory_layout_matches_transformers(variant, backend):
     compare(ours, hf, hidden, out, rows, weights)
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "dense_tree"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("seed", [0, 5])
 def test_compact_layout_matches_transformers_per_trajectory(variant, backend, seed):
@@ -190,6 +191,24 @@ def test_compact_layout_matches_transformers_per_trajectory(variant, backend, se
     errors = {}
     compare(ours, hf, hidden, out, rows, weights, errors)
     print(f"{variant} {backend} seed={seed} max (abs, rel) errors: {errors}")
+
+
+def test_bfloat16_compact_layout_close_to_transformers():
+    """bfloat16 weights and rows: transformers' eager path rounds scores and probabilities to
+    bfloat16, ours keeps the core in float32, so they agree to bfloat16 rounding."""
+    hf, rotary, ours = make_pair("gqa_partial_rope", 1)
+    hf, ours = hf.bfloat16(), ours.bfloat16()
+    batch = tree_batch(1)
+    plan = hp.plan_calls(batch, 8, conv_width=4)
+    layout = compact_layout(batch, plan)
+    s2p, off = np.asarray(plan.semantic_to_physical, dtype=np.int64), np.asarray(batch.offsets)
+    hidden = torch.randn(layout.num_rows, HIDDEN, generator=torch.Generator().manual_seed(7)).bfloat16()
+    with torch.no_grad():
+        out = ours(hidden, layout, backend="sdpa")
+        assert out.dtype == torch.bfloat16
+        for i in range(batch.num_trajectories):
+            rows = torch.from_numpy(s2p[off[i] : off[i + 1]])
+            torch.testing.assert_close(out[rows], hf_trajectory(hf, rotary, hidden[rows]), **TOL_BF16_OUT)
 
 
 def test_qwen3_5_attention_matches():
