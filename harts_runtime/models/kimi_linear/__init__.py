@@ -1,0 +1,18 @@
+"""Kimi-Linear (transformers ``KimiLinearForCausalLM``) as a :class:`~harts_runtime.models.hybrid.HybridModel`.
+
+``args``: :func:`from_hf_config` (a ``KimiLinearConfig`` or its ``config.json`` dict -> our
+:class:`~harts_runtime.models.hybrid.args.ModelConfig`) and :func:`to_hf_config` (back);
+``state_dict_adapter``: :func:`from_hf` / :func:`to_hf` (state dicts, every tensor mapped and
+checked). Loading and saving checkpoint folders is :mod:`harts_runtime.hf`.
+
+Kimi-Linear is the hybrid family with KDA linear-attention layers (``linear_attention``), MLA
+full-attention layers without positional encoding (``full_attention``; ``mla_rope=False``), a
+dense SwiGLU in the first ``first_k_dense_replace`` layers and elsewhere a sigmoid-routed MoE with
+``e_score_correction_bias`` (our ``expert_bias``), group-limited top-k, renormalised top-k weights,
+``routed_scaling_factor`` and shared experts.
+"""
+
+from harts_runtime.models.kimi_linear.args import from_hf_config, to_hf_config
+from harts_runtime.models.kimi_linear.state_dict_adapter import KimiLinearStateDictAdapter, from_hf, to_hf
+
+__all__ = ["KimiLinearStateDictAdapter", "from_hf", "from_hf_config", "to_hf", "to_hf_config"]
