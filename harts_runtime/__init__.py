@@ -17,6 +17,8 @@ package                            what
 :mod:`harts_runtime.parallel`      DP from the step plan, TP / SP, EP, vocabulary parallelism
 ``step_inputs``, ``train``         the step's inputs (:class:`StepInputs`), the step (:func:`train_step`)
 ``recompute``, ``errors``          the one recomputation switch, the one error class
+``hf``                             :func:`load_pretrained` / :func:`save_pretrained`: HF checkpoint
+                                   folders (Kimi-Linear) <-> ``HybridModel``
 ``demo``, ``cli``                  :func:`train_demo`, ``harts-train``
 ``flops``, ``testing``             the FLOP model; test-only trees, decompositions and dense masks
 =================================  ===============================================================
@@ -36,6 +38,8 @@ _EXPORTS = {
     "InvalidInputError": "harts_runtime.errors",
     "ParallelConfigError": "harts_runtime.errors",
     "StepInputsError": "harts_runtime.errors",
+    "load_pretrained": "harts_runtime.hf",
+    "save_pretrained": "harts_runtime.hf",
     "CallLayoutArrays": "harts_runtime.layout",
     "MODES": "harts_runtime.layout",
     "Microbatch": "harts_runtime.layout",

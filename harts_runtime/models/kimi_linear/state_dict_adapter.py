@@ -61,7 +61,15 @@ _MLP_RENAME = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
 
 class KimiLinearStateDictAdapter:
-    """The tensor map of one Kimi-Linear :class:`ModelConfig` (shapes from a meta-device model)."""
+    """The tensor map of one Kimi-Linear :class:`ModelConfig` (shapes from a meta-device model).
+
+    Two HF spellings are read: the in-memory one (``KimiLinearForCausalLM.state_dict()``:
+    ``mlp.experts.gate_up_proj``, ``self_attn.conv1d``, ``forget_gate.*``) and the checkpoint one
+    (what ``save_pretrained`` and the released checkpoints store, which transformers converts on
+    load: ``block_sparse_moe.experts.{j}.w1/w2/w3``, ``self_attn.{q,k,v}_conv1d``,
+    ``self_attn.f_a_proj`` / ``dt_bias`` / ``A_log``; ``mlp.`` or ``block_sparse_moe.`` as the FFN
+    prefix). :meth:`to_hf` writes the in-memory spelling, :meth:`to_checkpoint` the checkpoint one.
+    """
 
     def __init__(self, config: ModelConfig):
         from harts_runtime.models.hybrid.model import HybridModel
@@ -69,62 +77,124 @@ class KimiLinearStateDictAdapter:
         self.config = config
         meta = HybridModel(config, device="meta").state_dict()
         self.our_shapes = {k: tuple(v.shape) for k, v in meta.items()}
-        self._rules = {}  # hf name -> (kind, our names)
-        for hf_name, kind, ours in self._table():
-            self._rules[hf_name] = (kind, ours)
+        self._rules = dict(self._memory_table())  # hf name -> (kind, our names)
         self.hf_shapes = {k: tuple(v.shape) for k, v in self._to_hf_items(meta, check=False)}
+        self._ckpt = {}  # checkpoint name -> (kind, our name, expert slot, shape)
+        for name, kind, ours, slot, shape in self._checkpoint_table():
+            self._ckpt[name] = (kind, ours, slot, shape)
+        self.checkpoint_names = [k for k in self._ckpt if not self._alt(k)]
 
-    # ------------------------------------------------------------------ the table
-    def _table(self) -> Iterator[tuple[str, str, tuple]]:
-        """(hf name, kind, our names); kind is how the tensors convert (``same`` by default)."""
+    @staticmethod
+    def _alt(name: str) -> bool:
+        """The second FFN prefix of a dense layer / MoE layer (accepted, not written)."""
+        return name.endswith("#alt")
+
+    # ------------------------------------------------------------------ the tables
+    def _memory_table(self) -> Iterator[tuple[str, tuple]]:
+        """(hf name, (kind, our names)) of the in-memory spelling."""
         c = self.config
-        yield "model.embed_tokens.weight", "same", ("embed.weight",)
-        yield "model.norm.weight", "same", ("norm.weight",)
-        yield "lm_head.weight", "same", ("lm_head.weight",)
+        yield "model.embed_tokens.weight", ("same", ("embed.weight",))
+        yield "model.norm.weight", ("same", ("norm.weight",))
+        yield "lm_head.weight", ("same", ("lm_head.weight",))
         for i, (mixer, ffn) in enumerate(zip(c.mixers, c.ffns)):
             h, o = f"model.layers.{i}.", f"blocks.{i}."
-            yield h + "input_layernorm.weight", "same", (o + "norm1.weight",)
-            yield h + "post_attention_layernorm.weight", "same", (o + "norm2.weight",)
+            yield h + "input_layernorm.weight", ("same", (o + "norm1.weight",))
+            yield h + "post_attention_layernorm.weight", ("same", (o + "norm2.weight",))
             a, m = h + "self_attn.", o + "mixer."
             if mixer == "kda":
                 for name in _KDA_SAME:
-                    yield a + name + ".weight", "same", (m + name + ".weight",)
+                    yield a + name + ".weight", ("same", (m + name + ".weight",))
                 for hf, ours in _KDA_RENAME.items():
-                    yield a + hf + ".weight", "same", (m + ours + ".weight",)
-                yield a + "conv1d.weight", "split3", tuple(m + f"{x}_conv1d.weight" for x in "qkv")
-                yield a + "forget_gate.dt_bias", "same", (m + "dt_bias",)
-                yield a + "forget_gate.A_log", "a_log", (m + "A_log",)
+                    yield a + hf + ".weight", ("same", (m + ours + ".weight",))
+                yield a + "conv1d.weight", ("split3", tuple(m + f"{x}_conv1d.weight" for x in "qkv"))
+                yield a + "forget_gate.dt_bias", ("same", (m + "dt_bias",))
+                yield a + "forget_gate.A_log", ("a_log", (m + "A_log",))
             elif mixer == "mla":
                 for hf, ours in _MLA_RENAME.items():
                     if m + ours + ".weight" in self.our_shapes:
-                        yield a + hf + ".weight", "same", (m + ours + ".weight",)
+                        yield a + hf + ".weight", ("same", (m + ours + ".weight",))
             else:
                 raise InvalidInputError(f"mixers[{i}]", f"{mixer!r} has no Kimi-Linear equivalent")
             p, f = h + "mlp.", o + "ffn."
             if ffn == "dense":
                 for hf, ours in _MLP_RENAME.items():
-                    yield p + hf + ".weight", "same", (f + ours + ".weight",)
+                    yield p + hf + ".weight", ("same", (f + ours + ".weight",))
             else:
-                yield p + "gate.weight", "same", (f + "router",)
-                yield p + "gate.e_score_correction_bias", "same", (f + "expert_bias",)
-                yield p + "experts.gate_up_proj", "gate_up", (f + "w_gate", f + "w_up")
-                yield p + "experts.down_proj", "transpose", (f + "w_down",)
+                yield p + "gate.weight", ("same", (f + "router",))
+                yield p + "gate.e_score_correction_bias", ("same", (f + "expert_bias",))
+                yield p + "experts.gate_up_proj", ("gate_up", (f + "w_gate", f + "w_up"))
+                yield p + "experts.down_proj", ("transpose", (f + "w_down",))
                 for hf, ours in _MLP_RENAME.items():
                     yield (
                         p + "shared_experts." + hf + ".weight",
-                        "same",
-                        (f + "shared_experts." + ours + ".weight",),
+                        ("same", (f + "shared_experts." + ours + ".weight",)),
                     )
 
+    def _checkpoint_table(self):
+        """(checkpoint name, kind, our name, expert slot or None, shape); the FFN tensors twice,
+        the second prefix marked ``#alt``."""
+        c = self.config
+        for name, (kind, ours) in self._memory_table():
+            parts = name.split(".")
+            if ".self_attn." in name and (kind == "split3" or "forget_gate" in name):
+                if kind == "split3":
+                    for x, our in zip("qkv", ours):
+                        yield name.replace("conv1d", f"{x}_conv1d"), "same", our, None, self.our_shapes[our]
+                else:
+                    shape = self.hf_shapes[name]
+                    yield name.replace("forget_gate.", ""), kind, ours[0], None, shape
+                continue
+            if ".mlp." not in name:
+                yield name, kind, ours[0], None, self.hf_shapes[name]
+                continue
+            i = int(parts[2])
+            first, second = (
+                ("mlp", "block_sparse_moe") if c.ffns[i] == "dense" else ("block_sparse_moe", "mlp")
+            )
+            for prefix, tag in ((first, ""), (second, "#alt")):
+                ck = name.replace(".mlp.", f".{prefix}.")
+                if kind == "same":
+                    yield ck + tag, kind, ours[0], None, self.hf_shapes[name]
+                    continue
+                e = c.num_experts
+                base = ck.rsplit(".", 1)[0]  # ...experts
+                pairs = (("w1", ours[0]), ("w3", ours[1])) if kind == "gate_up" else (("w2", ours[0]),)
+                for w, our in pairs:
+                    _, rows, cols = self.our_shapes[our]
+                    for j in range(e):
+                        yield f"{base}.{j}.{w}.weight" + tag, "t", our, j, (cols, rows)
+
     # ------------------------------------------------------------------ hf -> ours
+    def convert_slots(self, name: str, tensor: torch.Tensor) -> list[tuple[str, int | None, torch.Tensor]]:
+        """One HF tensor (either spelling) -> (our name, expert slot or None, tensor) triples
+        (views where possible); checks the name and shape."""
+        rule = self._rules.get(name)
+        if rule is not None:
+            want = self.hf_shapes[name]
+            if tuple(tensor.shape) != want:
+                raise InvalidInputError(name, f"shape {tuple(tensor.shape)} != {want} of this config")
+            return [(k, None, v) for k, v in self._convert_memory(rule, tensor)]
+        ck = self._ckpt.get(name) or self._ckpt.get(name + "#alt")
+        if ck is None:
+            raise InvalidInputError(name, "not a tensor of this Kimi-Linear config")
+        kind, ours, slot, want = ck
+        if tuple(tensor.shape) != tuple(want):
+            raise InvalidInputError(name, f"shape {tuple(tensor.shape)} != {tuple(want)} of this config")
+        if kind == "t":
+            return [(ours, slot, tensor.t())]
+        if kind == "a_log":
+            return [(ours, None, tensor.reshape(-1))]
+        return [(ours, None, tensor)]
+
     def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """One HF tensor -> its (our name, tensor) pairs (views where possible); checks the name and shape."""
+        """In-memory spelling only: one HF tensor -> its (our name, tensor) pairs."""
         rule = self._rules.get(name)
         if rule is None:
-            raise InvalidInputError(name, "not a tensor of this Kimi-Linear config")
-        want = self.hf_shapes[name]
-        if tuple(tensor.shape) != want:
-            raise InvalidInputError(name, f"shape {tuple(tensor.shape)} != {want} of this config")
+            raise InvalidInputError(name, "not a tensor of this Kimi-Linear config (in-memory spelling)")
+        return [(k, v) for k, _, v in self.convert_slots(name, tensor)]
+
+    @staticmethod
+    def _convert_memory(rule, tensor):
         kind, ours = rule
         if kind == "same":
             return [(ours[0], tensor)]
@@ -140,20 +210,40 @@ class KimiLinearStateDictAdapter:
         raise AssertionError(kind)
 
     def extra_ours(self) -> dict[str, torch.Tensor]:
-        """Our tensors with no HF counterpart (zero expert-load counts)."""
-        return {
-            k: torch.zeros(s) for k, s in self.our_shapes.items() if k.endswith(".local_tokens_per_expert")
-        } | {k: torch.zeros(s) for k, s in self.our_shapes.items() if k.endswith("mixer.g_proj.1.bias")}
+        """Our tensors with no HF counterpart: zero expert-load counts and KDA output-gate biases."""
+        ends = (".local_tokens_per_expert", "mixer.g_proj.1.bias")
+        return {k: torch.zeros(s) for k, s in self.our_shapes.items() if k.endswith(ends)}
 
     def missing(self, seen) -> list[str]:
-        """HF names of this config not in ``seen``."""
-        return [k for k in self._rules if k not in seen]
+        """HF names this config needs that ``seen`` lacks, in the spelling ``seen`` uses (the
+        checkpoint one unless it holds an in-memory-only name)."""
+        seen = set(seen)
+        memory = any(k in self._rules and k not in self._ckpt and k + "#alt" not in self._ckpt for k in seen)
+        if memory:
+            return [k for k in self._rules if k not in seen]
+        out = []
+        for k in self.checkpoint_names:
+            if k in seen:
+                continue
+            alt = (
+                k.replace(".mlp.", ".#.")
+                .replace(".block_sparse_moe.", ".mlp.")
+                .replace(".#.", ".block_sparse_moe.")
+            )
+            if alt not in seen:
+                out.append(k)
+        return out
 
     def from_hf(self, hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
         for name, tensor in hf_state_dict.items():
-            for k, v in self.convert(name, tensor):
-                out[k] = v.contiguous()
+            for k, slot, v in self.convert_slots(name, tensor):
+                if slot is None:
+                    out[k] = v.contiguous()
+                else:
+                    if k not in out:
+                        out[k] = torch.empty(self.our_shapes[k], dtype=v.dtype, device=v.device)
+                    out[k][slot] = v
         missing = self.missing(hf_state_dict)
         if missing:
             raise InvalidInputError(
@@ -163,21 +253,22 @@ class KimiLinearStateDictAdapter:
         return out
 
     # ------------------------------------------------------------------ ours -> hf
+    def _check_ours(self, sd: Mapping[str, torch.Tensor]) -> None:
+        for k, v in sd.items():
+            if k not in self.our_shapes:
+                raise InvalidInputError(k, "not a tensor of this model config")
+            if tuple(v.shape) != self.our_shapes[k]:
+                raise InvalidInputError(k, f"shape {tuple(v.shape)} != {self.our_shapes[k]} of this config")
+        for k in self.our_shapes:
+            if k not in sd:
+                raise InvalidInputError(k, "missing from the state dict")
+        for k, v in sd.items():
+            if k.endswith("mixer.g_proj.1.bias") and bool((v != 0).any()):
+                raise InvalidInputError(k, "non-zero; Kimi-Linear's g_b_proj has no bias")
+
     def _to_hf_items(self, sd: Mapping[str, torch.Tensor], check: bool = True):
         if check:
-            for k, v in sd.items():
-                if k not in self.our_shapes:
-                    raise InvalidInputError(k, "not a tensor of this model config")
-                if tuple(v.shape) != self.our_shapes[k]:
-                    raise InvalidInputError(
-                        k, f"shape {tuple(v.shape)} != {self.our_shapes[k]} of this config"
-                    )
-            for k in self.our_shapes:
-                if k not in sd:
-                    raise InvalidInputError(k, "missing from the state dict")
-            for k, v in sd.items():
-                if k.endswith("mixer.g_proj.1.bias") and bool((v != 0).any()):
-                    raise InvalidInputError(k, "non-zero; Kimi-Linear's g_b_proj has no bias")
+            self._check_ours(sd)
         for hf_name, (kind, ours) in self._rules.items():
             t = [sd[k] for k in ours]
             if kind == "same":
@@ -192,7 +283,24 @@ class KimiLinearStateDictAdapter:
                 yield hf_name, t[0].transpose(1, 2)
 
     def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Our state dict -> ``KimiLinearForCausalLM.state_dict()`` (in-memory spelling)."""
         return {k: v.contiguous() for k, v in self._to_hf_items(state_dict)}
+
+    def to_checkpoint(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Our state dict -> the checkpoint spelling (``save_pretrained``'s; views, not copies,
+        except the ``A_log`` reshape)."""
+        self._check_ours(state_dict)
+        out = {}
+        for name in self.checkpoint_names:
+            kind, ours, slot, _ = self._ckpt[name]
+            t = state_dict[ours]
+            if kind == "t":
+                out[name] = t[slot].t()
+            elif kind == "a_log":
+                out[name] = t.reshape(1, 1, -1, 1)
+            else:
+                out[name] = t
+        return out
 
 
 def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:

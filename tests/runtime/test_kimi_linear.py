@@ -1,0 +1,419 @@
+"""Kimi-Linear checkpoints: transformers' ``KimiLinearForCausalLM`` against our ``HybridModel``.
+
+A tiny random Kimi-Linear (KDA and NoPE-MLA layers mixed, a dense first layer, sigmoid MoE with a
+correction bias, group-limited top-k, renormalised and scaled top-k weights, one shared expert;
+fp32) is built by transformers with a fixed seed, saved by transformers and loaded by
+:func:`harts_runtime.load_pretrained`; then:
+
+* logits on packed random trajectories (our trajectory layout) equal HF's per sequence;
+* compact-execution log-probs of a prefix-sharing rollout tree equal HF's;
+* parameter gradients of a logits functional equal HF's (mapped through the adapter);
+* ours -> :func:`save_pretrained` -> ``AutoModelForCausalLM.from_pretrained`` gives the same
+  logits, with no missing or unexpected keys;
+* sharded checkpoints load; missing / unknown / misshapen tensors and unsupported config fields
+  raise ``InvalidInputError`` naming the tensor or field;
+* the group-limited router equals HF's ``KimiLinearTopkRouter``, and the multiplicity-weighted
+  router statistics stay exact with groups and shared experts.
+
+HF's KDA prefers fla's Triton ``chunk_kda`` when fla is installed; it cannot run on the CPU, so
+the fixture swaps in transformers' own PyTorch reference (the function it falls back to).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+hp = pytest.importorskip("harts_planner")
+
+from harts_runtime import HybridModel, InvalidInputError, StepInputs, load_pretrained, save_pretrained  # noqa: E402
+from harts_runtime.layers.moe import CompactMoE, MoEConfig, route, router_losses  # noqa: E402
+from harts_runtime.layout import RowLayout, trajectory_layout  # noqa: E402
+from harts_runtime.models.kimi_linear import (  # noqa: E402
+    KimiLinearStateDictAdapter,
+    from_hf,
+    from_hf_config,
+    to_hf,
+    to_hf_config,
+)
+
+TOL_LOGITS = 1e-4  # fp32: max |ours - HF| logit over max |HF| logit
+TOL_GRAD = 1e-4  # fp32: max |ours - HF| gradient entry over max |HF| entry, per tensor
+V = 96
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def hf_config(**changes):
+    kw = dict(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        qk_nope_head_dim=8,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=3,
+        num_local_experts=8,
+        norm_topk_prob=True,
+        initializer_range=0.2,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        linear_head_dim=8,
+        linear_num_heads=2,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+    )
+    kw.update(changes)
+    return transformers.KimiLinearConfig(**kw)
+
+
+@pytest.fixture
+def hf_torch_kda(monkeypatch):
+    """Run HF's KDA through its PyTorch reference (fla's Triton kernels need a GPU)."""
+    import transformers.models.kimi_linear.modeling_kimi_linear as m
+
+    fn = m.chunk_kimi_delta_attention
+    monkeypatch.setattr(m, "chunk_kimi_delta_attention", getattr(fn, "__wrapped__", fn))
+
+
+def random_hf_model(seed: int = 0, **changes):
+    """HF's model with a fixed seed; norm weights and the correction bias perturbed so that a
+    swapped or dropped tensor shows."""
+    torch.manual_seed(seed)
+    model = transformers.KimiLinearForCausalLM(hf_config(**changes)).float().eval()
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if "norm" in name:
+                t.copy_(1 + 0.3 * torch.randn_like(t))
+            elif "e_score_correction_bias" in name:
+                t.copy_(0.3 * torch.randn_like(t))
+    return model
+
+
+def hf_logits(model, tokens) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+def ours_logits(model, trajs, grad: bool = False) -> torch.Tensor:
+    """Logits of every position of ``trajs`` packed back to back (our trajectory execution)."""
+    batch = hp.RolloutBatch.from_token_lists(trajs)
+    cfg = model.config
+    layout = trajectory_layout(batch, np.arange(len(trajs)), cfg.chunk_size, cfg.conv_size)
+    with torch.set_grad_enabled(grad):
+        hidden, _ = model.forward_hidden(layout)
+        return model.logits(hidden)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def random_trajs(seed: int, lengths=(23, 40, 9)) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, V, size=n).tolist() for n in lengths]
+
+
+@pytest.fixture
+def checkpoint(tmp_path, hf_torch_kda):
+    hf = random_hf_model()
+    hf.save_pretrained(tmp_path / "hf")
+    return hf, tmp_path / "hf"
+
+
+# ------------------------------------------------------------------------------ forward
+@pytest.mark.parametrize("sharded", [False, True])
+def test_logits_match_transformers(tmp_path, hf_torch_kda, sharded):
+    hf = random_hf_model()
+    path = tmp_path / "hf"
+    hf.save_pretrained(path, max_shard_size="40KB" if sharded else "5GB")
+    assert (path / "model.safetensors.index.json").is_file() == sharded
+    ours = load_pretrained(path, chunk_size=16).eval()
+    assert ours.config.mixers == ("kda", "mla", "kda", "mla")
+    assert ours.config.ffns == ("dense", "moe", "moe", "moe")
+    trajs = random_trajs(1)
+    logits = ours_logits(ours, trajs)
+    off, worst = 0, 0.0
+    for t in trajs:
+        worst = max(worst, rel_err(logits[off : off + len(t)], hf_logits(hf, t)))
+        off += len(t)
+    print(f"max relative logit error {worst:.2e}")
+    assert worst <= TOL_LOGITS
+
+
+def test_compact_logprobs_match_transformers(checkpoint):
+    """Compact execution (shared prefixes computed once, KDA state handoffs, ancestor-KV MLA)
+    against HF run on each trajectory separately."""
+    hf, path = checkpoint
+    ours = load_pretrained(path, chunk_size=16).eval()
+    rng = np.random.default_rng(2)
+    trunk = rng.integers(0, V, size=19).tolist()
+    trajs = [trunk + rng.integers(0, V, size=n).tolist() for n in (5, 14, 30)] + [trunk[:7] + [3, 4, 5]]
+    batch = hp.RolloutBatch.from_token_lists(trajs)
+    from harts_runtime import step_logprobs
+
+    lp = step_logprobs(ours, StepInputs.synthetic(batch, 0), "compact").double()
+    ref = []
+    for t in trajs:
+        lsm = torch.log_softmax(hf_logits(hf, t).double(), -1)
+        ref.append(lsm[torch.arange(len(t) - 1), torch.tensor(t[1:])])
+    ref = torch.cat(ref)
+    err = float((lp - ref).abs().max())
+    print(f"max compact log-prob error {err:.2e}")
+    assert err <= TOL_LOGITS * float(ref.abs().max())
+
+
+def test_gradients_match_transformers(checkpoint):
+    hf, path = checkpoint
+    ours = load_pretrained(path, chunk_size=16)
+    ours.train()
+    hf.train()  # no dropout in this config; train mode only enables autograd paths
+    trajs = random_trajs(3, lengths=(17, 26))
+    w = torch.randn(sum(map(len, trajs)), V, generator=torch.Generator().manual_seed(0))
+    (ours_logits(ours, trajs, grad=True) * w).sum().backward()
+    off = 0
+    for t in trajs:
+        (hf(torch.tensor([t])).logits[0] * w[off : off + len(t)]).sum().backward()
+        off += len(t)
+    adapter = KimiLinearStateDictAdapter(ours.config)
+    grads = {k: torch.zeros(s) for k, s in adapter.our_shapes.items()}
+    grads.update({k: p.grad for k, p in ours.named_parameters()})
+    ours_hf = dict(adapter._to_hf_items(grads, check=False))
+    worst, checked = 0.0, 0
+    for name, p in hf.named_parameters():
+        assert p.grad is not None, name
+        e = rel_err(ours_hf[name], p.grad)
+        assert e <= TOL_GRAD, (name, e)
+        worst, checked = max(worst, e), checked + 1
+    assert checked + sum("e_score_correction_bias" in k for k in ours_hf) == len(ours_hf)  # all but buffers
+    print(f"max relative gradient error {worst:.2e} over {checked} tensors")
+
+
+# ------------------------------------------------------------------------------ round trip
+def test_ours_saved_loads_in_transformers(tmp_path, hf_torch_kda):
+    cfg = from_hf_config(hf_config(), chunk_size=16, init_std=0.2)
+    torch.manual_seed(5)
+    ours = HybridModel(cfg).eval()
+    with torch.no_grad():
+        for name, t in ours.state_dict().items():
+            if "norm" in name:
+                t.copy_(1 + 0.3 * torch.randn_like(t))
+            elif name.endswith("expert_bias"):
+                t.copy_(0.3 * torch.randn_like(t))
+    save_pretrained(ours, tmp_path / "ours")
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ours", dtype=torch.float32, output_loading_info=True
+    )
+    assert type(hf).__name__ == "KimiLinearForCausalLM"
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    hf.eval()
+    trajs = random_trajs(4)
+    logits, off = ours_logits(ours, trajs), 0
+    for t in trajs:
+        assert rel_err(logits[off : off + len(t)], hf_logits(hf, t)) <= TOL_LOGITS
+        off += len(t)
+    again = load_pretrained(tmp_path / "ours", chunk_size=16)  # and back: the same tensors
+    for k, v in ours.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[k], v, rtol=0, atol=0)
+
+
+def test_state_dict_adapter_round_trip_is_exact(checkpoint):
+    hf, _ = checkpoint
+    cfg = from_hf_config(hf.config, chunk_size=16)
+    sd = hf.state_dict()
+    back = to_hf(from_hf(sd, cfg), cfg)
+    assert set(back) == set(sd)
+    for k in sd:
+        assert torch.equal(back[k], sd[k]), k
+
+
+# ------------------------------------------------------------------------------ errors
+def _rewrite(path, fn):
+    from safetensors.torch import load_file, save_file
+
+    f = path / "model.safetensors"
+    save_file(fn(load_file(str(f))), str(f), metadata={"format": "pt"})
+
+
+def test_missing_unknown_and_misshapen_tensors_are_named(checkpoint):
+    hf, path = checkpoint
+    name = "model.layers.2.self_attn.A_log"  # the checkpoint spelling (HF's save_pretrained)
+    _rewrite(path, lambda sd: {k: v for k, v in sd.items() if k != name})
+    with pytest.raises(InvalidInputError) as e:
+        load_pretrained(path)
+    assert e.value.field == name and "missing" in str(e.value)
+    cfg = from_hf_config(hf.config)
+    sd = hf.state_dict()
+    bad = "model.layers.1.mlp.experts.gate_up_proj"
+    with pytest.raises(InvalidInputError) as e:
+        from_hf({**sd, bad: sd[bad][:, :-1]}, cfg)
+    assert e.value.field == bad and "shape" in str(e.value)
+    with pytest.raises(InvalidInputError) as e:
+        from_hf({**sd, "model.layers.0.mlp.gate.weight": sd["lm_head.weight"]}, cfg)
+    assert e.value.field == "model.layers.0.mlp.gate.weight"
+    ours = from_hf(sd, cfg)
+    with pytest.raises(InvalidInputError) as e:
+        to_hf({k: v for k, v in ours.items() if k != "blocks.3.ffn.w_up"}, cfg)
+    assert e.value.field == "blocks.3.ffn.w_up"
+    ours["blocks.0.mixer.g_proj.1.bias"] = torch.ones_like(ours["blocks.0.mixer.g_proj.1.bias"])
+    with pytest.raises(InvalidInputError) as e:
+        to_hf(ours, cfg)
+    assert e.value.field == "blocks.0.mixer.g_proj.1.bias"
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"num_key_value_heads": 1}, "num_key_value_heads"),
+        ({"n_shared_experts": 0}, "n_shared_experts"),
+        ({"moe_router_activation_func": "softmax"}, "moe_router_activation_func"),
+        ({"mla_use_nope": False}, "mla_use_nope"),
+        ({"layer_types": ["linear_attention", "sliding_attention"]}, "layer_types[1]"),
+        ({"n_group": 3}, "num_expert_groups"),
+    ],
+)
+def test_unsupported_config_fields_are_named(changes, field):
+    d = {**hf_config(num_hidden_layers=2, layer_types=None, mlp_layer_types=None).to_dict(), **changes}
+    with pytest.raises(InvalidInputError) as e:
+        from_hf_config(d)
+    assert e.value.field == field
+
+
+def test_unsupported_model_fields_are_named_on_save(tmp_path):
+    cfg = from_hf_config(hf_config())
+    for changes, field in (
+        ({"mixers": ("kda", "gqa", "kda", "mla")}, "mixers"),
+        ({"mla_rope": True}, "mla_rope"),
+        ({"score_func": "softmax"}, "score_func"),
+    ):
+        with pytest.raises(InvalidInputError) as e:
+            save_pretrained(HybridModel(cfg.replace(**changes)), tmp_path / "x")
+        assert e.value.field == field
+
+
+def test_original_checkpoint_config_json(tmp_path):
+    """The moonshotai config.json spelling: linear_attn_config, first_k_dense_replace, num_experts, ..."""
+    d = {
+        "model_type": "kimi_linear",
+        "vocab_size": V,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "num_experts": 8,
+        "num_experts_per_token": 2,
+        "num_shared_experts": 2,
+        "num_expert_group": 2,
+        "topk_group": 1,
+        "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid",
+        "use_grouped_topk": True,
+        "first_k_dense_replace": 2,
+        "moe_layer_freq": 1,
+        "mla_use_nope": True,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 8,
+        "rms_norm_eps": 1e-5,
+        "linear_attn_config": {
+            "full_attn_layers": [3, 6],
+            "kda_layers": [1, 2, 4, 5],
+            "head_dim": 8,
+            "num_heads": 4,
+            "short_conv_kernel_size": 4,
+        },
+        "torch_dtype": "bfloat16",
+    }
+    cfg = from_hf_config(d)
+    assert cfg.mixers == ("kda", "kda", "mla", "kda", "kda", "mla")
+    assert cfg.ffns == ("dense", "dense", "moe", "moe", "moe", "moe")
+    assert (cfg.num_experts, cfg.top_k, cfg.num_shared_experts, cfg.shared_expert_intermediate) == (
+        8,
+        2,
+        2,
+        32,
+    )
+    assert (cfg.num_expert_groups, cfg.topk_groups, cfg.kda_num_heads, cfg.dtype) == (2, 1, 4, "bfloat16")
+    hf = transformers.KimiLinearConfig(**to_hf_config(cfg))  # what we write, transformers reads the same
+    assert from_hf_config(hf) == cfg
+    ref = transformers.KimiLinearConfig(**{k: v for k, v in d.items() if k != "model_type"})
+    assert from_hf_config(ref) == cfg
+
+
+# ------------------------------------------------------------------------------ router and MoE
+def test_group_limited_router_equals_transformers():
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearTopkRouter
+
+    c = hf_config(num_local_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4)
+    router = KimiLinearTopkRouter(c)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_()
+        router.e_score_correction_bias.normal_(0, 0.5)
+    x = torch.randn(200, c.hidden_size)
+    _, w_ref, idx_ref = router(x)
+    logits = x @ router.weight.t()
+    _, idx, w = route(
+        logits, 4, "sigmoid", router.e_score_correction_bias, True, c.routed_scaling_factor, 4, 2
+    )
+    order_ref, order = idx_ref.sort(-1), idx.sort(-1)
+    assert torch.equal(order_ref.values, order.values)
+    torch.testing.assert_close(w.gather(1, order.indices), w_ref.gather(1, order_ref.indices))
+    groups = idx // 4  # every selected expert lies in one of the 2 kept groups
+    assert all(len(set(row.tolist())) <= 2 for row in groups)
+
+
+def test_router_statistics_stay_exact_with_groups_and_shared_experts():
+    """Compact rows with multiplicities q give the statistics and outputs of the expanded rows."""
+    torch.manual_seed(1)
+    moe = CompactMoE(
+        MoEConfig(
+            hidden_size=16,
+            num_experts=8,
+            top_k=3,
+            intermediate_size=8,
+            score_func="sigmoid",
+            norm_topk_prob=True,
+            routed_scaling_factor=2.0,
+            use_expert_bias=True,
+            num_expert_groups=4,
+            topk_groups=2,
+            num_shared_experts=1,
+            aux_loss_coef=0.1,
+            z_loss_coef=0.01,
+        )
+    ).double()
+    moe.expert_bias.normal_(0, 0.5)
+    x = torch.randn(7, 16, dtype=torch.float64)
+    q = torch.tensor([1, 3, 2, 1, 4, 1, 2])
+    compact = moe(x, RowLayout(7, multiplicity=q.double()))
+    expanded = moe(x.repeat_interleave(q, 0))
+    torch.testing.assert_close(compact.hidden.repeat_interleave(q, 0), expanded.hidden)
+    for a, b in ((compact.aux_loss, expanded.aux_loss), (compact.z_loss, expanded.z_loss)):
+        torch.testing.assert_close(a, b)
+    assert torch.equal(compact.tokens_per_expert, expanded.tokens_per_expert)
+    shared_only = moe.shared_experts(x)
+    assert not torch.allclose(compact.hidden, shared_only)  # routed and shared parts both present
+    logits = x @ moe.router.t()
+    probs, idx, _ = route(logits, 3, "sigmoid", moe.expert_bias, True, 2.0, 4, 2)
+    aux, _, counts = router_losses(logits, probs, idx, q.double())
+    torch.testing.assert_close(aux, compact.aux_loss)
