@@ -417,3 +417,47 @@ def test_router_statistics_stay_exact_with_groups_and_shared_experts():
     probs, idx, _ = route(logits, 3, "sigmoid", moe.expert_bias, True, 2.0, 4, 2)
     aux, _, counts = router_losses(logits, probs, idx, q.double())
     torch.testing.assert_close(aux, compact.aux_loss)
+
+
+# ------------------------------------------------------------------------------ spellings, dtypes
+def test_both_spellings_load_the_same_weights(checkpoint, tmp_path):
+    """transformers' in-memory state dict written as is, and the checkpoint spelling with ``mlp.``
+    instead of ``block_sparse_moe.``, load to the same model as HF's own save_pretrained."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    hf, path = checkpoint
+    ref = load_pretrained(path).state_dict()
+    memory, renamed = tmp_path / "memory", tmp_path / "renamed"
+    for d in (memory, renamed):
+        d.mkdir()
+        shutil.copy(path / "config.json", d / "config.json")
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(memory / "model.safetensors"))
+    ck = load_file(str(path / "model.safetensors"))
+    assert any(".block_sparse_moe.experts.0.w1." in k for k in ck)
+    save_file(
+        {k.replace(".block_sparse_moe.", ".mlp."): v for k, v in ck.items()},
+        str(renamed / "model.safetensors"),
+    )
+    for d in (memory, renamed):
+        got = load_pretrained(d).state_dict()
+        for k, v in ref.items():
+            assert torch.equal(got[k], v), (d.name, k)
+
+
+def test_missing_expert_is_named(checkpoint):
+    _, path = checkpoint
+    name = "model.layers.3.block_sparse_moe.experts.5.w2.weight"
+    _rewrite(path, lambda sd: {k: v for k, v in sd.items() if k != name})
+    with pytest.raises(InvalidInputError) as e:
+        load_pretrained(path)
+    assert e.value.field == name
+
+
+def test_bfloat16_keeps_transformers_fp32_parameters(checkpoint):
+    _, path = checkpoint
+    ours = load_pretrained(path, dtype=torch.bfloat16)
+    fp32 = {n for n, p in ours.named_parameters() if p.dtype == torch.float32}
+    assert fp32 == {n for n, _ in ours.named_parameters() if n.endswith(("ffn.router", "mixer.dt_bias"))}
+    assert len(fp32) == 5 and all(b.dtype == torch.float32 for b in (ours.blocks[1].ffn.expert_bias,))

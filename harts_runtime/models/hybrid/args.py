@@ -113,9 +113,13 @@ class ModelConfig:
     """Rows per LM-head chunk (temporaries are ``[rows, V]`` fp32)."""
     init_std: float = 0.02
     """Std of the normal init of linear and embedding weights."""
+    fp32_params: tuple = ()
+    """Name suffixes of parameters kept in float32 whatever ``dtype`` (Kimi-Linear checkpoints keep
+    ``("ffn.router", "mixer.dt_bias")`` so, as transformers does)."""
 
     def __post_init__(self):
         self.mixers, self.ffns = tuple(self.mixers), tuple(self.ffns)
+        self.fp32_params = tuple(self.fp32_params)
         if not self.mixers:
             raise InvalidInputError("mixers", "needs at least one layer")
         if len(self.mixers) != len(self.ffns):

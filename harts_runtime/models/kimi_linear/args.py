@@ -15,7 +15,11 @@ from collections.abc import Mapping
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.models.hybrid.args import ModelConfig, ffn_pattern
 
-__all__ = ["from_hf_config", "to_hf_config"]
+__all__ = ["FP32_PARAMS", "from_hf_config", "to_hf_config"]
+
+FP32_PARAMS = ("ffn.router", "mixer.dt_bias")
+"""Parameters kept in float32 in any dtype, as transformers' ``_keep_in_fp32_modules_strict``
+(``gate.weight``, ``dt_bias``; ``e_score_correction_bias`` is our always-fp32 ``expert_bias``)."""
 
 _MIXER = {"linear_attention": "kda", "full_attention": "mla"}
 _FFN = {"dense": "dense", "sparse": "moe"}
@@ -185,6 +189,7 @@ def from_hf_config(cfg, *, dtype: str | None = None, chunk_size: int = 64, **ove
         norm_eps=float(_get(d, "rms_norm_eps")),
         init_std=float(_get(d, "initializer_range")),
         dtype=dtype,
+        fp32_params=FP32_PARAMS,
     )
     fields.update(overrides)
     return ModelConfig(**fields)
