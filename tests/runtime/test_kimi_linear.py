@@ -40,6 +40,7 @@ from harts_runtime.models.kimi_linear import (  # noqa: E402
 
 TOL_LOGITS = 1e-4  # fp32: max |ours - HF| logit over max |HF| logit
 TOL_GRAD = 1e-4  # fp32: max |ours - HF| gradient entry over max |HF| entry, per tensor
+TOL_TRAIN = {"loss": (1e-6, 1e-5), "grad": (2e-6, 2e-3)}  # compact vs trajectory, as test_train.py
 V = 96
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -461,3 +462,30 @@ def test_bfloat16_keeps_transformers_fp32_parameters(checkpoint):
     fp32 = {n for n, p in ours.named_parameters() if p.dtype == torch.float32}
     assert fp32 == {n for n, _ in ours.named_parameters() if n.endswith(("ffn.router", "mixer.dt_bias"))}
     assert len(fp32) == 5 and all(b.dtype == torch.float32 for b in (ours.blocks[1].ffn.expert_bias,))
+
+
+def test_loaded_model_trains_compact_as_trajectory(checkpoint):
+    """One microbatch of a prefix-sharing rollout through run_microbatch: the loaded Kimi-Linear
+    gives the same loss and gradients compact and trajectory-wise (float64 weights; KDA boundary states are fp32, so test_train.py's tolerances)."""
+    from harts_runtime import run_microbatch
+
+    _, path = checkpoint
+    model = load_pretrained(path, dtype=torch.float64, chunk_size=16)
+    rng = np.random.default_rng(7)
+    trunk = rng.integers(0, V, size=21).tolist()
+    trajs = [trunk + rng.integers(0, V, size=n).tolist() for n in (4, 17, 11)] + [trunk[:9] + [1, 2]]
+    step = StepInputs.synthetic(hp.RolloutBatch.from_token_lists(trajs), 0)
+    out = {}
+    for mode in ("compact", "trajectory"):
+        model.zero_grad(set_to_none=True)
+        loss, _ = run_microbatch(model, step, np.arange(len(trajs)), mode)
+        out[mode] = (
+            loss.detach(),
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        )
+    (lc, gc), (lt, gt) = out["compact"], out["trajectory"]
+    torch.testing.assert_close(lc, lt, atol=TOL_TRAIN["loss"][0], rtol=TOL_TRAIN["loss"][1])
+    assert set(gc) == set(gt) and len(gc) >= len(list(model.parameters())) - 2  # KDA gate biases may get none
+    for n in gc:
+        atol, rtol = TOL_TRAIN["grad"]
+        torch.testing.assert_close(gc[n], gt[n], atol=atol, rtol=rtol, msg=lambda m, n=n: f"d{n}: {m}")

@@ -114,7 +114,7 @@ class ModelConfig:
     init_std: float = 0.02
     """Std of the normal init of linear and embedding weights."""
     fp32_params: tuple = ()
-    """Name suffixes of parameters kept in float32 whatever ``dtype`` (Kimi-Linear checkpoints keep
+    """Name suffixes of parameters kept in float32 when ``dtype`` is bfloat16 (Kimi-Linear keeps
     ``("ffn.router", "mixer.dt_bias")`` so, as transformers does)."""
 
     def __post_init__(self):

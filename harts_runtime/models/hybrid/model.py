@@ -160,7 +160,7 @@ class HybridModel(nn.Module):
         for moe in self.moe_layers():  # expert-load counts and the bias stay fp32 (exact counts)
             moe.expert_bias.data = moe.expert_bias.data.float()
             moe.local_tokens_per_expert.data = moe.local_tokens_per_expert.data.float()
-        if c.fp32_params:
+        if c.fp32_params and c.dtype == "bfloat16":  # never narrower than the model dtype
             for name, p in self.named_parameters():
                 if name.endswith(c.fp32_params):
                     p.data = p.data.float()
