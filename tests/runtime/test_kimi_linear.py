@@ -287,6 +287,7 @@ def test_missing_unknown_and_misshapen_tensors_are_named(checkpoint):
         ({"mla_use_nope": False}, "mla_use_nope"),
         ({"layer_types": ["linear_attention", "sliding_attention"]}, "layer_types[1]"),
         ({"n_group": 3}, "num_expert_groups"),
+        ({"use_grouped_topk": False}, "use_grouped_topk"),
     ],
 )
 def test_unsupported_config_fields_are_named(changes, field):

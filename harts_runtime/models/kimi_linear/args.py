@@ -125,7 +125,8 @@ def from_hf_config(cfg, *, dtype: str | None = None, chunk_size: int = 64, **ove
     Raises :class:`InvalidInputError` naming the field for options HybridModel cannot reproduce:
     ``hidden_act`` other than silu, ``tie_word_embeddings``, ``attention_bias``,
     ``num_key_value_heads`` != ``num_attention_heads``, a non-sigmoid router, MLA with RoPE
-    (``mla_use_nope`` false), no shared experts, unknown layer types.
+    (``mla_use_nope`` false), no shared experts, unknown layer types, ``use_grouped_topk`` false
+    with several expert groups (transformers limits groups regardless).
     """
     d = _as_dict(cfg)
     _require(d, "hidden_act", lambda v: v == "silu", "silu")
@@ -149,8 +150,11 @@ def from_hf_config(cfg, *, dtype: str | None = None, chunk_size: int = 64, **ove
     lin = d.get("linear_attn_config") or {}
     n = int(_get(d, "num_hidden_layers"))
     groups = int(_get(d, "n_group"))
-    if d.get("use_grouped_topk") is False:
-        groups = 1
+    if d.get("use_grouped_topk") is False and groups > 1:  # transformers groups regardless
+        raise InvalidInputError(
+            "use_grouped_topk",
+            f"false with {groups} expert groups: the original code and transformers disagree",
+        )
     if dtype is None:
         dtype = str(d.get("dtype") or d.get("torch_dtype") or "float32").removeprefix("torch.")
         dtype = dtype if dtype in ("float32", "bfloat16", "float64") else "float32"
@@ -222,7 +226,13 @@ def to_hf_config(cfg: ModelConfig, base: Mapping | None = None) -> dict:
         )
     need("kda_norm_eps", lambda v: v == cfg.norm_eps, "kda_norm_eps == norm_eps (one rms_norm_eps)")
     out = dict(base or {})
-    for key in ("linear_attn_config", "first_k_dense_replace", "moe_layer_freq", *_ALIASES.values()):
+    for key in (
+        "linear_attn_config",
+        "first_k_dense_replace",
+        "moe_layer_freq",
+        "auto_map",
+        *_ALIASES.values(),
+    ):
         out.pop(key, None)  # superseded by the explicit fields below
     out.update(
         model_type="kimi_linear",
