@@ -7,9 +7,9 @@ loads as ``KimiLinearForCausalLM``. The config and tensor maps are
 :mod:`harts_runtime.models.kimi_linear`. Needs the ``hf`` extra (``safetensors``; transformers
 only to run the checkpoint on the HF side).
 
-Loading reads one tensor at a time (``safetensors.safe_open``) and copies it into the already
-built model's parameter (cast to the model dtype, moved to its device), so the weights are never
-held twice. Both spellings of the tensors load (the checkpoint one, per-expert ``w1/w2/w3`` under
+Loading builds the model on the meta device, allocates it uninitialised on the target device
+(no random init), then reads one tensor at a time (``safetensors.safe_open``) and copies it into
+its parameter (cast to the model dtype, moved to the device), so the weights are never held twice. Both spellings of the tensors load (the checkpoint one, per-expert ``w1/w2/w3`` under
 ``block_sparse_moe``, which ``save_pretrained`` and the released checkpoints use, and the
 in-memory one of ``KimiLinearForCausalLM.state_dict()``); saving writes the checkpoint spelling. Single-process models only: a TP/EP-sharded model must be gathered
 first.
@@ -78,12 +78,20 @@ def load_pretrained(path, dtype=None, device="cpu", **overrides):
     cfg = from_hf_config(hf_config, dtype=_dtype_name(dtype), **overrides)
     adapter = KimiLinearStateDictAdapter(cfg)
     files = _weight_files(path)
-    model = HybridModel(cfg, device=device)
+    # built on the meta device and allocated uninitialised: every tensor is written below
+    # (the attention backend HybridModel would pick for the target device, not for meta)
+    build = cfg
+    if cfg.attn_backend == "auto":
+        build = cfg.replace(attn_backend="varlen" if torch.device(device).type == "cuda" else "reference")
+    model = HybridModel(build, device="meta").to_empty(device=device)
+    model.config = cfg
     targets = model.state_dict(keep_vars=True)
+    written: dict[str, set] = {}
     seen = set()
     with torch.no_grad():
         for k, v in adapter.extra_ours().items():
             targets[k].copy_(v)
+            written[k] = {None}
         for f in files:
             with safe_open(str(f), framework="pt", device="cpu") as fh:
                 for name in fh.keys():
@@ -91,10 +99,15 @@ def load_pretrained(path, dtype=None, device="cpu", **overrides):
                         raise InvalidInputError(name, f"appears twice (again in {f.name})")
                     for ours, slot, tensor in adapter.convert_slots(name, fh.get_tensor(name)):
                         (targets[ours] if slot is None else targets[ours][slot]).copy_(tensor)
+                        written.setdefault(ours, set()).add(slot)
                     seen.add(name)
     missing = adapter.missing(seen)
     if missing:
         raise InvalidInputError(missing[0], f"missing from the checkpoint ({len(missing)} tensors missing)")
+    for k, t in targets.items():  # the adapter's table covers every tensor; checked, not assumed
+        w = written.get(k, set())
+        if None not in w and len(w) != t.shape[0]:
+            raise InvalidInputError(k, "not written by any checkpoint tensor")
     model.hf_config = hf_config
     return model
 

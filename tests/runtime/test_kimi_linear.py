@@ -145,6 +145,7 @@ def test_logits_match_transformers(tmp_path, hf_torch_kda, sharded):
     ours = load_pretrained(path, chunk_size=16).eval()
     assert ours.config.mixers == ("kda", "mla", "kda", "mla")
     assert ours.config.ffns == ("dense", "moe", "moe", "moe")
+    assert ours.config.attn_backend == "auto" and ours.blocks[1].mixer.backend == "reference"  # CPU's
     trajs = random_trajs(1)
     logits = ours_logits(ours, trajs)
     off, worst = 0, 0.0
