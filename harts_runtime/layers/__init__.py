@@ -2,6 +2,7 @@
 microbatch's :class:`~harts_runtime.layout.rows.RowLayout`:
 
 * :mod:`~harts_runtime.layers.kda`: Kimi Delta Attention over the layout's KDA plan (fla's parameter names);
+* :mod:`~harts_runtime.layers.gdn`: Qwen3-Next / Qwen3.5 Gated DeltaNet over the same plan (transformers' names);
 * :mod:`~harts_runtime.layers.attention`: MHA / GQA over the layout's ancestor-KV views;
 * :mod:`~harts_runtime.layers.gated_attention`: Qwen3-Next / Qwen3.5 gated GQA, likewise;
 * :mod:`~harts_runtime.layers.mla`: multi-head latent attention, likewise;
@@ -12,6 +13,7 @@ microbatch's :class:`~harts_runtime.layout.rows.RowLayout`:
 from harts_runtime.layers.attention import AttentionConfig, CompactAttention
 from harts_runtime.layers.ffn import DenseFFN
 from harts_runtime.layers.gated_attention import CompactGatedAttention, GatedAttentionConfig
+from harts_runtime.layers.gdn import CompactGatedDeltaNet, GatedDeltaNetConfig
 from harts_runtime.layers.kda import KDAConfig, KDALayer
 from harts_runtime.layers.mla import CompactMLA, MLAConfig
 from harts_runtime.layers.moe import CompactMoE, MoEConfig, MoEOutput
@@ -20,10 +22,12 @@ __all__ = [
     "AttentionConfig",
     "CompactAttention",
     "CompactGatedAttention",
+    "CompactGatedDeltaNet",
     "CompactMLA",
     "CompactMoE",
     "DenseFFN",
     "GatedAttentionConfig",
+    "GatedDeltaNetConfig",
     "KDAConfig",
     "KDALayer",
     "MLAConfig",

@@ -58,7 +58,7 @@ from harts_runtime.layout.rows import RowLayout
 from harts_runtime.modules.convolution import ShortConvolution
 from harts_runtime.modules.norms import GatedRMSNorm, l2_norm
 
-__all__ = ["KDAConfig", "KDALayer"]
+__all__ = ["KDAConfig", "KDALayer", "run_kda_schedule"]
 
 
 @dataclass(kw_only=True)
@@ -81,6 +81,56 @@ class KDAConfig:
     """epsilon of the gated RMS norm on the core output."""
     backend: str = "auto"
     """KDA core backend: "auto" (Triton on CUDA, reference on CPU), "triton" or "naive"."""
+
+
+def run_kda_schedule(
+    sched: KDASchedule, q, k, v, g, beta, *, chunk_size: int, backend: str = "auto"
+) -> torch.Tensor:
+    """Execute a KDA schedule's rounds over per-row inputs (q, k [C, H, K]; v [C, H, V]; g
+    [C, H, K] fp32 log decay, or [C, H] for one decay per head, broadcast over K after the gather;
+    beta [C, H]): one packed :func:`chunk_kda_with_states` call per round, replay rows gathered,
+    initial states from earlier rounds' boundary states. Returns the core output [C, H, V] in
+    physical order. Shared by :class:`KDALayer` and the gated delta net."""
+    H, K, Vd = q.shape[1], q.shape[2], v.shape[2]
+    slots: list[torch.Tensor | None] = [None] * sched.num_slots  # live for this call only
+    zero = None
+    outs = []
+    for rd in sched.rounds:
+        with record_function("harts.kda.gather"):
+            packed = [x.index_select(0, rd.gather).unsqueeze(0) for x in (q, k, v, g, beta)]
+            if g.dim() == 2:  # one decay per (row, head): broadcast over the key dim (exact)
+                packed[3] = packed[3].unsqueeze(-1).expand(-1, -1, -1, K)
+        init = None
+        if any(s >= 0 for s in rd.init_slots):
+            if zero is None:
+                zero = q.new_zeros(H, K, Vd, dtype=torch.float32)
+            missing = [s for s in rd.init_slots if s >= 0 and slots[s] is None]
+            if missing:
+                raise InvalidInputError(
+                    "layout.kda", f"a round reads state slot {missing[0]} before it is produced"
+                )
+            with record_function("harts.kda.states"):
+                init = torch.stack([slots[s] if s >= 0 else zero for s in rd.init_slots])
+        want_final = any(s >= 0 for s in rd.final_slots)
+        with record_function("harts.kda.core"):
+            o, final, bstates = chunk_kda_with_states(
+                *packed,
+                initial_state=init,
+                cu_seqlens=rd.cu_seqlens,
+                chunk_size=chunk_size,
+                request_seq=rd.request_seq,
+                request_chunk=rd.request_chunk,
+                output_final_state=want_final,
+                backend=backend,
+            )
+        for j, s in enumerate(rd.request_slot):
+            slots[s] = bstates[j]
+        for j, s in enumerate(rd.final_slots):
+            if s >= 0:
+                slots[s] = final[j]
+        o = o[0]
+        outs.append(o if rd.out_pos.numel() == o.shape[0] else o.index_select(0, rd.out_pos))
+    return torch.cat(outs).index_select(0, sched.write_perm)
 
 
 class KDALayer(nn.Module):
@@ -129,45 +179,9 @@ class KDALayer(nn.Module):
     # ---------------------------------------------------------------- rounds
     def _run_schedule(self, sched: KDASchedule, q, k, v, g, beta) -> torch.Tensor:
         """Execute the rounds; returns the core output [C, H, V] in physical order."""
-        c = self.config
-        H, K, Vd = c.num_heads, c.head_k_dim, c.head_v_dim
-        slots: list[torch.Tensor | None] = [None] * sched.num_slots  # live for this call only
-        zero = None
-        outs = []
-        for rd in sched.rounds:
-            with record_function("harts.kda.gather"):
-                packed = [x.index_select(0, rd.gather).unsqueeze(0) for x in (q, k, v, g, beta)]
-            init = None
-            if any(s >= 0 for s in rd.init_slots):
-                if zero is None:
-                    zero = q.new_zeros(H, K, Vd, dtype=torch.float32)
-                missing = [s for s in rd.init_slots if s >= 0 and slots[s] is None]
-                if missing:
-                    raise InvalidInputError(
-                        "layout.kda", f"a round reads state slot {missing[0]} before it is produced"
-                    )
-                with record_function("harts.kda.states"):
-                    init = torch.stack([slots[s] if s >= 0 else zero for s in rd.init_slots])
-            want_final = any(s >= 0 for s in rd.final_slots)
-            with record_function("harts.kda.core"):
-                o, final, bstates = chunk_kda_with_states(
-                    *packed,
-                    initial_state=init,
-                    cu_seqlens=rd.cu_seqlens,
-                    chunk_size=c.chunk_size,
-                    request_seq=rd.request_seq,
-                    request_chunk=rd.request_chunk,
-                    output_final_state=want_final,
-                    backend=c.backend,
-                )
-            for j, s in enumerate(rd.request_slot):
-                slots[s] = bstates[j]
-            for j, s in enumerate(rd.final_slots):
-                if s >= 0:
-                    slots[s] = final[j]
-            o = o[0]
-            outs.append(o if rd.out_pos.numel() == o.shape[0] else o.index_select(0, rd.out_pos))
-        return torch.cat(outs).index_select(0, sched.write_perm)
+        return run_kda_schedule(
+            sched, q, k, v, g, beta, chunk_size=self.config.chunk_size, backend=self.config.backend
+        )
 
     def forward(self, x: torch.Tensor, layout: RowLayout) -> torch.Tensor:
         """x: [C, D] compact hidden states in physical order -> [C, D] layer output.
