@@ -1,10 +1,13 @@
 """Hugging Face checkpoint folders <-> :class:`~harts_runtime.models.hybrid.model.HybridModel`.
 
-:func:`load_pretrained` reads a transformers Kimi-Linear folder (``config.json`` plus
+:func:`load_pretrained` reads a transformers checkpoint folder (``config.json`` plus
 ``model.safetensors``, or shards listed in ``model.safetensors.index.json``) into our model;
 :func:`save_pretrained` writes one that ``transformers.AutoModelForCausalLM.from_pretrained``
-loads as ``KimiLinearForCausalLM``. The config and tensor maps are
-:mod:`harts_runtime.models.kimi_linear`. Needs the ``hf`` extra (``safetensors``; transformers
+loads. The family is ``config.json``'s ``model_type`` (:data:`FAMILIES`): Kimi-Linear
+(:mod:`harts_runtime.models.kimi_linear`), Qwen3-Next (:mod:`harts_runtime.models.qwen3_next`) and
+Qwen3.5-MoE text (:mod:`harts_runtime.models.qwen3_5_moe`; of a vision-language ``qwen3_5_moe``
+folder the text model, the vision tower and MTP head skipped); those modules hold the config and
+tensor maps. Needs the ``hf`` extra (``safetensors``; transformers
 only to run the checkpoint on the HF side).
 
 Loading builds the model on the meta device, allocates it uninitialised on the target device
@@ -25,7 +28,37 @@ import torch
 
 from harts_runtime.errors import InvalidInputError
 
-__all__ = ["load_pretrained", "save_pretrained"]
+__all__ = ["FAMILIES", "load_pretrained", "save_pretrained"]
+
+FAMILIES = ("kimi_linear", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
+"""``config.json`` ``model_type`` values :func:`load_pretrained` reads (``qwen3_5_moe``: its text part)."""
+
+
+def _family(model_type: str):
+    """model_type -> (from_hf_config, to_hf_config, adapter class)."""
+    if model_type == "kimi_linear":
+        from harts_runtime.models import kimi_linear as m
+
+        return m.from_hf_config, m.to_hf_config, m.KimiLinearStateDictAdapter
+    if model_type == "qwen3_next":
+        from harts_runtime.models import qwen3_next as m
+
+        return m.from_hf_config, m.to_hf_config, m.QwenStateDictAdapter
+    if model_type in ("qwen3_5_moe_text", "qwen3_5_moe"):
+        from harts_runtime.models import qwen3_5_moe as m
+
+        return m.from_hf_config, m.to_hf_config, m.Qwen35MoeStateDictAdapter
+    raise InvalidInputError("model_type", f"{model_type!r}; supported: {', '.join(FAMILIES)}")
+
+
+def _infer_model_type(cfg) -> str:
+    """The family of a model built without a checkpoint config: its mixers decide."""
+    if any(m in ("kda", "mla") for m in cfg.mixers):
+        return "kimi_linear"
+    if "gdn" in cfg.mixers and cfg.gdn_projection == "split":
+        return "qwen3_5_moe_text"
+    return "qwen3_next"
+
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -67,16 +100,18 @@ def load_pretrained(path, dtype=None, device="cpu", **overrides):
     from safetensors import safe_open
 
     from harts_runtime.models.hybrid.model import HybridModel
-    from harts_runtime.models.kimi_linear import KimiLinearStateDictAdapter, from_hf_config
 
     path = Path(path)
     if not (path / CONFIG_NAME).is_file():
         raise InvalidInputError("path", f"{path} has no {CONFIG_NAME}")
     hf_config = json.loads((path / CONFIG_NAME).read_text())
-    if hf_config.get("model_type", "kimi_linear") != "kimi_linear":
-        raise InvalidInputError("model_type", f"{hf_config['model_type']!r}; only kimi_linear is supported")
+    model_type = hf_config.get("model_type", "kimi_linear")
+    from_hf_config, _, adapter_cls = _family(model_type)
     cfg = from_hf_config(hf_config, dtype=_dtype_name(dtype), **overrides)
-    adapter = KimiLinearStateDictAdapter(cfg)
+    adapter = (
+        adapter_cls(cfg, prefix="model.language_model.") if model_type == "qwen3_5_moe" else adapter_cls(cfg)
+    )
+    ignored = getattr(adapter, "ignored", lambda name: False)
     files = _weight_files(path)
     # built on the meta device and allocated uninitialised: every tensor is written below
     # (the attention backend HybridModel would pick for the target device, not for meta)
@@ -97,6 +132,8 @@ def load_pretrained(path, dtype=None, device="cpu", **overrides):
                 for name in fh.keys():
                     if name in seen:
                         raise InvalidInputError(name, f"appears twice (again in {f.name})")
+                    if ignored(name):  # outside the text model (vision tower, MTP head)
+                        continue
                     for ours, slot, tensor in adapter.convert_slots(name, fh.get_tensor(name)):
                         (targets[ours] if slot is None else targets[ours][slot]).copy_(tensor)
                         written.setdefault(ours, set()).add(slot)
@@ -112,21 +149,32 @@ def load_pretrained(path, dtype=None, device="cpu", **overrides):
     return model
 
 
-def save_pretrained(model, path) -> None:
-    """Write ``config.json`` and ``model.safetensors`` of a Kimi-Linear :class:`HybridModel` to ``path``
-    (created if needed), loadable by ``transformers.AutoModelForCausalLM.from_pretrained``.
+def save_pretrained(model, path, model_type: str | None = None) -> None:
+    """Write ``config.json`` and ``model.safetensors`` of a :class:`HybridModel` to ``path`` (created
+    if needed), loadable by ``transformers.AutoModelForCausalLM.from_pretrained``.
 
-    Raises :class:`InvalidInputError` naming the :class:`ModelConfig` field or tensor that
-    Kimi-Linear cannot express (GQA layers, MLA with RoPE, softmax routing, a non-zero KDA
-    output-gate bias, ...).
+    ``model_type``: the family to write (``kimi_linear``, ``qwen3_next`` or ``qwen3_5_moe_text``;
+    None: the loaded checkpoint's, a ``qwen3_5_moe`` one written as its text model, else the one
+    the mixers imply: KDA/MLA Kimi-Linear, split-projection GDN Qwen3.5-MoE, else Qwen3-Next).
+
+    Raises :class:`InvalidInputError` naming the :class:`ModelConfig` field or tensor that the
+    family cannot express (Kimi-Linear: GQA layers, MLA with RoPE, softmax routing, a non-zero KDA
+    output-gate bias, ...; Qwen: other mixers, sigmoid routing, an ungated shared expert, ...).
     """
     from safetensors.torch import save_file
 
-    from harts_runtime.models.kimi_linear import KimiLinearStateDictAdapter, to_hf_config
-
     cfg = model.config
-    hf_config = to_hf_config(cfg, base=getattr(model, "hf_config", None))
-    adapter = KimiLinearStateDictAdapter(cfg)
+    base = getattr(model, "hf_config", None)
+    if model_type is None:
+        model_type = (base or {}).get("model_type") or _infer_model_type(cfg)
+        model_type = "qwen3_5_moe_text" if model_type == "qwen3_5_moe" else model_type
+    if model_type == "qwen3_5_moe":
+        raise InvalidInputError(
+            "model_type", "qwen3_5_moe (vision-language) is not written; use qwen3_5_moe_text"
+        )
+    _, to_hf_config, adapter_cls = _family(model_type)
+    hf_config = to_hf_config(cfg, base=base)
+    adapter = adapter_cls(cfg)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     tensors = {k: v.to("cpu").contiguous() for k, v in adapter.to_checkpoint(state).items()}
     os.makedirs(path, exist_ok=True)

@@ -22,7 +22,8 @@ groups of ``E / G`` experts; a row first keeps the ``topk_groups`` groups with t
 their two best biased scores, then takes its top-k inside them), ``routed_scaling_factor`` on the
 combine weights, and ``num_shared_experts`` always-on SwiGLU experts (one SwiGLU of width
 ``shared_intermediate_size``, default ``num_shared_experts * intermediate_size``) whose output is
-added to the routed output. Group limiting changes only which experts a row selects, so the
+added to the routed output (Qwen3-Next / Qwen3.5: scaled per row by ``sigmoid(shared_expert_gate(x))``
+with ``shared_expert_gate``). Group limiting changes only which experts a row selects, so the
 statistics stay per row and the multiplicity weighting stays exact.
 
 Determinism: top-k is a stable descending sort of the (biased) scores, so ties go to the lower
@@ -88,6 +89,9 @@ class MoEConfig:
     """Always-on shared experts (0: none), run as one SwiGLU ``shared_experts`` on every row."""
     shared_intermediate_size: int | None = None
     """Width of the shared SwiGLU (None: ``num_shared_experts * intermediate_size``)."""
+    shared_expert_gate: bool = False
+    """Qwen's sigmoid gate on the shared output (``shared_expert_gate``, a [1, D] linear):
+    ``routed + sigmoid(shared_expert_gate(x)) * shared_experts(x)``."""
     grouped: bool = True
     """Grouped-matmul expert path (True) or the per-expert loop reference (False)."""
     accumulate_counts: bool = True
@@ -315,6 +319,8 @@ class CompactMoE(nn.Module):
         if c.num_shared_experts > 0:
             width = c.shared_intermediate_size or c.num_shared_experts * c.intermediate_size
             self.shared_experts = SwiGLU(c.hidden_size, width)
+            if c.shared_expert_gate:
+                self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -371,7 +377,10 @@ class CompactMoE(nn.Module):
             shared = getattr(self, "shared_experts", None)
             if shared is None:  # a subclass that did not build them (expert parallelism)
                 raise InvalidInputError("num_shared_experts", "this MoE module has no shared experts")
-            out = out + shared(hidden)
+            s = shared(hidden)
+            if c.shared_expert_gate:
+                s = torch.sigmoid(self.shared_expert_gate(hidden)) * s
+            out = out + s
         return MoEOutput(
             out, aux, z, counts.detach(), topk_idx, weight, c.aux_loss_coef * aux + c.z_loss_coef * z
         )

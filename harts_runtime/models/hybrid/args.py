@@ -22,7 +22,7 @@ from harts_runtime.errors import InvalidInputError
 
 __all__ = ["FFNS", "FLAVORS", "MIXERS", "ModelConfig", "ffn_pattern", "model_config"]
 
-MIXERS = ("kda", "mla", "gqa")
+MIXERS = ("kda", "mla", "gqa", "gated_attention", "gdn")
 """Token-mixer names of :attr:`ModelConfig.mixers` (the model's builder table has one entry each)."""
 FFNS = ("dense", "moe")
 """FFN names of :attr:`ModelConfig.ffns`."""
@@ -37,7 +37,8 @@ class ModelConfig:
     hidden_size: int = 32
     """D."""
     mixers: tuple = ("kda", "mla")
-    """Token mixer of each layer: ``kda`` (linear), ``mla`` or ``gqa`` (full attention)."""
+    """Token mixer of each layer: ``kda`` or ``gdn`` (linear), ``mla``, ``gqa`` or ``gated_attention``
+    (full attention; ``gated_attention`` is Qwen3-Next / Qwen3.5's, ``gdn`` their gated delta net)."""
     ffns: tuple = ("dense", "moe")
     """FFN of each layer: ``dense`` (SwiGLU) or ``moe`` (routed SwiGLU experts)."""
     num_heads: int = 2
@@ -71,6 +72,22 @@ class ModelConfig:
     """GQA KV heads (None: MHA)."""
     rope_theta: float = 10_000.0
     """RoPE base."""
+    head_dim: int | None = None
+    """Gated-attention head dim (None: ``hidden_size // num_heads``)."""
+    partial_rotary_factor: float = 0.25
+    """Fraction of each gated-attention head's dims that RoPE rotates."""
+    # GDN (Qwen3-Next / Qwen3.5 gated delta net)
+    gdn_num_k_heads: int = 2
+    """GDN query/key heads."""
+    gdn_num_v_heads: int = 2
+    """GDN value heads (a multiple of ``gdn_num_k_heads``)."""
+    gdn_head_k_dim: int = 8
+    """GDN query/key head dim."""
+    gdn_head_v_dim: int = 8
+    """GDN value head dim."""
+    gdn_projection: str = "fused"
+    """GDN input projections: ``fused`` (Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba``) or ``split``
+    (Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``)."""
     # FFN
     dense_intermediate: int = 64
     """Dense SwiGLU width."""
@@ -96,12 +113,16 @@ class ModelConfig:
     """Always-on shared experts per MoE layer (0: none)."""
     shared_expert_intermediate: int | None = None
     """Width of the shared-expert SwiGLU (None: ``num_shared_experts * expert_intermediate``)."""
+    shared_expert_gate: bool = False
+    """Qwen's sigmoid gate on the shared experts: ``routed + sigmoid(shared_expert_gate(x)) * shared(x)``."""
     aux_loss_coef: float = 1e-2
     """Load-balancing loss weight."""
     z_loss_coef: float = 1e-3
     """Router z-loss weight."""
     norm_eps: float = 1e-6
     """RMSNorm epsilon."""
+    zero_centered_norms: bool = False
+    """Block and final RMSNorms as ``x_normed * (1 + weight)`` (Qwen3-Next / Qwen3.5)."""
     # execution
     dtype: str = "float32"
     """Parameter and activation dtype: ``float32`` or ``bfloat16`` (KDA states are always fp32)."""
@@ -149,6 +170,8 @@ class ModelConfig:
             raise InvalidInputError(
                 "top_k", f"must be in [1, num_experts={self.num_experts}], got {self.top_k}"
             )
+        if self.gdn_projection not in ("fused", "split"):
+            raise InvalidInputError("gdn_projection", f"choose fused or split, got {self.gdn_projection!r}")
         if self.kda_num_heads is not None and self.kda_num_heads < 1:
             raise InvalidInputError("kda_num_heads", f"must be >= 1, got {self.kda_num_heads}")
         if self.num_shared_experts < 0:

@@ -9,7 +9,7 @@ One model, two executions over the same rows abstraction (:class:`~harts_runtime
   KDA runs one packed call from zero states, attention views have no ancestors, multiplicities are 1.
 
 Block ``i`` (pre-norm): ``x += mixer_i(norm(x), layout); x += ffn_i(norm(x), layout)`` with
-``mixer_i`` in ``{"kda", "mla", "gqa"}`` and ``ffn_i`` in ``{"dense", "moe"}``, built from the
+``mixer_i`` in ``{"kda", "mla", "gqa", "gated_attention", "gdn"}`` and ``ffn_i`` in ``{"dense", "moe"}``, built from the
 tables :data:`MIXER_BUILDERS` and :data:`FFN_BUILDERS` (name -> builder of the layer from the
 :class:`~harts_runtime.models.hybrid.args.ModelConfig`); any order. Recomputation is block-level
 (:func:`harts_runtime.recompute.apply_recompute`); the MoE expert-load counts are accumulated once
@@ -85,6 +85,40 @@ def _gqa(cfg: ModelConfig, attn_backend: str) -> nn.Module:
     )
 
 
+def _gated_attention(cfg: ModelConfig, attn_backend: str) -> nn.Module:
+    from harts_runtime.layers.gated_attention import CompactGatedAttention, GatedAttentionConfig
+
+    return CompactGatedAttention(
+        GatedAttentionConfig(
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            rope_theta=cfg.rope_theta,
+            partial_rotary_factor=cfg.partial_rotary_factor,
+            rms_norm_eps=cfg.norm_eps,
+            backend=attn_backend,
+        )
+    )
+
+
+def _gdn(cfg: ModelConfig, attn_backend: str) -> nn.Module:
+    from harts_runtime.layers.gdn import CompactGatedDeltaNet, GatedDeltaNetConfig  # lazy: optional layer
+
+    return CompactGatedDeltaNet(
+        GatedDeltaNetConfig(
+            hidden_size=cfg.hidden_size,
+            num_k_heads=cfg.gdn_num_k_heads,
+            num_v_heads=cfg.gdn_num_v_heads,
+            head_k_dim=cfg.gdn_head_k_dim,
+            head_v_dim=cfg.gdn_head_v_dim,
+            conv_kernel_size=cfg.conv_size,
+            norm_eps=cfg.norm_eps,
+            projection=cfg.gdn_projection,
+        )
+    )
+
+
 def _dense(cfg: ModelConfig) -> nn.Module:
     return DenseFFN(cfg.hidden_size, cfg.dense_intermediate)
 
@@ -104,6 +138,7 @@ def _moe(cfg: ModelConfig) -> nn.Module:
             topk_groups=cfg.topk_groups,
             num_shared_experts=cfg.num_shared_experts,
             shared_intermediate_size=cfg.shared_expert_intermediate,
+            shared_expert_gate=cfg.shared_expert_gate,
             aux_loss_coef=cfg.aux_loss_coef,
             z_loss_coef=cfg.z_loss_coef,
             accumulate_counts=False,  # HybridModel.forward_hidden counts once, outside recomputation
@@ -111,7 +146,13 @@ def _moe(cfg: ModelConfig) -> nn.Module:
     )
 
 
-MIXER_BUILDERS: dict[str, Callable[[ModelConfig, str], nn.Module]] = {"kda": _kda, "mla": _mla, "gqa": _gqa}
+MIXER_BUILDERS: dict[str, Callable[[ModelConfig, str], nn.Module]] = {
+    "kda": _kda,
+    "mla": _mla,
+    "gqa": _gqa,
+    "gated_attention": _gated_attention,
+    "gdn": _gdn,
+}
 """Mixer name -> ``builder(config, attention_backend)`` (one entry per name of ``args.MIXERS``)."""
 FFN_BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {"dense": _dense, "moe": _moe}
 """FFN name -> ``builder(config)`` (one entry per name of ``args.FFNS``)."""
@@ -123,8 +164,9 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, mixer: str, ffn: str, attn_backend: str):
         super().__init__()
         self.mixer_kind, self.ffn_kind = mixer, ffn  # names, for profiler ranges and reports
-        self.norm1 = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.norm2 = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        zc = cfg.zero_centered_norms
+        self.norm1 = RMSNorm(cfg.hidden_size, cfg.norm_eps, zero_centered=zc)
+        self.norm2 = RMSNorm(cfg.hidden_size, cfg.norm_eps, zero_centered=zc)
         self.mixer = MIXER_BUILDERS[mixer](cfg, attn_backend)
         self.ffn = FFN_BUILDERS[ffn](cfg)
 
@@ -153,7 +195,7 @@ class HybridModel(nn.Module):
         with dev:  # build and initialise on the target device
             self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
             self.blocks = nn.ModuleList(Block(c, m, f, backend) for m, f in zip(c.mixers, c.ffns))
-            self.norm = RMSNorm(c.hidden_size, c.norm_eps)
+            self.norm = RMSNorm(c.hidden_size, c.norm_eps, zero_centered=c.zero_centered_norms)
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
             self._init_weights()
         self.to(device=dev, dtype=c.torch_dtype)

@@ -1,0 +1,52 @@
+"""Qwen3.5-MoE text (transformers ``Qwen3_5MoeForCausalLM``, ``model_type`` ``qwen3_5_moe_text``, and
+the text part of ``qwen3_5_moe`` checkpoints) as a :class:`~harts_runtime.models.hybrid.HybridModel`.
+
+The formats are Qwen3-Next's (:mod:`harts_runtime.models.qwen3_next`, whose code this shares) but
+for: the gated delta net's split input projections (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+``in_proj_a``; ``gdn_projection="split"``), every layer sparse, top-k always renormalised, and the
+``model.language_model.`` prefix of the vision-language checkpoints (the vision tower and the MTP
+head are skipped). Saving writes a ``qwen3_5_moe_text`` folder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from harts_runtime.models.hybrid.args import ModelConfig
+from harts_runtime.models.qwen3_next import args as _args
+from harts_runtime.models.qwen3_next.state_dict_adapter import QwenStateDictAdapter
+
+__all__ = ["Qwen35MoeStateDictAdapter", "from_hf", "from_hf_config", "to_hf", "to_hf_config"]
+
+FAMILY = "qwen3_5_moe_text"
+
+
+def from_hf_config(cfg, *, dtype: str | None = None, **overrides) -> ModelConfig:
+    """Our :class:`ModelConfig` of a ``Qwen3_5MoeTextConfig`` / ``Qwen3_5MoeConfig`` (its text part)
+    or their ``config.json`` dict; see :func:`harts_runtime.models.qwen3_next.from_hf_config`."""
+    return _args.from_hf_config(cfg, dtype=dtype, family=FAMILY, **overrides)
+
+
+def to_hf_config(cfg: ModelConfig, base: Mapping | None = None) -> dict:
+    """The ``qwen3_5_moe_text`` ``config.json`` dict of ``cfg``."""
+    return _args.to_hf_config(cfg, base, family=FAMILY)
+
+
+class Qwen35MoeStateDictAdapter(QwenStateDictAdapter):
+    """:class:`QwenStateDictAdapter` for Qwen3.5-MoE (``prefix="model.language_model."`` for the
+    vision-language spelling)."""
+
+    family = "Qwen3.5-MoE"
+
+
+def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A ``Qwen3_5MoeForCausalLM`` (or ``...ForConditionalGeneration``: its text part) state dict ->
+    our :class:`HybridModel` state dict."""
+    return Qwen35MoeStateDictAdapter(config).from_hf(hf_state_dict)
+
+
+def to_hf(state_dict: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our :class:`HybridModel` state dict -> a ``Qwen3_5MoeForCausalLM`` state dict."""
+    return Qwen35MoeStateDictAdapter(config).to_hf(state_dict)

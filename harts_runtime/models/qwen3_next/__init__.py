@@ -1,0 +1,16 @@
+"""Qwen3-Next (transformers ``Qwen3NextForCausalLM``) as a :class:`~harts_runtime.models.hybrid.HybridModel`.
+
+``args``: :func:`from_hf_config` / :func:`to_hf_config`; ``state_dict_adapter``: :func:`from_hf` /
+:func:`to_hf` (every tensor mapped and shape-checked). Loading and saving checkpoint folders is
+:mod:`harts_runtime.hf`.
+
+Qwen3-Next is the hybrid family with gated delta-net layers (``linear_attention``; our ``gdn``
+mixer, fused ``in_proj_qkvz`` / ``in_proj_ba``), gated full attention (``full_attention``; our
+``gated_attention``), zero-centred RMSNorms, and softmax top-k MoE with one sigmoid-gated shared
+expert (dense SwiGLU layers in ``mlp_only_layers`` and off the ``decoder_sparse_step``).
+"""
+
+from harts_runtime.models.qwen3_next.args import from_hf_config, to_hf_config
+from harts_runtime.models.qwen3_next.state_dict_adapter import QwenStateDictAdapter, from_hf, to_hf
+
+__all__ = ["QwenStateDictAdapter", "from_hf", "from_hf_config", "to_hf", "to_hf_config"]
