@@ -115,6 +115,7 @@ def _gdn(cfg: ModelConfig, attn_backend: str) -> nn.Module:
             conv_kernel_size=cfg.conv_size,
             norm_eps=cfg.norm_eps,
             projection=cfg.gdn_projection,
+            backend=cfg.kda_backend,
         )
     )
 
