@@ -18,7 +18,7 @@ package                            what
 ``step_inputs``, ``train``         the step's inputs (:class:`StepInputs`), the step (:func:`train_step`)
 ``recompute``, ``errors``          the one recomputation switch, the one error class
 ``hf``                             :func:`load_pretrained` / :func:`save_pretrained`: HF checkpoint
-                                   folders (Kimi-Linear) <-> ``HybridModel``
+                                   folders (Kimi-Linear, Qwen3-Next, Qwen3.5-MoE text) <-> ``HybridModel``
 ``demo``, ``cli``                  :func:`train_demo`, ``harts-train``
 ``flops``, ``testing``             the FLOP model; test-only trees, decompositions and dense masks
 =================================  ===============================================================

@@ -173,6 +173,10 @@ def save_pretrained(model, path, model_type: str | None = None) -> None:
             "model_type", "qwen3_5_moe (vision-language) is not written; use qwen3_5_moe_text"
         )
     _, to_hf_config, adapter_cls = _family(model_type)
+    if model_type == "kimi_linear":  # Qwen-only options Kimi-Linear's config cannot carry
+        for name in ("zero_centered_norms", "shared_expert_gate"):
+            if getattr(cfg, name):
+                raise InvalidInputError(name, "True has no Kimi-Linear equivalent")
     hf_config = to_hf_config(cfg, base=base)
     adapter = adapter_cls(cfg)
     state = {k: v.detach() for k, v in model.state_dict().items()}

@@ -383,3 +383,46 @@ def test_dense_layer_pattern_and_defaults():
     assert qwen3_5_moe.from_hf_config(
         {"num_hidden_layers": 8, "model_type": "qwen3_5_moe_text"}
     ).mixers == tuple("gdn" if t == "linear_attention" else "gated_attention" for t in types)
+
+
+def test_kimi_linear_refuses_qwen_options(tmp_path):
+    from harts_runtime.models import kimi_linear
+
+    cfg = kimi_linear.from_hf_config(
+        dict(
+            vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, linear_num_heads=2,
+            linear_head_dim=8, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+            kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        )
+    )  # fmt: skip
+    for field in ("zero_centered_norms", "shared_expert_gate"):
+        with pytest.raises(InvalidInputError) as e:
+            save_pretrained(HybridModel(cfg.replace(**{field: True})), tmp_path / "x")
+        assert e.value.field == field
+
+
+def test_loaded_model_trains_compact_as_trajectory(tmp_path):
+    """One prefix-sharing microbatch through run_microbatch: a loaded mixed Qwen3-Next gives the
+    same loss and gradients compact and trajectory-wise (float64 weights; GDN boundary states are
+    fp32, so test_train.py's tolerances)."""
+    from harts_runtime import run_microbatch
+
+    random_hf_model("qwen3_next").save_pretrained(tmp_path / "hf")
+    model = load_pretrained(tmp_path / "hf", dtype=torch.float64, chunk_size=16)
+    rng = np.random.default_rng(7)
+    trunk = rng.integers(0, V, size=21).tolist()
+    trajs = [trunk + rng.integers(0, V, size=n).tolist() for n in (4, 17, 11)] + [trunk[:9] + [1, 2]]
+    step = StepInputs.synthetic(hp.RolloutBatch.from_token_lists(trajs), 0)
+    out = {}
+    for mode in ("compact", "trajectory"):
+        model.zero_grad(set_to_none=True)
+        loss, _ = run_microbatch(model, step, np.arange(len(trajs)), mode)
+        out[mode] = (
+            loss.detach(),
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        )
+    (lc, gc), (lt, gt) = out["compact"], out["trajectory"]
+    torch.testing.assert_close(lc, lt, atol=1e-6, rtol=1e-5)
+    assert set(gc) == set(gt) and len(gc) == len(list(model.parameters()))
+    for n in gc:
+        torch.testing.assert_close(gc[n], gt[n], atol=2e-6, rtol=2e-3, msg=lambda m, n=n: f"d{n}: {m}")
