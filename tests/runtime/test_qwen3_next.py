@@ -426,3 +426,20 @@ def test_loaded_model_trains_compact_as_trajectory(tmp_path):
     assert set(gc) == set(gt) and len(gc) == len(list(model.parameters()))
     for n in gc:
         torch.testing.assert_close(gc[n], gt[n], atol=2e-6, rtol=2e-3, msg=lambda m, n=n: f"d{n}: {m}")
+
+
+def test_bfloat16_load_and_gdn_head_check(tmp_path):
+    hf = random_hf_model("qwen3_5_moe_text")
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_pretrained(tmp_path / "hf", dtype=torch.bfloat16, chunk_size=16).eval()
+    assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
+    t = random_trajs(6, lengths=(20,))[0]
+    ref = hf_logits(hf, t)  # float32
+    ours_err = rel_err(ours_logits(ours, [t]).float(), ref)
+    hf_err = rel_err(hf_logits(hf.to(torch.bfloat16), t), ref)
+    print(f"bfloat16 vs float32 transformers: ours {ours_err:.2e}, transformers' bfloat16 {hf_err:.2e}")
+    assert ours_err <= 2 * hf_err + 1e-2  # no worse than transformers' own bfloat16 rounding
+    d = {**hf_config("qwen3_next").to_dict(), "linear_num_key_heads": 3}
+    with pytest.raises(InvalidInputError) as e:
+        qwen3_next.from_hf_config(d)
+    assert e.value.field == "gdn_num_v_heads"

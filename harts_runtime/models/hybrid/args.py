@@ -170,6 +170,15 @@ class ModelConfig:
             raise InvalidInputError(
                 "top_k", f"must be in [1, num_experts={self.num_experts}], got {self.top_k}"
             )
+        if "gdn" in self.mixers:
+            for name in ("gdn_num_k_heads", "gdn_num_v_heads", "gdn_head_k_dim", "gdn_head_v_dim"):
+                if getattr(self, name) < 1:
+                    raise InvalidInputError(name, f"must be >= 1, got {getattr(self, name)}")
+            if self.gdn_num_v_heads % self.gdn_num_k_heads:
+                raise InvalidInputError(
+                    "gdn_num_v_heads",
+                    f"{self.gdn_num_v_heads} is not a multiple of gdn_num_k_heads={self.gdn_num_k_heads}",
+                )
         if self.gdn_projection not in ("fused", "split"):
             raise InvalidInputError("gdn_projection", f"choose fused or split, got {self.gdn_projection!r}")
         if self.kda_num_heads is not None and self.kda_num_heads < 1:

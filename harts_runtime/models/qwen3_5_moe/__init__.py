@@ -23,10 +23,10 @@ __all__ = ["Qwen35MoeStateDictAdapter", "from_hf", "from_hf_config", "to_hf", "t
 FAMILY = "qwen3_5_moe_text"
 
 
-def from_hf_config(cfg, *, dtype: str | None = None, **overrides) -> ModelConfig:
+def from_hf_config(cfg, *, dtype: str | None = None, chunk_size: int = 64, **overrides) -> ModelConfig:
     """Our :class:`ModelConfig` of a ``Qwen3_5MoeTextConfig`` / ``Qwen3_5MoeConfig`` (its text part)
     or their ``config.json`` dict; see :func:`harts_runtime.models.qwen3_next.from_hf_config`."""
-    return _args.from_hf_config(cfg, dtype=dtype, family=FAMILY, **overrides)
+    return _args.from_hf_config(cfg, dtype=dtype, family=FAMILY, chunk_size=chunk_size, **overrides)
 
 
 def to_hf_config(cfg: ModelConfig, base: Mapping | None = None) -> dict:

@@ -95,12 +95,15 @@ def _require(d: dict, name: str, ok, what: str):
         raise InvalidInputError(name, f"unsupported value {value!r}; HybridModel supports {what}")
 
 
-def from_hf_config(cfg, *, dtype: str | None = None, family: str | None = None, **overrides) -> ModelConfig:
+def from_hf_config(
+    cfg, *, dtype: str | None = None, family: str | None = None, chunk_size: int = 64, **overrides
+) -> ModelConfig:
     """Our :class:`ModelConfig` of a Qwen3-Next (or, with ``family="qwen3_5_moe_text"``, a Qwen3.5-MoE
     text) config: a transformers config or a ``config.json`` dict (None: from its ``model_type``).
 
     ``dtype``: ``float32``, ``bfloat16`` or ``float64`` (None: the config's when it is one of these,
-    else ``float32``). ``overrides``: further :class:`ModelConfig` fields (execution options).
+    else ``float32``). ``chunk_size``: our GDN chunk size (does not change the math; 64 on the
+    Triton path). ``overrides``: further :class:`ModelConfig` fields (execution options).
 
     Raises :class:`InvalidInputError` naming the field for options HybridModel cannot reproduce:
     ``hidden_act`` other than silu, ``tie_word_embeddings``, ``attention_bias``, a non-zero
@@ -177,6 +180,7 @@ def from_hf_config(cfg, *, dtype: str | None = None, family: str | None = None, 
         gdn_head_v_dim=int(get("linear_value_head_dim")),
         gdn_projection=projection,
         conv_size=int(get("linear_conv_kernel_dim")),
+        chunk_size=chunk_size,
         dense_intermediate=int(get("intermediate_size")) if has_dense else 1,
         num_experts=max(experts, 1),
         top_k=int(get("num_experts_per_tok")),
