@@ -342,6 +342,8 @@ def test_missing_unknown_and_misshapen_tensors_are_named(tmp_path):
         ({"layer_types": ["linear_attention", "sliding_attention", "full_attention"]}, "layer_types[1]"),
         ({"layer_types": ["full_attention"]}, "layer_types"),
         ({"decoder_sparse_step": 0}, "decoder_sparse_step"),
+        ({"use_sliding_window": True}, "use_sliding_window"),
+        ({"attn_output_gate": False}, "attn_output_gate"),
     ],
 )
 def test_unsupported_config_fields_are_named(changes, field):
@@ -443,3 +445,46 @@ def test_bfloat16_load_and_gdn_head_check(tmp_path):
     with pytest.raises(InvalidInputError) as e:
         qwen3_next.from_hf_config(d)
     assert e.value.field == "gdn_num_v_heads"
+
+
+def test_hub_style_config_json():
+    """The released configs' spelling: no layer_types (full_attention_interval), top-level
+    rope_theta / partial_rotary_factor, sliding-window and MTP fields."""
+    d = {
+        "model_type": "qwen3_next",
+        "vocab_size": V,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 16,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "full_attention_interval": 4,
+        "rope_theta": 1e7,
+        "partial_rotary_factor": 0.25,
+        "rope_scaling": None,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "torch_dtype": "bfloat16",
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+    cfg = qwen3_next.from_hf_config(d)
+    assert cfg.mixers == ("gdn", "gdn", "gdn", "gated_attention") * 2
+    assert (cfg.rope_theta, cfg.partial_rotary_factor, cfg.dtype, cfg.ffns) == (
+        1e7,
+        0.25,
+        "bfloat16",
+        ("moe",) * 8,
+    )
+    ref = transformers.Qwen3NextConfig(**{k: v for k, v in d.items() if k != "model_type"})
+    assert qwen3_next.from_hf_config(ref) == cfg
+    assert qwen3_next.from_hf_config(transformers.Qwen3NextConfig(**qwen3_next.to_hf_config(cfg))) == cfg

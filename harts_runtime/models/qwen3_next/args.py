@@ -107,8 +107,9 @@ def from_hf_config(
 
     Raises :class:`InvalidInputError` naming the field for options HybridModel cannot reproduce:
     ``hidden_act`` other than silu, ``tie_word_embeddings``, ``attention_bias``, a non-zero
-    ``attention_dropout``, a RoPE type other than ``default``, unknown layer types, a wrong-length
-    ``layer_types``, ``decoder_sparse_step`` < 1.
+    ``attention_dropout``, ``use_sliding_window``, ``attn_output_gate`` false, a RoPE type other
+    than ``default``, unknown layer types, a wrong-length ``layer_types``, ``decoder_sparse_step``
+    < 1, value heads not a multiple of key heads (``gdn_num_v_heads``).
     """
     d = text_config(_as_dict(cfg))
     if family is None:
@@ -126,6 +127,8 @@ def from_hf_config(
     _require(d, "tie_word_embeddings", lambda v: not v, "an untied LM head")
     _require(d, "attention_bias", lambda v: not v, "bias-free attention projections")
     _require(d, "attention_dropout", lambda v: float(v) == 0.0, "attention_dropout 0")
+    _require(d, "use_sliding_window", lambda v: not v, "full attention (no sliding window)")
+    _require(d, "attn_output_gate", bool, "the gated attention output (attn_output_gate true)")
     rope = dict(d.get("rope_parameters") or {})
     if d.get("rope_scaling"):
         rope = {**dict(d["rope_scaling"]), **rope}
