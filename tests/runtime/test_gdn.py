@@ -108,7 +108,7 @@ def ours_from(hf, cfg, variant: str, chunk_size=B) -> CompactGatedDeltaNet:
     return ours
 
 
-def tree():
+def tree(B=B):
     """Forks off chunk boundaries (replay), nested forks, a fork on a boundary, an unshared
     trajectory, a single-token one, and a binary tree (three rounds of state handoffs)."""
     t = Tokens()
@@ -200,6 +200,58 @@ def test_compact_equals_hf_per_trajectory(hf_torch_gdn, variant, recompute):
     for name, e in errs.items():
         tol = TOL["y" if name == "y" else "dx" if name == "x" else "param"]
         assert e <= tol, f"{variant} d{name}: relative error {e:.2e} > {tol:.0e} (all: {errs})"
+
+
+# Error ratios ||ours - HF|| / ||HF|| allowed on CUDA. HF runs its PyTorch chunked rule (fla's
+# chunk_gated_delta_rule refuses the gated backward on Hopper with Triton < 3.7.1, and its autotuning
+# alone outlasts a test); ours the KDA core's Triton stages with the gate broadcast over K.
+CUDA_TOL = {torch.float32: 5e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compact_matches_hf_on_cuda(dtype, monkeypatch):
+    """HF's Qwen3-Next layer (each trajectory alone) against the compact layer over a chunk-64
+    tree's plan, at K = V = 128 with grouped value heads: outputs and all gradients."""
+    import transformers.models.qwen3_next.modeling_qwen3_next as m3n
+
+    b, dev = 64, torch.device("cuda")
+    shape = dict(SHAPE, hidden_size=512, linear_key_head_dim=128, linear_value_head_dim=128)
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3NextConfig(**shape, layer_types=["linear_attention"], num_hidden_layers=1)
+    hf = m3n.Qwen3NextGatedDeltaNet(cfg, 0).float()
+    with torch.no_grad():
+        hf.dt_bias.copy_(0.5 * torch.randn_like(hf.dt_bias))
+        hf.norm.weight.copy_(1 + 0.3 * torch.randn_like(hf.norm.weight))
+    ours = ours_from(hf, cfg, "fused", chunk_size=b)
+    hf, ours = hf.to(dev, dtype), ours.to(dev, dtype)
+    plan = hp.plan_calls(hp.RolloutBatch.from_token_lists(tree(b)), chunk_size=b, conv_width=4)
+    assert plan.num_calls >= 3 and plan.replay_tokens > 0
+    lay = RowLayout(plan.compact_tokens, kda=KDAExecutionPlan.from_call_plan(plan).to(dev))
+    s2p = torch.from_numpy(np.asarray(plan.semantic_to_physical, dtype=np.int64)).to(dev)
+    offsets = np.asarray(plan.semantic_offsets, dtype=np.int64)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    x = torch.randn(plan.compact_tokens, shape["hidden_size"], generator=gen, device=dev, dtype=dtype)
+    w_out = torch.randn(len(s2p), shape["hidden_size"], generator=gen, device=dev, dtype=dtype)
+
+    def ratio(a, ref):
+        return ((a.double() - ref.double()).pow(2).mean().sqrt() / ref.double().pow(2).mean().sqrt()).item()
+
+    xc = x.clone().requires_grad_(True)
+    y = ours(xc, lay)[s2p]
+    (y.float() * w_out.float()).sum().backward()
+    monkeypatch.setattr(m3n, "torch_chunk_gated_delta_rule", _unwrap(m3n.torch_chunk_gated_delta_rule))
+    xh = x.clone().requires_grad_(True)
+    yh = hf_per_trajectory(hf, xh[s2p], offsets)
+    (yh.float() * w_out.float()).sum().backward()
+    errors = {"y": ratio(y, yh), "dx": ratio(xc.grad, xh.grad)}
+    hf_params = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        errors["d" + name] = ratio(p.grad, hf_params[name].grad)
+    print(dtype, {n: f"{e:.2e}" for n, e in errors.items()})
+    for name, e in errors.items():
+        assert e < CUDA_TOL[dtype], (name, e)
 
 
 def test_one_projection_per_row_and_one_call_per_round(monkeypatch):
