@@ -24,6 +24,8 @@ run the CPU tests. The dispatch below is the same algorithm with plain ``torch.d
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -57,6 +59,12 @@ class ExpertParallelMoE(CompactMoE):
         self.num_local = e // size
         lo = rank * self.num_local
         self.router = nn.Parameter(moe.router.detach().clone())
+        # Shared experts (and Qwen's gate on them) are dense: replicated on every EP rank like the
+        # router, each rank running them on its own rows; their gradients are summed with the DP
+        # gradients, as the router's.
+        for name in ("shared_experts", "shared_expert_gate"):
+            if name in moe._modules:
+                setattr(self, name, copy.deepcopy(moe._modules[name]))
         for name in ("w_gate", "w_up", "w_down"):
             p = nn.Parameter(getattr(moe, name).detach()[lo : lo + self.num_local].clone())
             p._harts_expert = True

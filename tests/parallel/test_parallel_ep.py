@@ -30,6 +30,20 @@ CFGS = {
         use_expert_bias=True,
         aux_loss_coef=0.1,
     ),
+    "grouped-shared-gated": dict(  # Kimi-Linear / Qwen3.5 routing: groups, shared expert, its gate
+        hidden_size=16,
+        num_experts=8,
+        top_k=2,
+        intermediate_size=8,
+        score_func="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        num_expert_groups=4,
+        topk_groups=2,
+        num_shared_experts=1,
+        shared_expert_gate=True,
+        aux_loss_coef=0.1,
+    ),
 }
 ROWS = (11, 5)
 
@@ -89,6 +103,10 @@ def test_expert_parallel_moe_matches_single_process(name):
         torch.testing.assert_close(r["dx"], dx, **tol)
         torch.testing.assert_close(r["counts"], ref.local_tokens_per_expert)
         torch.testing.assert_close(r["grads"]["router"], ref.router.grad, **tol)
+        for n, p in ref.named_parameters():  # shared experts and their gate: replicated, own rows
+            if n.startswith("shared_"):
+                assert not r["expert_flags"][n]
+                torch.testing.assert_close(r["grads"][n], p.grad, **tol, msg=lambda m, n=n: f"d{n}: {m}")
         ref_grads.append({n: p.grad for n, p in ref.named_parameters()})
     el = base.config.num_experts // 2
     for rank in range(2):
