@@ -17,7 +17,8 @@ with the same per-row cost model on both sides:
 
 Matmul FLOPs are ``2 * in * out``. The KDA core is estimated per row and head as
 ``4 B K + 2 B V + 6 K V`` (intra-chunk Q K^T and K K^T blocks, intra-chunk output, state read,
-WY state correction and state update), independent of position.
+WY state correction and state update), independent of position; the Gated DeltaNet core the same
+per value head (it runs on the KDA core). Shared experts count as a dense SwiGLU on every row.
 """
 
 from __future__ import annotations
@@ -35,17 +36,30 @@ def layer_costs(cfg: ModelConfig) -> dict:
     d, h = cfg.hidden_size, cfg.num_heads
     k = v = cfg.kda_head_dim
     mm = lambda i, o: 2 * i * o
+    core = lambda heads, kk, vv: heads * (4 * cfg.chunk_size * kk + 2 * cfg.chunk_size * vv + 6 * kk * vv)
+    hk = cfg.kda_num_heads or h
     kda = (
-        mm(d, h * k) * 2
-        + mm(d, h * v)
+        mm(d, hk * k) * 2
+        + mm(d, hk * v)
         + mm(d, v)
-        + mm(v, h * k)
-        + mm(d, h)
+        + mm(v, hk * k)
+        + mm(d, hk)
         + mm(d, v)
-        + mm(v, h * v)
-        + mm(h * v, d)
-        + 2 * cfg.conv_size * (2 * h * k + h * v)
-        + h * (4 * cfg.chunk_size * k + 2 * cfg.chunk_size * v + 6 * k * v)
+        + mm(v, hk * v)
+        + mm(hk * v, d)
+        + 2 * cfg.conv_size * (2 * hk * k + hk * v)
+        + core(hk, k, v)
+    )
+    # Gated DeltaNet: q, k (Hk heads of K), v, z (Hv heads of V), beta and decay inputs (Hv each),
+    # the convolution over q, k, v, the KDA-form core per value head, the output projection.
+    gk, gv = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads
+    gkd, gvd = cfg.gdn_head_k_dim, cfg.gdn_head_v_dim
+    gdn = (
+        mm(d, 2 * gk * gkd + 2 * gv * gvd)
+        + mm(d, 2 * gv)
+        + 2 * cfg.conv_size * (2 * gk * gkd + gv * gvd)
+        + core(gv, gkd, gvd)
+        + mm(gv * gvd, d)
     )
     dqk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     if cfg.q_lora_rank is None:
@@ -59,14 +73,23 @@ def layer_costs(cfg: ModelConfig) -> dict:
         + mm(h * cfg.v_head_dim, d)
     )
     mla_key = 2 * h * (dqk + cfg.v_head_dim)
-    hd = d // h
     hkv = cfg.num_kv_heads or h
+    hd = d // h  # MHA / GQA heads split the width
     gqa = mm(d, h * hd) + 2 * mm(d, hkv * hd) + mm(h * hd, d)
     gqa_key = 2 * h * (2 * hd)
+    ghd = cfg.head_dim or hd  # gated attention: its own head dim; q_proj also yields the gate
+    gated = 2 * mm(d, h * ghd) + 2 * mm(d, hkv * ghd) + mm(h * ghd, d)
+    gated_key = 2 * h * (2 * ghd)
     dense = 3 * mm(d, cfg.dense_intermediate)
-    moe = mm(d, cfg.num_experts) + cfg.top_k * 3 * mm(d, cfg.expert_intermediate)
-    mixer = {"kda": kda, "mla": mla, "gqa": gqa}
-    key = {"kda": 0, "mla": mla_key, "gqa": gqa_key}
+    shared = cfg.shared_expert_intermediate or cfg.num_shared_experts * cfg.expert_intermediate
+    moe = (
+        mm(d, cfg.num_experts)
+        + cfg.top_k * 3 * mm(d, cfg.expert_intermediate)
+        + 3 * mm(d, shared)
+        + (mm(d, 1) if cfg.shared_expert_gate and shared else 0)
+    )
+    mixer = {"kda": kda, "gdn": gdn, "mla": mla, "gqa": gqa, "gated_attention": gated}
+    key = {"kda": 0, "gdn": 0, "mla": mla_key, "gqa": gqa_key, "gated_attention": gated_key}
     ffn = {"dense": dense, "moe": moe}
     row = sum(mixer[m] + ffn[f] for m, f in zip(cfg.mixers, cfg.ffns)) + mm(d, cfg.vocab_size)
     return {
@@ -74,12 +97,15 @@ def layer_costs(cfg: ModelConfig) -> dict:
         "attn_per_key": sum(key[m] for m in cfg.mixers),
         "per_layer": {
             "kda": kda,
+            "gdn": gdn,
             "mla": mla,
             "gqa": gqa,
+            "gated_attention": gated,
             "dense": dense,
             "moe": moe,
             "mla_per_key": mla_key,
             "gqa_per_key": gqa_key,
+            "gated_attention_per_key": gated_key,
             "lm_head": mm(d, cfg.vocab_size),
         },
     }

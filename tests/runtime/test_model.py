@@ -114,6 +114,26 @@ def test_attended_keys_equals_brute_force_tree_mask():
         assert attended_keys(plan.position_ids) == int(mask.sum())
 
 
+@pytest.mark.parametrize("mixer", ["kda", "gdn", "mla", "gqa", "gated_attention"])
+def test_mixer_flops_count_every_projection_of_the_module(mixer):
+    """Per-row matmul FLOPs of each mixer = 2 x the weights of its linear layers (from the built
+    module); the convolution and the linear-attention core are added by formula."""
+    cfg = model_config("debug", mixers=(mixer,) * 2, ffns=("dense",) * 2, kda_num_heads=3, head_dim=8)
+    model = HybridModel(cfg)
+    mod = model.blocks[0].mixer
+    linear = sum(m.weight.numel() for m in mod.modules() if isinstance(m, torch.nn.Linear))
+    b = cfg.chunk_size
+    extra = 0
+    if mixer == "kda":
+        h, k = cfg.kda_num_heads, cfg.kda_head_dim
+        extra = 2 * cfg.conv_size * 3 * h * k + h * (4 * b * k + 2 * b * k + 6 * k * k)
+    elif mixer == "gdn":
+        hk, hv, k, v = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_head_k_dim, cfg.gdn_head_v_dim
+        extra = 2 * cfg.conv_size * (2 * hk * k + hv * v) + hv * (4 * b * k + 2 * b * v + 6 * k * v)
+    assert layer_costs(cfg)["per_layer"][mixer] == 2 * linear + extra
+    assert layer_costs(cfg)["row"] > 0
+
+
 def test_model_flops_equal_a_per_row_brute_force_sum():
     cfg = model_config("debug")
     costs = layer_costs(cfg)
