@@ -1,6 +1,6 @@
 """``harts-train``: train steps of a hybrid model on a synthetic rollout batch.
 
-``harts-train [--flavor debug|ling-tiny] [--layers N] [--preset P] [--seed N] [--max-len L]
+``harts-train [--flavor debug|ling-tiny | --model PATH] [--layers N] [--preset P] [--seed N] [--max-len L]
 [--mode compact|trajectory|both] [--steps N] [--capacity T] [--recompute] [--objective grpo|ppo]
 [--lr LR] [--device cpu|cuda] [--json]`` prints one line (or JSON object) per step and mode;
 ``--mode both`` is :func:`harts_runtime.demo.train_demo`. Run it as ``harts-train`` or
@@ -13,6 +13,7 @@ there, ...) are one line on stderr and exit code 2, never a traceback; ``--help`
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 __all__ = ["main"]
@@ -25,6 +26,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="harts-train", description=__doc__.split("\n")[0])
     ap.add_argument(
         "--flavor", default=None, help="model flavor: debug (CPU default) or ling-tiny (CUDA default)"
+    )
+    ap.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="a transformers checkpoint folder (Kimi-Linear, Qwen3-Next, Qwen3.5-MoE) instead of a flavor",
     )
     ap.add_argument(
         "--layers", type=int, default=None, help="keep the first N layers of the flavor's pattern"
@@ -72,7 +79,12 @@ def main(argv=None) -> int:
         if value is not None and value < (0 if name == "steps" else 1):
             ap.error(f"--{name.replace('_', '-')}: must be >= {0 if name == 'steps' else 1}, got {value}")
     cpu = device.type == "cpu"
+    if args.model is not None and (args.flavor is not None or args.layers is not None):
+        ap.error("--model: a checkpoint folder replaces --flavor and --layers; give one")
+    if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
+        ap.error(f"--model: {args.model!r} is not a checkpoint folder (no config.json)")
     opts = dict(
+        model_path=args.model,
         flavor=args.flavor,
         layers=args.layers,
         capacity=args.capacity,

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from harts_planner import RolloutBatch, synth
+from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.rows import MODES
 from harts_runtime.models import HybridModel, model_config
 from harts_runtime.recompute import apply_recompute
@@ -65,16 +66,28 @@ def train_modes(
     lr,
     json_lines,
     out,
+    model_path=None,
 ) -> list[dict]:
     """Train one model copy per mode in ``modes`` for ``steps`` steps on :func:`synthetic_step`,
     printing one line (or with ``json_lines`` one JSON object) per step and mode to ``out``, plus the
     ``|loss difference|`` line when both modes run. ``flavor`` / ``capacity`` None: the device's
-    defaults (``debug`` and 4,096 on CPU, ``ling-tiny`` and 65,536 on CUDA). Returns one dict per
-    step, as :func:`train_demo`."""
+    defaults (``debug`` and 4,096 on CPU, ``ling-tiny`` and 65,536 on CUDA). ``model_path``: a
+    transformers checkpoint folder (:func:`harts_runtime.hf.load_pretrained`), used instead of
+    ``flavor``.
+    Returns one dict per step, as :func:`train_demo`."""
     dev = torch.device(device)
     cpu = dev.type == "cpu"
-    flavor = flavor or ("debug" if cpu else "ling-tiny")
-    cfg = model_config(flavor, layers)
+    loaded = None
+    if model_path is not None:
+        if layers is not None:
+            raise InvalidInputError("layers", "a checkpoint folder keeps all its layers")
+        from harts_runtime.hf import load_pretrained
+
+        loaded = load_pretrained(model_path, device=dev)
+        cfg, flavor = loaded.config, str(model_path)
+    else:
+        flavor = flavor or ("debug" if cpu else "ling-tiny")
+        cfg = model_config(flavor, layers)
     capacity = capacity or (4096 if cpu else 65_536)
     out = sys.stdout if out is None else out
     torch.manual_seed(seed)
@@ -86,7 +99,7 @@ def train_modes(
         f"C={b.compact_tokens:,} S/C={b.compression:.2f} ({time.perf_counter() - t:.2f}s)",
         file=sys.stderr,
     )
-    model = apply_recompute(HybridModel(cfg, device=dev), recompute)
+    model = apply_recompute(loaded if loaded is not None else HybridModel(cfg, device=dev), recompute)
     print(
         f"model: {flavor} layers={cfg.num_layers} params={sum(p.numel() for p in model.parameters()):,} "
         f"dtype={cfg.dtype} device={dev}",
@@ -134,6 +147,7 @@ def train_demo(
     recompute: bool = False,
     objective: str = "grpo",
     lr: float = 1e-3,
+    model_path=None,
 ) -> list[dict]:
     """Train the ``flavor`` model (``debug``: the tiny CPU model) ``steps`` optimizer steps compact
     and trajectory-wise side by side from the same weights, on the synthetic ``preset`` batch
@@ -163,4 +177,5 @@ def train_demo(
         lr=lr,
         json_lines=False,
         out=out,
+        model_path=model_path,
     )

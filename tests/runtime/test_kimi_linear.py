@@ -491,3 +491,18 @@ def test_loaded_model_trains_compact_as_trajectory(checkpoint):
     for n in gc:
         atol, rtol = TOL_TRAIN["grad"]
         torch.testing.assert_close(gc[n], gt[n], atol=atol, rtol=rtol, msg=lambda m, n=n: f"d{n}: {m}")
+
+
+def test_harts_train_runs_a_checkpoint_folder(checkpoint, capsys):
+    """``harts-train --model PATH``: both modes train the loaded checkpoint from the same weights."""
+    from harts_runtime.cli import main
+
+    _, path = checkpoint
+    argv = ["--model", str(path), "--preset", "tiny", "--steps", "1", "--mode", "both", "--device", "cpu"]
+    assert main([*argv, "--capacity", "4096", "--max-len", "64"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out.strip().splitlines()
+    assert out[0].startswith("step 0 compact") and out[1].startswith("step 0 trajectory")
+    diff = float(out[2].rsplit("=", 1)[1])
+    assert diff < 1e-4, out
+    assert f"model: {path}" in captured.err

@@ -25,7 +25,15 @@ def test_ling_tiny_matches_table_1():
     assert c.mixers == (("kda",) * 3 + ("mla",)) * 6  # 6 x (3 KDA + 1 MLA)
     assert c.ffns == ("dense",) + ("moe",) * 23  # layer 1 dense, 2-24 MoE
     assert (c.hidden_size, c.num_heads, c.dense_intermediate) == (1536, 16, 4608)
-    assert (c.num_experts, c.top_k, c.expert_intermediate) == (128, 8, 512)
+    assert (c.num_experts, c.top_k, c.expert_intermediate, c.num_shared_experts) == (128, 8, 512, 1)
+    # Ling-3.0-tiny's public sizes: 7.9B parameters, 1.3B active (meta device: no memory)
+    m = HybridModel(c, device="meta")
+    total = sum(p.numel() for p in m.parameters())
+    routed = sum(
+        p.numel() for n, p in m.named_parameters() if n.split(".")[-1] in ("w_gate", "w_up", "w_down")
+    )
+    active = total - routed + routed * c.top_k // c.num_experts
+    assert abs(total / 7.9e9 - 1) < 0.02 and abs(active / 1.3e9 - 1) < 0.02, (total, active)
     assert (c.conv_size, c.chunk_size, c.vocab_size, c.dtype) == (4, 64, 157_184, "bfloat16")
     r = model_config("ling-tiny", num_layers=8)
     assert r.mixers == (("kda",) * 3 + ("mla",)) * 2 and r.ffns == ("dense",) + ("moe",) * 7

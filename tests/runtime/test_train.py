@@ -296,6 +296,8 @@ def test_gpu_eval_script_smoke_on_cpu(tmp_path):
         (["--steps", "-1"], "--steps: must be >= 0"),
         (["--device", "not-a-device"], "--device: not a device"),
         (["--preset", "nope"], "preset: unknown preset 'nope'"),
+        (["--model", "/nonexistent"], "--model: '/nonexistent' is not a checkpoint folder"),
+        (["--model", ".", "--layers", "2"], "--model: a checkpoint folder replaces --flavor and --layers"),
     ],
 )
 def test_cli_errors_are_one_line_and_exit_2(argv, fragment, capsys):

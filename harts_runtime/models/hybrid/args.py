@@ -244,6 +244,7 @@ def _ling_tiny(num_layers: int = 24) -> ModelConfig:
         num_experts=128,
         top_k=8,
         expert_intermediate=512,
+        num_shared_experts=1,  # Ling-3.0-tiny: 128 routed experts top-8 plus 1 shared
         score_func="sigmoid",
         norm_topk_prob=True,
         use_expert_bias=True,
