@@ -1,7 +1,7 @@
 """Tensor and sequence parallelism for the compact-row layers (paper Section 4.3).
 
-A *TP region* is a layer whose inner computation is sharded by heads (attention, MLA, KDA) or by
-the intermediate dimension (dense SwiGLU FFN): column-parallel input projections keep
+A *TP region* is a layer whose inner computation is sharded by heads (attention, gated attention,
+MLA, KDA, Gated DeltaNet) or by the intermediate dimension (dense SwiGLU FFN): column-parallel input projections keep
 ``1 / tp`` of the heads, the row-parallel output projection produces a partial sum over heads. The
 region is entered and left through hooks on the layer:
 
@@ -18,7 +18,8 @@ all rows, so row-indexed metadata (attention views, KDA call plans, positions) s
 full one and nothing about the compact layout changes.
 
 Weights that stay replicated inside a region (MLA's latent down-projections and norms, KDA's
-low-rank gate down-projections and its per-channel output norm) only see this rank's heads
+low-rank gate down-projections and its per-channel output norm, gated attention's q/k norms, Gated
+DeltaNet's gated output norm) only see this rank's heads
 downstream, so their gradients are partial: they are tagged ``_harts_tp_partial`` and summed over the
 TP group by :func:`harts_runtime.parallel.data.allreduce_gradients`.
 
@@ -38,6 +39,8 @@ import torch
 from torch import nn
 
 from harts_runtime.layers.attention import CompactAttention
+from harts_runtime.layers.gated_attention import CompactGatedAttention
+from harts_runtime.layers.gdn import CompactGatedDeltaNet
 from harts_runtime.layers.kda import KDALayer
 from harts_runtime.layers.mla import CompactMLA
 from harts_runtime.parallel.comm import copy_to_tp, gather_rows, reduce_from_tp, row_split, scatter_rows_sum
@@ -97,10 +100,17 @@ def _mark_partial(*modules_or_params) -> None:
             p._harts_tp_partial = True
 
 
-def _shard_attention(m: CompactAttention, rank: int, tp: int) -> None:
+def _shard_attention(m: CompactAttention | CompactGatedAttention, rank: int, tp: int) -> None:
     """KV heads are sharded when ``tp`` divides them; a single KV head (MQA) is replicated on every
-    rank, with partial gradients (each rank's query heads read it). Other splits are rejected."""
+    rank, with partial gradients (each rank's query heads read it). Other splits are rejected.
+
+    Gated attention (:class:`CompactGatedAttention`): ``q_proj``'s rows are per query head
+    ``[query, gate]``, so a block of heads is a block of rows; the per-``head_dim`` ``q_norm`` /
+    ``k_norm`` stay replicated with partial gradients. A biased ``o_proj`` (``attention_bias``) is
+    rejected by :func:`shard_rows`."""
     c = m.config
+    if c.num_heads % tp:
+        raise ParallelConfigError("num_heads", f"{c.num_heads} is not divisible by tp={tp}")
     shard_columns(m.q_proj, rank, tp, "num_heads")
     if c.num_kv_heads % tp == 0:
         shard_columns(m.k_proj, rank, tp, "num_kv_heads")
@@ -116,6 +126,8 @@ def _shard_attention(m: CompactAttention, rank: int, tp: int) -> None:
             "(and there is more than one KV head to replicate)",
         )
     shard_rows(m.o_proj, rank, tp, "num_heads")
+    if isinstance(m, CompactGatedAttention):
+        _mark_partial(m.q_norm, m.k_norm)
     m.config = dataclasses.replace(c, num_heads=c.num_heads // tp, num_kv_heads=kv_local)
 
 
@@ -149,6 +161,48 @@ def _shard_kda(m: KDALayer, rank: int, tp: int) -> None:
     m.config = dataclasses.replace(c, num_heads=c.num_heads // tp)
 
 
+def _take_rows(mod: nn.Module, name: str, index: torch.Tensor) -> None:
+    p = getattr(mod, name)
+    setattr(mod, name, _param_like(p, p.index_select(0, index)))
+
+
+def _shard_gdn(m: CompactGatedDeltaNet, rank: int, tp: int) -> None:
+    """By key heads: each rank keeps key heads ``[rank * Hk / tp, ...)`` and their value heads
+    (value head ``h`` belongs to key head ``h // (Hv / Hk)``, so also a contiguous block).
+
+    Fused projections: ``in_proj_qkvz`` / ``in_proj_ba`` rows are grouped per key head, so a block
+    of rows; split: the q, k and v row blocks of ``in_proj_qkv`` and blocks of ``in_proj_z`` /
+    ``in_proj_b`` / ``in_proj_a``. ``conv1d`` keeps the matching q, k, v channels, ``dt_bias`` and
+    ``A_log`` this rank's value heads, ``out_proj`` their columns; the per-``head_v_dim`` gated
+    ``norm`` stays replicated with partial gradients."""
+    c = m.config
+    Hk, Hv, K, V = c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim
+    if Hk % tp:
+        raise ParallelConfigError("num_k_heads", f"{Hk} is not divisible by tp={tp}")
+    hk, hv = Hk // tp, Hv // tp
+    qk = torch.arange(rank * hk * K, (rank + 1) * hk * K)
+    vv = torch.arange(rank * hv * V, (rank + 1) * hv * V)
+    conv_rows = torch.cat([qk, qk + Hk * K, vv + 2 * Hk * K])
+    if c.projection == "fused":
+        shard_columns(m.in_proj_qkvz, rank, tp, "num_k_heads")
+        shard_columns(m.in_proj_ba, rank, tp, "num_k_heads")
+    else:
+        _take_rows(m.in_proj_qkv, "weight", conv_rows)
+        m.in_proj_qkv.out_features = m.in_proj_qkv.weight.shape[0]
+        for lin in (m.in_proj_z, m.in_proj_b, m.in_proj_a):
+            shard_columns(lin, rank, tp, "num_k_heads")
+    _take_rows(m.conv1d, "weight", conv_rows)
+    n = m.conv1d.weight.shape[0]
+    m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = m.conv1d.hidden_size = n
+    for name in ("dt_bias", "A_log"):
+        _shard_param(m, name, rank, tp, "num_k_heads")
+    shard_rows(m.out_proj, rank, tp, "num_k_heads")
+    _mark_partial(m.norm)
+    m.key_dim, m.value_dim = hk * K, hv * V
+    m.conv_dim = 2 * m.key_dim + m.value_dim
+    m.config = dataclasses.replace(c, num_k_heads=hk, num_v_heads=hv)
+
+
 def _shard_swiglu(m: nn.Module, rank: int, tp: int) -> None:
     """A SwiGLU FFN with ``gate``/``up``/``down`` linears (``harts_runtime.layers.ffn.DenseFFN``)."""
     shard_columns(m.gate, rank, tp, "intermediate_size")
@@ -165,13 +219,16 @@ def tensor_parallel_layer(
 ) -> nn.Module:
     """Shard one layer in place over the TP group and install its region entry/exit hooks.
 
-    Supported: :class:`CompactAttention` (MHA/GQA), :class:`CompactMLA`, :class:`KDALayer`, and SwiGLU
+    Supported: :class:`CompactAttention` (MHA/GQA), :class:`CompactGatedAttention`,
+    :class:`CompactMLA`, :class:`KDALayer`, :class:`CompactGatedDeltaNet`, and SwiGLU
     FFNs with ``gate``/``up``/``down``. The layer is called as ``forward(x, layout)``: ``x`` the hidden
     rows ``[N, D]`` (all rows without SP, this rank's row block with SP), the output ``[N, D]``.
     Raises :class:`ParallelConfigError` naming the dimension that ``tp`` does not divide.
     """
-    if isinstance(m, CompactAttention):
+    if isinstance(m, (CompactAttention, CompactGatedAttention)):
         _shard_attention(m, rank, tp)
+    elif isinstance(m, CompactGatedDeltaNet):
+        _shard_gdn(m, rank, tp)
     elif isinstance(m, CompactMLA):
         _shard_mla(m, rank, tp)
     elif isinstance(m, KDALayer):

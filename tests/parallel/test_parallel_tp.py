@@ -23,6 +23,27 @@ from harts_runtime.testing import random_batch
 D = 32
 
 
+GDN_HEADS = dict(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6)
+
+
+def _gdn(projection):
+    from harts_runtime.layers.gdn import CompactGatedDeltaNet, GatedDeltaNetConfig
+
+    return CompactGatedDeltaNet(
+        GatedDeltaNetConfig(hidden_size=D, **GDN_HEADS, chunk_size=8, projection=projection)
+    )
+
+
+def _gated(num_kv_heads):
+    from harts_runtime.layers.gated_attention import CompactGatedAttention, GatedAttentionConfig
+
+    return CompactGatedAttention(
+        GatedAttentionConfig(
+            hidden_size=D, num_heads=4, num_kv_heads=num_kv_heads, head_dim=8, partial_rotary_factor=0.5
+        )
+    )
+
+
 def _layers():
     from harts_runtime.layers.ffn import DenseFFN
     from harts_runtime.layers.kda import KDAConfig, KDALayer
@@ -55,7 +76,30 @@ def _layers():
             KDAConfig(hidden_size=D, num_heads=4, head_k_dim=8, head_v_dim=8, chunk_size=8)
         ),
         "ffn": lambda: DenseFFN(D, 24),
+        "gated_gqa": lambda: _gated(2),
+        "gated_mqa": lambda: _gated(1),
+        "gdn_fused": lambda: _gdn("fused"),
+        "gdn_split": lambda: _gdn("split"),
     }
+
+
+def _perturb(layer):
+    """Random values for parameters initialised to constants (norm weights, ``dt_bias``), so the
+    test sees their per-head / replicated structure."""
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name.endswith("norm.weight") or name == "dt_bias":
+                p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+def _gdn_conv_rows(rank, world):
+    """The rows of ``in_proj_qkv`` / ``conv1d.weight`` (q, k, v channels) a GDN TP rank keeps."""
+    Hk, Hv, K, V = (GDN_HEADS[k] for k in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"))
+    hk, hv = Hk // world, Hv // world
+    qk = torch.arange(rank * hk * K, (rank + 1) * hk * K)
+    vv = torch.arange(rank * hv * V, (rank + 1) * hv * V)
+    return torch.cat([qk, qk + Hk * K, vv + 2 * Hk * K])
 
 
 def _inputs(kind, batch):
@@ -64,7 +108,7 @@ def _inputs(kind, batch):
     from harts_runtime.layout import KDAExecutionPlan
     from harts_runtime.testing import views_from_batch
 
-    if kind == "kda":
+    if kind == "kda" or kind.startswith("gdn"):
         plan = KDAExecutionPlan.from_call_plan(hp.plan_calls(batch, chunk_size=8, conv_width=4))
         return plan.num_rows, RowLayout(plan.num_rows, kda=plan)
     c = batch.compact_tokens
@@ -87,6 +131,7 @@ def _tp_worker(rank, world, kinds):
         for sp in (False, True):
             torch.manual_seed(0)
             ref = _layers()[kind]()
+            _perturb(ref)
             n, layout = _inputs(kind, batch)
             g = torch.Generator().manual_seed(1)
             x = torch.randn(n, D, generator=g)
@@ -114,6 +159,8 @@ def _tp_worker(rank, world, kinds):
                         p.grad,
                         r.grad,
                     )
+                elif kind.startswith("gdn") and name in ("in_proj_qkv.weight", "conv1d.weight"):
+                    grads[name] = ("shard", p.grad, r.grad.index_select(0, _gdn_conv_rows(rank, world)))
                 else:
                     dim = next(i for i in range(p.dim()) if p.shape[i] != r.shape[i])
                     per = p.shape[dim]
@@ -128,7 +175,7 @@ def _tp_worker(rank, world, kinds):
     return out
 
 
-KINDS = ["gqa", "mqa", "mla", "mla_q_lora", "kda", "ffn"]
+KINDS = ["gqa", "mqa", "mla", "mla_q_lora", "kda", "ffn", "gated_gqa", "gated_mqa", "gdn_fused", "gdn_split"]
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +187,14 @@ def tp_results():
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_tensor_parallel_layer_matches_single_process(tp_results, kind, sp):
-    # KDA keeps its decay and state math in float32 even for float64 inputs.
-    tol = dict(rtol=1e-5, atol=1e-6) if kind == "kda" else dict(rtol=1e-9, atol=1e-9)
+    # KDA and GDN keep their decay and state math in float32 even for float64 inputs, and the
+    # q/k norms of gated attention (and GDN's gated norm) compute in float32 as transformers' do.
+    # GDN's larger gradients (unit-scale random weights through its float32 core) need 10x more.
+    f32 = ("kda", "gated_gqa", "gated_mqa")
+    if kind.startswith("gdn"):
+        tol = dict(rtol=1e-4, atol=1e-5)
+    else:
+        tol = dict(rtol=1e-5, atol=1e-6) if kind in f32 else dict(rtol=1e-9, atol=1e-9)
     for rank, res in enumerate(tp_results):
         r = res[(kind, sp)]
         torch.testing.assert_close(
@@ -180,3 +233,32 @@ def test_tp_degree_must_divide_heads():
     with pytest.raises(ParallelConfigError) as e:
         tensor_parallel_layer(nn.Linear(3, 3), None, 0, 2)
     assert e.value.field == "module"
+
+
+@pytest.mark.parametrize("projection", ["fused", "split"])
+def test_tp_degree_must_divide_gdn_key_heads(projection):
+    from harts_runtime.layers.gdn import CompactGatedDeltaNet, GatedDeltaNetConfig
+
+    c = GatedDeltaNetConfig(
+        hidden_size=D, num_k_heads=3, num_v_heads=6, head_k_dim=8, head_v_dim=8, projection=projection
+    )
+    with pytest.raises(ParallelConfigError) as e:
+        tensor_parallel_layer(CompactGatedDeltaNet(c), None, 0, 2)
+    assert e.value.field == "num_k_heads"
+
+
+def test_tp_degree_must_divide_gated_attention_heads():
+    from harts_runtime.layers.gated_attention import CompactGatedAttention, GatedAttentionConfig
+
+    layer = CompactGatedAttention(
+        GatedAttentionConfig(hidden_size=D, num_heads=6, num_kv_heads=3, head_dim=8)
+    )
+    with pytest.raises(ParallelConfigError) as e:
+        tensor_parallel_layer(layer, None, 0, 2)
+    assert e.value.field == "tp"
+    layer = CompactGatedAttention(
+        GatedAttentionConfig(hidden_size=D, num_heads=3, num_kv_heads=1, head_dim=8)
+    )
+    with pytest.raises(ParallelConfigError) as e:
+        tensor_parallel_layer(layer, None, 0, 2)
+    assert e.value.field == "num_heads"
