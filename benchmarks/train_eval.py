@@ -103,7 +103,7 @@ def make_slice(
     preset = preset or args.preset
     sb = synth.generate(preset, seed, **over)
     full = hp.RolloutBatch.from_arrays(sb.tokens, sb.offsets, sb.tree_ids)
-    plan = hp.plan_step(full, 1, capacity, model_config(args.flavor).chunk_size)
+    plan = hp.plan_step(full, 1, capacity, args.chunk_size)
     lengths = np.asarray(full.lengths, dtype=np.int64)
     ratio = np.array([lengths[m].sum() / w for m, w in zip(plan.microbatches, plan.work)])
     order = np.argsort(ratio, kind="stable")
@@ -544,6 +544,12 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--flavor", default="ling-tiny")
     ap.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="a transformers checkpoint folder (harts_runtime.load_pretrained) instead of --flavor/--layers",
+    )
+    ap.add_argument(
         "--layers", type=int, default=8, help="first N layers of the flavor's pattern (ling-tiny: 24 = full)"
     )
     ap.add_argument("--preset", default="swe-like")
@@ -587,10 +593,17 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     dev = torch.device(args.device)
     torch.manual_seed(args.seed)
-    cfg = model_config(args.flavor, args.layers)
-    if dev.type == "cpu" and cfg.dtype == "bfloat16":
-        cfg = cfg.replace(dtype="float32")
-    model = HybridModel(cfg, device=dev)
+    if args.model is not None:
+        from harts_runtime import load_pretrained
+
+        model = load_pretrained(args.model, dtype="float32" if dev.type == "cpu" else None, device=dev)
+        cfg, args.flavor = model.config, args.model
+    else:
+        cfg = model_config(args.flavor, args.layers)
+        if dev.type == "cpu" and cfg.dtype == "bfloat16":
+            cfg = cfg.replace(dtype="float32")
+        model = HybridModel(cfg, device=dev)
+    args.chunk_size = cfg.chunk_size
     res = {
         "meta": {
             "device": torch.cuda.get_device_name(dev)

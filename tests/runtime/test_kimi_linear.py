@@ -506,3 +506,37 @@ def test_harts_train_runs_a_checkpoint_folder(checkpoint, capsys):
     diff = float(out[2].rsplit("=", 1)[1])
     assert diff < 1e-4, out
     assert f"model: {path}" in captured.err
+
+
+@pytest.mark.slow
+def test_train_eval_runs_a_checkpoint_folder(checkpoint, tmp_path):
+    """``benchmarks/train_eval.py --model PATH`` at CPU smoke sizes: the sections run on the loaded
+    checkpoint (KDA + MLA + MoE with shared experts) and report."""
+    import importlib.util
+    import json
+    import os
+
+    _, path = checkpoint
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "train_eval.py")
+    spec = importlib.util.spec_from_file_location("train_eval", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "eval"
+    argv = [
+        "--device",
+        "cpu",
+        "--model",
+        str(path),
+        "--tiny",
+        "--sections",
+        "speedup,fidelity",
+        "--out",
+        str(out),
+    ]
+    assert mod.main(argv) == 0
+    res = json.loads((out / "train_eval.json").read_text())
+    assert str(path) in res["meta"]["model"]
+    for name in ("speedup", "fidelity"):
+        assert "error" not in res[name], res[name].get("traceback")
+    assert res["speedup"]["ideal_work_compression"] > 1
+    assert res["fidelity"]["no_recompute"]["harts_cos"] > 0.9999
