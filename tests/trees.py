@@ -49,3 +49,28 @@ def forests(draw, max_num: int = 9, **kwargs) -> list[list[int]]:
 def seeded(seed: int, num: int = 8, **kwargs) -> list[list[int]]:
     """``random_trajectories`` on ``numpy.random.default_rng(seed)``."""
     return random_trajectories(np.random.default_rng(seed), num, **kwargs)
+
+
+def fork_shapes(chunk_size: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Several rollout trees for one microbatch, covering the fork positions that stress the call
+    plan: forks at B - 1, B and B + 1 (B = ``chunk_size``), nested forks (the second at 2B + 3),
+    two identical trajectories, and a trajectory that is a prefix of another. Each tree starts
+    with its own token, so the trees share nothing."""
+    rng = np.random.default_rng(seed)
+    b = chunk_size
+
+    def toks(n: int) -> list[int]:
+        return rng.integers(0, vocab, size=n).tolist()
+
+    trajs: list[list[int]] = []
+    for tree, trunk_len in enumerate((b - 1, b, b + 1)):
+        trunk = [tree] + toks(trunk_len - 1)
+        trajs += [trunk + toks(6), trunk + toks(b - 5), trunk + toks(2)]
+    nested = [3] + toks(4)  # forks at 5 and at 2B + 3
+    deep = nested + toks(2 * b + 3 - len(nested))
+    trajs += [deep + toks(7), deep + toks(12), nested + toks(8)]
+    twin = [4] + toks(b // 2 + 3)
+    trajs += [twin, list(twin)]  # identical
+    longer = [5] + toks(b + 6)
+    trajs += [longer, longer[: b - 2]]  # one a prefix of the other
+    return trajs

@@ -27,6 +27,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 hp = pytest.importorskip("harts_planner")
 
+from trees import fork_shapes  # noqa: E402
+
 from harts_runtime import HybridModel, InvalidInputError, StepInputs, load_pretrained, save_pretrained  # noqa: E402
 from harts_runtime.layers.moe import CompactMoE, MoEConfig, route, router_losses  # noqa: E402
 from harts_runtime.layout import RowLayout, trajectory_layout  # noqa: E402
@@ -164,6 +166,7 @@ def test_compact_logprobs_match_transformers(checkpoint):
     rng = np.random.default_rng(2)
     trunk = rng.integers(0, V, size=19).tolist()
     trajs = [trunk + rng.integers(0, V, size=n).tolist() for n in (5, 14, 30)] + [trunk[:7] + [3, 4, 5]]
+    trajs += fork_shapes(16, V, seed=3)  # forks at B-1, B, B+1, nested, identical, prefix (B = 16)
     batch = hp.RolloutBatch.from_token_lists(trajs)
     from harts_runtime import step_logprobs
 

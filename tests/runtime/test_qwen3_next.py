@@ -31,6 +31,9 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 hp = pytest.importorskip("harts_planner")
 
+
+from trees import fork_shapes  # noqa: E402
+
 from harts_runtime import HybridModel, InvalidInputError, StepInputs, load_pretrained, save_pretrained  # noqa: E402
 from harts_runtime.layout import trajectory_layout  # noqa: E402
 from harts_runtime.models import qwen3_5_moe, qwen3_next  # noqa: E402
@@ -182,6 +185,7 @@ def test_compact_logprobs_match_transformers(tmp_path, family, layers):
     rng = np.random.default_rng(2)
     trunk = rng.integers(0, V, size=19).tolist()
     trajs = [trunk + rng.integers(0, V, size=n).tolist() for n in (5, 14, 30)] + [trunk[:7] + [3, 4, 5]]
+    trajs += fork_shapes(16, V, seed=3)  # forks at B-1, B, B+1, nested, identical, prefix (B = 16)
     lp = step_logprobs(ours, StepInputs.synthetic(hp.RolloutBatch.from_token_lists(trajs), 0), "compact")
     ref = []
     for t in trajs:
