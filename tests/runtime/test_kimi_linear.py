@@ -93,16 +93,20 @@ def hf_torch_kda(monkeypatch):
 
 
 def random_hf_model(seed: int = 0, **changes):
-    """HF's model with a fixed seed; norm weights and the correction bias perturbed so that a
-    swapped or dropped tensor shows."""
+    """HF's model with a fixed seed and every parameter perturbed (norm weights and the correction
+    bias redrawn, all others given noise) so that a swapped or dropped tensor shows."""
     torch.manual_seed(seed)
     model = transformers.KimiLinearForCausalLM(hf_config(**changes)).float().eval()
     with torch.no_grad():
         for name, t in model.state_dict().items():
+            if not t.is_floating_point():
+                continue
             if "norm" in name:
                 t.copy_(1 + 0.3 * torch.randn_like(t))
             elif "e_score_correction_bias" in name:
                 t.copy_(0.3 * torch.randn_like(t))
+            else:  # every other parameter too: no default initialisation hides a mapping error
+                t.add_(0.02 * torch.randn_like(t))
     return model
 
 

@@ -102,13 +102,18 @@ def hf_torch_gdn(monkeypatch):
 
 
 def random_hf_model(family: str, layer_types=MIXED, seed: int = 0, **changes):
-    """HF's model with a fixed seed; norm weights perturbed so that a swapped or dropped norm shows."""
+    """HF's model with a fixed seed and every parameter perturbed (norm weights redrawn, all others
+    given noise), so that no default initialisation hides a swapped or dropped tensor."""
     torch.manual_seed(seed)
     model = _hf_class(family)(hf_config(family, layer_types, **changes)).float().eval()
     with torch.no_grad():
         for name, t in model.state_dict().items():
+            if not t.is_floating_point():
+                continue
             if "norm" in name:
                 t.copy_(0.3 * torch.randn_like(t) + (1.0 if "linear_attn.norm" in name else 0.0))
+            else:
+                t.add_(0.02 * torch.randn_like(t))
     return model
 
 
