@@ -1,6 +1,6 @@
 """``harts-train``: train steps of a hybrid model on a synthetic rollout batch.
 
-``harts-train [--flavor debug|ling-tiny | --model PATH] [--layers N] [--preset P] [--seed N] [--max-len L]
+``harts-train [--flavor debug|ling-tiny|qwen3.5-35b-a3b | --model PATH] [--layers N] [--preset P] [--seed N] [--max-len L]
 [--mode compact|trajectory|both] [--steps N] [--capacity T] [--recompute] [--objective grpo|ppo]
 [--lr LR] [--device cpu|cuda] [--json]`` prints one line (or JSON object) per step and mode;
 ``--mode both`` is :func:`harts_runtime.demo.train_demo`. Run it as ``harts-train`` or
@@ -25,7 +25,9 @@ def main(argv=None) -> int:
     """``harts-train``: train steps on a synthetic rollout batch and print one line per step."""
     ap = argparse.ArgumentParser(prog="harts-train", description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--flavor", default=None, help="model flavor: debug (CPU default) or ling-tiny (CUDA default)"
+        "--flavor",
+        default=None,
+        help="model flavor: debug (CPU default), ling-tiny (CUDA default) or qwen3.5-35b-a3b",
     )
     ap.add_argument(
         "--model",

@@ -39,6 +39,22 @@ def test_ling_tiny_matches_table_1():
     assert r.mixers == (("kda",) * 3 + ("mla",)) * 2 and r.ffns == ("dense",) + ("moe",) * 7
 
 
+def test_qwen35_flavor_has_the_public_shape():
+    c = model_config("qwen3.5-35b-a3b")
+    assert c.num_layers == 40 and c.mixers == (("gdn",) * 3 + ("gated_attention",)) * 10
+    assert (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (2048, 16, 2, 256)
+    assert (c.gdn_num_k_heads, c.gdn_num_v_heads, c.gdn_head_k_dim, c.gdn_head_v_dim) == (16, 32, 128, 128)
+    assert (c.num_experts, c.top_k, c.expert_intermediate, c.num_shared_experts) == (256, 8, 512, 1)
+    m = HybridModel(c, device="meta")  # 35B parameters, about 3B active (embeddings included)
+    total = sum(p.numel() for p in m.parameters())
+    routed = sum(
+        p.numel() for n, p in m.named_parameters() if n.split(".")[-1] in ("w_gate", "w_up", "w_down")
+    )
+    active = total - routed + routed * c.top_k // c.num_experts
+    assert abs(total / 35e9 - 1) < 0.03 and 3e9 < active < 3.6e9, (total, active)
+    assert model_config("qwen3.5-35b-a3b", num_layers=8).mixers == (("gdn",) * 3 + ("gated_attention",)) * 2
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [

@@ -266,7 +266,44 @@ def _debug(num_layers: int = 4) -> ModelConfig:
     )
 
 
-FLAVORS = {"ling-tiny": _ling_tiny, "debug": _debug}
+def _qwen35_35b_a3b(num_layers: int = 40) -> ModelConfig:
+    """Qwen3.5-35B-A3B's text model shape (random weights; for a checkpoint use
+    :func:`harts_runtime.load_pretrained`): 40 layers of 3 Gated DeltaNet + 1 gated attention,
+    256 experts top-8 plus a gated shared expert, zero-centred norms."""
+    mixers = (("gdn",) * 3 + ("gated_attention",)) * 10
+    return ModelConfig(
+        vocab_size=248_320,
+        hidden_size=2048,
+        mixers=mixers[:num_layers],
+        ffns=("moe",) * num_layers,
+        num_heads=16,
+        num_kv_heads=2,
+        head_dim=256,
+        partial_rotary_factor=0.25,
+        rope_theta=1e7,
+        conv_size=4,
+        chunk_size=64,
+        gdn_num_k_heads=16,
+        gdn_num_v_heads=32,
+        gdn_head_k_dim=128,
+        gdn_head_v_dim=128,
+        gdn_projection="split",
+        num_experts=256,
+        top_k=8,
+        expert_intermediate=512,
+        norm_topk_prob=True,
+        num_shared_experts=1,
+        shared_expert_intermediate=512,
+        shared_expert_gate=True,
+        aux_loss_coef=0.0,
+        z_loss_coef=0.0,
+        zero_centered_norms=True,
+        dtype="bfloat16",
+        lm_head_rows=2048,
+    )
+
+
+FLAVORS = {"ling-tiny": _ling_tiny, "qwen3.5-35b-a3b": _qwen35_35b_a3b, "debug": _debug}
 """Named flavors: a function of ``num_layers`` returning a :class:`ModelConfig`."""
 
 
