@@ -71,6 +71,9 @@ DEPTHS = 6
 GRAD_SAMPLE = 16_000_000  # gradient entries kept per run for the gradient cosine
 
 
+MIXER_CODES = {"kda": "K", "mla": "M", "gqa": "A", "gdn": "G", "gated_attention": "GA"}  # meta["model"]
+
+
 def log(msg: str) -> None:
     print(f"[train_eval {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -609,7 +612,7 @@ def main(argv=None) -> int:
             "device": torch.cuda.get_device_name(dev)
             if dev.type == "cuda"
             else platform.processor() or "cpu",
-            "model": f"{args.flavor} ({cfg.num_layers} layers: {' '.join(m[0].upper() for m in cfg.mixers)})",
+            "model": f"{args.flavor} ({cfg.num_layers} layers: {' '.join(MIXER_CODES.get(m, m) for m in cfg.mixers)})",
             "params": sum(p.numel() for p in model.parameters()),
             "dtype": cfg.dtype,
             "torch": torch.__version__,
