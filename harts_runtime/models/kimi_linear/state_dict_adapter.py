@@ -37,6 +37,7 @@ import torch
 
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.models.hybrid.args import ModelConfig
+from harts_runtime.models.state_dict_adapter import HFStateDictAdapter
 
 __all__ = ["KimiLinearStateDictAdapter", "from_hf", "to_hf"]
 
@@ -60,7 +61,7 @@ _MLA_RENAME = {
 _MLP_RENAME = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
 
-class KimiLinearStateDictAdapter:
+class KimiLinearStateDictAdapter(HFStateDictAdapter):
     """The tensor map of one Kimi-Linear :class:`ModelConfig` (shapes from a meta-device model).
 
     Two HF spellings are read: the in-memory one (``KimiLinearForCausalLM.state_dict()``:
@@ -173,18 +174,14 @@ class KimiLinearStateDictAdapter:
             want = self.hf_shapes[name]
             if tuple(tensor.shape) != want:
                 raise InvalidInputError(name, f"shape {tuple(tensor.shape)} != {want} of this config")
-            return [(k, None, v) for k, v in self._convert_memory(rule, tensor)]
+            return [(k, None, v) for k, v in self._memory_to_ours(rule, tensor)]
         ck = self._ckpt.get(name) or self._ckpt.get(name + "#alt")
         if ck is None:
             raise InvalidInputError(name, "not a tensor of this Kimi-Linear config")
         kind, ours, slot, want = ck
         if tuple(tensor.shape) != tuple(want):
             raise InvalidInputError(name, f"shape {tuple(tensor.shape)} != {tuple(want)} of this config")
-        if kind == "t":
-            return [(ours, slot, tensor.t())]
-        if kind == "a_log":
-            return [(ours, None, tensor.reshape(-1))]
-        return [(ours, None, tensor)]
+        return [(ours, slot, self._checkpoint_to_ours(kind, tensor))]
 
     def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """In-memory spelling only: one HF tensor -> its (our name, tensor) pairs."""
@@ -193,26 +190,12 @@ class KimiLinearStateDictAdapter:
             raise InvalidInputError(name, "not a tensor of this Kimi-Linear config (in-memory spelling)")
         return [(k, v) for k, _, v in self.convert_slots(name, tensor)]
 
-    @staticmethod
-    def _convert_memory(rule, tensor):
-        kind, ours = rule
-        if kind == "same":
-            return [(ours[0], tensor)]
-        if kind == "a_log":
-            return [(ours[0], tensor.reshape(-1))]
-        if kind == "split3":
-            return list(zip(ours, tensor.chunk(3, dim=0)))
-        if kind == "gate_up":
-            gate, up = tensor.chunk(2, dim=1)
-            return [(ours[0], gate.transpose(1, 2)), (ours[1], up.transpose(1, 2))]
-        if kind == "transpose":
-            return [(ours[0], tensor.transpose(1, 2))]
-        raise AssertionError(kind)
-
     def extra_ours(self) -> dict[str, torch.Tensor]:
         """Our tensors with no HF counterpart: zero expert-load counts and KDA output-gate biases."""
         ends = (".local_tokens_per_expert", "mixer.g_proj.1.bias")
         return {k: torch.zeros(s) for k, s in self.our_shapes.items() if k.endswith(ends)}
+
+    zero_only = (("mixer.g_proj.1.bias", "Kimi-Linear's g_b_proj has no bias"),)
 
     def missing(self, seen) -> list[str]:
         """HF names this config needs that ``seen`` lacks, in the spelling ``seen`` uses (the
@@ -232,74 +215,6 @@ class KimiLinearStateDictAdapter:
             )
             if alt not in seen:
                 out.append(k)
-        return out
-
-    def from_hf(self, hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, tensor in hf_state_dict.items():
-            for k, slot, v in self.convert_slots(name, tensor):
-                if slot is None:
-                    out[k] = v.contiguous()
-                else:
-                    if k not in out:
-                        out[k] = torch.empty(self.our_shapes[k], dtype=v.dtype, device=v.device)
-                    out[k][slot] = v
-        missing = self.missing(hf_state_dict)
-        if missing:
-            raise InvalidInputError(
-                missing[0], f"missing from the checkpoint ({len(missing)} tensors missing)"
-            )
-        out.update(self.extra_ours())
-        return out
-
-    # ------------------------------------------------------------------ ours -> hf
-    def _check_ours(self, sd: Mapping[str, torch.Tensor]) -> None:
-        for k, v in sd.items():
-            if k not in self.our_shapes:
-                raise InvalidInputError(k, "not a tensor of this model config")
-            if tuple(v.shape) != self.our_shapes[k]:
-                raise InvalidInputError(k, f"shape {tuple(v.shape)} != {self.our_shapes[k]} of this config")
-        for k in self.our_shapes:
-            if k not in sd:
-                raise InvalidInputError(k, "missing from the state dict")
-        for k, v in sd.items():
-            if k.endswith("mixer.g_proj.1.bias") and bool((v != 0).any()):
-                raise InvalidInputError(k, "non-zero; Kimi-Linear's g_b_proj has no bias")
-
-    def _to_hf_items(self, sd: Mapping[str, torch.Tensor], check: bool = True):
-        if check:
-            self._check_ours(sd)
-        for hf_name, (kind, ours) in self._rules.items():
-            t = [sd[k] for k in ours]
-            if kind == "same":
-                yield hf_name, t[0]
-            elif kind == "a_log":
-                yield hf_name, t[0].reshape(1, 1, -1, 1)
-            elif kind == "split3":
-                yield hf_name, torch.cat(t, dim=0)
-            elif kind == "gate_up":
-                yield hf_name, torch.cat([t[0].transpose(1, 2), t[1].transpose(1, 2)], dim=1)
-            elif kind == "transpose":
-                yield hf_name, t[0].transpose(1, 2)
-
-    def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Our state dict -> ``KimiLinearForCausalLM.state_dict()`` (in-memory spelling)."""
-        return {k: v.contiguous() for k, v in self._to_hf_items(state_dict)}
-
-    def to_checkpoint(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Our state dict -> the checkpoint spelling (``save_pretrained``'s; views, not copies,
-        except the ``A_log`` reshape)."""
-        self._check_ours(state_dict)
-        out = {}
-        for name in self.checkpoint_names:
-            kind, ours, slot, _ = self._ckpt[name]
-            t = state_dict[ours]
-            if kind == "t":
-                out[name] = t[slot].t()
-            elif kind == "a_log":
-                out[name] = t.reshape(1, 1, -1, 1)
-            else:
-                out[name] = t
         return out
 
 

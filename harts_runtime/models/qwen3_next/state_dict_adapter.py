@@ -36,6 +36,7 @@ import torch
 
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.models.hybrid.args import ModelConfig
+from harts_runtime.models.state_dict_adapter import HFStateDictAdapter
 
 __all__ = ["QwenStateDictAdapter", "from_hf", "to_hf"]
 
@@ -43,7 +44,7 @@ _MLP_RENAME = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _HF_MIXER = {"gated_attention": "self_attn.", "gdn": "linear_attn."}
 
 
-class QwenStateDictAdapter:
+class QwenStateDictAdapter(HFStateDictAdapter):
     """The tensor map of one Qwen3-Next / Qwen3.5-MoE :class:`ModelConfig` (shapes from a
     meta-device model).
 
@@ -128,6 +129,10 @@ class QwenStateDictAdapter:
                 return self.prefix + name[len(other) :]
         return name
 
+    @property
+    def zero_only(self) -> tuple[tuple[str, str], ...]:
+        return ((".expert_bias", f"{self.family} routing has no expert bias"),)
+
     def ignored(self, name: str) -> bool:
         """Checkpoint tensors outside the text model (vision tower, MTP head): skipped on load."""
         return name.startswith(self._IGNORED)
@@ -142,20 +147,14 @@ class QwenStateDictAdapter:
             want = self.hf_shapes[key]
             if tuple(tensor.shape) != want:
                 raise InvalidInputError(name, f"shape {tuple(tensor.shape)} != {want} of this config")
-            kind, ours = rule
-            if kind == "same":
-                return [(ours[0], None, tensor)]
-            if kind == "gate_up":
-                gate, up = tensor.chunk(2, dim=1)
-                return [(ours[0], None, gate.transpose(1, 2)), (ours[1], None, up.transpose(1, 2))]
-            return [(ours[0], None, tensor.transpose(1, 2))]
+            return [(k, None, v) for k, v in self._memory_to_ours(rule, tensor)]
         ck = self._ckpt.get(key)
         if ck is None:
             raise InvalidInputError(name, f"not a tensor of this {self.family} config")
         kind, ours, slot, want = ck
         if tuple(tensor.shape) != tuple(want):
             raise InvalidInputError(name, f"shape {tuple(tensor.shape)} != {tuple(want)} of this config")
-        return [(ours, slot, tensor.t() if kind == "t" else tensor)]
+        return [(ours, slot, self._checkpoint_to_ours(kind, tensor))]
 
     def extra_ours(self) -> dict[str, torch.Tensor]:
         """Our tensors with no HF counterpart: zero expert biases and expert-load counts."""
@@ -169,66 +168,6 @@ class QwenStateDictAdapter:
         fused = any(k in self._rules and k not in self._ckpt for k in seen)
         names = self._rules if fused else self._ckpt
         return [k for k in names if k not in seen]
-
-    def from_hf(self, hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, tensor in hf_state_dict.items():
-            if self.ignored(name):
-                continue
-            for k, slot, v in self.convert_slots(name, tensor):
-                if slot is None:
-                    out[k] = v.contiguous()
-                else:
-                    if k not in out:
-                        out[k] = torch.empty(self.our_shapes[k], dtype=v.dtype, device=v.device)
-                    out[k][slot] = v
-        missing = self.missing(k for k in hf_state_dict if not self.ignored(k))
-        if missing:
-            raise InvalidInputError(
-                missing[0], f"missing from the checkpoint ({len(missing)} tensors missing)"
-            )
-        out.update(self.extra_ours())
-        return out
-
-    # ------------------------------------------------------------------ ours -> hf
-    def _check_ours(self, sd: Mapping[str, torch.Tensor]) -> None:
-        for k, v in sd.items():
-            if k not in self.our_shapes:
-                raise InvalidInputError(k, "not a tensor of this model config")
-            if tuple(v.shape) != self.our_shapes[k]:
-                raise InvalidInputError(k, f"shape {tuple(v.shape)} != {self.our_shapes[k]} of this config")
-        for k in self.our_shapes:
-            if k not in sd:
-                raise InvalidInputError(k, "missing from the state dict")
-        for k, v in sd.items():
-            if k.endswith(".expert_bias") and bool((v != 0).any()):
-                raise InvalidInputError(k, f"non-zero; {self.family} routing has no expert bias")
-
-    def _to_hf_items(self, sd: Mapping[str, torch.Tensor], check: bool = True):
-        if check:
-            self._check_ours(sd)
-        for hf_name, (kind, ours) in self._rules.items():
-            t = [sd[k] for k in ours]
-            if kind == "same":
-                yield hf_name, t[0]
-            elif kind == "gate_up":
-                yield hf_name, torch.cat([t[0].transpose(1, 2), t[1].transpose(1, 2)], dim=1)
-            else:
-                yield hf_name, t[0].transpose(1, 2)
-
-    def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Our state dict -> the transformers model's ``state_dict()`` (in-memory spelling)."""
-        return {k: v.contiguous() for k, v in self._to_hf_items(state_dict)}
-
-    def to_checkpoint(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Our state dict -> the checkpoint spelling (per-expert tensors; views, not copies)."""
-        self._check_ours(state_dict)
-        out = {}
-        for name in self.checkpoint_names:
-            kind, ours, slot, _ = self._ckpt[name]
-            t = state_dict[ours]
-            out[name] = t[slot].t() if kind == "t" else t
-        return out
 
 
 def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
