@@ -27,11 +27,12 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 hp = pytest.importorskip("harts_planner")
 
+from hf_reference import hf_logits, hf_target_logprobs, ours_logits, rel_err  # noqa: E402
 from trees import fork_shapes  # noqa: E402
 
 from harts_runtime import HybridModel, InvalidInputError, StepInputs, load_pretrained, save_pretrained  # noqa: E402
 from harts_runtime.layers.moe import CompactMoE, MoEConfig, route, router_losses  # noqa: E402
-from harts_runtime.layout import RowLayout, trajectory_layout  # noqa: E402
+from harts_runtime.layout import RowLayout  # noqa: E402
 from harts_runtime.models.kimi_linear import (  # noqa: E402
     KimiLinearStateDictAdapter,
     from_hf,
@@ -110,25 +111,6 @@ def random_hf_model(seed: int = 0, **changes):
     return model
 
 
-def hf_logits(model, tokens) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0].float()
-
-
-def ours_logits(model, trajs, grad: bool = False) -> torch.Tensor:
-    """Logits of every position of ``trajs`` packed back to back (our trajectory execution)."""
-    batch = hp.RolloutBatch.from_token_lists(trajs)
-    cfg = model.config
-    layout = trajectory_layout(batch, np.arange(len(trajs)), cfg.chunk_size, cfg.conv_size)
-    with torch.set_grad_enabled(grad):
-        hidden, _ = model.forward_hidden(layout)
-        return model.logits(hidden)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 def random_trajs(seed: int, lengths=(23, 40, 9)) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, V, size=n).tolist() for n in lengths]
@@ -175,11 +157,7 @@ def test_compact_logprobs_match_transformers(checkpoint):
     from harts_runtime import step_logprobs
 
     lp = step_logprobs(ours, StepInputs.synthetic(batch, 0), "compact").double()
-    ref = []
-    for t in trajs:
-        lsm = torch.log_softmax(hf_logits(hf, t).double(), -1)
-        ref.append(lsm[torch.arange(len(t) - 1), torch.tensor(t[1:])])
-    ref = torch.cat(ref)
+    ref = hf_target_logprobs(hf, trajs)
     err = float((lp - ref).abs().max())
     print(f"max compact log-prob error {err:.2e}")
     assert err <= TOL_LOGITS * float(ref.abs().max())

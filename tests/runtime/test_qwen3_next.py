@@ -32,10 +32,10 @@ pytest.importorskip("safetensors")
 hp = pytest.importorskip("harts_planner")
 
 
+from hf_reference import hf_logits, hf_target_logprobs, ours_logits, rel_err  # noqa: E402
 from trees import fork_shapes  # noqa: E402
 
 from harts_runtime import HybridModel, InvalidInputError, StepInputs, load_pretrained, save_pretrained  # noqa: E402
-from harts_runtime.layout import trajectory_layout  # noqa: E402
 from harts_runtime.models import qwen3_5_moe, qwen3_next  # noqa: E402
 
 TOL_LOGITS = 1e-4  # fp32: max |ours - HF| logit over max |HF| logit
@@ -117,24 +117,6 @@ def random_hf_model(family: str, layer_types=MIXED, seed: int = 0, **changes):
     return model
 
 
-def hf_logits(model, tokens) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0].float()
-
-
-def ours_logits(model, trajs, grad: bool = False) -> torch.Tensor:
-    batch = hp.RolloutBatch.from_token_lists(trajs)
-    cfg = model.config
-    layout = trajectory_layout(batch, np.arange(len(trajs)), cfg.chunk_size, cfg.conv_size)
-    with torch.set_grad_enabled(grad):
-        hidden, _ = model.forward_hidden(layout)
-        return model.logits(hidden)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 def random_trajs(seed: int, lengths=(23, 40, 9)) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, V, size=n).tolist() for n in lengths]
@@ -192,11 +174,7 @@ def test_compact_logprobs_match_transformers(tmp_path, family, layers):
     trajs = [trunk + rng.integers(0, V, size=n).tolist() for n in (5, 14, 30)] + [trunk[:7] + [3, 4, 5]]
     trajs += fork_shapes(16, V, seed=3)  # forks at B-1, B, B+1, nested, identical, prefix (B = 16)
     lp = step_logprobs(ours, StepInputs.synthetic(hp.RolloutBatch.from_token_lists(trajs), 0), "compact")
-    ref = []
-    for t in trajs:
-        lsm = torch.log_softmax(hf_logits(hf, t).double(), -1)
-        ref.append(lsm[torch.arange(len(t) - 1), torch.tensor(t[1:])])
-    ref = torch.cat(ref)
+    ref = hf_target_logprobs(hf, trajs)
     err = float((lp.double() - ref).abs().max())
     print(
         f"{family} {layers}: max compact log-prob error {err:.2e} (max |log-prob| {float(ref.abs().max()):.2f})"

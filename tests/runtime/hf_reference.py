@@ -1,0 +1,42 @@
+"""Helpers shared by the tests that compare our models with transformers' (test_kimi_linear.py,
+test_qwen3_next.py): transformers' logits and next-token log-probs per trajectory, ours on the
+trajectory layout, the relative error they are judged by."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import harts_planner as hp
+from harts_runtime.layout import trajectory_layout
+
+
+def hf_logits(model, tokens) -> torch.Tensor:
+    """transformers' logits of one trajectory, float32 [L, V]."""
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+def hf_target_logprobs(model, trajs) -> torch.Tensor:
+    """transformers' next-token log-probs of every trajectory run alone, float64, concatenated in
+    order (the targets of ``StepInputs``: positions 1..L-1 of each)."""
+    out = []
+    for t in trajs:
+        lsm = torch.log_softmax(hf_logits(model, t).double(), -1)
+        out.append(lsm[torch.arange(len(t) - 1), torch.tensor(t[1:])])
+    return torch.cat(out)
+
+
+def ours_logits(model, trajs, grad: bool = False) -> torch.Tensor:
+    """Logits of every position of ``trajs`` packed back to back (our trajectory execution)."""
+    batch = hp.RolloutBatch.from_token_lists(trajs)
+    cfg = model.config
+    layout = trajectory_layout(batch, np.arange(len(trajs)), cfg.chunk_size, cfg.conv_size)
+    with torch.set_grad_enabled(grad):
+        hidden, _ = model.forward_hidden(layout)
+        return model.logits(hidden)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| over max |b|."""
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
