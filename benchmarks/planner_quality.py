@@ -41,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from baselines import dta_balancer, ortools_baseline, prefix_unaware
+from readme_blocks import update_readme
 
 from harts_planner import RolloutBatch, plan_step, synth
 from harts_planner.step_plan import schedule_metrics, verify_schedule
@@ -209,17 +210,6 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def update_readme(path: Path, block: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1]
-        text = head + block + tail
-    else:
-        text = text.rstrip() + "\n\n## Planner quality (Tables 2-3)\n\n" + block + "\n"
-    path.write_text(text)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="swe-like")
@@ -284,7 +274,7 @@ def main(argv=None) -> int:
     block = markdown(result)
     print(block)
     if not args.no_readme:
-        update_readme(args.readme, block)
+        update_readme(args.readme, block, BEGIN, END, "Planner quality (Tables 2-3)")
     return 0
 
 

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from readme_blocks import update_readme
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- planner_scale:begin -->", "<!-- planner_scale:end -->"
@@ -218,17 +219,6 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def update_readme(path: Path, block: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1]
-        text = head + block + tail
-    else:
-        text = text.rstrip() + "\n\n## Planner scale: `planner_scale.py`\n\n" + block + "\n"
-    path.write_text(text)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="swe-like")
@@ -313,7 +303,7 @@ def main(argv=None) -> int:
     args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
     if not args.no_readme:
-        update_readme(args.readme, markdown(result))
+        update_readme(args.readme, markdown(result), BEGIN, END, "Planner scale: `planner_scale.py`")
     return 0
 
 
