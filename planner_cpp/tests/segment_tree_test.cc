@@ -23,31 +23,8 @@ namespace harts {
 namespace {
 
 using testing::ExpectError;
-
-struct Tree {
-  std::vector<int32_t> parent, length, trajectory_end;
-  SegmentTreeView view() const {
-    SegmentTreeView v;
-    v.parent = parent.data();
-    v.num_segments = static_cast<int64_t>(parent.size());
-    v.length = length.data();
-    v.num_lengths = static_cast<int64_t>(length.size());
-    v.trajectory_end = trajectory_end.data();
-    v.num_trajectories = static_cast<int64_t>(trajectory_end.size());
-    return v;
-  }
-};
-
-// The tree of a batch's own segment forest.
-Tree ExportTree(const RolloutBatch& b) {
-  const SegmentForest& f = b.forest();
-  Tree t;
-  t.parent = f.parent;
-  for (int64_t v = 0; v < f.size(); ++v) t.length.push_back(f.end[v] - f.start[v]);
-  t.trajectory_end.resize(b.num_trajectories());
-  for (int64_t r = 0; r < b.num_trajectories(); ++r) t.trajectory_end[b.order()[r]] = f.item_segment[r];
-  return t;
-}
+using testing::ExportTree;
+using testing::Tree;
 
 void CheckSameForest(const SegmentForest& a, const SegmentForest& b) {
   CHECK(a.start == b.start && a.end == b.end && a.parent == b.parent);
