@@ -24,7 +24,7 @@ The fused layout is transformers' ``fix_query_key_value_ordering``: value head `
 key head ``h // r`` (q and k are repeated with ``repeat_interleave``, as in transformers' kernel).
 
 Math, per row: the causal convolution (window from the row's true ancestors through the plan's
-``conv_index``), q and k L2-normalised (eps 1e-6, as ``use_qk_l2norm_in_kernel``), beta =
+``ConvWindows``), q and k L2-normalised (eps 1e-6, as ``use_qk_l2norm_in_kernel``), beta =
 sigmoid(b), one scalar decay per (row, value head). The recurrence is the KDA core's (:mod:`harts_kernels.kda`)
 with that decay broadcast over the key dimension, which is exactly the gated delta rule; the core
 scales q by ``K ** -0.5`` as transformers' kernel does. Rounds, replay rows and differentiable
@@ -46,9 +46,10 @@ from torch import nn
 
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.layers import kda as _kda
-from harts_runtime.layout.conv import trajectory_conv_index
+from harts_runtime.layout.conv import ConvWindows
 from harts_runtime.layout.rows import RowLayout
 from harts_runtime.modules.convolution import ShortConvolution
+from harts_runtime.modules.fused import use_fla
 from harts_runtime.modules.norms import GatedRMSNorm, l2_norm
 
 __all__ = ["CompactGatedDeltaNet", "GatedDeltaNetConfig"]
@@ -81,7 +82,8 @@ class GatedDeltaNetConfig:
     """B of the core. None: the plan's chunk size in :meth:`~CompactGatedDeltaNet.forward` and 64
     in :meth:`~CompactGatedDeltaNet.forward_trajectories`; an int must match the plan's."""
     backend: str = "auto"
-    """core backend: "auto" (Triton on CUDA, reference on CPU), "triton" or "naive"."""
+    """core and token-wise kernels: "auto" (Triton / fla's fused kernels on CUDA, the PyTorch
+    reference on CPU), "triton" or "naive"."""
 
 
 class CompactGatedDeltaNet(nn.Module):
@@ -107,10 +109,10 @@ class CompactGatedDeltaNet(nn.Module):
             self.in_proj_z = nn.Linear(D, self.value_dim, bias=False)
             self.in_proj_b = nn.Linear(D, Hv, bias=False)
             self.in_proj_a = nn.Linear(D, Hv, bias=False)
-        self.conv1d = ShortConvolution(self.conv_dim, c.conv_kernel_size)
+        self.conv1d = ShortConvolution(self.conv_dim, c.conv_kernel_size, backend=c.backend)
         self.dt_bias = nn.Parameter(torch.ones(Hv))
         self.A_log = nn.Parameter(torch.log(torch.empty(Hv).uniform_(0.01, 16)))
-        self.norm = GatedRMSNorm(V, eps=c.norm_eps, activation="silu")
+        self.norm = GatedRMSNorm(V, eps=c.norm_eps, activation="silu", backend=c.backend)
         self.out_proj = nn.Linear(self.value_dim, D, bias=False)
 
     # ---------------------------------------------------------------- token-wise parts
@@ -128,18 +130,23 @@ class CompactGatedDeltaNet(nn.Module):
         mixed = torch.cat([q.reshape(R, -1), k.reshape(R, -1), v.reshape(R, -1)], 1)
         return mixed, z.reshape(R, Hv, V), b.reshape(R, Hv), a.reshape(R, Hv)
 
-    def _features(self, x: torch.Tensor, conv_index: torch.Tensor):
+    def _features(self, x: torch.Tensor, windows: ConvWindows):
         """Per-row core inputs. x: [R, D] -> q, k [R, Hv, K] (L2-normalised, repeated to the value
         heads); v [R, Hv, V]; g [R, Hv] (fp32 log decay, <= 0); beta [R, Hv]; z [R, Hv, V]."""
         c = self.config
         R, Hk, Hv, K, V = x.shape[0], c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim
         mixed, z, b, a = self._projections(x)
-        mixed = self.conv1d(mixed, conv_index)
+        mixed = self.conv1d(mixed, windows)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=1)
-        q, k = (l2_norm(t.reshape(R, Hk, K)) for t in (q, k))
+        q, k = (l2_norm(t.reshape(R, Hk, K), backend=c.backend) for t in (q, k))
         if Hv != Hk:
             q, k = (t.repeat_interleave(Hv // Hk, dim=1) for t in (q, k))
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        if use_fla(x, c.backend):
+            from fla.ops.gated_delta_rule.gate import fused_gdn_gate
+
+            g = fused_gdn_gate(a, self.A_log, self.dt_bias)
+        else:
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         beta = torch.sigmoid(b)
         return q, k, v.reshape(R, Hv, V), g, beta, z
 
@@ -167,7 +174,7 @@ class CompactGatedDeltaNet(nn.Module):
             )
         if x.shape[0] != plan.num_rows:
             raise InvalidInputError("x", f"expected {plan.num_rows} compact rows, got {x.shape[0]}")
-        q, k, v, g, beta, z = self._features(x, plan.conv_index)
+        q, k, v, g, beta, z = self._features(x, plan.conv)
         sched = plan.no_replay if layout.no_replay else plan.replay
         o = _kda.run_kda_schedule(sched, q, k, v, g, beta, chunk_size=plan.chunk_size, backend=c.backend)
         return self._output(o, z)
@@ -181,8 +188,8 @@ class CompactGatedDeltaNet(nn.Module):
         c = self.config
         B = chunk_size or c.chunk_size or 64
         offsets = np.asarray(offsets, dtype=np.int64)
-        conv_index = torch.from_numpy(trajectory_conv_index(offsets, c.conv_kernel_size)).to(x.device)
-        q, k, v, g, beta, z = self._features(x, conv_index)
+        windows = ConvWindows.trajectories(offsets, c.conv_kernel_size).to(x.device)
+        q, k, v, g, beta, z = self._features(x, windows)
         g = g.unsqueeze(-1).expand(-1, -1, c.head_k_dim)
         o, _, _ = _kda.chunk_kda_with_states(
             *(t.unsqueeze(0) for t in (q, k, v, g, beta)),

@@ -24,8 +24,8 @@ What runs where (the glossary of rounds, sequences and state slots is in
 :mod:`harts_runtime.layout.kda_plan`):
 
 * once per compact row: q/k/v/gate/beta projections, the causal short convolution (width ``w``,
-  window built from the row's true ancestors through ``conv_index``), the L2 norm of q and k, the
-  gated output norm and the output projection;
+  window from the row's true ancestors: :class:`~harts_runtime.layout.conv.ConvWindows`), the L2
+  norm of q and k, the decay gate, the gated output norm and the output projection;
 * once per round: one packed KDA call over the round's sequences, replay rows gathered from the
   already computed activations, initial states from earlier rounds' returned boundary states,
   requested states returned in fp32 (differentiable);
@@ -34,6 +34,14 @@ What runs where (the glossary of rounds, sequences and state slots is in
 Recomputation is block-level (:func:`harts_runtime.recompute.apply_recompute`): backward
 re-executes the same rounds from the fixed plan; no activation or state outlives the layer call.
 ``layout.no_replay`` selects the Section 5.4 ablation's schedule instead of the replay rounds.
+
+Two paths of the token-wise parts, chosen by ``KDAConfig.backend`` (:mod:`harts_runtime.modules.fused`):
+
+* fused (CUDA): one GEMM for q, k, v (the three weights concatenated) and one for the low-rank
+  decay / output-gate inputs and beta; one fla varlen convolution over the concatenated q, k, v
+  channels with each sequence's context rows as its initial state; fla's ``l2norm``,
+  ``fused_kda_gate`` and ``rms_norm_gated`` kernels;
+* reference (CPU): the same math module by module in PyTorch (float32 statistics).
 
 :meth:`KDALayer.forward_trajectories` is the slow reference: every trajectory through the same
 layer, unshared.
@@ -52,10 +60,11 @@ from torch.profiler import record_function
 
 from harts_kernels.kda import chunk_kda_with_states
 from harts_runtime.errors import InvalidInputError
-from harts_runtime.layout.conv import trajectory_conv_index
+from harts_runtime.layout.conv import ConvWindows
 from harts_runtime.layout.kda_plan import KDASchedule
 from harts_runtime.layout.rows import RowLayout
-from harts_runtime.modules.convolution import ShortConvolution
+from harts_runtime.modules.convolution import ShortConvolution, varlen_causal_conv
+from harts_runtime.modules.fused import use_fla
 from harts_runtime.modules.norms import GatedRMSNorm, l2_norm
 
 __all__ = ["KDAConfig", "KDALayer", "run_kda_schedule"]
@@ -80,7 +89,8 @@ class KDAConfig:
     norm_eps: float = 1e-5
     """epsilon of the gated RMS norm on the core output."""
     backend: str = "auto"
-    """KDA core backend: "auto" (Triton on CUDA, reference on CPU), "triton" or "naive"."""
+    """KDA core and token-wise kernels: "auto" (Triton / fla's fused kernels on CUDA, the
+    PyTorch reference on CPU), "triton" or "naive"."""
 
 
 def run_kda_schedule(
@@ -143,9 +153,9 @@ class KDALayer(nn.Module):
         self.q_proj = nn.Linear(D, H * K, bias=False)
         self.k_proj = nn.Linear(D, H * K, bias=False)
         self.v_proj = nn.Linear(D, H * Vd, bias=False)
-        self.q_conv1d = ShortConvolution(H * K, w)
-        self.k_conv1d = ShortConvolution(H * K, w)
-        self.v_conv1d = ShortConvolution(H * Vd, w)
+        self.q_conv1d = ShortConvolution(H * K, w, backend=c.backend)
+        self.k_conv1d = ShortConvolution(H * K, w, backend=c.backend)
+        self.v_conv1d = ShortConvolution(H * Vd, w, backend=c.backend)
         self.f_proj = nn.Sequential(nn.Linear(D, Vd, bias=False), nn.Linear(Vd, H * K, bias=False))
         self.b_proj = nn.Linear(D, H, bias=False)
         self.A_log = nn.Parameter(torch.log(torch.empty(H).uniform_(1, 16)))
@@ -154,23 +164,44 @@ class KDALayer(nn.Module):
         )
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
         self.g_proj = nn.Sequential(nn.Linear(D, Vd, bias=False), nn.Linear(Vd, H * Vd, bias=True))
-        self.o_norm = GatedRMSNorm(Vd, eps=c.norm_eps)
+        self.o_norm = GatedRMSNorm(Vd, eps=c.norm_eps, backend=c.backend)
         self.o_proj = nn.Linear(H * Vd, D, bias=False)
 
     # ---------------------------------------------------------------- token-wise parts
-    def _features(self, x: torch.Tensor, conv_index: torch.Tensor):
+    def _features(self, x: torch.Tensor, windows: ConvWindows):
         """Per-row KDA inputs. x: [R, D] -> q, k [R, H, K]; v [R, H, V]; g [R, H, K] (fp32 log
         decay); beta [R, H]; out_gate [R, H, V]."""
+        if use_fla(x, self.config.backend):
+            return self._features_fused(x, windows)
         c = self.config
         R, H, K, Vd = x.shape[0], c.num_heads, c.head_k_dim, c.head_v_dim
-        q = l2_norm(self.q_conv1d(self.q_proj(x), conv_index).view(R, H, K))
-        k = l2_norm(self.k_conv1d(self.k_proj(x), conv_index).view(R, H, K))
-        v = self.v_conv1d(self.v_proj(x), conv_index).view(R, H, Vd)
+        q = l2_norm(self.q_conv1d(self.q_proj(x), windows).view(R, H, K))
+        k = l2_norm(self.k_conv1d(self.k_proj(x), windows).view(R, H, K))
+        v = self.v_conv1d(self.v_proj(x), windows).view(R, H, Vd)
         f = self.f_proj(x).view(R, H, K).float() + self.dt_bias.view(H, K).float()
         g = -self.A_log.float().exp().view(H, 1) * F.softplus(f)  # <= 0
         beta = torch.sigmoid(self.b_proj(x).float()).to(x.dtype)
         out_gate = self.g_proj(x).view(R, H, Vd)
         return q, k, v, g, beta, out_gate
+
+    def _features_fused(self, x: torch.Tensor, windows: ConvWindows):
+        """:meth:`_features` through fla's kernels (same math, same outputs)."""
+        from fla.modules.l2norm import l2norm
+        from fla.ops.kda.gate import fused_kda_gate
+
+        c = self.config
+        R, H, K, Vd = x.shape[0], c.num_heads, c.head_k_dim, c.head_v_dim
+        w_qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]
+        qkv = varlen_causal_conv(F.linear(x, w_qkv), conv_w, windows, "silu", c.backend)
+        q, k, v = torch.split(qkv, [H * K, H * K, H * Vd], dim=1)
+        w_low = torch.cat([self.f_proj[0].weight, self.g_proj[0].weight, self.b_proj.weight])
+        f_low, g_low, b = torch.split(F.linear(x, w_low), [Vd, Vd, H], dim=1)
+        g = fused_kda_gate(self.f_proj[1](f_low).view(R, H, K), self.A_log, self.dt_bias)
+        beta = torch.sigmoid(b.float()).to(x.dtype)
+        out_gate = self.g_proj[1](g_low).view(R, H, Vd)
+        q, k = l2norm(q.reshape(R, H, K)), l2norm(k.reshape(R, H, K))
+        return q, k, v.reshape(R, H, Vd), g, beta, out_gate
 
     def _output(self, o: torch.Tensor, out_gate: torch.Tensor) -> torch.Tensor:
         """Gated RMS norm per head, then the output projection. o: [R, H, V] -> [R, D]."""
@@ -201,7 +232,7 @@ class KDALayer(nn.Module):
             )
         if x.shape[0] != plan.num_rows:
             raise InvalidInputError("x", f"expected {plan.num_rows} compact rows, got {x.shape[0]}")
-        q, k, v, g, beta, out_gate = self._features(x, plan.conv_index)
+        q, k, v, g, beta, out_gate = self._features(x, plan.conv)
         o = self._run_schedule(plan.no_replay if layout.no_replay else plan.replay, q, k, v, g, beta)
         return self._output(o, out_gate)
 
@@ -209,8 +240,8 @@ class KDALayer(nn.Module):
         """Reference: every trajectory unshared. x: [S, D] semantic rows, trajectories at
         ``[offsets[j], offsets[j+1])`` -> [S, D]. One packed call from zero states."""
         offsets = np.asarray(offsets, dtype=np.int64)
-        conv_index = torch.from_numpy(trajectory_conv_index(offsets, self.config.conv_size)).to(x.device)
-        q, k, v, g, beta, out_gate = self._features(x, conv_index)
+        windows = ConvWindows.trajectories(offsets, self.config.conv_size).to(x.device)
+        q, k, v, g, beta, out_gate = self._features(x, windows)
         o, _, _ = chunk_kda_with_states(
             *(t.unsqueeze(0) for t in (q, k, v, g, beta)),
             cu_seqlens=offsets.tolist(),

@@ -9,13 +9,88 @@ position is negative, read as zeros). The convolution itself
 the gather's backward accumulates every consumer's gradient at the unique producer row.
 
 Built on the host (numpy, int64) once per microbatch; O(C * w).
+
+The fused GPU path reads the same windows in the form of fla's varlen convolution kernel:
+:class:`ConvWindows` keeps the rows grouped into sequences that are contiguous in physical order
+(``cu_seqlens``) and, per sequence, its ``w - 1`` context rows (the true-ancestor rows before its
+first own row), which become the kernel's per-sequence initial state. Both forms describe the
+same windows (:meth:`ConvWindows.index` is the table of the other).
 """
 
 from __future__ import annotations
 
-import numpy as np
+from dataclasses import dataclass
 
-__all__ = ["sequence_conv_index", "trajectory_conv_index"]
+import numpy as np
+import torch
+
+from harts_runtime.errors import InvalidInputError
+
+__all__ = ["ConvWindows", "sequence_conv_index", "trajectory_conv_index"]
+
+
+@dataclass
+class ConvWindows:
+    """The short convolution's windows of one microbatch, in both forms (host-built, then moved).
+
+    * ``index`` [C, w] int64: the window table (:func:`sequence_conv_index`), read by the
+      reference gather path;
+    * ``cu_seqlens`` [N + 1] int32 (device) and ``cu_seqlens_cpu`` (host): sequences of rows
+      contiguous in physical order covering all C rows; ``context`` [N, w - 1] int64: the rows
+      before each sequence's first row (oldest first, -1 = zeros), or None when no sequence has
+      context (plain trajectories); read by the fused kernel path.
+    """
+
+    width: int
+    num_rows: int
+    index: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor
+    context: torch.Tensor | None
+
+    @classmethod
+    def from_sequences(cls, row_ranges, context, num_rows: int, width: int) -> ConvWindows:
+        """``row_ranges`` [N, 2] (disjoint, covering ``num_rows`` rows), ``context`` [N, w - 1]
+        (-1 = none). Raises :class:`InvalidInputError` (``field="conv"``) when the ranges do not
+        tile the rows."""
+        rr = np.asarray(row_ranges, dtype=np.int64).reshape(-1, 2)
+        ctx = np.asarray(context, dtype=np.int64).reshape(len(rr), width - 1)
+        order = np.argsort(rr[:, 0], kind="stable")
+        rr, ctx = rr[order], ctx[order]
+        keep = rr[:, 1] != rr[:, 0]  # empty sequences have no windows
+        rr, ctx = rr[keep], ctx[keep]
+        cu = np.concatenate([rr[:, 0], [num_rows]]) if len(rr) else np.zeros(1, np.int64)
+        if len(rr) and (cu[0] != 0 or not np.array_equal(rr[:, 1], cu[1:]) or np.any(rr[:, 1] < rr[:, 0])):
+            raise InvalidInputError("conv", "the sequences' row ranges must tile the physical rows")
+        if len(ctx) and (ctx.min(initial=-1) < -1 or ctx.max(initial=-1) >= num_rows):
+            raise InvalidInputError("conv", f"context rows must lie in [-1, {num_rows})")
+        cu_cpu = torch.from_numpy(cu.astype(np.int32))
+        return cls(
+            width,
+            num_rows,
+            torch.from_numpy(sequence_conv_index(rr, ctx, num_rows)),
+            cu_cpu.clone(),
+            cu_cpu,
+            torch.from_numpy(ctx) if (ctx >= 0).any() else None,
+        )
+
+    @classmethod
+    def trajectories(cls, offsets, width: int) -> ConvWindows:
+        """Plain packed trajectories ``[offsets[j], offsets[j + 1])``: no context."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        ranges = np.stack([offsets[:-1], offsets[1:]], 1)
+        ctx = np.full((len(ranges), width - 1), -1, dtype=np.int64)
+        return cls.from_sequences(ranges, ctx, int(offsets[-1]), width)
+
+    def to(self, device) -> ConvWindows:
+        return ConvWindows(
+            self.width,
+            self.num_rows,
+            self.index.to(device),
+            self.cu_seqlens.to(device),
+            self.cu_seqlens_cpu,
+            None if self.context is None else self.context.to(device),
+        )
 
 
 def sequence_conv_index(row_ranges: np.ndarray, context: np.ndarray, num_rows: int) -> np.ndarray:

@@ -32,7 +32,7 @@ import torch
 
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.contract import CallLayoutArrays, check_call_layout
-from harts_runtime.layout.conv import sequence_conv_index, trajectory_conv_index
+from harts_runtime.layout.conv import ConvWindows
 
 __all__ = ["KDAExecutionPlan", "KDARound", "KDASchedule", "segment_schedule"]
 
@@ -90,7 +90,7 @@ class KDAExecutionPlan:
     chunk_size: int
     conv_width: int
     num_rows: int
-    conv_index: torch.Tensor  # [C, w] int64 true-ancestor windows (physical rows, -1 = zero)
+    conv: ConvWindows  # true-ancestor convolution windows (table and fla's varlen form)
     replay: KDASchedule  # the minimum-call rounds of Algorithm 1
     no_replay: KDASchedule  # the Section 5.4 ablation: one sequence per segment
     stats: dict = field(default_factory=dict)
@@ -99,12 +99,17 @@ class KDAExecutionPlan:
     def num_calls(self) -> int:
         return len(self.replay.rounds)
 
+    @property
+    def conv_index(self) -> torch.Tensor:
+        """[C, w] int64 window table (physical rows, -1 = zero): ``conv.index``."""
+        return self.conv.index
+
     def to(self, device) -> KDAExecutionPlan:
         return KDAExecutionPlan(
             self.chunk_size,
             self.conv_width,
             self.num_rows,
-            self.conv_index.to(device),
+            self.conv.to(device),
             self.replay.to(device),
             self.no_replay.to(device),
             dict(self.stats),
@@ -158,13 +163,13 @@ class KDAExecutionPlan:
         # rows before its first own row as context; replay rows reuse these results.
         sp = np.asarray(plan.sequence_physical_offsets, dtype=np.int64)
         ranges = np.stack([sp[:-1], sp[1:]], 1)
-        conv_index = torch.from_numpy(sequence_conv_index(ranges, np.asarray(plan.own_conv_context), C))
+        conv = ConvWindows.from_sequences(ranges, np.asarray(plan.own_conv_context), C, w)
 
         out = cls(
             B,
             w,
             C,
-            conv_index,
+            conv,
             replay,
             segment_schedule(plan, C),
             {
@@ -196,12 +201,11 @@ class KDAExecutionPlan:
             out_pos=rows,
         )
         sched = KDASchedule([rd], 0, rows)
-        conv_index = torch.from_numpy(trajectory_conv_index(offsets, conv_width))
         out = cls(
             chunk_size,
             conv_width,
             S,
-            conv_index,
+            ConvWindows.trajectories(offsets, conv_width),
             sched,
             sched,
             {

@@ -1,11 +1,20 @@
-"""The causal depthwise short convolution on compact rows, through a window table (Section 4.2).
+"""The causal depthwise short convolution on compact rows (Section 4.2).
 
 :class:`ShortConvolution` has ``fla.modules.ShortConvolution``'s parameters (an ``nn.Conv1d`` with
 ``weight [C, 1, w]``, no bias; ``weight[:, 0, -1]`` multiplies the row itself), so an fla state dict
-loads unchanged; but instead of a padded convolution over a contiguous sequence it reads each
-output row's window from ``conv_index [C_out, w]`` (:mod:`harts_runtime.layout.conv`): the rows at
-positions ``p - w + 1 .. p`` on the row's own ancestry path, -1 read as zeros. The gather's backward
-accumulates every consumer's gradient at the unique producer row.
+loads unchanged. A row's window is the ``w`` rows at positions ``p - w + 1 .. p`` on its own ancestry
+path (zeros before position 0), described per microbatch by
+:class:`~harts_runtime.layout.conv.ConvWindows` in two forms, one per path:
+
+* reference (:func:`causal_conv`): each output row reads its window through the table
+  ``index [C_out, w]`` (-1 read as zeros); the gather's backward accumulates every consumer's
+  gradient at the unique producer row. O(C w D) memory for the gathered windows.
+* fused (:func:`varlen_causal_conv`): fla's varlen convolution kernel over sequences contiguous
+  in physical order, each sequence's ``w - 1`` context rows (its true ancestors) passed as the
+  kernel's per-sequence initial state; the kernel's gradient of that state flows back to the
+  context rows. No window tensor.
+
+:func:`naive_varlen_causal_conv` is :func:`varlen_causal_conv`'s reference with the same signature.
 """
 
 from __future__ import annotations
@@ -17,8 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from harts_runtime.errors import InvalidInputError
+from harts_runtime.layout.conv import ConvWindows, sequence_conv_index
+from harts_runtime.modules.fused import use_fla
 
-__all__ = ["ShortConvolution", "causal_conv"]
+__all__ = ["ShortConvolution", "causal_conv", "naive_varlen_causal_conv", "varlen_causal_conv"]
 
 
 def causal_conv(
@@ -36,25 +47,94 @@ def causal_conv(
     return F.silu(y) if activation == "silu" else y
 
 
+def _context_state(x: torch.Tensor, context: torch.Tensor, width: int) -> torch.Tensor:
+    """fla's initial state [N, D, w] from context rows [N, w - 1] (-1 = zeros): column ``j`` holds
+    the input at position ``j - w`` before the sequence (column 0 is never read by a width-w kernel).
+    Differentiable: the state's gradient flows back to the context rows."""
+    n = context.shape[0]
+    flat = context.reshape(-1)
+    rows = x.index_select(0, flat.clamp(min=0)) * (flat >= 0).unsqueeze(1).to(x.dtype)
+    state = rows.view(n, width - 1, x.shape[1]).transpose(1, 2)  # [N, D, w - 1]
+    return F.pad(state, (1, 0)).contiguous()
+
+
+def varlen_causal_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    windows: ConvWindows,
+    activation: str | None = "silu",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The short convolution over ``windows``' sequences: x [C, D], weight [D, w] -> [C, D].
+
+    Through fla's ``causal_conv1d`` (Triton) when ``backend`` selects it
+    (:func:`~harts_runtime.modules.fused.use_fla`), else :func:`naive_varlen_causal_conv`."""
+    if x.shape[0] != windows.num_rows or weight.shape[-1] != windows.width:
+        raise InvalidInputError(
+            "conv",
+            f"x has {x.shape[0]} rows and width {weight.shape[-1]}, windows are "
+            f"{windows.num_rows} rows of width {windows.width}",
+        )
+    if not use_fla(x, backend):
+        return naive_varlen_causal_conv(x, weight, windows, activation)
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    init = None if windows.context is None else _context_state(x, windows.context, windows.width)
+    y, _ = causal_conv1d(
+        x.unsqueeze(0),
+        weight,
+        initial_state=init,
+        activation=activation,
+        cu_seqlens=windows.cu_seqlens,
+        cu_seqlens_cpu=windows.cu_seqlens_cpu,
+    )
+    return y[0]
+
+
+def naive_varlen_causal_conv(
+    x: torch.Tensor, weight: torch.Tensor, windows: ConvWindows, activation: str | None = "silu"
+) -> torch.Tensor:
+    """Reference of :func:`varlen_causal_conv`: the window table rebuilt from the sequences and
+    their context (not ``windows.index``), then :func:`causal_conv`."""
+    cu = windows.cu_seqlens_cpu.to(torch.int64)
+    ranges = torch.stack([cu[:-1], cu[1:]], 1).numpy()
+    w = windows.width
+    ctx = (
+        windows.context.cpu().numpy()
+        if windows.context is not None
+        else torch.full((len(ranges), w - 1), -1, dtype=torch.int64).numpy()
+    )
+    index = torch.from_numpy(sequence_conv_index(ranges, ctx, windows.num_rows)).to(x.device)
+    return causal_conv(x, weight, index, activation)
+
+
 class ShortConvolution(nn.Conv1d):
     """Depthwise causal convolution of width ``kernel_size`` over ``hidden_size`` channels.
 
-    forward(x [C, hidden_size], conv_index [C_out, kernel_size] int64) -> [C_out, hidden_size].
+    forward(x [C, hidden_size], windows) -> [C_out, hidden_size]: ``windows`` a
+    :class:`~harts_runtime.layout.conv.ConvWindows` (the fused kernel or the reference gather, by
+    ``backend``) or a bare window table [C_out, kernel_size] int64 (the reference gather).
     Init: ``weight[:, 0, :] ~ N(0, 1 / kernel_size)``. ``activation``: ``"silu"`` or None.
     """
 
-    def __init__(self, hidden_size: int, kernel_size: int, activation: str | None = "silu"):
+    def __init__(
+        self, hidden_size: int, kernel_size: int, activation: str | None = "silu", *, backend: str = "auto"
+    ):
         if activation not in ("silu", None):
             raise InvalidInputError("activation", f"choose 'silu' or None, got {activation!r}")
         super().__init__(
             hidden_size, hidden_size, kernel_size, padding=kernel_size - 1, groups=hidden_size, bias=False
         )
-        self.hidden_size, self.activation = hidden_size, activation
+        self.hidden_size, self.activation, self.backend = hidden_size, activation, backend
 
     def reset_parameters(self) -> None:
         c, w = self.weight.shape[0], self.weight.shape[-1]
         with torch.no_grad():
             self.weight.copy_((torch.randn(c, w) / math.sqrt(w)).view(c, 1, w))
 
-    def forward(self, x: torch.Tensor, conv_index: torch.Tensor) -> torch.Tensor:
-        return causal_conv(x, self.weight[:, 0, :], conv_index, self.activation)
+    def forward(self, x: torch.Tensor, windows: ConvWindows | torch.Tensor) -> torch.Tensor:
+        if isinstance(windows, ConvWindows):
+            if not use_fla(x, self.backend):
+                return causal_conv(x, self.weight[:, 0, :], windows.index, self.activation)
+            return varlen_causal_conv(x, self.weight[:, 0, :], windows, self.activation, self.backend)
+        return causal_conv(x, self.weight[:, 0, :], windows, self.activation)

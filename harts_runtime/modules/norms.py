@@ -2,7 +2,11 @@
 ``Qwen3NextRMSNorm``), the gated RMSNorm of KDA's output (``fla.modules.FusedRMSNormGated(
 activation="sigmoid")``'s parameters and math) and of Qwen3-Next / Qwen3.5's gated-delta-net output
 (``activation="silu"``), and the L2 norm of KDA's queries and keys. Each returns its input's dtype;
-the statistics are computed in float32."""
+the statistics are computed in float32.
+
+:class:`GatedRMSNorm` and :func:`l2_norm` take a ``backend`` (:mod:`harts_runtime.modules.fused`):
+on CUDA they run fla's fused kernels (``rms_norm_gated``, ``l2norm``; same math, float32 inside),
+on the CPU the PyTorch reference below."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harts_runtime.errors import InvalidInputError
+from harts_runtime.modules.fused import use_fla
 
 __all__ = ["GatedRMSNorm", "RMSNorm", "l2_norm"]
 
@@ -54,21 +59,32 @@ class GatedRMSNorm(nn.Module):
     the two differ by that rounding (equal in float32).
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, *, activation: str = "sigmoid"):
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-5, *, activation: str = "sigmoid", backend: str = "auto"
+    ):
         super().__init__()
         if activation not in _GATE_ACTIVATIONS:
             raise InvalidInputError(
                 "activation", f"{activation!r}; choose one of {sorted(_GATE_ACTIVATIONS)}"
             )
-        self.hidden_size, self.eps, self.activation = hidden_size, eps, activation
+        self.hidden_size, self.eps, self.activation, self.backend = hidden_size, eps, activation, backend
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if use_fla(x, self.backend):
+            from fla.modules.fused_norm_gate import rms_norm_gated
+
+            return rms_norm_gated(x, gate, self.weight, None, activation=self.activation, eps=self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight.float() * _GATE_ACTIVATIONS[self.activation](gate.float())).to(x.dtype)
 
 
-def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x * rsqrt(sum(x^2) + eps)`` over the last dim (the sum in float32)."""
+def l2_norm(x: torch.Tensor, eps: float = 1e-6, backend: str = "naive") -> torch.Tensor:
+    """``x * rsqrt(sum(x^2) + eps)`` over the last dim (the sum in float32); fla's ``l2norm``
+    kernel when ``backend`` selects it (the reference by default)."""
+    if use_fla(x, backend):
+        from fla.modules.l2norm import l2norm
+
+        return l2norm(x, eps)
     return x * torch.rsqrt((x.float() * x.float()).sum(-1, keepdim=True) + eps).to(x.dtype)

@@ -1,0 +1,44 @@
+"""Where the token-wise building blocks run: fla's fused Triton kernels or the PyTorch reference.
+
+Every module of :mod:`harts_runtime.modules` with a fused path takes a ``backend``: ``"naive"``
+(the PyTorch reference, float32 statistics, any device), ``"triton"`` (fla's kernels; CUDA, or the
+CPU under ``TRITON_INTERPRET=1``) or ``"auto"`` (fla's kernels on CUDA when fla-core is importable,
+else the reference). The same names select the KDA core's backend (:mod:`harts_kernels.kda`), so
+one ``backend`` switch moves a whole layer between its reference and its production path.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from harts_runtime.errors import InvalidInputError
+
+__all__ = ["BACKENDS", "fla_available", "use_fla"]
+
+BACKENDS = ("auto", "triton", "naive")
+
+
+@functools.cache
+def fla_available() -> bool:
+    """fla-core (``fla.modules``) and triton are importable."""
+    try:
+        return importlib.util.find_spec("fla") is not None and importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def use_fla(x: torch.Tensor, backend: str) -> bool:
+    """Whether ``x`` goes through fla's kernels under ``backend``. Raises
+    :class:`InvalidInputError` for an unknown backend, or ``"triton"`` without fla-core."""
+    if backend == "naive":
+        return False
+    if backend == "auto":
+        return x.is_cuda and fla_available()
+    if backend == "triton":
+        if not fla_available():
+            raise InvalidInputError("backend", "'triton' needs fla-core and triton (pip install fla-core)")
+        return True
+    raise InvalidInputError("backend", f"unknown {backend!r}; choose one of {list(BACKENDS)}")
