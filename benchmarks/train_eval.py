@@ -8,21 +8,29 @@ Sections (each catches its own errors; JSON and a markdown table are rewritten a
   full-layer recomputation; one warm-up microbatch per mode, then ``--repeats`` timed steps per
   mode. Reports non-replay row compression, F/B/Grad and Core speedups, and the ideal work
   compression (``harts_runtime.flops``), with F/B/Grad speedup / ideal.
-* ``fidelity``: on a smaller slice, mean token-wise full-vocabulary logit cosine compact vs
-  trajectory next to trajectory self-rerun, with and without recomputation; absolute loss
-  difference; cosine of the flattened parameter gradients.
+* ``fidelity``: on a smaller slice, mean token-wise full-vocabulary logit cosine (and the largest
+  absolute logit difference) compact vs trajectory next to trajectory self-rerun, with and without
+  recomputation; absolute loss difference; cosine of the flattened parameter gradients. Runs keep
+  only their final hidden rows; logits are formed and compared a row chunk at a time (at most
+  ``--compare-mib`` of float32 temporaries), so memory is O(chunk * V) whatever S is. Each
+  recomputation setting catches its own errors (the no-recomputation runs hold every layer's
+  activations of a ``--fidelity-rows`` microbatch; ``--fidelity-recompute`` picks the settings).
 * ``replay``: SymKL and mean |dNLL| against trajectory run A by state-handoff depth d = 0..5 (the
   segment depth of the position's segment in the batch trie) for rerun, replay and no-replay.
 * ``breakdown``: ``torch.profiler`` over one compact microbatch (forward + backward with
   recomputation), device time per ``harts.*`` range (KDA core / gathers / state stacking,
   attention views / core, MoE, LM head, layout), the replay share of KDA core time, kernel count,
-  and planner time from ``speedup``.
+  device-busy share of wall time (union of kernel intervals / wall; CUDA), and planner time from
+  ``speedup``.
 
 Run on the GPU machine (about 5-7 minutes with the defaults)::
 
     python benchmarks/train_eval.py --out benchmarks/results/train_eval --budget-s 420
 
-CPU smoke test: ``python benchmarks/train_eval.py --device cpu --flavor debug --tiny --out DIR``.
+CPU smoke test: ``python benchmarks/train_eval.py --device cpu --flavor debug --tiny --out DIR``;
+``--tiny`` with another flavor (``ling-tiny``, ``qwen3.5-35b-a3b``) keeps its layer pattern and
+options (mixers, shared experts and their gate, zero-centred norms, GDN projections) at tiny widths
+in float32 (:func:`tiny_config`).
 """
 
 from __future__ import annotations
@@ -84,6 +92,40 @@ def sync(dev) -> None:
 
 
 # ------------------------------------------------------------------------------ data
+def tiny_config(cfg):
+    """``cfg``'s layer pattern and options (mixers, FFNs, routing, shared experts and their gate,
+    zero-centred norms, GDN projection layout, GQA / MLA structure) at CPU smoke widths, float32."""
+    gqa = cfg.num_kv_heads is not None
+    return cfg.replace(
+        vocab_size=512,
+        hidden_size=32,
+        num_heads=2,
+        kda_head_dim=8,
+        kda_num_heads=None,
+        chunk_size=8,
+        kv_lora_rank=16,
+        q_lora_rank=None if cfg.q_lora_rank is None else 16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        num_kv_heads=1 if gqa else None,
+        head_dim=None if cfg.head_dim is None else 16,
+        gdn_num_k_heads=2,
+        gdn_num_v_heads=4 if cfg.gdn_num_v_heads > cfg.gdn_num_k_heads else 2,
+        gdn_head_k_dim=8,
+        gdn_head_v_dim=8,
+        dense_intermediate=64,
+        num_experts=8,
+        top_k=2,
+        expert_intermediate=16,
+        shared_expert_intermediate=None if cfg.shared_expert_intermediate is None else 16,
+        num_expert_groups=2 if cfg.num_expert_groups > 1 else 1,
+        topk_groups=1,
+        dtype="float32",
+        lm_head_rows=16,
+    )
+
+
 def make_slice(
     args,
     capacity: int,
@@ -207,11 +249,14 @@ def section_speedup(args, model, dev, shared):
 
 def _run_collect(model, step, mode, recompute, capacity, no_replay=False, grad=True):
     """Run every microbatch; returns hidden rows [rows, D], row of each target [P], labels [P],
-    loss and (when ``grad``) the flattened gradient."""
+    loss, (when ``grad``) a strided sample of the flattened gradient, and the device's peak memory
+    during the run (GiB; CUDA). No logits are kept: :func:`_compare` forms them a chunk at a time."""
     cfg = model.config
     mbs, plans, _ = plan_microbatches(step, mode, capacity, cfg)
     apply_recompute(model, recompute)
     dev = model.device
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     rowmap = torch.empty(step.num_targets, dtype=torch.int64, device=dev)
     labels = torch.empty(step.num_targets, dtype=torch.int64, device=dev)
     hidden, base, loss = [], 0, 0.0
@@ -233,22 +278,41 @@ def _run_collect(model, step, mode, recompute, capacity, no_replay=False, grad=T
             rowmap[st["target_index"]] = st["row_index"] + base
             labels[st["target_index"]] = st["labels"]
             base += st["hidden"].shape[0]
+            del mb, st
     g = None
     if grad:  # a fixed strided subsample of every parameter's gradient (bounded memory)
         total = sum(p.numel() for p in model.parameters())
         stride = max(1, total // GRAD_SAMPLE)
         g = torch.cat([p.grad.flatten()[::stride].float() for p in model.parameters() if p.grad is not None])
         model.zero_grad(set_to_none=True)
-    return {"hidden": torch.cat(hidden), "rowmap": rowmap, "labels": labels, "loss": loss, "grad": g}
+    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+    return {
+        "hidden": torch.cat(hidden),
+        "rowmap": rowmap,
+        "labels": labels,
+        "loss": loss,
+        "grad": g,
+        "peak_memory_gib": peak,
+    }
+
+
+def compare_rows(vocab: int, budget_mib: float, cap: int = 2048) -> int:
+    """Target rows per comparison chunk: at most ``cap``, and few enough that the chunk's float32
+    temporaries (about four ``[rows, V]`` arrays live at once) fit in ``budget_mib``."""
+    return max(1, min(cap, int(budget_mib * 2**20) // (4 * 4 * max(vocab, 1))))
 
 
 @torch.no_grad()
-def _compare(model, a, x, depth=None, chunk=2048):
-    """Per-token metrics of run x against run a over all targets: mean logit cosine, and per
-    depth (when ``depth`` [P] is given) SymKL, mean |dNLL| and counts."""
+def _compare(model, a, x, depth=None, chunk=None, budget_mib=4096.0):
+    """Per-token metrics of run x against run a over all targets, a row chunk of logits at a time
+    (memory O(chunk * V); nothing of size P x V is ever held): mean logit cosine and the largest
+    absolute logit difference, and per depth (when ``depth`` [P] is given) SymKL, mean |dNLL| and
+    counts."""
     w = model.lm_head.weight
     p = a["rowmap"].numel()
+    chunk = chunk or compare_rows(w.shape[0], budget_mib)
     cos_sum = 0.0
+    max_abs = torch.zeros((), dtype=torch.float32, device=w.device)
     nd = DEPTHS
     kl = torch.zeros(nd + 1, dtype=torch.float64, device=w.device)
     dnll = torch.zeros_like(kl)
@@ -257,16 +321,29 @@ def _compare(model, a, x, depth=None, chunk=2048):
         za = (a["hidden"][a["rowmap"][s : s + chunk]] @ w.t()).float()
         zx = (x["hidden"][x["rowmap"][s : s + chunk]] @ w.t()).float()
         cos_sum += float(torch.nn.functional.cosine_similarity(za, zx, dim=-1).double().sum())
+        diff = za - zx
+        max_abs = torch.maximum(max_abs, diff.abs_().amax())
+        del diff
         if depth is not None:
-            la, lx = za.log_softmax(-1), zx.log_softmax(-1)
-            sym = 0.5 * ((la.exp() * (la - lx)).sum(-1) + (lx.exp() * (lx - la)).sum(-1))
+            la = za.log_softmax(-1)
+            del za
+            lx = zx.log_softmax(-1)
+            del zx
             y = a["labels"][s : s + chunk, None]
             dn = (la.gather(1, y) - lx.gather(1, y)).abs()[:, 0]
+            # SymKL = 0.5 * (sum pa (la - lx) + sum px (lx - la)) = 0.5 * sum (pa - px)(la - lx)
+            dl = la - lx
+            pd = la.exp_().sub_(lx.exp_())
+            del lx
+            sym = 0.5 * (pd.mul_(dl)).sum(-1)
+            del pd, dl, la
             d = depth[s : s + chunk].clamp_max(nd)
             kl.index_add_(0, d, sym.double())
             dnll.index_add_(0, d, dn.double())
             cnt.index_add_(0, d, torch.ones_like(dn, dtype=torch.float64))
-    out = {"mean_cos": cos_sum / max(p, 1)}
+        else:
+            del za, zx
+    out = {"mean_cos": cos_sum / max(p, 1), "max_abs_logit_diff": float(max_abs), "chunk_rows": chunk}
     if depth is not None:
         c = cnt.clamp_min(1)
         out["by_depth"] = [
@@ -302,34 +379,85 @@ def _fidelity_step(args, model) -> StepInputs:
     )
 
 
+def _repack_capacity(args, step) -> int:
+    # A second ordinary execution packed differently (capacity of a few trajectories): a
+    # deterministic GPU rerun of the same packing is bit-identical, so packing is where ordinary
+    # execution noise comes from (different GEMM shapes, bf16 rounding, near-tie router flips).
+    return max(int(np.max(step.batch.lengths)), args.fidelity_rows // 4)
+
+
+def _release(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _fidelity_setting(args, model, dev, step, rc: bool, keep: dict | None) -> dict:
+    """One recomputation setting: trajectory run A, then each other run compared against A as
+    soon as it exists (its logits a chunk at a time) and dropped unless ``keep`` wants its hidden
+    rows (the replay section reuses the no-recomputation runs)."""
+    budget = args.compare_mib
+    a = _run_collect(model, step, "trajectory", rc, args.fidelity_rows)
+    peaks = {"trajectory_A": a["peak_memory_gib"]}
+    res = {}
+    runs = (
+        ("B", "trajectory", args.fidelity_rows, "rerun"),
+        ("P", "trajectory", _repack_capacity(args, step), "repack"),
+        ("R", "compact", args.fidelity_rows, "harts"),
+    )
+    for key, mode, cap, name in runs:
+        x = _run_collect(model, step, mode, rc, cap)
+        peaks[f"{mode}_{key}"] = x["peak_memory_gib"]
+        res[name] = _compare(model, a, x, budget_mib=budget)
+        res[name]["abs_loss_diff"] = abs(a["loss"] - x["loss"])
+        res[name]["grad_cos"] = _grad_cos(a, x)
+        x["grad"] = None
+        if keep is not None:
+            keep[key] = x
+        del x
+        _release(dev)
+    a["grad"] = None
+    if keep is not None:
+        keep["A"] = a
+    r, p, h = res["rerun"], res["repack"], res["harts"]
+    return {
+        "baseline_self_rerun_cos": r["mean_cos"],
+        "baseline_repack_cos": p["mean_cos"],
+        "harts_cos": h["mean_cos"],
+        "abs_loss_diff": h["abs_loss_diff"],
+        "baseline_rerun_abs_loss_diff": r["abs_loss_diff"],
+        "baseline_repack_abs_loss_diff": p["abs_loss_diff"],
+        "grad_cos_harts": h["grad_cos"],
+        "grad_cos_rerun": r["grad_cos"],
+        "grad_cos_repack": p["grad_cos"],
+        "harts_max_abs_logit_diff": h["max_abs_logit_diff"],
+        "baseline_rerun_max_abs_logit_diff": r["max_abs_logit_diff"],
+        "baseline_repack_max_abs_logit_diff": p["max_abs_logit_diff"],
+        "compare_chunk_rows": h["chunk_rows"],
+        "peak_memory_gib": peaks,
+    }
+
+
 def section_fidelity(args, model, dev, shared):
     step = _fidelity_step(args, model)
     shared["fidelity_step"] = step
     out = {"batch": batch_info(step)}
-    # A second ordinary execution packed differently (capacity of a few trajectories): a
-    # deterministic GPU rerun of the same packing is bit-identical, so packing is where ordinary
-    # execution noise comes from (different GEMM shapes, bf16 rounding, near-tie router flips).
-    repack = max(int(np.max(step.batch.lengths)), args.fidelity_rows // 4)
-    for rc in (False, True):
-        a = _run_collect(model, step, "trajectory", rc, args.fidelity_rows)
-        b = _run_collect(model, step, "trajectory", rc, args.fidelity_rows)
-        p = _run_collect(model, step, "trajectory", rc, repack)
-        c = _run_collect(model, step, "compact", rc, args.fidelity_rows)
+    settings = {"off": (False,), "on": (True,), "both": (False, True)}[args.fidelity_recompute]
+    failed = []
+    for rc in settings:
         key = "recompute" if rc else "no_recompute"
-        out[key] = {
-            "baseline_self_rerun_cos": _compare(model, a, b)["mean_cos"],
-            "baseline_repack_cos": _compare(model, a, p)["mean_cos"],
-            "harts_cos": _compare(model, a, c)["mean_cos"],
-            "abs_loss_diff": abs(a["loss"] - c["loss"]),
-            "baseline_rerun_abs_loss_diff": abs(a["loss"] - b["loss"]),
-            "baseline_repack_abs_loss_diff": abs(a["loss"] - p["loss"]),
-            "grad_cos_harts": _grad_cos(a, c),
-            "grad_cos_rerun": _grad_cos(a, b),
-            "grad_cos_repack": _grad_cos(a, p),
-        }
+        keep = {} if not rc else None
+        try:
+            out[key] = _fidelity_setting(args, model, dev, step, rc, keep)
+            if keep is not None:
+                shared["fidelity_runs"] = keep
+        except Exception as e:  # noqa: BLE001 - one setting (e.g. out of memory) must not lose the other
+            out[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            failed.append(key)
+            model.zero_grad(set_to_none=True)
+            _release(dev)
         log(f"fidelity {key}: {out[key]}")
-        if not rc:
-            shared["fidelity_runs"] = {"A": a, "B": b, "P": p, "R": c}
+    if failed and len(failed) == len(settings):
+        out["error"] = f"every setting failed: {', '.join(failed)} (see their tracebacks)"
     out["target_cos"] = 0.9997
     return out
 
@@ -350,26 +478,30 @@ def handoff_depth(batch) -> torch.Tensor:
 
 def section_replay(args, model, dev, shared):
     step = shared.get("fidelity_step") or _fidelity_step(args, model)
-    runs = shared.get("fidelity_runs")
-    if runs is None:
-        runs = {
-            "A": _run_collect(model, step, "trajectory", False, args.fidelity_rows, grad=False),
-            "B": _run_collect(model, step, "trajectory", False, args.fidelity_rows, grad=False),
-            "P": _run_collect(
-                model,
-                step,
-                "trajectory",
-                False,
-                max(int(np.max(step.batch.lengths)), args.fidelity_rows // 4),
-                grad=False,
-            ),
-            "R": _run_collect(model, step, "compact", False, args.fidelity_rows, grad=False),
-        }
-    runs["N"] = _run_collect(model, step, "compact", False, args.fidelity_rows, no_replay=True, grad=False)
+    runs = shared.get("fidelity_runs") or {}
     depth = handoff_depth(step.batch).to(dev)
     out = {"batch": batch_info(step)}
+    fresh = {  # forward-only runs (no activations kept) for whatever fidelity did not leave
+        "A": ("trajectory", args.fidelity_rows, False),
+        "B": ("trajectory", args.fidelity_rows, False),
+        "P": ("trajectory", _repack_capacity(args, step), False),
+        "R": ("compact", args.fidelity_rows, False),
+        "N": ("compact", args.fidelity_rows, True),
+    }
+
+    def get(key):
+        if key in runs:
+            return runs[key]
+        mode, cap, no_replay = fresh[key]
+        return _run_collect(model, step, mode, False, cap, no_replay=no_replay, grad=False)
+
+    a = get("A")
     for name, key in (("rerun", "B"), ("repack", "P"), ("replay", "R"), ("no_replay", "N")):
-        out[name] = _compare(model, runs["A"], runs[key], depth)["by_depth"]
+        x = get(key)
+        out[name] = _compare(model, a, x, depth, budget_mib=args.compare_mib)["by_depth"]
+        runs.pop(key, None)
+        del x
+    shared.pop("fidelity_runs", None)
     return out
 
 
@@ -413,6 +545,7 @@ def section_breakdown(args, model, dev, shared):
     p = plans[0]
     replay_share = p.replay_tokens / max(p.replay_tokens + p.compact_tokens, 1)
     core = ranges.get("harts.kda.core", {}).get("device_s" if dev.type == "cuda" else "cpu_s", 0.0)
+    busy = _busy_seconds(prof) if dev.type == "cuda" else None
     return {
         "microbatch": {
             "rows": p.compact_tokens,
@@ -426,13 +559,47 @@ def section_breakdown(args, model, dev, shared):
         "device_kernels": kernels,
         "device_kernel_s": kernel_s,
         "host_overhead_s": max(wall - kernel_s, 0.0) if dev.type == "cuda" else None,
+        "device_busy_s": busy,
+        "device_busy": busy / wall if busy is not None and wall > 0 else None,
         "kda_replay_share_of_packed_rows": replay_share,
         "kda_replay_s_estimate": core * replay_share,
-        "state_bytes_per_kda_layer": p.num_state_slots * cfg.num_heads * cfg.kda_head_dim**2 * 4,
+        "state_bytes_per_kda_layer": p.num_state_slots * _state_bytes(cfg),
         "planner_s": plan_s,
         "note": "ranges nest (harts.mixer.kda contains harts.kda.*; harts.mixer.mla contains harts.attn.*); "
-        "backward recompute re-enters the forward ranges; KDA backward kernels are outside ranges",
+        "backward recompute re-enters the forward ranges; KDA backward kernels are outside ranges; "
+        "device_busy = union of device kernel intervals / wall (profiler on); the GDN core runs in harts.kda.*",
     }
+
+
+def _state_bytes(cfg) -> int:
+    """fp32 bytes of one boundary state of the model's linear-attention layers (KDA: H K K; GDN:
+    Hv K V; the largest when both occur)."""
+    sizes = [0]
+    if "kda" in cfg.mixers:
+        sizes.append((cfg.kda_num_heads or cfg.num_heads) * cfg.kda_head_dim**2)
+    if "gdn" in cfg.mixers:
+        sizes.append(cfg.gdn_num_v_heads * cfg.gdn_head_k_dim * cfg.gdn_head_v_dim)
+    return max(sizes) * 4
+
+
+def _busy_seconds(prof) -> float:
+    """Seconds during which at least one device kernel ran (union of the kernels' intervals)."""
+    spans = []
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start:
+            spans.append((e.time_range.start, e.time_range.end))
+    spans.sort()
+    busy, cur_s, cur_e = 0.0, None, None
+    for s0, e0 in spans:
+        if cur_e is None or s0 > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s0, e0
+        else:
+            cur_e = max(cur_e, e0)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    return busy / 1e6
 
 
 # ------------------------------------------------------------------------------ report
@@ -469,7 +636,7 @@ def markdown(res: dict) -> str:
             )
         lines.append("")
     f = res.get("fidelity")
-    if isinstance(f, dict) and "no_recompute" in f:
+    if isinstance(f, dict) and ("no_recompute" in f or "recompute" in f):
         lines += [
             "## Fidelity (Table 5)",
             "",
@@ -477,17 +644,22 @@ def markdown(res: dict) -> str:
             "baseline packs at about a quarter of that.",
             "",
             "| recompute | baseline self-rerun cos | baseline repacked cos | HARTS cos | abs loss diff "
-            "(HARTS / repacked) | grad cos HARTS | grad cos rerun | grad cos repacked |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "(HARTS / repacked) | grad cos HARTS | grad cos rerun | grad cos repacked | max abs logit diff "
+            "(HARTS / repacked) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for k in ("no_recompute", "recompute"):
-            if k in f:
-                d = f[k]
+            d = f.get(k)
+            if isinstance(d, dict) and "harts_cos" in d:
                 lines.append(
                     f"| {k} | {d['baseline_self_rerun_cos']:.8f} | {d['baseline_repack_cos']:.8f} | "
                     f"{d['harts_cos']:.8f} | {d['abs_loss_diff']:.3e} / {d['baseline_repack_abs_loss_diff']:.3e} | "
-                    f"{d['grad_cos_harts']:.6f} | {d['grad_cos_rerun']:.6f} | {d['grad_cos_repack']:.6f} |"
+                    f"{d['grad_cos_harts']:.6f} | {d['grad_cos_rerun']:.6f} | {d['grad_cos_repack']:.6f} | "
+                    f"{d.get('harts_max_abs_logit_diff', float('nan')):.3e} / "
+                    f"{d.get('baseline_repack_max_abs_logit_diff', float('nan')):.3e} |"
                 )
+            elif isinstance(d, dict) and "error" in d:
+                lines.append(f"| {k} | failed: `{d['error'][:200]}` | | | | | | | |")
         lines.append("")
     r = res.get("replay")
     if isinstance(r, dict) and "replay" in r:
@@ -514,7 +686,9 @@ def markdown(res: dict) -> str:
             "## Breakdown (one compact microbatch, forward + backward, recompute)",
             "",
             (
-                f"wall {k['wall_s']:.3f} s; device kernels {k['device_kernels']} taking {k['device_kernel_s']:.3f} s; "
+                f"wall {k['wall_s']:.3f} s; device kernels {k['device_kernels']} taking {k['device_kernel_s']:.3f} s"
+                + (f" (device busy {k['device_busy']:.1%})" if k.get("device_busy") is not None else "")
+                + "; "
                 f"planner {k['planner_s']:.3f} s; KDA replay share of packed rows {k['kda_replay_share_of_packed_rows']:.4f} "
                 f"(~{k['kda_replay_s_estimate']:.3f} s of KDA core)"
             ),
@@ -575,6 +749,19 @@ def main(argv=None) -> int:
         default="small",
         help="synthetic preset of the fidelity/replay slice (its trajectories must fit --fidelity-rows)",
     )
+    ap.add_argument(
+        "--fidelity-recompute",
+        choices=("both", "off", "on"),
+        default="both",
+        help="fidelity settings: without recomputation (off: every layer's activations of a "
+        "--fidelity-rows microbatch are kept), with it (on), or both",
+    )
+    ap.add_argument(
+        "--compare-mib",
+        type=float,
+        default=4096.0,
+        help="float32 logit temporaries of one comparison chunk (rows per chunk = this / (16 V))",
+    )
     ap.add_argument("--repeats", type=int, default=2, help="timed steps per mode")
     ap.add_argument("--sections", default="speedup,fidelity,replay,breakdown")
     ap.add_argument(
@@ -603,6 +790,8 @@ def main(argv=None) -> int:
         cfg, args.flavor = model.config, args.model
     else:
         cfg = model_config(args.flavor, args.layers)
+        if args.tiny and args.flavor != "debug":
+            cfg = tiny_config(cfg)
         if dev.type == "cpu" and cfg.dtype == "bfloat16":
             cfg = cfg.replace(dtype="float32")
         model = HybridModel(cfg, device=dev)
@@ -612,7 +801,8 @@ def main(argv=None) -> int:
             "device": torch.cuda.get_device_name(dev)
             if dev.type == "cuda"
             else platform.processor() or "cpu",
-            "model": f"{args.flavor} ({cfg.num_layers} layers: {' '.join(MIXER_CODES.get(m, m) for m in cfg.mixers)})",
+            "model": f"{args.flavor}{' at tiny widths' if args.tiny and args.model is None and args.flavor != 'debug' else ''} "
+            f"({cfg.num_layers} layers: {' '.join(MIXER_CODES.get(m, m) for m in cfg.mixers)})",
             "params": sum(p.numel() for p in model.parameters()),
             "dtype": cfg.dtype,
             "torch": torch.__version__,
