@@ -33,10 +33,29 @@ trajectories (doable with path sums over the segment tree; not needed by the pap
 
 Expert computation, chosen by ``MoEConfig.grouped``:
 
-* ``grouped=False``: a loop over experts (the reference, as torchtitan ``_run_experts_for_loop``);
-* ``grouped=True``: assignments sorted by expert, then three grouped matmuls
-  (``torch._grouped_mm`` where it is available and the shapes are 16-byte aligned, else a
-  padded batched matmul over experts), then an unsort and a fixed-order sum over the k slots.
+* ``grouped=False``: a loop over experts (the reference, as torchtitan ``_run_experts_for_loop``;
+  it synchronises with the device once per expert, through ``nonzero``);
+* ``grouped=True``: one permutation: the N*k assignments are sorted by expert once (a stable
+  device-side argsort, its inverse by a scatter, the per-expert counts by a scatter-add into a
+  fixed [E] buffer, offsets by a cumsum), the rows are gathered once, three grouped matmuls run
+  on the expert-sorted rows (``torch._grouped_mm`` with the device offsets where
+  :func:`_grouped_mm_ok` allows, else a padded batched matmul over experts), and the slots go
+  back with one gather by the inverse permutation and a fixed-order weighted sum over the k
+  slots. The backward is gathers and fixed-order sums too (no atomics, no second sort).
+
+Host synchronisation (issue 15): on CUDA the grouped path issues no device-to-host copy and no
+data-dependent output shape, forward or backward, when ``torch._grouped_mm`` takes its fast path:
+bf16 inputs and weights, compute capability 9.x or 10.x (PyTorch's ``_grouped_mm_cuda``; other
+devices and dtypes run ``_grouped_mm_fallback``, which copies the offsets to the host), and
+16-byte aligned rows (D and I multiples of 8 in bf16: D=1536, I=512 qualifies). Group sizes need
+no padding: the forward and input-gradient products are 2-D x 3-D (the ragged dimension is M),
+and the weight gradient is ``x^T`` (column-major) times the row-major output gradient, the one
+2-D x 2-D layout the kernel accepts with any group size, empty groups included. Anything else
+(fp32 or fp16 on CUDA, unaligned widths, older GPUs) takes the padded-bmm fallback, which reads
+the largest count on the host (one synchronisation per grouped matmul). The router, its
+statistics (z-loss, load-balancing loss, multiplicity-weighted counts ``f_e``), the count
+accumulation into ``local_tokens_per_expert`` and :meth:`CompactMoE.update_expert_bias` are
+device-side in every path: nothing is read back per step.
 """
 
 from __future__ import annotations
@@ -52,7 +71,16 @@ from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.rows import RowLayout
 from harts_runtime.modules.swiglu import SwiGLU
 
-__all__ = ["SCORE_FUNCS", "CompactMoE", "MoEConfig", "MoEOutput", "grouped_mm", "route", "router_losses"]
+__all__ = [
+    "SCORE_FUNCS",
+    "CompactMoE",
+    "MoEConfig",
+    "MoEOutput",
+    "grouped_mm",
+    "route",
+    "router_losses",
+    "sort_assignments",
+]
 
 
 @dataclass(kw_only=True)
@@ -181,7 +209,7 @@ def route(
         group_score = per.topk(min(2, e // num_groups), dim=-1).values.sum(-1)  # [N, G]
         keep = torch.sort(group_score, dim=-1, descending=True, stable=True).indices[:, :topk_groups]
         allowed = torch.zeros(n, num_groups, dtype=torch.bool, device=select.device).scatter_(1, keep, True)
-        select = select.masked_fill(~allowed.repeat_interleave(e // num_groups, dim=1), float("-inf"))
+        select = per.masked_fill(~allowed[..., None], float("-inf")).view(n, e)
     topk_idx = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :top_k]
     weight = scores.gather(1, topk_idx)
     if norm_topk_prob:
@@ -252,40 +280,147 @@ def _has_grouped_mm() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
+@functools.cache
+def _cuda_fast_grouped_mm(device_index: int) -> bool:
+    """PyTorch's bf16 ``_grouped_mm`` fast path (CUTLASS, offsets read on the device) exists for
+    compute capability 9.x and 10.x only (``_scaled_mm_allowed_device(sm90_only, sm100_only)``)."""
+    return torch.cuda.get_device_capability(device_index)[0] in (9, 10)
+
+
+def _tma_layout(t: torch.Tensor) -> bool:
+    """Row- or column-major in the last two dimensions with 16-byte aligned leading strides (the
+    ``check_valid_strides_and_return_transposed`` rule of ``_grouped_mm``)."""
+    align = 16 // t.element_size()
+    s, z = t.stride(), t.shape
+    if s[-1] == 1 and s[-2] >= max(1, z[-1]):
+        return s[-2] % align == 0
+    if s[-2] == 1 and s[-1] >= max(1, z[-2]):
+        return s[-1] % align == 0
+    return False
+
+
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if not _has_grouped_mm():
+    """Whether :func:`grouped_mm` may call ``torch._grouped_mm`` for ``x`` [M, K] and ``w`` [E, K, N].
+
+    Both need 16-byte aligned rows (``K`` and ``N`` times the element size) and one dtype. On CUDA
+    the dtype must be bf16 and the device SM90/SM100, the only case whose kernel reads the offsets
+    on the device; fp32/fp16 there would run PyTorch's per-group host loop (a synchronisation),
+    so they take the padded bmm instead. On the CPU fp32 and bf16 qualify.
+    """
+    if not _has_grouped_mm() or x.dtype != w.dtype:
         return False
-    aligned = all((d * x.element_size()) % 16 == 0 for d in (x.shape[-1], w.shape[-1]))
+    aligned = _tma_layout(x) and _tma_layout(w) and (w.shape[-1] * w.element_size()) % 16 == 0
     if x.is_cuda:
-        return aligned and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+        return (
+            aligned
+            and x.dtype == torch.bfloat16
+            and all((t.storage_offset() * t.element_size()) % 16 == 0 for t in (x, w))
+            and _cuda_fast_grouped_mm(x.device.index)
+        )
     return aligned and x.dtype in (torch.float32, torch.bfloat16)
 
 
 def _padded_bmm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Segmented matmul by padding each expert's rows into [E, max_count, K] and one bmm."""
+    """Segmented matmul by padding each expert's rows into [E, max_count, K] and one bmm.
+
+    The fallback of :func:`grouped_mm`: the padded shape needs the largest count on the host (one
+    device synchronisation per call)."""
     e = w.shape[0]
-    counts_l = counts.tolist()
-    m = max(counts_l) if counts_l else 0
+    m = int(counts.max()) if counts.numel() else 0
     starts = torch.cumsum(counts, 0) - counts
-    expert = torch.repeat_interleave(torch.arange(e, device=x.device), counts)
+    expert = torch.repeat_interleave(torch.arange(e, device=x.device), counts, output_size=x.shape[0])
     slot = torch.arange(x.shape[0], device=x.device) - starts[expert]
     padded = x.new_zeros(e, m, x.shape[1]).index_put((expert, slot), x)
     return torch.bmm(padded, w)[expert, slot]
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+def grouped_mm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    counts: torch.Tensor,
+    impl: str = "auto",
+    offs: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Rows of ``x`` [M, K] grouped by expert (``counts`` int [E], summing to M) times ``w`` [E, K, N].
 
     Returns [M, N]: group ``e``'s rows times ``w[e]``. ``impl``: ``"grouped_mm"``
-    (``torch._grouped_mm``), ``"bmm"`` (padded batched matmul) or ``"auto"`` (the first when the
-    dtype, device and 16-byte alignment allow it). Both are differentiable.
+    (``torch._grouped_mm``), ``"bmm"`` (padded batched matmul) or ``"auto"`` (the first when
+    :func:`_grouped_mm_ok` allows it). Both are differentiable. ``offs``: the int32 cumulative
+    counts, if the caller already has them (several matmuls over one grouping); computed on the
+    device otherwise.
     """
     if impl not in ("auto", "grouped_mm", "bmm"):
         raise InvalidInputError("impl", f"unknown {impl!r}; choose auto, grouped_mm or bmm")
     if impl == "grouped_mm" or (impl == "auto" and _grouped_mm_ok(x, w)):
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        return torch._grouped_mm(x, w, offs=offs)
+        if offs is None:
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
     return _padded_bmm(x, w, counts)
+
+
+# ------------------------------------------------------------------------- dispatch and combine
+def sort_assignments(topk_idx: torch.Tensor, num_experts: int):
+    """The one permutation of the grouped path, computed on the device (no host synchronisation).
+
+    Parameters
+    ----------
+    topk_idx : Tensor, int64, [N, k]
+
+    Returns
+    -------
+    order : Tensor, int64, [N*k]
+        The assignment slots ``c * k + j`` sorted by expert (stable: rows ascending inside an
+        expert, so the grouping is deterministic).
+    inverse : Tensor, int64, [N*k]
+        The inverse permutation (``inverse[order] = arange``), by a scatter rather than a second sort.
+    counts : Tensor, int64, [E]
+        Assignments per expert, by a scatter-add into a fixed-size buffer (``bincount`` on CUDA
+        reads its output size back from the device).
+    """
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    slots = torch.arange(flat.numel(), device=flat.device)
+    inverse = torch.empty_like(order).scatter_(0, order, slots)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+    return order, inverse, counts
+
+
+class _Dispatch(torch.autograd.Function):
+    """``x[order // k]``: rows [N, D] to their N*k expert-sorted assignment slots.
+
+    Backward: the slot gradients back to [N, k] order by a gather with ``inverse``, then a sum
+    over the k slots (fixed order; fp32 accumulation for bf16), instead of autograd's
+    accumulating ``index_put`` / ``index_add`` (a sort or atomics on CUDA).
+    """
+
+    @staticmethod
+    def forward(ctx, x, order, inverse, k):
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, g):
+        (inverse,) = ctx.saved_tensors
+        k = ctx.k
+        return g.index_select(0, inverse).view(inverse.numel() // k, k, -1).sum(1), None, None, None
+
+
+class _Unsort(torch.autograd.Function):
+    """``y[inverse]``: expert-sorted slots [N*k, D] back to row-major slot order; backward is the
+    gather ``g[order]`` (a permutation: no zero fill, no accumulation)."""
+
+    @staticmethod
+    def forward(ctx, y, order, inverse):
+        ctx.save_for_backward(order)
+        return y.index_select(0, inverse)
+
+    @staticmethod
+    def backward(ctx, g):
+        (order,) = ctx.saved_tensors
+        return g.index_select(0, order), None, None
 
 
 # ---------------------------------------------------------------------------------- module
@@ -371,19 +506,25 @@ class CompactMoE(nn.Module):
         )
         if self.training and c.accumulate_counts:
             self.local_tokens_per_expert += counts.detach()
+        # Shared experts: a dense SwiGLU, independent of the routing, issued before the routed
+        # path on the same stream (no side streams); the sum below is the same either way.
+        s = self._shared(hidden) if c.num_shared_experts > 0 else None
         experts = self._experts_grouped if c.grouped else self._experts_loop
         out = experts(hidden, topk_idx, weight.to(hidden.dtype))
-        if c.num_shared_experts > 0:
-            shared = getattr(self, "shared_experts", None)
-            if shared is None:  # a subclass that did not build them (expert parallelism)
-                raise InvalidInputError("num_shared_experts", "this MoE module has no shared experts")
-            s = shared(hidden)
-            if c.shared_expert_gate:
-                s = torch.sigmoid(self.shared_expert_gate(hidden)) * s
+        if s is not None:
             out = out + s
         return MoEOutput(
             out, aux, z, counts.detach(), topk_idx, weight, c.aux_loss_coef * aux + c.z_loss_coef * z
         )
+
+    def _shared(self, hidden: torch.Tensor) -> torch.Tensor:
+        shared = getattr(self, "shared_experts", None)
+        if shared is None:  # a subclass that did not build them (expert parallelism)
+            raise InvalidInputError("num_shared_experts", "this MoE module has no shared experts")
+        s = shared(hidden)
+        if self.config.shared_expert_gate:
+            s = torch.sigmoid(self.shared_expert_gate(hidden)) * s
+        return s
 
     def _ffn(self, x: torch.Tensor, e: int) -> torch.Tensor:
         return (F.silu(x @ self.w_gate[e]) * (x @ self.w_up[e])) @ self.w_down[e]
@@ -398,17 +539,18 @@ class CompactMoE(nn.Module):
         return out
 
     def _experts_grouped(self, x, topk_idx, weight):
-        """Fast path: sort the N*k assignments by expert, grouped matmuls, unsort, sum over slots."""
+        """Fast path: one expert sort of the N*k assignments, one gather of the rows, three
+        grouped matmuls on device offsets, one gather back, a fixed-order weighted sum over the
+        k slots. No host synchronisation on the ``torch._grouped_mm`` path (module docstring)."""
         n, k = topk_idx.shape
-        flat = topk_idx.reshape(-1)  # [N*k]
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.config.num_experts)
-        xs = x[order // k]  # [N*k, D]
-        h = F.silu(grouped_mm(xs, self.w_gate, counts)) * grouped_mm(xs, self.w_up, counts)
-        ys = _ContiguousGrad.apply(grouped_mm(h, self.w_down, counts))  # [N*k, D]
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        y = ys[inverse].view(n, k, -1)  # [N, k, D]
+        order, inverse, counts = sort_assignments(topk_idx, self.config.num_experts)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        xs = _Dispatch.apply(x, order, inverse, k)  # [N*k, D] expert-sorted
+        h = F.silu(grouped_mm(xs, self.w_gate, counts, offs=offs)) * grouped_mm(
+            xs, self.w_up, counts, offs=offs
+        )
+        ys = grouped_mm(h, self.w_down, counts, offs=offs)  # [N*k, D] expert-sorted
+        y = _Unsort.apply(ys, order, inverse).view(n, k, -1)  # [N, k, D]
         return (y * weight[..., None]).sum(1)
 
     @torch.no_grad()

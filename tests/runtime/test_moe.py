@@ -3,14 +3,24 @@
 Compact: one routing decision and expert computation per compact row, statistics weighted by the
 multiplicity q_c. Expanded: the same module on all S semantic rows with weight one each. Outputs,
 router z-loss, load-balancing loss, expert-load counts, expert-bias updates and all gradients agree;
-both expert paths (grouped matmul and the per-expert loop) are checked.
+both expert paths (grouped matmul and the per-expert loop) are checked. The grouped path is also
+checked to issue no op that would synchronise the host with a CUDA device (on the CPU, through the
+aten ops it dispatches; tests/runtime/test_moe_gpu.py checks it on the device).
 """
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from harts_runtime.layers.moe import CompactMoE, MoEConfig, grouped_mm, route
+from harts_runtime.layers.moe import (
+    CompactMoE,
+    MoEConfig,
+    _grouped_mm_ok,
+    grouped_mm,
+    route,
+    sort_assignments,
+)
 from harts_runtime.layout import RowLayout
 from harts_runtime.testing import random_batch
 
@@ -25,20 +35,29 @@ CONFIGS = {
     "softmax_scaled": {"score_func": "softmax", "norm_topk_prob": True, "routed_scaling_factor": 2.5},
     "sigmoid_bias": {"score_func": "sigmoid", "norm_topk_prob": True, "use_expert_bias": True},
 }
+SYNC_CONFIGS = {  # the no-host-sync test also covers shared experts and group-limited routing
+    **CONFIGS,
+    "shared_gated": {"num_shared_experts": 1, "shared_expert_gate": True},
+    "groups_shared": {
+        "score_func": "sigmoid",
+        "norm_topk_prob": True,
+        "use_expert_bias": True,
+        "num_expert_groups": 4,
+        "topk_groups": 2,
+        "num_shared_experts": 2,
+    },
+}
 
 
-def make(config: str, grouped: bool, seed: int = 0) -> CompactMoE:
+def make(config: str, grouped: bool, seed: int = 0, **sizes) -> CompactMoE:
     torch.manual_seed(seed)
     moe = CompactMoE(
         MoEConfig(
-            hidden_size=16,
-            num_experts=8,
-            top_k=3,
-            intermediate_size=12,
+            **{"hidden_size": 16, "num_experts": 8, "top_k": 3, "intermediate_size": 12, **sizes},
             grouped=grouped,
             aux_loss_coef=0.7,
             z_loss_coef=0.3,
-            **CONFIGS[config],
+            **SYNC_CONFIGS[config],
         )
     )
     if moe.config.use_expert_bias:
@@ -213,3 +232,142 @@ def test_grouped_path_on_cuda_bf16():
     for a, b in zip(*outs):
         err = float((a.float() - b.float()).norm() / b.float().norm())
         assert err < 2e-2, err
+
+
+# ------------------------------------------------------------------------ host synchronisation
+aten = torch.ops.aten
+
+
+class HostSyncError(AssertionError):
+    pass
+
+
+class NoHostSync(TorchDispatchMode):
+    """Raises :class:`HostSyncError` on every aten op that, on CUDA tensors, makes the host wait for the
+    device: scalar reads (``item``, ``bool(t)``, ``int(t)``: ``_local_scalar_dense``), data-dependent
+    output sizes (nonzero, bincount, unique, masked_select, boolean-mask indexing,
+    ``repeat_interleave`` without ``output_size``) and ops returning a Python bool of tensor data.
+    ``tolist``/``numpy``/``cpu`` do not dispatch for CPU tensors; :func:`no_host_sync` patches them.
+
+    Also checks the layout of every 2-D x 2-D ``_grouped_mm`` (the weight gradients): column-major
+    times row-major, the one layout whose CUDA kernel takes any group size, empty ones included
+    (every other 2-D x 2-D layout asserts 16-byte aligned, non-empty groups on the device).
+    """
+
+    SYNCING = {
+        aten._local_scalar_dense.default,
+        aten.item.default,
+        aten.is_nonzero.default,
+        aten.equal.default,
+        aten.nonzero.default,
+        aten.bincount.default,
+        aten.masked_select.default,
+        aten._unique.default,
+        aten._unique2.default,
+        aten.unique_dim.default,
+        aten.unique_consecutive.default,
+    }
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.SYNCING:
+            raise HostSyncError(f"{func} synchronises with the device")
+        if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+            raise HostSyncError("repeat_interleave without output_size synchronises with the device")
+        if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default):
+            if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
+                raise HostSyncError(f"{func} with a boolean mask synchronises with the device")
+        if func is aten._grouped_mm.default and args[0].dim() == 2 and args[1].dim() == 2:
+            a, b = args[0], args[1]
+            if not (a.stride(-2) == 1 and b.stride(-1) == 1):
+                raise HostSyncError(f"2-D x 2-D _grouped_mm with strides {a.stride()} x {b.stride()}")
+        return func(*args, **kwargs)
+
+
+def _refuse(name):
+    def refuse(*_args, **_kwargs):
+        raise HostSyncError(f"Tensor.{name} copies to the host")
+
+    return refuse
+
+
+@pytest.fixture
+def no_host_sync(monkeypatch):
+    """A context manager: :class:`NoHostSync` plus ``Tensor.tolist/numpy/cpu`` refused."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def guard():
+        with monkeypatch.context() as m, NoHostSync():
+            for name in ("tolist", "numpy", "cpu"):
+                m.setattr(torch.Tensor, name, _refuse(name))
+            yield
+
+    return guard
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm not available")
+@pytest.mark.parametrize("config", list(SYNC_CONFIGS))
+def test_grouped_path_issues_no_host_sync(config, no_host_sync):
+    """Forward, backward and the expert-bias step of the grouped path (torch._grouped_mm): no op
+    that would synchronise on CUDA. The loop reference (nonzero) trips the same guard."""
+    moe = make(config, True, hidden_size=32, intermediate_size=16)
+    moe.expert_bias[5] = -1e3  # never selected: an empty group in every grouped matmul
+    hidden = torch.randn(40, 32, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    layout = rows(torch.arange(40) % 3)
+    assert _grouped_mm_ok(hidden, moe.w_gate) and _grouped_mm_ok(hidden[:, :16], moe.w_down)
+    with no_host_sync():
+        out = moe(hidden, layout)
+        (out.hidden.square().sum() + out.router_loss).backward()
+        moe.update_expert_bias()
+    if moe.config.use_expert_bias:
+        assert out.tokens_per_expert[5] == 0 and not moe.w_gate.grad[5].any()
+    assert all(p.grad is not None for p in moe.parameters())
+
+    loop = make(config, False, hidden_size=32, intermediate_size=16)
+    with pytest.raises(HostSyncError), no_host_sync():
+        loop(hidden, layout)
+
+
+def test_no_host_sync_guard_catches_the_usual_syncs(no_host_sync):
+    t = torch.tensor([0, 2, 1, 2])
+    for sync in (
+        lambda: t.tolist(),
+        lambda: t.sum().item(),
+        lambda: bool(t[0]),
+        lambda: torch.bincount(t, minlength=3),
+        lambda: t.nonzero(),
+        lambda: t[t > 0],
+        lambda: torch.repeat_interleave(t, t),
+        lambda: torch.unique(t),
+        lambda: t.cpu(),
+    ):
+        with pytest.raises(HostSyncError), no_host_sync():
+            sync()
+    with no_host_sync():  # the device-side replacements pass
+        torch.repeat_interleave(t, t, output_size=5)
+        torch.zeros(3, dtype=torch.long).scatter_add_(0, t, torch.ones_like(t))
+
+
+def test_sort_assignments_is_one_stable_permutation():
+    topk_idx = torch.tensor([[2, 0], [0, 3], [2, 3], [0, 2]])
+    order, inverse, counts = sort_assignments(topk_idx, 5)
+    flat = topk_idx.reshape(-1)
+    assert order.tolist() == [1, 2, 6, 0, 4, 7, 3, 5]  # by expert, slots ascending inside one
+    assert torch.equal(order[inverse], torch.arange(8)) and torch.equal(inverse[order], torch.arange(8))
+    assert torch.equal(counts, torch.bincount(flat, minlength=5))
+    assert torch.equal(flat[order], torch.sort(flat, stable=True).values)
+
+
+def test_grouped_mm_ok_conditions_on_cpu():
+    """CPU: fp32/bf16 with 16-byte aligned rows and one dtype (fp64 and odd widths: padded bmm).
+    The CUDA conditions (bf16, SM90/SM100) are checked in test_moe_gpu.py."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm not available")
+    x = torch.zeros(10, 1536)
+    assert _grouped_mm_ok(x, torch.zeros(4, 1536, 512))
+    assert _grouped_mm_ok(x.bfloat16(), torch.zeros(4, 1536, 512, dtype=torch.bfloat16))
+    assert _grouped_mm_ok(x, torch.zeros(4, 512, 1536).transpose(1, 2))  # column-major weights
+    assert not _grouped_mm_ok(x.double(), torch.zeros(4, 1536, 512, dtype=torch.float64))
+    assert not _grouped_mm_ok(x, torch.zeros(4, 1536, 6))  # 24-byte rows
+    assert not _grouped_mm_ok(x.bfloat16(), torch.zeros(4, 1536, 512))  # mixed dtypes

@@ -1,0 +1,190 @@
+"""CompactMoE on CUDA (issue 15, item 3): the grouped path runs forward and backward without host
+synchronisation, and agrees with the fp32 per-expert loop.
+
+The grouped module runs in bf16 (``torch._grouped_mm``'s device-offset kernel, SM90/SM100); after
+one warm-up step (cuBLAS/CUTLASS workspaces, allocator blocks, lazy initialisation) a second
+forward + backward + expert-bias step runs under ``torch.cuda.set_sync_debug_mode("error")``, so
+any synchronising CUDA call PyTorch makes (``.item()``, ``.tolist()``, ``nonzero``, a blocking
+copy, a stream synchronisation) raises. The reference is the same module (same bf16-rounded
+weights, upcast) in fp32 with ``grouped=False``. Both compute the router logits in fp32 from the
+same values, so they route identically; outputs and every gradient are compared by their relative
+Frobenius error against a per-tensor tolerance (:data:`RTOL`), the router statistics exactly or
+to fp32 rounding.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from harts_runtime.layers.moe import CompactMoE, MoEConfig, _grouped_mm_ok
+from harts_runtime.layout import RowLayout
+
+pytestmark = pytest.mark.gpu
+
+N, D, INTER, E, K = 4096, 256, 128, 16, 4
+NEVER = 5  # an expert whose selection bias keeps it empty (configs with an expert bias)
+
+CONFIGS = {
+    "plain": {},
+    "shared_gated": {"num_shared_experts": 2, "shared_expert_gate": True},  # Qwen3-Next / Qwen3.5
+    "groups_shared": {  # Kimi-Linear / DeepSeek-V3
+        "score_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "use_expert_bias": True,
+        "num_expert_groups": 4,
+        "topk_groups": 2,
+        "num_shared_experts": 1,
+    },
+}
+
+RTOL = {
+    # Relative Frobenius error, bf16 grouped path vs the fp32 loop. bf16 rounds to 2^-9 relative;
+    # an expert rounds its gate/up products, h and its output (fp32 accumulation inside), the
+    # combine and every gradient round once more: ~0.5% (0.41-0.61% for every entry in a CPU run
+    # of this test with CPU bf16 kernels). A permutation or grouping bug is O(1).
+    "hidden": 1.5e-2,
+    "d_hidden": 2e-2,
+    "router": 2e-2,  # through the bf16 combine weights; the z-/aux-loss parts are fp32
+    "w_gate": 2e-2,
+    "w_up": 2e-2,
+    "w_down": 2e-2,
+    "shared_experts.gate.weight": 2e-2,
+    "shared_experts.up.weight": 2e-2,
+    "shared_experts.down.weight": 2e-2,
+    "shared_expert_gate.weight": 2e-2,  # [1, D]: one reduction over all N rows
+}
+
+
+@pytest.fixture(autouse=True)
+def fp32_reference():
+    """Full-precision fp32 matmuls for the reference (no TF32), restored afterwards."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(precision)
+    torch.cuda.set_sync_debug_mode("default")
+
+
+def fast_grouped_mm_device() -> bool:
+    return torch.cuda.get_device_capability()[0] in (9, 10)
+
+
+def build(name: str):
+    """(bf16 grouped module, fp32 loop reference with the same bf16-rounded weights)."""
+    torch.manual_seed(0)
+    moe = CompactMoE(
+        MoEConfig(
+            hidden_size=D,
+            num_experts=E,
+            top_k=K,
+            intermediate_size=INTER,
+            aux_loss_coef=0.01,
+            z_loss_coef=0.001,
+            **CONFIGS[name],
+        )
+    ).cuda()
+    if moe.config.use_expert_bias:
+        moe.expert_bias.normal_(0.0, 0.05)
+        moe.expert_bias[NEVER] = -1e3
+    moe = moe.to(torch.bfloat16)
+    moe.expert_bias.data = moe.expert_bias.data.float()  # as HybridModel keeps them
+    moe.local_tokens_per_expert.data = moe.local_tokens_per_expert.data.float()
+    ref = copy.deepcopy(moe).float()
+    ref.config.grouped = False
+    assert moe.config.grouped
+    return moe, ref
+
+
+def inputs():
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(N, D, device="cuda", generator=gen).to(torch.bfloat16)
+    probe = torch.randn(N, D, device="cuda", generator=gen)  # a generic output gradient
+    q = torch.randint(0, 4, (N,), device="cuda", generator=gen)  # q = 0: padding rows
+    return x, probe, RowLayout(N, multiplicity=q)
+
+
+def step(moe, x, probe, layout):
+    moe.zero_grad(set_to_none=True)
+    h = x.detach().to(moe.w_gate.dtype).requires_grad_()
+    out = moe(h, layout)
+    ((out.hidden.float() * probe).sum() + out.router_loss).backward()
+    return out, h.grad
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_grouped_moe_has_no_host_sync_and_matches_the_loop(name):
+    if not fast_grouped_mm_device():
+        pytest.skip("torch._grouped_mm reads offsets on the device only on SM90/SM100")
+    moe, ref = build(name)
+    x, probe, layout = inputs()
+    assert _grouped_mm_ok(x, moe.w_gate) and _grouped_mm_ok(x[:, :INTER], moe.w_down)
+
+    step(moe, x, probe, layout)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, dx = step(moe, x, probe, layout)
+        counts = moe.update_expert_bias()
+        moe.eval()
+        with torch.no_grad():
+            moe(x, layout)
+        moe.train()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+    ref_out, ref_dx = step(ref, x, probe, layout)
+    assert torch.equal(out.topk_idx, ref_out.topk_idx)
+    assert torch.equal(out.tokens_per_expert, ref_out.tokens_per_expert)
+    assert torch.equal(counts, 2 * ref_out.tokens_per_expert)  # warm-up + measured step
+    torch.testing.assert_close(out.z_loss, ref_out.z_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(out.aux_loss, ref_out.aux_loss, rtol=1e-5, atol=0)
+    if moe.config.use_expert_bias:  # an empty group in every grouped matmul: exact zeros
+        assert out.tokens_per_expert[NEVER] == 0
+        assert not any(getattr(moe, w).grad[NEVER].any() for w in ("w_gate", "w_up", "w_down"))
+
+    errors = {"hidden": rel(out.hidden, ref_out.hidden), "d_hidden": rel(dx, ref_dx)}
+    ref_params = dict(ref.named_parameters())
+    for pname, p in moe.named_parameters():
+        assert pname in RTOL, f"no tolerance named for parameter {pname}"
+        errors[pname] = rel(p.grad, ref_params[pname].grad)
+    bad = {k: (v, RTOL[k]) for k, v in errors.items() if not v <= RTOL[k]}
+    assert not bad, f"relative errors over tolerance: {bad} (all: {errors})"
+
+
+def test_sync_debug_mode_catches_the_loop_reference():
+    """The guard itself works: the per-expert loop (nonzero per expert) raises under it."""
+    _, ref = build("plain")
+    x, _, layout = inputs()
+    ref(x.float(), layout)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            ref(x.float(), layout)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_grouped_mm_ok_on_cuda():
+    """bf16 with 16-byte rows on SM90/SM100 takes torch._grouped_mm (production widths D=1536,
+    I=512 included); fp32/fp16 and odd widths take the padded bmm (PyTorch's fp32 grouped_mm on
+    CUDA is a per-group host loop)."""
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.zeros(64, 1536, **bf)
+    fast = fast_grouped_mm_device()
+    assert _grouped_mm_ok(x, torch.zeros(8, 1536, 512, **bf)) == fast
+    assert _grouped_mm_ok(torch.zeros(64, 512, **bf), torch.zeros(8, 512, 1536, **bf)) == fast
+    assert not _grouped_mm_ok(x.float(), torch.zeros(8, 1536, 512, device="cuda"))
+    assert not _grouped_mm_ok(x.half(), torch.zeros(8, 1536, 512, device="cuda", dtype=torch.half))
+    assert not _grouped_mm_ok(x, torch.zeros(8, 1536, 500, **bf))  # 1000-byte rows
+    assert not _grouped_mm_ok(x[:, 1:1025], torch.zeros(8, 1024, 512, **bf))  # misaligned start
