@@ -1,0 +1,124 @@
+"""CPU smoke tests of the GPU benchmarks at tiny sizes: ``benchmarks/layer_speed.py`` writes its
+top-level keys and a parity record per case; ``benchmarks/train_eval.py`` runs every section on the
+Qwen3.5-shaped flavor (GDN + gated attention + MoE with a gated shared expert) and on a Qwen3.5
+checkpoint folder (``--model PATH``). The debug-flavor and Kimi-Linear-folder runs of train_eval
+are in ``test_train.py`` and ``test_kimi_linear.py``."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_layer_speed_lengths_and_train_eval_keys(tmp_path):
+    """The trajectory profile scales to exactly the row count; the train_eval headline numbers are
+    read from its JSON (file or --out folder), and are None where it has none."""
+    ls = _load("layer_speed")
+    for total in (65_536, 320, 47, 9):
+        lengths = ls.scaled_lengths(total)
+        assert sum(lengths) == total and len(lengths) == 8 and min(lengths) >= 1
+    assert ls.scaled_lengths(65_536)[0] > ls.scaled_lengths(65_536)[-1]
+    doc = {
+        "meta": {"model": "ling-tiny (24 layers)"},
+        "speedup": {"tflops": {"compact": 121.0, "trajectory": 118.0}, "fbg_speedup_over_ideal": 0.99},
+        "breakdown": {"device_busy": 0.9, "wall_s": 7.75, "device_kernel_s": 6.99, "host_overhead_s": 0.76},
+    }
+    (tmp_path / "train_eval.json").write_text(json.dumps(doc))
+    got = ls.read_train_eval(str(tmp_path))
+    assert (got["model_tflops"], got["device_busy"], got["speedup_vs_ideal"]) == (121.0, 0.9, 0.99)
+    missing = ls.read_train_eval(str(tmp_path / "nope"))
+    assert missing["model_tflops"] is None and "error" in missing
+    assert ls.read_train_eval(None)["device_busy"] is None
+
+
+@pytest.mark.slow
+def test_layer_speed_tiny_writes_keys_and_parity(tmp_path, monkeypatch):
+    """``layer_speed.py --tiny`` on the CPU: every case runs, parity is recorded (fla's layers are
+    skipped without CUDA), warm repeats and the first pass are timed, the top-level keys exist."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # fla must not run under the interpreter here
+    ls = _load("layer_speed")
+    readme = tmp_path / "README.md"
+    out = tmp_path / "layer_speed.json"
+    assert ls.main(["--tiny", "--out", str(out), "--readme", str(readme)]) == 0
+    assert not readme.exists()  # tiny runs never touch the README
+    res = json.loads(out.read_text())
+    for key in ls.TOP_KEYS:
+        assert key in res
+    assert res["kda_compact_vs_trajectory"] is not None and res["kda_compact_vs_trajectory"] > 0
+    assert res["kda_fwdbwd_vs_fla"] is None  # fla needs CUDA
+    cases = res["cases"]
+    assert set(cases) == set(ls.CASES)
+    for name, d in cases.items():
+        assert "error" not in d, (name, d.get("traceback"))
+    for name in ("kda", "gdn"):
+        assert cases[name]["parity"]["status"].startswith("skipped")
+        assert cases[name]["ours"]["status"] == "ok"
+        assert cases[name]["ours"]["fwdbwd"]["ms"] > 0 and cases[name]["ours"]["fwdbwd"]["first_pass_s"] > 0
+    kc = cases["kda_compact"]
+    assert kc["parity"]["status"] == "ok" and kc["parity"]["max_rel_err"] < 1e-4, kc["parity"]
+    mb = kc["microbatch"]
+    assert mb["packed_rows"] == mb["compact_rows"] + mb["replay_rows"]
+    assert kc["trajectory"]["rows"] == mb["packed_rows"]
+    moe = cases["moe"]
+    assert moe["parity"]["status"] == "ok" and moe["parity"]["max_rel_err"] < 1e-4, moe["parity"]
+    assert moe["fwdbwd_vs_roofline"] > 0 and moe["host"]["wall_ms"] > 0
+    for sname, s in cases["attention"]["shapes"].items():
+        ran = {b: r for b, r in s["backends"].items() if r.get("status") == "ok"}
+        assert len(ran) >= 2 and s["fastest"] in ran, sname
+        for b, r in ran.items():
+            p = r["parity"]
+            assert p["status"] == "reference" or p["max_rel_err"] < 1e-4, (sname, b, p)
+
+
+def _train_eval_ok(res):
+    for name in ("speedup", "fidelity", "replay", "breakdown"):
+        assert "error" not in res[name], res[name].get("traceback")
+    assert res["speedup"]["ideal_work_compression"] > 1
+    for key in ("no_recompute", "recompute"):
+        f = res["fidelity"][key]
+        assert f["harts_cos"] > 0.9999 and f["harts_max_abs_logit_diff"] < 1e-3, f
+    assert sum(d["tokens"] for d in res["replay"]["replay"][1:]) > 0
+    assert "harts.kda.core" in res["breakdown"]["ranges"]  # the GDN core runs the KDA schedule
+
+
+@pytest.mark.slow
+def test_train_eval_qwen35_flavor_tiny(tmp_path):
+    """``train_eval.py --flavor qwen3.5-35b-a3b --tiny``: the flavor's pattern at tiny widths
+    (3 GDN + 1 gated attention, MoE with a gated shared expert); every section runs."""
+    te = _load("train_eval")
+    argv = ["--device", "cpu", "--flavor", "qwen3.5-35b-a3b", "--tiny", "--out", str(tmp_path)]
+    assert te.main(argv) == 0
+    res = json.loads((tmp_path / "train_eval.json").read_text())
+    assert "G G G GA" in res["meta"]["model"] and "tiny widths" in res["meta"]["model"]
+    _train_eval_ok(res)
+
+
+@pytest.mark.slow
+def test_train_eval_qwen35_checkpoint_folder(tmp_path):
+    """``train_eval.py --model PATH`` on a Qwen3.5-MoE text checkpoint folder (written by
+    ``save_pretrained`` from the tiny flavor): every section runs on the loaded model."""
+    pytest.importorskip("safetensors")
+    import torch
+
+    from harts_runtime import HybridModel, model_config, save_pretrained
+
+    te = _load("train_eval")
+    torch.manual_seed(0)
+    save_pretrained(HybridModel(te.tiny_config(model_config("qwen3.5-35b-a3b", 4))), tmp_path / "hf")
+    out = tmp_path / "eval"
+    assert te.main(["--device", "cpu", "--model", str(tmp_path / "hf"), "--tiny", "--out", str(out)]) == 0
+    res = json.loads((out / "train_eval.json").read_text())
+    assert str(tmp_path / "hf") in res["meta"]["model"]
+    _train_eval_ok(res)
