@@ -188,7 +188,7 @@ class CompactGatedDeltaNet(nn.Module):
         c = self.config
         B = chunk_size or c.chunk_size or 64
         offsets = np.asarray(offsets, dtype=np.int64)
-        windows = ConvWindows.trajectories(offsets, c.conv_kernel_size).to(x.device)
+        windows = ConvWindows.trajectories(offsets, c.conv_kernel_size, x.device)
         q, k, v, g, beta, z = self._features(x, windows)
         g = g.unsqueeze(-1).expand(-1, -1, c.head_k_dim)
         o, _, _ = _kda.chunk_kda_with_states(
@@ -198,4 +198,4 @@ class CompactGatedDeltaNet(nn.Module):
             output_final_state=False,
             backend=c.backend,
         )
-        return self._output(o[0], z)
+        return self._output(o.squeeze(0), z)

@@ -37,10 +37,10 @@ re-executes the same rounds from the fixed plan; no activation or state outlives
 
 Two paths of the token-wise parts, chosen by ``KDAConfig.backend`` (:mod:`harts_runtime.modules.fused`):
 
-* fused (CUDA): one GEMM for q, k, v (the three weights concatenated) and one for the low-rank
-  decay / output-gate inputs and beta; one fla varlen convolution over the concatenated q, k, v
-  channels with each sequence's context rows as its initial state; fla's ``l2norm``,
-  ``fused_kda_gate`` and ``rms_norm_gated`` kernels;
+* fused (CUDA): fla's varlen convolution on q, k and v with each sequence's context rows as its
+  initial state (outputs contiguous, so nothing is copied before the core), one GEMM for the
+  low-rank decay / output-gate inputs and beta (the three weights concatenated); fla's
+  ``l2norm``, ``fused_kda_gate`` and ``rms_norm_gated`` kernels;
 * reference (CPU): the same math module by module in PyTorch (float32 statistics).
 
 :meth:`KDALayer.forward_trajectories` is the slow reference: every trajectory through the same
@@ -66,6 +66,7 @@ from harts_runtime.layout.rows import RowLayout
 from harts_runtime.modules.convolution import ShortConvolution, varlen_causal_conv
 from harts_runtime.modules.fused import use_fla
 from harts_runtime.modules.norms import GatedRMSNorm, l2_norm
+from harts_runtime.ops.rows import gather_packed, scatter_own
 
 __all__ = ["KDAConfig", "KDALayer", "run_kda_schedule"]
 
@@ -98,18 +99,21 @@ def run_kda_schedule(
 ) -> torch.Tensor:
     """Execute a KDA schedule's rounds over per-row inputs (q, k [C, H, K]; v [C, H, V]; g
     [C, H, K] fp32 log decay, or [C, H] for one decay per head, broadcast over K after the gather;
-    beta [C, H]): one packed :func:`chunk_kda_with_states` call per round, replay rows gathered,
-    initial states from earlier rounds' boundary states. Returns the core output [C, H, V] in
-    physical order. Shared by :class:`KDALayer` and the gated delta net."""
+    beta [C, H]): the packed rows of all rounds gathered once (:func:`~harts_runtime.ops.rows.gather_packed`),
+    then one packed :func:`chunk_kda_with_states` call per round on its slice, initial states from
+    earlier rounds' boundary states. Returns the core output [C, H, V] in physical order. Shared by
+    :class:`KDALayer` and the gated delta net."""
     H, K, Vd = q.shape[1], q.shape[2], v.shape[2]
     slots: list[torch.Tensor | None] = [None] * sched.num_slots  # live for this call only
     zero = None
+    with record_function("harts.kda.gather"):
+        packed = [gather_packed(x, sched) for x in (q, k, v, g, beta)]
     outs = []
-    for rd in sched.rounds:
-        with record_function("harts.kda.gather"):
-            packed = [x.index_select(0, rd.gather).unsqueeze(0) for x in (q, k, v, g, beta)]
-            if g.dim() == 2:  # one decay per (row, head): broadcast over the key dim (exact)
-                packed[3] = packed[3].unsqueeze(-1).expand(-1, -1, -1, K)
+    for r, rd in enumerate(sched.rounds):
+        lo, hi = sched.bounds[r], sched.bounds[r + 1]
+        inputs = [x[lo:hi].unsqueeze(0) for x in packed]
+        if g.dim() == 2:  # one decay per (row, head): broadcast over the key dim (exact)
+            inputs[3] = inputs[3].unsqueeze(-1).expand(-1, -1, -1, K)
         init = None
         if any(s >= 0 for s in rd.init_slots):
             if zero is None:
@@ -124,7 +128,7 @@ def run_kda_schedule(
         want_final = any(s >= 0 for s in rd.final_slots)
         with record_function("harts.kda.core"):
             o, final, bstates = chunk_kda_with_states(
-                *packed,
+                *inputs,
                 initial_state=init,
                 cu_seqlens=rd.cu_seqlens,
                 chunk_size=chunk_size,
@@ -138,9 +142,9 @@ def run_kda_schedule(
         for j, s in enumerate(rd.final_slots):
             if s >= 0:
                 slots[s] = final[j]
-        o = o[0]
-        outs.append(o if rd.out_pos.numel() == o.shape[0] else o.index_select(0, rd.out_pos))
-    return torch.cat(outs).index_select(0, sched.write_perm)
+        outs.append(o.squeeze(0))
+    o = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return scatter_own(o, sched)
 
 
 class KDALayer(nn.Module):
@@ -191,16 +195,17 @@ class KDALayer(nn.Module):
 
         c = self.config
         R, H, K, Vd = x.shape[0], c.num_heads, c.head_k_dim, c.head_v_dim
-        w_qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-        conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]
-        qkv = varlen_causal_conv(F.linear(x, w_qkv), conv_w, windows, "silu", c.backend)
-        q, k, v = torch.split(qkv, [H * K, H * K, H * Vd], dim=1)
+        conv = lambda proj, conv1d: varlen_causal_conv(  # noqa: E731
+            proj(x), conv1d.weight[:, 0, :], windows, "silu", c.backend
+        )
+        q = l2norm(conv(self.q_proj, self.q_conv1d).view(R, H, K))
+        k = l2norm(conv(self.k_proj, self.k_conv1d).view(R, H, K))
+        v = conv(self.v_proj, self.v_conv1d)
         w_low = torch.cat([self.f_proj[0].weight, self.g_proj[0].weight, self.b_proj.weight])
         f_low, g_low, b = torch.split(F.linear(x, w_low), [Vd, Vd, H], dim=1)
         g = fused_kda_gate(self.f_proj[1](f_low).view(R, H, K), self.A_log, self.dt_bias)
         beta = torch.sigmoid(b.float()).to(x.dtype)
         out_gate = self.g_proj[1](g_low).view(R, H, Vd)
-        q, k = l2norm(q.reshape(R, H, K)), l2norm(k.reshape(R, H, K))
         return q, k, v.reshape(R, H, Vd), g, beta, out_gate
 
     def _output(self, o: torch.Tensor, out_gate: torch.Tensor) -> torch.Tensor:
@@ -240,7 +245,7 @@ class KDALayer(nn.Module):
         """Reference: every trajectory unshared. x: [S, D] semantic rows, trajectories at
         ``[offsets[j], offsets[j+1])`` -> [S, D]. One packed call from zero states."""
         offsets = np.asarray(offsets, dtype=np.int64)
-        windows = ConvWindows.trajectories(offsets, self.config.conv_size).to(x.device)
+        windows = ConvWindows.trajectories(offsets, self.config.conv_size, x.device)
         q, k, v, g, beta, out_gate = self._features(x, windows)
         o, _, _ = chunk_kda_with_states(
             *(t.unsqueeze(0) for t in (q, k, v, g, beta)),
@@ -249,4 +254,4 @@ class KDALayer(nn.Module):
             output_final_state=False,
             backend=self.config.backend,
         )
-        return self._output(o[0], out_gate)
+        return self._output(o.squeeze(0), out_gate)

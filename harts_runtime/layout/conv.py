@@ -28,13 +28,15 @@ from harts_runtime.errors import InvalidInputError
 
 __all__ = ["ConvWindows", "sequence_conv_index", "trajectory_conv_index"]
 
+_TRAJECTORY_WINDOWS: dict = {}
+
 
 @dataclass
 class ConvWindows:
     """The short convolution's windows of one microbatch, in both forms (host-built, then moved).
 
     * ``index`` [C, w] int64: the window table (:func:`sequence_conv_index`), read by the
-      reference gather path;
+      reference gather path; built on first use (the fused path never needs it);
     * ``cu_seqlens`` [N + 1] int32 (device) and ``cu_seqlens_cpu`` (host): sequences of rows
       contiguous in physical order covering all C rows; ``context`` [N, w - 1] int64: the rows
       before each sequence's first row (oldest first, -1 = zeros), or None when no sequence has
@@ -43,10 +45,23 @@ class ConvWindows:
 
     width: int
     num_rows: int
-    index: torch.Tensor
     cu_seqlens: torch.Tensor
     cu_seqlens_cpu: torch.Tensor
     context: torch.Tensor | None
+    context_cpu: np.ndarray | None = None
+    _index: torch.Tensor | None = None
+
+    @property
+    def index(self) -> torch.Tensor:
+        if self._index is None:
+            cu = self.cu_seqlens_cpu.numpy().astype(np.int64)
+            ranges = np.stack([cu[:-1], cu[1:]], 1)
+            ctx = self.context_cpu
+            if ctx is None:
+                ctx = np.full((len(ranges), self.width - 1), -1, dtype=np.int64)
+            table = torch.from_numpy(sequence_conv_index(ranges, ctx, self.num_rows))
+            self._index = table.to(self.cu_seqlens.device)
+        return self._index
 
     @classmethod
     def from_sequences(cls, row_ranges, context, num_rows: int, width: int) -> ConvWindows:
@@ -65,31 +80,42 @@ class ConvWindows:
         if len(ctx) and (ctx.min(initial=-1) < -1 or ctx.max(initial=-1) >= num_rows):
             raise InvalidInputError("conv", f"context rows must lie in [-1, {num_rows})")
         cu_cpu = torch.from_numpy(cu.astype(np.int32))
+        has_ctx = bool((ctx >= 0).any())
         return cls(
             width,
             num_rows,
-            torch.from_numpy(sequence_conv_index(rr, ctx, num_rows)),
             cu_cpu.clone(),
             cu_cpu,
-            torch.from_numpy(ctx) if (ctx >= 0).any() else None,
+            torch.from_numpy(ctx) if has_ctx else None,
+            ctx if has_ctx else None,
         )
 
     @classmethod
-    def trajectories(cls, offsets, width: int) -> ConvWindows:
-        """Plain packed trajectories ``[offsets[j], offsets[j + 1])``: no context."""
-        offsets = np.asarray(offsets, dtype=np.int64)
-        ranges = np.stack([offsets[:-1], offsets[1:]], 1)
-        ctx = np.full((len(ranges), width - 1), -1, dtype=np.int64)
-        return cls.from_sequences(ranges, ctx, int(offsets[-1]), width)
+    def trajectories(cls, offsets, width: int, device=None) -> ConvWindows:
+        """Plain packed trajectories ``[offsets[j], offsets[j + 1])``: no context. Cached per
+        (offsets, width, device): every layer of a step asks for the same windows."""
+        key = (tuple(int(o) for o in np.asarray(offsets).reshape(-1)), int(width), str(device))
+        win = _TRAJECTORY_WINDOWS.get(key)
+        if win is None:
+            offsets = np.asarray(key[0], dtype=np.int64)
+            ranges = np.stack([offsets[:-1], offsets[1:]], 1)
+            ctx = np.full((len(ranges), width - 1), -1, dtype=np.int64)
+            win = cls.from_sequences(ranges, ctx, int(offsets[-1]), width)
+            win = win.to(device) if device is not None else win
+            _TRAJECTORY_WINDOWS[key] = win
+            while len(_TRAJECTORY_WINDOWS) > 16:
+                _TRAJECTORY_WINDOWS.pop(next(iter(_TRAJECTORY_WINDOWS)))
+        return win
 
     def to(self, device) -> ConvWindows:
         return ConvWindows(
             self.width,
             self.num_rows,
-            self.index.to(device),
             self.cu_seqlens.to(device),
             self.cu_seqlens_cpu,
             None if self.context is None else self.context.to(device),
+            self.context_cpu,
+            None if self._index is None else self._index.to(device),
         )
 
 

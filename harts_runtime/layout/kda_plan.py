@@ -65,14 +65,68 @@ class KDARound:
 
 @dataclass
 class KDASchedule:
-    """Rounds plus the permutation that puts their outputs in physical order."""
+    """Rounds plus the maps between physical rows and the packed rows of all rounds.
+
+    The packed rows of every round, back to back, are ``P = sum(len(rd.gather))`` rows:
+    ``gather`` [P] (the physical row each reads), ``bounds`` [R + 1] (host: round r owns packed
+    rows ``[bounds[r], bounds[r + 1])``), ``own_pos`` [C] (the packed row whose core output is
+    physical row c's: every physical row is written exactly once), ``replay_pos`` / ``replay_src``
+    (the other packed rows, replay, and the physical rows they read). ``identity``: the packed rows
+    are the physical rows in order (the trajectory-wise baseline): no gather at all.
+    """
 
     rounds: list[KDARound]
     num_slots: int
     write_perm: torch.Tensor  # [C] int64: physical row c is cat(round outputs)[write_perm[c]]
+    gather: torch.Tensor = None
+    bounds: list[int] = None
+    own_pos: torch.Tensor = None
+    replay_pos: torch.Tensor = None
+    replay_src: torch.Tensor = None
+    identity: bool = False
+
+    def __post_init__(self):
+        if self.gather is not None:
+            return
+        gathers = [rd.gather.cpu() for rd in self.rounds]
+        sizes = [len(g) for g in gathers]
+        self.bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist() if sizes else [0]
+        self.gather = torch.cat(gathers) if gathers else torch.zeros(0, dtype=torch.int64)
+        out_global = (
+            torch.cat([rd.out_pos.cpu() + b for rd, b in zip(self.rounds, self.bounds)])
+            if self.rounds
+            else torch.zeros(0, dtype=torch.int64)
+        )
+        self.own_pos = out_global.index_select(0, self.write_perm.cpu())
+        is_own = torch.zeros(len(self.gather), dtype=torch.bool)
+        is_own[self.own_pos] = True
+        self.replay_pos = torch.nonzero(~is_own).flatten()
+        self.replay_src = self.gather.index_select(0, self.replay_pos)
+        n = len(self.gather)
+        self.identity = (
+            len(self.replay_pos) == 0
+            and n == len(self.write_perm)
+            and torch.equal(self.gather, torch.arange(n))
+            and torch.equal(self.own_pos, torch.arange(n))
+        )
+
+    @property
+    def packed_rows(self) -> int:
+        """P: packed rows of all rounds (physical rows + replay rows)."""
+        return self.bounds[-1]
 
     def to(self, device) -> KDASchedule:
-        return KDASchedule([r.to(device) for r in self.rounds], self.num_slots, self.write_perm.to(device))
+        return KDASchedule(
+            [r.to(device) for r in self.rounds],
+            self.num_slots,
+            self.write_perm.to(device),
+            self.gather.to(device),
+            self.bounds,
+            self.own_pos.to(device),
+            self.replay_pos.to(device),
+            self.replay_src.to(device),
+            self.identity,
+        )
 
 
 def _write_perm(out_rows: list[np.ndarray], num_rows: int) -> torch.Tensor:
@@ -205,7 +259,9 @@ class KDAExecutionPlan:
             chunk_size,
             conv_width,
             S,
-            ConvWindows.trajectories(offsets, conv_width),
+            ConvWindows.from_sequences(
+                np.stack([offsets[:-1], offsets[1:]], 1), np.full((n, conv_width - 1), -1), S, conv_width
+            ),
             sched,
             sched,
             {

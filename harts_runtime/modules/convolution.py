@@ -88,7 +88,7 @@ def varlen_causal_conv(
         cu_seqlens=windows.cu_seqlens,
         cu_seqlens_cpu=windows.cu_seqlens_cpu,
     )
-    return y[0]
+    return y.squeeze(0)
 
 
 def naive_varlen_causal_conv(
