@@ -32,6 +32,7 @@ def ours_logits(model, trajs, grad: bool = False) -> torch.Tensor:
     batch = hp.RolloutBatch.from_token_lists(trajs)
     cfg = model.config
     layout = trajectory_layout(batch, np.arange(len(trajs)), cfg.chunk_size, cfg.conv_size)
+    layout = layout.to(next(model.parameters()).device)
     with torch.set_grad_enabled(grad):
         hidden, _ = model.forward_hidden(layout)
         return model.logits(hidden)
