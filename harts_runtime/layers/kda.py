@@ -108,10 +108,13 @@ def run_kda_schedule(
     zero = None
     with record_function("harts.kda.gather"):
         packed = [gather_packed(x, sched) for x in (q, k, v, g, beta)]
+        # split, not slices: the backward of a split is one concatenation per tensor, that of R
+        # slices R full-size zero tensors summed (measured: 6 of 52 ms of a 65k-row layer)
+        sizes = [hi - lo for lo, hi in zip(sched.bounds[:-1], sched.bounds[1:])]
+        per_round = list(zip(*(torch.split(x, sizes) for x in packed))) if len(sizes) > 1 else [packed]
     outs = []
-    for r, rd in enumerate(sched.rounds):
-        lo, hi = sched.bounds[r], sched.bounds[r + 1]
-        inputs = [x[lo:hi].unsqueeze(0) for x in packed]
+    for rd, parts in zip(sched.rounds, per_round):
+        inputs = [x.unsqueeze(0) for x in parts]
         if g.dim() == 2:  # one decay per (row, head): broadcast over the key dim (exact)
             inputs[3] = inputs[3].unsqueeze(-1).expand(-1, -1, -1, K)
         init = None
@@ -143,6 +146,8 @@ def run_kda_schedule(
             if s >= 0:
                 slots[s] = final[j]
         outs.append(o.squeeze(0))
+    if not outs:  # no rows
+        return v.new_zeros(0, H, Vd)
     o = outs[0] if len(outs) == 1 else torch.cat(outs)
     return scatter_own(o, sched)
 
