@@ -26,8 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from harts_runtime.errors import InvalidInputError
-from harts_runtime.layout.conv import ConvWindows, sequence_conv_index
 from harts_runtime.modules.fused import use_fla
+
+# ``windows`` below is a :class:`harts_runtime.layout.conv.ConvWindows` (read by attribute: modules
+# import no other room of the runtime).
 
 __all__ = ["ShortConvolution", "causal_conv", "naive_varlen_causal_conv", "varlen_causal_conv"]
 
@@ -61,7 +63,7 @@ def _context_state(x: torch.Tensor, context: torch.Tensor, width: int) -> torch.
 def varlen_causal_conv(
     x: torch.Tensor,
     weight: torch.Tensor,
-    windows: ConvWindows,
+    windows,
     activation: str | None = "silu",
     backend: str = "auto",
 ) -> torch.Tensor:
@@ -92,20 +94,11 @@ def varlen_causal_conv(
 
 
 def naive_varlen_causal_conv(
-    x: torch.Tensor, weight: torch.Tensor, windows: ConvWindows, activation: str | None = "silu"
+    x: torch.Tensor, weight: torch.Tensor, windows, activation: str | None = "silu"
 ) -> torch.Tensor:
-    """Reference of :func:`varlen_causal_conv`: the window table rebuilt from the sequences and
-    their context (not ``windows.index``), then :func:`causal_conv`."""
-    cu = windows.cu_seqlens_cpu.to(torch.int64)
-    ranges = torch.stack([cu[:-1], cu[1:]], 1).numpy()
-    w = windows.width
-    ctx = (
-        windows.context.cpu().numpy()
-        if windows.context is not None
-        else torch.full((len(ranges), w - 1), -1, dtype=torch.int64).numpy()
-    )
-    index = torch.from_numpy(sequence_conv_index(ranges, ctx, windows.num_rows)).to(x.device)
-    return causal_conv(x, weight, index, activation)
+    """Reference of :func:`varlen_causal_conv`: :func:`causal_conv` through the window table that
+    ``windows`` builds from the same sequences and context rows."""
+    return causal_conv(x, weight, windows.index, activation)
 
 
 class ShortConvolution(nn.Conv1d):
@@ -132,9 +125,9 @@ class ShortConvolution(nn.Conv1d):
         with torch.no_grad():
             self.weight.copy_((torch.randn(c, w) / math.sqrt(w)).view(c, 1, w))
 
-    def forward(self, x: torch.Tensor, windows: ConvWindows | torch.Tensor) -> torch.Tensor:
-        if isinstance(windows, ConvWindows):
-            if not use_fla(x, self.backend):
-                return causal_conv(x, self.weight[:, 0, :], windows.index, self.activation)
-            return varlen_causal_conv(x, self.weight[:, 0, :], windows, self.activation, self.backend)
-        return causal_conv(x, self.weight[:, 0, :], windows, self.activation)
+    def forward(self, x: torch.Tensor, windows) -> torch.Tensor:
+        if isinstance(windows, torch.Tensor):  # a bare window table
+            return causal_conv(x, self.weight[:, 0, :], windows, self.activation)
+        if not use_fla(x, self.backend):
+            return causal_conv(x, self.weight[:, 0, :], windows.index, self.activation)
+        return varlen_causal_conv(x, self.weight[:, 0, :], windows, self.activation, self.backend)
