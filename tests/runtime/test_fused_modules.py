@@ -13,15 +13,13 @@
 """
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import triton_interpreter
 
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.conv import ConvWindows, sequence_conv_index
@@ -85,22 +83,6 @@ def test_initial_state_form_matches_the_gather_forward_and_backward():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)  # context rows receive their consumers' gradient
 
 
-INTERPRETER_PRELUDE = """
-import builtins, operator, sys
-import triton.runtime.autotuner as at
-at.Autotuner._bench = lambda self, *a, **k: [0.0, 0.0, 0.0]   # the interpreter cannot time
-import fla.modules.l2norm, fla.modules.causal_conv1d, fla.modules.fused_norm_gate
-import fla.ops.kda.gate, fla.ops.gated_delta_rule.gate
-class _Int(int):      # triton's interpreter runs fla's `for i in range(n)` with Python ints
-    def to(self, *a, **k):
-        return self
-fla_range = lambda *a: (_Int(i) for i in builtins.range(*(operator.index(x) for x in a)))
-for name, mod in list(sys.modules.items()):
-    if name.startswith("fla.") and mod is not None:
-        mod.range = fla_range
-"""
-
-
 def _set_backend(layer, backend):
     layer.config.backend = backend
     for m in layer.modules():
@@ -111,7 +93,13 @@ def _set_backend(layer, backend):
 @pytest.mark.slow
 @pytest.mark.skipif(not (_importable("triton") and _importable("fla")), reason="needs triton and fla-core")
 def test_fused_features_match_the_reference_under_the_interpreter():
-    code = INTERPRETER_PRELUDE + textwrap.dedent(f"""
+    code = triton_interpreter.prelude(
+        "fla.modules.l2norm",
+        "fla.modules.causal_conv1d",
+        "fla.modules.fused_norm_gate",
+        "fla.ops.kda.gate",
+        "fla.ops.gated_delta_rule.gate",
+    ) + textwrap.dedent(f"""
         import torch
         from harts_runtime.layers.gdn import CompactGatedDeltaNet, GatedDeltaNetConfig
         from harts_runtime.layers.kda import KDAConfig, KDALayer
@@ -168,14 +156,7 @@ def test_fused_features_match_the_reference_under_the_interpreter():
             for a, b in zip(res["triton"], res["naive"]):
                 assert (a - b).abs().max().item() < 1e-5, act
     """)
-    env = dict(
-        os.environ,
-        TRITON_INTERPRET="1",
-        PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    )
-    r = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
+    r = triton_interpreter.run(code)
     print(r.stdout)
     assert r.returncode == 0, r.stderr[-3000:]
 
