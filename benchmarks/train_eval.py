@@ -201,12 +201,14 @@ def section_speedup(args, model, dev, shared):
     tmbs, _, _ = plan_microbatches(step, "trajectory", args.capacity, cfg)
     apply_recompute(model)  # this section measures with full-block recomputation
     # warm-up: one microbatch per mode (compilation, autotuning), recomputation on
+    first_s = {}
     for mode, first in (("compact", mbs[0]), ("trajectory", tmbs[0])):
         t = time.perf_counter()
         run_microbatch(model, step, first, mode, call_plan=plans[0] if mode == "compact" else None)
         model.zero_grad(set_to_none=True)
         sync(dev)
-        log(f"warm-up {mode}: {time.perf_counter() - t:.1f}s")
+        first_s[mode] = time.perf_counter() - t
+        log(f"warm-up {mode}: {first_s[mode]:.1f}s")
     runs = {"compact": [], "trajectory": []}
     for _ in range(args.repeats):
         for mode in ("compact", "trajectory"):
@@ -240,6 +242,13 @@ def section_speedup(args, model, dev, shared):
         "work": work,
         "runs": runs,
         "planner_seconds_first": plan_s,
+        # the first microbatch of a new shape (compiling, autotuning; Triton cache as found) against
+        # a warm microbatch of the same mode (best step's F/B/Grad / its microbatches)
+        "first_microbatch_seconds": first_s,
+        "warm_microbatch_seconds": {m: best[m]["fbg_seconds"] / best[m]["num_microbatches"] for m in best},
+        "first_microbatch_overhead_seconds": {
+            m: first_s[m] - best[m]["fbg_seconds"] / best[m]["num_microbatches"] for m in best
+        },
         "tflops": {
             m: (work[f"{m}_flops"] * 4 / 3) / best[m]["fbg_seconds"] / 1e12 for m in ("compact", "trajectory")
         },
@@ -647,6 +656,13 @@ def markdown(res: dict) -> str:
                 f"{d['plan_seconds']:.3f} | {s['tflops'][m]:.1f} |"
             )
         lines.append("")
+        if s.get("first_microbatch_seconds"):
+            fm, wm = s["first_microbatch_seconds"], s["warm_microbatch_seconds"]
+            lines += [
+                "First microbatch of the run (compilation and autotuning, Triton cache as found) against a warm one: "
+                + "; ".join(f"{m} {fm[m]:.1f} s vs {wm[m]:.2f} s" for m in ("compact", "trajectory")),
+                "",
+            ]
     f = res.get("fidelity")
     if isinstance(f, dict) and ("no_recompute" in f or "recompute" in f):
         lines += [
