@@ -176,6 +176,18 @@ def _cuda_tree(b):
     return trajs
 
 
+def _cuda_layer(kind: str, d: int, b: int):
+    """A KDA or GDN layer at a production head shape (K = V = 128; GDN with grouped value heads)."""
+    from harts_runtime.layers.gdn import CompactGatedDeltaNet, GatedDeltaNetConfig
+    from harts_runtime.layers.kda import KDAConfig, KDALayer
+
+    if kind == "kda":
+        return KDALayer(KDAConfig(hidden_size=d, num_heads=4, head_k_dim=128, head_v_dim=128, chunk_size=b))
+    return CompactGatedDeltaNet(
+        GatedDeltaNetConfig(hidden_size=d, num_k_heads=2, num_v_heads=4, head_k_dim=128, head_v_dim=128)
+    )
+
+
 def _ratio(a, ref):
     return ((a.double() - ref.double()).pow(2).mean().sqrt() / ref.double().pow(2).mean().sqrt()).item()
 
@@ -187,18 +199,11 @@ def test_fused_layer_matches_reference_on_cuda(kind, dtype):
     """The whole layer on a compact tree plan (replay, handoffs, context rows as the convolution's
     initial states, their gradients included): fused path (auto on CUDA) vs the reference path."""
     import harts_planner as hp
-    from harts_runtime.layers.gdn import CompactGatedDeltaNet, GatedDeltaNetConfig
-    from harts_runtime.layers.kda import KDAConfig, KDALayer
     from harts_runtime.layout import KDAExecutionPlan, RowLayout
 
     b, d, dev = 64, 512, torch.device("cuda")
     torch.manual_seed(0)
-    if kind == "kda":
-        layer = KDALayer(KDAConfig(hidden_size=d, num_heads=4, head_k_dim=128, head_v_dim=128, chunk_size=b))
-    else:
-        layer = CompactGatedDeltaNet(
-            GatedDeltaNetConfig(hidden_size=d, num_k_heads=2, num_v_heads=4, head_k_dim=128, head_v_dim=128)
-        )
+    layer = _cuda_layer(kind, d, b)
     with torch.no_grad():
         for p in layer.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -232,18 +237,11 @@ def test_fused_compact_equals_fused_trajectory_on_cuda(kind):
     position and all gradients (a compact row's gradient sums its semantic positions'). Measured
     on the H200 on a 65k-row swe-like microbatch (layer_speed.py): y 0, gradients <= 6.8e-3."""
     import harts_planner as hp
-    from harts_runtime.layers.gdn import CompactGatedDeltaNet, GatedDeltaNetConfig
-    from harts_runtime.layers.kda import KDAConfig, KDALayer
     from harts_runtime.layout import KDAExecutionPlan, RowLayout
 
     b, d, dev, dt = 64, 512, torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
-    if kind == "kda":
-        layer = KDALayer(KDAConfig(hidden_size=d, num_heads=4, head_k_dim=128, head_v_dim=128, chunk_size=b))
-    else:
-        layer = CompactGatedDeltaNet(
-            GatedDeltaNetConfig(hidden_size=d, num_k_heads=2, num_v_heads=4, head_k_dim=128, head_v_dim=128)
-        )
+    layer = _cuda_layer(kind, d, b)
     layer = layer.to(dev, dt)
     plan = hp.plan_calls(hp.RolloutBatch.from_token_lists(_cuda_tree(b)), chunk_size=b, conv_width=4)
     ep = KDAExecutionPlan.from_call_plan(plan).to(dev)
