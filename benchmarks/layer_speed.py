@@ -309,7 +309,7 @@ class Context:
             mbs, plans, _ = plan_microbatches(step, "compact", a.rows, cfg)
             mb = compact_microbatch(step, plans[0], cfg, self.dev)
             kda = mb.layout.kda
-            packed = sum(int(rd.cu_seqlens[-1]) for rd in kda.replay.rounds)
+            packed = kda.replay.packed_rows
             seqs = [int(n) for rd in kda.replay.rounds for n in np.diff(rd.cu_seqlens)]
             self._mb = {
                 "step": step,

@@ -217,13 +217,7 @@ class KDALayer(nn.Module):
         """Gated RMS norm per head, then the output projection. o: [R, H, V] -> [R, D]."""
         return self.o_proj(self.o_norm(o, out_gate).reshape(o.shape[0], -1))
 
-    # ---------------------------------------------------------------- rounds
-    def _run_schedule(self, sched: KDASchedule, q, k, v, g, beta) -> torch.Tensor:
-        """Execute the rounds; returns the core output [C, H, V] in physical order."""
-        return run_kda_schedule(
-            sched, q, k, v, g, beta, chunk_size=self.config.chunk_size, backend=self.config.backend
-        )
-
+    # ---------------------------------------------------------------- execution
     def forward(self, x: torch.Tensor, layout: RowLayout) -> torch.Tensor:
         """x: [C, D] compact hidden states in physical order -> [C, D] layer output.
 
@@ -243,7 +237,9 @@ class KDALayer(nn.Module):
         if x.shape[0] != plan.num_rows:
             raise InvalidInputError("x", f"expected {plan.num_rows} compact rows, got {x.shape[0]}")
         q, k, v, g, beta, out_gate = self._features(x, plan.conv)
-        o = self._run_schedule(plan.no_replay if layout.no_replay else plan.replay, q, k, v, g, beta)
+        sched = plan.no_replay if layout.no_replay else plan.replay
+        c = self.config
+        o = run_kda_schedule(sched, q, k, v, g, beta, chunk_size=c.chunk_size, backend=c.backend)
         return self._output(o, out_gate)
 
     def forward_trajectories(self, x: torch.Tensor, offsets) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 
 from harts_runtime.errors import InvalidInputError
 
-__all__ = ["ConvWindows", "sequence_conv_index", "trajectory_conv_index"]
+__all__ = ["ConvWindows", "sequence_conv_index"]
 
 _TRAJECTORY_WINDOWS: dict = {}
 
@@ -91,16 +91,21 @@ class ConvWindows:
         )
 
     @classmethod
+    def from_offsets(cls, offsets, width: int) -> ConvWindows:
+        """Plain packed trajectories ``[offsets[j], offsets[j + 1])``: no context."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        ranges = np.stack([offsets[:-1], offsets[1:]], 1)
+        ctx = np.full((len(ranges), width - 1), -1, dtype=np.int64)
+        return cls.from_sequences(ranges, ctx, int(offsets[-1]), width)
+
+    @classmethod
     def trajectories(cls, offsets, width: int, device=None) -> ConvWindows:
-        """Plain packed trajectories ``[offsets[j], offsets[j + 1])``: no context. Cached per
-        (offsets, width, device): every layer of a step asks for the same windows."""
+        """:meth:`from_offsets` on ``device``, cached per (offsets, width, device): every layer of
+        a step asks for the same windows."""
         key = (tuple(int(o) for o in np.asarray(offsets).reshape(-1)), int(width), str(device))
         win = _TRAJECTORY_WINDOWS.get(key)
         if win is None:
-            offsets = np.asarray(key[0], dtype=np.int64)
-            ranges = np.stack([offsets[:-1], offsets[1:]], 1)
-            ctx = np.full((len(ranges), width - 1), -1, dtype=np.int64)
-            win = cls.from_sequences(ranges, ctx, int(offsets[-1]), width)
+            win = cls.from_offsets(key[0], width)
             win = win.to(device) if device is not None else win
             _TRAJECTORY_WINDOWS[key] = win
             while len(_TRAJECTORY_WINDOWS) > 16:
@@ -147,11 +152,3 @@ def sequence_conv_index(row_ranges: np.ndarray, context: np.ndarray, num_rows: i
         )
         out[rows, i] = val
     return out
-
-
-def trajectory_conv_index(offsets: np.ndarray, width: int) -> np.ndarray:
-    """Window table for plain packed trajectories (no shared history): int64 [S, width]."""
-    offsets = np.asarray(offsets, dtype=np.int64)
-    ranges = np.stack([offsets[:-1], offsets[1:]], 1)
-    ctx = np.full((len(ranges), width - 1), -1, dtype=np.int64)
-    return sequence_conv_index(ranges, ctx, int(offsets[-1]))

@@ -39,7 +39,9 @@ __all__ = ["KDAExecutionPlan", "KDARound", "KDASchedule", "segment_schedule"]
 
 @dataclass
 class KDARound:
-    """One packed call. Lists are host ints (no device sync at run time)."""
+    """One packed call, described on the host: lists are host ints (no device sync at run time);
+    ``gather`` / ``out_pos`` build the schedule's device maps (:class:`KDASchedule`) and stay on
+    the host."""
 
     gather: torch.Tensor  # [n] int64: physical row read by each packed row
     cu_seqlens: list[int]  # [q + 1] over the packed rows (replay included)
@@ -49,18 +51,6 @@ class KDARound:
     request_slot: list[int]  # [p] slot the returned state goes to
     final_slots: list[int]  # [q] slot for the final state, -1 = not needed
     out_pos: torch.Tensor  # [m] int64: packed rows that write an output (not replay)
-
-    def to(self, device) -> KDARound:
-        return KDARound(
-            self.gather.to(device),
-            self.cu_seqlens,
-            self.init_slots,
-            self.request_seq,
-            self.request_chunk,
-            self.request_slot,
-            self.final_slots,
-            self.out_pos.to(device),
-        )
 
 
 @dataclass
@@ -77,7 +67,7 @@ class KDASchedule:
 
     rounds: list[KDARound]
     num_slots: int
-    write_perm: torch.Tensor  # [C] int64: physical row c is cat(round outputs)[write_perm[c]]
+    write_perm: torch.Tensor  # [C] int64 (host): physical row c is cat(round outputs)[write_perm[c]]
     gather: torch.Tensor = None
     bounds: list[int] = None
     own_pos: torch.Tensor = None
@@ -116,10 +106,11 @@ class KDASchedule:
         return self.bounds[-1]
 
     def to(self, device) -> KDASchedule:
+        """The device maps on ``device``; the round descriptions stay on the host."""
         return KDASchedule(
-            [r.to(device) for r in self.rounds],
+            self.rounds,
             self.num_slots,
-            self.write_perm.to(device),
+            self.write_perm,
             self.gather.to(device),
             self.bounds,
             self.own_pos.to(device),
@@ -259,9 +250,7 @@ class KDAExecutionPlan:
             chunk_size,
             conv_width,
             S,
-            ConvWindows.from_sequences(
-                np.stack([offsets[:-1], offsets[1:]], 1), np.full((n, conv_width - 1), -1), S, conv_width
-            ),
+            ConvWindows.from_offsets(offsets, conv_width),
             sched,
             sched,
             {
