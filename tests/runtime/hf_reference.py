@@ -41,3 +41,23 @@ def ours_logits(model, trajs, grad: bool = False) -> torch.Tensor:
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| over max |b|."""
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def compact_and_trajectory_grads(model, vocab: int, seed: int = 7):
+    """One prefix-sharing microbatch (a trunk, three continuations and a fork inside the trunk)
+    through ``run_microbatch`` in both modes: ``{mode: (loss, {param name: grad})}``."""
+    from harts_runtime import StepInputs, run_microbatch
+
+    rng = np.random.default_rng(seed)
+    trunk = rng.integers(0, vocab, size=21).tolist()
+    trajs = [trunk + rng.integers(0, vocab, size=n).tolist() for n in (4, 17, 11)] + [trunk[:9] + [1, 2]]
+    step = StepInputs.synthetic(hp.RolloutBatch.from_token_lists(trajs), 0)
+    out = {}
+    for mode in ("compact", "trajectory"):
+        model.zero_grad(set_to_none=True)
+        loss, _ = run_microbatch(model, step, np.arange(len(trajs)), mode)
+        out[mode] = (
+            loss.detach(),
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        )
+    return out

@@ -27,7 +27,13 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 hp = pytest.importorskip("harts_planner")
 
-from hf_reference import hf_logits, hf_target_logprobs, ours_logits, rel_err  # noqa: E402
+from hf_reference import (  # noqa: E402
+    compact_and_trajectory_grads,
+    hf_logits,
+    hf_target_logprobs,
+    ours_logits,
+    rel_err,
+)
 from trees import fork_shapes  # noqa: E402
 
 from harts_runtime import HybridModel, InvalidInputError, StepInputs, load_pretrained, save_pretrained  # noqa: E402
@@ -454,22 +460,9 @@ def test_bfloat16_keeps_transformers_fp32_parameters(checkpoint):
 def test_loaded_model_trains_compact_as_trajectory(checkpoint):
     """One microbatch of a prefix-sharing rollout through run_microbatch: the loaded Kimi-Linear
     gives the same loss and gradients compact and trajectory-wise (float64 weights; KDA boundary states are fp32, so test_train.py's tolerances)."""
-    from harts_runtime import run_microbatch
-
     _, path = checkpoint
     model = load_pretrained(path, dtype=torch.float64, chunk_size=16)
-    rng = np.random.default_rng(7)
-    trunk = rng.integers(0, V, size=21).tolist()
-    trajs = [trunk + rng.integers(0, V, size=n).tolist() for n in (4, 17, 11)] + [trunk[:9] + [1, 2]]
-    step = StepInputs.synthetic(hp.RolloutBatch.from_token_lists(trajs), 0)
-    out = {}
-    for mode in ("compact", "trajectory"):
-        model.zero_grad(set_to_none=True)
-        loss, _ = run_microbatch(model, step, np.arange(len(trajs)), mode)
-        out[mode] = (
-            loss.detach(),
-            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-        )
+    out = compact_and_trajectory_grads(model, V)
     (lc, gc), (lt, gt) = out["compact"], out["trajectory"]
     torch.testing.assert_close(lc, lt, atol=TOL_TRAIN["loss"][0], rtol=TOL_TRAIN["loss"][1])
     assert set(gc) == set(gt) and len(gc) >= len(list(model.parameters())) - 2  # KDA gate biases may get none
