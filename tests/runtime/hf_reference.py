@@ -61,3 +61,26 @@ def compact_and_trajectory_grads(model, vocab: int, seed: int = 7):
             {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
         )
     return out
+
+
+def unwrap(fn):
+    """The function under a decorator (transformers wraps its fla-backed kernels)."""
+    return getattr(fn, "__wrapped__", fn)
+
+
+def use_torch_paths(monkeypatch, *, kda: bool = False, gdn: bool = False) -> None:
+    """Make transformers run its own PyTorch references where it would pick fla's Triton kernels
+    (they need a GPU, and fla 0.6's gated-delta-rule backward refuses Hopper with Triton < 3.7.1):
+    Kimi-Linear's ``chunk_kimi_delta_attention`` (``kda``), Qwen3-Next / Qwen3.5's
+    ``torch_chunk_gated_delta_rule`` and ``causal_conv1d_fn`` (``gdn``)."""
+    if kda:
+        import transformers.models.kimi_linear.modeling_kimi_linear as mk
+
+        monkeypatch.setattr(mk, "chunk_kimi_delta_attention", unwrap(mk.chunk_kimi_delta_attention))
+    if gdn:
+        import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as m35
+        import transformers.models.qwen3_next.modeling_qwen3_next as m3n
+
+        for m in (m3n, m35):
+            for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
+                monkeypatch.setattr(m, name, unwrap(getattr(m, name)))

@@ -36,7 +36,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 hp = pytest.importorskip("harts_planner")
 
-from hf_reference import ours_logits  # noqa: E402
+from hf_reference import ours_logits, use_torch_paths  # noqa: E402
 from trees import fork_shapes  # noqa: E402
 
 from harts_runtime import StepInputs, load_pretrained, step_logprobs  # noqa: E402
@@ -58,22 +58,11 @@ DECAY_PATH = (
 FAMILIES = ("kimi_linear", "qwen3_next", "qwen3_5_moe_text")
 
 
-def _unwrap(fn):
-    return getattr(fn, "__wrapped__", fn)
-
-
 @pytest.fixture(autouse=True)
 def hf_torch_paths(monkeypatch):
     """transformers' PyTorch chunked rules and convolutions (fla 0.6's gated-delta-rule backward
     refuses this Triton on Hopper; the torch paths are transformers' own reference)."""
-    import transformers.models.kimi_linear.modeling_kimi_linear as mk
-    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as m35
-    import transformers.models.qwen3_next.modeling_qwen3_next as m3n
-
-    monkeypatch.setattr(mk, "chunk_kimi_delta_attention", _unwrap(mk.chunk_kimi_delta_attention))
-    for m in (m3n, m35):
-        for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
-            monkeypatch.setattr(m, name, _unwrap(getattr(m, name)))
+    use_torch_paths(monkeypatch, kda=True, gdn=True)
 
 
 def hf_model(family: str):

@@ -23,6 +23,8 @@ from torch.utils.checkpoint import checkpoint
 transformers = pytest.importorskip("transformers")
 hp = pytest.importorskip("harts_planner")
 
+from hf_reference import unwrap, use_torch_paths  # noqa: E402
+
 import harts_runtime.layers.kda as kda_mod  # noqa: E402
 from harts_runtime import InvalidInputError  # noqa: E402
 from harts_runtime.layers import CompactGatedDeltaNet, GatedDeltaNetConfig  # noqa: E402
@@ -45,19 +47,10 @@ SHAPE = dict(
 )
 
 
-def _unwrap(fn):
-    return getattr(fn, "__wrapped__", fn)
-
-
 @pytest.fixture
 def hf_torch_gdn(monkeypatch):
     """Run HF's gated delta rule and causal conv through their PyTorch functions."""
-    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as m35
-    import transformers.models.qwen3_next.modeling_qwen3_next as m3n
-
-    for m in (m3n, m35):
-        for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
-            monkeypatch.setattr(m, name, _unwrap(getattr(m, name)))
+    use_torch_paths(monkeypatch, gdn=True)
 
 
 def hf_layer(variant: str, seed: int = 0, **shape):
@@ -241,7 +234,7 @@ def test_compact_matches_hf_on_cuda(dtype, monkeypatch):
     xc = x.clone().requires_grad_(True)
     y = ours(xc, lay)[s2p]
     (y.float() * w_out.float()).sum().backward()
-    monkeypatch.setattr(m3n, "torch_chunk_gated_delta_rule", _unwrap(m3n.torch_chunk_gated_delta_rule))
+    monkeypatch.setattr(m3n, "torch_chunk_gated_delta_rule", unwrap(m3n.torch_chunk_gated_delta_rule))
     xh = x.clone().requires_grad_(True)
     yh = hf_per_trajectory(hf, xh[s2p], offsets)
     (yh.float() * w_out.float()).sum().backward()

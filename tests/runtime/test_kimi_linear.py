@@ -33,6 +33,7 @@ from hf_reference import (  # noqa: E402
     hf_target_logprobs,
     ours_logits,
     rel_err,
+    use_torch_paths,
 )
 from trees import fork_shapes  # noqa: E402
 
@@ -93,10 +94,7 @@ def hf_config(**changes):
 @pytest.fixture
 def hf_torch_kda(monkeypatch):
     """Run HF's KDA through its PyTorch reference (fla's Triton kernels need a GPU)."""
-    import transformers.models.kimi_linear.modeling_kimi_linear as m
-
-    fn = m.chunk_kimi_delta_attention
-    monkeypatch.setattr(m, "chunk_kimi_delta_attention", getattr(fn, "__wrapped__", fn))
+    use_torch_paths(monkeypatch, kda=True)
 
 
 def random_hf_model(seed: int = 0, **changes):

@@ -38,6 +38,7 @@ from hf_reference import (  # noqa: E402
     hf_target_logprobs,
     ours_logits,
     rel_err,
+    use_torch_paths,
 )
 from trees import fork_shapes  # noqa: E402
 
@@ -92,19 +93,10 @@ def _hf_class(family):
     return transformers.Qwen3NextForCausalLM if family == "qwen3_next" else transformers.Qwen3_5MoeForCausalLM
 
 
-def _unwrap(fn):
-    return getattr(fn, "__wrapped__", fn)
-
-
 @pytest.fixture
 def hf_torch_gdn(monkeypatch):
     """Run HF's gated delta rule and causal conv through their PyTorch functions."""
-    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as m35
-    import transformers.models.qwen3_next.modeling_qwen3_next as m3n
-
-    for m in (m3n, m35):
-        for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
-            monkeypatch.setattr(m, name, _unwrap(getattr(m, name)))
+    use_torch_paths(monkeypatch, gdn=True)
 
 
 def random_hf_model(family: str, layer_types=MIXED, seed: int = 0, **changes):
