@@ -163,17 +163,7 @@ class CompactGatedDeltaNet(nn.Module):
         (or a configured chunk size) is not the layer's, or ``x`` has not the plan's row count.
         """
         c = self.config
-        plan = layout.need("kda")
-        if c.chunk_size is not None and plan.chunk_size != c.chunk_size:
-            raise InvalidInputError(
-                "layout.kda.chunk_size", f"{plan.chunk_size} != layer chunk_size {c.chunk_size}"
-            )
-        if plan.conv_width != c.conv_kernel_size:
-            raise InvalidInputError(
-                "layout.kda.conv_width", f"{plan.conv_width} != layer conv_kernel_size {c.conv_kernel_size}"
-            )
-        if x.shape[0] != plan.num_rows:
-            raise InvalidInputError("x", f"expected {plan.num_rows} compact rows, got {x.shape[0]}")
+        plan = _kda.checked_plan(layout, x, c.chunk_size, ("conv_kernel_size", c.conv_kernel_size))
         q, k, v, g, beta, z = self._features(x, plan.conv)
         sched = plan.no_replay if layout.no_replay else plan.replay
         o = _kda.run_kda_schedule(sched, q, k, v, g, beta, chunk_size=plan.chunk_size, backend=c.backend)

@@ -68,7 +68,7 @@ from harts_runtime.modules.fused import use_fla
 from harts_runtime.modules.norms import GatedRMSNorm, l2_norm
 from harts_runtime.ops.rows import gather_packed, scatter_own
 
-__all__ = ["KDAConfig", "KDALayer", "run_kda_schedule"]
+__all__ = ["KDAConfig", "KDALayer", "checked_plan", "run_kda_schedule"]
 
 
 @dataclass(kw_only=True)
@@ -92,6 +92,24 @@ class KDAConfig:
     backend: str = "auto"
     """KDA core and token-wise kernels: "auto" (Triton / fla's fused kernels on CUDA, the
     PyTorch reference on CPU), "triton" or "naive"."""
+
+
+def checked_plan(layout: RowLayout, x: torch.Tensor, chunk_size: int | None, conv: tuple[str, int]):
+    """``layout.kda`` after checking it against a layer: its chunk size (unless ``chunk_size`` is
+    None), its convolution width (``conv``: the layer's field name and value) and ``x``'s row
+    count. Raises :class:`InvalidInputError` naming the mismatched field. Shared by
+    :class:`KDALayer` and the gated delta net."""
+    plan = layout.need("kda")
+    if chunk_size is not None and plan.chunk_size != chunk_size:
+        raise InvalidInputError(
+            "layout.kda.chunk_size", f"{plan.chunk_size} != layer chunk_size {chunk_size}"
+        )
+    name, width = conv
+    if plan.conv_width != width:
+        raise InvalidInputError("layout.kda.conv_width", f"{plan.conv_width} != layer {name} {width}")
+    if x.shape[0] != plan.num_rows:
+        raise InvalidInputError("x", f"expected {plan.num_rows} compact rows, got {x.shape[0]}")
+    return plan
 
 
 def run_kda_schedule(
@@ -225,20 +243,10 @@ class KDALayer(nn.Module):
         ``layout.no_replay``). Raises :class:`InvalidInputError` when the plan's chunk size or
         convolution width is not the layer's, or ``x`` has not the plan's row count.
         """
-        plan = layout.need("kda")
-        if plan.chunk_size != self.config.chunk_size:
-            raise InvalidInputError(
-                "layout.kda.chunk_size", f"{plan.chunk_size} != layer chunk_size {self.config.chunk_size}"
-            )
-        if plan.conv_width != self.config.conv_size:
-            raise InvalidInputError(
-                "layout.kda.conv_width", f"{plan.conv_width} != layer conv_size {self.config.conv_size}"
-            )
-        if x.shape[0] != plan.num_rows:
-            raise InvalidInputError("x", f"expected {plan.num_rows} compact rows, got {x.shape[0]}")
+        c = self.config
+        plan = checked_plan(layout, x, c.chunk_size, ("conv_size", c.conv_size))
         q, k, v, g, beta, out_gate = self._features(x, plan.conv)
         sched = plan.no_replay if layout.no_replay else plan.replay
-        c = self.config
         o = run_kda_schedule(sched, q, k, v, g, beta, chunk_size=c.chunk_size, backend=c.backend)
         return self._output(o, out_gate)
 
