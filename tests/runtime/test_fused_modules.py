@@ -261,3 +261,12 @@ def test_fused_compact_equals_fused_trajectory_on_cuda(kind):
     print(kind, {n: f"{e:.2e}" for n, e in errors.items()})
     for n, e in errors.items():
         assert e < CUDA_TOL[torch.bfloat16], (n, e)
+
+
+def test_unknown_backend_is_named():
+    from harts_runtime.modules.fused import use_fla
+
+    with pytest.raises(InvalidInputError, match="backend: unknown 'cuda'"):
+        use_fla(torch.zeros(1), "cuda")
+    assert use_fla(torch.zeros(1), "naive") is False
+    assert use_fla(torch.zeros(1), "auto") is False  # CPU tensors take the reference
