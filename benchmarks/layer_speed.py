@@ -639,6 +639,8 @@ def case_attention(ctx: Context) -> dict:
     views = m["mb"].layout.views
     c = views.num_rows
     names = available_backends(dev)
+    if a.attn_backends:
+        names = [n for n in a.attn_backends.split(",") if n in names]
     if dev.type == "cuda" and "varlen" in names:  # the parity reference first
         names = ["varlen"] + [n for n in names if n != "varlen"]
     res = {"microbatch": m["info"], "backends": names, "dtype": str(dt).replace("torch.", ""), "shapes": {}}
@@ -1041,6 +1043,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "layer_speed.json")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
     ap.add_argument("--reps", type=int, default=10, help="timed warm repeats per measurement")
+    ap.add_argument(
+        "--attn-backends",
+        default="",
+        help="comma-separated attention backends of the attention case (default: every available one)",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rows", type=int, default=65_536, help="packed rows / microbatch capacity T")
     ap.add_argument("--preset", default="swe-like", help="synthetic preset of the compact microbatch")

@@ -73,7 +73,8 @@ from harts_runtime import (
     run_microbatch,
     train_step,
 )
-from harts_runtime.flops import work_compression
+from harts_runtime.flops import layer_costs, work_compression
+from harts_runtime.ops.attention import resolve_backend
 
 DEPTHS = 6
 GRAD_SAMPLE = 16_000_000  # gradient entries kept per run for the gradient cosine
@@ -199,7 +200,8 @@ def section_speedup(args, model, dev, shared):
     mbs, plans, plan_s = plan_microbatches(step, "compact", args.capacity, cfg)
     work = work_compression(cfg, step.batch.lengths, [p.position_ids for p in plans])
     tmbs, _, _ = plan_microbatches(step, "trajectory", args.capacity, cfg)
-    apply_recompute(model)  # this section measures with full-block recomputation
+    keep = _keep(args)
+    apply_recompute(model, keep=keep)  # block recomputation (keeping the regions of --keep)
     # warm-up: one microbatch per mode (compilation, autotuning), recomputation on
     first_s = {}
     for mode, first in (("compact", mbs[0]), ("trajectory", tmbs[0])):
@@ -249,11 +251,31 @@ def section_speedup(args, model, dev, shared):
         "first_microbatch_overhead_seconds": {
             m: first_s[m] - best[m]["fbg_seconds"] / best[m]["num_microbatches"] for m in best
         },
+        "keep": sorted(keep),
+        "executed_flops": {m: executed_flops(cfg, work, m, keep) for m in ("compact", "trajectory")},
         "tflops": {
-            m: (work[f"{m}_flops"] * 4 / 3) / best[m]["fbg_seconds"] / 1e12 for m in ("compact", "trajectory")
+            m: executed_flops(cfg, work, m, keep) / best[m]["fbg_seconds"] / 1e12
+            for m in ("compact", "trajectory")
         },
-        "tflops_note": "model FLOPs x 4/3 (forward recomputed) / F/B/Grad seconds",
+        "tflops_note": "executed FLOPs (model FLOPs = 3 x forward, plus the recomputed forward: all of it, "
+        "less the attention cores when --keep attention) / F/B/Grad seconds",
+        "mfu_tflops": {
+            m: work[f"{m}_flops"] / best[m]["fbg_seconds"] / 1e12 for m in ("compact", "trajectory")
+        },
+        "mfu_tflops_note": "model FLOPs (3 x forward, no recomputation counted) / F/B/Grad seconds",
     }
+
+
+def _keep(args) -> tuple[str, ...]:
+    return tuple(k for k in (args.keep or "").split(",") if k)
+
+
+def executed_flops(cfg, work: dict, mode: str, keep) -> float:
+    """FLOPs a recomputed training pass executes: ``work``'s model FLOPs (3 x forward) plus the
+    forward once more, less the attention cores when they are kept (``keep``)."""
+    fwd = work[f"{mode}_flops"] / 3
+    attn = work[f"{mode}_keys"] * layer_costs(cfg)["attn_per_key"]
+    return work[f"{mode}_flops"] + fwd - (attn if "attention" in keep else 0.0)
 
 
 def _run_collect(model, step, mode, recompute, capacity, no_replay=False, grad=True):
@@ -523,7 +545,7 @@ def section_breakdown(args, model, dev, shared):
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     sync(dev)
     t = time.perf_counter()
-    apply_recompute(model)
+    apply_recompute(model, keep=_keep(args))
     with profile(activities=acts) as prof:
         mb = make_microbatch(model, step, mbs[0], "compact", plans[0])
         run_microbatch(model, step, mode="compact", microbatch=mb)
@@ -634,7 +656,8 @@ def markdown(res: dict) -> str:
             "",
             (
                 f"Slice: {b['trajectories']} trajectories, S = {b['semantic_tokens']:,}, C = {b['compact_tokens']:,}, "
-                f"T = {s['capacity']:,}, recomputation on."
+                f"T = {s['capacity']:,}, recomputation on"
+                + (f" (kept: {', '.join(s['keep'])})." if s.get("keep") else ".")
             ),
             "",
             "| non-replay row compression | ideal work compression | F/B/Grad speedup | Core speedup | F/B/Grad / ideal |",
@@ -647,13 +670,15 @@ def markdown(res: dict) -> str:
         ]
         c, t = (min(s["runs"][m], key=lambda d: d["fbg_seconds"]) for m in ("compact", "trajectory"))
         lines += [
-            "| mode | microbatches | rows | replay | F/B/Grad s | planner s | TFLOP/s |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "| mode | microbatches | rows | replay | F/B/Grad s | planner s | TFLOP/s (executed) | TFLOP/s (model) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
+        mfu = s.get("mfu_tflops") or {}
         for m, d in (("compact", c), ("trajectory", t)):
             lines.append(
                 f"| {m} | {d['num_microbatches']} | {d['rows']:,} | {d['replay_tokens']:,} | {d['fbg_seconds']:.3f} | "
-                f"{d['plan_seconds']:.3f} | {s['tflops'][m]:.1f} |"
+                f"{d['plan_seconds']:.3f} | {s['tflops'][m]:.1f} | "
+                + (f"{mfu[m]:.1f} |" if m in mfu else "— |")
             )
         lines.append("")
         if s.get("first_microbatch_seconds"):
@@ -796,6 +821,17 @@ def main(argv=None) -> int:
         default=4096.0,
         help="float32 logit temporaries of one comparison chunk (rows per chunk = this / (16 V))",
     )
+    ap.add_argument(
+        "--keep",
+        default="attention",
+        help="comma-separated op regions kept instead of recomputed in the speedup and breakdown sections "
+        "(harts_runtime.ops.keep.KEEPABLE; '' = full-block recomputation)",
+    )
+    ap.add_argument(
+        "--attn-backend",
+        default="auto",
+        help="attention backend (harts_runtime.ops.attention.BACKENDS, or auto)",
+    )
     ap.add_argument("--repeats", type=int, default=2, help="timed steps per mode")
     ap.add_argument("--sections", default="speedup,fidelity,replay,breakdown")
     ap.add_argument(
@@ -820,7 +856,12 @@ def main(argv=None) -> int:
     if args.model is not None:
         from harts_runtime import load_pretrained
 
-        model = load_pretrained(args.model, dtype="float32" if dev.type == "cpu" else None, device=dev)
+        model = load_pretrained(
+            args.model,
+            dtype="float32" if dev.type == "cpu" else None,
+            device=dev,
+            attn_backend=args.attn_backend,
+        )
         cfg, args.flavor = model.config, args.model
     else:
         cfg = model_config(args.flavor, args.layers)
@@ -828,7 +869,7 @@ def main(argv=None) -> int:
             cfg = tiny_config(cfg)
         if dev.type == "cpu" and cfg.dtype == "bfloat16":
             cfg = cfg.replace(dtype="float32")
-        model = HybridModel(cfg, device=dev)
+        model = HybridModel(cfg.replace(attn_backend=args.attn_backend), device=dev)
     args.chunk_size = cfg.chunk_size
     res = {
         "meta": {
@@ -839,6 +880,7 @@ def main(argv=None) -> int:
             f"({cfg.num_layers} layers: {' '.join(MIXER_CODES.get(m, m) for m in cfg.mixers)})",
             "params": sum(p.numel() for p in model.parameters()),
             "dtype": cfg.dtype,
+            "attention_backend": resolve_backend(args.attn_backend, dev),
             "torch": torch.__version__,
             "python": platform.python_version(),
             "args": vars(args),

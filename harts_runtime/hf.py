@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from harts_runtime.errors import InvalidInputError
+from harts_runtime.ops.attention import resolve_backend
 
 __all__ = ["FAMILIES", "load_pretrained", "save_pretrained"]
 
@@ -117,7 +118,7 @@ def load_pretrained(path, dtype=None, device="cpu", **overrides):
     # (the attention backend HybridModel would pick for the target device, not for meta)
     build = cfg
     if cfg.attn_backend == "auto":
-        build = cfg.replace(attn_backend="varlen" if torch.device(device).type == "cuda" else "reference")
+        build = cfg.replace(attn_backend=resolve_backend("auto", device))
     model = HybridModel(build, device="meta").to_empty(device=device)
     model.config = cfg
     targets = model.state_dict(keep_vars=True)

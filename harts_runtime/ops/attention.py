@@ -25,6 +25,9 @@ name           input   device   kernel
                                 ``F.scaled_dot_product_attention`` (CPU fast path)
 ``varlen``     views   CUDA     ``torch.nn.attention.varlen.varlen_attn``, window (-1, 0)
 ``flash_attn`` views   CUDA     ``flash_attn_varlen_func(causal=True)`` (bottom-right, >= 2.1)
+``fa4``        views   CUDA     FlashAttention-4 (``flash_attn.cute``, the ``flash-attn-4`` wheel:
+                                CuTe-DSL kernels for SM90 and SM100), ``causal=True``; separate
+                                Q/K and V head dims (MLA's 192/128) without padding
 ``te``         views   CUDA     Transformer Engine ``DotProductAttention``, ``thd``,
                                 ``padding_causal_bottom_right``
 ``flex_tree``  tree    CUDA     FlexAttention over the compact rows themselves with the mask
@@ -32,8 +35,14 @@ name           input   device   kernel
 ``dense_tree`` tree    any      the same mask as a dense [C, C] boolean for SDPA (tests, small C)
 ============== ======= ======== ===========================================================
 
+The kernel call is a kept region named ``"attention"`` (:mod:`harts_runtime.ops.keep`):
+``apply_recompute(model, keep=("attention",))`` keeps its activations instead of recomputing it.
+
 Kernels that need equal Q/K and V head dims (flash-attn 2, torch varlen) get zero-padded head
 dims; zero columns change neither scores nor outputs (the scale is passed explicitly).
+
+``auto`` (:func:`resolve_backend`) is the fastest backend measured on the H200 that runs here: on
+CUDA the first available of :data:`CUDA_PREFERENCE`, on the CPU ``reference``.
 """
 
 from __future__ import annotations
@@ -51,12 +60,15 @@ from torch.profiler import record_function
 
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.views import AttentionViews
+from harts_runtime.ops.keep import kept
 
 __all__ = [
     "BACKENDS",
     "Backend",
+    "CUDA_PREFERENCE",
     "available_backends",
     "compact_attention",
+    "resolve_backend",
     "scatter_rows",
     "trajectory_attention",
     "tree_block_mask",
@@ -219,6 +231,24 @@ def _varlen_flash_attn(q, k, v, views: AttentionViews, scale: float) -> torch.Te
     return out[..., :dv]
 
 
+def _varlen_fa4(q, k, v, views: AttentionViews, scale: float) -> torch.Tensor:
+    from flash_attn.cute import flash_attn_varlen_func
+
+    _groups(q, k)
+    out, _ = flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q=views.cu_seqlens_q,
+        cu_seqlens_k=views.cu_seqlens_k,
+        max_seqlen_q=views.max_seqlen_q,
+        max_seqlen_k=views.max_seqlen_k,
+        softmax_scale=scale,
+        causal=True,
+    )
+    return out
+
+
 @functools.cache
 def _te_module(hq: int, hkv: int, dqk: int, dv: int, scale: float):
     import transformer_engine.pytorch as te
@@ -335,6 +365,7 @@ BACKENDS: dict[str, Backend] = {
         Backend("sdpa", "views", _varlen_sdpa),
         Backend("varlen", "views", _varlen_torch, "torch.nn.attention.varlen", cuda_only=True),
         Backend("flash_attn", "views", _varlen_flash_attn, "flash_attn", cuda_only=True),
+        Backend("fa4", "views", _varlen_fa4, "flash_attn.cute", cuda_only=True),
         Backend("te", "views", _varlen_te, "transformer_engine", cuda_only=True),
         Backend("flex_tree", "tree", _tree_flex, "torch.nn.attention.flex_attention", cuda_only=True),
         Backend("dense_tree", "tree", _tree_dense),
@@ -355,6 +386,26 @@ def available_backends(device: str | torch.device = "cpu") -> list[str]:
     """Backends that can run forward and backward on ``device`` here."""
     cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
     return [b.name for b in BACKENDS.values() if (cuda or not b.cuda_only) and _importable(b.needs)]
+
+
+CUDA_PREFERENCE: tuple[str, ...] = ("fa4", "varlen")
+"""What ``auto`` picks on CUDA, fastest first (``benchmarks/layer_speed.py``'s attention case on the
+H200): the first of these that is importable here."""
+
+
+def resolve_backend(name: str, device: str | torch.device) -> str:
+    """``name`` itself, or for ``"auto"`` the backend used on ``device``: on CUDA the first
+    importable entry of :data:`CUDA_PREFERENCE`, elsewhere ``reference``."""
+    if name != "auto":
+        if name not in BACKENDS:
+            raise InvalidInputError("backend", f"unknown {name!r}; choose auto or one of {sorted(BACKENDS)}")
+        return name
+    if torch.device(device).type != "cuda":
+        return "reference"
+    for b in CUDA_PREFERENCE:
+        if _importable(BACKENDS[b].needs):
+            return b
+    return "reference"
 
 
 def compact_attention(
@@ -399,12 +450,12 @@ def compact_attention(
         )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if spec.kind == "tree":
-        return spec.fn(q, k, v, views, scale)
+        return kept("attention", spec.fn, q, k, v, views, scale)
     with record_function("harts.attn.views"):
         qp = q.index_select(0, views.q_index)  # [Lq, Hq, Dqk]
         kp = k.index_select(0, views.kv_index)  # [Lk, Hkv, Dqk]
         vp = v.index_select(0, views.kv_index)  # [Lk, Hkv, Dv]
     with record_function("harts.attn.core"):
-        out = spec.fn(qp, kp, vp, views, scale)
+        out = kept("attention", spec.fn, qp, kp, vp, views, scale)
     with record_function("harts.attn.views"):
         return scatter_rows(out, views)

@@ -212,6 +212,23 @@ def test_unknown_backend_and_row_mismatch():
     assert set(CPU_BACKENDS) <= set(available_backends("cpu"))
 
 
+def test_auto_backend_resolution(monkeypatch):
+    """``auto`` is the reference on the CPU and the first importable CUDA_PREFERENCE entry on CUDA;
+    a named backend is itself, an unknown one is named in the error."""
+    from harts_runtime.ops import attention as att
+
+    assert att.resolve_backend("auto", "cpu") == "reference"
+    assert att.resolve_backend("sdpa", "cuda") == "sdpa"
+    with pytest.raises(ValueError, match="backend.*'nope'"):
+        att.resolve_backend("nope", "cpu")
+    assert set(att.CUDA_PREFERENCE) <= set(BACKENDS)
+    present = {None, "torch.nn.attention.varlen"}  # a machine without flash_attn.cute
+    monkeypatch.setattr(att, "_importable", lambda name: name in present)
+    assert att.resolve_backend("auto", "cuda") == "varlen"
+    present.add(BACKENDS[att.CUDA_PREFERENCE[0]].needs)
+    assert att.resolve_backend("auto", "cuda") == att.CUDA_PREFERENCE[0]
+
+
 # ------------------------------------------------------------------------------- modules
 MODULES = {
     "mha": lambda: CompactAttention(AttentionConfig(hidden_size=32, num_heads=4)),

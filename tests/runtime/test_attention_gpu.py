@@ -1,6 +1,6 @@
 """GPU-only attention backends against the float32 reference (skipped without CUDA).
 
-Backends: ``varlen`` (torch.nn.attention.varlen), ``flash_attn`` and ``te`` (when installed),
+Backends: ``varlen`` (torch.nn.attention.varlen), ``fa4``, ``flash_attn`` and ``te`` (when installed),
 ``flex_tree`` (FlexAttention with the tree-ancestor mask; its backward does not run on CPU), plus
 ``sdpa`` / ``dense_tree`` on CUDA. Inputs are bfloat16; the oracle is the per-branch reference in
 float32 on the same (rounded) inputs. Outputs and q/k/v gradients are compared by relative
@@ -25,7 +25,7 @@ if torch.cuda.is_available():  # flex_tree compiles once per (rows, shape): allo
     if hasattr(dynamo.config, "recompile_limit"):
         dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)
 
-GPU_BACKENDS = ["varlen", "flash_attn", "te", "flex_tree", "sdpa", "dense_tree"]
+GPU_BACKENDS = ["varlen", "fa4", "flash_attn", "te", "flex_tree", "sdpa", "dense_tree"]
 SHAPES = {  # Hq, Hkv, Dqk, Dv
     "mha": (8, 8, 64, 64),
     "gqa": (8, 2, 128, 128),
@@ -89,7 +89,7 @@ def test_gpu_backend_matches_reference(backend, shape, case_name):
         assert rel_err(g, r) < 2e-2, f"{backend} {name}: relative error {rel_err(g, r):.3e}"
 
 
-@pytest.mark.parametrize("backend", ["varlen", "flash_attn", "te", "flex_tree"])
+@pytest.mark.parametrize("backend", ["varlen", "fa4", "flash_attn", "te", "flex_tree"])
 def test_gpu_backend_on_remapped_rows_with_padding(backend):
     """A call-plan style physical layout (permuted rows + padding rows) gives the same real rows."""
     need(backend)
@@ -105,7 +105,7 @@ def test_gpu_backend_on_remapped_rows_with_padding(backend):
     assert rel_err(out[perm], ref) < 2e-2
 
 
-@pytest.mark.parametrize("backend", ["varlen", "flex_tree"])
+@pytest.mark.parametrize("backend", ["varlen", "fa4", "flex_tree"])
 def test_gpu_mla_module(backend):
     """CompactMLA in bf16 with a GPU backend equals the same module with the reference core."""
     need(backend)

@@ -88,11 +88,14 @@ def assert_grads_close(a, b, what):
         )
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+RECOMPUTE = {"plain": (False, ()), "recompute": (True, ()), "keep_attention": (True, ("attention",))}
+
+
+@pytest.mark.parametrize("recompute", list(RECOMPUTE))
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_compact_equals_trajectory(scenario, recompute):
     model, step = make(SCENARIOS[scenario]())
-    apply_recompute(model, recompute)
+    apply_recompute(model, RECOMPUTE[recompute][0], keep=RECOMPUTE[recompute][1])
     all_traj = np.arange(step.batch.num_trajectories)
     out = {}
     for mode in ("compact", "trajectory"):
@@ -110,6 +113,38 @@ def test_compact_equals_trajectory(scenario, recompute):
     torch.testing.assert_close(lc, lt, atol=TOL["loss"][0], rtol=TOL["loss"][1], msg=lambda m: f"loss: {m}")
     assert_grads_close(gc, gt, "compact vs trajectory")
     assert len(gc) == len(list(model.parameters()))  # every parameter gets a gradient
+
+
+def test_kept_attention_runs_once_and_gives_the_same_gradients(monkeypatch):
+    """keep=("attention",): each attention core runs once per forward instead of twice (forward +
+    recomputation), and loss and gradients are bit-equal to full-block recomputation."""
+    from harts_runtime.ops import attention as att
+
+    calls = []
+    spec = att.BACKENDS["reference"]
+
+    def counting(*a):
+        calls.append(1)
+        return spec.fn(*a)
+
+    monkeypatch.setitem(att.BACKENDS, "reference", att.Backend("reference", spec.kind, counting))
+    model, step = make(forks_at_chunk_boundaries())
+    all_traj = np.arange(step.batch.num_trajectories)
+    out = {}
+    for keep in ((), ("attention",)):
+        apply_recompute(model, True, keep=keep)
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        loss, _ = run_microbatch(model, step, all_traj, "compact")
+        out[keep] = (loss.detach(), grads(model), len(calls))
+    (l_full, g_full, n_full), (l_keep, g_keep, n_keep) = out[()], out[("attention",)]
+    n_attn = sum(m in ("mla", "gqa") for m in model.config.mixers)
+    assert n_keep == n_attn and n_full == 2 * n_attn
+    assert torch.equal(l_full, l_keep)
+    for n in g_full:
+        assert torch.equal(g_full[n], g_keep[n]), n
+    with pytest.raises(ValueError, match="keep"):
+        apply_recompute(model, True, keep=("lm_head",))
 
 
 def test_train_step_over_different_microbatchings_agrees():

@@ -37,6 +37,7 @@ from harts_runtime.layout.rows import RowLayout, lm_chunks
 from harts_runtime.loss.logprobs import lm_head_logprobs
 from harts_runtime.models.hybrid.args import ModelConfig
 from harts_runtime.modules.norms import RMSNorm
+from harts_runtime.ops.attention import resolve_backend
 
 __all__ = ["FFN_BUILDERS", "MIXER_BUILDERS", "Block", "HybridModel"]
 
@@ -190,9 +191,7 @@ class HybridModel(nn.Module):
         super().__init__()
         self.config = c = config
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        backend = c.attn_backend
-        if backend == "auto":
-            backend = "varlen" if dev.type == "cuda" else "reference"
+        backend = resolve_backend(c.attn_backend, dev)
         with dev:  # build and initialise on the target device
             self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
             self.blocks = nn.ModuleList(Block(c, m, f, backend) for m, f in zip(c.mixers, c.ffns))

@@ -1,0 +1,83 @@
+"""Kept regions: ops whose activations survive full-block recomputation (selective recomputation).
+
+:func:`harts_runtime.recompute.apply_recompute` re-runs every block forward during backward. For
+an op that is expensive per byte it saves (the attention core: a FlashAttention kernel keeps only
+its inputs, output and softmax statistics, but its forward is a third of its cost), re-running is
+the wrong trade. :func:`kept` marks such an op by name; when the block runs under recomputation
+with that name in its ``keep`` set:
+
+* in the first forward, the op runs with its saved tensors stored for real (an inner
+  ``torch.autograd.graph.saved_tensors_hooks`` pair that keeps them, which takes precedence over
+  the checkpoint's discarding hooks), and its output is remembered;
+* in the recomputation, the op is not run again: the remembered output (detached) takes its place,
+  so the ops after it save the same tensors as in the first forward, and nothing inside it is
+  recomputed. Backward through the op uses the tensors it kept.
+
+Anything an op keeps must be a pure function of its inputs (no randomness, no in-place updates of
+state), as for every recomputed op. Outside a recomputed block, or for a name not in ``keep``,
+:func:`kept` is a plain call. Used by :func:`harts_runtime.ops.attention.compact_attention` under
+the name ``"attention"``; torch's own selective checkpointing (``create_selective_checkpoint_contexts``)
+sees only aten ops, not the Triton/CuTe kernels of these autograd functions, hence this room.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextvars import ContextVar
+
+import torch
+
+__all__ = ["KEEPABLE", "KeptRegions", "kept"]
+
+KEEPABLE = frozenset({"attention"})
+"""Names that :func:`kept` is called with somewhere in the runtime."""
+
+
+class KeptRegions:
+    """The kept outputs of one recomputed block call, in call order (:func:`kept`)."""
+
+    def __init__(self, keep: frozenset[str]):
+        self.keep = keep
+        self.outputs: list = []
+        self.replaying = False  # False during the first forward, True during the recomputation
+        self.next = 0
+
+    def run(self, fn: Callable, *args, **kwargs):
+        """``fn(*args, **kwargs)`` with this frame active; every run after the first replays."""
+        self.next = 0
+        token = _ACTIVE.set(self)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
+            self.replaying = True
+
+
+_ACTIVE: ContextVar[KeptRegions | None] = ContextVar("harts_kept_regions", default=None)
+
+
+def _detach(out):
+    """The output cut from its graph but still requiring grad where it did (a fresh leaf), so the
+    ops after it save the same tensors in the recomputation as in the forward."""
+    if isinstance(out, torch.Tensor):
+        return out.detach().requires_grad_(out.requires_grad)
+    if isinstance(out, tuple):
+        return tuple(_detach(o) for o in out)
+    return out
+
+
+def kept(name: str, fn: Callable, *args):
+    """``fn(*args)``; kept (not recomputed) when a recomputed block's ``keep`` names ``name``."""
+    frame = _ACTIVE.get()
+    if frame is None or name not in frame.keep or not torch.is_grad_enabled():
+        return fn(*args)
+    if frame.replaying:
+        if frame.next >= len(frame.outputs):
+            raise RuntimeError(f"kept region {name!r}: the recomputation ran more kept ops than the forward")
+        out = frame.outputs[frame.next]
+        frame.next += 1
+        return out
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        out = fn(*args)
+    frame.outputs.append(_detach(out))
+    return out
