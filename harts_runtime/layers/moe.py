@@ -37,11 +37,15 @@ Expert computation, chosen by ``MoEConfig.grouped``:
   it synchronises with the device once per expert, through ``nonzero``);
 * ``grouped=True``: one permutation: the N*k assignments are sorted by expert once (a stable
   device-side argsort, its inverse by a scatter, the per-expert counts by a scatter-add into a
-  fixed [E] buffer, offsets by a cumsum), the rows are gathered once, three grouped matmuls run
+  fixed [E] buffer, offsets by a cumsum), the rows are gathered once, two grouped matmuls run
   on the expert-sorted rows (``torch._grouped_mm`` with the device offsets where
-  :func:`_grouped_mm_ok` allows, else a padded batched matmul over experts), and the slots go
-  back with one gather by the inverse permutation and a fixed-order weighted sum over the k
-  slots. The backward is gathers and fixed-order sums too (no atomics, no second sort).
+  :func:`_grouped_mm_ok` allows, else a padded batched matmul over experts): gate and up as one
+  product with ``[w_gate | w_up]`` [E, D, 2I] (concatenated per call, the parameters stay
+  separate), then the down projection. Between them the SwiGLU (fla's fused Triton kernel on
+  CUDA, ``MoEConfig.backend``) also scales each slot's I-wide row by its routing weight (exact:
+  the down projection is linear), so the slots go back with one gather by the inverse
+  permutation and a plain fixed-order sum over the k slots. The backward is gathers and
+  fixed-order sums too (no atomics, no second sort).
 
 Host synchronisation (issue 15): on CUDA the grouped path issues no device-to-host copy and no
 data-dependent output shape, forward or backward, when ``torch._grouped_mm`` takes its fast path:
@@ -60,6 +64,7 @@ device-side in every path: nothing is read back per step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -69,6 +74,7 @@ from torch import nn
 
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.rows import RowLayout
+from harts_runtime.modules.fused import use_fla
 from harts_runtime.modules.swiglu import SwiGLU
 
 __all__ = [
@@ -80,6 +86,7 @@ __all__ = [
     "route",
     "router_losses",
     "sort_assignments",
+    "swiglu_rows",
 ]
 
 
@@ -122,6 +129,10 @@ class MoEConfig:
     ``routed + sigmoid(shared_expert_gate(x)) * shared_experts(x)``."""
     grouped: bool = True
     """Grouped-matmul expert path (True) or the per-expert loop reference (False)."""
+    backend: str = "auto"
+    """Where the grouped path's SwiGLU runs (:mod:`harts_runtime.modules.fused`): ``"triton"``
+    (fla's fused SwiGLU kernels), ``"naive"`` (``F.silu(a) * b``) or ``"auto"`` (fla's on CUDA
+    when fla-core is importable, else the reference)."""
     accumulate_counts: bool = True
     """Add each training-mode forward's counts to ``local_tokens_per_expert``. A model that
     recomputes this forward (activation checkpointing) sets False and accumulates
@@ -387,40 +398,119 @@ def sort_assignments(topk_idx: torch.Tensor, num_experts: int):
     return order, inverse, counts
 
 
+def _sum_slots(y: torch.Tensor, k: int) -> torch.Tensor:
+    """[N*k, W] slots in row-major slot order -> [N, W]: a fixed-order sum over the k slots of a
+    row (PyTorch's reduction accumulates bf16 in fp32 and rounds once; no atomics)."""
+    return y.view(y.shape[0] // k, k, -1).sum(1)
+
+
 class _Dispatch(torch.autograd.Function):
-    """``x[order // k]``: rows [N, D] to their N*k expert-sorted assignment slots.
+    """``x[rows]`` with ``rows = order // k``: rows [N, D] to their N*k expert-sorted assignment slots.
 
     Backward: the slot gradients back to [N, k] order by a gather with ``inverse``, then a sum
-    over the k slots (fixed order; fp32 accumulation for bf16), instead of autograd's
-    accumulating ``index_put`` / ``index_add`` (a sort or atomics on CUDA).
+    over the k slots (:func:`_sum_slots`), instead of autograd's accumulating ``index_put`` /
+    ``index_add`` (a sort or atomics on CUDA). The adjoint of :class:`_Combine`.
     """
 
     @staticmethod
-    def forward(ctx, x, order, inverse, k):
+    def forward(ctx, x, rows, inverse, k):
         ctx.save_for_backward(inverse)
         ctx.k = k
-        return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+        return x.index_select(0, rows)
 
     @staticmethod
     def backward(ctx, g):
         (inverse,) = ctx.saved_tensors
-        k = ctx.k
-        return g.index_select(0, inverse).view(inverse.numel() // k, k, -1).sum(1), None, None, None
+        return _sum_slots(g.index_select(0, inverse), ctx.k), None, None, None
 
 
-class _Unsort(torch.autograd.Function):
-    """``y[inverse]``: expert-sorted slots [N*k, D] back to row-major slot order; backward is the
-    gather ``g[order]`` (a permutation: no zero fill, no accumulation)."""
+class _Combine(torch.autograd.Function):
+    """Expert-sorted slots [N*k, D] back to their rows [N, D]: one gather by ``inverse`` (row-major
+    slot order), then the fixed-order sum over the k slots of a row (:func:`_sum_slots`).
+
+    Backward: ``g[rows]`` (``rows = order // k``, one gather straight into the expert-sorted slot
+    order; no expanded [N, k, D] gradient, no scatter). The adjoint of :class:`_Dispatch`.
+    """
 
     @staticmethod
-    def forward(ctx, y, order, inverse):
-        ctx.save_for_backward(order)
-        return y.index_select(0, inverse)
+    def forward(ctx, y, rows, inverse, k):
+        ctx.save_for_backward(rows)
+        return _sum_slots(y.index_select(0, inverse), k)
 
     @staticmethod
     def backward(ctx, g):
-        (order,) = ctx.saved_tensors
-        return g.index_select(0, order), None, None
+        (rows,) = ctx.saved_tensors
+        return g.index_select(0, rows), None, None, None
+
+
+class _Permute(torch.autograd.Function):
+    """``t[perm]`` for a permutation ``perm`` with inverse ``inv``; backward is the gather
+    ``g[inv]`` (no zero fill, no accumulation)."""
+
+    @staticmethod
+    def forward(ctx, t, perm, inv):
+        ctx.save_for_backward(inv)
+        return t.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, g):
+        (inv,) = ctx.saved_tensors
+        return g.index_select(0, inv), None, None
+
+
+# ------------------------------------------------------------------------------------ SwiGLU
+def _device_of(t: torch.Tensor):
+    """The CUDA device context for fla's kernel launches on ``t`` (fla's ``input_guard``)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+class _FusedSwiGLU(torch.autograd.Function):
+    """``silu(a) * b`` (times ``w`` per row, if given) for ``gu = [a | b]`` [M, 2I], through fla's
+    Triton SwiGLU kernels (``swiglu_fwd`` / ``swiglu_fwdbwd``, the ones ``fla.modules.activations
+    .swiglu`` runs; fp32 math, one rounding).
+
+    Saves only ``gu`` and ``w``: the backward recomputes ``h = silu(a) * b`` in the same kernel that
+    forms ``da``, ``db`` (``use_weight=True``), so no [M, I] intermediate is kept. ``da`` and
+    ``db`` are written into one [M, 2I] gradient (one ``cat``; two slice backwards would each fill
+    a zero [M, 2I] buffer and add them). ``dw = sum_I(g * h)``, as autograd forms it for ``h * w``.
+    """
+
+    @staticmethod
+    def forward(ctx, gu, w):
+        from fla.modules.activations.ops import swiglu_fwd
+
+        a, b = gu.chunk(2, dim=-1)
+        with _device_of(gu):
+            h = swiglu_fwd(a, b)
+        ctx.save_for_backward(gu, w)
+        return h if w is None else h.mul_(w[:, None])
+
+    @staticmethod
+    def backward(ctx, g):
+        from fla.modules.activations.ops import swiglu_fwdbwd
+
+        gu, w = ctx.saved_tensors
+        a, b = gu.chunk(2, dim=-1)
+        need_w = w is not None and ctx.needs_input_grad[1]
+        with _device_of(gu):
+            if w is None:
+                da, db = swiglu_fwdbwd(a, b, g)
+            else:
+                da, db, h = swiglu_fwdbwd(a, b, g * w[:, None], use_weight=True)
+        dw = (g * h).sum(-1) if need_w else None
+        return torch.cat([da, db], dim=-1), dw
+
+
+def swiglu_rows(gu: torch.Tensor, w: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+    """``silu(a) * b``, each row scaled by ``w`` [M] if given, for ``gu = [a | b]`` [M, 2I] -> [M, I].
+
+    ``backend`` as :func:`harts_runtime.modules.fused.use_fla`: fla's fused kernels
+    (:class:`_FusedSwiGLU`) or the PyTorch reference ``F.silu(a) * b`` (then ``* w``)."""
+    if use_fla(gu, backend):
+        return _FusedSwiGLU.apply(gu, w)
+    a, b = gu.chunk(2, dim=-1)
+    h = F.silu(a) * b
+    return h if w is None else h * w[:, None]
 
 
 # ---------------------------------------------------------------------------------- module
@@ -538,20 +628,31 @@ class CompactMoE(nn.Module):
                 out = out.index_add(0, rows, self._ffn(x[rows], e) * weight[rows, slot, None])
         return out
 
+    def _w_gate_up(self) -> torch.Tensor:
+        """[E, D, 2I]: ``w_gate`` and ``w_up`` side by side (a differentiable ``cat`` per call; the
+        parameters stay separate for the state-dict adapters and expert parallelism)."""
+        return torch.cat([self.w_gate, self.w_up], dim=-1)
+
     def _experts_grouped(self, x, topk_idx, weight):
-        """Fast path: one expert sort of the N*k assignments, one gather of the rows, three
-        grouped matmuls on device offsets, one gather back, a fixed-order weighted sum over the
-        k slots. No host synchronisation on the ``torch._grouped_mm`` path (module docstring)."""
+        """Fast path: one expert sort of the N*k assignments, one gather of the rows, two grouped
+        matmuls on device offsets (gate and up as one [E, D, 2I] product, then the down
+        projection), the SwiGLU with the routing weights folded into its I-wide output, one gather
+        back and a fixed-order sum over the k slots. No host synchronisation on the
+        ``torch._grouped_mm`` path (module docstring).
+
+        The routing weight of a slot multiplies its intermediate row ``h`` before the (linear) down
+        projection, ``(w h) W_down = w (h W_down)``: the combine then has no D-wide weighted
+        temporaries, and the weight gradient is an I-wide row dot product."""
         n, k = topk_idx.shape
         order, inverse, counts = sort_assignments(topk_idx, self.config.num_experts)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        xs = _Dispatch.apply(x, order, inverse, k)  # [N*k, D] expert-sorted
-        h = F.silu(grouped_mm(xs, self.w_gate, counts, offs=offs)) * grouped_mm(
-            xs, self.w_up, counts, offs=offs
-        )
-        ys = grouped_mm(h, self.w_down, counts, offs=offs)  # [N*k, D] expert-sorted
-        y = _Unsort.apply(ys, order, inverse).view(n, k, -1)  # [N, k, D]
-        return (y * weight[..., None]).sum(1)
+        rows = torch.div(order, k, rounding_mode="floor")
+        xs = _Dispatch.apply(x, rows, inverse, k)  # [N*k, D] expert-sorted
+        ws = _Permute.apply(weight.reshape(-1), order, inverse)  # [N*k] slot weights, expert-sorted
+        gu = grouped_mm(xs, self._w_gate_up(), counts, offs=offs)  # [N*k, 2I]
+        h = swiglu_rows(gu, ws, self.config.backend)  # [N*k, I], weighted
+        ys = grouped_mm(h, self.w_down, counts, offs=offs)  # [N*k, D] expert-sorted, weighted
+        return _Combine.apply(ys, rows, inverse, k)
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor:

@@ -8,7 +8,8 @@ expert computation becomes:
 
 1. sort the ``N * k`` assignments by expert (stable), count them per expert;
 2. all-to-all the per-expert counts (``E`` integers), then the rows themselves, to the owning ranks;
-3. regroup the received rows by local expert, grouped SwiGLU matmuls, undo the regrouping;
+3. regroup the received rows by local expert, grouped SwiGLU matmuls (gate and up as one), undo the
+   regrouping;
 4. all-to-all back, unsort, weight, and sum over the ``k`` slots in a fixed order.
 
 Different ranks may hold different row counts (different microbatches of one slot), and an expert
@@ -28,10 +29,9 @@ import copy
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from harts_runtime.layers.moe import CompactMoE, grouped_mm
+from harts_runtime.layers.moe import CompactMoE, grouped_mm, swiglu_rows
 from harts_runtime.parallel.comm import all_to_all_rows
 from harts_runtime.parallel.dims import ParallelConfigError
 
@@ -116,7 +116,11 @@ class ExpertParallelMoE(CompactMoE):
         regroup = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=x.device)
         local_counts = rc.sum(0)  # [El]
         xe = xs[regroup]
-        h = F.silu(grouped_mm(xe, self.w_gate, local_counts)) * grouped_mm(xe, self.w_up, local_counts)
+        # Gate and up as one grouped matmul with [w_gate | w_up], the SwiGLU as in CompactMoE (fla's
+        # fused kernel on CUDA). The routing weights stay on the sending rank, so they weight the
+        # D-wide outputs after the return all-to-all (folding them into h would need one more
+        # all-to-all of the N*k weights).
+        h = swiglu_rows(grouped_mm(xe, self._w_gate_up(), local_counts), None, self.config.backend)
         ye = grouped_mm(h, self.w_down, local_counts)  # [R, D] expert-major
         ys = torch.empty_like(ye).index_copy(0, regroup, ye)  # back to src-major
         yb = all_to_all_rows(ys, recv_sizes, send_sizes, self.group)  # [N*k, D] sorted

@@ -1,7 +1,8 @@
 """CompactMoE on CUDA (issue 15, item 3): the grouped path runs forward and backward without host
 synchronisation, and agrees with the fp32 per-expert loop.
 
-The grouped module runs in bf16 (``torch._grouped_mm``'s device-offset kernel, SM90/SM100); after
+The grouped module runs in bf16 (its SwiGLU through fla's fused kernel when fla-core is importable,
+``MoEConfig.backend="auto"``) with ``torch._grouped_mm``'s device-offset kernel (SM90/SM100); after
 one warm-up step (cuBLAS/CUTLASS workspaces, allocator blocks, lazy initialisation) a second
 forward + backward + expert-bias step runs under ``torch.cuda.set_sync_debug_mode("error")``, so
 any synchronising CUDA call PyTorch makes (``.item()``, ``.tolist()``, ``nonzero``, a blocking
@@ -17,8 +18,9 @@ import copy
 import pytest
 import torch
 
-from harts_runtime.layers.moe import CompactMoE, MoEConfig, _grouped_mm_ok
+from harts_runtime.layers.moe import CompactMoE, MoEConfig, _grouped_mm_ok, swiglu_rows
 from harts_runtime.layout import RowLayout
+from harts_runtime.modules.fused import fla_available
 
 pytestmark = pytest.mark.gpu
 
@@ -188,3 +190,59 @@ def test_grouped_mm_ok_on_cuda():
     assert not _grouped_mm_ok(x.half(), torch.zeros(8, 1536, 512, device="cuda", dtype=torch.half))
     assert not _grouped_mm_ok(x, torch.zeros(8, 1536, 500, **bf))  # 1000-byte rows
     assert not _grouped_mm_ok(x[:, 1:1025], torch.zeros(8, 1024, 512, **bf))  # misaligned start
+
+
+FUSED_SWIGLU_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+"""Relative Frobenius error of fla's fused SwiGLU (``swiglu_rows(..., "triton")``) against the
+fp32 reference on the same (rounded) inputs: fp32 math in both, so fp32 agrees to rounding; in bf16
+the kernel rounds h once and the gradients once (~2^-9 relative), the weight product once more."""
+
+
+@pytest.mark.skipif(not fla_available(), reason="needs fla-core and triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "plain"])
+def test_fused_swiglu_matches_the_reference(dtype, weighted):
+    """The grouped path's SwiGLU on [N*k, 2I] rows (routing weights folded in or not): fla's kernels
+    against ``F.silu(a) * b * w`` in fp32, forward and backward."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    m = N * K
+    gu0 = torch.randn(m, 2 * INTER, device="cuda", generator=gen).to(dtype)
+    w0 = torch.rand(m, device="cuda", generator=gen).to(dtype)
+    g = torch.randn(m, INTER, device="cuda", generator=gen).to(dtype)
+    res = []
+    for backend, dt in (("triton", dtype), ("naive", torch.float32)):
+        gu = gu0.to(dt).requires_grad_()
+        w = w0.to(dt).requires_grad_() if weighted else None
+        h = swiglu_rows(gu, w, backend)
+        assert (type(h.grad_fn).__name__ == "_FusedSwiGLUBackward") == (backend == "triton")
+        assert h.dtype == dt and h.shape == (m, INTER)
+        h.backward(g.to(dt))
+        res.append({"h": h, "d_gu": gu.grad} | ({"d_w": w.grad} if weighted else {}))
+    errors = {k: rel(v, res[1][k]) for k, v in res[0].items()}
+    assert all(e <= FUSED_SWIGLU_RTOL[dtype] for e in errors.values()), errors
+
+
+FUSED_VS_NAIVE_MOE_RTOL = 2e-2
+"""Relative Frobenius error, bf16 grouped MoE with fla's SwiGLU vs with the reference SwiGLU: two
+bf16 computations that round h differently (fla once, the reference after silu, the product and
+the weight), each ~0.5% from the exact result (the :data:`RTOL` scale)."""
+
+
+@pytest.mark.skipif(not fla_available(), reason="needs fla-core and triton")
+def test_grouped_moe_fused_and_reference_swiglu_agree():
+    """The whole bf16 grouped MoE with ``backend="auto"`` (fla's SwiGLU) and ``"naive"``: same
+    routing, outputs and gradients within bf16 rounding."""
+    if not fast_grouped_mm_device():
+        pytest.skip("torch._grouped_mm reads offsets on the device only on SM90/SM100")
+    moe, _ = build("groups_shared")
+    naive = copy.deepcopy(moe)
+    naive.config.backend = "naive"
+    assert moe.config.backend == "auto"
+    x, probe, layout = inputs()
+    out, dx = step(moe, x, probe, layout)
+    ref, ref_dx = step(naive, x, probe, layout)
+    assert torch.equal(out.topk_idx, ref.topk_idx)
+    errors = {"hidden": rel(out.hidden, ref.hidden), "d_hidden": rel(dx, ref_dx)}
+    ref_params = dict(naive.named_parameters())
+    errors |= {n: rel(p.grad, ref_params[n].grad) for n, p in moe.named_parameters()}
+    assert all(e <= FUSED_VS_NAIVE_MOE_RTOL for e in errors.values()), errors
