@@ -4,9 +4,9 @@ activation="sigmoid")``'s parameters and math) and of Qwen3-Next / Qwen3.5's gat
 (``activation="silu"``), and the L2 norm of KDA's queries and keys. Each returns its input's dtype;
 the statistics are computed in float32.
 
-:class:`GatedRMSNorm` and :func:`l2_norm` take a ``backend`` (:mod:`harts_runtime.modules.fused`):
-on CUDA they run fla's fused kernels (``rms_norm_gated``, ``l2norm``; same math, float32 inside),
-on the CPU the PyTorch reference below."""
+:class:`RMSNorm`, :class:`GatedRMSNorm` and :func:`l2_norm` take a ``backend``
+(:mod:`harts_runtime.modules.fused`): on CUDA they run fla's fused kernels (``rms_norm``,
+``rms_norm_gated``, ``l2norm``; same math, float32 inside), on the CPU the PyTorch reference below."""
 
 from __future__ import annotations
 
@@ -28,13 +28,19 @@ class RMSNorm(nn.Module):
     ``Qwen3NextRMSNorm`` / ``Qwen3_5MoeRMSNorm`` (so their checkpoints' norm weights load as is).
     """
 
-    def __init__(self, dim: int, eps: float, *, zero_centered: bool = False):
+    def __init__(self, dim: int, eps: float, *, zero_centered: bool = False, backend: str = "auto"):
         super().__init__()
         self.zero_centered = zero_centered
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
         self.eps = eps
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fla(x, self.backend):  # fla's fused kernel: float32 statistics and product, one cast
+            from fla.modules.layernorm import rms_norm
+
+            w = 1.0 + self.weight if self.zero_centered else self.weight
+            return rms_norm(x, w, None, eps=self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.zero_centered:

@@ -5,7 +5,7 @@
   backward through a PyTorch convolution over ``[context, own rows]``;
 * CPU under ``TRITON_INTERPRET=1`` (fla's kernels as Python): each layer's fused features (one
   q/k/v GEMM, fla's varlen convolution with context rows as initial states, ``l2norm``, the fused
-  gates, ``rms_norm_gated``) equal the reference features; forward with context, forward and
+  gates, ``rms_norm_gated``) and the block's ``RMSNorm`` (``rms_norm``) equal the reference; forward with context, forward and
   backward on plain trajectories (fla's initial-state gradient kernel does not run in the
   interpreter: the GPU test covers it);
 * CUDA (``gpu``): the same comparisons in fp32 and bf16 at production shapes, initial-state
@@ -97,6 +97,7 @@ def test_fused_features_match_the_reference_under_the_interpreter():
         "fla.modules.l2norm",
         "fla.modules.causal_conv1d",
         "fla.modules.fused_norm_gate",
+        "fla.modules.layernorm",
         "fla.ops.kda.gate",
         "fla.ops.gated_delta_rule.gate",
     ) + textwrap.dedent(f"""
@@ -104,7 +105,7 @@ def test_fused_features_match_the_reference_under_the_interpreter():
         from harts_runtime.layers.gdn import CompactGatedDeltaNet, GatedDeltaNetConfig
         from harts_runtime.layers.kda import KDAConfig, KDALayer
         from harts_runtime.layout.conv import ConvWindows
-        from harts_runtime.modules.norms import GatedRMSNorm
+        from harts_runtime.modules.norms import GatedRMSNorm, RMSNorm
         from tests.runtime.test_fused_modules import _set_backend
 
         torch.manual_seed(0)
@@ -155,6 +156,20 @@ def test_fused_features_match_the_reference_under_the_interpreter():
                 res[backend] = (y,) + torch.autograd.grad((y * torch.cos(y)).sum(), (o, z, norm.weight))
             for a, b in zip(res["triton"], res["naive"]):
                 assert (a - b).abs().max().item() < 1e-5, act
+        for zc in (False, True):
+            norm = RMSNorm(8, 1e-6, zero_centered=zc)
+            with torch.no_grad():
+                norm.weight.add_(torch.randn(8))
+            o = torch.randn(20, 8, requires_grad=True)
+            res = {{}}
+            for backend in ("triton", "naive"):
+                norm.backend = backend
+                y = norm(o)
+                res[backend] = (y,) + torch.autograd.grad((y * torch.cos(y)).sum(), (o, norm.weight))
+            for a, b in zip(res["triton"], res["naive"]):
+                err = (a - b).abs().max().item()
+                print("rmsnorm", zc, err)
+                assert err < 1e-5, ("rmsnorm", zc, err)
     """)
     r = triton_interpreter.run(code)
     print(r.stdout)
@@ -270,3 +285,34 @@ def test_unknown_backend_is_named():
         use_fla(torch.zeros(1), "cuda")
     assert use_fla(torch.zeros(1), "naive") is False
     assert use_fla(torch.zeros(1), "auto") is False  # CPU tensors take the reference
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["plain", "zero_centered"])
+@pytest.mark.parametrize(
+    "dtype,wdtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)],
+    ids=["fp32", "bf16", "bf16_fp32_weight"],
+)
+def test_fused_rms_norm_matches_reference_on_cuda(dtype, wdtype, zero_centered):
+    """The block RMSNorm through fla's ``rms_norm`` against the float32 reference at the model width
+    (bf16 activations with bf16 or fp32 weights, as ``ModelConfig.fp32_params`` keeps them)."""
+    from harts_runtime.modules.norms import RMSNorm
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    norm = RMSNorm(1536, 1e-6, zero_centered=zero_centered).cuda().to(wdtype)
+    with torch.no_grad():
+        norm.weight.add_(0.3 * torch.randn(1536, device="cuda", generator=gen).to(wdtype))
+    x0 = torch.randn(4096, 1536, device="cuda", generator=gen).to(dtype)
+    g = torch.randn(4096, 1536, device="cuda", generator=gen)
+    res = {}
+    for backend in ("triton", "naive"):
+        norm.backend, norm.weight.grad = backend, None
+        x = x0.clone().requires_grad_()
+        y = norm(x)
+        assert y.dtype == dtype
+        (y.float() * g).sum().backward()
+        res[backend] = (y, x.grad, norm.weight.grad)
+    for name, a, b in zip(("y", "dx", "dweight"), res["triton"], res["naive"]):
+        assert _ratio(a, b) < CUDA_TOL[dtype], (name, _ratio(a, b))

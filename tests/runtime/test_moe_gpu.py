@@ -211,8 +211,8 @@ def test_fused_swiglu_matches_the_reference(dtype, weighted):
     g = torch.randn(m, INTER, device="cuda", generator=gen).to(dtype)
     res = []
     for backend, dt in (("triton", dtype), ("naive", torch.float32)):
-        gu = gu0.to(dt).requires_grad_()
-        w = w0.to(dt).requires_grad_() if weighted else None
+        gu = gu0.to(dt).clone().requires_grad_()  # a fresh leaf per backend (.to is a no-op at dt)
+        w = w0.to(dt).clone().requires_grad_() if weighted else None
         h = swiglu_rows(gu, w, backend)
         assert (type(h.grad_fn).__name__ == "_FusedSwiGLUBackward") == (backend == "triton")
         assert h.dtype == dt and h.shape == (m, INTER)
