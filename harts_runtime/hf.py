@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 from harts_runtime.errors import InvalidInputError
-from harts_runtime.ops.attention import resolve_backend
 
 __all__ = ["FAMILIES", "load_pretrained", "save_pretrained"]
 
@@ -115,11 +114,8 @@ def load_pretrained(path, dtype=None, device="cpu", **overrides):
     ignored = getattr(adapter, "ignored", lambda name: False)
     files = _weight_files(path)
     # built on the meta device and allocated uninitialised: every tensor is written below
-    # (the attention backend HybridModel would pick for the target device, not for meta)
-    build = cfg
-    if cfg.attn_backend == "auto":
-        build = cfg.replace(attn_backend=resolve_backend("auto", device))
-    model = HybridModel(build, device="meta").to_empty(device=device)
+    # ("auto" attention is resolved per call, on the device the rows are on)
+    model = HybridModel(cfg, device="meta").to_empty(device=device)
     model.config = cfg
     targets = model.state_dict(keep_vars=True)
     written: dict[str, set] = {}

@@ -41,8 +41,9 @@ The kernel call is a kept region named ``"attention"`` (:mod:`harts_runtime.ops.
 Kernels that need equal Q/K and V head dims (flash-attn 2, torch varlen) get zero-padded head
 dims; zero columns change neither scores nor outputs (the scale is passed explicitly).
 
-``auto`` (:func:`resolve_backend`) is the fastest backend measured on the H200 that runs here: on
-CUDA the first available of :data:`CUDA_PREFERENCE`, on the CPU ``reference``.
+``auto`` (:func:`resolve_backend`, per call) is the fastest backend measured on the H200 that runs
+here for the call's head dims: on CUDA the first available of :data:`CUDA_PREFERENCE` that accepts
+them (``fa4`` only for :data:`FA4_HEAD_DIMS`), on the CPU ``reference``.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ __all__ = [
     "BACKENDS",
     "Backend",
     "CUDA_PREFERENCE",
+    "FA4_HEAD_DIMS",
     "available_backends",
     "compact_attention",
     "resolve_backend",
@@ -231,10 +233,24 @@ def _varlen_flash_attn(q, k, v, views: AttentionViews, scale: float) -> torch.Te
     return out[..., :dv]
 
 
+FA4_HEAD_DIMS = frozenset({(32, 32), (64, 64), (96, 64), (128, 128), (192, 128)})
+"""(Dqk, Dv) pairs whose ``fa4`` forward and backward matched the float32 reference on the H200
+(flash-attn-4 4.0.0b36, bf16, tree and forest views; ``tests/runtime/test_attention_gpu.py``).
+Outside them its SM90 kernels were seen to go wrong: Dqk = 48 (Kimi-Linear's tiny test shape,
+32 + 16) gave dq with relative error ~1.0 while out, dk and dv were right, and (64, 32) did not
+compile. ``fa4`` refuses other head dims; ``auto`` takes the next backend for them."""
+
+
 def _varlen_fa4(q, k, v, views: AttentionViews, scale: float) -> torch.Tensor:
+    _groups(q, k)
+    if (q.shape[-1], v.shape[-1]) not in FA4_HEAD_DIMS:
+        raise InvalidInputError(
+            "head dims",
+            f"fa4 is verified for (Dqk, Dv) in {sorted(FA4_HEAD_DIMS)}, not {(q.shape[-1], v.shape[-1])} "
+            "(wrong dq was measured at Dqk = 48); use backend='auto' or 'varlen'",
+        )
     from flash_attn.cute import flash_attn_varlen_func
 
-    _groups(q, k)
     out, _ = flash_attn_varlen_func(
         q,
         k,
@@ -356,6 +372,11 @@ class Backend:
     needs: str | None = None
     """Importable module the backend needs (None: torch only)."""
     cuda_only: bool = False
+    head_dims: frozenset | None = None
+    """(Dqk, Dv) pairs the backend accepts (None: any)."""
+
+    def accepts(self, dqk: int | None, dv: int | None) -> bool:
+        return self.head_dims is None or (dqk, dv) in self.head_dims
 
 
 BACKENDS: dict[str, Backend] = {
@@ -365,7 +386,7 @@ BACKENDS: dict[str, Backend] = {
         Backend("sdpa", "views", _varlen_sdpa),
         Backend("varlen", "views", _varlen_torch, "torch.nn.attention.varlen", cuda_only=True),
         Backend("flash_attn", "views", _varlen_flash_attn, "flash_attn", cuda_only=True),
-        Backend("fa4", "views", _varlen_fa4, "flash_attn.cute", cuda_only=True),
+        Backend("fa4", "views", _varlen_fa4, "flash_attn.cute", cuda_only=True, head_dims=FA4_HEAD_DIMS),
         Backend("te", "views", _varlen_te, "transformer_engine", cuda_only=True),
         Backend("flex_tree", "tree", _tree_flex, "torch.nn.attention.flex_attention", cuda_only=True),
         Backend("dense_tree", "tree", _tree_dense),
@@ -390,20 +411,30 @@ def available_backends(device: str | torch.device = "cpu") -> list[str]:
 
 CUDA_PREFERENCE: tuple[str, ...] = ("fa4", "varlen")
 """What ``auto`` picks on CUDA, fastest first (``benchmarks/layer_speed.py``'s attention case on the
-H200): the first of these that is importable here."""
+H200: fa4 2.05x varlen's fwd+bwd at MLA's 192/128, 1.85x at GQA 128/128): the first of these that is
+importable here and accepts the head dims."""
 
 
-def resolve_backend(name: str, device: str | torch.device) -> str:
-    """``name`` itself, or for ``"auto"`` the backend used on ``device``: on CUDA the first
-    importable entry of :data:`CUDA_PREFERENCE`, elsewhere ``reference``."""
+def resolve_backend(
+    name: str, device: str | torch.device, dqk: int | None = None, dv: int | None = None
+) -> str:
+    """``name`` itself (checked), or for ``"auto"`` the backend used on ``device`` for (``dqk``,
+    ``dv``) head dims: on CUDA the first importable entry of :data:`CUDA_PREFERENCE` that accepts
+    them (unknown dims: only backends that accept any), elsewhere ``reference``."""
     if name != "auto":
         if name not in BACKENDS:
             raise InvalidInputError("backend", f"unknown {name!r}; choose auto or one of {sorted(BACKENDS)}")
         return name
-    if torch.device(device).type != "cuda":
+    return _auto(torch.device(device).type, dqk, dv)
+
+
+@functools.cache
+def _auto(device_type: str, dqk: int | None, dv: int | None) -> str:
+    if device_type != "cuda":
         return "reference"
     for b in CUDA_PREFERENCE:
-        if _importable(BACKENDS[b].needs):
+        spec = BACKENDS[b]
+        if _importable(spec.needs) and spec.accepts(dqk, dv):
             return b
     return "reference"
 
@@ -430,7 +461,8 @@ def compact_attention(
     views : AttentionViews
         Index views of the rows, on ``q.device``.
     backend : str
-        A key of :data:`BACKENDS`.
+        A key of :data:`BACKENDS`, or ``"auto"`` (:func:`resolve_backend` for this device and
+        these head dims).
     scale : float, optional
         Softmax scale, default ``Dqk ** -0.5``.
 
@@ -440,6 +472,8 @@ def compact_attention(
         Row ``c`` attends to exactly its ancestors and itself. Rows without a query (padding) are
         zero for view backends.
     """
+    if backend == "auto":
+        backend = resolve_backend("auto", q.device, q.shape[-1], v.shape[-1])
     try:
         spec = BACKENDS[backend]
     except KeyError:

@@ -224,9 +224,29 @@ def test_auto_backend_resolution(monkeypatch):
     assert set(att.CUDA_PREFERENCE) <= set(BACKENDS)
     present = {None, "torch.nn.attention.varlen"}  # a machine without flash_attn.cute
     monkeypatch.setattr(att, "_importable", lambda name: name in present)
-    assert att.resolve_backend("auto", "cuda") == "varlen"
-    present.add(BACKENDS[att.CUDA_PREFERENCE[0]].needs)
-    assert att.resolve_backend("auto", "cuda") == att.CUDA_PREFERENCE[0]
+    att._auto.cache_clear()
+    try:
+        assert att.resolve_backend("auto", "cuda", 192, 128) == "varlen"
+        present.add(BACKENDS["fa4"].needs)
+        att._auto.cache_clear()
+        assert att.CUDA_PREFERENCE[0] == "fa4"
+        assert att.resolve_backend("auto", "cuda", 192, 128) == "fa4"
+        assert att.resolve_backend("auto", "cuda", 48, 32) == "varlen"  # not a verified fa4 shape
+        assert att.resolve_backend("auto", "cuda") == "varlen"  # unknown dims: no restricted backend
+    finally:
+        att._auto.cache_clear()
+    q = torch.zeros(3, 1, 48, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head dims"):
+        att._varlen_fa4(q, q, q[..., :32], None, 1.0)
+    batch = random_batch(0, num=4)
+    views = views_from_batch(batch)
+    x = torch.randn(batch.compact_tokens, 2, 8)
+    torch.testing.assert_close(
+        compact_attention(x, x, x, views, backend="auto"),
+        compact_attention(x, x, x, views, backend="reference"),
+        rtol=0,
+        atol=0,
+    )
 
 
 # ------------------------------------------------------------------------------- modules

@@ -47,6 +47,7 @@ from harts_runtime.models.kimi_linear import (  # noqa: E402
     to_hf,
     to_hf_config,
 )
+from harts_runtime.ops.attention import resolve_backend  # noqa: E402
 
 TOL_LOGITS = 1e-4  # fp32: max |ours - HF| logit over max |HF| logit
 TOL_GRAD = 1e-4  # fp32: max |ours - HF| gradient entry over max |HF| entry, per tensor
@@ -137,7 +138,9 @@ def test_logits_match_transformers(tmp_path, hf_torch_kda, sharded):
     ours = load_pretrained(path, chunk_size=16).eval()
     assert ours.config.mixers == ("kda", "mla", "kda", "mla")
     assert ours.config.ffns == ("dense", "moe", "moe", "moe")
-    assert ours.config.attn_backend == "auto" and ours.blocks[1].mixer.backend == "reference"  # CPU's
+    # "auto" flows to the layers and is resolved per call: the reference on the CPU
+    assert ours.config.attn_backend == "auto" and ours.blocks[1].mixer.backend == "auto"
+    assert resolve_backend("auto", "cpu", 48, 32) == "reference"
     trajs = random_trajs(1)
     logits = ours_logits(ours, trajs)
     off, worst = 0, 0.0

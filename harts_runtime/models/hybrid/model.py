@@ -191,7 +191,8 @@ class HybridModel(nn.Module):
         super().__init__()
         self.config = c = config
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        backend = resolve_backend(c.attn_backend, dev)
+        resolve_backend(c.attn_backend, dev)  # checks the name; "auto" itself is resolved per call
+        backend = c.attn_backend  # (ops.attention.compact_attention: this device, the layer's head dims)
         with dev:  # build and initialise on the target device
             self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
             self.blocks = nn.ModuleList(Block(c, m, f, backend) for m, f in zip(c.mixers, c.ffns))
