@@ -19,6 +19,9 @@ gradients (median 0.96-1.15x, max 1.55x) except the decay path. Two effects set 
   row of cancelling terms through the chunk kernels' backward (fla's stages: bf16 storage, TF32
   dots); transformers' torch rule runs in fp32 even for bf16 inputs. Its relative error is O(1)
   in this tiny random model for both (transformers bf16 2.9 on Kimi layer 2): ``DECAY_TOL``.
+  Measured worst: 0.64 (Qwen3.5 layer 2 ``A_log``) on the first fused path, 0.70 after fla's
+  fused RMSNorm / SwiGLU and FlashAttention-4 changed the roundings upstream (same rows, same
+  kernels for the core), hence 0.8;
 * fp32 on CUDA: fla's Triton stages use TF32 dots (log-prob error 3e-4 to 5e-3) and top-k routing
   of the tiny MoE flips on near-ties under that noise, which moves whole expert gradients
   (worst 0.105): ``TOL_FP32``. On the CPU the same comparison is exact to 3e-4 (test_qwen3_next.py,
@@ -45,7 +48,7 @@ pytestmark = pytest.mark.gpu
 
 V, B = 96, 64
 SLACK, FLOOR = 2.0, 2e-3  # ours-bf16 error <= SLACK * transformers-bf16 error + FLOOR
-DECAY_TOL = 0.7  # decay-path gradients in bf16: <= max(SLACK * transformers-bf16, DECAY_TOL)
+DECAY_TOL = 0.8  # decay-path gradients in bf16: <= max(SLACK * transformers-bf16, DECAY_TOL)
 TOL_FP32 = {"logprobs": 1e-2, "grads": 0.15}  # fp32 on CUDA vs transformers fp32 (TF32, routing flips)
 DECAY_PATH = (
     "A_log",
