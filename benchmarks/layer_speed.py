@@ -877,6 +877,9 @@ def read_train_eval(path: str | None) -> dict:
     s, b = doc.get("speedup") or {}, doc.get("breakdown") or {}
     out["model_tflops"] = (s.get("tflops") or {}).get("compact")
     out["trajectory_tflops"] = (s.get("tflops") or {}).get("trajectory")
+    out["model_tflops_mfu"] = (s.get("mfu_tflops") or {}).get("compact")  # no recomputation counted
+    out["kept_regions"] = s.get("keep")
+    out["attention_backend"] = doc.get("meta", {}).get("attention_backend")
     out["speedup_vs_ideal"] = s.get("fbg_speedup_over_ideal")
     out["fbg_speedup"] = s.get("fbg_speedup")
     out["ideal_work_compression"] = s.get("ideal_work_compression")
@@ -951,13 +954,22 @@ def markdown(res: dict) -> str:
         BEGIN,
         f"`python benchmarks/layer_speed.py` ({m['device']}, {m['dtype']}, {m['date']}"
         + (", `--fast-autotune`" if m["args"].get("fast_autotune") else "")
-        + "): `results/layer_speed.json`.",
+        + "): `results/layer_speed.json`."
+        + (
+            " Merged from partial runs: "
+            + "; ".join(f"{', '.join(x['cases']) or 'no cases'} ({x['date']})" for x in m["sources"])
+            + "."
+            if m.get("sources")
+            else ""
+        ),
         "",
         "| headline | value | target |",
         "|---|---:|---:|",
         f"| KDA fwd+bwd ours / fla (trajectory path) | {_num(res.get('kda_fwdbwd_vs_fla'), '.2f', 'x')} | <= 1.15x |",
         f"| KDA compact / trajectory per packed row | {_num(res.get('kda_compact_vs_trajectory'), '.2f', 'x')} | <= 1.15x |",
         f"| model TFLOP/s (compact microbatch) | {_num(res.get('model_tflops'), '.1f')} | >= 250 |",
+        f"| (model FLOPs only, recomputation not counted) | "
+        f"{_num((res.get('train_eval') or {}).get('model_tflops_mfu'), '.1f')} | |",
         f"| device busy | {_num(res.get('device_busy'), '.1%')} | >= 95% |",
         f"| F/B/Grad speedup / ideal | {_num(res.get('speedup_vs_ideal'), '.3f')} | >= 0.95 |",
         "",
@@ -1066,7 +1078,16 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--no-readme", action="store_true", help="leave benchmarks/README.md alone (tiny runs always do)"
     )
+    ap.add_argument(
+        "--merge",
+        default="",
+        metavar="FILES",
+        help="comma-separated layer_speed.json results of partial runs: combine their cases (a later "
+        "file's case replaces an earlier one's; with --train-eval) into --out and the README, run nothing",
+    )
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in FUNCS]
     if unknown:
@@ -1123,6 +1144,37 @@ def main(argv=None) -> int:
     block = markdown(json.loads(args.out.read_text()))
     print(block)
     if not args.tiny and not args.no_readme:
+        update_readme(
+            args.readme, block, BEGIN, END, "Layer speed against production references: `layer_speed.py`"
+        )
+    return 0
+
+
+def merge(args) -> int:
+    """``--merge``: one result from the cases of several partial runs (device time comes in short
+    calls), each case keeping the meta of the run that measured it (``meta.sources``)."""
+    res: dict = {**dict.fromkeys(TOP_KEYS), "meta": None, "train_eval": None, "cases": {}}
+    sources = []
+    for f in [p for p in args.merge.split(",") if p]:
+        doc = json.loads(Path(f).read_text())
+        cases = {k: v for k, v in (doc.get("cases") or {}).items() if "skipped" not in v}
+        for name, case in cases.items():
+            case["measured"] = doc["meta"].get("date")
+            res["cases"][name] = case
+        sources.append({"file": f, "date": doc["meta"].get("date"), "cases": sorted(cases)})
+        res["meta"] = dict(doc["meta"])
+        if doc.get("train_eval", {}).get("model_tflops") is not None:
+            res["train_eval"] = doc["train_eval"]
+    if res["meta"] is None:
+        raise SystemExit("--merge: no files")
+    res["meta"]["sources"] = sources
+    if args.train_eval:
+        res["train_eval"] = read_train_eval(args.train_eval)
+    res["train_eval"] = res["train_eval"] or read_train_eval(None)
+    write(args.out, res)
+    block = markdown(json.loads(args.out.read_text()))
+    print(block)
+    if not args.no_readme:
         update_readme(
             args.readme, block, BEGIN, END, "Layer speed against production references: `layer_speed.py`"
         )
