@@ -1,7 +1,7 @@
 """``harts-train``: train steps of a hybrid model on a synthetic rollout batch.
 
 ``harts-train [--flavor debug|ling-tiny|qwen3.5-35b-a3b | --model PATH] [--layers N] [--preset P] [--seed N] [--max-len L]
-[--mode compact|trajectory|both] [--steps N] [--capacity T] [--recompute] [--objective grpo|ppo]
+[--mode compact|trajectory|both] [--steps N] [--capacity T] [--recompute [--keep attention]] [--objective grpo|ppo]
 [--lr LR] [--device cpu|cuda] [--json]`` prints one line (or JSON object) per step and mode;
 ``--mode both`` is :func:`harts_runtime.demo.train_demo`. Run it as ``harts-train`` or
 ``python -m harts_runtime.cli``.
@@ -54,6 +54,14 @@ def main(argv=None) -> int:
         "--capacity", type=int, default=None, help="T: rows per microbatch (CPU 4096, CUDA 65536)"
     )
     ap.add_argument("--recompute", action="store_true", help="full-block activation recomputation")
+    ap.add_argument(
+        "--keep",
+        default="",
+        metavar="REGIONS",
+        help="with --recompute: op regions whose activations are kept instead of recomputed "
+        "(comma-separated; 'attention': the attention cores, a third of their cost, ~1.4 GB per MLA layer "
+        "of a 65,536-row ling-tiny microbatch)",
+    )
     ap.add_argument("--objective", choices=("grpo", "ppo"), default="grpo")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda when available)")
@@ -80,6 +88,13 @@ def main(argv=None) -> int:
         value = getattr(args, name)
         if value is not None and value < (0 if name == "steps" else 1):
             ap.error(f"--{name.replace('_', '-')}: must be >= {0 if name == 'steps' else 1}, got {value}")
+    keep = tuple(k for k in args.keep.split(",") if k)
+    if keep and not args.recompute:
+        ap.error("--keep: needs --recompute (it names what recomputation keeps)")
+    from harts_runtime.ops.keep import KEEPABLE
+
+    if set(keep) - KEEPABLE:
+        ap.error(f"--keep: unknown regions {sorted(set(keep) - KEEPABLE)}; choose from {sorted(KEEPABLE)}")
     cpu = device.type == "cpu"
     if args.model is not None and (args.flavor is not None or args.layers is not None):
         ap.error("--model: a checkpoint folder replaces --flavor and --layers; give one")
@@ -91,6 +106,7 @@ def main(argv=None) -> int:
         layers=args.layers,
         capacity=args.capacity,
         recompute=args.recompute,
+        keep=keep,
         objective=args.objective,
         lr=args.lr,
     )

@@ -67,13 +67,15 @@ def train_modes(
     json_lines,
     out,
     model_path=None,
+    keep=(),
 ) -> list[dict]:
     """Train one model copy per mode in ``modes`` for ``steps`` steps on :func:`synthetic_step`,
     printing one line (or with ``json_lines`` one JSON object) per step and mode to ``out``, plus the
     ``|loss difference|`` line when both modes run. ``flavor`` / ``capacity`` None: the device's
     defaults (``debug`` and 4,096 on CPU, ``ling-tiny`` and 65,536 on CUDA). ``model_path``: a
     transformers checkpoint folder (:func:`harts_runtime.hf.load_pretrained`), used instead of
-    ``flavor``.
+    ``flavor``. ``keep``: op regions kept instead of recomputed (with ``recompute``;
+    :func:`harts_runtime.recompute.apply_recompute`).
     Returns one dict per step, as :func:`train_demo`."""
     dev = torch.device(device)
     cpu = dev.type == "cpu"
@@ -99,7 +101,11 @@ def train_modes(
         f"C={b.compact_tokens:,} S/C={b.compression:.2f} ({time.perf_counter() - t:.2f}s)",
         file=sys.stderr,
     )
-    model = apply_recompute(loaded if loaded is not None else HybridModel(cfg, device=dev), recompute)
+    model = apply_recompute(
+        loaded if loaded is not None else HybridModel(cfg, device=dev),
+        recompute,
+        keep=keep if recompute else (),
+    )
     print(
         f"model: {flavor} layers={cfg.num_layers} params={sum(p.numel() for p in model.parameters()):,} "
         f"dtype={cfg.dtype} device={dev}",
@@ -148,6 +154,7 @@ def train_demo(
     objective: str = "grpo",
     lr: float = 1e-3,
     model_path=None,
+    keep: tuple = (),
 ) -> list[dict]:
     """Train the ``flavor`` model (``debug``: the tiny CPU model) ``steps`` optimizer steps compact
     and trajectory-wise side by side from the same weights, on the synthetic ``preset`` batch
@@ -178,4 +185,5 @@ def train_demo(
         json_lines=False,
         out=out,
         model_path=model_path,
+        keep=keep,
     )

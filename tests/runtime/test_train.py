@@ -4,6 +4,7 @@ the step-level loss normalisation makes microbatch contributions add up to the u
 whole-step objective; a few optimizer steps learn a synthetic task; the CLI runs."""
 
 import io
+import json
 import random
 
 import numpy as np
@@ -282,6 +283,17 @@ def test_cli_runs_both_modes(capsys):
     assert len(diffs) == 2 and diffs[0] < 1e-5 and diffs[1] < 1e-3, diffs
 
 
+def test_cli_recompute_keeping_attention_matches_full_recompute(capsys):
+    """``--recompute --keep attention`` trains the same losses as ``--recompute`` (the kept
+    attention cores are the same values, not recomputed)."""
+    losses = []
+    for extra in ([], ["--keep", "attention"]):
+        argv = ["--preset", "tiny", "--steps", "2", "--device", "cpu", "--capacity", "4096", "--json"]
+        assert main(argv + ["--recompute", *extra]) == 0
+        losses.append([json.loads(line)["loss"] for line in capsys.readouterr().out.strip().splitlines()])
+    assert losses[0] == losses[1] and len(losses[0]) == 2
+
+
 def test_train_demo_prints_and_returns_every_step():
     out = io.StringIO()
     res = train_demo(preset="tiny", steps=2, seed=3, max_len=64, out=out)
@@ -333,6 +345,8 @@ def test_gpu_eval_script_smoke_on_cpu(tmp_path):
         (["--preset", "nope"], "preset: unknown preset 'nope'"),
         (["--model", "/nonexistent"], "--model: '/nonexistent' is not a checkpoint folder"),
         (["--model", ".", "--layers", "2"], "--model: a checkpoint folder replaces --flavor and --layers"),
+        (["--keep", "attention"], "--keep: needs --recompute"),
+        (["--recompute", "--keep", "lm_head"], "--keep: unknown regions ['lm_head']"),
     ],
 )
 def test_cli_errors_are_one_line_and_exit_2(argv, fragment, capsys):
