@@ -82,6 +82,46 @@ def test_layer_speed_tiny_writes_keys_and_parity(tmp_path, monkeypatch):
             assert p["status"] == "reference" or p["max_rel_err"] < 1e-4, (sname, b, p)
 
 
+def test_layer_speed_merge_combines_partial_runs(tmp_path):
+    """``--merge``: the cases of several results in one (a later file's case wins), each with the
+    date of its run, the train_eval numbers carried, the README block rewritten."""
+    ls = _load("layer_speed")
+
+    def run(date, cases, te=None):
+        return {
+            "meta": {"date": date, "device": "GPU", "dtype": "bfloat16", "args": {}},
+            "cases": cases,
+            "train_eval": te or ls.read_train_eval(None),
+        }
+
+    te = {"model_tflops": 245.6, "device_busy": 0.991, "speedup_vs_ideal": 0.998, "model_tflops_mfu": 202.0}
+    a = run("day 1", {"kda": {"fwdbwd_vs_fla": 0.98}, "moe": {"old": True}}, te)
+    b = run(
+        "day 2",
+        {"moe": {"new": True}, "gdn": {"skipped": "budget"}, "kda_compact": {"compact_vs_trajectory": 1.2}},
+    )
+    for name, doc in (("a", a), ("b", b)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{ls.BEGIN}\nold\n{ls.END}\n")
+    out = tmp_path / "merged.json"
+    merge = ",".join(str(tmp_path / f"{n}.json") for n in "ab")
+    assert ls.main(["--merge", merge, "--out", str(out), "--readme", str(readme)]) == 0
+    res = json.loads(out.read_text())
+    assert sorted(res["cases"]) == ["kda", "kda_compact", "moe"]  # skipped cases are not carried
+    assert (
+        res["cases"]["moe"] == {"new": True, "measured": "day 2"}
+        and res["cases"]["kda"]["measured"] == "day 1"
+    )
+    assert (res["kda_fwdbwd_vs_fla"], res["kda_compact_vs_trajectory"], res["model_tflops"]) == (
+        0.98,
+        1.2,
+        245.6,
+    )
+    assert [s["cases"] for s in res["meta"]["sources"]] == [["kda", "moe"], ["kda_compact", "moe"]]
+    assert "old" not in readme.read_text() and "245.6" in readme.read_text() and "202.0" in readme.read_text()
+
+
 def _train_eval_ok(res):
     for name in ("speedup", "fidelity", "replay", "breakdown"):
         assert "error" not in res[name], res[name].get("traceback")
