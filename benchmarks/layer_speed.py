@@ -640,7 +640,11 @@ def case_attention(ctx: Context) -> dict:
     c = views.num_rows
     names = available_backends(dev)
     if a.attn_backends:
-        names = [n for n in a.attn_backends.split(",") if n in names]
+        wanted = [n for n in a.attn_backends.split(",") if n]
+        missing = [n for n in wanted if n not in names]
+        if missing:
+            raise ValueError(f"--attn-backends: {missing} not available here (available: {names})")
+        names = wanted
     if dev.type == "cuda" and "varlen" in names:  # the parity reference first
         names = ["varlen"] + [n for n in names if n != "varlen"]
     res = {"microbatch": m["info"], "backends": names, "dtype": str(dt).replace("torch.", ""), "shapes": {}}
@@ -967,8 +971,8 @@ def markdown(res: dict) -> str:
         "|---|---:|---:|",
         f"| KDA fwd+bwd ours / fla (trajectory path) | {_num(res.get('kda_fwdbwd_vs_fla'), '.2f', 'x')} | <= 1.15x |",
         f"| KDA compact / trajectory per packed row | {_num(res.get('kda_compact_vs_trajectory'), '.2f', 'x')} | <= 1.15x |",
-        f"| model TFLOP/s (compact microbatch) | {_num(res.get('model_tflops'), '.1f')} | >= 250 |",
-        f"| (model FLOPs only, recomputation not counted) | "
+        f"| model TFLOP/s, executed FLOPs (compact microbatch) | {_num(res.get('model_tflops'), '.1f')} | >= 250 |",
+        f"| model TFLOP/s, model FLOPs only (recomputation not counted) | "
         f"{_num((res.get('train_eval') or {}).get('model_tflops_mfu'), '.1f')} | |",
         f"| device busy | {_num(res.get('device_busy'), '.1%')} | >= 95% |",
         f"| F/B/Grad speedup / ideal | {_num(res.get('speedup_vs_ideal'), '.3f')} | >= 0.95 |",
@@ -1082,8 +1086,9 @@ def main(argv=None) -> int:
         "--merge",
         default="",
         metavar="FILES",
-        help="comma-separated layer_speed.json results of partial runs: combine their cases (a later "
-        "file's case replaces an earlier one's; with --train-eval) into --out and the README, run nothing",
+        help="comma-separated layer_speed.json results of partial runs: combine their measured cases (a later "
+        "file's case replaces an earlier one's; skipped and failed cases are not carried; meta from the "
+        "last file, each case's date in meta.sources) into --out and the README, run nothing",
     )
     args = ap.parse_args(argv)
     if args.merge:
@@ -1157,7 +1162,7 @@ def merge(args) -> int:
     sources = []
     for f in [p for p in args.merge.split(",") if p]:
         doc = json.loads(Path(f).read_text())
-        cases = {k: v for k, v in (doc.get("cases") or {}).items() if "skipped" not in v}
+        cases = {k: v for k, v in (doc.get("cases") or {}).items() if "skipped" not in v and "error" not in v}
         for name, case in cases.items():
             case["measured"] = doc["meta"].get("date")
             res["cases"][name] = case

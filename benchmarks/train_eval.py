@@ -266,6 +266,19 @@ def section_speedup(args, model, dev, shared):
     }
 
 
+def attention_backends(cfg, name: str, dev) -> dict:
+    """The attention backend each full-attention mixer kind of ``cfg`` runs (``auto`` resolved for
+    its head dims, as ``compact_attention`` resolves it per call)."""
+    dtype = getattr(torch, cfg.dtype)
+    gqa_dim = cfg.head_dim or cfg.hidden_size // cfg.num_heads
+    dims = {
+        "mla": (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim),
+        "gqa": (gqa_dim, gqa_dim),
+        "gated_attention": (gqa_dim, gqa_dim),
+    }
+    return {m: resolve_backend(name, dev, *dims[m], dtype) for m in dict.fromkeys(cfg.mixers) if m in dims}
+
+
 def _keep(args) -> tuple[str, ...]:
     return tuple(k for k in (args.keep or "").split(",") if k)
 
@@ -880,7 +893,7 @@ def main(argv=None) -> int:
             f"({cfg.num_layers} layers: {' '.join(MIXER_CODES.get(m, m) for m in cfg.mixers)})",
             "params": sum(p.numel() for p in model.parameters()),
             "dtype": cfg.dtype,
-            "attention_backend": resolve_backend(args.attn_backend, dev),
+            "attention_backend": attention_backends(cfg, args.attn_backend, dev),
             "torch": torch.__version__,
             "python": platform.python_version(),
             "args": vars(args),

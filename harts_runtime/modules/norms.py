@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
         if use_fla(x, self.backend):  # fla's fused kernel: float32 statistics and product, one cast
             from fla.modules.layernorm import rms_norm
 
-            w = 1.0 + self.weight if self.zero_centered else self.weight
+            w = 1.0 + self.weight.float() if self.zero_centered else self.weight  # as the reference
             return rms_norm(x, w, None, eps=self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

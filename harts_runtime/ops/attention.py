@@ -42,8 +42,8 @@ Kernels that need equal Q/K and V head dims (flash-attn 2, torch varlen) get zer
 dims; zero columns change neither scores nor outputs (the scale is passed explicitly).
 
 ``auto`` (:func:`resolve_backend`, per call) is the fastest backend measured on the H200 that runs
-here for the call's head dims: on CUDA the first available of :data:`CUDA_PREFERENCE` that accepts
-them (``fa4`` only for :data:`FA4_HEAD_DIMS`), on the CPU ``reference``.
+here for the call's head dims and dtype: on CUDA the first available of :data:`CUDA_PREFERENCE` that
+accepts them (``fa4`` only for :data:`FA4_HEAD_DIMS` on SM90), on the CPU ``reference``.
 """
 
 from __future__ import annotations
@@ -374,9 +374,20 @@ class Backend:
     cuda_only: bool = False
     head_dims: frozenset | None = None
     """(Dqk, Dv) pairs the backend accepts (None: any)."""
+    archs: tuple[int, ...] | None = None
+    """CUDA compute-capability majors ``auto`` takes it on (None: any)."""
+    dtypes: tuple[torch.dtype, ...] | None = None
+    """Input dtypes it runs (None: any)."""
 
-    def accepts(self, dqk: int | None, dv: int | None) -> bool:
-        return self.head_dims is None or (dqk, dv) in self.head_dims
+    def accepts(self, dqk: int | None, dv: int | None, arch: int | None = None, dtype=None) -> bool:
+        return (
+            (self.head_dims is None or (dqk, dv) in self.head_dims)
+            and (self.archs is None or arch in self.archs)
+            and (self.dtypes is None or dtype is None or dtype in self.dtypes)
+        )
+
+
+_HALF = (torch.bfloat16, torch.float16)
 
 
 BACKENDS: dict[str, Backend] = {
@@ -384,9 +395,18 @@ BACKENDS: dict[str, Backend] = {
     for b in [
         Backend("reference", "views", _varlen_reference),
         Backend("sdpa", "views", _varlen_sdpa),
-        Backend("varlen", "views", _varlen_torch, "torch.nn.attention.varlen", cuda_only=True),
+        Backend("varlen", "views", _varlen_torch, "torch.nn.attention.varlen", cuda_only=True, dtypes=_HALF),
         Backend("flash_attn", "views", _varlen_flash_attn, "flash_attn", cuda_only=True),
-        Backend("fa4", "views", _varlen_fa4, "flash_attn.cute", cuda_only=True, head_dims=FA4_HEAD_DIMS),
+        Backend(
+            "fa4",
+            "views",
+            _varlen_fa4,
+            "flash_attn.cute",
+            cuda_only=True,
+            head_dims=FA4_HEAD_DIMS,
+            archs=(9,),
+            dtypes=_HALF,
+        ),
         Backend("te", "views", _varlen_te, "transformer_engine", cuda_only=True),
         Backend("flex_tree", "tree", _tree_flex, "torch.nn.attention.flex_attention", cuda_only=True),
         Backend("dense_tree", "tree", _tree_dense),
@@ -409,32 +429,42 @@ def available_backends(device: str | torch.device = "cpu") -> list[str]:
     return [b.name for b in BACKENDS.values() if (cuda or not b.cuda_only) and _importable(b.needs)]
 
 
-CUDA_PREFERENCE: tuple[str, ...] = ("fa4", "varlen")
+CUDA_PREFERENCE: tuple[str, ...] = ("fa4", "varlen", "sdpa")
 """What ``auto`` picks on CUDA, fastest first (``benchmarks/layer_speed.py``'s attention case on the
 H200: fa4 2.05x varlen's fwd+bwd at MLA's 192/128, 1.85x at GQA 128/128): the first of these that is
-importable here and accepts the head dims."""
+importable here and accepts the head dims, the GPU generation (fa4: SM90, where it was verified)
+and the dtype (the flash kernels: bf16 / fp16; float32 takes the padded SDPA path)."""
 
 
 def resolve_backend(
-    name: str, device: str | torch.device, dqk: int | None = None, dv: int | None = None
+    name: str,
+    device: str | torch.device,
+    dqk: int | None = None,
+    dv: int | None = None,
+    dtype: torch.dtype | None = None,
 ) -> str:
     """``name`` itself (checked), or for ``"auto"`` the backend used on ``device`` for (``dqk``,
-    ``dv``) head dims: on CUDA the first importable entry of :data:`CUDA_PREFERENCE` that accepts
-    them (unknown dims: only backends that accept any), elsewhere ``reference``."""
+    ``dv``) head dims and ``dtype`` inputs: on CUDA the first importable entry of
+    :data:`CUDA_PREFERENCE` that accepts them (unknown dims: only backends that accept any),
+    elsewhere ``reference``."""
     if name != "auto":
         if name not in BACKENDS:
             raise InvalidInputError("backend", f"unknown {name!r}; choose auto or one of {sorted(BACKENDS)}")
         return name
-    return _auto(torch.device(device).type, dqk, dv)
+    device = torch.device(device)
+    arch = None
+    if device.type == "cuda" and torch.cuda.is_available():
+        arch = torch.cuda.get_device_capability(device)[0]
+    return _auto(device.type, arch, dqk, dv, dtype)
 
 
 @functools.cache
-def _auto(device_type: str, dqk: int | None, dv: int | None) -> str:
+def _auto(device_type: str, arch: int | None, dqk: int | None, dv: int | None, dtype) -> str:
     if device_type != "cuda":
         return "reference"
     for b in CUDA_PREFERENCE:
         spec = BACKENDS[b]
-        if _importable(spec.needs) and spec.accepts(dqk, dv):
+        if _importable(spec.needs) and spec.accepts(dqk, dv, arch, dtype):
             return b
     return "reference"
 
@@ -473,7 +503,7 @@ def compact_attention(
         zero for view backends.
     """
     if backend == "auto":
-        backend = resolve_backend("auto", q.device, q.shape[-1], v.shape[-1])
+        backend = resolve_backend("auto", q.device, q.shape[-1], v.shape[-1], q.dtype)
     try:
         spec = BACKENDS[backend]
     except KeyError:

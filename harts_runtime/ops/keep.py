@@ -7,8 +7,9 @@ the wrong trade. :func:`kept` marks such an op by name; when the block runs unde
 with that name in its ``keep`` set:
 
 * in the first forward, the op runs with its saved tensors stored for real (an inner
-  ``torch.autograd.graph.saved_tensors_hooks`` pair that keeps them, which takes precedence over
-  the checkpoint's discarding hooks), and its output is remembered;
+  ``torch.autograd.graph.saved_tensors_hooks`` pair that keeps them detached, with autograd's
+  in-place version check, and takes precedence over the checkpoint's discarding hooks), and its
+  output is remembered;
 * in the recomputation, the op is not run again: the remembered output (detached) takes its place,
   so the ops after it save the same tensors as in the first forward, and nothing inside it is
   recomputed. Backward through the op uses the tensors it kept.
@@ -77,7 +78,25 @@ def kept(name: str, fn: Callable, *args):
         out = frame.outputs[frame.next]
         frame.next += 1
         return out
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
         out = fn(*args)
     frame.outputs.append(_detach(out))
     return out
+
+
+def _pack(t: torch.Tensor):
+    """Keep ``t`` without its ``grad_fn`` (an op that saves its own output would otherwise hold a
+    reference cycle through autograd's C++ nodes, which no garbage collection frees; autograd
+    reattaches the output's ``grad_fn`` on unpack), with its version for the in-place check that
+    saved-tensor hooks switch off."""
+    return t.detach(), t._version
+
+
+def _unpack(packed) -> torch.Tensor:
+    t, version = packed
+    if t._version != version:
+        raise RuntimeError(
+            "kept region: a tensor saved for backward was modified by an inplace operation "
+            f"(version {version} when saved, {t._version} now)"
+        )
+    return t

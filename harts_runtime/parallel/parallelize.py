@@ -125,9 +125,15 @@ def apply_dp(model: nn.Module, groups: ParallelGroups) -> None:
 
 
 def parallelize(
-    model: nn.Module, dims: ParallelDims, groups: ParallelGroups, *, recompute: bool = False
+    model: nn.Module,
+    dims: ParallelDims,
+    groups: ParallelGroups,
+    *,
+    recompute: bool = False,
+    keep: tuple[str, ...] = (),
 ) -> nn.Module:
     """Apply TP, EP, DP (and recomputation) to ``model`` in place, in that order; returns it.
+    ``keep``: the op regions recomputation keeps (:func:`~harts_runtime.recompute.apply_recompute`).
 
     ``groups`` come from :meth:`ParallelDims.build_groups` (or :func:`megatron_groups`) and must match
     ``dims``. Every rank builds the same model (same seed/checkpoint) before calling this.
@@ -140,7 +146,7 @@ def parallelize(
         apply_ep(model, groups)
     apply_dp(model, groups)
     if recompute:
-        apply_recompute(model)
+        apply_recompute(model, keep=keep)
     model._harts_parallel = dims
     return model
 

@@ -224,15 +224,18 @@ def test_auto_backend_resolution(monkeypatch):
     assert set(att.CUDA_PREFERENCE) <= set(BACKENDS)
     present = {None, "torch.nn.attention.varlen"}  # a machine without flash_attn.cute
     monkeypatch.setattr(att, "_importable", lambda name: name in present)
+    bf16 = torch.bfloat16
     att._auto.cache_clear()
-    try:
-        assert att.resolve_backend("auto", "cuda", 192, 128) == "varlen"
+    try:  # _auto(device type, compute-capability major, Dqk, Dv, dtype): what resolve_backend asks
+        assert att._auto("cuda", 9, 192, 128, bf16) == "varlen"
         present.add(BACKENDS["fa4"].needs)
         att._auto.cache_clear()
         assert att.CUDA_PREFERENCE[0] == "fa4"
-        assert att.resolve_backend("auto", "cuda", 192, 128) == "fa4"
-        assert att.resolve_backend("auto", "cuda", 48, 32) == "varlen"  # not a verified fa4 shape
-        assert att.resolve_backend("auto", "cuda") == "varlen"  # unknown dims: no restricted backend
+        assert att._auto("cuda", 9, 192, 128, bf16) == "fa4"
+        assert att._auto("cuda", 9, 48, 32, bf16) == "varlen"  # not a verified fa4 shape
+        assert att._auto("cuda", 8, 192, 128, bf16) == "varlen"  # fa4 verified on SM90 only
+        assert att._auto("cuda", 9, None, None, bf16) == "varlen"  # unknown dims: no restricted backend
+        assert att._auto("cuda", 9, 192, 128, torch.float32) == "sdpa"  # the flash kernels are half only
     finally:
         att._auto.cache_clear()
     q = torch.zeros(3, 1, 48, dtype=torch.bfloat16)

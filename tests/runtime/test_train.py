@@ -148,6 +148,43 @@ def test_kept_attention_runs_once_and_gives_the_same_gradients(monkeypatch):
         apply_recompute(model, True, keep=("lm_head",))
 
 
+def test_kept_attention_frees_a_graph_dropped_without_backward():
+    """A forward under grad whose graph is dropped without backward (an error between forward and
+    backward, a skipped microbatch) leaves no kept region alive: the kept tensors hold no
+    reference cycle through autograd's nodes. An in-place change of a kept tensor is caught."""
+    import gc
+
+    from harts_runtime.ops.keep import KeptRegions
+
+    model, step = make(forks_at_chunk_boundaries())
+    apply_recompute(model, True, keep=("attention",))
+    all_traj = np.arange(step.batch.num_trajectories)
+
+    def alive():
+        gc.collect()
+        return sum(isinstance(o, KeptRegions) for o in gc.get_objects())
+
+    before = alive()
+    for _ in range(2):
+        run_microbatch(model, step, all_traj, "compact", backward=False)  # forward under grad
+    assert alive() == before
+
+    from harts_runtime.ops.keep import kept
+
+    x = torch.randn(4, 3, requires_grad=True)
+    frame = KeptRegions(frozenset({"attention"}))
+
+    def region(t):
+        y = t.exp()  # exp saves its output
+        return y
+
+    y = frame.run(lambda: kept("attention", region, x))
+    with torch.no_grad():
+        y.mul_(2)  # modifies the tensor exp saved
+    with pytest.raises(RuntimeError, match="inplace"):
+        y.sum().backward()
+
+
 def test_train_step_over_different_microbatchings_agrees():
     """Whole steps: compact microbatches from plan_step at T=48 vs the baseline's first-fit packing
     at T=48 (different groupings; aux loss off since it is per microbatch by definition)."""
