@@ -88,7 +88,7 @@ SHAPES = {  # Hq, Hkv, Dqk, Dv
     "mla": (16, 16, 192, 128),  # Ling-3.0-tiny MLA: 16 heads, qk 128 + 64 rope, v 128
     "gqa": (16, 4, 128, 128),
 }
-GPU_BACKENDS = ["varlen", "flash_attn", "te", "flex_tree", "trajectory_varlen"]
+GPU_BACKENDS = ["varlen", "fa4", "flash_attn", "te", "flex_tree", "trajectory_varlen"]
 CPU_BACKENDS = ["reference", "sdpa", "dense_tree"]
 
 
@@ -222,7 +222,7 @@ def measure(backend, batch, views, shape, device, warmup, iters):
         fwd_bwd()
         torch.cuda.synchronize()
         rec["peak_extra_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-    if backend in ("varlen", "flash_attn", "te"):
+    if backend in ("varlen", "fa4", "flash_attn", "te"):
 
         def gather():
             return (
