@@ -91,10 +91,12 @@ def main(argv=None) -> int:
     keep = tuple(k for k in args.keep.split(",") if k)
     if keep and not args.recompute:
         ap.error("--keep: needs --recompute (it names what recomputation keeps)")
-    from harts_runtime.ops.keep import KEEPABLE
+    from harts_runtime.ops.keep import checked_keep
 
-    if set(keep) - KEEPABLE:
-        ap.error(f"--keep: unknown regions {sorted(set(keep) - KEEPABLE)}; choose from {sorted(KEEPABLE)}")
+    try:
+        checked_keep(keep)
+    except InvalidInputError as e:  # "keep: unknown regions [...]; choose from [...]"
+        ap.error(f"--{e}")
     cpu = device.type == "cpu"
     if args.model is not None and (args.flavor is not None or args.layers is not None):
         ap.error("--model: a checkpoint folder replaces --flavor and --layers; give one")

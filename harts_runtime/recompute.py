@@ -26,10 +26,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from harts_runtime.errors import InvalidInputError
-from harts_runtime.ops.keep import KEEPABLE, KeptRegions
+from harts_runtime.ops.keep import KeptRegions, checked_keep
 
-__all__ = ["apply_recompute", "kept_regions", "recompute_enabled"]
+__all__ = ["apply_recompute", "recompute_enabled"]
 
 
 class _Checkpointed(nn.Module):
@@ -68,13 +67,9 @@ def apply_recompute(model: nn.Module, enabled: bool = True, keep: Iterable[str] 
 
     ``keep``: op regions that keep their activations instead of being recomputed (names of
     :data:`~harts_runtime.ops.keep.KEEPABLE`; empty: full-block recomputation). Calling again
-    with another ``keep`` re-wraps. Idempotent; O(number of modules).
+    on a wrapped model sets the new ``keep`` on its blocks. Idempotent; O(number of modules).
     """
-    keep = frozenset(keep)
-    if not keep <= KEEPABLE:
-        raise InvalidInputError(
-            "keep", f"unknown regions {sorted(keep - KEEPABLE)}; choose from {sorted(KEEPABLE)}"
-        )
+    keep = checked_keep(keep)
     for parent in list(model.modules()):
         if isinstance(parent, _Checkpointed):
             if enabled:
@@ -97,8 +92,3 @@ def apply_recompute(model: nn.Module, enabled: bool = True, keep: Iterable[str] 
 def recompute_enabled(model: nn.Module) -> bool:
     """Whether any block of ``model`` is wrapped by :func:`apply_recompute`."""
     return any(isinstance(m, _Checkpointed) for m in model.modules())
-
-
-def kept_regions(model: nn.Module) -> frozenset[str]:
-    """The ``keep`` set of ``model``'s recomputed blocks (empty when none is wrapped)."""
-    return frozenset().union(*(m.keep for m in model.modules() if isinstance(m, _Checkpointed)))

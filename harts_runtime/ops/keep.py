@@ -28,10 +28,23 @@ from contextvars import ContextVar
 
 import torch
 
-__all__ = ["KEEPABLE", "KeptRegions", "kept"]
+from harts_runtime.errors import InvalidInputError
+
+__all__ = ["KEEPABLE", "KeptRegions", "checked_keep", "kept"]
 
 KEEPABLE = frozenset({"attention"})
 """Names that :func:`kept` is called with somewhere in the runtime."""
+
+
+def checked_keep(keep) -> frozenset[str]:
+    """``keep`` as a frozenset of :data:`KEEPABLE` names; :class:`InvalidInputError` (field
+    ``keep``) naming any other."""
+    keep = frozenset(keep)
+    if not keep <= KEEPABLE:
+        raise InvalidInputError(
+            "keep", f"unknown regions {sorted(keep - KEEPABLE)}; choose from {sorted(KEEPABLE)}"
+        )
+    return keep
 
 
 class KeptRegions:
