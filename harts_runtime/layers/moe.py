@@ -76,6 +76,7 @@ from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.rows import RowLayout
 from harts_runtime.modules.fused import use_fla
 from harts_runtime.modules.swiglu import SwiGLU
+from harts_runtime.ops.rows import permute_rows
 
 __all__ = [
     "SCORE_FUNCS",
@@ -443,21 +444,6 @@ class _Combine(torch.autograd.Function):
         return g.index_select(0, rows), None, None, None
 
 
-class _Permute(torch.autograd.Function):
-    """``t[perm]`` for a permutation ``perm`` with inverse ``inv``; backward is the gather
-    ``g[inv]`` (no zero fill, no accumulation)."""
-
-    @staticmethod
-    def forward(ctx, t, perm, inv):
-        ctx.save_for_backward(inv)
-        return t.index_select(0, perm)
-
-    @staticmethod
-    def backward(ctx, g):
-        (inv,) = ctx.saved_tensors
-        return g.index_select(0, inv), None, None
-
-
 # ------------------------------------------------------------------------------------ SwiGLU
 def _device_of(t: torch.Tensor):
     """The CUDA device context for fla's kernel launches on ``t`` (fla's ``input_guard``)."""
@@ -648,7 +634,7 @@ class CompactMoE(nn.Module):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         rows = torch.div(order, k, rounding_mode="floor")
         xs = _Dispatch.apply(x, rows, inverse, k)  # [N*k, D] expert-sorted
-        ws = _Permute.apply(weight.reshape(-1), order, inverse)  # [N*k] slot weights, expert-sorted
+        ws = permute_rows(weight.reshape(-1), order, inverse)  # [N*k] slot weights, expert-sorted
         gu = grouped_mm(xs, self._w_gate_up(), counts, offs=offs)  # [N*k, 2I]
         h = swiglu_rows(gu, ws, self.config.backend)  # [N*k, I], weighted
         ys = grouped_mm(h, self.w_down, counts, offs=offs)  # [N*k, D] expert-sorted, weighted

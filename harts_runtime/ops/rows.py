@@ -5,14 +5,15 @@ row once at its own position (``own_pos``) and a few rows again as replay (``rep
 ``replay_src``). :func:`gather_packed` (physical -> packed) and :func:`scatter_own` (packed core
 outputs -> physical rows) use that structure in backward: a gather over ``own_pos`` plus a small
 ``index_add_`` over the replay rows, and an ``index_copy_`` onto distinct rows, instead of autograd's
-accumulating scatter over all rows.
+accumulating scatter over all rows. :func:`permute_rows` is the same gather for a plain
+permutation (no replay rows; the MoE's expert-sorted routing weights).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["gather_packed", "scatter_own"]
+__all__ = ["gather_packed", "permute_rows", "scatter_own"]
 
 
 class _GatherPacked(torch.autograd.Function):
@@ -25,7 +26,7 @@ class _GatherPacked(torch.autograd.Function):
     def backward(ctx, grad):
         own_pos, replay_pos, replay_src = ctx.saved_tensors
         dx = grad.index_select(0, own_pos)
-        if replay_pos.numel():
+        if replay_pos is not None and replay_pos.numel():
             dx.index_add_(0, replay_src, grad.index_select(0, replay_pos))
         return dx, None, None, None, None
 
@@ -50,6 +51,13 @@ def gather_packed(x: torch.Tensor, sched) -> torch.Tensor:
     if sched.identity:
         return x
     return _GatherPacked.apply(x, sched.gather, sched.own_pos, sched.replay_pos, sched.replay_src)
+
+
+def permute_rows(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``x[perm]`` for a permutation ``perm`` of x's rows with inverse ``inverse``; backward is
+    the gather ``grad[inverse]`` (no zero fill, no accumulation): :func:`gather_packed` with no
+    replay rows."""
+    return _GatherPacked.apply(x, perm, inverse, None, None)
 
 
 def scatter_own(packed: torch.Tensor, sched) -> torch.Tensor:
