@@ -401,10 +401,15 @@ def case_kda(ctx: Context) -> dict:
     else:
         res["parity"] = {"status": why}
     print_parity("kda", res["parity"])
-    params = list(ours.parameters())
-    res["ours"] = try_time(call_ours, [x], params, gy, dev, a.reps)
-    if theirs is not None:
-        res["fla"] = try_time(call_fla, [x], list(theirs.parameters()), gy, dev, a.reps)
+    return time_against_fla(res, (call_ours, ours), (call_fla, theirs), why, x, gy, dev, a.reps)
+
+
+def time_against_fla(res: dict, ours, theirs, why, x, gy, dev, reps: int) -> dict:
+    """Warm fwd / fwd+bwd timings of our layer and fla's (``(call, module)`` each; fla's None:
+    ``why``) into ``res``, with the two ratios; returns ``res``."""
+    res["ours"] = try_time(ours[0], [x], list(ours[1].parameters()), gy, dev, reps)
+    if theirs[1] is not None:
+        res["fla"] = try_time(theirs[0], [x], list(theirs[1].parameters()), gy, dev, reps)
     else:
         res["fla"] = {"status": why}
     res["fwd_vs_fla"] = ratio(res["ours"], res["fla"], "fwd")
@@ -609,14 +614,7 @@ def case_gdn(ctx: Context) -> dict:
         res["parity"] = {"status": why}
     free(dev)
     print_parity("gdn", res["parity"])
-    res["ours"] = try_time(call_ours, [x], list(ours.parameters()), gy, dev, a.reps)
-    if theirs is not None:
-        res["fla"] = try_time(call_fla, [x], list(theirs.parameters()), gy, dev, a.reps)
-    else:
-        res["fla"] = {"status": why}
-    res["fwd_vs_fla"] = ratio(res["ours"], res["fla"], "fwd")
-    res["fwdbwd_vs_fla"] = ratio(res["ours"], res["fla"], "fwdbwd")
-    return res
+    return time_against_fla(res, (call_ours, ours), (call_fla, theirs), why, x, gy, dev, a.reps)
 
 
 def _attention_skip(name: str, views, tiny: bool) -> str | None:
