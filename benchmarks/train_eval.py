@@ -74,6 +74,7 @@ from harts_runtime import (
     train_step,
 )
 from harts_runtime.flops import layer_costs, work_compression
+from harts_runtime.layers.attention import CompactAttentionBase
 from harts_runtime.ops.attention import resolve_backend
 
 DEPTHS = 6
@@ -266,17 +267,15 @@ def section_speedup(args, model, dev, shared):
     }
 
 
-def attention_backends(cfg, name: str, dev) -> dict:
-    """The attention backend each full-attention mixer kind of ``cfg`` runs (``auto`` resolved for
-    its head dims, as ``compact_attention`` resolves it per call)."""
-    dtype = getattr(torch, cfg.dtype)
-    gqa_dim = cfg.head_dim or cfg.hidden_size // cfg.num_heads
-    dims = {
-        "mla": (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim),
-        "gqa": (gqa_dim, gqa_dim),
-        "gated_attention": (gqa_dim, gqa_dim),
+def attention_backends(model, name: str, dev) -> dict:
+    """The attention backend each full-attention mixer kind of ``model`` runs (``auto`` resolved
+    for the layer's head dims and dtype, as ``compact_attention`` resolves it per call)."""
+    dtype = getattr(torch, model.config.dtype)
+    return {
+        b.mixer_kind: resolve_backend(name, dev, *b.mixer.head_dims, dtype)
+        for b in model.blocks
+        if isinstance(b.mixer, CompactAttentionBase)
     }
-    return {m: resolve_backend(name, dev, *dims[m], dtype) for m in dict.fromkeys(cfg.mixers) if m in dims}
 
 
 def _keep(args) -> tuple[str, ...]:
@@ -893,7 +892,7 @@ def main(argv=None) -> int:
             f"({cfg.num_layers} layers: {' '.join(MIXER_CODES.get(m, m) for m in cfg.mixers)})",
             "params": sum(p.numel() for p in model.parameters()),
             "dtype": cfg.dtype,
-            "attention_backend": attention_backends(cfg, args.attn_backend, dev),
+            "attention_backend": attention_backends(model, args.attn_backend, dev),
             "torch": torch.__version__,
             "python": platform.python_version(),
             "args": vars(args),

@@ -51,6 +51,8 @@ class CompactAttentionBase(nn.Module):
     """Shared forward: ``project`` (per row) -> core -> ``o_proj`` (per row)."""
 
     backend: str
+    head_dims: tuple[int, int]
+    """The core's (Dqk, Dv): what ``backend="auto"`` is resolved for."""
 
     def project(self, hidden: torch.Tensor, positions: torch.Tensor):
         raise NotImplementedError
@@ -83,6 +85,7 @@ class CompactAttention(CompactAttentionBase):
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
         self.scale = c.head_dim**-0.5
+        self.head_dims = (c.head_dim, c.head_dim)
 
     def project(self, hidden: torch.Tensor, positions: torch.Tensor):
         """hidden [N, D], positions [N] -> q [N, Hq, Dh], k [N, Hkv, Dh], v [N, Hkv, Dh]."""

@@ -83,6 +83,7 @@ class CompactGatedAttention(CompactAttentionBase):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, zero_centered=True)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, zero_centered=True)
         self.scale = c.head_dim**-0.5
+        self.head_dims = (c.head_dim, c.head_dim)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.config.rotary_dim

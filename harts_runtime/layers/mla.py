@@ -73,6 +73,7 @@ class CompactMLA(CompactAttentionBase):
         )
         self.o_proj = nn.Linear(c.num_heads * c.v_head_dim, c.hidden_size, bias=False)
         self.scale = dqk**-0.5
+        self.head_dims = (dqk, c.v_head_dim)
 
     def project(self, hidden: torch.Tensor, positions: torch.Tensor):
         """hidden [N, D], positions [N] -> q [N, H, Dqk], k [N, H, Dqk], v [N, H, Dv]."""

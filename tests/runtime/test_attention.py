@@ -317,3 +317,26 @@ def test_simple_batch_and_run_branches_match_the_planner():
         runs, paths = run_branches(native.row_parent), path_branches(native)
         np.testing.assert_array_equal(runs.cu, paths.cu)
         np.testing.assert_array_equal(runs.rows, paths.rows)
+
+
+def test_module_head_dims_are_the_core_dims():
+    """Each attention module's ``head_dims`` (what ``auto`` is resolved for) is the (Dqk, Dv) its
+    core receives."""
+    from harts_runtime.ops import attention as att
+
+    batch = random_batch(2, num=5)
+    views = views_from_batch(batch)
+    positions = torch.from_numpy(batch.row_depth.astype(np.int64))
+    seen = {}
+
+    def spy(q, k, v, views, scale):
+        seen["dims"] = (q.shape[-1], v.shape[-1])
+        return att.BACKENDS["reference"].fn(q, k, v, views, scale)
+
+    for name, build in MODULES.items():
+        m = build()
+        h = torch.randn(batch.compact_tokens, m.config.hidden_size)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setitem(att.BACKENDS, "spy", att.Backend("spy", "views", spy))
+            m(h, RowLayout(h.shape[0], positions=positions, views=views), backend="spy")
+        assert seen.pop("dims") == m.head_dims, name
