@@ -82,6 +82,21 @@ def test_layer_speed_tiny_writes_keys_and_parity(tmp_path, monkeypatch):
             assert p["status"] == "reference" or p["max_rel_err"] < 1e-4, (sname, b, p)
 
 
+def test_train_eval_executed_flops_count_the_recomputed_forward():
+    """Executed FLOPs: model FLOPs (3 x forward) plus the recomputed forward, less the attention
+    cores (keys x per-key cost) when they are kept."""
+    te = _load("train_eval")
+    from harts_runtime.flops import layer_costs
+
+    cfg = te.model_config("ling-tiny", 8)
+    work = te.work_compression(cfg, [300, 200], [list(range(300)), list(range(120, 200))])
+    full = te.executed_flops(cfg, work, "compact", ())
+    kept = te.executed_flops(cfg, work, "compact", ("attention",))
+    assert full == pytest.approx(work["compact_flops"] * 4 / 3)
+    assert full - kept == pytest.approx(work["compact_keys"] * layer_costs(cfg)["attn_per_key"])
+    assert 0 < kept < full
+
+
 def test_layer_speed_merge_combines_partial_runs(tmp_path):
     """``--merge``: the cases of several results in one (a later file's case wins), each with the
     date of its run, the train_eval numbers carried, the README block rewritten."""
