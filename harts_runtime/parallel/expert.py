@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harts_runtime.layers.moe import CompactMoE, grouped_mm, swiglu_rows
+from harts_runtime.layers.moe import CompactMoE, gate_up_mm, grouped_mm, swiglu_rows
 from harts_runtime.parallel.comm import all_to_all_rows
 from harts_runtime.parallel.dims import ParallelConfigError
 
@@ -120,7 +120,7 @@ class ExpertParallelMoE(CompactMoE):
         # fused kernel on CUDA). The routing weights stay on the sending rank, so they weight the
         # D-wide outputs after the return all-to-all (folding them into h would need one more
         # all-to-all of the N*k weights).
-        h = swiglu_rows(grouped_mm(xe, self._w_gate_up(), local_counts), None, self.config.backend)
+        h = swiglu_rows(gate_up_mm(xe, self.w_gate, self.w_up, local_counts), None, self.config.backend)
         ye = grouped_mm(h, self.w_down, local_counts)  # [R, D] expert-major
         ys = torch.empty_like(ye).index_copy(0, regroup, ye)  # back to src-major
         yb = all_to_all_rows(ys, recv_sizes, send_sizes, self.group)  # [N*k, D] sorted

@@ -22,6 +22,7 @@ from harts_runtime.layers.moe import (
     CompactMoE,
     MoEConfig,
     _grouped_mm_ok,
+    gate_up_mm,
     grouped_mm,
     route,
     sort_assignments,
@@ -479,3 +480,61 @@ def test_grouped_mm_ok_conditions_on_cpu():
     assert not _grouped_mm_ok(x.double(), torch.zeros(4, 1536, 512, dtype=torch.float64))
     assert not _grouped_mm_ok(x, torch.zeros(4, 1536, 6))  # 24-byte rows
     assert not _grouped_mm_ok(x.bfloat16(), torch.zeros(4, 1536, 512))  # mixed dtypes
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "bmm"])
+def test_gate_up_mm_equals_the_grouped_mm_of_the_concatenation(impl):
+    """gate_up_mm(x, w_gate, w_up) == grouped_mm(x, [w_gate | w_up]): output and the gradients of
+    x and of both weights (fp32; empty groups included), on the rebuilt-concatenation autograd
+    function and on the padded-bmm fallback."""
+    if impl == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm not available")
+    gen = torch.Generator().manual_seed(1)
+    counts = torch.tensor([3, 0, 5, 1, 0, 7])
+    leaves = [
+        torch.randn(16, 8, generator=gen, requires_grad=True),
+        torch.randn(6, 8, 4, generator=gen, requires_grad=True),
+        torch.randn(6, 8, 4, generator=gen, requires_grad=True),
+    ]
+    probe = torch.randn(16, 8, generator=gen)
+    got = gate_up_mm(*leaves, counts, impl=impl)
+    got.backward(probe)
+    mine = [got.detach()] + [t.grad for t in leaves]
+    for t in leaves:
+        t.grad = None
+    x, wg, wu = leaves
+    ref = grouped_mm(x, torch.cat([wg, wu], dim=-1), counts, impl=impl)
+    ref.backward(probe)
+    for name, a, b in zip(("y", "x", "w_gate", "w_up"), mine, [ref.detach()] + [t.grad for t in leaves]):
+        assert b.abs().sum() > 0, name
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_gate_up_mm_keeps_no_concatenated_weights_for_backward():
+    """The grouped path saves no [E, D, 2I] tensor between forward and backward (autograd's cat of
+    w_gate and w_up used to: 2 E D I elements per MoE layer), and still trains w_gate and w_up."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm not available")
+    moe = make("softmax", True, hidden_size=16, intermediate_size=8)
+    e, d, i = moe.w_gate.shape
+    hidden = torch.randn(30, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = moe(hidden, rows(torch.ones(30, dtype=torch.int64)))
+    assert (e, d, i) in saved  # the parameters themselves are saved (they live anyway)
+    assert (e, d, 2 * i) not in saved, saved
+    out.hidden.square().sum().backward()
+    assert moe.w_gate.grad.abs().sum() > 0 and moe.w_up.grad.abs().sum() > 0
+
+
+def test_gate_up_mm_refuses_mismatched_weights():
+    x = torch.zeros(4, 8)
+    with pytest.raises(InvalidInputError, match="w_up"):
+        gate_up_mm(x, torch.zeros(2, 8, 4), torch.zeros(2, 8, 6), torch.tensor([2, 2]))
+    with pytest.raises(InvalidInputError, match="impl"):
+        gate_up_mm(x, torch.zeros(2, 8, 4), torch.zeros(2, 8, 4), torch.tensor([2, 2]), impl="x")
