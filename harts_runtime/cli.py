@@ -1,7 +1,7 @@
 """``harts-train``: train steps of a hybrid model on a synthetic rollout batch.
 
 ``harts-train [--flavor debug|ling-tiny|qwen3.5-35b-a3b | --model PATH] [--layers N] [--preset P] [--seed N] [--max-len L]
-[--mode compact|trajectory|both] [--steps N] [--capacity T] [--recompute [--keep attention]] [--objective grpo|ppo]
+[--mode compact|trajectory|both] [--steps N] [--capacity T] [--recompute [--keep attention,linear_attention]] [--objective grpo|ppo]
 [--lr LR] [--device cpu|cuda] [--json]`` prints one line (or JSON object) per step and mode;
 ``--mode both`` is :func:`harts_runtime.demo.train_demo`. Run it as ``harts-train`` or
 ``python -m harts_runtime.cli``.
@@ -60,7 +60,8 @@ def main(argv=None) -> int:
         metavar="REGIONS",
         help="with --recompute: op regions whose activations are kept instead of recomputed "
         "(comma-separated; 'attention': the attention cores, a third of their cost, ~1.4 GB per MLA layer "
-        "of a 65,536-row ling-tiny microbatch)",
+        "of a 65,536-row ling-tiny microbatch; 'linear_attention': the KDA / Gated DeltaNet rounds, "
+        "~1.6 GB per KDA layer there)",
     )
     ap.add_argument("--objective", choices=("grpo", "ppo"), default="grpo")
     ap.add_argument("--lr", type=float, default=1e-3)

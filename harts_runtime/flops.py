@@ -31,8 +31,10 @@ __all__ = ["attended_keys", "layer_costs", "model_flops", "work_compression"]
 
 
 def layer_costs(cfg: ModelConfig) -> dict:
-    """Forward FLOPs per row: ``row`` (all per-row work of the model, LM head included) and
-    ``attn_per_key`` (summed over full-attention layers, per query-key pair), plus a breakdown."""
+    """Forward FLOPs per row: ``row`` (all per-row work of the model, LM head included),
+    ``attn_per_key`` (summed over full-attention layers, per query-key pair) and
+    ``linear_core`` (the chunkwise cores of the KDA / Gated DeltaNet layers, part of ``row``),
+    plus a breakdown."""
     d, h = cfg.hidden_size, cfg.num_heads
     k = v = cfg.kda_head_dim
     mm = lambda i, o: 2 * i * o
@@ -92,9 +94,11 @@ def layer_costs(cfg: ModelConfig) -> dict:
     key = {"kda": 0, "gdn": 0, "mla": mla_key, "gqa": gqa_key, "gated_attention": gated_key}
     ffn = {"dense": dense, "moe": moe}
     row = sum(mixer[m] + ffn[f] for m, f in zip(cfg.mixers, cfg.ffns)) + mm(d, cfg.vocab_size)
+    linear = {"kda": core(hk, k, v), "gdn": core(gv, gkd, gvd)}
     return {
         "row": row,
         "attn_per_key": sum(key[m] for m in cfg.mixers),
+        "linear_core": sum(linear.get(m, 0) for m in cfg.mixers),
         "per_layer": {
             "kda": kda,
             "gdn": gdn,

@@ -12,7 +12,12 @@ Selective recomputation: ``keep`` names op regions (:data:`harts_runtime.ops.kee
 whose activations are kept instead of recomputed (:mod:`harts_runtime.ops.keep`). ``("attention",)``
 keeps every full-attention core: its forward (a third of its cost) is not run again, for the
 memory of its packed inputs, output and softmax statistics (about 1.4 GB per MLA layer of a
-65,536-row ling-tiny microbatch). The default keeps nothing (full-block recomputation).
+65,536-row ling-tiny microbatch). ``"linear_attention"`` keeps every KDA / Gated DeltaNet layer's
+rounds (the chunk kernels with their gathers and state handoffs; the token-wise projections,
+convolutions and norms are still recomputed) for the memory of the packed q, k, v, the fp32 gate
+cumsum and the two intra-chunk matrices: about 1.6 GB per KDA layer of the same microbatch
+(P = 65.6k packed rows, 16 heads of 128: 3 x 268 MB + 537 MB + 2 x 134 MB). The default keeps
+nothing (full-block recomputation).
 
 The train step, the CLI (``harts-train --recompute``) and ``harts_runtime.parallel.parallelize``
 (``recompute=True``) all use this function; no layer or step has a flag of its own.

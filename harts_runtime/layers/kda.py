@@ -33,6 +33,8 @@ What runs where (the glossary of rounds, sequences and state slots is in
 
 Recomputation is block-level (:func:`harts_runtime.recompute.apply_recompute`): backward
 re-executes the same rounds from the fixed plan; no activation or state outlives the layer call.
+With ``keep=("linear_attention",)`` the rounds (the core and its gathers) keep their activations
+instead and only the token-wise parts are re-executed.
 ``layout.no_replay`` selects the Section 5.4 ablation's schedule instead of the replay rounds.
 
 Two paths of the token-wise parts, chosen by ``KDAConfig.backend`` (:mod:`harts_runtime.modules.fused`):
@@ -66,6 +68,7 @@ from harts_runtime.layout.rows import RowLayout
 from harts_runtime.modules.convolution import ShortConvolution, varlen_causal_conv
 from harts_runtime.modules.fused import use_fla
 from harts_runtime.modules.norms import GatedRMSNorm, l2_norm
+from harts_runtime.ops.keep import kept
 from harts_runtime.ops.rows import gather_packed, scatter_own
 
 __all__ = ["KDAConfig", "KDALayer", "checked_plan", "run_kda_schedule"]
@@ -120,7 +123,17 @@ def run_kda_schedule(
     beta [C, H]): the packed rows of all rounds gathered once (:func:`~harts_runtime.ops.rows.gather_packed`),
     then one packed :func:`chunk_kda_with_states` call per round on its slice, initial states from
     earlier rounds' boundary states. Returns the core output [C, H, V] in physical order. Shared by
-    :class:`KDALayer` and the gated delta net."""
+    :class:`KDALayer` and the gated delta net.
+
+    The whole schedule (gathers, rounds, state handoffs, scatter) is the kept region
+    ``"linear_attention"`` (:mod:`harts_runtime.ops.keep`): under
+    ``apply_recompute(model, keep=("linear_attention",))`` it keeps its activations and is not
+    re-run in backward."""
+    return kept("linear_attention", _run_rounds, sched, q, k, v, g, beta, chunk_size, backend)
+
+
+def _run_rounds(sched: KDASchedule, q, k, v, g, beta, chunk_size: int, backend: str) -> torch.Tensor:
+    """The body of :func:`run_kda_schedule`."""
     H, K, Vd = q.shape[1], q.shape[2], v.shape[2]
     slots: list[torch.Tensor | None] = [None] * sched.num_slots  # live for this call only
     zero = None

@@ -17,7 +17,9 @@ with that name in its ``keep`` set:
 Anything an op keeps must be a pure function of its inputs (no randomness, no in-place updates of
 state), as for every recomputed op. Outside a recomputed block, or for a name not in ``keep``,
 :func:`kept` is a plain call. Used by :func:`harts_runtime.ops.attention.compact_attention` under
-the name ``"attention"``; torch's own selective checkpointing (``create_selective_checkpoint_contexts``)
+the name ``"attention"`` and by :func:`harts_runtime.layers.kda.run_kda_schedule` (the rounds of a
+KDA or Gated DeltaNet layer: its chunk kernels' forward is about a third of the layer's core time,
+and what they save is a few row-wide tensors) under ``"linear_attention"``; torch's own selective checkpointing (``create_selective_checkpoint_contexts``)
 sees only aten ops, not the Triton/CuTe kernels of these autograd functions, hence this room.
 """
 
@@ -32,8 +34,11 @@ from harts_runtime.errors import InvalidInputError
 
 __all__ = ["KEEPABLE", "KeptRegions", "checked_keep", "kept"]
 
-KEEPABLE = frozenset({"attention"})
-"""Names that :func:`kept` is called with somewhere in the runtime."""
+KEEPABLE = frozenset({"attention", "linear_attention"})
+"""Names that :func:`kept` is called with somewhere in the runtime: ``"attention"`` (every
+full-attention core, :func:`~harts_runtime.ops.attention.compact_attention`) and
+``"linear_attention"`` (every chunkwise linear-attention schedule, KDA and Gated DeltaNet:
+:func:`~harts_runtime.layers.kda.run_kda_schedule`)."""
 
 
 def checked_keep(keep) -> frozenset[str]:

@@ -84,7 +84,8 @@ def test_layer_speed_tiny_writes_keys_and_parity(tmp_path, monkeypatch):
 
 def test_train_eval_executed_flops_count_the_recomputed_forward():
     """Executed FLOPs: model FLOPs (3 x forward) plus the recomputed forward, less the attention
-    cores (keys x per-key cost) when they are kept."""
+    cores (keys x per-key cost) and the linear-attention cores (rows x per-row core cost) when
+    they are kept."""
     te = _load("train_eval")
     from harts_runtime.flops import layer_costs
 
@@ -95,6 +96,12 @@ def test_train_eval_executed_flops_count_the_recomputed_forward():
     assert full == pytest.approx(work["compact_flops"] * 4 / 3)
     assert full - kept == pytest.approx(work["compact_keys"] * layer_costs(cfg)["attn_per_key"])
     assert 0 < kept < full
+    both = te.executed_flops(cfg, work, "compact", ("attention", "linear_attention"))
+    costs = layer_costs(cfg)
+    # ling-tiny's first 8 layers: 6 KDA layers, each core 16 heads x (4 B K + 2 B V + 6 K V)
+    assert costs["linear_core"] == 6 * 16 * (4 * 64 * 128 + 2 * 64 * 128 + 6 * 128 * 128)
+    assert kept - both == pytest.approx(work["compact_rows"] * costs["linear_core"])
+    assert 0 < both < kept
 
 
 def test_layer_speed_merge_combines_partial_runs(tmp_path):

@@ -278,6 +278,53 @@ def test_fused_compact_equals_fused_trajectory_on_cuda(kind):
         assert e < CUDA_TOL[torch.bfloat16], (n, e)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["kda", "gdn"])
+def test_kept_linear_attention_equals_full_recomputation_on_cuda(kind):
+    """bf16, fused path: a block (the layer plus an identity FFN) under full recomputation and
+    under ``keep=("linear_attention",)`` (fla's chunk kernels and our state scan keep their saves
+    through the kept region's hooks), bit-equal output and gradients, the rounds run once instead
+    of twice."""
+    import harts_planner as hp
+    from harts_runtime import apply_recompute
+    from harts_runtime.layers import kda as kda_mod
+    from harts_runtime.layout import KDAExecutionPlan, RowLayout
+
+    class Block(torch.nn.Module):
+        def __init__(self, mixer):
+            super().__init__()
+            self.mixer, self.ffn = mixer, torch.nn.Identity()
+
+        def forward(self, x, layout):
+            return self.ffn(self.mixer(x, layout))
+
+    b, d, dev, dt = 64, 512, torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(_cuda_layer(kind, d, b))).to(dev, dt)
+    plan = hp.plan_calls(hp.RolloutBatch.from_token_lists(_cuda_tree(b)), chunk_size=b, conv_width=4)
+    ep = KDAExecutionPlan.from_call_plan(plan).to(dev)
+    lay = RowLayout(ep.num_rows, kda=ep)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    x = torch.randn(ep.num_rows, d, generator=gen, device=dev, dtype=dt)
+    w_out = torch.randn(ep.num_rows, d, generator=gen, device=dev)
+    runs, rounds = {}, kda_mod._run_rounds
+    for keep in ((), ("linear_attention",)):
+        apply_recompute(model, True, keep=keep)
+        calls = []
+        kda_mod._run_rounds = lambda *a, _f=rounds, _c=calls: (_c.append(1), _f(*a))[1]
+        try:
+            xc = x.clone().requires_grad_(True)
+            y = model[0](xc, lay)
+            grads = torch.autograd.grad((y.float() * w_out).sum(), [xc] + list(model.parameters()))
+        finally:
+            kda_mod._run_rounds = rounds
+        runs[keep] = ([y.detach()] + list(grads), len(calls))
+    (full, n_full), (kept, n_kept) = runs[()], runs[("linear_attention",)]
+    assert (n_full, n_kept) == (2, 1)
+    for i, (a, r) in enumerate(zip(kept, full)):
+        assert torch.equal(a, r), (i, _ratio(a.float(), r.float()))
+
+
 def test_unknown_backend_is_named():
     from harts_runtime.modules.fused import use_fla
 

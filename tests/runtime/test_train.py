@@ -89,7 +89,12 @@ def assert_grads_close(a, b, what):
         )
 
 
-RECOMPUTE = {"plain": (False, ()), "recompute": (True, ()), "keep_attention": (True, ("attention",))}
+RECOMPUTE = {
+    "plain": (False, ()),
+    "recompute": (True, ()),
+    "keep_attention": (True, ("attention",)),
+    "keep_both": (True, ("attention", "linear_attention")),
+}
 
 
 @pytest.mark.parametrize("recompute", list(RECOMPUTE))
@@ -116,31 +121,56 @@ def test_compact_equals_trajectory(scenario, recompute):
     assert len(gc) == len(list(model.parameters()))  # every parameter gets a gradient
 
 
-def test_kept_attention_runs_once_and_gives_the_same_gradients(monkeypatch):
-    """keep=("attention",): each attention core runs once per forward instead of twice (forward +
-    recomputation), and loss and gradients are bit-equal to full-block recomputation."""
+def _counting_regions(monkeypatch, calls: dict):
+    """Count the runs of every attention core (the reference backend) and of every linear-attention
+    schedule (``harts_runtime.layers.kda._run_rounds``, KDA and Gated DeltaNet alike)."""
+    from harts_runtime.layers import kda
     from harts_runtime.ops import attention as att
 
-    calls = []
     spec = att.BACKENDS["reference"]
+    rounds = kda._run_rounds
 
-    def counting(*a):
-        calls.append(1)
-        return spec.fn(*a)
+    def count(name, fn):
+        def counted(*a):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*a)
 
-    monkeypatch.setitem(att.BACKENDS, "reference", att.Backend("reference", spec.kind, counting))
+        return counted
+
+    monkeypatch.setitem(
+        att.BACKENDS, "reference", att.Backend("reference", spec.kind, count("attention", spec.fn))
+    )
+    monkeypatch.setattr(kda, "_run_rounds", count("linear_attention", rounds))
+
+
+@pytest.mark.parametrize(
+    "keep", [("attention",), ("linear_attention",), ("attention", "linear_attention")], ids="+".join
+)
+def test_kept_regions_run_once_and_give_the_same_gradients(monkeypatch, keep):
+    """keep=("attention",) / ("linear_attention",) / both: each kept core (the attention kernel;
+    the KDA rounds with their gathers and state handoffs) runs once per forward instead of twice
+    (forward + recomputation), the others still twice, and loss and gradients are bit-equal to
+    full-block recomputation."""
+    calls = {}
+    _counting_regions(monkeypatch, calls)
     model, step = make(forks_at_chunk_boundaries())
     all_traj = np.arange(step.batch.num_trajectories)
     out = {}
-    for keep in ((), ("attention",)):
-        apply_recompute(model, True, keep=keep)
+    for k in ((), keep):
+        apply_recompute(model, True, keep=k)
         model.zero_grad(set_to_none=True)
         calls.clear()
         loss, _ = run_microbatch(model, step, all_traj, "compact")
-        out[keep] = (loss.detach(), grads(model), len(calls))
-    (l_full, g_full, n_full), (l_keep, g_keep, n_keep) = out[()], out[("attention",)]
-    n_attn = sum(m in ("mla", "gqa") for m in model.config.mixers)
-    assert n_keep == n_attn and n_full == 2 * n_attn
+        out[k] = (loss.detach(), grads(model), dict(calls))
+    (l_full, g_full, n_full), (l_keep, g_keep, n_keep) = out[()], out[keep]
+    layers = {
+        "attention": sum(m in ("mla", "gqa") for m in model.config.mixers),
+        "linear_attention": sum(m in ("kda", "gdn") for m in model.config.mixers),
+    }
+    assert all(n > 0 for n in layers.values()), model.config.mixers
+    for name, n in layers.items():
+        assert n_full[name] == 2 * n, (name, n_full)
+        assert n_keep[name] == (n if name in keep else 2 * n), (name, n_keep)
     assert torch.equal(l_full, l_keep)
     for n in g_full:
         assert torch.equal(g_full[n], g_keep[n]), n
@@ -148,7 +178,7 @@ def test_kept_attention_runs_once_and_gives_the_same_gradients(monkeypatch):
         apply_recompute(model, True, keep=("lm_head",))
 
 
-def test_kept_attention_frees_a_graph_dropped_without_backward():
+def test_kept_regions_free_a_graph_dropped_without_backward():
     """A forward under grad whose graph is dropped without backward (an error between forward and
     backward, a skipped microbatch) leaves no kept region alive: the kept tensors hold no
     reference cycle through autograd's nodes. An in-place change of a kept tensor is caught."""
@@ -157,7 +187,7 @@ def test_kept_attention_frees_a_graph_dropped_without_backward():
     from harts_runtime.ops.keep import KeptRegions
 
     model, step = make(forks_at_chunk_boundaries())
-    apply_recompute(model, True, keep=("attention",))
+    apply_recompute(model, True, keep=("attention", "linear_attention"))
     all_traj = np.arange(step.batch.num_trajectories)
 
     def alive():
