@@ -19,6 +19,12 @@ cumsum and the two intra-chunk matrices: about 1.6 GB per KDA layer of the same 
 (P = 65.6k packed rows, 16 heads of 128: 3 x 268 MB + 537 MB + 2 x 134 MB). The default keeps
 nothing (full-block recomputation).
 
+Inside a recomputed block (outside kept regions) saves are transient
+(:func:`harts_runtime.ops.keep.saves_are_transient`): the KDA / Gated DeltaNet chunk core then
+saves its WY factors and chunk states for backward instead of recomputing them there (fla's
+``disable_recompute``; about 1.9 GB more while one 65,536-row ling-tiny KDA layer's backward runs,
+one scan and one WY pass less per round).
+
 The train step, the CLI (``harts-train --recompute``) and ``harts_runtime.parallel.parallelize``
 (``recompute=True``) all use this function; no layer or step has a flag of its own.
 """
@@ -31,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from harts_runtime.ops.keep import KeptRegions, checked_keep
+from harts_runtime.ops.keep import KeptRegions, checked_keep, recomputed
 
 __all__ = ["apply_recompute", "recompute_enabled"]
 
@@ -58,9 +64,9 @@ class _Checkpointed(nn.Module):
         if not torch.is_grad_enabled():
             return self.block(*args, **kwargs)
         if not self.keep:
-            return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+            return checkpoint(recomputed, self.block, *args, use_reentrant=False, **kwargs)
         frame = KeptRegions(self.keep)  # one per call: the forward fills it, the recomputation reads it
-        return checkpoint(frame.run, self.block, *args, use_reentrant=False, **kwargs)
+        return checkpoint(recomputed, frame.run, self.block, *args, use_reentrant=False, **kwargs)
 
 
 def _is_block(m: nn.Module) -> bool:

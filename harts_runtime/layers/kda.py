@@ -34,7 +34,9 @@ What runs where (the glossary of rounds, sequences and state slots is in
 Recomputation is block-level (:func:`harts_runtime.recompute.apply_recompute`): backward
 re-executes the same rounds from the fixed plan; no activation or state outlives the layer call.
 With ``keep=("linear_attention",)`` the rounds (the core and its gathers) keep their activations
-instead and only the token-wise parts are re-executed.
+instead and only the token-wise parts are re-executed. Without it, the recomputed core saves its
+intermediates (``save_intermediates``: their memory is transient there,
+:func:`~harts_runtime.ops.keep.saves_are_transient`), so its backward does not recompute them.
 ``layout.no_replay`` selects the Section 5.4 ablation's schedule instead of the replay rounds.
 
 Two paths of the token-wise parts, chosen by ``KDAConfig.backend`` (:mod:`harts_runtime.modules.fused`):
@@ -68,7 +70,7 @@ from harts_runtime.layout.rows import RowLayout
 from harts_runtime.modules.convolution import ShortConvolution, varlen_causal_conv
 from harts_runtime.modules.fused import use_fla
 from harts_runtime.modules.norms import GatedRMSNorm, l2_norm
-from harts_runtime.ops.keep import kept
+from harts_runtime.ops.keep import kept, saves_are_transient
 from harts_runtime.ops.rows import gather_packed, scatter_own
 
 __all__ = ["KDAConfig", "KDALayer", "checked_plan", "run_kda_schedule"]
@@ -135,6 +137,7 @@ def run_kda_schedule(
 def _run_rounds(sched: KDASchedule, q, k, v, g, beta, chunk_size: int, backend: str) -> torch.Tensor:
     """The body of :func:`run_kda_schedule`."""
     H, K, Vd = q.shape[1], q.shape[2], v.shape[2]
+    transient = saves_are_transient()  # in a recomputed block: save the core's intermediates
     slots: list[torch.Tensor | None] = [None] * sched.num_slots  # live for this call only
     zero = None
     with record_function("harts.kda.gather"):
@@ -170,6 +173,7 @@ def _run_rounds(sched: KDASchedule, q, k, v, g, beta, chunk_size: int, backend: 
                 request_chunk=rd.request_chunk,
                 output_final_state=want_final,
                 backend=backend,
+                save_intermediates=transient,
             )
         for j, s in enumerate(rd.request_slot):
             slots[s] = bstates[j]

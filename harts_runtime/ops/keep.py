@@ -32,7 +32,7 @@ import torch
 
 from harts_runtime.errors import InvalidInputError
 
-__all__ = ["KEEPABLE", "KeptRegions", "checked_keep", "kept"]
+__all__ = ["KEEPABLE", "KeptRegions", "checked_keep", "kept", "recomputed", "saves_are_transient"]
 
 KEEPABLE = frozenset({"attention", "linear_attention"})
 """Names that :func:`kept` is called with somewhere in the runtime: ``"attention"`` (every
@@ -73,6 +73,29 @@ class KeptRegions:
 
 
 _ACTIVE: ContextVar[KeptRegions | None] = ContextVar("harts_kept_regions", default=None)
+_TRANSIENT: ContextVar[bool] = ContextVar("harts_saves_transient", default=False)
+
+
+def recomputed(fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)`` as the body of a recomputed block (what
+    :func:`harts_runtime.recompute.apply_recompute` checkpoints): inside it, outside kept regions,
+    :func:`saves_are_transient` is True."""
+    token = _TRANSIENT.set(True)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _TRANSIENT.reset(token)
+
+
+def saves_are_transient() -> bool:
+    """Whether what an op saves for backward now lives only briefly: the op runs in a recomputed
+    block (:func:`recomputed`) with grad enabled and not inside a kept region. The block's first
+    forward then stores nothing (the checkpoint discards every save) and its recomputation's saves
+    live only until the block's own backward is done, so an op whose backward would recompute
+    intermediates from its inputs (the KDA core's WY factors and state scan) should save them
+    instead: the time without the memory. False outside recomputation, where a save lives from
+    the forward to the backward of the whole model, and inside a kept region, whose saves do too."""
+    return _TRANSIENT.get() and torch.is_grad_enabled()
 
 
 def _detach(out):
@@ -96,8 +119,12 @@ def kept(name: str, fn: Callable, *args):
         out = frame.outputs[frame.next]
         frame.next += 1
         return out
-    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
-        out = fn(*args)
+    token = _TRANSIENT.set(False)  # what the region saves lives until the model's backward
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+            out = fn(*args)
+    finally:
+        _TRANSIENT.reset(token)
     frame.outputs.append(_detach(out))
     return out
 

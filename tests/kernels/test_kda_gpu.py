@@ -248,7 +248,9 @@ INTERP_CASES = [
 def test_triton_path_under_interpreter_matches_reference(H, K, V, B, cu, req):
     """The whole GPU path (fla stages + our state-scan kernels) under TRITON_INTERPRET=1 on CPU,
     forward and backward (gradients arriving at every output, final and requested state), against
-    the fp32 chunked reference. Key dims of 1, 2 and 4 register blocks, a masked value block."""
+    the fp32 chunked reference. Key dims of 1, 2 and 4 register blocks, a masked value block.
+    ``save_intermediates=True`` (the forward's WY factors, gated q/k and chunk states kept for
+    backward instead of recomputed) gives the same outputs and gradients bit for bit."""
     code = textwrap.dedent(f"""
         import os, torch
         import triton.runtime.autotuner as at
@@ -262,18 +264,21 @@ def test_triton_path_under_interpreter_matches_reference(H, K, V, B, cu, req):
               torch.randn(1, T, H, V, generator=g_), -torch.rand(1, T, H, K, generator=g_) * 0.3,
               torch.rand(1, T, H, generator=g_), torch.randn(len(cu) - 1, H, K, V, generator=g_)]
         outs = {{}}
-        for backend in ("naive", "triton"):
+        for backend, save in (("naive", False), ("triton", False), ("triton", True)):
             lv = [t.clone().requires_grad_(True) for t in xs]
             o, ft, bs = chunk_kda_with_states(*lv[:5], initial_state=lv[5], cu_seqlens=cu, chunk_size=B,
                                               request_seq=[r[0] for r in req],
-                                              request_chunk=[r[1] for r in req], backend=backend)
+                                              request_chunk=[r[1] for r in req], backend=backend,
+                                              save_intermediates=save)
             assert bs.shape == (len(req), H, K, V), bs.shape
             w = torch.Generator().manual_seed(1)
             ((o * torch.randn(o.shape, generator=w)).sum() + (ft * torch.randn(ft.shape, generator=w)).sum()
              + (bs * torch.randn(bs.shape, generator=w)).sum()).backward()
-            outs[backend] = [o, ft, bs] + [t.grad for t in lv]
-        for name, a, b in zip(("o", "final", "states", "dq", "dk", "dv", "dg", "dbeta", "dh0"),
-                              outs["naive"], outs["triton"]):
+            outs[backend, save] = [o, ft, bs] + [t.grad for t in lv]
+        names = ("o", "final", "states", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+        for name, a, b in zip(names, outs["triton", False], outs["triton", True]):
+            assert torch.equal(a, b), ("save_intermediates changed", name)
+        for name, a, b in zip(names, outs["naive", False], outs["triton", False]):
             if a.numel() == 0:
                 continue
             e = ((a - b).double().pow(2).mean().sqrt() / a.double().pow(2).mean().sqrt()).item()

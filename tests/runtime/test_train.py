@@ -178,6 +178,43 @@ def test_kept_regions_run_once_and_give_the_same_gradients(monkeypatch, keep):
         apply_recompute(model, True, keep=("lm_head",))
 
 
+def test_the_chunk_core_saves_its_intermediates_only_where_saves_are_transient(monkeypatch):
+    """``save_intermediates`` reaches the KDA core True exactly in recomputed blocks outside kept
+    regions (first forward and recomputation), False without recomputation, inside a kept
+    ``linear_attention`` region (its saves live until the model's backward) and without grad."""
+    from harts_runtime.layers import kda
+
+    seen = []
+    core = kda.chunk_kda_with_states
+
+    def spy(*a, save_intermediates=False, **kw):
+        seen.append(save_intermediates)
+        return core(*a, save_intermediates=save_intermediates, **kw)
+
+    monkeypatch.setattr(kda, "chunk_kda_with_states", spy)
+    model, step = make(forks_at_chunk_boundaries())
+    all_traj = np.arange(step.batch.num_trajectories)
+    n = sum(m in ("kda", "gdn") for m in model.config.mixers)
+    got = {}
+    for name, (rc, keep) in RECOMPUTE.items() | {"keep_linear": (True, ("linear_attention",))}.items():
+        apply_recompute(model, rc, keep=keep)
+        seen.clear()
+        run_microbatch(model, step, all_traj, "compact")
+        got[name] = list(seen)
+    rounds = len(got["plain"]) // n
+    assert rounds >= 2 and len(got["plain"]) == n * rounds
+    assert got["plain"] == [False] * (n * rounds)
+    for name in ("recompute", "keep_attention"):  # forward and recomputation, both transient
+        assert got[name] == [True] * (2 * n * rounds), name
+    for name in ("keep_linear", "keep_both"):  # the kept rounds run once, their saves persist
+        assert got[name] == [False] * (n * rounds), name
+    from harts_runtime.ops.keep import recomputed, saves_are_transient
+
+    assert recomputed(saves_are_transient) and not saves_are_transient()
+    with torch.no_grad():
+        assert not recomputed(saves_are_transient)
+
+
 def test_kept_regions_free_a_graph_dropped_without_backward():
     """A forward under grad whose graph is dropped without backward (an error between forward and
     backward, a skipped microbatch) leaves no kept region alive: the kept tensors hold no

@@ -111,7 +111,9 @@ def _plan_for(cu: list[int], T: int, chunk_size: int, request_seq, request_chunk
     return plan
 
 
-def _fla_fwd(q, k, v, g, beta, scale, initial_state, plan: _Plan, chunk_size, output_final_state):
+def _fla_fwd(q, k, v, g, beta, scale, initial_state, plan: _Plan, chunk_size, output_final_state, keep=False):
+    """fla's forward stages around our state scan. ``keep``: also return the backward's inputs
+    ``(w, u, qg, kg, h, v_new)`` (fla's ``disable_recompute``), else None."""
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
     from fla.ops.utils import chunk_local_cumsum
@@ -121,7 +123,7 @@ def _fla_fwd(q, k, v, g, beta, scale, initial_state, plan: _Plan, chunk_size, ou
     g_cum = chunk_local_cumsum(
         g, chunk_size=chunk_size, scale=RCP_LN2, cu_seqlens=plan.cu_seqlens, chunk_indices=plan.chunk_indices
     )  # [1, T, H, K] fp32 log2
-    w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(
+    w, u, qg, kg, Aqk, Akk = chunk_kda_fwd_intra(
         q=q,
         k=k,
         v=v,
@@ -132,7 +134,7 @@ def _fla_fwd(q, k, v, g, beta, scale, initial_state, plan: _Plan, chunk_size, ou
         chunk_size=chunk_size,
         chunk_indices=plan.chunk_indices,
         safe_gate=False,
-        disable_recompute=False,
+        disable_recompute=keep,  # qg is computed only then
     )
     h, v_new, final_state, bstates = state_scan_fwd(
         kg=kg,
@@ -158,12 +160,28 @@ def _fla_fwd(q, k, v, g, beta, scale, initial_state, plan: _Plan, chunk_size, ou
         chunk_size=chunk_size,
         chunk_indices=plan.chunk_indices,
     )
-    return o, final_state, bstates, g_cum, Aqk, Akk
+    return o, final_state, bstates, g_cum, Aqk, Akk, ((w, u, qg, kg, h, v_new) if keep else None)
 
 
 def _fla_bwd(
-    q, k, v, beta, g_cum, Aqk, Akk, scale, initial_state, do, dht, d_bstates, plan: _Plan, chunk_size
+    q,
+    k,
+    v,
+    beta,
+    g_cum,
+    Aqk,
+    Akk,
+    scale,
+    initial_state,
+    do,
+    dht,
+    d_bstates,
+    plan: _Plan,
+    chunk_size,
+    kept=None,
 ):
+    """fla's backward stages around our state-scan backward. ``kept``: the forward's
+    ``(w, u, qg, kg, h, v_new)``; None recomputes them (the WY factors, then the state scan)."""
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
     from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
     from fla.ops.kda.wy_fast import recompute_w_u_fwd
@@ -172,22 +190,25 @@ def _fla_bwd(
     from harts_kernels.kda.state_scan import state_scan_bwd, state_scan_fwd
 
     ci, cu = plan.chunk_indices, plan.cu_seqlens
-    w, u, qg, kg = recompute_w_u_fwd(
-        k=k, v=v, beta=beta, A=Akk, gk=g_cum, q=q, cu_seqlens=cu, chunk_indices=ci
-    )
-    # Recompute h and v_new (as fla does by default); no final or boundary states are needed here.
-    h, v_new, _, _ = state_scan_fwd(
-        kg=kg,
-        w=w,
-        u=u,
-        gk=g_cum,
-        initial_state=initial_state,
-        cu_seqlens=cu,
-        chunk_offsets=plan.chunk_offsets,
-        num_chunks=plan.num_chunks,
-        chunk_size=chunk_size,
-        output_final_state=False,
-    )
+    if kept is not None:
+        w, u, qg, kg, h, v_new = kept
+    else:
+        w, u, qg, kg = recompute_w_u_fwd(
+            k=k, v=v, beta=beta, A=Akk, gk=g_cum, q=q, cu_seqlens=cu, chunk_indices=ci
+        )
+        # Recompute h and v_new (as fla does by default); no final or boundary states are needed.
+        h, v_new, _, _ = state_scan_fwd(
+            kg=kg,
+            w=w,
+            u=u,
+            gk=g_cum,
+            initial_state=initial_state,
+            cu_seqlens=cu,
+            chunk_offsets=plan.chunk_offsets,
+            num_chunks=plan.num_chunks,
+            chunk_size=chunk_size,
+            output_final_state=False,
+        )
     dAqk, dv = chunk_kda_bwd_dAv(
         q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu, chunk_size=chunk_size, chunk_indices=ci
     )
@@ -255,11 +276,11 @@ class ChunkKDAWithStatesFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, scale, plan, chunk_size, output_final_state):
-        o, final_state, bstates, g_cum, Aqk, Akk = _fla_fwd(
-            q, k, v, g, beta, scale, initial_state, plan, chunk_size, output_final_state
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, plan, chunk_size, output_final_state, keep):
+        o, final_state, bstates, g_cum, Aqk, Akk, kept = _fla_fwd(
+            q, k, v, g, beta, scale, initial_state, plan, chunk_size, output_final_state, keep
         )
-        ctx.save_for_backward(q, k, v, beta, g_cum, Aqk, Akk, initial_state)
+        ctx.save_for_backward(q, k, v, beta, g_cum, Aqk, Akk, initial_state, *(kept or ()))
         ctx.scale, ctx.plan, ctx.chunk_size, ctx.g_dtype = scale, plan, chunk_size, g.dtype
         ctx.set_materialize_grads(False)
         if bstates is None:
@@ -268,7 +289,7 @@ class ChunkKDAWithStatesFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht, d_bstates):
-        q, k, v, beta, g_cum, Aqk, Akk, initial_state = ctx.saved_tensors
+        q, k, v, beta, g_cum, Aqk, Akk, initial_state, *kept = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(v)
         dq, dk, dv, db, dg, dh0 = _fla_bwd(
@@ -286,6 +307,7 @@ class ChunkKDAWithStatesFunction(torch.autograd.Function):
             d_bstates,
             ctx.plan,
             ctx.chunk_size,
+            kept or None,
         )
         return (
             dq.to(q.dtype),
@@ -294,6 +316,7 @@ class ChunkKDAWithStatesFunction(torch.autograd.Function):
             dg.to(ctx.g_dtype),
             db.to(beta.dtype),
             dh0,
+            None,
             None,
             None,
             None,
@@ -316,6 +339,7 @@ def chunk_kda_with_states(
     request_chunk=None,  # [R] boundary index c on that sequence's grid
     output_final_state: bool = True,
     backend: str = "auto",
+    save_intermediates: bool = False,
 ):
     """ChunkLA for KDA over a packed varlen call (Equation 16).
 
@@ -339,6 +363,12 @@ def chunk_kda_with_states(
         Return the ``[N, H, K, V]`` fp32 final states (differentiable).
     backend
         ``"auto"`` (Triton on CUDA, reference otherwise), ``"triton"`` or ``"naive"``.
+    save_intermediates
+        Triton path: save the WY factors ``w, u``, the gated ``q, k``, the chunk states ``h`` and
+        ``v_new`` for backward (fla's ``disable_recompute``) instead of recomputing them there
+        (the WY kernel and one state scan): the same gradients, bit for bit, for about
+        ``(4 K + V) T H`` elements of q's dtype plus ``NT H K V`` (1.9 GB at T = 65,536, H = 16,
+        K = V = 128 in bf16). The reference path saves what autograd saves either way.
 
     Returns
     -------
@@ -389,7 +419,17 @@ def chunk_kda_with_states(
     guard = torch.cuda.device(q.device) if q.is_cuda else nullcontext()
     with guard:
         o, final_state, bstates = ChunkKDAWithStatesFunction.apply(
-            q, k, v, g, beta, initial_state, scale, plan, chunk_size, output_final_state
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state,
+            scale,
+            plan,
+            chunk_size,
+            output_final_state,
+            bool(save_intermediates),
         )
     if plan.inverse is not None:
         bstates = bstates.index_select(0, plan.inverse)  # [R, H, K, V]
