@@ -22,7 +22,10 @@ Two implementations, each one function with an optional tensor-parallel (vocabul
   chunks, so no [C, V] float32 temporary; backward writes one [C, V] gradient chunk by chunk);
 * :func:`lm_head_logprobs`, the fused LM head the model uses: ``z = hidden @ W^T`` a row chunk at a
   time, never keeping ``[N, V]`` logits, each chunk's logits recomputed in backward (a fused linear
-  cross-entropy).
+  cross-entropy). Its per-chunk vocabulary work runs in PyTorch (float32 temporaries), or on CUDA
+  (``backend``, :mod:`harts_runtime.modules.fused`) in fla's cross-entropy kernels: one pass over
+  the chunk's logits for the row logsumexps, and one in-place pass that turns them into their
+  gradient (:class:`ChunkedLMHeadLogProbs`).
 
 With ``group`` (vocabulary parallelism, Section 3.5) each TP rank holds the columns
 ``[vocab_start, vocab_start + V_r)`` (logits, or rows of the LM-head weight) and labels are global
@@ -45,6 +48,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from harts_runtime.modules.fused import use_fla
 
 __all__ = [
     "DEFAULT_CHUNK",
@@ -263,28 +268,37 @@ class ChunkedLMHeadLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, row_index, labels, order, bounds, rows, vocab_start, group):
+    def forward(ctx, hidden, weight, row_index, labels, order, bounds, rows, vocab_start, group, fused=False):
         acc = _compute_dtype(hidden.dtype)
         n, v = hidden.shape[0], weight.shape[0]
         lse = torch.empty(n, device=hidden.device, dtype=acc)
         target = torch.zeros(row_index.numel(), device=hidden.device, dtype=acc)
         zero = torch.zeros((), dtype=acc, device=hidden.device)
+        if fused:
+            from fla.modules.fused_cross_entropy.ops import cross_entropy_fwd
+
+            none = torch.full((min(rows, n),), _IGNORE, dtype=torch.long, device=hidden.device)
         for i, a in enumerate(range(0, n, rows)):
-            z = (hidden[a : a + rows] @ weight.t()).to(acc)  # [r, V_r]
-            lse[a : a + rows] = torch.logsumexp(z, -1)
+            if fused:  # the row logsumexps in one pass over the model-dtype logits (fp32 math)
+                z = hidden[a : a + rows] @ weight.t()
+                lse[a : a + rows] = cross_entropy_fwd(z, none[: z.shape[0]])[2]
+            else:
+                z = (hidden[a : a + rows] @ weight.t()).to(acc)  # [r, V_r]
+                lse[a : a + rows] = torch.logsumexp(z, -1)
             lo, hi = bounds[i], bounds[i + 1]
             if hi > lo:
                 sel = order[lo:hi]
                 r = row_index[sel] - a
                 if group is None:
-                    target[sel] = z[r, labels[sel]]
+                    target[sel] = z[r, labels[sel]].to(acc)
                 else:
                     local, mine = _owned(labels[sel], vocab_start, v)
-                    target[sel] = torch.where(mine, z[r, local.clamp(0, v - 1)], zero)
+                    target[sel] = torch.where(mine, z[r, local.clamp(0, v - 1)].to(acc), zero)
         if group is not None:
             lse, target = _combine_over_group(lse, target, group)
         ctx.save_for_backward(hidden, weight, row_index, labels, order, lse)
         ctx.bounds, ctx.rows, ctx.vocab_start, ctx.grouped = bounds, rows, vocab_start, group is not None
+        ctx.fused = fused
         return target - lse[row_index]
 
     @staticmethod
@@ -297,6 +311,9 @@ class ChunkedLMHeadLogProbs(torch.autograd.Function):
         row_grad = torch.zeros(n, device=hidden.device, dtype=acc).index_add_(0, row_index, g)
         dh = torch.empty_like(hidden)
         dw = torch.zeros(weight.shape, device=weight.device, dtype=acc)
+        if ctx.fused:
+            _fused_backward(hidden, weight, row_index, labels, order, bounds, rows, lse, g, row_grad, dh, dw)
+            return dh, dw.to(weight.dtype), None, None, None, None, None, None, None, None
         for i, a in enumerate(range(0, n, rows)):
             h = hidden[a : a + rows]
             z = (h @ weight.t()).to(acc)
@@ -312,7 +329,48 @@ class ChunkedLMHeadLogProbs(torch.autograd.Function):
             d = d.to(hidden.dtype)
             dh[a : a + rows] = d @ weight
             dw.add_((d.t() @ h).to(acc))
-        return dh, dw.to(weight.dtype), None, None, None, None, None, None, None
+        return dh, dw.to(weight.dtype), None, None, None, None, None, None, None, None
+
+
+_IGNORE = -100
+"""fla's ``ignore_index``: a row without targets (its loss and gradient are zero)."""
+
+
+def _fused_backward(hidden, weight, row_index, labels, order, bounds, rows, lse, g, row_grad, dh, dw):
+    """The backward of :class:`ChunkedLMHeadLogProbs` through fla's cross-entropy kernel (no group).
+
+    Equation (19) per row c with targets s: ``dz_c = -R_c softmax(z_c) + sum_s g_s e_{y_s}``,
+    ``R_c = sum_s g_s``. fla's ``cross_entropy_bwd`` writes ``dloss (softmax - e_t)`` over the
+    logits in place (fp32 math, one pass) for one label ``t`` per row: with ``dloss = -R_c`` and
+    ``t`` the label of the row's first target, that is ``-R_c softmax(z_c) + R_c e_t``, which is
+    the whole gradient when all of the row's targets share their label (every row but the forks
+    of the tree). A target with another label then moves its ``g_s`` from ``e_t`` to ``e_{y_s}``:
+    two accumulating writes, zero (an exact no-op) for the others. Rows without targets get a zero
+    gradient (fla's ignore index)."""
+    from fla.modules.fused_cross_entropy.ops import cross_entropy_bwd
+
+    n, p = hidden.shape[0], row_index.numel()
+    first = torch.full((n,), p, dtype=torch.long, device=hidden.device)
+    first.scatter_reduce_(0, row_index, torch.arange(p, device=hidden.device), "amin")
+    row_label = (
+        torch.where(first < p, labels[first.clamp_max(max(p - 1, 0))], _IGNORE) if p else first.fill_(_IGNORE)
+    )
+    moved = g * (labels != row_label[row_index])  # [P]: nonzero only for the forks' other labels
+    acc = dw.dtype
+    for i, a in enumerate(range(0, n, rows)):
+        h = hidden[a : a + rows]
+        z = h @ weight.t()  # [r, V] model dtype, becomes its own gradient
+        cross_entropy_bwd(
+            z, row_label[a : a + rows], lse[a : a + rows], -row_grad[a : a + rows], inplace_backward=True
+        )
+        lo, hi = bounds[i], bounds[i + 1]
+        if hi > lo:
+            sel = order[lo:hi]
+            r, m = row_index[sel] - a, moved[sel].to(z.dtype)
+            z.index_put_((r, labels[sel]), m, accumulate=True)
+            z.index_put_((r, row_label[row_index[sel]]), -m, accumulate=True)
+        dh[a : a + rows] = z @ weight
+        dw.add_((z.t() @ h).to(acc))
 
 
 def lm_head_logprobs(
@@ -325,6 +383,7 @@ def lm_head_logprobs(
     *,
     vocab_start: int = 0,
     group=None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Fused LM head + mapped log-probs (:class:`ChunkedLMHeadLogProbs`) of N rows.
 
@@ -341,12 +400,18 @@ def lm_head_logprobs(
         Rows per chunk (temporaries are ``[rows, V_r]`` fp32).
     vocab_start, group
         As for :func:`mapped_logprobs`.
+    backend
+        The per-chunk vocabulary work (:mod:`harts_runtime.modules.fused`): fla's cross-entropy
+        kernels (``"triton"``; ``"auto"`` on CUDA with fla-core) or PyTorch (``"naive"``). The
+        kernels serve the single-process head in float32, bfloat16 and float16; float64 and a
+        vocabulary group always take PyTorch.
 
     Returns
     -------
     Tensor float32 (float64 for float64 hidden) [P], equal on every rank of ``group``.
     """
+    fused = use_fla(hidden, backend) and group is None and hidden.dtype != torch.float64
     order, bounds = chunks[0].to(hidden.device), chunks[1]
     return ChunkedLMHeadLogProbs.apply(
-        hidden, weight, row_index, labels, order, bounds, int(rows), int(vocab_start), group
+        hidden, weight, row_index, labels, order, bounds, int(rows), int(vocab_start), group, fused
     )

@@ -1,9 +1,13 @@
 """Hybrid model: flavors and config errors, the chunked LM-head log-probs against materialised
 logits, MoE expert-load counts under recomputation, and the FLOP model against brute force."""
 
+import importlib.util
+import textwrap
+
 import numpy as np
 import pytest
 import torch
+import triton_interpreter
 
 import harts_planner as hp
 from harts_runtime import ConfigError, HybridModel, StepInputs, apply_recompute, model_config, run_microbatch
@@ -90,6 +94,13 @@ def test_any_layer_pattern_builds_and_runs():
     assert lp.shape == (batch.semantic_tokens - batch.num_trajectories,) and bool((lp < 0).all())
 
 
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 @pytest.mark.parametrize("rows", [1, 3, 7, 100])
 def test_chunked_lm_head_equals_materialised_log_softmax(rows):
     g = torch.Generator().manual_seed(rows)
@@ -105,6 +116,94 @@ def test_chunked_lm_head_equals_materialised_log_softmax(rows):
     rh, rw = torch.autograd.grad((ref * gout).sum(), [h, w])
     for name, a, b in (("logprobs", lp, ref), ("dhidden", dh, rh), ("dweight", dw, rw)):
         torch.testing.assert_close(a, b, atol=TOL_LP[0], rtol=TOL_LP[1], msg=lambda m, n=name: f"{n}: {m}")
+
+
+FUSED_LM_HEAD_TOL = (2e-5, 1e-5)
+"""(atol, rtol) fp32, fla's cross-entropy kernels (under the interpreter) against the PyTorch chunk
+loop: the same logits, the logsumexp over 64k-column blocks then a reduction (PyTorch: one
+max-shifted sum), the fork rows' moved target gradients in a second accumulation; rounding only."""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _importable("fla"), reason="needs fla-core and triton (interpreter check)")
+def test_fused_lm_head_matches_the_reference_under_the_interpreter():
+    """fla's cross-entropy kernels (``backend="triton"``, TRITON_INTERPRET=1) against the PyTorch
+    chunk loop: log-probs and the hidden / weight gradients, fp32, with rows that have no target,
+    rows whose targets share a label, fork rows whose targets have two or three labels, and chunks
+    that split the rows unevenly."""
+    code = triton_interpreter.prelude("fla.modules.fused_cross_entropy.ops") + textwrap.dedent("""
+        import torch
+        from harts_runtime.layout import lm_chunks
+        from harts_runtime.loss.logprobs import lm_head_logprobs
+        g = torch.Generator().manual_seed(0)
+        n, d, v, rows = 37, 16, 300, 8
+        h = torch.randn(n, d, generator=g)
+        w = torch.randn(v, d, generator=g) * 0.5
+        row_index = torch.cat([torch.arange(0, 30, 2), torch.arange(0, 30, 2), torch.tensor([5, 5, 5, 7, 7, 36])])
+        labels = torch.randint(0, v, (row_index.numel(),), generator=g)
+        labels[15:30] = labels[:15]  # two targets with one label on each even row
+        labels[30:33] = torch.tensor([1, 1, 2])  # fork rows: two labels, then two distinct ones
+        labels[33:35] = torch.tensor([3, 4])
+        labels[:4] = torch.tensor([9, 10, 11, 12])  # forks of the even rows 0..6
+        gout = torch.randn(row_index.numel(), generator=g)
+        out = {}
+        for backend in ("naive", "triton"):
+            hl, wl = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            lp = lm_head_logprobs(hl, wl, row_index, labels, lm_chunks(row_index.numpy(), n, rows), rows,
+                                  backend=backend)
+            dh, dw = torch.autograd.grad((lp * gout).sum(), [hl, wl])
+            out[backend] = (lp, dh, dw)
+        assert out["naive"][1][1].abs().sum() == 0 and out["naive"][1][36].abs().sum() > 0  # no target, target
+        for name, a, b in zip(("logprobs", "dhidden", "dweight"), out["triton"], out["naive"]):
+            torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m, n=name: n + ": " + m)
+        print("OK")
+        """).replace("ATOL", repr(FUSED_LM_HEAD_TOL[0])).replace("RTOL", repr(FUSED_LM_HEAD_TOL[1]))
+    r = triton_interpreter.run(code)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+
+
+FUSED_LM_HEAD_CUDA_RTOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+"""Relative Frobenius error, fla's kernels vs the PyTorch chunk loop on CUDA: fp32 to rounding; in
+bf16 both read the same bf16 logits and reduce in fp32, both round each logit gradient to bf16
+once (fork rows' moved gradients twice), then the same bf16 GEMMs: ~2^-9 at most."""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_lm_head_matches_the_reference_on_cuda(dtype):
+    """ling-tiny's vocabulary (157,184 columns: three 64k blocks and fla's split reduction),
+    4,096 rows in chunks of 2,048 with shared and forked targets: log-probs and gradients of the
+    fused path against the PyTorch loop, and the fused path's peak memory below the loop's (no
+    float32 [rows, V] temporaries)."""
+    if not _importable("fla"):
+        pytest.skip("needs fla-core")
+    dev, n, d, v, rows = torch.device("cuda"), 4096, 1536, 157_184, 2048
+    g = torch.Generator(device=dev).manual_seed(0)
+    h = torch.randn(n, d, generator=g, device=dev).to(dtype)
+    w = (torch.randn(v, d, generator=g, device=dev) * 0.02).to(dtype)
+    row_index = torch.cat([torch.arange(n, device=dev), torch.arange(0, n, 3, device=dev)])
+    labels = torch.randint(0, v, (row_index.numel(),), generator=g, device=dev)
+    labels[n : n + 700] = labels[0 : 3 * 700 : 3]  # the same label on 700 rows, forks elsewhere
+    gout = torch.randn(row_index.numel(), generator=g, device=dev)
+    chunks = lm_chunks(row_index.cpu().numpy(), n, rows)
+    out, peak = {}, {}
+    for backend in ("naive", "triton"):
+        hl, wl = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        lp = lm_head_logprobs(hl, wl, row_index, labels, chunks, rows, backend=backend)
+        dh, dw = torch.autograd.grad((lp * gout).sum(), [hl, wl])
+        torch.cuda.synchronize()
+        peak[backend] = torch.cuda.max_memory_allocated() - base
+        out[backend] = (lp.float(), dh.float(), dw.float())
+    for name, a, b in zip(("logprobs", "dhidden", "dweight"), out["triton"], out["naive"]):
+        err = ((a - b).double().norm() / b.double().norm()).item()
+        print(dtype, name, f"{err:.2e}")
+        assert err < FUSED_LM_HEAD_CUDA_RTOL[dtype], (name, err)
+    print(dtype, "peak bytes", peak)
+    assert peak["triton"] < peak["naive"], peak
 
 
 def test_moe_counts_accumulate_once_with_recomputation():

@@ -129,7 +129,9 @@ class ModelConfig:
     attn_backend: str = "auto"
     """Full-attention backend (``auto``: ``reference`` on CPU, ``varlen`` on CUDA)."""
     kda_backend: str = "auto"
-    """KDA core backend (``auto``: Triton on CUDA, reference on CPU)."""
+    """The fla-or-reference switch (:mod:`harts_runtime.modules.fused`) of the KDA / GDN layers
+    (cores and token-wise modules) and of the LM head's cross-entropy (``auto``: Triton on CUDA,
+    reference on CPU)."""
     lm_head_rows: int = 2048
     """Rows per LM-head chunk (temporaries are ``[rows, V]`` fp32)."""
     init_std: float = 0.02

@@ -261,7 +261,9 @@ class HybridModel(nn.Module):
         if chunks is None:
             chunks = lm_chunks(row_index.cpu().numpy(), hidden.shape[0], rows)
         with record_function("harts.lm_head"):
-            return lm_head_logprobs(hidden, self.lm_head.weight, row_index, labels, chunks, rows)
+            return lm_head_logprobs(
+                hidden, self.lm_head.weight, row_index, labels, chunks, rows, backend=self.config.kda_backend
+            )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full logits of some rows (evaluation only): [n, D] -> [n, V] in the model dtype (under
