@@ -43,6 +43,7 @@ the single-process computation).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -312,7 +313,9 @@ class ChunkedLMHeadLogProbs(torch.autograd.Function):
         dh = torch.empty_like(hidden)
         dw = torch.zeros(weight.shape, device=weight.device, dtype=acc)
         if ctx.fused:
-            _fused_backward(hidden, weight, row_index, labels, order, bounds, rows, lse, g, row_grad, dh, dw)
+            dw = _fused_backward(
+                hidden, weight, row_index, labels, order, bounds, rows, lse, g, row_grad, dh, dw
+            )
             return dh, dw.to(weight.dtype), None, None, None, None, None, None, None, None
         for i, a in enumerate(range(0, n, rows)):
             h = hidden[a : a + rows]
@@ -346,7 +349,7 @@ def _fused_backward(hidden, weight, row_index, labels, order, bounds, rows, lse,
     the whole gradient when all of the row's targets share their label (every row but the forks
     of the tree). A target with another label then moves its ``g_s`` from ``e_t`` to ``e_{y_s}``:
     two accumulating writes, zero (an exact no-op) for the others. Rows without targets get a zero
-    gradient (fla's ignore index)."""
+    gradient (fla's ignore index). Returns ``dw`` with every chunk's ``dz^T h`` added."""
     from fla.modules.fused_cross_entropy.ops import cross_entropy_bwd
 
     n, p = hidden.shape[0], row_index.numel()
@@ -356,7 +359,6 @@ def _fused_backward(hidden, weight, row_index, labels, order, bounds, rows, lse,
         torch.where(first < p, labels[first.clamp_max(max(p - 1, 0))], _IGNORE) if p else first.fill_(_IGNORE)
     )
     moved = g * (labels != row_label[row_index])  # [P]: nonzero only for the forks' other labels
-    acc = dw.dtype
     for i, a in enumerate(range(0, n, rows)):
         h = hidden[a : a + rows]
         z = h @ weight.t()  # [r, V] model dtype, becomes its own gradient
@@ -370,7 +372,31 @@ def _fused_backward(hidden, weight, row_index, labels, order, bounds, rows, lse,
             z.index_put_((r, labels[sel]), m, accumulate=True)
             z.index_put_((r, row_label[row_index[sel]]), -m, accumulate=True)
         dh[a : a + rows] = z @ weight
-        dw.add_((z.t() @ h).to(acc))
+        dw = _add_product(dw, z.t(), h)
+    return dw
+
+
+@functools.cache
+def _float32_addmm(device: torch.device) -> bool:
+    """Whether ``torch.addmm(out_dtype=torch.float32)`` takes half-precision products into a
+    float32 accumulator on ``device`` (a CUDA kernel of recent PyTorch; probed once)."""
+    try:
+        a = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
+        torch.addmm(torch.zeros(2, 2, device=device), a, a, out_dtype=torch.float32)
+        return True
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc + a @ b`` in ``acc``'s dtype: one GEMM accumulating in float32 where
+    :func:`_float32_addmm` allows (no model-dtype [V, D] partial, no cast), else the product in
+    the operands' dtype, cast and added."""
+    if acc.dtype == a.dtype:
+        return acc.addmm_(a, b)
+    if acc.dtype == torch.float32 and a.is_cuda and _float32_addmm(a.device):
+        return torch.addmm(acc, a, b, out_dtype=torch.float32)
+    return acc.add_((a @ b).to(acc.dtype))
 
 
 def lm_head_logprobs(
