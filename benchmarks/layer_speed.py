@@ -262,6 +262,20 @@ def scaled_lengths(total: int, base=PROFILE) -> list[int]:
     return out.tolist()
 
 
+def scan_critical_chunks(sched, chunk: int, packed: int) -> dict:
+    """Chunk steps on the state scan's critical path (each (sequence, head) scans its chunks one
+    after another; rounds run one after another): the compact schedule (the sum over rounds of
+    each round's longest sequence), its sequences in one call, and the 8-trajectory profile on
+    the same packed rows. The scan is latency-bound, so its time follows these, not the rows."""
+    steps = lambda lengths: max((-(-int(n) // chunk) for n in lengths), default=0)  # noqa: E731
+    rounds = [np.diff(np.asarray(rd.cu_seqlens)) for rd in sched.rounds]
+    return {
+        "compact": int(sum(steps(r) for r in rounds)),
+        "trajectory_same_sequences": steps(np.concatenate(rounds)) if rounds else 0,
+        "trajectory": steps(scaled_lengths(packed)),
+    }
+
+
 def offsets_of(lengths) -> list[int]:
     return [0, *np.cumsum(lengths).tolist()]
 
@@ -331,6 +345,7 @@ class Context:
                     "packed_sequences": len(seqs),
                     "attention_branches": mb.layout.views.num_branches,
                     "attention_kv_rows": int(mb.layout.views.kv_index.numel()),
+                    "scan_critical_chunks": scan_critical_chunks(kda.replay, cfg.chunk_size, packed),
                     "build_s": time.perf_counter() - t,
                 },
             }

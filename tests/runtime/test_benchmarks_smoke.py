@@ -71,6 +71,10 @@ def test_layer_speed_tiny_writes_keys_and_parity(tmp_path, monkeypatch):
     mb = kc["microbatch"]
     assert mb["packed_rows"] == mb["compact_rows"] + mb["replay_rows"]
     assert kc["trajectory"]["rows"] == mb["packed_rows"]
+    crit = mb["scan_critical_chunks"]  # rounds in sequence: at least the longest one-call sequence
+    assert crit["compact"] >= crit["trajectory_same_sequences"] > 0 and crit["trajectory"] > 0
+    if mb["rounds"] > 1:
+        assert crit["compact"] > crit["trajectory_same_sequences"]
     moe = cases["moe"]
     assert moe["parity"]["status"] == "ok" and moe["parity"]["max_rel_err"] < 1e-4, moe["parity"]
     assert moe["fwdbwd_vs_roofline"] > 0 and moe["host"]["wall_ms"] > 0
