@@ -22,8 +22,8 @@ Two implementations, each one function with an optional tensor-parallel (vocabul
   chunks, so no [C, V] float32 temporary; backward writes one [C, V] gradient chunk by chunk);
 * :func:`lm_head_logprobs`, the fused LM head the model uses: ``z = hidden @ W^T`` a row chunk at a
   time, never keeping ``[N, V]`` logits, each chunk's logits recomputed in backward (a fused linear
-  cross-entropy). Its per-chunk vocabulary work runs in PyTorch (float32 temporaries), or on CUDA
-  (``backend``, :mod:`harts_runtime.modules.fused`) in fla's cross-entropy kernels: one pass over
+  cross-entropy). Its per-chunk vocabulary work runs in PyTorch (float32 temporaries), or
+  (``fla_kernels``, the model's choice on CUDA) in fla's cross-entropy kernels: one pass over
   the chunk's logits for the row logsumexps, and one in-place pass that turns them into their
   gradient (:class:`ChunkedLMHeadLogProbs`).
 
@@ -49,8 +49,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-
-from harts_runtime.modules.fused import use_fla
 
 __all__ = [
     "DEFAULT_CHUNK",
@@ -409,7 +407,7 @@ def lm_head_logprobs(
     *,
     vocab_start: int = 0,
     group=None,
-    backend: str = "auto",
+    fla_kernels: bool = False,
 ) -> torch.Tensor:
     """Fused LM head + mapped log-probs (:class:`ChunkedLMHeadLogProbs`) of N rows.
 
@@ -426,17 +424,17 @@ def lm_head_logprobs(
         Rows per chunk (temporaries are ``[rows, V_r]`` fp32).
     vocab_start, group
         As for :func:`mapped_logprobs`.
-    backend
-        The per-chunk vocabulary work (:mod:`harts_runtime.modules.fused`): fla's cross-entropy
-        kernels (``"triton"``; ``"auto"`` on CUDA with fla-core) or PyTorch (``"naive"``). The
-        kernels serve the single-process head in float32, bfloat16 and float16; float64 and a
-        vocabulary group always take PyTorch.
+    fla_kernels
+        Run the per-chunk vocabulary work in fla's cross-entropy kernels (CUDA, or the CPU under
+        ``TRITON_INTERPRET=1``; the model sets it from its fla-or-reference switch,
+        :mod:`harts_runtime.modules.fused`) instead of PyTorch. They serve the single-process
+        head in float32, bfloat16 and float16; float64 and a vocabulary group take PyTorch.
 
     Returns
     -------
     Tensor float32 (float64 for float64 hidden) [P], equal on every rank of ``group``.
     """
-    fused = use_fla(hidden, backend) and group is None and hidden.dtype != torch.float64
+    fused = bool(fla_kernels) and group is None and hidden.dtype != torch.float64
     order, bounds = chunks[0].to(hidden.device), chunks[1]
     return ChunkedLMHeadLogProbs.apply(
         hidden, weight, row_index, labels, order, bounds, int(rows), int(vocab_start), group, fused

@@ -36,6 +36,7 @@ from harts_runtime.layers.moe import CompactMoE, MoEConfig, MoEOutput
 from harts_runtime.layout.rows import RowLayout, lm_chunks
 from harts_runtime.loss.logprobs import lm_head_logprobs
 from harts_runtime.models.hybrid.args import ModelConfig
+from harts_runtime.modules.fused import use_fla
 from harts_runtime.modules.norms import RMSNorm
 from harts_runtime.ops.attention import resolve_backend
 
@@ -262,7 +263,13 @@ class HybridModel(nn.Module):
             chunks = lm_chunks(row_index.cpu().numpy(), hidden.shape[0], rows)
         with record_function("harts.lm_head"):
             return lm_head_logprobs(
-                hidden, self.lm_head.weight, row_index, labels, chunks, rows, backend=self.config.kda_backend
+                hidden,
+                self.lm_head.weight,
+                row_index,
+                labels,
+                chunks,
+                rows,
+                fla_kernels=use_fla(hidden, self.config.kda_backend),
             )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
