@@ -363,13 +363,18 @@ def grouped_mm(
     counts, if the caller already has them (several matmuls over one grouping); computed on the
     device otherwise.
     """
-    if impl not in ("auto", "grouped_mm", "bmm"):
-        raise InvalidInputError("impl", f"unknown {impl!r}; choose auto, grouped_mm or bmm")
-    if impl == "grouped_mm" or (impl == "auto" and _grouped_mm_ok(x, w)):
-        if offs is None:
-            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    if _takes_grouped_mm(impl, x, w):
+        offs = torch.cumsum(counts, 0, dtype=torch.int32) if offs is None else offs
         return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
     return _padded_bmm(x, w, counts)
+
+
+def _takes_grouped_mm(impl: str, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a grouped matmul of ``x`` by ``w`` under ``impl`` calls ``torch._grouped_mm``
+    (:func:`grouped_mm`); :class:`InvalidInputError` for an unknown ``impl``."""
+    if impl not in ("auto", "grouped_mm", "bmm"):
+        raise InvalidInputError("impl", f"unknown {impl!r}; choose auto, grouped_mm or bmm")
+    return impl == "grouped_mm" or (impl == "auto" and _grouped_mm_ok(x, w))
 
 
 # ------------------------------------------------------------------------- dispatch and combine
@@ -415,17 +420,14 @@ def gate_up_mm(
     weights side by side): [M, 2I], the gate product in the first I columns. On the
     ``torch._grouped_mm`` path the concatenation lives only inside the forward and the backward
     (:class:`_GateUpGroupedMM`); on the padded-bmm fallback it is an autograd ``cat``."""
-    if impl not in ("auto", "grouped_mm", "bmm"):
-        raise InvalidInputError("impl", f"unknown {impl!r}; choose auto, grouped_mm or bmm")
     if w_gate.shape != w_up.shape or w_gate.dtype != w_up.dtype:
         raise InvalidInputError(
             "w_up", f"{tuple(w_up.shape)} {w_up.dtype} != w_gate {tuple(w_gate.shape)} {w_gate.dtype}"
         )
     # the concatenation is a fresh contiguous [E, D, 2I]: w_gate's checks cover its dtype, device
     # and alignment (I aligned implies 2I aligned)
-    if impl == "grouped_mm" or (impl == "auto" and _grouped_mm_ok(x, w_gate.contiguous())):
-        if offs is None:
-            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    if _takes_grouped_mm(impl, x, w_gate):
+        offs = torch.cumsum(counts, 0, dtype=torch.int32) if offs is None else offs
         return _GateUpGroupedMM.apply(x, w_gate, w_up, offs)
     return grouped_mm(x, torch.cat([w_gate, w_up], dim=-1), counts, impl, offs)
 
