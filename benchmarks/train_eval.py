@@ -259,8 +259,8 @@ def section_speedup(args, model, dev, shared):
             for m in ("compact", "trajectory")
         },
         "tflops_note": "executed FLOPs (model FLOPs = 3 x forward, plus the recomputed forward: all of it, "
-        "less the attention cores when --keep attention, the KDA/GDN chunk cores when --keep "
-        "linear_attention) / F/B/Grad seconds",
+        "less the attention cores when --keep attention, the KDA/GDN chunk cores' forward less the "
+        "WY + state-scan recomputation of their backward when --keep linear_attention) / F/B/Grad seconds",
         "mfu_tflops": {
             m: work[f"{m}_flops"] / best[m]["fbg_seconds"] / 1e12 for m in ("compact", "trajectory")
         },
@@ -285,12 +285,16 @@ def _keep(args) -> tuple[str, ...]:
 
 def executed_flops(cfg, work: dict, mode: str, keep) -> float:
     """FLOPs a recomputed training pass executes: ``work``'s model FLOPs (3 x forward) plus the
-    forward once more, less the attention cores when they are kept (``keep``), less the KDA / GDN
-    chunk cores when ``"linear_attention"`` is kept."""
+    forward once more, less the attention cores when they are kept (``keep``). A kept
+    ``"linear_attention"`` region skips the KDA / GDN chunk cores' second forward, but its
+    backward recomputes their WY factors and state scan (a recomputed core saves those,
+    ``harts_runtime.ops.keep.saves_are_transient``): less the difference."""
     fwd = work[f"{mode}_flops"] / 3
     costs = layer_costs(cfg)
     attn = work[f"{mode}_keys"] * costs["attn_per_key"] if "attention" in keep else 0.0
-    linear = work[f"{mode}_rows"] * costs["linear_core"] if "linear_attention" in keep else 0.0
+    linear = 0.0
+    if "linear_attention" in keep:
+        linear = work[f"{mode}_rows"] * (costs["linear_core"] - costs["linear_core_recompute"])
     return work[f"{mode}_flops"] + fwd - attn - linear
 
 

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         help="with --recompute: op regions whose activations are kept instead of recomputed "
         "(comma-separated; 'attention': the attention cores, a third of their cost, ~1.4 GB per MLA layer "
         "of a 65,536-row ling-tiny microbatch; 'linear_attention': the KDA / Gated DeltaNet rounds, "
-        "~1.6 GB per KDA layer there)",
+        "~1.9 GB per KDA layer there)",
     )
     ap.add_argument("--objective", choices=("grpo", "ppo"), default="grpo")
     ap.add_argument("--lr", type=float, default=1e-3)

@@ -32,9 +32,11 @@ __all__ = ["attended_keys", "layer_costs", "model_flops", "work_compression"]
 
 def layer_costs(cfg: ModelConfig) -> dict:
     """Forward FLOPs per row: ``row`` (all per-row work of the model, LM head included),
-    ``attn_per_key`` (summed over full-attention layers, per query-key pair) and
-    ``linear_core`` (the chunkwise cores of the KDA / Gated DeltaNet layers, part of ``row``),
-    plus a breakdown."""
+    ``attn_per_key`` (summed over full-attention layers, per query-key pair),
+    ``linear_core`` (the chunkwise cores of the KDA / Gated DeltaNet layers, part of ``row``) and
+    ``linear_core_recompute`` (what a core's backward recomputes when its forward did not save
+    it, fla's default: the WY factors and the state scan; outside the 3 x forward count), plus
+    a breakdown."""
     d, h = cfg.hidden_size, cfg.num_heads
     k = v = cfg.kda_head_dim
     mm = lambda i, o: 2 * i * o
@@ -95,10 +97,14 @@ def layer_costs(cfg: ModelConfig) -> dict:
     ffn = {"dense": dense, "moe": moe}
     row = sum(mixer[m] + ffn[f] for m, f in zip(cfg.mixers, cfg.ffns)) + mm(d, cfg.vocab_size)
     linear = {"kda": core(hk, k, v), "gdn": core(gv, gkd, gvd)}
+    # w, u = A (beta k exp(g)), A (beta v): 2 B (K + V); the scan's u - w S and S + k^T v_new: 4 K V
+    redo = lambda heads, kk, vv: heads * (2 * cfg.chunk_size * (kk + vv) + 4 * kk * vv)  # noqa: E731
+    linear_redo = {"kda": redo(hk, k, v), "gdn": redo(gv, gkd, gvd)}
     return {
         "row": row,
         "attn_per_key": sum(key[m] for m in cfg.mixers),
         "linear_core": sum(linear.get(m, 0) for m in cfg.mixers),
+        "linear_core_recompute": sum(linear_redo.get(m, 0) for m in cfg.mixers),
         "per_layer": {
             "kda": kda,
             "gdn": gdn,

@@ -15,15 +15,18 @@ memory of its packed inputs, output and softmax statistics (about 1.4 GB per MLA
 65,536-row ling-tiny microbatch). ``"linear_attention"`` keeps every KDA / Gated DeltaNet layer's
 rounds (the chunk kernels with their gathers and state handoffs; the token-wise projections,
 convolutions and norms are still recomputed) for the memory of the packed q, k, v, the fp32 gate
-cumsum and the two intra-chunk matrices: about 1.6 GB per KDA layer of the same microbatch
-(P = 65.6k packed rows, 16 heads of 128: 3 x 268 MB + 537 MB + 2 x 134 MB). The default keeps
+cumsum and the two intra-chunk matrices, plus the region's output: about 1.9 GB per KDA layer of
+the same microbatch (P = 65.6k packed rows, 16 heads of 128: 3 x 268 MB + 537 MB + 2 x 134 MB,
+and 268 MB). The default keeps
 nothing (full-block recomputation).
 
-Inside a recomputed block (outside kept regions) saves are transient
+In a recomputed block (outside kept regions) saves are transient
 (:func:`harts_runtime.ops.keep.saves_are_transient`): the KDA / Gated DeltaNet chunk core then
 saves its WY factors and chunk states for backward instead of recomputing them there (fla's
 ``disable_recompute``; about 1.9 GB more while one 65,536-row ling-tiny KDA layer's backward runs,
-one scan and one WY pass less per round).
+one scan and one WY pass less per round; ``save_intermediates=False`` turns it off). A kept
+``"linear_attention"`` region saves what fla's core saves by default, so its backward still
+recomputes those two.
 
 The train step, the CLI (``harts-train --recompute``) and ``harts_runtime.parallel.parallelize``
 (``recompute=True``) all use this function; no layer or step has a flag of its own.
@@ -46,10 +49,11 @@ class _Checkpointed(nn.Module):
     """Wraps a block: forward under ``torch.utils.checkpoint`` while grad is enabled; the op
     regions named in ``keep`` keep their activations (:mod:`harts_runtime.ops.keep`)."""
 
-    def __init__(self, block: nn.Module, keep: frozenset[str] = frozenset()):
+    def __init__(self, block: nn.Module, keep: frozenset[str] = frozenset(), save_intermediates: bool = True):
         super().__init__()
         self.block = block
         self.keep = keep
+        self.save_intermediates = save_intermediates
 
     def __getattr__(self, name):
         try:
@@ -63,32 +67,39 @@ class _Checkpointed(nn.Module):
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.block(*args, **kwargs)
+        save = self.save_intermediates  # ops.keep.saves_are_transient inside the block
         if not self.keep:
-            return checkpoint(recomputed, self.block, *args, use_reentrant=False, **kwargs)
+            return checkpoint(recomputed, save, self.block, *args, use_reentrant=False, **kwargs)
         frame = KeptRegions(self.keep)  # one per call: the forward fills it, the recomputation reads it
-        return checkpoint(recomputed, frame.run, self.block, *args, use_reentrant=False, **kwargs)
+        return checkpoint(recomputed, save, frame.run, self.block, *args, use_reentrant=False, **kwargs)
 
 
 def _is_block(m: nn.Module) -> bool:
     return hasattr(m, "mixer") and hasattr(m, "ffn") and not isinstance(m, _Checkpointed)
 
 
-def apply_recompute(model: nn.Module, enabled: bool = True, keep: Iterable[str] = ()) -> nn.Module:
+def apply_recompute(
+    model: nn.Module, enabled: bool = True, keep: Iterable[str] = (), save_intermediates: bool = True
+) -> nn.Module:
     """Turn block recomputation on (wrap every block) or off (unwrap), in place; returns ``model``.
 
     ``keep``: op regions that keep their activations instead of being recomputed (names of
-    :data:`~harts_runtime.ops.keep.KEEPABLE`; empty: full-block recomputation). Calling again
-    on a wrapped model sets the new ``keep`` on its blocks. Idempotent; O(number of modules).
+    :data:`~harts_runtime.ops.keep.KEEPABLE`; empty: full-block recomputation).
+    ``save_intermediates``: in a block's recomputation, ops save what their own backward would
+    recompute (:func:`~harts_runtime.ops.keep.saves_are_transient`; the KDA / GDN cores: about
+    1.9 GB per 65,536-row ling-tiny layer until that block's backward); False keeps the lower
+    peak. Calling again on a wrapped model sets the new options on its blocks. Idempotent;
+    O(number of modules).
     """
     keep = checked_keep(keep)
     for parent in list(model.modules()):
         if isinstance(parent, _Checkpointed):
             if enabled:
-                parent.keep = keep
+                parent.keep, parent.save_intermediates = keep, save_intermediates
             continue
         for name, child in list(parent.named_children()):
             if enabled and _is_block(child):
-                new = _Checkpointed(child, keep)
+                new = _Checkpointed(child, keep, save_intermediates)
             elif not enabled and isinstance(child, _Checkpointed):
                 new = child.block
             else:

@@ -43,6 +43,7 @@ the single-process computation).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -277,22 +278,23 @@ class ChunkedLMHeadLogProbs(torch.autograd.Function):
             from fla.modules.fused_cross_entropy.ops import cross_entropy_fwd
 
             none = torch.full((min(rows, n),), _IGNORE, dtype=torch.long, device=hidden.device)
-        for i, a in enumerate(range(0, n, rows)):
-            if fused:  # the row logsumexps in one pass over the model-dtype logits (fp32 math)
-                z = hidden[a : a + rows] @ weight.t()
-                lse[a : a + rows] = cross_entropy_fwd(z, none[: z.shape[0]])[2]
-            else:
-                z = (hidden[a : a + rows] @ weight.t()).to(acc)  # [r, V_r]
-                lse[a : a + rows] = torch.logsumexp(z, -1)
-            lo, hi = bounds[i], bounds[i + 1]
-            if hi > lo:
-                sel = order[lo:hi]
-                r = row_index[sel] - a
-                if group is None:
-                    target[sel] = z[r, labels[sel]].to(acc)
+        with _device_guard(hidden, fused):  # fla launches on the current device: make it hidden's
+            for i, a in enumerate(range(0, n, rows)):
+                if fused:  # the row logsumexps in one pass over the model-dtype logits (fp32 math)
+                    z = hidden[a : a + rows] @ weight.t()
+                    lse[a : a + rows] = cross_entropy_fwd(z, none[: z.shape[0]])[2]
                 else:
-                    local, mine = _owned(labels[sel], vocab_start, v)
-                    target[sel] = torch.where(mine, z[r, local.clamp(0, v - 1)].to(acc), zero)
+                    z = (hidden[a : a + rows] @ weight.t()).to(acc)  # [r, V_r]
+                    lse[a : a + rows] = torch.logsumexp(z, -1)
+                lo, hi = bounds[i], bounds[i + 1]
+                if hi > lo:
+                    sel = order[lo:hi]
+                    r = row_index[sel] - a
+                    if group is None:
+                        target[sel] = z[r, labels[sel]].to(acc)
+                    else:
+                        local, mine = _owned(labels[sel], vocab_start, v)
+                        target[sel] = torch.where(mine, z[r, local.clamp(0, v - 1)].to(acc), zero)
         if group is not None:
             lse, target = _combine_over_group(lse, target, group)
         ctx.save_for_backward(hidden, weight, row_index, labels, order, lse)
@@ -311,9 +313,10 @@ class ChunkedLMHeadLogProbs(torch.autograd.Function):
         dh = torch.empty_like(hidden)
         dw = torch.zeros(weight.shape, device=weight.device, dtype=acc)
         if ctx.fused:
-            dw = _fused_backward(
-                hidden, weight, row_index, labels, order, bounds, rows, lse, g, row_grad, dh, dw
-            )
+            with _device_guard(hidden, True):
+                dw = _fused_backward(
+                    hidden, weight, row_index, labels, order, bounds, rows, lse, g, row_grad, dh, dw
+                )
             return dh, dw.to(weight.dtype), None, None, None, None, None, None, None, None
         for i, a in enumerate(range(0, n, rows)):
             h = hidden[a : a + rows]
@@ -331,6 +334,12 @@ class ChunkedLMHeadLogProbs(torch.autograd.Function):
             dh[a : a + rows] = d @ weight
             dw.add_((d.t() @ h).to(acc))
         return dh, dw.to(weight.dtype), None, None, None, None, None, None, None, None
+
+
+def _device_guard(t: torch.Tensor, fused: bool):
+    """``torch.cuda.device(t.device)`` for fla's kernels on CUDA (they launch on the current
+    device), else a no-op."""
+    return torch.cuda.device(t.device) if fused and t.is_cuda else contextlib.nullcontext()
 
 
 _IGNORE = -100
@@ -375,25 +384,27 @@ def _fused_backward(hidden, weight, row_index, labels, order, bounds, rows, lse,
 
 
 @functools.cache
-def _float32_addmm(device: torch.device) -> bool:
-    """Whether ``torch.addmm(out_dtype=torch.float32)`` takes half-precision products into a
-    float32 accumulator on ``device`` (a CUDA kernel of recent PyTorch; probed once)."""
+def _float32_addmm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` adds a product of
+    ``dtype`` operands into a float32 ``acc`` in place on ``device`` (a CUDA kernel of recent
+    PyTorch); probed once, value checked."""
     try:
-        a = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
-        torch.addmm(torch.zeros(2, 2, device=device), a, a, out_dtype=torch.float32)
-        return True
+        a = torch.full((2, 2), 0.5, device=device, dtype=dtype)
+        acc = torch.ones(2, 2, device=device)
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+        return bool((acc == 1.5).all())
     except (RuntimeError, TypeError, NotImplementedError):
         return False
 
 
 def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``acc + a @ b`` in ``acc``'s dtype: one GEMM accumulating in float32 where
-    :func:`_float32_addmm` allows (no model-dtype [V, D] partial, no cast), else the product in
-    the operands' dtype, cast and added."""
+    """``acc += a @ b`` in ``acc``'s dtype: one GEMM accumulating in float32 in place where
+    :func:`_float32_addmm` allows (no model-dtype [V, D] partial, no cast, no new accumulator),
+    else the product in the operands' dtype, cast and added."""
     if acc.dtype == a.dtype:
         return acc.addmm_(a, b)
-    if acc.dtype == torch.float32 and a.is_cuda and _float32_addmm(a.device):
-        return torch.addmm(acc, a, b, out_dtype=torch.float32)
+    if acc.dtype == torch.float32 and a.is_cuda and _float32_addmm(a.device, a.dtype):
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     return acc.add_((a @ b).to(acc.dtype))
 
 

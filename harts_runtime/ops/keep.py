@@ -76,11 +76,14 @@ _ACTIVE: ContextVar[KeptRegions | None] = ContextVar("harts_kept_regions", defau
 _TRANSIENT: ContextVar[bool] = ContextVar("harts_saves_transient", default=False)
 
 
-def recomputed(fn: Callable, *args, **kwargs):
+def recomputed(transient: bool, fn: Callable, *args, **kwargs):
     """``fn(*args, **kwargs)`` as the body of a recomputed block (what
-    :func:`harts_runtime.recompute.apply_recompute` checkpoints): inside it, outside kept regions,
-    :func:`saves_are_transient` is True."""
-    token = _TRANSIENT.set(True)
+    :func:`harts_runtime.recompute.apply_recompute` checkpoints): :func:`saves_are_transient` is
+    ``transient`` inside it, outside kept regions. The same in the first forward and in the
+    recomputation: the checkpoint requires the recomputation to save the very tensors the first
+    forward saved (their number, order and metadata), and the first forward's saves are discarded
+    anyway."""
+    token = _TRANSIENT.set(bool(transient))
     try:
         return fn(*args, **kwargs)
     finally:
@@ -88,13 +91,13 @@ def recomputed(fn: Callable, *args, **kwargs):
 
 
 def saves_are_transient() -> bool:
-    """Whether what an op saves for backward now lives only briefly: the op runs in a recomputed
-    block (:func:`recomputed`) with grad enabled and not inside a kept region. The block's first
-    forward then stores nothing (the checkpoint discards every save) and its recomputation's saves
-    live only until the block's own backward is done, so an op whose backward would recompute
-    intermediates from its inputs (the KDA core's WY factors and state scan) should save them
-    instead: the time without the memory. False outside recomputation, where a save lives from
-    the forward to the backward of the whole model, and inside a kept region, whose saves do too."""
+    """Whether an op should save for backward what its backward would otherwise recompute from
+    its inputs (the KDA core's WY factors and state scan): True in a recomputed block
+    (:func:`recomputed`) with grad enabled, outside kept regions. The block's first forward
+    stores nothing (the checkpoint discards every save) and its recomputation's saves live only
+    until the block's own backward is done: the time without the memory. False outside
+    recomputation (a save lives from the forward to the backward of the whole model) and inside a
+    kept region (its saves do too)."""
     return _TRANSIENT.get() and torch.is_grad_enabled()
 
 

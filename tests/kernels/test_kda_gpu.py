@@ -293,6 +293,65 @@ def test_triton_path_under_interpreter_matches_reference(H, K, V, B, cu, req):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (_have("triton") and _have("fla")), reason="needs triton and fla-core (interpreter check)"
+)
+def test_triton_core_in_a_recomputed_block_saves_its_intermediates_under_interpreter():
+    """The Triton path (TRITON_INTERPRET=1) inside ``checkpoint(ops.keep.recomputed, ...)``, as
+    ``apply_recompute`` runs a block: the first forward and the recomputation save the
+    intermediates (the checkpoint needs the same saves in both; the first forward's are
+    discarded), the backward uses the recomputation's (no WY recomputation, no second scan), and
+    loss and every gradient are bit-equal to the plain call."""
+    code = textwrap.dedent("""
+        import torch
+        import triton.runtime.autotuner as at
+        at.Autotuner._bench = lambda self, *a, **k: [0.0, 0.0, 0.0]
+        from torch.utils.checkpoint import checkpoint
+        import harts_kernels.kda.chunk as chunk
+        from harts_kernels.kda import chunk_kda_with_states
+        from harts_runtime.ops.keep import recomputed, saves_are_transient
+        seen = {"fwd": [], "bwd": []}
+        fwd, bwd = chunk._fla_fwd, chunk._fla_bwd
+        def spy_fwd(*a, **k):
+            out = fwd(*a, **k)
+            seen["fwd"].append(out[-1] is not None)
+            return out
+        def spy_bwd(*a, **k):
+            seen["bwd"].append(a[-1] is not None)
+            return bwd(*a, **k)
+        chunk._fla_fwd, chunk._fla_bwd = spy_fwd, spy_bwd
+        g_ = torch.Generator().manual_seed(0)
+        H, K, V, B, cu = 2, 32, 32, 32, [0, 70, 100]
+        T = cu[-1]
+        xs = [torch.randn(1, T, H, K, generator=g_),
+              torch.nn.functional.normalize(torch.randn(1, T, H, K, generator=g_), dim=-1),
+              torch.randn(1, T, H, V, generator=g_), -torch.rand(1, T, H, K, generator=g_) * 0.3,
+              torch.rand(1, T, H, generator=g_), torch.randn(2, H, K, V, generator=g_)]
+        w = torch.randn(1, T, H, V, generator=torch.Generator().manual_seed(1))
+        def block(*lv):
+            o, ft, bs = chunk_kda_with_states(*lv[:5], initial_state=lv[5], cu_seqlens=cu, chunk_size=B,
+                                              request_seq=[0], request_chunk=[1], backend="triton",
+                                              save_intermediates=saves_are_transient())
+            return (o * w).sum() + ft.square().sum() + bs.sum()
+        outs = {}
+        for mode in ("plain", "recomputed"):
+            lv = [t.clone().requires_grad_(True) for t in xs]
+            loss = block(*lv) if mode == "plain" else checkpoint(recomputed, True, block, *lv, use_reentrant=False)
+            loss.backward()
+            outs[mode] = [loss.detach()] + [t.grad for t in lv]
+        assert seen == {"fwd": [False, True, True], "bwd": [False, True]}, seen
+        for a, b in zip(outs["plain"], outs["recomputed"]):
+            assert torch.equal(a, b)
+        print("OK")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
 # --------------------------------------------------------------------------- layer over a plan (GPU)
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

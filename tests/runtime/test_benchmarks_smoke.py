@@ -88,8 +88,8 @@ def test_layer_speed_tiny_writes_keys_and_parity(tmp_path, monkeypatch):
 
 def test_train_eval_executed_flops_count_the_recomputed_forward():
     """Executed FLOPs: model FLOPs (3 x forward) plus the recomputed forward, less the attention
-    cores (keys x per-key cost) and the linear-attention cores (rows x per-row core cost) when
-    they are kept."""
+    cores (keys x per-key cost) and the linear-attention cores' forward less their backward's WY
+    and state-scan recomputation (rows x per-row costs) when they are kept."""
     te = _load("train_eval")
     from harts_runtime.flops import layer_costs
 
@@ -104,7 +104,10 @@ def test_train_eval_executed_flops_count_the_recomputed_forward():
     costs = layer_costs(cfg)
     # ling-tiny's first 8 layers: 6 KDA layers, each core 16 heads x (4 B K + 2 B V + 6 K V)
     assert costs["linear_core"] == 6 * 16 * (4 * 64 * 128 + 2 * 64 * 128 + 6 * 128 * 128)
-    assert kept - both == pytest.approx(work["compact_rows"] * costs["linear_core"])
+    # each core's backward redoes 16 heads x (2 B (K + V) + 4 K V) per row when its forward is kept
+    assert costs["linear_core_recompute"] == 6 * 16 * (2 * 64 * 256 + 4 * 128 * 128)
+    skipped = costs["linear_core"] - costs["linear_core_recompute"]
+    assert kept - both == pytest.approx(work["compact_rows"] * skipped)
     assert 0 < both < kept
 
 

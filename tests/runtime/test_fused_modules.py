@@ -278,13 +278,21 @@ def test_fused_compact_equals_fused_trajectory_on_cuda(kind):
         assert e < CUDA_TOL[torch.bfloat16], (n, e)
 
 
+KEPT_VS_RECOMPUTED_RTOL = 5e-3
+"""Relative Frobenius error of the output and gradients, kept rounds against full recomputation
+(bf16): the recomputed core also computes the gated q and saves its WY factors and chunk states,
+the kept one recomputes them in backward, through other argument signatures, which Triton
+autotunes on their own. Bit-equal when the same configurations compile (the CPU interpreter);
+otherwise about one bf16 rounding of the intermediates."""
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["kda", "gdn"])
 def test_kept_linear_attention_equals_full_recomputation_on_cuda(kind):
     """bf16, fused path: a block (the layer plus an identity FFN) under full recomputation and
     under ``keep=("linear_attention",)`` (fla's chunk kernels and our state scan keep their saves
-    through the kept region's hooks), bit-equal output and gradients, the rounds run once instead
-    of twice."""
+    through the kept region's hooks): output and gradients within :data:`KEPT_VS_RECOMPUTED_RTOL`,
+    the rounds run once instead of twice."""
     import harts_planner as hp
     from harts_runtime import apply_recompute
     from harts_runtime.layers import kda as kda_mod
@@ -322,7 +330,7 @@ def test_kept_linear_attention_equals_full_recomputation_on_cuda(kind):
     (full, n_full), (kept, n_kept) = runs[()], runs[("linear_attention",)]
     assert (n_full, n_kept) == (2, 1)
     for i, (a, r) in enumerate(zip(kept, full)):
-        assert torch.equal(a, r), (i, _ratio(a.float(), r.float()))
+        assert _ratio(a.float(), r.float()) < KEPT_VS_RECOMPUTED_RTOL, (i, _ratio(a.float(), r.float()))
 
 
 def test_unknown_backend_is_named():

@@ -126,17 +126,19 @@ max-shifted sum), the fork rows' moved target gradients in a second accumulation
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _importable("fla"), reason="needs fla-core and triton (interpreter check)")
-def test_fused_lm_head_matches_the_reference_under_the_interpreter():
-    """fla's cross-entropy kernels (``backend="triton"``, TRITON_INTERPRET=1) against the PyTorch
+@pytest.mark.parametrize("v", [300, 70_000], ids=["one_block", "split_vocab"])
+def test_fused_lm_head_matches_the_reference_under_the_interpreter(v):
+    """fla's cross-entropy kernels (``fla_kernels=True``, TRITON_INTERPRET=1) against the PyTorch
     chunk loop: log-probs and the hidden / weight gradients, fp32, with rows that have no target,
     rows whose targets share a label, fork rows whose targets have two or three labels, and chunks
-    that split the rows unevenly."""
+    that split the rows unevenly; a vocabulary in one 64k block and one split over two (fla's
+    partial logsumexps and their reduction, labels on both sides of the block edge)."""
     code = triton_interpreter.prelude("fla.modules.fused_cross_entropy.ops") + textwrap.dedent("""
         import torch
         from harts_runtime.layout import lm_chunks
         from harts_runtime.loss.logprobs import lm_head_logprobs
         g = torch.Generator().manual_seed(0)
-        n, d, v, rows = 37, 16, 300, 8
+        n, d, v, rows = 37, 16, VOCAB, 8
         h = torch.randn(n, d, generator=g)
         w = torch.randn(v, d, generator=g) * 0.5
         row_index = torch.cat([torch.arange(0, 30, 2), torch.arange(0, 30, 2), torch.tensor([5, 5, 5, 7, 7, 36])])
@@ -144,7 +146,9 @@ def test_fused_lm_head_matches_the_reference_under_the_interpreter():
         labels[15:30] = labels[:15]  # two targets with one label on each even row
         labels[30:33] = torch.tensor([1, 1, 2])  # fork rows: two labels, then two distinct ones
         labels[33:35] = torch.tensor([3, 4])
-        labels[:4] = torch.tensor([9, 10, 11, 12])  # forks of the even rows 0..6
+        labels[:4] = torch.tensor([9, 10, 11, v - 1])  # forks of the even rows 0..6
+        if v > 65536:  # a fork across fla's 64k-column block edge
+            labels[33:35] = torch.tensor([65535, 65536])
         gout = torch.randn(row_index.numel(), generator=g)
         out = {}
         for backend in ("naive", "triton"):
@@ -157,7 +161,9 @@ def test_fused_lm_head_matches_the_reference_under_the_interpreter():
         for name, a, b in zip(("logprobs", "dhidden", "dweight"), out["triton"], out["naive"]):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m, n=name: n + ": " + m)
         print("OK")
-        """).replace("ATOL", repr(FUSED_LM_HEAD_TOL[0])).replace("RTOL", repr(FUSED_LM_HEAD_TOL[1]))
+        """)
+    for key, value in (("ATOL", FUSED_LM_HEAD_TOL[0]), ("RTOL", FUSED_LM_HEAD_TOL[1]), ("VOCAB", v)):
+        code = code.replace(key, repr(value))
     r = triton_interpreter.run(code)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
 

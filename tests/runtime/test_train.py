@@ -180,8 +180,9 @@ def test_kept_regions_run_once_and_give_the_same_gradients(monkeypatch, keep):
 
 def test_the_chunk_core_saves_its_intermediates_only_where_saves_are_transient(monkeypatch):
     """``save_intermediates`` reaches the KDA core True exactly in recomputed blocks outside kept
-    regions (first forward and recomputation), False without recomputation, inside a kept
-    ``linear_attention`` region (its saves live until the model's backward) and without grad."""
+    regions (first forward and recomputation alike: the checkpoint needs the same saves in both);
+    False without recomputation, inside a kept ``linear_attention`` region (its saves live until
+    the model's backward), with ``apply_recompute(save_intermediates=False)`` and without grad."""
     from harts_runtime.layers import kda
 
     seen = []
@@ -196,23 +197,26 @@ def test_the_chunk_core_saves_its_intermediates_only_where_saves_are_transient(m
     all_traj = np.arange(step.batch.num_trajectories)
     n = sum(m in ("kda", "gdn") for m in model.config.mixers)
     got = {}
-    for name, (rc, keep) in RECOMPUTE.items() | {"keep_linear": (True, ("linear_attention",))}.items():
-        apply_recompute(model, rc, keep=keep)
+    settings = {**RECOMPUTE, "keep_linear": (True, ("linear_attention",)), "lean": (True, ())}
+    for name, (rc, keep) in settings.items():
+        apply_recompute(model, rc, keep=keep, save_intermediates=name != "lean")
         seen.clear()
         run_microbatch(model, step, all_traj, "compact")
         got[name] = list(seen)
     rounds = len(got["plain"]) // n
     assert rounds >= 2 and len(got["plain"]) == n * rounds
     assert got["plain"] == [False] * (n * rounds)
-    for name in ("recompute", "keep_attention"):  # forward and recomputation, both transient
+    for name in ("recompute", "keep_attention"):  # every first forward, then the recomputations
         assert got[name] == [True] * (2 * n * rounds), name
+    assert got["lean"] == [False] * (2 * n * rounds)
     for name in ("keep_linear", "keep_both"):  # the kept rounds run once, their saves persist
         assert got[name] == [False] * (n * rounds), name
     from harts_runtime.ops.keep import recomputed, saves_are_transient
 
-    assert recomputed(saves_are_transient) and not saves_are_transient()
+    assert recomputed(True, saves_are_transient) and not saves_are_transient()
+    assert not recomputed(False, saves_are_transient)
     with torch.no_grad():
-        assert not recomputed(saves_are_transient)
+        assert not recomputed(True, saves_are_transient)
 
 
 def test_kept_regions_free_a_graph_dropped_without_backward():

@@ -366,9 +366,11 @@ def chunk_kda_with_states(
     save_intermediates
         Triton path: save the WY factors ``w, u``, the gated ``q, k``, the chunk states ``h`` and
         ``v_new`` for backward (fla's ``disable_recompute``) instead of recomputing them there
-        (the WY kernel and one state scan): the same gradients, bit for bit, for about
-        ``(4 K + V) T H`` elements of q's dtype plus ``NT H K V`` (1.9 GB at T = 65,536, H = 16,
-        K = V = 128 in bf16). The reference path saves what autograd saves either way.
+        (the WY kernel and one state scan). The same values as the recomputation (bit for bit
+        when both compile the same kernel configurations; Triton autotunes each argument
+        signature on its own) for ``(3 K + 2 V) T H`` elements of q's dtype plus ``NT H K V``
+        (1.9 GB at T = 65,536, H = 16, K = V = 128 in bf16). The reference path saves what
+        autograd saves either way.
 
     Returns
     -------
