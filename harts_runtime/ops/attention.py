@@ -396,7 +396,8 @@ BACKENDS: dict[str, Backend] = {
         Backend("reference", "views", _varlen_reference),
         Backend("sdpa", "views", _varlen_sdpa),
         Backend("varlen", "views", _varlen_torch, "torch.nn.attention.varlen", cuda_only=True, dtypes=_HALF),
-        Backend("flash_attn", "views", _varlen_flash_attn, "flash_attn", cuda_only=True),
+        # FA2's module: the flash-attn-4 wheel makes ``flash_attn`` a namespace of ``cute`` only
+        Backend("flash_attn", "views", _varlen_flash_attn, "flash_attn.flash_attn_interface", cuda_only=True),
         Backend(
             "fa4",
             "views",

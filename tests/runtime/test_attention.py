@@ -340,3 +340,23 @@ def test_module_head_dims_are_the_core_dims():
             mp.setitem(att.BACKENDS, "spy", att.Backend("spy", "views", spy))
             m(h, RowLayout(h.shape[0], positions=positions, views=views), backend="spy")
         assert seen.pop("dims") == m.head_dims, name
+
+
+def test_flash_attn_backend_needs_fa2_not_fa4s_namespace(tmp_path, monkeypatch):
+    """The flash-attn-4 wheel installs ``flash_attn/cute`` only (``flash_attn`` a namespace
+    package without ``flash_attn_varlen_func``): the ``flash_attn`` backend (FA2's function) must
+    not count as importable then, while ``fa4`` does (measured on the H200: every flash_attn case
+    failed with an ImportError before)."""
+    import sys
+
+    from harts_runtime.ops import attention as att
+
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert att._importable(att.BACKENDS["fa4"].needs)
+    assert not att._importable(att.BACKENDS["flash_attn"].needs)
+    (tmp_path / "flash_attn" / "flash_attn_interface.py").write_text("")  # an FA2 install
+    assert att._importable(att.BACKENDS["flash_attn"].needs)
