@@ -11,14 +11,15 @@ path (zeros before position 0), described per microbatch by
   gradient at the unique producer row. O(C w D) memory for the gathered windows.
 * fused (:func:`varlen_causal_conv`): fla's varlen convolution kernel over sequences contiguous
   in physical order, each sequence's ``w - 1`` context rows (its true ancestors) passed as the
-  kernel's per-sequence initial state; the kernel's gradient of that state flows back to the
-  context rows. No window tensor.
+  kernel's per-sequence initial state; the kernel's gradient of that state is added to the
+  context rows in place (:class:`_ContextConv`). No window tensor.
 
 :func:`naive_varlen_causal_conv` is :func:`varlen_causal_conv`'s reference with the same signature.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -79,18 +80,71 @@ def varlen_causal_conv(
         )
     if not use_fla(x, backend):
         return naive_varlen_causal_conv(x, weight, windows, activation)
+    if windows.context is not None:
+        return _ContextConv.apply(x, weight, windows, activation)
     from fla.modules.causal_conv1d import causal_conv1d
 
-    init = None if windows.context is None else _context_state(x, windows.context, windows.width)
     y, _ = causal_conv1d(
         x.unsqueeze(0),
         weight,
-        initial_state=init,
         activation=activation,
         cu_seqlens=windows.cu_seqlens,
         cu_seqlens_cpu=windows.cu_seqlens_cpu,
     )
     return y.squeeze(0)
+
+
+class _ContextConv(torch.autograd.Function):
+    """fla's varlen convolution with each sequence's context rows as its initial state, whose
+    gradient goes back to those rows in place: ``dx`` from fla's backward, then one ``index_add_``
+    of the N (w - 1) context rows. Through autograd (a gather of the context rows into the state),
+    the same gradient costs a zero-filled [C, D] tensor, its ``index_add`` and a full [C, D] add
+    per convolution. forward(x [C, D], weight [D, w], windows, activation) -> [C, D]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, windows, activation):
+        from fla.modules.causal_conv1d.ops import causal_conv1d_fwd
+
+        init = _context_state(x, windows.context, windows.width)
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            y, _ = causal_conv1d_fwd(
+                x.unsqueeze(0),
+                weight,
+                None,
+                None,
+                initial_state=init,
+                activation=activation,
+                cu_seqlens=windows.cu_seqlens,
+                cu_seqlens_cpu=windows.cu_seqlens_cpu,
+            )
+        ctx.save_for_backward(x, weight, init, windows.context)
+        ctx.windows, ctx.activation = windows, activation
+        return y.squeeze(0)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
+
+        x, weight, init, context = ctx.saved_tensors
+        w = ctx.windows
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            dx, dw, _, _, dh0 = causal_conv1d_bwd(
+                x.unsqueeze(0),
+                dy.contiguous().unsqueeze(0),
+                None,
+                weight,
+                initial_state=init,
+                activation=ctx.activation,
+                cu_seqlens=w.cu_seqlens,
+                cu_seqlens_cpu=w.cu_seqlens_cpu,
+            )
+        dx = dx.squeeze(0)
+        # state column j >= 1 is context row j - 1 (oldest first); rows -1 were zeros: add nothing
+        flat = context.reshape(-1)
+        d_rows = dh0[:, :, 1:].transpose(1, 2).reshape(-1, x.shape[1])
+        d_rows = d_rows * (flat >= 0).unsqueeze(1).to(d_rows.dtype)
+        dx.index_add_(0, flat.clamp(min=0), d_rows.to(dx.dtype))
+        return dx, (dw if ctx.needs_input_grad[1] else None), None, None
 
 
 def naive_varlen_causal_conv(
