@@ -843,9 +843,10 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--keep",
-        default="attention",
+        default="attention,linear_attention",
         help="comma-separated op regions kept instead of recomputed in the speedup and breakdown sections "
-        "(harts_runtime.ops.keep.KEEPABLE; '' = full-block recomputation)",
+        "(harts_runtime.ops.keep.KEEPABLE; '' = full-block recomputation). Measured on the H200, 24-layer "
+        "ling-tiny, 65k rows: both kept 2.981 s at 78.5 GB peak, attention alone 3.044 s at 50.1 GB",
     )
     ap.add_argument(
         "--attn-backend",
