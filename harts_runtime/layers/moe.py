@@ -65,7 +65,6 @@ device-side in every path: nothing is read back per step.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -75,7 +74,7 @@ from torch import nn
 
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.rows import RowLayout
-from harts_runtime.modules.fused import use_fla
+from harts_runtime.modules.fused import device_guard, use_fla
 from harts_runtime.modules.swiglu import SwiGLU
 from harts_runtime.ops.rows import permute_rows
 
@@ -506,11 +505,6 @@ class _Combine(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------------ SwiGLU
-def _device_of(t: torch.Tensor):
-    """The CUDA device context for fla's kernel launches on ``t`` (fla's ``input_guard``)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 class _FusedSwiGLU(torch.autograd.Function):
     """``silu(a) * b`` (times ``w`` per row, if given) for ``gu = [a | b]`` [M, 2I], through fla's
     Triton SwiGLU kernels (``swiglu_fwd`` / ``swiglu_fwdbwd``, the ones ``fla.modules.activations
@@ -527,7 +521,7 @@ class _FusedSwiGLU(torch.autograd.Function):
         from fla.modules.activations.ops import swiglu_fwd
 
         a, b = gu.chunk(2, dim=-1)
-        with _device_of(gu):
+        with device_guard(gu):
             h = swiglu_fwd(a, b)
         ctx.save_for_backward(gu, w)
         return h if w is None else h.mul_(w[:, None])
@@ -539,7 +533,7 @@ class _FusedSwiGLU(torch.autograd.Function):
         gu, w = ctx.saved_tensors
         a, b = gu.chunk(2, dim=-1)
         need_w = w is not None and ctx.needs_input_grad[1]
-        with _device_of(gu):
+        with device_guard(gu):
             if w is None:
                 da, db = swiglu_fwdbwd(a, b, g)
             else:

@@ -19,7 +19,6 @@ path (zeros before position 0), described per microbatch by
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harts_runtime.errors import InvalidInputError
-from harts_runtime.modules.fused import use_fla
+from harts_runtime.modules.fused import device_guard, use_fla
 
 # ``windows`` below is a :class:`harts_runtime.layout.conv.ConvWindows` (read by attribute: modules
 # import no other room of the runtime).
@@ -106,7 +105,7 @@ class _ContextConv(torch.autograd.Function):
         from fla.modules.causal_conv1d.ops import causal_conv1d_fwd
 
         init = _context_state(x, windows.context, windows.width)
-        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        with device_guard(x):
             y, _ = causal_conv1d_fwd(
                 x.unsqueeze(0),
                 weight,
@@ -127,7 +126,7 @@ class _ContextConv(torch.autograd.Function):
 
         x, weight, init, context = ctx.saved_tensors
         w = ctx.windows
-        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        with device_guard(x):
             dx, dw, _, _, dh0 = causal_conv1d_bwd(
                 x.unsqueeze(0),
                 dy.contiguous().unsqueeze(0),
