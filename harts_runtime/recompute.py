@@ -5,8 +5,10 @@ with ``.mixer`` and ``.ffn`` children, e.g. ``HybridModel.blocks[i]``) is wrappe
 forward runs without keeping activations and is re-run in backward. A KDA mixer re-executes the
 same rounds from the fixed plan; the MoE expert-load counts are accumulated outside the blocks
 (``HybridModel.forward_hidden``), so a recomputed block does not count twice. The wrapper only
-acts while grad is enabled (evaluation runs the blocks plainly). Parameter names gain a
-``.block.`` component (``blocks.0.block.mixer...``) while wrapped.
+acts while grad is enabled (evaluation runs the blocks plainly). The block is not wrapped in
+another module: its ``forward`` is routed through the checkpoint, so parameter names, state dicts
+and distributed checkpoints are the same with and without recomputation, and module hooks (FSDP2's
+all-gathers) still run around the recomputed forward.
 
 Selective recomputation: ``keep`` names op regions (:data:`harts_runtime.ops.keep.KEEPABLE`)
 whose activations are kept instead of recomputed (:mod:`harts_runtime.ops.keep`). ``("attention",)``
@@ -45,72 +47,61 @@ from harts_runtime.ops.keep import KeptRegions, checked_keep, recomputed
 __all__ = ["apply_recompute", "recompute_enabled"]
 
 
-class _Checkpointed(nn.Module):
-    """Wraps a block: forward under ``torch.utils.checkpoint`` while grad is enabled; the op
-    regions named in ``keep`` keep their activations (:mod:`harts_runtime.ops.keep`)."""
+class _Recompute:
+    """A block's recomputation options; ``__call__`` is the block's forward while recomputation is
+    on (an instance attribute over the class's forward)."""
 
-    def __init__(self, block: nn.Module, keep: frozenset[str] = frozenset(), save_intermediates: bool = True):
-        super().__init__()
-        self.block = block
-        self.keep = keep
-        self.save_intermediates = save_intermediates
+    def __init__(self, block: nn.Module, keep: frozenset[str], save_intermediates: bool):
+        self.forward = block.forward  # the block's own forward, bound
+        self.keep, self.save_intermediates = keep, save_intermediates
 
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            modules = self.__dict__.get("_modules")  # absent while copying / unpickling
-            if not modules or "block" not in modules:
-                raise
-            return getattr(modules["block"], name)
-
-    def forward(self, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
-            return self.block(*args, **kwargs)
+            return self.forward(*args, **kwargs)
         save = self.save_intermediates  # ops.keep.saves_are_transient inside the block
         if not self.keep:
-            return checkpoint(recomputed, save, self.block, *args, use_reentrant=False, **kwargs)
+            return checkpoint(recomputed, save, self.forward, *args, use_reentrant=False, **kwargs)
         frame = KeptRegions(self.keep)  # one per call: the forward fills it, the recomputation reads it
-        return checkpoint(recomputed, save, frame.run, self.block, *args, use_reentrant=False, **kwargs)
+        return checkpoint(recomputed, save, frame.run, self.forward, *args, use_reentrant=False, **kwargs)
 
 
 def _is_block(m: nn.Module) -> bool:
-    return hasattr(m, "mixer") and hasattr(m, "ffn") and not isinstance(m, _Checkpointed)
+    return hasattr(m, "mixer") and hasattr(m, "ffn")
 
 
 def apply_recompute(
     model: nn.Module, enabled: bool = True, keep: Iterable[str] = (), save_intermediates: bool = True
 ) -> nn.Module:
-    """Turn block recomputation on (wrap every block) or off (unwrap), in place; returns ``model``.
+    """Turn block recomputation on or off for every block (a module with ``.mixer`` and ``.ffn``),
+    in place; returns ``model``.
 
     ``keep``: op regions that keep their activations instead of being recomputed (names of
     :data:`~harts_runtime.ops.keep.KEEPABLE`; empty: full-block recomputation).
     ``save_intermediates``: in a block's recomputation, ops save what their own backward would
     recompute (:func:`~harts_runtime.ops.keep.saves_are_transient`; the KDA / GDN cores: about
     1.9 GB per 65,536-row ling-tiny layer until that block's backward); False keeps the lower
-    peak. Calling again on a wrapped model sets the new options on its blocks. Idempotent;
+    peak. Calling again on a recomputing model sets the new options on its blocks. Idempotent;
     O(number of modules).
     """
     keep = checked_keep(keep)
-    for parent in list(model.modules()):
-        if isinstance(parent, _Checkpointed):
-            if enabled:
-                parent.keep, parent.save_intermediates = keep, save_intermediates
+    for block in model.modules():
+        if not _is_block(block):
             continue
-        for name, child in list(parent.named_children()):
-            if enabled and _is_block(child):
-                new = _Checkpointed(child, keep, save_intermediates)
-            elif not enabled and isinstance(child, _Checkpointed):
-                new = child.block
+        current = block.__dict__.get("forward")
+        if isinstance(current, _Recompute):
+            if enabled:
+                current.keep, current.save_intermediates = keep, save_intermediates
             else:
-                continue
-            if isinstance(parent, nn.ModuleList):
-                parent[int(name)] = new
-            else:
-                setattr(parent, name, new)
+                orig = current.forward
+                if getattr(orig, "__self__", None) is block and orig.__func__ is type(block).forward:
+                    del block.forward  # back to the class's forward
+                else:
+                    block.forward = orig
+        elif enabled:
+            block.forward = _Recompute(block, keep, save_intermediates)
     return model
 
 
 def recompute_enabled(model: nn.Module) -> bool:
-    """Whether any block of ``model`` is wrapped by :func:`apply_recompute`."""
-    return any(isinstance(m, _Checkpointed) for m in model.modules())
+    """Whether any block of ``model`` recomputes its activations (:func:`apply_recompute`)."""
+    return any(isinstance(m.__dict__.get("forward"), _Recompute) for m in model.modules())

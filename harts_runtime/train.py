@@ -100,9 +100,7 @@ def forward_microbatch(model: HybridModel, mb: Microbatch, *, no_replay: bool = 
     """Forward of one microbatch: ``(hidden [N, D], logprobs float32 [P_mb], router_loss)``;
     ``no_replay`` runs KDA's Section 5.4 ablation schedule."""
     layout = mb.layout.replace(no_replay=True) if no_replay else mb.layout
-    hidden, router = model.forward_hidden(layout)
-    lp = model.logprobs(hidden, mb.row_index, mb.labels, (mb.lm_order, mb.lm_bounds))
-    return hidden, lp, router
+    return model(layout, mb.row_index, mb.labels, (mb.lm_order, mb.lm_bounds))
 
 
 def run_microbatch(

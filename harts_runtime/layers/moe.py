@@ -83,6 +83,8 @@ __all__ = [
     "CompactMoE",
     "MoEConfig",
     "MoEOutput",
+    "combine_rows",
+    "dispatch_rows",
     "gate_up_mm",
     "grouped_mm",
     "route",
@@ -270,6 +272,7 @@ def router_losses(
         total = reduce(torch.cat([mass, z_sum[None], tokens_per_expert, s[None]]))
         mass, z_sum, counts, s = total[:e], total[e], total[e + 1 : 2 * e + 1], total[2 * e + 1]
         counts, s = counts.detach(), s.detach()
+    s = s.clamp(min=1)  # an empty microbatch (0 rows: DP padding) has no statistics, not NaN ones
     aux = (mass * counts).sum() * (e / (k * s * s))
     z = z_sum / s
     return aux, z, tokens_per_expert.float()
@@ -504,6 +507,18 @@ class _Combine(torch.autograd.Function):
         return g.index_select(0, rows), None, None, None
 
 
+def dispatch_rows(x: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows [N, D] to their N*k expert-sorted assignment slots (``x[rows]``, ``rows = order // k``);
+    backward by a gather and a fixed-order sum over the k slots (:class:`_Dispatch`)."""
+    return _Dispatch.apply(x, rows, inverse, k)
+
+
+def combine_rows(y: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    """Expert-sorted slots [N*k, D] back to their N rows, summed over the k slots in a fixed order
+    (:class:`_Combine`, the adjoint of :func:`dispatch_rows`)."""
+    return _Combine.apply(y, rows, inverse, k)
+
+
 # ------------------------------------------------------------------------------------ SwiGLU
 class _FusedSwiGLU(torch.autograd.Function):
     """``silu(a) * b`` (times ``w`` per row, if given) for ``gu = [a | b]`` [M, 2I], through fla's
@@ -572,6 +587,10 @@ class CompactMoE(nn.Module):
     """
 
     row_shard = None
+    expert_dispatch = None
+    """None: the experts run here. Expert parallelism (``harts_runtime.parallel``) sets a callable
+    ``(moe, hidden [N, D], topk_idx [N, k], weight [N, k]) -> [N, D]`` that sends the rows to the
+    ranks holding their experts and back (a plain attribute, like ``row_shard``)."""
 
     def __init__(self, config: MoEConfig):
         super().__init__()
@@ -640,8 +659,11 @@ class CompactMoE(nn.Module):
         # Shared experts: a dense SwiGLU, independent of the routing, issued before the routed
         # path on the same stream (no side streams); the sum below is the same either way.
         s = self._shared(hidden) if c.num_shared_experts > 0 else None
-        experts = self._experts_grouped if c.grouped else self._experts_loop
-        out = experts(hidden, topk_idx, weight.to(hidden.dtype))
+        if self.expert_dispatch is not None:
+            out = self.expert_dispatch(self, hidden, topk_idx, weight.to(hidden.dtype))
+        else:
+            experts = self._experts_grouped if c.grouped else self._experts_loop
+            out = experts(hidden, topk_idx, weight.to(hidden.dtype))
         if s is not None:
             out = out + s
         return MoEOutput(
@@ -683,12 +705,12 @@ class CompactMoE(nn.Module):
         order, inverse, counts = sort_assignments(topk_idx, self.config.num_experts)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         rows = torch.div(order, k, rounding_mode="floor")
-        xs = _Dispatch.apply(x, rows, inverse, k)  # [N*k, D] expert-sorted
+        xs = dispatch_rows(x, rows, inverse, k)  # [N*k, D] expert-sorted
         ws = permute_rows(weight.reshape(-1), order, inverse)  # [N*k] slot weights, expert-sorted
         gu = gate_up_mm(xs, self.w_gate, self.w_up, counts, offs=offs)  # [N*k, 2I]
         h = swiglu_rows(gu, ws, self.config.backend)  # [N*k, I], weighted
         ys = grouped_mm(h, self.w_down, counts, offs=offs)  # [N*k, D] expert-sorted, weighted
-        return _Combine.apply(ys, rows, inverse, k)
+        return combine_rows(ys, rows, inverse, k)
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor:

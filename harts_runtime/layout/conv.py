@@ -59,7 +59,10 @@ class ConvWindows:
             ctx = self.context_cpu
             if ctx is None:
                 ctx = np.full((len(ranges), self.width - 1), -1, dtype=np.int64)
-            table = torch.from_numpy(sequence_conv_index(ranges, ctx, self.num_rows))
+            if len(ranges):
+                table = torch.from_numpy(sequence_conv_index(ranges, ctx, self.num_rows))
+            else:  # no rows (an empty microbatch: DP padding)
+                table = torch.zeros((0, self.width), dtype=torch.int64)
             self._index = table.to(self.cu_seqlens.device)
         return self._index
 

@@ -1,64 +1,65 @@
-"""Parallel training: DP replicas from the step plan, TP/SP (vocabulary-parallel embedding and fused
-LM-head log-probs included), EP.
+"""Parallel training on torch.distributed: FSDP2, DTensor tensor / sequence parallelism, expert
+parallelism, DP replicas from the step plan, distributed checkpoints.
 
-Nothing in the single-process path imports this package; megatron-core (optional extra
-``megatron``) is imported only by :func:`megatron_groups`.
+Nothing in the single-process path imports this package. Entry points::
 
-Entry points::
-
-    dims = ParallelDims(dp=2, tp=1, ep=2, world_size=2)
-    groups = dims.build_groups()
-    parallelize(model, dims, groups, recompute=True)
-    result = run_replica_step(plan, groups.dp_rank, microbatch_fn, params=model.parameters(), groups=groups)
+    dims = ParallelDims(dp_shard=2, tp=2, ep=2, world_size=4, sequence_parallel=True)
+    mesh = dims.build_mesh()
+    parallelize(model, mesh, recompute=True)          # TP -> EP -> AC -> compile -> FSDP2
+    result = run_replica_step(plan, mesh, lambda slot, traj: run_microbatch(model, step, traj)[0])
+    sync_expert_load(model, mesh)                      # before model.update_expert_bias()
 """
 
 from harts_runtime.parallel.data import (
     ReplicaStepResult,
-    allreduce_gradients,
     replica_schedule,
     run_replica_step,
+    step_slots,
     sync_expert_load,
 )
-from harts_runtime.parallel.dims import ParallelConfigError, ParallelDims, ParallelGroups
-from harts_runtime.parallel.expert import ExpertParallelMoE
+from harts_runtime.parallel.dims import ParallelConfigError, ParallelDims, ParallelMesh
+from harts_runtime.parallel.expert import ExpertDispatch
 from harts_runtime.parallel.launch import run_distributed
 from harts_runtime.parallel.parallelize import (
-    apply_dp,
+    apply_ac,
+    apply_compile,
     apply_ep,
-    apply_recompute,
+    apply_fsdp,
     apply_tp,
-    megatron_groups,
     parallelize,
 )
-from harts_runtime.parallel.tensor import SequenceParallelRows, tensor_parallel_layer
-from harts_runtime.parallel.vocab import (
-    VocabParallelEmbedding,
-    VocabParallelLMHead,
-    vocab_parallel_logprobs,
-    vocab_range,
+from harts_runtime.parallel.plans import TP_PLANS, LayerPlan, tp_plan
+from harts_runtime.parallel.tensor import (
+    ReplicatedParameters,
+    SequenceParallelRows,
+    TensorParallelRegion,
+    VocabParallelHead,
+    row_block,
 )
 
 __all__ = [
-    "ExpertParallelMoE",
+    "TP_PLANS",
+    "ExpertDispatch",
+    "LayerPlan",
     "ParallelConfigError",
     "ParallelDims",
-    "ParallelGroups",
+    "ParallelMesh",
     "ReplicaStepResult",
+    "ReplicatedParameters",
     "SequenceParallelRows",
-    "VocabParallelEmbedding",
-    "VocabParallelLMHead",
-    "allreduce_gradients",
-    "apply_dp",
+    "TensorParallelRegion",
+    "VocabParallelHead",
+    "apply_ac",
+    "apply_compile",
     "apply_ep",
-    "apply_recompute",
+    "apply_fsdp",
     "apply_tp",
-    "megatron_groups",
     "parallelize",
     "replica_schedule",
+    "row_block",
     "run_distributed",
     "run_replica_step",
+    "step_slots",
     "sync_expert_load",
-    "tensor_parallel_layer",
-    "vocab_parallel_logprobs",
-    "vocab_range",
+    "tp_plan",
 ]

@@ -1,33 +1,25 @@
 """Data parallelism driven by the step plan (paper Sections 2.4 and 3.2).
 
-The step plan assigns every microbatch ``M`` a DP replica ``replica[M]`` and a slot ``slot[M]``; each
-replica has exactly ``K / D`` non-empty microbatches, one per slot. A rank executes its replica's
-microbatches slot by slot, ``j = 0 .. K/D - 1``, so every collective inside a microbatch (TP, EP) is
-issued the same number of times, in the same order, on every replica. Gradients accumulate locally
-across slots and are summed across replicas once at the end of the step.
+The step plan assigns every microbatch ``M`` a DP replica ``replica[M]`` and a slot ``slot[M]``. A
+rank executes its replica's microbatches slot by slot (:func:`replica_schedule`); the TP ranks of
+a replica run the same microbatch. Every rank of an FSDP or EP group must run the same number of
+forwards and backwards (each one issues the same per-layer all-gathers, reduce-scatters and
+all-to-alls), so every rank runs :func:`step_slots` slots, the most any replica has, and a replica
+with fewer microbatches runs an *empty microbatch* (no trajectories, zero rows: every layer still
+issues its collectives, every parameter gets a zero gradient) in each missing slot. Nothing is
+exchanged to agree on the count: every rank reads it from the same plan.
 
-Exactness: the microbatch callable returns a loss already normalised by *step-level* denominators
-(e.g. the number of action tokens of the whole step, not of the microbatch), so the step loss is the
-plain sum of microbatch losses in any grouping, and the all-reduce is a SUM, never a mean. That is
-why this module does not wrap the model in ``torch.nn.parallel.DistributedDataParallel`` (which
-averages over ranks and hooks one forward per backward) nor in megatron-core's DDP (which needs its
-``TransformerConfig``/param-and-grad buffers and scales by the DP size unless configured for
-per-token losses; on GPU it would add bucketed overlap, a planned optimisation). A coalesced SUM of
-flattened gradients at the end of the step is exact, backend-agnostic and easy to check.
-
-Parameter classes, set by :mod:`harts_runtime.parallel.parallelize` as attributes on parameters:
-
-* default: replicated on every DP replica -> gradient summed over the DP group;
-* ``param._harts_expert = True``: an expert shard (EP) -> summed over the expert-DP group;
-* ``param._harts_tp_partial = True``: replicated over TP but each TP rank produces a partial gradient
-  (a replicated weight inside a TP region, or any weight acting on sequence-parallel rows) ->
-  additionally summed over the TP group.
+Exactness: the microbatch callable returns a loss already normalised by step-level denominators
+(``harts_runtime.train``), so the step loss is the plain sum of microbatch losses in any grouping.
+FSDP2 sums the gradients of every backward over the DP group (``apply_fsdp`` sets the divide factor
+to 1) into the sharded gradients, and the step's losses are summed over the replicas here; the
+result equals one process running the whole step.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,34 +28,39 @@ import torch.distributed as dist
 
 from harts_runtime.parallel.dims import ParallelConfigError
 
-__all__ = [
-    "ReplicaStepResult",
-    "allreduce_gradients",
-    "replica_schedule",
-    "run_replica_step",
-    "sync_expert_load",
-]
+__all__ = ["ReplicaStepResult", "replica_schedule", "run_replica_step", "step_slots", "sync_expert_load"]
+
+EMPTY = np.zeros(0, dtype=np.int64)
+"""The trajectories of an empty (padding) microbatch."""
+
+
+def _assignments(plan):
+    replica = np.asarray(plan.replica, dtype=np.int64)
+    slot = np.asarray(plan.slot, dtype=np.int64)
+    if len(replica) != len(plan.microbatches) or len(slot) != len(replica):
+        raise ParallelConfigError("plan", "replica, slot and microbatches differ in length")
+    return replica, slot
 
 
 def replica_schedule(plan, replica: int) -> list[np.ndarray]:
-    """Trajectory indices of replica ``replica``'s microbatches, in slot order (``K / D`` of them).
+    """Trajectory indices of replica ``replica``'s non-empty microbatches, in slot order.
 
-    Raises :class:`ParallelConfigError` (``field="replica"``) for a replica outside the plan and
-    (``field="plan"``) if a slot is empty, which would desynchronise the collectives of a slot.
+    ``plan``: a :class:`harts_planner.StepPlan` or any object with ``dp_size``, ``microbatches``,
+    ``replica`` and ``slot``. Raises :class:`ParallelConfigError` (``field="replica"``) for a replica
+    outside the plan.
     """
     if not 0 <= replica < plan.dp_size:
         raise ParallelConfigError("replica", f"{replica} is outside the plan's [0, {plan.dp_size})")
-    out = []
-    for j in range(plan.num_slots):
-        members = np.asarray(plan.microbatch_at(replica, j))
-        if members.size == 0:
-            raise ParallelConfigError(
-                "plan",
-                f"microbatch (replica={replica}, slot={j}) is empty; every "
-                "replica needs the same number of non-empty microbatches",
-            )
-        out.append(members)
-    return out
+    rep, slot = _assignments(plan)
+    mine = np.nonzero(rep == replica)[0]
+    mine = mine[np.argsort(slot[mine], kind="stable")]
+    out = [np.asarray(plan.microbatches[m], dtype=np.int64) for m in mine.tolist()]
+    return [m for m in out if m.size]
+
+
+def step_slots(plan) -> int:
+    """Slots every rank runs: the most non-empty microbatches of any replica."""
+    return max((len(replica_schedule(plan, r)) for r in range(plan.dp_size)), default=0)
 
 
 @dataclass
@@ -71,136 +68,79 @@ class ReplicaStepResult:
     """What one rank did in :func:`run_replica_step`."""
 
     loss: float
-    """The step loss: sum of every replica's microbatch losses (all-reduced; equal on all ranks)."""
+    """The step loss: the sum of every replica's microbatch losses (equal on all ranks)."""
     local_loss: float
-    """This replica's share (sum over its slots)."""
+    """This replica's share (the sum over its slots)."""
+    padded_slots: int = 0
+    """Slots this rank ran an empty microbatch in."""
     slot_seconds: list[float] = field(default_factory=list)
-    """Wall time of each slot on this rank (forward + backward)."""
-    sync_seconds: float = 0.0
-    """Time of the gradient all-reduce."""
+    """Wall time of each slot on this rank (forward + backward, gradient reduction included)."""
 
 
 def run_replica_step(
     plan,
-    replica: int,
-    microbatch_fn: Callable[[int, np.ndarray], torch.Tensor],
-    *,
-    params: Iterable[torch.nn.Parameter] | None = None,
-    groups=None,
-    backward: bool = True,
+    mesh,
+    microbatch_fn: Callable[[int, np.ndarray], torch.Tensor | float],
 ) -> ReplicaStepResult:
-    """Execute replica ``replica``'s microbatches slot by slot, then synchronise gradients.
+    """Run this rank's replica's microbatches slot by slot, padding with empty microbatches.
 
     Parameters
     ----------
     plan : harts_planner.StepPlan
-        With ``plan.dp_size`` equal to the DP degree.
-    replica : int
-        This rank's DP replica (``ParallelGroups.dp_rank``).
+        With ``plan.dp_size`` equal to ``mesh.dims.dp``.
+    mesh : ParallelMesh
+        This job's meshes (:meth:`ParallelDims.build_mesh`).
     microbatch_fn : callable ``(slot, trajectory_indices) -> loss``
-        Runs one microbatch; returns a scalar loss tensor normalised by step-level denominators.
-        When ``backward`` is True the executor calls ``loss.backward()``; otherwise ``microbatch_fn``
-        must have run backward itself and may return a float or a detached tensor.
-    params : iterable of Parameters, optional
-        Whose gradients to all-reduce (None: no gradient synchronisation, e.g. world size 1).
-    groups : ParallelGroups, optional
-        Process groups; required with ``params``. Without groups and with an initialised default
-        group, the loss is summed over the default group.
+        Runs one microbatch's forward and backward (e.g. ``harts_runtime.run_microbatch``, which
+        backpropagates) and returns its detached loss contribution; called with an empty index
+        array for a padding slot.
 
     Returns
     -------
     ReplicaStepResult
     """
-    schedule = replica_schedule(plan, replica)
-    local = 0.0
-    slot_seconds = []
-    for j, members in enumerate(schedule):
+    dims = mesh.dims
+    if plan.dp_size != dims.dp:
+        raise ParallelConfigError("plan", f"dp_size {plan.dp_size} != dp_replicate * dp_shard = {dims.dp}")
+    schedule = replica_schedule(plan, mesh.replica)
+    slots = step_slots(plan)
+    local, seconds = 0.0, []
+    for j in range(slots):
         t0 = time.perf_counter()
-        loss = microbatch_fn(j, members)
-        if backward:
-            loss.backward()
+        loss = microbatch_fn(j, schedule[j] if j < len(schedule) else EMPTY)
         local += float(loss.detach()) if torch.is_tensor(loss) else float(loss)
-        slot_seconds.append(time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    if params is not None:
-        if groups is None:
-            raise ParallelConfigError("groups", "needed to all-reduce gradients")
-        allreduce_gradients(params, groups)
+        seconds.append(time.perf_counter() - t0)
     total = local
-    if dist.is_available() and dist.is_initialized():
-        group = groups.dp if groups is not None else None
-        t = torch.tensor([local], dtype=torch.float64)
-        if dist.get_backend(group) == "nccl":
-            t = t.cuda()
+    if dims.dp > 1:
+        group = mesh.dp.get_group()
+        t = torch.tensor([local], dtype=torch.float64, device=_device(group))
         dist.all_reduce(t, group=group)
         total = float(t.item())
-    return ReplicaStepResult(total, local, slot_seconds, time.perf_counter() - t0)
+    return ReplicaStepResult(total, local, slots - len(schedule), seconds)
 
 
-def _sum_flat(grads: list[torch.Tensor], group, bucket_bytes: int) -> None:
-    """All-reduce (SUM) a list of same-dtype, same-device gradients through flat buckets."""
-    bucket: list[torch.Tensor] = []
-    size = 0
-
-    def flush():
-        if not bucket:
-            return
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat, group=group)
-        off = 0
-        for g in bucket:
-            g.copy_(flat[off : off + g.numel()].view_as(g))
-            off += g.numel()
-        bucket.clear()
-
-    for g in grads:
-        bucket.append(g)
-        size += g.numel() * g.element_size()
-        if size >= bucket_bytes:
-            flush()
-            size = 0
-    flush()
+def _device(group) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
-def allreduce_gradients(
-    params: Iterable[torch.nn.Parameter], groups, *, bucket_bytes: int = 64 << 20
-) -> None:
-    """Sum gradients over DP (dense), expert-DP (EP shards) and, for TP-partial weights, TP.
-
-    Parameters without a gradient get a zero gradient first, so every rank issues the same
-    collectives even if a parameter was unused on one replica (e.g. an expert no row selected).
-    """
-    plist = [p for p in params if p.requires_grad]
-    for p in plist:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    by_group: dict[tuple, list[torch.Tensor]] = {}
-    for p in plist:
-        kind = "edp" if getattr(p, "_harts_expert", False) else "dp"
-        by_group.setdefault((kind, p.grad.dtype, p.grad.device), []).append(p.grad)
-        if getattr(p, "_harts_tp_partial", False) and groups.dims.tp > 1:
-            by_group.setdefault(("tp", p.grad.dtype, p.grad.device), []).append(p.grad)
-    # TP partial sums first (within a replica), then across replicas; sums commute, order is fixed
-    # so every rank issues identical collectives.
-    for kind in ("tp", "dp", "edp"):
-        size = {"tp": groups.dims.tp, "dp": groups.dims.dp, "edp": groups.dims.dp // groups.dims.ep}[kind]
-        if size == 1:
-            continue
-        for (k, _dtype, _dev), grads in sorted(by_group.items(), key=lambda kv: str(kv[0])):
-            if k == kind:
-                _sum_flat(grads, getattr(groups, kind), bucket_bytes)
-
-
-def sync_expert_load(modules: Iterable[torch.nn.Module], groups) -> None:
-    """Sum every MoE layer's ``local_tokens_per_expert`` over the DP group (before the expert-bias
-    update), so each replica applies the same update computed from the whole step's weighted
-    counts. Under sequence parallelism the counts are partial per TP rank and also summed over TP.
-    """
-    for m in modules:
+@torch.no_grad()
+def sync_expert_load(model: torch.nn.Module, mesh) -> None:
+    """Sum every MoE layer's multiplicity-weighted expert-load counts (``local_tokens_per_expert``)
+    over the ranks that routed different rows: the DP group, and the TP group under sequence
+    parallelism (each TP rank routed its row block). Call once per step, before
+    ``model.update_expert_bias()``; afterwards every rank holds the step's counts, exactly those of
+    one process running the whole step (Section 3.5)."""
+    dims = mesh.dims
+    groups = []
+    if dims.dp > 1:
+        groups.append(mesh.dp.get_group())
+    if dims.sequence_parallel:
+        groups.append(mesh.tp.get_group())
+    if not groups:
+        return
+    for m in model.modules():
         buf = getattr(m, "local_tokens_per_expert", None)
         if buf is None:
             continue
-        if groups.dims.dp > 1:
-            dist.all_reduce(buf, group=groups.dp)
-        if groups.dims.sequence_parallel:
-            dist.all_reduce(buf, group=groups.tp)
+        for g in groups:
+            dist.all_reduce(buf, group=g)

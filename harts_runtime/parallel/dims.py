@@ -1,55 +1,70 @@
-"""Parallel degrees and their process groups (paper Section 2.4, 4.3).
+"""Parallel degrees and their device meshes (paper Sections 2.4, 4.3).
 
 Glossary
 --------
-* ``dp``: data-parallel degree; a *DP replica* is one logical model copy that receives one local
-  microbatch per slot of the step plan (:class:`harts_planner.StepPlan`, ``replica``/``slot``).
+* ``dp_replicate`` x ``dp_shard`` = ``dp``: the data-parallel degree D of the step plan; a *DP
+  replica* is one logical model copy that receives one local microbatch per slot of the step plan
+  (:class:`harts_planner.StepPlan` ``replica`` / ``slot``). FSDP2 shards parameters, gradients and
+  optimizer state over ``dp_shard`` and replicates them over ``dp_replicate`` (HSDP when both are
+  > 1).
 * ``tp``: tensor-parallel degree; the ranks of a TP group jointly execute one microbatch of one
-  replica (heads and vocabulary are sharded; with sequence parallelism the compact physical rows).
-* ``ep``: expert-parallel degree; each rank of an EP group holds ``num_experts / ep`` experts and
-  exchanges compact rows with its group (all-to-all). EP groups are formed from DP replicas at the
-  same TP rank (``ep`` divides ``dp``), as in Megatron with ``expert_tensor_parallel_size = 1``.
-* ``pp``: pipeline-parallel degree; must be 1 for now (planned; see ``docs/parallel.md``).
+  replica (heads, the FFN width and the vocabulary are sharded; with sequence parallelism also
+  the compact physical rows between TP regions).
+* ``ep``: expert-parallel degree; each rank of an EP group holds ``num_experts / ep`` routed
+  experts and exchanges compact rows with its group (all-to-all). EP groups are ``ep``
+  consecutive ``dp_shard`` ranks at one TP rank (``ep`` divides ``dp_shard``); the routed experts
+  are FSDP-sharded over the rest, ``efsdp = dp_shard / ep``, as torchtitan does for MoE.
+* ``pp``: pipeline stages; must be 1 for now (``docs/parallel.md`` says how it will fit).
 
-Rank layout (the torchtitan / Megatron order, TP fastest)::
+Meshes (:meth:`ParallelDims.build_mesh`), TP fastest, as torchtitan and Megatron order them::
 
-    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+    dense  ("dp_replicate", "dp_shard", "tp")             rank = (r * dp_shard + s) * tp + t
+    expert ("dp_replicate", "efsdp", "ep", "tp")           s = f * ep + e
 
-so the ``tp`` ranks of one replica are adjacent (one NVLink island), and the EP group of a rank is the
-``ep`` consecutive DP ranks sharing its TP rank.
+Both meshes cover the same ranks in the same order, so the ``tp`` ranks of a replica are adjacent
+(one NVLink island) and an EP group is a block of a replica group. Pipeline and context
+parallelism add outer (``pp``) and inner (``cp``, next to ``tp``) dimensions to both without
+changing the others.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import torch
 
 from harts_runtime.errors import ParallelConfigError
 
-__all__ = ["ParallelConfigError", "ParallelDims", "ParallelGroups"]
+__all__ = ["ParallelConfigError", "ParallelDims", "ParallelMesh"]
+
+_DEGREES = ("dp_replicate", "dp_shard", "tp", "ep", "pp", "world_size")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of each parallelism; validates itself on construction.
+    """Degrees of each parallelism; validates itself on construction (every error names its field).
 
-    ``world_size`` must equal ``dp * tp * pp`` (EP reuses DP ranks, it does not multiply the world).
+    ``world_size`` must equal ``dp_replicate * dp_shard * tp * pp``; EP borrows ``dp_shard`` ranks,
+    it does not multiply the world.
     """
 
-    dp: int = 1
-    """Data-parallel replicas D (= the step plan's ``dp_size``)."""
+    dp_replicate: int = 1
+    """HSDP replica groups: parameters are replicated over this dimension."""
+    dp_shard: int = 1
+    """FSDP degree: parameters, gradients and optimizer state are sharded over this dimension."""
     tp: int = 1
-    """Tensor-parallel degree (heads, vocabulary, and rows under sequence parallelism)."""
+    """Tensor-parallel degree (heads, FFN width, vocabulary; rows under sequence parallelism)."""
     ep: int = 1
-    """Expert-parallel degree; divides ``dp``."""
+    """Expert-parallel degree; divides ``dp_shard``."""
     pp: int = 1
-    """Pipeline stages; only 1 is supported (pipeline parallelism is planned)."""
+    """Pipeline stages; only 1 (pipeline parallelism is planned)."""
     world_size: int = 1
     """Processes in the job (``torch.distributed.get_world_size()``)."""
     sequence_parallel: bool = False
     """Split the compact physical rows across the TP group between TP regions (needs ``tp > 1``)."""
 
     def __post_init__(self):
-        for name in ("dp", "tp", "ep", "pp", "world_size"):
+        for name in _DEGREES:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ParallelConfigError(name, f"must be an integer, got {value!r}")
@@ -59,57 +74,77 @@ class ParallelDims:
             raise ParallelConfigError(
                 "pp",
                 f"pipeline parallelism is not implemented yet (got pp={self.pp}); "
-                "see docs/parallel.md for what it needs",
+                "see docs/parallel.md for how it will fit",
             )
-        if self.dp * self.tp * self.pp != self.world_size:
+        want = self.dp_replicate * self.dp_shard * self.tp * self.pp
+        if want != self.world_size:
             raise ParallelConfigError(
-                "world_size", f"{self.world_size} != dp * tp * pp = {self.dp} * {self.tp} * {self.pp}"
+                "world_size",
+                f"{self.world_size} != dp_replicate * dp_shard * tp * pp = "
+                f"{self.dp_replicate} * {self.dp_shard} * {self.tp} * {self.pp} = {want}",
             )
-        if self.dp % self.ep:
+        if self.dp_shard % self.ep:
             raise ParallelConfigError(
-                "ep", f"{self.ep} does not divide dp={self.dp} (EP groups are formed from DP replicas)"
+                "ep", f"{self.ep} does not divide dp_shard={self.dp_shard} (EP groups are made of dp_shard ranks)"
             )
+        if not isinstance(self.sequence_parallel, bool):
+            raise ParallelConfigError("sequence_parallel", f"must be a bool, got {self.sequence_parallel!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ParallelConfigError("sequence_parallel", "needs tp > 1")
 
+    @property
+    def dp(self) -> int:
+        """D = ``dp_replicate * dp_shard``: the step plan's ``dp_size``."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def efsdp(self) -> int:
+        """FSDP degree of the routed experts: ``dp_shard / ep``."""
+        return self.dp_shard // self.ep
+
+    @classmethod
+    def from_world(cls, world_size: int, *, tp: int = 1, ep: int = 1, dp_replicate: int = 1, **kw):
+        """The dims with ``dp_shard`` filled in from the world size (``world / (dp_replicate * tp)``)."""
+        for name, v in (("world_size", world_size), ("tp", tp), ("dp_replicate", dp_replicate)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ParallelConfigError(name, f"must be an integer >= 1, got {v!r}")
+        if world_size % (dp_replicate * tp):
+            raise ParallelConfigError(
+                "world_size", f"{world_size} is not divisible by dp_replicate * tp = {dp_replicate * tp}"
+            )
+        return cls(
+            dp_replicate=dp_replicate,
+            dp_shard=world_size // (dp_replicate * tp),
+            tp=tp,
+            ep=ep,
+            world_size=world_size,
+            **kw,
+        )
+
     # ------------------------------------------------------------------ coordinates
     def coords(self, rank: int) -> dict[str, int]:
-        """``{"pp", "dp", "tp", "ep"}`` coordinates of ``rank`` (``ep`` is the rank inside its EP group)."""
+        """Mesh coordinates of ``rank``: ``dp_replicate``, ``dp_shard``, ``tp``, ``efsdp``, ``ep``
+        and ``replica`` (the DP replica index, ``dp_replicate * dp_shard + dp_shard``)."""
         if not 0 <= rank < self.world_size:
             raise ParallelConfigError("rank", f"{rank} is outside [0, {self.world_size})")
-        tp_rank = rank % self.tp
-        dp_rank = (rank // self.tp) % self.dp
-        pp_rank = rank // (self.tp * self.dp)
-        return {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank, "ep": dp_rank % self.ep}
+        t = rank % self.tp
+        s = (rank // self.tp) % self.dp_shard
+        r = rank // (self.tp * self.dp_shard)
+        return {
+            "dp_replicate": r,
+            "dp_shard": s,
+            "tp": t,
+            "efsdp": s // self.ep,
+            "ep": s % self.ep,
+            "replica": r * self.dp_shard + s,
+        }
 
-    def rank_of(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
-        return (pp * self.dp + dp) * self.tp + tp
-
-    def group_ranks(self) -> dict[str, list[list[int]]]:
-        """Every group of every kind as lists of global ranks (each rank in exactly one group per kind).
-
-        ``dp``: same (pp, tp), all replicas. ``tp``: same (pp, dp). ``ep``: ``ep`` consecutive replicas
-        at the same (pp, tp). ``edp`` (expert data parallel): replicas holding the same expert shard.
-        """
-        out: dict[str, list[list[int]]] = {"dp": [], "tp": [], "ep": [], "edp": []}
-        for p in range(self.pp):
-            for t in range(self.tp):
-                out["dp"].append([self.rank_of(p, d, t) for d in range(self.dp)])
-                for g in range(self.dp // self.ep):
-                    out["ep"].append([self.rank_of(p, g * self.ep + e, t) for e in range(self.ep)])
-                for e in range(self.ep):
-                    out["edp"].append(
-                        [self.rank_of(p, g * self.ep + e, t) for g in range(self.dp // self.ep)]
-                    )
-            for d in range(self.dp):
-                out["tp"].append([self.rank_of(p, d, t) for t in range(self.tp)])
-        return out
-
-    def build_groups(self, rank: int | None = None) -> ParallelGroups:
-        """Create the process groups with ``torch.distributed.new_group`` (collective: every rank
-        must call it, in the same order). Needs an initialised default process group whose world
-        size equals ``world_size``."""
+    def build_mesh(self, device_type: str | None = None) -> ParallelMesh:
+        """Create the dense and (with ``ep > 1``) expert device meshes. Collective: every rank calls
+        it. Needs an initialised default process group of ``world_size`` ranks; ``device_type``
+        defaults to ``"cuda"`` with NCCL, else ``"cpu"``."""
         import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
         if not dist.is_initialized():
             raise ParallelConfigError("world_size", "torch.distributed is not initialised")
@@ -117,48 +152,65 @@ class ParallelDims:
             raise ParallelConfigError(
                 "world_size", f"{self.world_size} != the process group's {dist.get_world_size()}"
             )
-        rank = dist.get_rank() if rank is None else rank
-        mine = {}
-        for kind, groups in self.group_ranks().items():
-            for ranks in groups:
-                g = dist.new_group(ranks)  # every rank creates every group, same order
-                if rank in ranks:
-                    mine[kind] = (g, ranks)
-        return ParallelGroups(
-            self, rank, **{k: v[0] for k, v in mine.items()}, ranks={k: v[1] for k, v in mine.items()}
-        )
+        if device_type is None:
+            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        names = ("dp_replicate", "dp_shard", "tp")
+        dense = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=names)
+        dense[("dp_replicate", "dp_shard")]._flatten("dp")
+        expert = None
+        if self.ep > 1:
+            ranks = torch.arange(self.world_size).view(self.dp_replicate, self.efsdp, self.ep, self.tp)
+            expert = DeviceMesh(device_type, ranks, mesh_dim_names=("dp_replicate", "efsdp", "ep", "tp"))
+        return ParallelMesh(self, dense, expert)
 
 
 @dataclass
-class ParallelGroups:
-    """The process groups of one rank (``None``-free; a group of size 1 still exists)."""
+class ParallelMesh:
+    """The device meshes of one job (:meth:`ParallelDims.build_mesh`)."""
 
     dims: ParallelDims
-    rank: int
-    dp: object
-    """All replicas at this rank's (pp, tp): dense-parameter gradient all-reduce."""
-    tp: object
-    """This replica's TP ranks."""
-    ep: object
-    """This rank's EP group (token all-to-all)."""
-    edp: object
-    """Replicas holding the same expert shard: expert-parameter gradient all-reduce."""
-    ranks: dict = field(default_factory=dict)
-    """Global ranks of each group, by kind."""
+    dense: object
+    """DeviceMesh ``("dp_replicate", "dp_shard", "tp")`` (with the flattened ``"dp"``)."""
+    expert: object | None = None
+    """DeviceMesh ``("dp_replicate", "efsdp", "ep", "tp")``, or None without EP."""
+
+    @property
+    def rank(self) -> int:
+        return self.dense.get_rank()
 
     @property
     def coords(self) -> dict[str, int]:
         return self.dims.coords(self.rank)
 
     @property
-    def dp_rank(self) -> int:
+    def replica(self) -> int:
         """This rank's DP replica index (= the step plan's ``replica``)."""
-        return self.coords["dp"]
+        return self.coords["replica"]
 
     @property
-    def tp_rank(self) -> int:
-        return self.coords["tp"]
+    def tp(self):
+        """The TP submesh (1-D)."""
+        return self.dense["tp"]
 
     @property
-    def ep_rank(self) -> int:
-        return self.coords["ep"]
+    def dp(self):
+        """All DP ranks at this rank's TP coordinate (1-D, flattened ``dp_replicate`` x ``dp_shard``):
+        the group over which replicas' losses and expert-load counts are summed."""
+        return self.dense["dp"]
+
+    def fsdp(self):
+        """The mesh FSDP2 shards dense parameters over: ``dp_shard``, or ``(dp_replicate,
+        dp_shard)`` (HSDP)."""
+        if self.dims.dp_replicate > 1:
+            return self.dense[("dp_replicate", "dp_shard")]
+        return self.dense["dp_shard"]
+
+    def expert_fsdp(self):
+        """The mesh FSDP2 shards the MoE layers over under EP: ``efsdp`` (HSDP with ``dp_replicate``)."""
+        if self.dims.dp_replicate > 1:
+            return self.expert[("dp_replicate", "efsdp")]
+        return self.expert["efsdp"]
+
+    def expert_spmd(self):
+        """The mesh the MoE parameters are DTensors on under EP: ``ep`` (``(ep, tp)`` with TP)."""
+        return self.expert[("ep", "tp")] if self.dims.tp > 1 else self.expert["ep"]

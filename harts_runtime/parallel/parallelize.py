@@ -1,182 +1,245 @@
-"""Compose the parallelisms of a hybrid model in one ordered function (torchtitan style).
+"""Compose the parallelisms of a hybrid model in one ordered function (torchtitan's
+``models/<family>/infra/parallelize.py`` pattern).
 
 :func:`parallelize` applies, in this order:
 
-1. :func:`apply_tp`: shard every mixer (GQA/MHA, MLA, KDA) and dense SwiGLU FFN over the TP group
-   (:mod:`harts_runtime.parallel.tensor`), and the embedding and LM head over the vocabulary
-   (:mod:`harts_runtime.parallel.vocab`); with sequence parallelism also split the rows between
-   regions (embedding reduce-scatter, LM-head all-gather, MoE multiplicity slice and TP-summed router
-   statistics); MoE layers stay replicated over TP (or go to EP);
-2. :func:`apply_ep`: replace every :class:`CompactMoE` by an :class:`ExpertParallelMoE` holding
-   ``num_experts / ep`` experts (:mod:`harts_runtime.parallel.expert`);
-3. :func:`apply_dp`: make the replicas identical (broadcast from DP rank 0 of each group) and tag the
-   parameters for :func:`harts_runtime.parallel.data.allreduce_gradients`; the step itself is run by
-   :func:`harts_runtime.parallel.data.run_replica_step` over the step plan;
-4. :func:`~harts_runtime.recompute.apply_recompute` (optional): full-block activation recomputation
-   with ``torch.utils.checkpoint`` (non-reentrant), the runtime's one recomputation switch.
+1. :func:`apply_tp`: every mixer and dense FFN a TP region from its plan
+   (:mod:`harts_runtime.parallel.plans`, applied by :class:`~harts_runtime.parallel.tensor.TensorParallelRegion`),
+   the embedding torch's ``RowwiseParallel`` over the vocabulary, the LM head a
+   :class:`~harts_runtime.parallel.tensor.VocabParallelHead`, everything else (norms, MoE)
+   :class:`~harts_runtime.parallel.tensor.ReplicatedParameters`; with sequence parallelism also the
+   rows split between regions and every MoE's statistics summed over TP;
+2. :func:`apply_ep`: every MoE's routed experts ``Shard(0)`` over the EP mesh dimension, its other
+   parameters replicated there, and the all-to-all expert dispatch
+   (:class:`~harts_runtime.parallel.expert.ExpertDispatch`);
+3. :func:`apply_ac`: block recomputation (:func:`harts_runtime.recompute.apply_recompute`, the
+   runtime's one switch; kept regions included);
+4. :func:`apply_compile` (optional): ``torch.compile`` per block;
+5. :func:`apply_fsdp`: FSDP2 ``fully_shard`` on the embedding, every block, and the root (the final
+   norm and the LM head), over ``dp_shard`` (HSDP over ``(dp_replicate, dp_shard)``); under EP the
+   MoE layers over their own mesh (``efsdp``), as torchtitan does for MoE. Gradients are summed, not
+   averaged (``set_gradient_divide_factor(1.0)``): every loss of the runtime is already normalised
+   by step-level denominators (``harts_runtime.train``), so the sum over ranks is the step's gradient.
 
 The model is any module whose blocks have ``.mixer`` and ``.ffn`` children
-(``harts_runtime.models.HybridModel.blocks``); layers are recognised by type. The single-process code never imports this
-package: it only offers two plain hooks that the parallel path fills in (an LM head with
-``mapped_logprobs``, used by ``HybridModel.logprobs``, and ``CompactMoE.row_shard``).
+(``harts_runtime.models.HybridModel.blocks``), with ``.embed``, ``.norm`` and ``.lm_head``. Every
+rank builds the same model (same seed or checkpoint) before calling :func:`parallelize`, which
+distributes rank 0's values; parameter names never change, so state dicts and distributed
+checkpoints are the same under any configuration. The single-process code never imports this
+package; it only offers plain hooks that this package fills in (an LM head with
+``mapped_logprobs``, ``CompactMoE.row_shard`` and ``CompactMoE.expert_dispatch``).
 
-Why not megatron-core's recomputation (``tensor_parallel.checkpoint``): it is reentrant and restores
-CUDA RNG tracker state; our layers have no dropout, so there is no RNG state to restore, and the
-non-reentrant torch checkpoint re-issues the same TP/EP collectives in the same order on every rank
-during backward. The megatron-core parts that fit are optional: process groups can come from
-``megatron.core.parallel_state`` (:func:`megatron_groups`) on the GPU machine.
-
-Not yet built (see ``docs/parallel.md``): pipeline parallelism (``pp > 1`` is rejected by
-:class:`ParallelDims`).
+Not yet: pipeline parallelism (``pp > 1`` is rejected by :class:`ParallelDims`; ``docs/parallel.md``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
 from harts_runtime.layers.moe import CompactMoE
-from harts_runtime.parallel.dims import ParallelConfigError, ParallelDims, ParallelGroups
-from harts_runtime.parallel.expert import ExpertParallelMoE
-from harts_runtime.parallel.tensor import SequenceParallelRows, _is_swiglu, tensor_parallel_layer
-from harts_runtime.parallel.vocab import VocabParallelEmbedding, VocabParallelLMHead
+from harts_runtime.parallel.dims import ParallelConfigError, ParallelMesh
+from harts_runtime.parallel.expert import ExpertDispatch
+from harts_runtime.parallel.plans import tp_plan
+from harts_runtime.parallel.tensor import (
+    ReplicatedParameters,
+    SequenceParallelRows,
+    TensorParallelRegion,
+    VocabParallelHead,
+)
 from harts_runtime.recompute import apply_recompute
 
-__all__ = ["apply_dp", "apply_ep", "apply_recompute", "apply_tp", "megatron_groups", "parallelize"]
+__all__ = ["apply_ac", "apply_compile", "apply_ep", "apply_fsdp", "apply_tp", "parallelize"]
+
+_EXPERTS = ("w_gate", "w_up", "w_down")
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    blocks = [m for m in model.modules() if hasattr(m, "mixer") and hasattr(m, "ffn")]
-    if not blocks:
-        raise ParallelConfigError("model", f"{type(model).__name__} has no blocks with .mixer and .ffn")
+    blocks = list(getattr(model, "blocks", []))
+    if not blocks or not all(hasattr(b, "mixer") and hasattr(b, "ffn") for b in blocks):
+        raise ParallelConfigError("model", f"{type(model).__name__} has no .blocks with .mixer and .ffn")
+    for name in ("embed", "norm", "lm_head"):
+        if not isinstance(getattr(model, name, None), nn.Module):
+            raise ParallelConfigError("model", f"{type(model).__name__} has no .{name} module")
     return blocks
 
 
-def apply_tp(model: nn.Module, groups: ParallelGroups) -> None:
-    """Tensor (and, with ``dims.sequence_parallel``, sequence) parallelism over ``groups.tp``, in place.
+def _moe(block) -> CompactMoE | None:
+    return block.ffn if isinstance(block.ffn, CompactMoE) else None
 
-    * every mixer and dense SwiGLU FFN becomes a TP region (:func:`tensor_parallel_layer`);
-    * ``model.embed`` (``nn.Embedding``) becomes a :class:`VocabParallelEmbedding` and ``model.lm_head``
-      (bias-free ``nn.Linear``) a :class:`VocabParallelLMHead`: both hold ``V / tp`` vocabulary rows, and
-      the model's fused chunked log-probs reduce only per-row max / sum-exp and one target logit per
-      semantic position over TP (Section 3.5);
-    * sequence parallelism additionally: the embedding reduce-scatters its rows (each TP rank keeps its
-      :func:`row_split` block), the LM head all-gathers them back, every MoE layer gets a
-      :class:`SequenceParallelRows` (multiplicity slice + TP-summed router statistics), and every
-      parameter that acts on the local row block outside a region (norms, router, experts) is tagged
-      ``_harts_tp_partial`` so its gradient is summed over TP.
 
-    MoE layers stay replicated over TP (or go to EP, :func:`apply_ep`).
+def apply_tp(model: nn.Module, mesh: ParallelMesh) -> None:
+    """Tensor (and, with ``dims.sequence_parallel``, sequence) parallelism over the TP mesh, in place.
+
+    Raises :class:`ParallelConfigError` naming the field when ``tp`` does not divide a layer's heads
+    (or FFN width, or an MQA layer has several KV heads), or when a layer kind has no plan.
     """
-    dims = groups.dims
-    sp = dims.sequence_parallel
+    dims = mesh.dims
+    sp, tp_mesh = dims.sequence_parallel, mesh.tp
     blocks = _blocks(model)
-    embed, head = getattr(model, "embed", None), getattr(model, "lm_head", None)
-    if sp and not (isinstance(embed, nn.Embedding) and isinstance(head, nn.Linear)):
-        raise ParallelConfigError(
-            "sequence_parallel",
-            f"needs a model whose .embed is an nn.Embedding and "
-            f".lm_head an nn.Linear (rows are split at the embedding and "
-            f"gathered at the LM head); {type(model).__name__} has not",
-        )
+    ep = dims.ep > 1
+    styles: dict[str, object] = {}
     for i, block in enumerate(blocks):
-        tensor_parallel_layer(block.mixer, groups.tp, groups.tp_rank, dims.tp, sequence_parallel=sp)
-        if _is_swiglu(block.ffn):
-            tensor_parallel_layer(block.ffn, groups.tp, groups.tp_rank, dims.tp, sequence_parallel=sp)
-        elif isinstance(block.ffn, CompactMoE):
-            if sp:
-                block.ffn.row_shard = SequenceParallelRows(groups.tp, groups.tp_rank, dims.tp)
-        elif sp:
+        plan = tp_plan(block.mixer, dims.tp, f" (blocks[{i}].mixer)")
+        if plan is None:
             raise ParallelConfigError(
-                f"blocks[{i}].ffn", f"no sequence-parallel plan for {type(block.ffn).__name__}"
+                f"blocks[{i}].mixer", f"no tensor-parallel plan for {type(block.mixer).__name__}"
             )
-    if isinstance(embed, nn.Embedding):
-        model.embed = VocabParallelEmbedding.from_dense(embed, groups.tp, groups.tp_rank, dims.tp, sp)
-    if isinstance(head, nn.Linear):
-        model.lm_head = VocabParallelLMHead.from_dense(head, groups.tp, groups.tp_rank, dims.tp, sp)
-    if sp:
-        in_region = set()
-        for m in model.modules():
-            if hasattr(m, "_harts_tp") or isinstance(m, (VocabParallelEmbedding, VocabParallelLMHead)):
-                in_region.update(id(p) for p in m.parameters())
-        for p in model.parameters():
-            if id(p) not in in_region:
-                p._harts_tp_partial = True
+        styles[f"blocks.{i}.mixer"] = TensorParallelRegion(plan, sp)
+        for norm in ("norm1", "norm2"):
+            styles[f"blocks.{i}.{norm}"] = ReplicatedParameters(partial_grad=sp)
+        moe = _moe(block)
+        if moe is not None:
+            if sp:
+                moe.row_shard = SequenceParallelRows(tp_mesh)
+            if not ep:  # under EP, apply_ep places the MoE's parameters on the expert mesh
+                styles[f"blocks.{i}.ffn"] = ReplicatedParameters(partial_grad=sp)
+            continue
+        plan = tp_plan(block.ffn, dims.tp, f" (blocks[{i}].ffn)")
+        if plan is None:
+            raise ParallelConfigError(f"blocks[{i}].ffn", f"no tensor-parallel plan for {type(block.ffn).__name__}")
+        styles[f"blocks.{i}.ffn"] = TensorParallelRegion(plan, sp)
+    if not isinstance(model.embed, nn.Embedding) or not isinstance(model.lm_head, nn.Linear):
+        raise ParallelConfigError("model", "tensor parallelism needs an nn.Embedding .embed and an nn.Linear .lm_head")
+    styles["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0) if sp else Replicate())
+    styles["norm"] = ReplicatedParameters(partial_grad=sp)
+    styles["lm_head"] = VocabParallelHead(sp, backend=getattr(getattr(model, "config", None), "kda_backend", "auto"))
+    parallelize_module(model, tp_mesh, styles)
 
 
-def apply_ep(model: nn.Module, groups: ParallelGroups) -> None:
-    """Expert parallelism over ``groups.ep``: every ``CompactMoE`` becomes an ``ExpertParallelMoE``."""
+def apply_ep(model: nn.Module, mesh: ParallelMesh) -> None:
+    """Expert parallelism: each MoE's routed experts ``Shard(0)`` over the EP dimension (``Replicate``
+    over TP), its router, shared experts and gate replicated; gradients ``Partial`` over EP for the
+    replicated ones (each EP rank routed its own rows) and over TP under sequence parallelism.
+    Raises :class:`ParallelConfigError` (``num_experts``) when ``ep`` does not divide the experts."""
+    dims = mesh.dims
+    spmd = mesh.expert_spmd()
+    tp_grad = (Partial(),) if dims.sequence_parallel else (Replicate(),)
+    tp_rep = (Replicate(),) if dims.tp > 1 else ()
+    tp_grad = tp_grad if dims.tp > 1 else ()
+    dispatch = ExpertDispatch(mesh.expert["ep"])
+    for i, block in enumerate(_blocks(model)):
+        moe = _moe(block)
+        if moe is None:
+            continue
+        e = moe.config.num_experts
+        if e % dims.ep:
+            raise ParallelConfigError("num_experts", f"{e} is not divisible by ep={dims.ep} (blocks[{i}].ffn)")
+        names = [n for n, _ in moe.named_parameters()]
+        placements = {n: ((Shard(0),) if n in _EXPERTS else (Replicate(),)) + tp_rep for n in names}
+        grads = {n: ((Shard(0),) if n in _EXPERTS else (Partial(),)) + tp_grad for n in names}
+        parallelize_module(moe, spmd, ReplicatedParameters(False, placements, grads))
+        moe.expert_dispatch = dispatch
+
+
+def apply_ac(model: nn.Module, keep: tuple[str, ...] = (), save_intermediates: bool = True) -> None:
+    """Block recomputation (:func:`harts_runtime.recompute.apply_recompute`); ``keep`` names the
+    op regions that keep their activations (``"attention"``, ``"linear_attention"``)."""
+    apply_recompute(model, keep=keep, save_intermediates=save_intermediates)
+
+
+def apply_compile(model: nn.Module, **compile_kwargs) -> None:
+    """``torch.compile`` each block's forward in place (graph breaks allowed: the Triton and CuTe
+    kernels, the MoE's split sizes and the plan objects stay outside the graphs)."""
     for block in _blocks(model):
-        if isinstance(block.ffn, CompactMoE) and not isinstance(block.ffn, ExpertParallelMoE):
-            block.ffn = ExpertParallelMoE.from_dense(block.ffn, groups.ep, groups.ep_rank, groups.dims.ep)
+        block.compile(**compile_kwargs)
 
 
-@torch.no_grad()
-def apply_dp(model: nn.Module, groups: ParallelGroups) -> None:
-    """Broadcast parameters and buffers from the first replica of each group, so every replica starts
-    identical (dense tensors over the DP group, expert shards over the expert-DP group)."""
-    dims = groups.dims
-    for _name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        expert = getattr(t, "_harts_expert", False)
-        kind, size = ("edp", dims.dp // dims.ep) if expert else ("dp", dims.dp)
-        if size > 1:
-            dist.broadcast(t.data, src=groups.ranks[kind][0], group=getattr(groups, kind))
+def _fsdp_kwargs(mesh, param_dtype, reduce_dtype, cpu_offload, reshard_after_forward):
+    kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if param_dtype is not None or reduce_dtype is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if cpu_offload:
+        kw["offload_policy"] = CPUOffloadPolicy()
+    return kw
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: ParallelMesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
+) -> None:
+    """FSDP2 on the embedding, every block (under EP: each MoE on the expert mesh first), and the
+    root (the final norm and the LM head, used by ``HybridModel.forward``'s log-probs); gradients
+    summed (divide factor 1).
+
+    ``param_dtype`` / ``reduce_dtype``: FSDP2's ``MixedPrecisionPolicy`` (e.g. bf16 parameters for
+    compute with fp32 reduction; the sharded parameters, gradients and optimizer state keep the
+    model's dtype). ``cpu_offload``: ``CPUOffloadPolicy`` (CUDA only: FSDP2 pins host memory).
+    """
+    dims = mesh.dims
+    if cpu_offload and mesh.dense.device_type != "cuda":
+        raise ParallelConfigError("cpu_offload", "FSDP2's CPUOffloadPolicy needs CUDA (it pins host memory)")
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    if len(dtypes) > 1:
+        raise ParallelConfigError(
+            "dtype",
+            f"FSDP2 needs one parameter dtype per unit, the model has {sorted(map(str, dtypes))}; "
+            "build it in float32 and pass param_dtype=torch.bfloat16 for bf16 compute",
+        )
+    kw = _fsdp_kwargs(mesh.fsdp(), param_dtype, reduce_dtype, cpu_offload, reshard_after_forward)
+    fully_shard(model.embed, **kw)
+    for block in _blocks(model):
+        moe = _moe(block)
+        if dims.ep > 1 and moe is not None:
+            fully_shard(moe, **dict(kw, mesh=mesh.expert_fsdp()))
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)  # the root: the final norm and the LM head
+    cpu = mesh.dense.device_type == "cpu"
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            # every rank reduce-scatters every parameter, with a zero gradient where a backward did
+            # not reach it (an empty padding microbatch), so the collectives always match
+            m.set_reduce_scatter_unused_params(True)
+            if cpu:  # gloo has no PREMUL_SUM; a plain SUM is the same with factor 1
+                m.set_force_sum_reduction_for_comms(True)
 
 
 def parallelize(
     model: nn.Module,
-    dims: ParallelDims,
-    groups: ParallelGroups,
+    mesh: ParallelMesh,
     *,
     recompute: bool = False,
     keep: tuple[str, ...] = (),
+    compile: bool = False,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Apply TP, EP, DP (and recomputation) to ``model`` in place, in that order; returns it.
-    ``keep``: the op regions recomputation keeps (:func:`~harts_runtime.recompute.apply_recompute`).
-
-    ``groups`` come from :meth:`ParallelDims.build_groups` (or :func:`megatron_groups`) and must match
-    ``dims``. Every rank builds the same model (same seed/checkpoint) before calling this.
+    """Apply TP, EP, recomputation, compilation and FSDP2 to ``model`` in place, in that order;
+    returns it. ``mesh`` from :meth:`ParallelDims.build_mesh`; the other options are those of
+    :func:`apply_ac` (``recompute``, ``keep``) and :func:`apply_fsdp`.
     """
-    if groups.dims != dims:
-        raise ParallelConfigError("groups", f"built for {groups.dims}, not {dims}")
+    if not isinstance(mesh, ParallelMesh):
+        raise ParallelConfigError("mesh", f"expected a ParallelMesh (ParallelDims.build_mesh()), got {type(mesh).__name__}")
+    if getattr(model, "_harts_parallel", None) is not None:
+        raise ParallelConfigError("model", "is already parallelized")
+    dims = mesh.dims
+    _blocks(model)
     if dims.tp > 1:
-        apply_tp(model, groups)
+        apply_tp(model, mesh)
     if dims.ep > 1:
-        apply_ep(model, groups)
-    apply_dp(model, groups)
+        apply_ep(model, mesh)
     if recompute:
-        apply_recompute(model, keep=keep)
+        apply_ac(model, keep)
+    if compile:
+        apply_compile(model)
+    apply_fsdp(
+        model,
+        mesh,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        cpu_offload=cpu_offload,
+        reshard_after_forward=reshard_after_forward,
+    )
     model._harts_parallel = dims
     return model
-
-
-def megatron_groups(dims: ParallelDims) -> ParallelGroups:
-    """Process groups from ``megatron.core.parallel_state`` (optional extra ``megatron``, Python >= 3.12
-    for megatron-core >= 0.17). Megatron's default rank order ``tp-cp-ep-dp-pp`` puts TP fastest, as
-    :class:`ParallelDims` does; with ``tp > 1`` and ``ep > 1`` Megatron folds EP over TP x DP
-    (``expert_tensor_parallel_size = 1``), which differs from our EP-over-DP groups, so that
-    combination is rejected here.
-    """
-    if dims.tp > 1 and dims.ep > 1:
-        raise ParallelConfigError("ep", "megatron's EP groups span TP ranks; use ParallelDims.build_groups")
-    from megatron.core import parallel_state as ps  # optional dependency, parallel path only
-
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=dims.tp,
-            pipeline_model_parallel_size=dims.pp,
-            expert_model_parallel_size=dims.ep,
-        )
-    rank = dist.get_rank()
-    groups = {
-        "dp": ps.get_data_parallel_group(),
-        "tp": ps.get_tensor_model_parallel_group(),
-        "ep": ps.get_expert_model_parallel_group(),
-        "edp": ps.get_expert_data_parallel_group(),
-    }
-    ranks = {k: dist.get_process_group_ranks(g) for k, g in groups.items()}
-    ours = {k: next(r for r in v if rank in r) for k, v in dims.group_ranks().items()}
-    if ranks != ours:
-        raise ParallelConfigError("groups", f"megatron groups {ranks} differ from ParallelDims' {ours}")
-    return ParallelGroups(dims, rank, ranks=ranks, **groups)

@@ -1,281 +1,320 @@
-"""Tensor and sequence parallelism for the compact-row layers (paper Section 4.3).
+"""Tensor and sequence parallelism on DTensor: the ``ParallelStyle``s that :func:`apply_tp` applies
+(paper Section 4.3).
 
-A *TP region* is a layer whose inner computation is sharded by heads (attention, gated attention,
-MLA, KDA, Gated DeltaNet) or by the intermediate dimension (dense SwiGLU FFN): column-parallel input projections keep
-``1 / tp`` of the heads, the row-parallel output projection produces a partial sum over heads. The
-region is entered and left through hooks on the layer:
+Every parameter of a tensor-parallel model is a DTensor over the TP mesh: ``Shard`` where a layer's
+plan (:mod:`harts_runtime.parallel.plans`) splits it by heads, ``Replicate`` elsewhere. A layer
+never sees a DTensor: its ordinary ``forward(x, layout)`` runs on local tensors, with its
+parameters temporarily replaced by their local shards (:func:`local_parameters`), and infers its
+head counts from them. The styles differ in how rows enter and leave:
 
-=====================  ===============================  ======================================
-mode                   entry (on the layer input)        exit (on the layer output)
-=====================  ===============================  ======================================
-TP                     :func:`copy_to_tp` (bwd all-red)  :func:`reduce_from_tp` (all-reduce)
-TP + SP                :func:`gather_rows` (all-gather)  :func:`scatter_rows_sum` (reduce-scatter)
-=====================  ===============================  ======================================
+* :class:`TensorParallelRegion` (mixers and dense FFNs): the layer body is a ``local_map`` whose
+  input is the replica's rows, ``Replicate``, and whose output is ``Partial`` (each rank's heads
+  add a share of the output projection). Entry and exit are DTensor redistributions, one
+  collective each per layer and direction:
 
-With sequence parallelism the TP ranks of a replica hold contiguous blocks of the compact physical
-rows between regions (:func:`harts_runtime.parallel.comm.row_split`); inside a region every rank sees
-all rows, so row-indexed metadata (attention views, KDA call plans, positions) stays the replica's
-full one and nothing about the compact layout changes.
+  =========  =====================================  ========================================
+  mode       entry (rows in)                          exit (rows out)
+  =========  =====================================  ========================================
+  TP         ``Replicate``; backward all-reduce       ``Partial -> Replicate``: all-reduce
+  TP + SP    ``Shard(0) -> Replicate``: all-gather    ``Partial -> Shard(0)``: reduce-scatter
+  =========  =====================================  ========================================
 
-Weights that stay replicated inside a region (MLA's latent down-projections and norms, KDA's
-low-rank gate down-projections and its per-channel output norm, gated attention's q/k norms, Gated
-DeltaNet's gated output norm) only see this rank's heads
-downstream, so their gradients are partial: they are tagged ``_harts_tp_partial`` and summed over the
-TP group by :func:`harts_runtime.parallel.data.allreduce_gradients`.
+  Inside a region every rank sees all rows of the replica, so the row-indexed metadata (attention
+  views, KDA call plans, positions) is the replica's full one: the cores run on local heads with
+  the call plan unchanged. Replicated parameters of a region (latent projections, per-head-dim
+  norms) get ``Partial`` gradients: each rank saw only its own heads downstream.
+* :class:`ReplicatedParameters` (norms, MoE router, experts and shared experts outside EP, the
+  final norm): parameters ``Replicate``, the rows as they come (all of them, or this rank's block
+  under SP). Under SP the gradients are ``Partial`` (each rank saw only its rows), otherwise
+  ``Replicate`` (every rank computed the same gradient).
+* the embedding: torch's ``RowwiseParallel`` (vocabulary rows sharded, masked lookup, then an
+  all-reduce, or a reduce-scatter of the rows under SP);
+* :class:`VocabParallelHead` (the LM head): vocabulary rows sharded; the fused chunked log-probs of
+  :func:`harts_runtime.loss.logprobs.lm_head_logprobs` over the local vocabulary with the TP group,
+  two collectives of per-row scalars per microbatch and never a ``[rows, V]`` block (Section 3.5).
 
-Why not megatron-core's ``ColumnParallelLinear``/``RowParallelLinear``: they fuse the region
-boundary into each linear (one entry collective per projection), need a ``TransformerConfig`` and
-``parallel_state`` globals, allocate through CUDA-only buffers (``GlobalMemoryBuffer``), and our
-layers have several projections per region plus non-linear replicated pieces (MLA latents, KDA gates,
-convolutions) between them. One entry and one exit per layer is also fewer collectives. The
-collectives are the same as Megatron's ``mappings.py``.
+FSDP2 reduces ``Partial`` TP gradients together with its DP reduce-scatter, so nothing here sums
+gradients by hand.
+
+Sequence parallelism splits the N compact rows of a replica in DTensor's ``Shard(0)`` convention
+(:func:`row_block`: ``ceil(N / tp)`` rows per rank, the last ranks fewer or none), so any row count
+works without padding rows the model sees.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import functools
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import local_map
+from torch.distributed.tensor.parallel import ParallelStyle
 
-from harts_runtime.layers.attention import CompactAttention
-from harts_runtime.layers.gated_attention import CompactGatedAttention
-from harts_runtime.layers.gdn import CompactGatedDeltaNet
-from harts_runtime.layers.kda import KDALayer
-from harts_runtime.layers.mla import CompactMLA
-from harts_runtime.parallel.comm import copy_to_tp, gather_rows, reduce_from_tp, row_split, scatter_rows_sum
-from harts_runtime.parallel.dims import ParallelConfigError
+from harts_runtime.parallel.plans import LayerPlan
 
-__all__ = ["SequenceParallelRows", "shard_columns", "shard_rows", "tensor_parallel_layer"]
-
-
-def _block(n: int, rank: int, world: int, field: str) -> slice:
-    if n % world:
-        raise ParallelConfigError(field, f"{n} is not divisible by tp={world}")
-    per = n // world
-    return slice(rank * per, (rank + 1) * per)
+__all__ = [
+    "ReplicatedParameters",
+    "SequenceParallelRows",
+    "TensorParallelRegion",
+    "VocabParallelHead",
+    "distribute_parameters",
+    "local_parameters",
+    "row_block",
+]
 
 
-def _param_like(src: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(data.detach().clone().contiguous(), requires_grad=src.requires_grad)
+def row_block(n: int, world: int, rank: int) -> tuple[int, int]:
+    """``[start, end)`` of rank ``rank``'s rows of ``n`` under DTensor's ``Shard(0)`` split
+    (``torch.chunk``: ``ceil(n / world)`` rows per rank, the last ranks fewer or none)."""
+    per = -(-n // world) if n else 0
+    start = min(n, rank * per)
+    return start, min(n, start + per)
 
 
-def shard_columns(linear: nn.Linear, rank: int, world: int, field: str) -> None:
-    """Column-parallel in place: keep output features ``[rank * O / w, (rank + 1) * O / w)`` (+ bias)."""
-    s = _block(linear.out_features, rank, world, field)
-    linear.weight = _param_like(linear.weight, linear.weight[s])
-    if linear.bias is not None:
-        linear.bias = _param_like(linear.bias, linear.bias[s])
-    linear.out_features = linear.weight.shape[0]
+def _resolve(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    sub, _, leaf = name.rpartition(".")
+    return (module.get_submodule(sub) if sub else module), leaf
 
 
-def shard_rows(linear: nn.Linear, rank: int, world: int, field: str) -> None:
-    """Row-parallel in place: keep input features ``[rank * I / w, ...)``; the output is a partial sum
-    (no bias: it would be added ``world`` times by the sum)."""
-    if linear.bias is not None:
-        raise ParallelConfigError(field, "a row-parallel linear with a bias is not supported")
-    s = _block(linear.in_features, rank, world, field)
-    linear.weight = _param_like(linear.weight, linear.weight[:, s])
-    linear.in_features = linear.weight.shape[1]
+def distribute_parameters(module: nn.Module, mesh, placements: dict[str, tuple]) -> None:
+    """Replace each named parameter of ``module`` by a DTensor over ``mesh`` with the given
+    placements (every rank must hold the same full values; rank 0's are distributed)."""
+    for name, pl in placements.items():
+        sub, leaf = _resolve(module, name)
+        p = sub._parameters[leaf]
+        if isinstance(p, DTensor):
+            continue
+        d = distribute_tensor(p.data, mesh, list(pl))
+        sub.register_parameter(leaf, nn.Parameter(d, requires_grad=p.requires_grad))
 
 
-def _shard_param(mod: nn.Module, name: str, rank: int, world: int, field: str, dim: int = 0) -> None:
-    p = getattr(mod, name)
-    s = _block(p.shape[dim], rank, world, field)
-    setattr(mod, name, _param_like(p, p[s] if dim == 0 else p[:, s]))
+@contextlib.contextmanager
+def local_parameters(module: nn.Module, names: list[str], tensors: list[torch.Tensor]):
+    """Within the block, ``module``'s parameters ``names`` read as ``tensors`` (plain local tensors,
+    still connected to the DTensor parameters by autograd); restored on exit. Parameter names and
+    ``named_parameters()`` outside the block are unchanged (this is what FSDP2 does to present its
+    unsharded parameters)."""
+    slots = [_resolve(module, n) for n in names]
+    saved = [sub._parameters[leaf] for sub, leaf in slots]
+    try:
+        for (sub, leaf), t in zip(slots, tensors):
+            sub._parameters[leaf] = t
+        yield
+    finally:
+        for (sub, leaf), p in zip(slots, saved):
+            sub._parameters[leaf] = p
 
 
-def _shard_channels(conv: nn.Conv1d, rank: int, world: int, field: str) -> None:
-    """A depthwise convolution (``weight`` [C, 1, w]) keeps channels ``[rank * C / w, ...)``."""
-    _shard_param(conv, "weight", rank, world, field)
-    c = conv.weight.shape[0]
-    conv.in_channels = conv.out_channels = conv.groups = c
-    if hasattr(conv, "hidden_size"):
-        conv.hidden_size = c
+def _params(module: nn.Module, names: list[str]) -> list[torch.Tensor]:
+    return [_resolve(module, n)[0]._parameters[_resolve(module, n)[1]] for n in names]
 
 
-def _mark_partial(*modules_or_params) -> None:
-    for x in modules_or_params:
-        for p in x.parameters() if isinstance(x, nn.Module) else [x]:
-            p._harts_tp_partial = True
+def _install_forward(module: nn.Module, forward) -> None:
+    """Route ``module(...)`` through ``forward(orig_forward, *args)``; hooks (FSDP2's) still run
+    around it, and parameter names do not change."""
+    orig = module.forward
+    module.forward = functools.partial(forward, orig)
 
 
-def _shard_attention(m: CompactAttention | CompactGatedAttention, rank: int, tp: int) -> None:
-    """KV heads are sharded when ``tp`` divides them; a single KV head (MQA) is replicated on every
-    rank, with partial gradients (each rank's query heads read it). Other splits are rejected.
-
-    Gated attention (:class:`CompactGatedAttention`): ``q_proj``'s rows are per query head
-    ``[query, gate]``, so a block of heads is a block of rows; the per-``head_dim`` ``q_norm`` /
-    ``k_norm`` stay replicated with partial gradients. A biased ``o_proj`` (``attention_bias``) is
-    rejected by :func:`shard_rows`."""
-    c = m.config
-    if c.num_heads % tp:
-        raise ParallelConfigError("num_heads", f"{c.num_heads} is not divisible by tp={tp}")
-    shard_columns(m.q_proj, rank, tp, "num_heads")
-    if c.num_kv_heads % tp == 0:
-        shard_columns(m.k_proj, rank, tp, "num_kv_heads")
-        shard_columns(m.v_proj, rank, tp, "num_kv_heads")
-        kv_local = c.num_kv_heads // tp
-    elif c.num_kv_heads == 1:
-        _mark_partial(m.k_proj, m.v_proj)
-        kv_local = 1
-    else:
-        raise ParallelConfigError(
-            "tp",
-            f"{tp} does not divide num_kv_heads={c.num_kv_heads} "
-            "(and there is more than one KV head to replicate)",
-        )
-    shard_rows(m.o_proj, rank, tp, "num_heads")
-    if isinstance(m, CompactGatedAttention):
-        _mark_partial(m.q_norm, m.k_norm)
-    m.config = dataclasses.replace(c, num_heads=c.num_heads // tp, num_kv_heads=kv_local)
+def _partial_grads(placements: tuple) -> tuple:
+    return tuple(Partial() if isinstance(p, Replicate) else p for p in placements)
 
 
-def _shard_mla(m: CompactMLA, rank: int, tp: int) -> None:
-    c = m.config
-    if c.q_lora_rank is None:
-        shard_columns(m.q_proj, rank, tp, "num_heads")
-    else:
-        shard_columns(m.q_b_proj, rank, tp, "num_heads")
-        _mark_partial(m.q_a_proj, m.q_a_norm)
-    shard_columns(m.kv_b_proj, rank, tp, "num_heads")
-    shard_rows(m.o_proj, rank, tp, "num_heads")
-    _mark_partial(m.kv_a_proj, m.kv_a_norm)
-    m.config = dataclasses.replace(c, num_heads=c.num_heads // tp)
+class TensorParallelRegion(ParallelStyle):
+    """A layer split by heads (or FFN width) per its :class:`LayerPlan`; see the module docstring.
 
-
-def _shard_kda(m: KDALayer, rank: int, tp: int) -> None:
-    """Heads: the q/k/v, decay (``f_proj.1``), beta and output-gate (``g_proj.1``) projections by
-    columns, the three short convolutions by channels, ``A_log`` and ``dt_bias`` by head, ``o_proj``
-    by rows; the low-rank down-projections ``f_proj.0`` / ``g_proj.0`` and the per-channel
-    ``o_norm`` stay replicated with partial gradients (fla's parameter names)."""
-    c = m.config
-    for lin in (m.q_proj, m.k_proj, m.v_proj, m.f_proj[1], m.b_proj, m.g_proj[1]):
-        shard_columns(lin, rank, tp, "num_heads")
-    for conv in (m.q_conv1d, m.k_conv1d, m.v_conv1d):
-        _shard_channels(conv, rank, tp, "num_heads")
-    for name in ("A_log", "dt_bias"):
-        _shard_param(m, name, rank, tp, "num_heads")
-    shard_rows(m.o_proj, rank, tp, "num_heads")
-    _mark_partial(m.f_proj[0], m.g_proj[0], m.o_norm)
-    m.config = dataclasses.replace(c, num_heads=c.num_heads // tp)
-
-
-def _take_rows(mod: nn.Module, name: str, index: torch.Tensor) -> None:
-    p = getattr(mod, name)
-    setattr(mod, name, _param_like(p, p.index_select(0, index)))
-
-
-def _shard_gdn(m: CompactGatedDeltaNet, rank: int, tp: int) -> None:
-    """By key heads: each rank keeps key heads ``[rank * Hk / tp, ...)`` and their value heads
-    (value head ``h`` belongs to key head ``h // (Hv / Hk)``, so also a contiguous block).
-
-    Fused projections: ``in_proj_qkvz`` / ``in_proj_ba`` rows are grouped per key head, so a block
-    of rows; split: the q, k and v row blocks of ``in_proj_qkv`` and blocks of ``in_proj_z`` /
-    ``in_proj_b`` / ``in_proj_a``. ``conv1d`` keeps the matching q, k, v channels, ``dt_bias`` and
-    ``A_log`` this rank's value heads, ``out_proj`` their columns; the per-``head_v_dim`` gated
-    ``norm`` stays replicated with partial gradients."""
-    c = m.config
-    Hk, Hv, K, V = c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim
-    if Hk % tp:
-        raise ParallelConfigError("num_k_heads", f"{Hk} is not divisible by tp={tp}")
-    hk, hv = Hk // tp, Hv // tp
-    qk = torch.arange(rank * hk * K, (rank + 1) * hk * K)
-    vv = torch.arange(rank * hv * V, (rank + 1) * hv * V)
-    conv_rows = torch.cat([qk, qk + Hk * K, vv + 2 * Hk * K])
-    if c.projection == "fused":
-        shard_columns(m.in_proj_qkvz, rank, tp, "num_k_heads")
-        shard_columns(m.in_proj_ba, rank, tp, "num_k_heads")
-    else:
-        _take_rows(m.in_proj_qkv, "weight", conv_rows)
-        m.in_proj_qkv.out_features = m.in_proj_qkv.weight.shape[0]
-        for lin in (m.in_proj_z, m.in_proj_b, m.in_proj_a):
-            shard_columns(lin, rank, tp, "num_k_heads")
-    _take_rows(m.conv1d, "weight", conv_rows)
-    n = m.conv1d.weight.shape[0]
-    m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = m.conv1d.hidden_size = n
-    for name in ("dt_bias", "A_log"):
-        _shard_param(m, name, rank, tp, "num_k_heads")
-    shard_rows(m.out_proj, rank, tp, "num_k_heads")
-    _mark_partial(m.norm)
-    m.key_dim, m.value_dim = hk * K, hv * V
-    m.conv_dim = 2 * m.key_dim + m.value_dim
-    m.config = dataclasses.replace(c, num_k_heads=hk, num_v_heads=hv)
-
-
-def _shard_swiglu(m: nn.Module, rank: int, tp: int) -> None:
-    """A SwiGLU FFN with ``gate``/``up``/``down`` linears (``harts_runtime.layers.ffn.DenseFFN``)."""
-    shard_columns(m.gate, rank, tp, "intermediate_size")
-    shard_columns(m.up, rank, tp, "intermediate_size")
-    shard_rows(m.down, rank, tp, "intermediate_size")
-
-
-def _is_swiglu(m: nn.Module) -> bool:
-    return all(isinstance(getattr(m, n, None), nn.Linear) for n in ("gate", "up", "down"))
-
-
-def tensor_parallel_layer(
-    m: nn.Module, group, rank: int, tp: int, sequence_parallel: bool = False
-) -> nn.Module:
-    """Shard one layer in place over the TP group and install its region entry/exit hooks.
-
-    Supported: :class:`CompactAttention` (MHA/GQA), :class:`CompactGatedAttention`,
-    :class:`CompactMLA`, :class:`KDALayer`, :class:`CompactGatedDeltaNet`, and SwiGLU
-    FFNs with ``gate``/``up``/``down``. The layer is called as ``forward(x, layout)``: ``x`` the hidden
-    rows ``[N, D]`` (all rows without SP, this rank's row block with SP), the output ``[N, D]``.
-    Raises :class:`ParallelConfigError` naming the dimension that ``tp`` does not divide.
+    ``forward(x, layout, ...)``: ``x`` [N, D] are all rows of the replica, or under sequence
+    parallelism this rank's :func:`row_block` of ``layout.num_rows`` rows; the output has the
+    same rows as ``x``.
     """
-    if isinstance(m, (CompactAttention, CompactGatedAttention)):
-        _shard_attention(m, rank, tp)
-    elif isinstance(m, CompactGatedDeltaNet):
-        _shard_gdn(m, rank, tp)
-    elif isinstance(m, CompactMLA):
-        _shard_mla(m, rank, tp)
-    elif isinstance(m, KDALayer):
-        _shard_kda(m, rank, tp)
-    elif _is_swiglu(m):
-        _shard_swiglu(m, rank, tp)
-    else:
-        raise ParallelConfigError("module", f"no tensor-parallel plan for {type(m).__name__}")
-    enter, leave = (gather_rows, scatter_rows_sum) if sequence_parallel else (copy_to_tp, reduce_from_tp)
 
-    def pre_hook(_mod, args):
-        return (enter(args[0], group),) + tuple(args[1:])
+    def __init__(self, plan: LayerPlan, sequence_parallel: bool = False):
+        super().__init__()
+        self.plan, self.sequence_parallel = plan, bool(sequence_parallel)
 
-    def post_hook(_mod, _args, out):
-        return leave(out, group)
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        names = list(self.plan.placements)
+        placements = [(self.plan.placements[n],) for n in names]
+        distribute_parameters(module, device_mesh, dict(zip(names, placements)))
+        sp = self.sequence_parallel
 
-    m.register_forward_pre_hook(pre_hook)
-    m.register_forward_hook(post_hook)
-    m._harts_tp = {"rank": rank, "size": tp, "sequence_parallel": sequence_parallel}
-    return m
+        def body(orig, layout, x, *local):
+            with local_parameters(module, names, list(local)):
+                return orig(x, layout)
+
+        def forward(orig, x, layout=None):
+            mesh = device_mesh
+            d = x.shape[-1]
+            if sp:
+                n = layout.num_rows
+                xd = DTensor.from_local(x, mesh, [Shard(0)], run_check=False, shape=(n, d), stride=(d, 1))
+                xd = xd.redistribute(mesh, [Replicate()])
+            else:
+                xd = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            fn = local_map(
+                functools.partial(body, orig, layout),  # the layout is the replica's, on every rank
+                out_placements=[Partial()],
+                in_placements=((Replicate(),), *placements),
+                in_grad_placements=((Partial(),), *map(_partial_grads, placements)),
+                device_mesh=mesh,
+            )
+            out = fn(xd, *_params(module, names))
+            return out.redistribute(mesh, [Shard(0)] if sp else [Replicate()]).to_local()
+
+        _install_forward(module, forward)
+        module._harts_tp = {"plan": self.plan, "sequence_parallel": sp}
+        return module
+
+
+class ReplicatedParameters(ParallelStyle):
+    """Parameters ``Replicate`` over ``device_mesh``; the module runs on local rows with local
+    parameters. ``partial_grad``: each rank's gradient is a partial sum (its rows are a share of the
+    replica's, under sequence parallelism). ``placements`` overrides single parameters (used for
+    the routed experts under EP: ``Shard(0)`` over the EP dimension of a 2-D mesh)."""
+
+    def __init__(self, partial_grad: bool, placements: dict[str, tuple] | None = None, grads=None):
+        super().__init__()
+        self.partial_grad = bool(partial_grad)
+        self.placements = dict(placements or {})
+        self.grads = dict(grads or {})
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        nd = device_mesh.ndim
+        rep = tuple(Replicate() for _ in range(nd))
+        names = [n for n, _ in module.named_parameters()]
+        pl = {n: self.placements.get(n, rep) for n in names}
+        distribute_parameters(module, device_mesh, pl)
+        default_grad = tuple(Partial() for _ in range(nd)) if self.partial_grad else rep
+        grads = [self.grads.get(n, default_grad if n not in self.placements else pl[n]) for n in names]
+
+        def forward(orig, *args, **kwargs):
+            params = _params(module, names)
+            local = [
+                p.to_local(grad_placements=g) if isinstance(p, DTensor) else p for p, g in zip(params, grads)
+            ]
+            with local_parameters(module, names, local):
+                return orig(*args, **kwargs)
+
+        _install_forward(module, forward)
+        return module
+
+
+class VocabParallelHead(ParallelStyle):
+    """The untied, bias-free LM head ``[V, D]`` split by vocabulary rows (``Shard(0)``; any V).
+
+    Installs ``mapped_logprobs(hidden, row_index, labels, chunks, rows)`` on the head, which
+    :meth:`harts_runtime.models.HybridModel.logprobs` calls: the hidden rows enter as a
+    ``Replicate`` region input (all-gathered under SP; backward all-reduce / reduce-scatter of
+    ``dhidden``), then :func:`~harts_runtime.loss.logprobs.lm_head_logprobs` over the local
+    ``[V_r, D]`` shard with the TP group: ``all_reduce(MAX)`` of N row maxima and
+    ``all_reduce(SUM)`` of N + P scalars forward, nothing else; its backward recomputes each row
+    chunk's local logits. ``forward(hidden)`` (evaluation only) gathers full ``[n, V]`` logits.
+    """
+
+    def __init__(self, sequence_parallel: bool = False, backend: str = "auto"):
+        super().__init__()
+        self.sequence_parallel, self.backend = bool(sequence_parallel), backend
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from harts_runtime.errors import ParallelConfigError
+        from harts_runtime.layout.rows import lm_chunks
+        from harts_runtime.loss.logprobs import lm_head_logprobs
+        from harts_runtime.modules.fused import use_fla
+
+        if not isinstance(module, nn.Linear) or module.bias is not None:
+            raise ParallelConfigError("lm_head", "a vocabulary-parallel LM head must be a bias-free nn.Linear")
+        if module.weight.shape[0] < device_mesh.size():
+            raise ParallelConfigError(
+                "vocab_size", f"{module.weight.shape[0]} < tp={device_mesh.size()}: a rank would hold no vocabulary"
+            )
+        distribute_parameters(module, device_mesh, {"weight": (Shard(0),)})
+        sp, mesh, backend = self.sequence_parallel, device_mesh, self.backend
+        group = mesh.get_group()
+
+        def vocab_start() -> int:
+            v, w, r = module.weight.shape[0], mesh.size(), mesh.get_local_rank()
+            return row_block(v, w, r)[0]
+
+        def mapped_logprobs(hidden, row_index, labels, chunks, rows, num_rows=None):
+            d = hidden.shape[-1]
+            if sp:
+                total = _sp_rows(hidden.shape[0], group) if num_rows is None else int(num_rows)
+                h = DTensor.from_local(hidden, mesh, [Shard(0)], run_check=False, shape=(total, d), stride=(d, 1))
+                h = h.redistribute(mesh, [Replicate()])
+            else:
+                h = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
+            h = h.to_local(grad_placements=[Partial()])
+            w = module.weight
+            w = w.to_local() if isinstance(w, DTensor) else w
+            if chunks is None:
+                chunks = lm_chunks(row_index.cpu().numpy(), h.shape[0], rows)
+            return lm_head_logprobs(
+                h,
+                w,
+                row_index,
+                labels,
+                chunks,
+                rows,
+                vocab_start=vocab_start(),
+                group=group,
+                fla_kernels=use_fla(h, backend),
+            )
+
+        def forward(orig, hidden):
+            with torch.no_grad():
+                w = module.weight
+                local = hidden @ (w.to_local() if isinstance(w, DTensor) else w).t()
+                v = w.shape[0]
+                return DTensor.from_local(
+                    local, mesh, [Shard(local.dim() - 1)], run_check=False, shape=(*local.shape[:-1], v)
+                ).full_tensor()
+
+        module.mapped_logprobs = mapped_logprobs
+        _install_forward(module, forward)
+        return module
+
+
+def _sp_rows(local_rows: int, group) -> int:
+    """Total rows of a sequence-parallel tensor whose local block has ``local_rows`` rows, by a tiny
+    all-reduce (for callers that do not pass the layout's row count)."""
+    t = torch.tensor([local_rows], dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, group=group)
+    return int(t.item())
 
 
 class SequenceParallelRows:
-    """The ``row_shard`` of a :class:`harts_runtime.layers.moe.CompactMoE` under sequence parallelism.
+    """The ``row_shard`` of a :class:`harts_runtime.layers.moe.CompactMoE` under sequence
+    parallelism (a plain attribute: the single-process MoE imports nothing from here).
 
-    Between TP regions each TP rank holds the contiguous :func:`row_split` block of the replica's N
-    rows, so the MoE routes only those rows; but the layout's multiplicities ``q_c`` cover all N rows
-    and the router losses are nonlinear in row sums (``E / (k S^2) sum_e P_e f_e``, ``z / S``).
-    ``select`` slices ``q`` to this rank's block; ``reduce`` sums the per-block partial statistics over
-    the TP group with :func:`reduce_from_tp` (forward all-reduce; backward identity, because every TP
-    rank evaluates the same replicated loss from the summed statistics).
+    Each TP rank routes only its :func:`row_block` of the replica's N rows, but the layout's
+    multiplicities ``q_c`` cover all N rows and the router losses are nonlinear in row sums
+    (``E / (k S^2) sum_e P_e f_e``, ``z / S``). :meth:`select` slices ``q`` to this rank's block;
+    :meth:`reduce` sums the per-block partial statistics over TP as a DTensor ``Partial ->
+    Replicate`` redistribution (forward all-reduce of ``2E + 2`` scalars; backward identity, because
+    every TP rank evaluates the same replicated loss from the summed statistics).
     """
 
-    def __init__(self, group, rank: int, size: int):
-        self.group, self.rank, self.size = group, int(rank), int(size)
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self.rank, self.size = mesh.get_local_rank(), mesh.size()
 
     def select(self, multiplicity: torch.Tensor, n: int) -> torch.Tensor:
-        sizes = row_split(multiplicity.shape[0], self.size)
-        if sizes[self.rank] != n:
+        from harts_runtime.errors import ParallelConfigError
+
+        start, end = row_block(multiplicity.shape[0], self.size, self.rank)
+        if end - start != n:
             raise ParallelConfigError(
                 "multiplicity",
-                f"{multiplicity.shape[0]} rows split over tp={self.size} give "
-                f"rank {self.rank} {sizes[self.rank]} rows, but the MoE "
-                f"input has {n}",
+                f"{multiplicity.shape[0]} rows split over tp={self.size} give rank {self.rank} "
+                f"{end - start} rows, but the MoE input has {n}",
             )
-        start = sum(sizes[: self.rank])
-        return multiplicity[start : start + n]
+        return multiplicity[start:end]
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tp(partial, self.group)
+        d = DTensor.from_local(partial, self.mesh, [Partial()], run_check=False)
+        return d.redistribute(self.mesh, [Replicate()]).to_local()

@@ -243,22 +243,48 @@ class HybridModel(nn.Module):
                 block.ffn.local_tokens_per_expert += counts.detach()
         return self.norm(x), router
 
+    def forward(
+        self,
+        layout: RowLayout,
+        row_index: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        chunks: tuple | None = None,
+    ):
+        """One microbatch: ``(hidden [N, D], logprobs [P] or None, router_loss)``.
+
+        :meth:`forward_hidden`, then (with ``row_index`` and ``labels``) the mapped log-probs
+        :meth:`logprobs` of the layout's rows. Training calls the model through this method, so
+        module hooks on the model (FSDP2's root all-gather of the final norm and LM head) run.
+        """
+        hidden, router = self.forward_hidden(layout)
+        lp = None
+        if row_index is not None:
+            lp = self.logprobs(hidden, row_index, labels, chunks, layout.num_rows)
+        return hidden, lp, router
+
     def logprobs(
-        self, hidden: torch.Tensor, row_index: torch.Tensor, labels: torch.Tensor, chunks: tuple | None = None
+        self,
+        hidden: torch.Tensor,
+        row_index: torch.Tensor,
+        labels: torch.Tensor,
+        chunks: tuple | None = None,
+        num_rows: int | None = None,
     ) -> torch.Tensor:
         """Mapped log-probs ``log_softmax(hidden @ W^T)[row_index, labels]`` (Equation 17) without
         ``[N, V]`` logits; see :func:`harts_runtime.loss.logprobs.lm_head_logprobs`. ``chunks`` from
         :func:`harts_runtime.layout.rows.lm_chunks`.
 
-        A head that provides its own ``mapped_logprobs(hidden, row_index, labels, chunks, rows)``
-        (the vocabulary-parallel head installed by ``harts_runtime.parallel``) computes them instead;
-        this keeps the single-process path free of any parallel import.
+        A head that provides its own ``mapped_logprobs(hidden, row_index, labels, chunks, rows,
+        num_rows)`` (the vocabulary-parallel head installed by ``harts_runtime.parallel``) computes
+        them instead; this keeps the single-process path free of any parallel import. ``num_rows``:
+        the microbatch's row count N (``hidden`` may hold only this rank's block of it under
+        sequence parallelism; the layout's ``num_rows``).
         """
         rows = self.config.lm_head_rows
         head = getattr(self.lm_head, "mapped_logprobs", None)
         if head is not None:
             with record_function("harts.lm_head"):
-                return head(hidden, row_index, labels, chunks, rows)
+                return head(hidden, row_index, labels, chunks, rows, num_rows)
         if chunks is None:
             chunks = lm_chunks(row_index.cpu().numpy(), hidden.shape[0], rows)
         with record_function("harts.lm_head"):
