@@ -4,6 +4,10 @@ Projections and RoPE run once per row (RoPE at the row's absolute trajectory pos
 ``layout.positions``), the core is :func:`harts_runtime.ops.attention.compact_attention` over the
 layout's ancestor-KV views (``layout.views``), and the output projection runs once per row. No
 bias; rotate-half RoPE on all head dims. :class:`CompactAttentionBase` is shared with MLA.
+
+Head counts (Hq, Hkv) are read from the projection weights at forward time, never from the config:
+a tensor-parallel rank runs the same forward on its local heads' shards
+(:mod:`harts_runtime.parallel.plans`).
 """
 
 from __future__ import annotations
@@ -88,10 +92,13 @@ class CompactAttention(CompactAttentionBase):
         self.head_dims = (c.head_dim, c.head_dim)
 
     def project(self, hidden: torch.Tensor, positions: torch.Tensor):
-        """hidden [N, D], positions [N] -> q [N, Hq, Dh], k [N, Hkv, Dh], v [N, Hkv, Dh]."""
-        c, n = self.config, hidden.shape[0]
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
-        q = apply_rope(self.q_proj(hidden).view(n, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(hidden).view(n, c.num_kv_heads, c.head_dim), cos, sin)
-        v = self.v_proj(hidden).view(n, c.num_kv_heads, c.head_dim)
+        """hidden [N, D], positions [N] -> q [N, Hq, Dh], k [N, Hkv, Dh], v [N, Hkv, Dh].
+
+        Hq and Hkv are the weights' (a tensor-parallel rank's local heads), not the config's."""
+        c, n, dh = self.config, hidden.shape[0], self.config.head_dim
+        hq, hkv = self.q_proj.weight.shape[0] // dh, self.k_proj.weight.shape[0] // dh
+        cos, sin = rope_cos_sin(positions, dh, c.rope_theta)
+        q = apply_rope(self.q_proj(hidden).view(n, hq, dh), cos, sin)
+        k = apply_rope(self.k_proj(hidden).view(n, hkv, dh), cos, sin)
+        v = self.v_proj(hidden).view(n, hkv, dh)
         return q, k, v

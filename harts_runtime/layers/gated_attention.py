@@ -15,6 +15,10 @@ Per row (once per compact row, as :class:`~harts_runtime.layers.attention.Compac
   views (GQA: query head ``h`` reads KV head ``h // (Hq / Hkv)``), softmax scale ``Dh ** -0.5``;
 * ``o_proj(attn * sigmoid(gate))``, the gate per query head and dim.
 
+Head counts (Hq, Hkv) are read from the projection weights at forward time, never from the config:
+a tensor-parallel rank runs the same forward on its local heads' shards
+(:mod:`harts_runtime.parallel.plans`).
+
 Not covered: the KV cache, attention dropout, RoPE scaling types other than the default.
 """
 
@@ -92,13 +96,16 @@ class CompactGatedAttention(CompactAttentionBase):
         return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
     def project_gated(self, hidden: torch.Tensor, positions: torch.Tensor):
-        """hidden [N, D], positions [N] -> q [N, Hq, Dh], k, v [N, Hkv, Dh], gate [N, Hq * Dh]."""
-        c, n = self.config, hidden.shape[0]
-        q, gate = self.q_proj(hidden).view(n, c.num_heads, 2 * c.head_dim).chunk(2, dim=-1)
+        """hidden [N, D], positions [N] -> q [N, Hq, Dh], k, v [N, Hkv, Dh], gate [N, Hq * Dh].
+
+        Hq and Hkv are the weights' (a tensor-parallel rank's local heads), not the config's."""
+        c, n, dh = self.config, hidden.shape[0], self.config.head_dim
+        hq, hkv = self.q_proj.weight.shape[0] // (2 * dh), self.k_proj.weight.shape[0] // dh
+        q, gate = self.q_proj(hidden).view(n, hq, 2 * dh).chunk(2, dim=-1)
         cos, sin = rope_cos_sin(positions, c.rotary_dim, c.rope_theta)
         q = self._rope(self.q_norm(q), cos, sin)
-        k = self._rope(self.k_norm(self.k_proj(hidden).view(n, c.num_kv_heads, c.head_dim)), cos, sin)
-        v = self.v_proj(hidden).view(n, c.num_kv_heads, c.head_dim)
+        k = self._rope(self.k_norm(self.k_proj(hidden).view(n, hkv, dh)), cos, sin)
+        v = self.v_proj(hidden).view(n, hkv, dh)
         return q, k, v, gate.reshape(n, -1)
 
     def project(self, hidden: torch.Tensor, positions: torch.Tensor):

@@ -49,6 +49,10 @@ Two paths of the token-wise parts, chosen by ``KDAConfig.backend`` (:mod:`harts_
 
 :meth:`KDALayer.forward_trajectories` is the slow reference: every trajectory through the same
 layer, unshared.
+
+The head count H is read from the weights at forward time (``b_proj``'s rows), never from the
+config: a tensor-parallel rank runs the same forward on its local heads' shards
+(:mod:`harts_runtime.parallel.plans`).
 """
 
 from __future__ import annotations
@@ -214,11 +218,12 @@ class KDALayer(nn.Module):
     # ---------------------------------------------------------------- token-wise parts
     def _features(self, x: torch.Tensor, windows: ConvWindows):
         """Per-row KDA inputs. x: [R, D] -> q, k [R, H, K]; v [R, H, V]; g [R, H, K] (fp32 log
-        decay); beta [R, H]; out_gate [R, H, V]."""
+        decay); beta [R, H]; out_gate [R, H, V]. H is the weights' (``b_proj``'s rows: a
+        tensor-parallel rank's local heads), not the config's."""
         if use_fla(x, self.config.backend):
             return self._features_fused(x, windows)
         c = self.config
-        R, H, K, Vd = x.shape[0], c.num_heads, c.head_k_dim, c.head_v_dim
+        R, H, K, Vd = x.shape[0], self.b_proj.weight.shape[0], c.head_k_dim, c.head_v_dim
         q = l2_norm(self.q_conv1d(self.q_proj(x), windows).view(R, H, K))
         k = l2_norm(self.k_conv1d(self.k_proj(x), windows).view(R, H, K))
         v = self.v_conv1d(self.v_proj(x), windows).view(R, H, Vd)
@@ -234,7 +239,7 @@ class KDALayer(nn.Module):
         from fla.ops.kda.gate import fused_kda_gate
 
         c = self.config
-        R, H, K, Vd = x.shape[0], c.num_heads, c.head_k_dim, c.head_v_dim
+        R, H, K, Vd = x.shape[0], self.b_proj.weight.shape[0], c.head_k_dim, c.head_v_dim
         conv = lambda proj, conv1d: varlen_causal_conv(  # noqa: E731
             proj(x), conv1d.weight[:, 0, :], windows, "silu", c.backend
         )

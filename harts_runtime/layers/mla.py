@@ -9,6 +9,10 @@ the asymmetric case the backends must support.
 
 ``use_rope=False`` is Kimi-Linear's MLA (NoPE): the same projections and split, the
 ``qk_rope_head_dim`` part of the queries and of the shared key is used as projected, unrotated.
+
+The head count is read from ``kv_b_proj``'s rows at forward time, never from the config: a
+tensor-parallel rank runs the same forward on its local heads' shards
+(:mod:`harts_runtime.parallel.plans`).
 """
 
 from __future__ import annotations
@@ -76,9 +80,12 @@ class CompactMLA(CompactAttentionBase):
         self.head_dims = (dqk, c.v_head_dim)
 
     def project(self, hidden: torch.Tensor, positions: torch.Tensor):
-        """hidden [N, D], positions [N] -> q [N, H, Dqk], k [N, H, Dqk], v [N, H, Dv]."""
+        """hidden [N, D], positions [N] -> q [N, H, Dqk], k [N, H, Dqk], v [N, H, Dv].
+
+        H is the weights' (a tensor-parallel rank's local heads), not the config's."""
         c, n = self.config, hidden.shape[0]
-        nope, rope, h = c.qk_nope_head_dim, c.qk_rope_head_dim, c.num_heads
+        nope, rope = c.qk_nope_head_dim, c.qk_rope_head_dim
+        h = self.kv_b_proj.weight.shape[0] // (nope + c.v_head_dim)
         if c.use_rope:
             cos, sin = rope_cos_sin(positions, rope, c.rope_theta)
             rotate = lambda t: apply_rope(t, cos, sin)
