@@ -22,9 +22,10 @@ every measurement also excludes and reports its own first pass. Device times com
   trajectories (outputs mapped to their rows, gradients accumulated onto them).
 * ``gdn``: the Gated DeltaNet layer at Qwen3.5-35B-A3B's shape (D = 2,048, Hk = 16, Hv = 32,
   K = V = 128, conv 4, chunk 64): ``CompactGatedDeltaNet.forward_trajectories`` against fla's
-  ``fla.layers.GatedDeltaNet`` with our weights mapped onto it (``in_proj_qkv`` and ``conv1d`` split
-  into q / k / v, ``in_proj_a`` / ``in_proj_b`` / ``in_proj_z`` = ``a_proj`` / ``b_proj`` /
-  ``g_proj``, ``norm`` = ``o_norm``, ``out_proj`` = ``o_proj``). Each side is caught on its own:
+  ``fla.layers.GatedDeltaNet`` with our weights mapped onto it (``in_proj_q`` / ``in_proj_k`` /
+  ``in_proj_v`` / ``in_proj_a`` / ``in_proj_b`` / ``in_proj_z`` = ``q_proj`` / ``k_proj`` /
+  ``v_proj`` / ``a_proj`` / ``b_proj`` / ``g_proj``, the q / k / v convolutions under the same
+  names, ``norm`` = ``o_norm``, ``out_proj`` = ``o_proj``). Each side is caught on its own:
   fla 0.6's gated-delta-rule backward may raise on Hopper with some Triton builds, which is then
   recorded as ``status: "error: ..."``.
 * ``attention``: the compact attention op alone (``harts_runtime.ops.attention.compact_attention``,
@@ -512,42 +513,32 @@ def case_kda_compact(ctx: Context) -> dict:
     return res
 
 
-def gdn_to_fla(sd: dict, key_dim: int) -> dict:
-    """Our split-projection GDN state dict (Qwen3.5 names) as fla ``GatedDeltaNet``'s."""
-    qkv, conv = sd["in_proj_qkv.weight"], sd["conv1d.weight"]
-    k2 = 2 * key_dim
-    return {
-        "A_log": sd["A_log"],
-        "dt_bias": sd["dt_bias"],
-        "q_proj.weight": qkv[:key_dim],
-        "k_proj.weight": qkv[key_dim:k2],
-        "v_proj.weight": qkv[k2:],
-        "a_proj.weight": sd["in_proj_a.weight"],
-        "b_proj.weight": sd["in_proj_b.weight"],
-        "q_conv1d.weight": conv[:key_dim],
-        "k_conv1d.weight": conv[key_dim:k2],
-        "v_conv1d.weight": conv[k2:],
-        "g_proj.weight": sd["in_proj_z.weight"],
-        "o_norm.weight": sd["norm.weight"],
-        "o_proj.weight": sd["out_proj.weight"],
-    }
+_GDN_FLA_NAMES = {
+    "A_log": "A_log",
+    "dt_bias": "dt_bias",
+    "in_proj_q.weight": "q_proj.weight",
+    "in_proj_k.weight": "k_proj.weight",
+    "in_proj_v.weight": "v_proj.weight",
+    "in_proj_a.weight": "a_proj.weight",
+    "in_proj_b.weight": "b_proj.weight",
+    "q_conv1d.weight": "q_conv1d.weight",
+    "k_conv1d.weight": "k_conv1d.weight",
+    "v_conv1d.weight": "v_conv1d.weight",
+    "in_proj_z.weight": "g_proj.weight",
+    "norm.weight": "o_norm.weight",
+    "out_proj.weight": "o_proj.weight",
+}
+"""Our split-projection GDN parameter names -> fla ``GatedDeltaNet``'s."""
 
 
-def fla_grads_as_ours(g: dict, key_dim: int) -> dict:
-    """fla GatedDeltaNet gradients under our parameter names (q / k / v parts concatenated)."""
-    cat = lambda *ts: None if any(t is None for t in ts) else torch.cat(ts)
-    return {
-        "x": g.get("x"),
-        "A_log": g.get("A_log"),
-        "dt_bias": g.get("dt_bias"),
-        "in_proj_qkv.weight": cat(g.get("q_proj.weight"), g.get("k_proj.weight"), g.get("v_proj.weight")),
-        "in_proj_a.weight": g.get("a_proj.weight"),
-        "in_proj_b.weight": g.get("b_proj.weight"),
-        "conv1d.weight": cat(g.get("q_conv1d.weight"), g.get("k_conv1d.weight"), g.get("v_conv1d.weight")),
-        "in_proj_z.weight": g.get("g_proj.weight"),
-        "norm.weight": g.get("o_norm.weight"),
-        "out_proj.weight": g.get("o_proj.weight"),
-    }
+def gdn_to_fla(sd: dict) -> dict:
+    """Our split-projection GDN state dict as fla ``GatedDeltaNet``'s."""
+    return {fla: sd[ours] for ours, fla in _GDN_FLA_NAMES.items()}
+
+
+def fla_grads_as_ours(g: dict) -> dict:
+    """fla GatedDeltaNet gradients under our parameter names."""
+    return {"x": g.get("x"), **{ours: g.get(fla) for ours, fla in _GDN_FLA_NAMES.items()}}
 
 
 def case_gdn(ctx: Context) -> dict:
@@ -572,7 +563,6 @@ def case_gdn(ctx: Context) -> dict:
     g = ctx.gen(3)
     x = randn((rows, cfg.hidden_size), dev, dt, g, grad=True)
     gy = randn((rows, cfg.hidden_size), dev, dt, g)
-    kd = ours.key_dim
     theirs, why = None, None
     if not fla_runs_on(dev):
         why = "skipped: fla's GatedDeltaNet runs only through Triton on CUDA"
@@ -593,7 +583,7 @@ def case_gdn(ctx: Context) -> dict:
                 norm_eps=cfg.norm_eps,
                 output_gate_activation="swish",
             )
-            theirs.load_state_dict(gdn_to_fla(ours.state_dict(), kd), strict=True)
+            theirs.load_state_dict(gdn_to_fla(ours.state_dict()), strict=True)
             theirs = theirs.to(dev, dt)
         except Exception as e:  # noqa: BLE001
             why, theirs = f"unavailable: {short_error(e)}", None
@@ -612,7 +602,7 @@ def case_gdn(ctx: Context) -> dict:
                 with passes("fla"):
                     y_t = call_fla()
                     g_t = grads_of(y_t, gy, {"x": x, **dict(theirs.named_parameters())})
-                g_t = fla_grads_as_ours(g_t, kd)
+                g_t = fla_grads_as_ours(g_t)
             except Exception as e:  # noqa: BLE001 - fla's backward may fail on some GPUs / Tritons
                 res["parity"] = {
                     "status": short_error(e),

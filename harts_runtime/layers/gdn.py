@@ -2,19 +2,26 @@
 same minimum-call plan as :class:`~harts_runtime.layers.kda.KDALayer` (Sections 3.3, 3.4, 4.2).
 
 The parameters are transformers' ``Qwen3NextGatedDeltaNet`` (``projection="fused"``) or
-``Qwen3_5MoeGatedDeltaNet`` (``projection="split"``), under the same names and shapes, so an HF
-layer's state dict loads with ``strict=True`` and no key map (``Hk`` = ``num_k_heads``, ``Hv`` =
-``num_v_heads``, ``r = Hv / Hk``, ``K`` / ``V`` the head dims, ``conv_dim = 2 Hk K + Hv V``):
+``Qwen3_5MoeGatedDeltaNet`` (``projection="split"``), under the same names and shapes but for
+transformers' ``in_proj_qkv`` and ``conv1d``, whose q, k and v row blocks are three tensors here
+(as torchtitan's Qwen3.5, so that every tensor is a contiguous block of key heads and a
+tensor-parallel rank holds one block: :mod:`harts_runtime.parallel.plans`). A load-state-dict
+pre-hook splits those two transformers tensors, so an HF layer's state dict still loads with
+``strict=True`` and no key map; :meth:`CompactGatedDeltaNet.as_hf` maps ours (or their gradients)
+back (``Hk`` = ``num_k_heads``, ``Hv`` = ``num_v_heads``, ``r = Hv / Hk``, ``K`` / ``V`` the head
+dims):
 
 =================================  =======================  ======================================
 name                               shape                    role
 =================================  =======================  ======================================
 ``in_proj_qkvz`` (fused)           [2 Hk K + 2 Hv V, D]     per key head g: [q_g, k_g, v_g (r V), z_g (r V)]
 ``in_proj_ba`` (fused)             [2 Hv, D]                per key head g: [b_g (r), a_g (r)]
-``in_proj_qkv`` (split)            [conv_dim, D]            [q (Hk K), k (Hk K), v (Hv V)]
+``in_proj_q``, ``in_proj_k``,      [Hk K, D], [Hk K, D],    q, k, v (transformers' ``in_proj_qkv``
+``in_proj_v`` (split)              [Hv V, D]                is their concatenation)
 ``in_proj_z``, ``in_proj_b``,      [Hv V, D], [Hv, D],      output gate, beta, decay input
 ``in_proj_a`` (split)              [Hv, D]
-``conv1d``                         ``.weight`` [conv_dim, 1, w]  causal conv over concatenated q, k, v (SiLU)
+``q_conv1d``, ``k_conv1d``         ``.weight`` [Hk K, 1, w]  causal convolutions of q, k, v (SiLU;
+``v_conv1d``                       ``.weight`` [Hv V, 1, w]  transformers' ``conv1d``, concatenated)
 ``dt_bias``, ``A_log``             [Hv], [Hv]               ``g = -exp(A_log) softplus(a + dt_bias)``
 ``norm``                           ``.weight`` [V]          SiLU-gated RMS norm per value head (gate z)
 ``out_proj``                       [D, Hv V]                output projection
@@ -23,8 +30,9 @@ name                               shape                    role
 The fused layout is transformers' ``fix_query_key_value_ordering``: value head ``h`` belongs to
 key head ``h // r`` (q and k are repeated with ``repeat_interleave``, as in transformers' kernel).
 
-Math, per row: the causal convolution (window from the row's true ancestors through the plan's
-``ConvWindows``), q and k L2-normalised (eps 1e-6, as ``use_qk_l2norm_in_kernel``), beta =
+Math, per row: the causal convolution of q, k and v (window from the row's true ancestors through
+the plan's ``ConvWindows``; one call over the three concatenated, as transformers' single
+``conv1d``), q and k L2-normalised (eps 1e-6, as ``use_qk_l2norm_in_kernel``), beta =
 sigmoid(b), one scalar decay per (row, value head). The recurrence is the KDA core's (:mod:`harts_kernels.kda`)
 with that decay broadcast over the key dimension, which is exactly the gated delta rule; the core
 scales q by ``K ** -0.5`` as transformers' kernel does. Rounds, replay rows and differentiable
@@ -33,10 +41,15 @@ layer; recomputation is block-level as there.
 
 :meth:`CompactGatedDeltaNet.forward_trajectories` is the slow reference: every trajectory through
 the same layer, unshared.
+
+Head counts are read from the weights at forward time (``Hk`` from ``q_conv1d``, ``Hv`` from
+``A_log``), never from the config: a tensor-parallel rank runs the same forward on its local
+shards.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,11 +61,11 @@ from harts_runtime.errors import InvalidInputError
 from harts_runtime.layers import kda as _kda
 from harts_runtime.layout.conv import ConvWindows
 from harts_runtime.layout.rows import RowLayout
-from harts_runtime.modules.convolution import ShortConvolution
+from harts_runtime.modules.convolution import ShortConvolution, varlen_causal_conv
 from harts_runtime.modules.fused import use_fla
 from harts_runtime.modules.norms import GatedRMSNorm, l2_norm
 
-__all__ = ["CompactGatedDeltaNet", "GatedDeltaNetConfig"]
+__all__ = ["HF_CONCATENATED", "CompactGatedDeltaNet", "GatedDeltaNetConfig"]
 
 _PROJECTIONS = ("fused", "split")
 
@@ -76,14 +89,23 @@ class GatedDeltaNetConfig:
     norm_eps: float = 1e-6
     """epsilon of the gated RMS norm (``rms_norm_eps``)."""
     projection: str = "fused"
-    """``"fused"``: ``in_proj_qkvz`` + ``in_proj_ba`` (Qwen3-Next); ``"split"``: ``in_proj_qkv``,
-    ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (Qwen3.5)."""
+    """``"fused"``: ``in_proj_qkvz`` + ``in_proj_ba`` (Qwen3-Next); ``"split"``: ``in_proj_q``,
+    ``in_proj_k``, ``in_proj_v`` (transformers' ``in_proj_qkv``), ``in_proj_z``, ``in_proj_b``,
+    ``in_proj_a`` (Qwen3.5)."""
     chunk_size: int | None = None
     """B of the core. None: the plan's chunk size in :meth:`~CompactGatedDeltaNet.forward` and 64
     in :meth:`~CompactGatedDeltaNet.forward_trajectories`; an int must match the plan's."""
     backend: str = "auto"
     """core and token-wise kernels: "auto" (Triton / fla's fused kernels on CUDA, the PyTorch
     reference on CPU), "triton" or "naive"."""
+
+
+HF_CONCATENATED = {
+    "in_proj_qkv.weight": ("in_proj_q.weight", "in_proj_k.weight", "in_proj_v.weight"),
+    "conv1d.weight": ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"),
+}
+"""transformers' tensors that concatenate ours on dim 0: name -> our names, its q, k and v row
+blocks in order (``in_proj_qkv`` only in the split projection variant)."""
 
 
 class CompactGatedDeltaNet(nn.Module):
@@ -105,24 +127,66 @@ class CompactGatedDeltaNet(nn.Module):
             self.in_proj_qkvz = nn.Linear(D, 2 * self.key_dim + 2 * self.value_dim, bias=False)
             self.in_proj_ba = nn.Linear(D, 2 * Hv, bias=False)
         else:
-            self.in_proj_qkv = nn.Linear(D, self.conv_dim, bias=False)
+            self.in_proj_q = nn.Linear(D, self.key_dim, bias=False)
+            self.in_proj_k = nn.Linear(D, self.key_dim, bias=False)
+            self.in_proj_v = nn.Linear(D, self.value_dim, bias=False)
             self.in_proj_z = nn.Linear(D, self.value_dim, bias=False)
             self.in_proj_b = nn.Linear(D, Hv, bias=False)
             self.in_proj_a = nn.Linear(D, Hv, bias=False)
-        self.conv1d = ShortConvolution(self.conv_dim, c.conv_kernel_size, backend=c.backend)
+        w = c.conv_kernel_size
+        self.q_conv1d = ShortConvolution(self.key_dim, w, backend=c.backend)
+        self.k_conv1d = ShortConvolution(self.key_dim, w, backend=c.backend)
+        self.v_conv1d = ShortConvolution(self.value_dim, w, backend=c.backend)
         self.dt_bias = nn.Parameter(torch.ones(Hv))
         self.A_log = nn.Parameter(torch.log(torch.empty(Hv).uniform_(0.01, 16)))
         self.norm = GatedRMSNorm(V, eps=c.norm_eps, activation="silu", backend=c.backend)
         self.out_proj = nn.Linear(self.value_dim, D, bias=False)
+        self.register_load_state_dict_pre_hook(CompactGatedDeltaNet._split_hf_tensors)
+
+    # ---------------------------------------------------------------- transformers' names
+    @staticmethod
+    def _split_hf_tensors(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        """Load-state-dict pre-hook: transformers' ``in_proj_qkv.weight`` / ``conv1d.weight`` under
+        ``prefix`` -> our q, k and v tensors (views; the config's sizes)."""
+        sizes = [module.key_dim, module.key_dim, module.value_dim]
+        for hf, ours in HF_CONCATENATED.items():
+            t = state_dict.get(prefix + hf)
+            if t is None:
+                continue
+            if t.dim() == 0 or t.shape[0] != sum(sizes):
+                errors.append(f"{prefix}{hf}: {tuple(t.shape)} has not the {sum(sizes)} rows q, k, v")
+                continue
+            del state_dict[prefix + hf]
+            for name, part in zip(ours, torch.split(t, sizes)):
+                state_dict[prefix + name] = part
+
+    @staticmethod
+    def as_hf(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Tensors keyed by our names (a state dict, gradients) -> keyed by transformers' (the q, k
+        and v tensors concatenated into ``in_proj_qkv.weight`` / ``conv1d.weight``); other names as
+        they are. A ``prefix.`` before the names is kept."""
+        out = dict(tensors)
+        for hf, ours in HF_CONCATENATED.items():
+            for key in tensors:
+                if key == ours[0] or key.endswith("." + ours[0]):
+                    pre = key[: len(key) - len(ours[0])]
+                    out[pre + hf] = torch.cat([out.pop(pre + n) for n in ours])
+        return out
 
     # ---------------------------------------------------------------- token-wise parts
+    def _heads(self) -> tuple[int, int]:
+        """(Hk, Hv) of the weights this forward runs with (a tensor-parallel rank's local heads)."""
+        return self.q_conv1d.weight.shape[0] // self.config.head_k_dim, self.A_log.shape[0]
+
     def _projections(self, x: torch.Tensor):
-        """x [R, D] -> mixed_qkv [R, conv_dim] (q, k, v channels as transformers' conv), z [R, Hv, V],
+        """x [R, D] -> qkv [R, 2 Hk K + Hv V] (q, k, v channels concatenated), z [R, Hv, V],
         b [R, Hv], a [R, Hv]."""
         c = self.config
-        R, Hk, Hv, K, V = x.shape[0], c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim
+        (Hk, Hv), R, K, V = self._heads(), x.shape[0], c.head_k_dim, c.head_v_dim
         if c.projection == "split":
-            return self.in_proj_qkv(x), self.in_proj_z(x).view(R, Hv, V), self.in_proj_b(x), self.in_proj_a(x)
+            # one GEMM over the three weights, as transformers' in_proj_qkv
+            w = torch.cat([self.in_proj_q.weight, self.in_proj_k.weight, self.in_proj_v.weight])
+            return F.linear(x, w), self.in_proj_z(x).view(R, Hv, V), self.in_proj_b(x), self.in_proj_a(x)
         r = Hv // Hk
         qkvz = self.in_proj_qkvz(x).view(R, Hk, 2 * K + 2 * r * V)
         q, k, v, z = torch.split(qkvz, [K, K, r * V, r * V], dim=2)
@@ -134,10 +198,13 @@ class CompactGatedDeltaNet(nn.Module):
         """Per-row core inputs. x: [R, D] -> q, k [R, Hv, K] (L2-normalised, repeated to the value
         heads); v [R, Hv, V]; g [R, Hv] (fp32 log decay, <= 0); beta [R, Hv]; z [R, Hv, V]."""
         c = self.config
-        R, Hk, Hv, K, V = x.shape[0], c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim
+        (Hk, Hv), R, K, V = self._heads(), x.shape[0], c.head_k_dim, c.head_v_dim
         mixed, z, b, a = self._projections(x)
-        mixed = self.conv1d(mixed, windows)
-        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=1)
+        # one convolution over the q, k, v channels (the three weights concatenated)
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        weight = torch.cat([m.weight[:, 0, :] for m in convs])
+        mixed = varlen_causal_conv(mixed, weight, windows, "silu", c.backend)
+        q, k, v = torch.split(mixed, [Hk * K, Hk * K, Hv * V], dim=1)
         q, k = (l2_norm(t.reshape(R, Hk, K), backend=c.backend) for t in (q, k))
         if Hv != Hk:
             q, k = (t.repeat_interleave(Hv // Hk, dim=1) for t in (q, k))

@@ -9,9 +9,10 @@ which of our tensors have no HF counterpart (``extra_ours``). This base turns th
 ``from_hf`` / ``to_hf`` / ``to_checkpoint`` and their checks.
 
 Kinds of the in-memory table: ``same``; ``a_log`` (HF [1, 1, H, 1], ours [H]); ``split3`` (one HF
-tensor, three of ours stacked on dim 0); ``gate_up`` (HF [E, 2I, D], ours gate and up [E, D, I]);
-``transpose`` (HF [E, D, I], ours [E, I, D]). Of the checkpoint table: ``t`` (expert slot, transposed),
-``a_log``, or as is.
+tensor, three of ours of equal size stacked on dim 0); ``cat`` (one HF tensor, ours concatenated on
+dim 0 in order, their sizes from ``our_shapes``); ``gate_up`` (HF [E, 2I, D], ours gate and up
+[E, D, I]); ``transpose`` (HF [E, D, I], ours [E, I, D]). Of the checkpoint table: ``t`` (expert
+slot, transposed), ``a_log``, ``cat`` (our names a tuple, concatenated), or as is.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ class HFStateDictAdapter:
     zero_only: tuple[tuple[str, str], ...] = ()
 
     # ------------------------------------------------------------------ conversions
-    @staticmethod
-    def _memory_to_ours(rule, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def _memory_to_ours(self, rule, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         kind, ours = rule
         if kind == "same":
             return [(ours[0], tensor)]
@@ -42,6 +42,8 @@ class HFStateDictAdapter:
             return [(ours[0], tensor.reshape(-1))]
         if kind == "split3":
             return list(zip(ours, tensor.chunk(3, dim=0)))
+        if kind == "cat":
+            return list(zip(ours, tensor.split([self.our_shapes[k][0] for k in ours], dim=0)))
         if kind == "gate_up":
             gate, up = tensor.chunk(2, dim=1)
             return [(ours[0], gate.transpose(1, 2)), (ours[1], up.transpose(1, 2))]
@@ -108,7 +110,7 @@ class HFStateDictAdapter:
                 yield hf_name, t[0]
             elif kind == "a_log":
                 yield hf_name, t[0].reshape(1, 1, -1, 1)
-            elif kind == "split3":
+            elif kind in ("split3", "cat"):
                 yield hf_name, torch.cat(t, dim=0)
             elif kind == "gate_up":
                 yield hf_name, torch.cat([t[0].transpose(1, 2), t[1].transpose(1, 2)], dim=1)
@@ -123,11 +125,14 @@ class HFStateDictAdapter:
 
     def to_checkpoint(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Our state dict -> the checkpoint spelling (per-expert tensors; views, not copies, except
-        an ``A_log`` reshape)."""
+        an ``A_log`` reshape and a ``cat``)."""
         self._check_ours(state_dict)
         out = {}
         for name in self.checkpoint_names:
             kind, ours, slot, _ = self._ckpt[name]
+            if kind == "cat":
+                out[name] = torch.cat([state_dict[k] for k in ours], dim=0)
+                continue
             t = state_dict[ours]
             if kind == "t":
                 out[name] = t[slot].t()

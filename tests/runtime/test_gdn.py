@@ -2,13 +2,15 @@
 
 A tiny fp32 ``Qwen3NextGatedDeltaNet`` (2 key heads, 4 value heads, so q/k are repeated) is built
 by transformers with a fixed seed, perturbed so that a swapped tensor shows, and its state dict is
-loaded into :class:`CompactGatedDeltaNet` with ``strict=True``; then:
+loaded into :class:`CompactGatedDeltaNet` with ``strict=True`` (transformers' ``in_proj_qkv`` and
+``conv1d`` split into our q, k, v tensors by the layer's pre-hook, and mapped back exactly); then:
 
 * ``forward_trajectories`` equals HF run on each trajectory alone;
 * the compact forward over a rollout tree's minimum-call plan (forks off chunk boundaries, so
   replay rows and several rounds of boundary-state handoffs) equals HF on each trajectory alone at
   every semantic position, also recomputed in backward;
-* gradients of the compact input and of every parameter equal HF's (summed over trajectories);
+* gradients of the compact input and of every parameter equal HF's (summed over trajectories;
+  ours mapped to transformers' names by ``CompactGatedDeltaNet.as_hf``);
 * the same for the split projections of Qwen3.5 (``Qwen3_5MoeGatedDeltaNet``).
 
 HF's chunked rule prefers fla's Triton kernel when fla is installed; it cannot run on the CPU, so
@@ -130,6 +132,10 @@ def hf_per_trajectory(hf, x_sem, offsets):
 
 
 VARIANTS = ["fused", "split"]
+HF_FUSED = {  # transformers' q, k, v concatenations -> ours (split by the layer's load pre-hook)
+    "in_proj_qkv.weight": ("in_proj_q.weight", "in_proj_k.weight", "in_proj_v.weight"),
+    "conv1d.weight": ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"),
+}
 
 
 SHAPES = {
@@ -144,9 +150,11 @@ SHAPES = {
 def test_state_dict_is_hf_and_trajectories_match(hf_torch_gdn, variant, shape):
     hf, cfg = hf_layer(variant, **SHAPES[shape])
     ours = ours_from(hf, cfg, variant)
-    assert {n: p.shape for n, p in ours.state_dict().items()} == {
-        n: p.shape for n, p in hf.state_dict().items()
-    }
+    hf_sd = hf.state_dict()
+    want = {n for n in hf_sd if n not in HF_FUSED} | {o for n in HF_FUSED if n in hf_sd for o in HF_FUSED[n]}
+    assert set(ours.state_dict()) == want
+    back = CompactGatedDeltaNet.as_hf(ours.state_dict())  # ours -> transformers' names, exactly
+    assert set(back) == set(hf_sd) and all(torch.equal(back[n], hf_sd[n]) for n in hf_sd)
     lens = [1, 5, B, 3 * B + 3, 70]  # 70 > HF's chunk of 64
     offsets = np.concatenate([[0], np.cumsum(lens)])
     x = torch.randn(int(offsets[-1]), D, generator=torch.Generator().manual_seed(1))
@@ -180,7 +188,9 @@ def test_compact_equals_hf_per_trajectory(hf_torch_gdn, variant, recompute):
     xh = x.clone().requires_grad_(True)
     yh = hf_per_trajectory(hf, xh[s2p], offsets)
     hf_params = dict(hf.named_parameters())
-    g_hf = torch.autograd.grad((yh * w_out).sum(), [xh] + [hf_params[n] for n in names])
+    g_hf = torch.autograd.grad((yh * w_out).sum(), [xh] + list(hf_params.values()))
+    ours_as_hf = CompactGatedDeltaNet.as_hf(dict(zip(names, g_ours[1:])))  # under HF's names
+    g_ours, names = [g_ours[0]] + [ours_as_hf[n] for n in hf_params], list(hf_params)
 
     if not recompute:  # the Section 5.4 ablation's schedule: same function, another rounding path
         with torch.no_grad():
@@ -239,9 +249,9 @@ def test_compact_matches_hf_on_cuda(dtype, monkeypatch):
     yh = hf_per_trajectory(hf, xh[s2p], offsets)
     (yh.float() * w_out.float()).sum().backward()
     errors = {"y": ratio(y, yh), "dx": ratio(xc.grad, xh.grad)}
-    hf_params = dict(hf.named_parameters())
-    for name, p in ours.named_parameters():
-        errors["d" + name] = ratio(p.grad, hf_params[name].grad)
+    ours_grads = CompactGatedDeltaNet.as_hf({n: p.grad for n, p in ours.named_parameters()})
+    for name, p in hf.named_parameters():
+        errors["d" + name] = ratio(ours_grads[name], p.grad)
     print(dtype, {n: f"{e:.2e}" for n, e in errors.items()})
     for name, e in errors.items():
         assert e < CUDA_TOL[dtype], (name, e)

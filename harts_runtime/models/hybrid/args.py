@@ -87,7 +87,8 @@ class ModelConfig:
     """GDN value head dim."""
     gdn_projection: str = "fused"
     """GDN input projections: ``fused`` (Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba``) or ``split``
-    (Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``)."""
+    (Qwen3.5's ``in_proj_qkv`` (ours ``in_proj_q`` / ``in_proj_k`` / ``in_proj_v``) / ``in_proj_z`` /
+    ``in_proj_b`` / ``in_proj_a``)."""
     # FFN
     dense_intermediate: int = 64
     """Dense SwiGLU width."""

@@ -2,8 +2,9 @@
 the text part of ``qwen3_5_moe`` checkpoints) as a :class:`~harts_runtime.models.hybrid.HybridModel`.
 
 The formats are Qwen3-Next's (:mod:`harts_runtime.models.qwen3_next`, whose code this shares) but
-for: the gated delta net's split input projections (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
-``in_proj_a``; ``gdn_projection="split"``), every layer sparse, top-k always renormalised, and the
+for: the gated delta net's split input projections (``in_proj_qkv``, ours ``in_proj_q`` /
+``in_proj_k`` / ``in_proj_v``; ``in_proj_z``, ``in_proj_b``, ``in_proj_a``;
+``gdn_projection="split"``), every layer sparse, top-k always renormalised, and the
 ``model.language_model.`` prefix of the vision-language checkpoints (the vision tower and the MTP
 head are skipped). Saving writes a ``qwen3_5_moe_text`` folder.
 """

@@ -10,7 +10,9 @@ transformers                                           ours
 ``lm_head.weight``                                     ``lm_head.weight``
 ``input_layernorm``, ``post_attention_layernorm``      ``norm1``, ``norm2`` (zero-centred)
 ``self_attn.*`` (gated attention)                      ``mixer.*`` (same names and shapes)
-``linear_attn.*`` (gated delta net)                    ``mixer.*`` (same names and shapes)
+``linear_attn.*`` (gated delta net)                    ``mixer.*`` (same names and shapes), but:
+``linear_attn.in_proj_qkv.weight`` (Qwen3.5)           ``mixer.in_proj_{q,k,v}.weight`` (rows split)
+``linear_attn.conv1d.weight`` [2 Hk K + Hv V, 1, w]    ``mixer.{q,k,v}_conv1d.weight`` (rows split)
 dense ``mlp.{gate,up,down}_proj``                      ``ffn.{gate,up,down}``
 MoE ``mlp.gate.weight``                                ``ffn.router``
 MoE ``mlp.experts.gate_up_proj`` [E, 2I, D]            ``ffn.w_gate``, ``ffn.w_up`` [E, D, I]
@@ -35,6 +37,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from harts_runtime.errors import InvalidInputError
+from harts_runtime.layers.gdn import HF_CONCATENATED
 from harts_runtime.models.hybrid.args import ModelConfig
 from harts_runtime.models.state_dict_adapter import HFStateDictAdapter
 
@@ -69,8 +72,8 @@ class QwenStateDictAdapter(HFStateDictAdapter):
         self.hf_shapes = {k: tuple(v.shape) for k, v in self._to_hf_items(meta, check=False)}
         self._ckpt = {}  # checkpoint name -> (kind, our name, expert slot, shape)
         for name, (kind, ours) in self._rules.items():
-            if kind == "same":
-                self._ckpt[name] = ("same", ours[0], None, self.hf_shapes[name])
+            if kind in ("same", "cat"):  # checkpoints store both as in memory
+                self._ckpt[name] = (kind, ours if kind == "cat" else ours[0], None, self.hf_shapes[name])
                 continue
             base = name.rsplit(".", 1)[0]  # ...mlp.experts
             pairs = (
@@ -97,9 +100,16 @@ class QwenStateDictAdapter(HFStateDictAdapter):
             if mixer not in _HF_MIXER:
                 raise InvalidInputError(f"mixers[{i}]", f"{mixer!r} has no {self.family} equivalent")
             m = o + "mixer."
+            cat = HF_CONCATENATED if mixer == "gdn" else {}
+            parts = {our: hf for hf, ours in cat.items() for our in ours}  # our suffix -> HF name
             for k in self.our_shapes:
-                if k.startswith(m):
-                    yield h + _HF_MIXER[mixer] + k[len(m) :], ("same", (k,))
+                if not k.startswith(m):
+                    continue
+                name = k[len(m) :]
+                if name not in parts:
+                    yield h + _HF_MIXER[mixer] + name, ("same", (k,))
+                elif name == cat[parts[name]][0]:  # the first of the q, k, v tensors: all three
+                    yield h + _HF_MIXER[mixer] + parts[name], ("cat", tuple(m + n for n in cat[parts[name]]))
             f, q = o + "ffn.", h + "mlp."
             if ffn == "dense":
                 for hf, ours in _MLP_RENAME.items():
