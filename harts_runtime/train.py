@@ -83,11 +83,12 @@ def make_microbatch(
     model: HybridModel, step: StepInputs, traj_indices, mode: str, call_plan=None
 ) -> Microbatch:
     """The microbatch of trajectories ``traj_indices`` on the model's device (compact: from
-    ``call_plan``, planned here when None)."""
+    ``call_plan``, planned here when None). No trajectories give the empty microbatch (zero rows,
+    zero loss; data parallelism pads a short replica's slots with it)."""
     _check_mode(mode)
     cfg = model.config
     with torch.profiler.record_function("harts.layout"):
-        if mode == "trajectory":
+        if mode == "trajectory" or (call_plan is None and len(traj_indices) == 0):
             return trajectory_microbatch(step, traj_indices, cfg, model.device)
         if call_plan is None:
             call_plan = plan_calls(

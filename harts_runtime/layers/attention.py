@@ -67,14 +67,14 @@ class CompactAttentionBase(nn.Module):
         o = compact_attention(
             q, k, v, layout.need("views"), backend=backend or self.backend, scale=self.scale
         )
-        return self.o_proj(o.reshape(o.shape[0], -1))
+        return self.o_proj(o.flatten(1))
 
     def forward_trajectory(self, hidden: torch.Tensor) -> torch.Tensor:
         """Trajectory-wise reference: hidden [L, D] of one trajectory -> [L, D], plain causal."""
         positions = torch.arange(hidden.shape[0], device=hidden.device)
         q, k, v = self.project(hidden, positions)
         o = trajectory_attention(q, k, v, self.scale)
-        return self.o_proj(o.reshape(o.shape[0], -1))
+        return self.o_proj(o.flatten(1))
 
 
 class CompactAttention(CompactAttentionBase):

@@ -106,14 +106,14 @@ class CompactGatedAttention(CompactAttentionBase):
         q = self._rope(self.q_norm(q), cos, sin)
         k = self._rope(self.k_norm(self.k_proj(hidden).view(n, hkv, dh)), cos, sin)
         v = self.v_proj(hidden).view(n, hkv, dh)
-        return q, k, v, gate.reshape(n, -1)
+        return q, k, v, gate.flatten(1)
 
     def project(self, hidden: torch.Tensor, positions: torch.Tensor):
         """The base's per-row projection (q, k, v after norms and RoPE); the gate is dropped."""
         return self.project_gated(hidden, positions)[:3]
 
     def _output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(o.reshape(o.shape[0], -1) * torch.sigmoid(gate))
+        return self.o_proj(o.flatten(1) * torch.sigmoid(gate))
 
     def forward(self, hidden: torch.Tensor, layout: RowLayout, backend: str | None = None) -> torch.Tensor:
         """hidden [C, D] rows of ``layout`` (its ``views`` and ``positions``) -> [C, D]."""

@@ -191,7 +191,7 @@ class CompactGatedDeltaNet(nn.Module):
         qkvz = self.in_proj_qkvz(x).view(R, Hk, 2 * K + 2 * r * V)
         q, k, v, z = torch.split(qkvz, [K, K, r * V, r * V], dim=2)
         b, a = torch.split(self.in_proj_ba(x).view(R, Hk, 2 * r), [r, r], dim=2)
-        mixed = torch.cat([q.reshape(R, -1), k.reshape(R, -1), v.reshape(R, -1)], 1)
+        mixed = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
         return mixed, z.reshape(R, Hv, V), b.reshape(R, Hv), a.reshape(R, Hv)
 
     def _features(self, x: torch.Tensor, windows: ConvWindows):
@@ -219,7 +219,7 @@ class CompactGatedDeltaNet(nn.Module):
 
     def _output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Gated RMS norm per value head, then the output projection. o: [R, Hv, V] -> [R, D]."""
-        return self.out_proj(self.norm(o, z).reshape(o.shape[0], -1))
+        return self.out_proj(self.norm(o, z).flatten(1))
 
     # ---------------------------------------------------------------- execution
     def forward(self, x: torch.Tensor, layout: RowLayout) -> torch.Tensor:

@@ -152,6 +152,8 @@ def _run_rounds(sched: KDASchedule, q, k, v, g, beta, chunk_size: int, backend: 
         per_round = list(zip(*(torch.split(x, sizes) for x in packed))) if len(sizes) > 1 else [packed]
     outs = []
     for rd, parts in zip(sched.rounds, per_round):
+        if parts[0].shape[0] == 0:  # a round without rows (an empty microbatch: DP padding)
+            continue
         inputs = [x.unsqueeze(0) for x in parts]
         if g.dim() == 2:  # one decay per (row, head): broadcast over the key dim (exact)
             inputs[3] = inputs[3].unsqueeze(-1).expand(-1, -1, -1, K)
@@ -255,7 +257,7 @@ class KDALayer(nn.Module):
 
     def _output(self, o: torch.Tensor, out_gate: torch.Tensor) -> torch.Tensor:
         """Gated RMS norm per head, then the output projection. o: [R, H, V] -> [R, D]."""
-        return self.o_proj(self.o_norm(o, out_gate).reshape(o.shape[0], -1))
+        return self.o_proj(self.o_norm(o, out_gate).flatten(1))
 
     # ---------------------------------------------------------------- execution
     def forward(self, x: torch.Tensor, layout: RowLayout) -> torch.Tensor:

@@ -465,7 +465,7 @@ def sort_assignments(topk_idx: torch.Tensor, num_experts: int):
 def _sum_slots(y: torch.Tensor, k: int) -> torch.Tensor:
     """[N*k, W] slots in row-major slot order -> [N, W]: a fixed-order sum over the k slots of a
     row (PyTorch's reduction accumulates bf16 in fp32 and rounds once; no atomics)."""
-    return y.view(y.shape[0] // k, k, -1).sum(1)
+    return y.view(y.shape[0] // k, k, y.shape[-1]).sum(1)
 
 
 class _Dispatch(torch.autograd.Function):

@@ -23,6 +23,9 @@ import torch.multiprocessing as mp
 __all__ = ["DistributedRunError", "free_port", "run_distributed"]
 
 
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
 class DistributedRunError(RuntimeError):
     """A rank of :func:`run_distributed` failed or timed out."""
 
@@ -81,15 +84,25 @@ def run_distributed(
                     f"timeout after {timeout:.0f} s; ranks still running: "
                     f"{[r for r, p in enumerate(procs) if p.is_alive()]}"
                 )
-            results = []
+            results, failures = [], []
             for r in range(world_size):
                 path = os.path.join(out_dir, f"rank{r}.pt")
                 if not os.path.exists(path):
-                    raise DistributedRunError(f"rank {r} exited with code {procs[r].exitcode} and no result")
+                    failures.append((r, f"exited with code {procs[r].exitcode} and no result"))
+                    continue
                 rec = torch.load(path, weights_only=False)
-                if not rec["ok"]:
-                    raise DistributedRunError(f"rank {r} failed:\n{rec['error']}")
-                results.append(rec["result"])
+                if rec["ok"]:
+                    results.append(rec["result"])
+                else:
+                    failures.append((r, rec["error"]))
+            if failures:
+                # a rank's own error first: its peers then fail with "Connection closed by peer"
+                failures.sort(key=lambda f: any(s in f[1] for s in _PEER_LOST))
+                r, error = failures[0]
+                others = ", ".join(str(f[0]) for f in failures[1:])
+                raise DistributedRunError(
+                    f"rank {r} failed" + (f" (ranks {others} failed too)" if others else "") + f":\n{error}"
+                )
             return results
         finally:
             for p in procs:
