@@ -197,8 +197,10 @@ def apply_fsdp(
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             # every rank reduce-scatters every parameter, with a zero gradient where a backward did
-            # not reach it (an empty padding microbatch), so the collectives always match
-            m.set_reduce_scatter_unused_params(True)
+            # not reach it (an empty padding microbatch), so the collectives always match; torch
+            # releases before 2.12 lack the switch, and every parameter there must be reached
+            if hasattr(m, "set_reduce_scatter_unused_params"):
+                m.set_reduce_scatter_unused_params(True)
             if cpu:  # gloo has no PREMUL_SUM; a plain SUM is the same with factor 1
                 m.set_force_sum_reduction_for_comms(True)
 
