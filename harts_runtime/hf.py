@@ -7,24 +7,39 @@ loads. The family is ``config.json``'s ``model_type`` (:data:`FAMILIES`): Kimi-L
 (:mod:`harts_runtime.models.kimi_linear`), Qwen3-Next (:mod:`harts_runtime.models.qwen3_next`) and
 Qwen3.5-MoE text (:mod:`harts_runtime.models.qwen3_5_moe`; of a vision-language ``qwen3_5_moe``
 folder the text model, the vision tower and MTP head skipped); those modules hold the config and
-tensor maps. Needs the ``hf`` extra (``safetensors``; transformers
-only to run the checkpoint on the HF side).
+tensor maps (their state-dict adapters, :mod:`harts_runtime.models.state_dict_adapter`). Needs
+the ``hf`` extra (``safetensors``; transformers only to run the checkpoint on the HF side).
 
 Loading builds the model on the meta device, allocates it uninitialised on the target device
 (no random init), then reads one tensor at a time (``safetensors.safe_open``) and copies it into
-its parameter (cast to the model dtype, moved to the device), so the weights are never held twice. Both spellings of the tensors load (the checkpoint one, per-expert ``w1/w2/w3`` under
-``block_sparse_moe``, which ``save_pretrained`` and the released checkpoints use, and the
-in-memory one of ``KimiLinearForCausalLM.state_dict()``); saving writes the checkpoint spelling. Single-process models only: a TP/EP-sharded model must be gathered
-first.
+its parameter (cast to the model dtype, moved to the device), so the weights are never held twice.
+Both spellings of the tensors load (the checkpoint one, per-expert tensors, which
+``save_pretrained`` and the released checkpoints use, and the in-memory one of the transformers
+model's ``state_dict()``); saving writes the checkpoint spelling.
+
+Both work on parallelized models too (:func:`harts_runtime.parallel.parallelize`, every parameter
+a DTensor). ``load_pretrained(path, mesh=mesh)`` builds the model on the meta device, parallelizes
+it, allocates it, and has each rank read only the slices of the HF tensors its own shards come
+from (:func:`harts_runtime.parallel.checkpoint.load_pretrained_sharded`). ``save_pretrained`` of a
+sharded model is collective: every rank calls it, each parameter is gathered (``full_tensor()``)
+in a fixed order, and rank 0 assembles one HF tensor at a time
+(:meth:`~harts_runtime.models.state_dict_adapter.HFStateDictAdapter.assemble`) into safetensors
+shard files of at most ``max_shard_bytes``, so no rank holds more than one shard file's tensors
+plus the gathered tensors of the HF tensor being written. Training checkpoints (sharded weights
+and optimizer state, resumable under another parallel configuration) are
+:func:`harts_runtime.parallel.checkpoint.save_checkpoint` / ``load_checkpoint``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from harts_runtime.errors import InvalidInputError
 
@@ -63,6 +78,8 @@ def _infer_model_type(cfg) -> str:
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+MAX_SHARD_BYTES = 5 * 10**9
+"""Default largest safetensors file :func:`save_pretrained` writes (transformers' ``"5GB"``)."""
 
 
 def _dtype_name(dtype) -> str | None:
@@ -85,22 +102,8 @@ def _weight_files(path: Path) -> list[Path]:
     raise InvalidInputError("path", f"{path} has neither {WEIGHTS_NAME} nor {INDEX_NAME}")
 
 
-def load_pretrained(path, dtype=None, device="cpu", **overrides):
-    """A :class:`HybridModel` with the weights of the Kimi-Linear checkpoint folder ``path``.
-
-    ``dtype``: a ``torch.dtype`` or name (None: the config's ``dtype`` when it is float32 /
-    bfloat16 / float64, else float32). ``overrides``: :class:`ModelConfig` execution fields
-    (``chunk_size``, ``attn_backend``, ``kda_backend``, ``lm_head_rows``, ...). The model is
-    returned in training mode (``nn.Module``'s default); ``model.hf_config`` keeps the checkpoint's
-    config dict so that :func:`save_pretrained` writes its other fields (token ids, ...) back.
-
-    Raises :class:`InvalidInputError` naming the config field or tensor: unsupported options,
-    unknown, missing or misshapen tensors.
-    """
-    from safetensors import safe_open
-
-    from harts_runtime.models.hybrid.model import HybridModel
-
+def _open_folder(path, dtype, overrides):
+    """``(path, hf_config, model_type, ModelConfig, adapter)`` of a checkpoint folder."""
     path = Path(path)
     if not (path / CONFIG_NAME).is_file():
         raise InvalidInputError("path", f"{path} has no {CONFIG_NAME}")
@@ -111,7 +114,42 @@ def load_pretrained(path, dtype=None, device="cpu", **overrides):
     adapter = (
         adapter_cls(cfg, prefix="model.language_model.") if model_type == "qwen3_5_moe" else adapter_cls(cfg)
     )
-    ignored = getattr(adapter, "ignored", lambda name: False)
+    return path, hf_config, model_type, cfg, adapter
+
+
+def load_pretrained(path, dtype=None, device=None, *, mesh=None, parallelize=None, **overrides):
+    """A :class:`HybridModel` with the weights of the checkpoint folder ``path``.
+
+    ``dtype``: a ``torch.dtype`` or name (None: the config's ``dtype`` when it is float32 /
+    bfloat16 / float64, else float32). ``device``: where the weights go (None: ``"cpu"``, or with
+    a CUDA ``mesh`` the current CUDA device). ``overrides``: :class:`ModelConfig` execution fields
+    (``chunk_size``, ``attn_backend``, ``kda_backend``, ``lm_head_rows``, ...). The model is
+    returned in training mode (``nn.Module``'s default); ``model.hf_config`` keeps the checkpoint's
+    config dict so that :func:`save_pretrained` writes its other fields (token ids, ...) back.
+
+    ``mesh``: a :class:`harts_runtime.parallel.ParallelMesh`: the model is parallelized on it
+    (``harts_runtime.parallel.parallelize(model, mesh, **parallelize)``) and each rank reads only
+    its shards' slices (:func:`harts_runtime.parallel.checkpoint.load_pretrained_sharded`);
+    collective, every rank calls it.
+
+    Raises :class:`InvalidInputError` naming the config field or tensor: unsupported options,
+    unknown, missing or misshapen tensors.
+    """
+    if mesh is not None:
+        from harts_runtime.parallel.checkpoint import load_pretrained_sharded
+
+        return load_pretrained_sharded(
+            path, mesh, dtype=dtype, device=device, parallelize=parallelize, **overrides
+        )
+    if parallelize is not None:
+        raise InvalidInputError("parallelize", "needs a mesh")
+    from safetensors import safe_open
+
+    from harts_runtime.models.hybrid.model import HybridModel
+
+    path, hf_config, _, cfg, adapter = _open_folder(path, dtype, overrides)
+    device = "cpu" if device is None else device
+    ignored = adapter.ignored
     files = _weight_files(path)
     # built on the meta device and allocated uninitialised: every tensor is written below
     # ("auto" attention is resolved per call, on the device the rows are on)
@@ -146,20 +184,9 @@ def load_pretrained(path, dtype=None, device="cpu", **overrides):
     return model
 
 
-def save_pretrained(model, path, model_type: str | None = None) -> None:
-    """Write ``config.json`` and ``model.safetensors`` of a :class:`HybridModel` to ``path`` (created
-    if needed), loadable by ``transformers.AutoModelForCausalLM.from_pretrained``.
-
-    ``model_type``: the family to write (``kimi_linear``, ``qwen3_next`` or ``qwen3_5_moe_text``;
-    None: the loaded checkpoint's, a ``qwen3_5_moe`` one written as its text model, else the one
-    the mixers imply: KDA/MLA Kimi-Linear, split-projection GDN Qwen3.5-MoE, else Qwen3-Next).
-
-    Raises :class:`InvalidInputError` naming the :class:`ModelConfig` field or tensor that the
-    family cannot express (Kimi-Linear: GQA layers, MLA with RoPE, softmax routing, a non-zero KDA
-    output-gate bias, ...; Qwen: other mixers, sigmoid routing, an ungated shared expert, ...).
-    """
-    from safetensors.torch import save_file
-
+def _save_setup(model, model_type):
+    """``(hf_config dict, adapter)`` for saving ``model`` as ``model_type`` (see
+    :func:`save_pretrained`); raises what the family cannot express."""
     cfg = model.config
     base = getattr(model, "hf_config", None)
     if model_type is None:
@@ -174,11 +201,167 @@ def save_pretrained(model, path, model_type: str | None = None) -> None:
         for name in ("zero_centered_norms", "shared_expert_gate"):
             if getattr(cfg, name):
                 raise InvalidInputError(name, "True has no Kimi-Linear equivalent")
-    hf_config = to_hf_config(cfg, base=base)
-    adapter = adapter_cls(cfg)
+    return to_hf_config(cfg, base=base), adapter_cls(cfg)
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _check_state(adapter, state: dict, sharded: bool) -> None:
+    """The adapter's checks of our state dict (names, shapes, tensors that must be zero) on the
+    global tensors, without gathering them: under sharding each DTensor is checked as a
+    same-shaped expanded scalar, 1 where any rank holds a non-zero entry (one all-reduce)."""
+    if not sharded:
+        adapter._check_ours(state)
+        return
+    names = [k for k, v in state.items() if _is_dtensor(v)]
+    flags = torch.tensor([bool((state[k].to_local() != 0).any()) for k in names], dtype=torch.float32)
+    if dist.get_backend() == "nccl":
+        flags = flags.cuda()
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    proxy = dict(state)
+    for k, f in zip(names, flags.tolist()):
+        proxy[k] = torch.full((), f).expand(state[k].shape)
+    adapter._check_ours(proxy)
+
+
+class _ShardWriter:
+    """safetensors files of at most ``max_bytes`` each (a larger tensor gets a file of its own),
+    written as tensors arrive; :meth:`close` names them ``model-0000i-of-0000n.safetensors`` and
+    writes the index, or a single ``model.safetensors`` when one file holds everything."""
+
+    def __init__(self, path: Path, max_bytes: int):
+        self.path, self.max_bytes = path, max_bytes
+        self.current: dict[str, torch.Tensor] = {}
+        self.current_bytes = 0
+        self.files: list[list[str]] = []  # tensor names of each written file
+        self.total = 0
+
+    def _tmp(self, i: int) -> Path:
+        return self.path / f".model-{i + 1:05d}.safetensors.partial"
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if self.current:
+            save_file(self.current, str(self._tmp(len(self.files))), metadata={"format": "pt"})
+            self.files.append(list(self.current))
+            self.current, self.current_bytes = {}, 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        n = tensor.numel() * tensor.element_size()
+        if self.current and self.current_bytes + n > self.max_bytes:
+            self._flush()
+        self.current[name] = tensor
+        self.current_bytes += n
+        self.total += n
+
+    def close(self) -> None:
+        self._flush()
+        count = len(self.files)
+        if count == 1:
+            os.replace(self._tmp(0), self.path / WEIGHTS_NAME)
+            return
+        weight_map = {}
+        for i, names in enumerate(self.files):
+            final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(self._tmp(i), self.path / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+        (self.path / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _remove_weights(path: Path) -> None:
+    """Drop a previous save's weight files (transformers prefers ``model.safetensors`` to an index)."""
+    for f in path.iterdir():
+        n = f.name
+        if n in (WEIGHTS_NAME, INDEX_NAME) or (n.startswith("model-") and n.endswith(".safetensors")):
+            f.unlink()
+        elif n.startswith(".model-") and n.endswith(".safetensors.partial"):
+            f.unlink()
+
+
+@contextlib.contextmanager
+def _quiet_redistribute():
+    """DTensor warns on every gather of an FSDP x TP ``_StridedShard`` parameter; once is enough."""
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def save_pretrained(
+    model, path, model_type: str | None = None, *, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> None:
+    """Write ``config.json`` and the safetensors weights of a :class:`HybridModel` to ``path``
+    (created if needed), loadable by ``transformers.AutoModelForCausalLM.from_pretrained``.
+
+    ``model_type``: the family to write (``kimi_linear``, ``qwen3_next`` or ``qwen3_5_moe_text``;
+    None: the loaded checkpoint's, a ``qwen3_5_moe`` one written as its text model, else the one
+    the mixers imply: KDA/MLA Kimi-Linear, split-projection GDN Qwen3.5-MoE, else Qwen3-Next).
+
+    The weights go to ``model.safetensors`` when they fit in ``max_shard_bytes``, else to
+    ``model-0000i-of-0000n.safetensors`` files of at most that size (a larger single tensor gets
+    a file of its own) listed in ``model.safetensors.index.json``; a previous save's weight files
+    in ``path`` are removed. One HF tensor is assembled at a time, so the writer holds at most one
+    file's tensors plus the (gathered) tensors of the HF tensor being assembled.
+
+    A parallelized model (parameters DTensors, :func:`harts_runtime.parallel.parallelize`) is
+    saved collectively: every rank must call this with the same arguments; each parameter is
+    gathered (``full_tensor()``) in the same order on every rank and rank 0 writes the folder.
+
+    Raises :class:`InvalidInputError` naming the :class:`ModelConfig` field or tensor that the
+    family cannot express (Kimi-Linear: GQA layers, MLA with RoPE, softmax routing, a non-zero KDA
+    output-gate bias, ...; Qwen: other mixers, sigmoid routing, an ungated shared expert, ...), or
+    ``max_shard_bytes`` when it is not a positive integer.
+    """
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise InvalidInputError("max_shard_bytes", f"must be a positive integer, got {max_shard_bytes!r}")
+    hf_config, adapter = _save_setup(model, model_type)
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    tensors = {k: v.to("cpu").contiguous() for k, v in adapter.to_checkpoint(state).items()}
-    os.makedirs(path, exist_ok=True)
+    sharded = any(_is_dtensor(v) for v in state.values())
+    rank = 0
+    if sharded:
+        if not dist.is_initialized():
+            raise InvalidInputError(
+                "model", "has DTensor parameters but torch.distributed is not initialised"
+            )
+        rank = dist.get_rank()
+    _check_state(adapter, state, sharded)
+    names = list(adapter.checkpoint_names)
+    pieces = {n: adapter.pieces(n) for n in names}
+    last_use = {p.ours: i for i, n in enumerate(names) for p in pieces[n]}
     path = Path(path)
-    save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
-    (path / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    writer = None
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+        _remove_weights(path)
+        writer = _ShardWriter(path, max_shard_bytes)
+    full: dict[str, torch.Tensor] = {}
+
+    def ours(k: str) -> torch.Tensor:
+        if k not in full:
+            t = state[k]
+            full[k] = t.full_tensor() if _is_dtensor(t) else t  # collective, same order on every rank
+        return full[k]
+
+    with torch.no_grad(), _quiet_redistribute():
+        for i, name in enumerate(names):
+            for p in pieces[name]:
+                ours(p.ours)
+            if writer is not None:
+                writer.add(name, adapter.assemble(name, ours))
+            for p in pieces[name]:
+                if last_use[p.ours] == i:
+                    full.pop(p.ours, None)
+    if writer is not None:
+        writer.close()
+        (path / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    if sharded:
+        dist.barrier()

@@ -8,8 +8,13 @@ Nothing in the single-process path imports this package. Entry points::
     parallelize(model, mesh, recompute=True)          # TP -> EP -> AC -> compile -> FSDP2
     result = run_replica_step(plan, mesh, lambda slot, traj: run_microbatch(model, step, traj)[0])
     sync_expert_load(model, mesh)                      # before model.update_expert_bias()
+    save_checkpoint(path, model, optimizer, extra={"step": 1})   # DCP; loads under any other config
+    load_checkpoint(path, model, optimizer)
+    model = load_pretrained(hf_folder, mesh=mesh)      # harts_runtime.load_pretrained: each rank its slices
+    save_pretrained(model, out_folder)                 # harts_runtime.save_pretrained: collective
 """
 
+from harts_runtime.parallel.checkpoint import load_checkpoint, load_pretrained_sharded, save_checkpoint
 from harts_runtime.parallel.data import (
     ReplicaStepResult,
     replica_schedule,
@@ -54,11 +59,14 @@ __all__ = [
     "apply_ep",
     "apply_fsdp",
     "apply_tp",
+    "load_checkpoint",
+    "load_pretrained_sharded",
     "parallelize",
     "replica_schedule",
     "row_block",
     "run_distributed",
     "run_replica_step",
+    "save_checkpoint",
     "step_slots",
     "sync_expert_load",
     "tp_plan",
