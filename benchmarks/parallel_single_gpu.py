@@ -265,6 +265,7 @@ def main(argv=None) -> int:
         args.preset, args.capacity = "tiny", min(args.capacity, 64)
     dev = torch.device(args.device)
     if dev.type == "cuda":
+        dev = torch.device("cuda", dev.index or 0)
         torch.cuda.set_device(dev)
     res = (section_overhead if args.section == "overhead" else section_offload)(args, dev)
     res.update(

@@ -376,7 +376,7 @@ def _takes_grouped_mm(impl: str, x: torch.Tensor, w: torch.Tensor) -> bool:
     (:func:`grouped_mm`); :class:`InvalidInputError` for an unknown ``impl``."""
     if impl not in ("auto", "grouped_mm", "bmm"):
         raise InvalidInputError("impl", f"unknown {impl!r}; choose auto, grouped_mm or bmm")
-    return impl == "grouped_mm" or (impl == "auto" and _grouped_mm_ok(x, w))
+    return impl == "grouped_mm" or (impl == "auto" and x.shape[0] > 0 and _grouped_mm_ok(x, w))
 
 
 # ------------------------------------------------------------------------- dispatch and combine

@@ -33,15 +33,17 @@ def fla_available() -> bool:
 
 def use_fla(x: torch.Tensor, backend: str) -> bool:
     """Whether ``x`` goes through fla's kernels under ``backend``. Raises
-    :class:`InvalidInputError` for an unknown backend, or ``"triton"`` without fla-core."""
+    :class:`InvalidInputError` for an unknown backend, or ``"triton"`` without fla-core. A tensor
+    without rows (an empty microbatch, data parallelism's padding) takes the reference: fla's
+    kernels divide by the row count when they size their grids."""
     if backend == "naive":
         return False
     if backend == "auto":
-        return x.is_cuda and fla_available()
+        return x.is_cuda and fla_available() and x.shape[0] > 0
     if backend == "triton":
         if not fla_available():
             raise InvalidInputError("backend", "'triton' needs fla-core and triton (pip install fla-core)")
-        return True
+        return x.shape[0] > 0
     raise InvalidInputError("backend", f"unknown {backend!r}; choose one of {list(BACKENDS)}")
 
 

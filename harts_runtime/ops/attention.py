@@ -503,7 +503,9 @@ def compact_attention(
         Row ``c`` attends to exactly its ancestors and itself. Rows without a query (padding) are
         zero for view backends.
     """
-    if backend == "auto":
+    if q.shape[0] == 0:  # no rows (an empty microbatch): nothing to attend, any backend's zero rows
+        backend = "reference"
+    elif backend == "auto":
         backend = resolve_backend("auto", q.device, q.shape[-1], v.shape[-1], q.dtype)
     try:
         spec = BACKENDS[backend]
