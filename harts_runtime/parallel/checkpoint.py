@@ -110,8 +110,8 @@ def save_checkpoint(path, model, optimizer=None, *, extra: dict | None = None) -
         dist.barrier()
 
 
-def _check_checkpoint(path: Path, state: dict) -> dict:
-    """Compare DCP's metadata of ``path`` with the state dict about to be loaded; returns the
+def _check_checkpoint(path: Path, model_sd: dict, optimizer: bool) -> dict:
+    """Compare DCP's metadata of ``path`` with the model's state dict (global shapes); returns the
     ``harts.json`` record."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -123,11 +123,10 @@ def _check_checkpoint(path: Path, state: dict) -> dict:
     record = {}
     if (path / EXTRA_NAME).is_file():
         record = json.loads((path / EXTRA_NAME).read_text())
-    if "optim" in state and not any(k.startswith("optim.") for k in saved):
+    if optimizer and not any(k.startswith("optim.") for k in saved):
         raise InvalidInputError("optimizer", f"the checkpoint {path} has no optimizer state")
-    for k, v in state["model"].items():
-        key = "model." + k
-        meta = saved.get(key)
+    for k, v in model_sd.items():
+        meta = saved.get("model." + k)
         if meta is None:
             raise InvalidInputError(k, f"missing from the checkpoint {path} (another model config?)")
         if torch.is_tensor(v):
@@ -137,7 +136,7 @@ def _check_checkpoint(path: Path, state: dict) -> dict:
                 raise InvalidInputError(
                     k, f"shape {tuple(meta.size)} in the checkpoint != {tuple(v.shape)} of this model"
                 )
-    ours = {"model." + k for k in state["model"]}
+    ours = {"model." + k for k in model_sd}
     extra = sorted(k for k in saved if k.startswith("model.") and k not in ours)
     if extra:
         raise InvalidInputError(
@@ -157,11 +156,15 @@ def load_checkpoint(path, model, optimizer=None) -> dict:
     path, tensor or ``optimizer`` (module docstring) before anything is loaded.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     path = Path(path)
+    record = _check_checkpoint(path, get_model_state_dict(model), optimizer is not None)
     state = _state(model, optimizer)
-    record = _check_checkpoint(path, state)
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
     if optimizer is None:

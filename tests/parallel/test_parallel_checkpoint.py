@@ -1,18 +1,21 @@
 """Checkpoints of parallelized models (``harts_runtime.parallel.checkpoint``, ``harts_runtime.hf``),
-2-process gloo runs (4 for the slow case) against one process:
+2-process gloo runs (4 for one case) against one process:
 
 * DCP training checkpoints: saved under ``dp_shard=2`` after one AdamW step, loaded into
   ``tp=2`` + sequence parallelism and into a plain single-process model: weights, buffers and
   AdamW's state equal exactly, ``extra`` comes back, and the next two steps' losses equal those of
-  the run that went on in the original configuration; clear errors for a missing folder, another
-  model config and a missing optimizer state.
+  the run that went on in the original configuration; saved by one process, loaded into
+  ``dp_shard=2 x tp=2 x ep=2`` on 4 processes; clear errors for a missing folder, another model
+  config and a missing optimizer state.
 * Hugging Face folders, for Qwen3.5-MoE (split Gated DeltaNet, gated attention, per-expert
-  tensors) and Kimi-Linear (KDA, MLA, ``A_log`` and the split convolution) checkpoints written by
-  transformers: ``load_pretrained(path, mesh=...)`` under ``tp=2`` + SP and ``dp_shard=2 x ep=2``
-  equals the single-process load (gathered), with the same loss; every rank reads exactly its
-  shards' elements through ``get_slice`` (each once, nothing else, no other rank's experts);
+  tensors; also the fused in-memory spelling) and Kimi-Linear (KDA, MLA, ``A_log``, the split
+  convolution) checkpoints written by transformers: ``load_pretrained(path, mesh=...)`` under
+  ``tp=2`` + SP, ``dp_shard=2 x ep=2`` and (4 processes) ``dp_shard=2 x tp=2 x ep=2`` equals the
+  single-process load (gathered), with the same loss; every rank reads exactly its shards'
+  elements through ``get_slice`` (each once, nothing else, no other EP rank's expert tensors);
   ``save_pretrained`` of the sharded model with a small ``max_shard_bytes`` writes the same files,
-  index and config as the single-process save, and transformers loads the folder.
+  index and config as the single-process save, and transformers loads the folder; a broken
+  folder raises the same named error on every rank.
 * The adapters' pieces (single process): assembling every HF tensor from ours equals
   ``to_checkpoint`` / ``to_hf``, and reading any box of ours back from the pieces is exact.
 """
@@ -20,6 +23,7 @@
 import contextlib
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -248,11 +252,13 @@ def _local_elements(model, folder) -> int:
     return sum(local_box(t)[0].numel() for k, t in model.state_dict().items() if k not in extra)
 
 
-def _hf_worker(rank, world, cases, out_dir, loss=True):
+def _hf_worker(rank, world, cases, out_dir, loss=True, dcp=None):
     """For each (name, folder, dims): the sharded load with its reads recorded, the gathered
-    weights, the step loss (``loss``), the sharded save; and the error of a broken folder's
-    sharded load (when ``out_dir`` has one)."""
+    weights, the step loss (``loss``), the sharded save; the error of a broken folder's sharded
+    load (when ``out_dir`` has one); with ``dcp`` the debug model and AdamW of that training
+    checkpoint loaded under the last case's configuration, gathered."""
     from harts_runtime import InvalidInputError, load_pretrained, save_pretrained
+    from harts_runtime.parallel import load_checkpoint, parallelize
 
     out = {}
     for name, folder, dims_kw in cases:
@@ -274,6 +280,11 @@ def _hf_worker(rank, world, cases, out_dir, loss=True):
             load_pretrained(Path(out_dir) / "broken", mesh=mesh)
         except InvalidInputError as e:
             out["error"] = e.field
+    if dcp is not None:
+        model = parallelize(_debug_model(1), mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR / 10)
+        out["dcp_extra"] = load_checkpoint(dcp, model, opt)
+        out["dcp"] = _gather(model, opt)
     return out
 
 
@@ -281,10 +292,19 @@ MAX_SHARD_BYTES = 40_000
 
 
 def _hf_folders(tmp_path):
-    """Tiny random checkpoints written by transformers: {family: folder}."""
+    """Tiny random checkpoints written by transformers: {family: folder}; ``qwen_memory`` holds
+    the Qwen weights in the in-memory spelling (fused ``gate_up_proj`` / ``down_proj`` of all
+    experts, as ``state_dict()`` has them)."""
+    from safetensors.torch import save_file
+
     kimi, qwen = _runtime_tests()
-    folders = {"qwen": tmp_path / "qwen", "kimi": tmp_path / "kimi"}
-    qwen.random_hf_model("qwen3_5_moe_text").save_pretrained(folders["qwen"])
+    folders = {k: tmp_path / k for k in ("qwen", "kimi", "qwen_memory")}
+    hf = qwen.random_hf_model("qwen3_5_moe_text")
+    hf.save_pretrained(folders["qwen"])
+    folders["qwen_memory"].mkdir()
+    (folders["qwen_memory"] / "config.json").write_text((folders["qwen"] / "config.json").read_text())
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    save_file(sd, str(folders["qwen_memory"] / "model.safetensors"))
     kimi.random_hf_model().save_pretrained(folders["kimi"])
     return folders
 
@@ -329,8 +349,8 @@ def _check_hf_case(results, folder, dims_kw, name, out_dir):
         if dims.ep > 1:  # and no other EP rank's experts' tensors
             per = experts // dims.ep
             mine = set(range(res["coords"]["ep"] * per, (res["coords"]["ep"] + 1) * per))
-            opened = {int(k.split(".experts.")[1].split(".")[0]) for k, _ in res["reads"] if ".experts." in k}
-            assert opened == mine, (name, opened, mine)
+            opened = {int(m[1]) for k, _ in res["reads"] if (m := re.search(r"\.experts\.(\d+)\.", k))}
+            assert opened == (mine if "memory" not in name else set()), (name, opened, mine)
 
 
 HF_CASES = (
@@ -348,7 +368,8 @@ def test_hf_folders_load_and_save_sharded(tmp_path):
     broken = out_dir / "broken"
     broken.mkdir(parents=True)
     _broken_copy(folders["qwen"], broken)
-    cases = [(f"{fam}-{cfg}", str(folders[fam]), kw) for fam in folders for cfg, kw in HF_CASES]
+    cases = [(f"{fam}-{cfg}", str(folders[fam]), kw) for fam in ("qwen", "kimi") for cfg, kw in HF_CASES]
+    cases.append(("qwen_memory-ep", str(folders["qwen_memory"]), dict(HF_CASES)["ep"]))
     results = run_distributed(_hf_worker, 2, cases, str(out_dir), timeout=240)
     assert results[0]["error"] == results[1]["error"] == MISSING
     for name, folder, kw in cases:
@@ -407,13 +428,28 @@ def test_adapter_pieces_tile_every_hf_tensor():
 
 @pytest.mark.slow
 @needs_transformers
-def test_hf_folder_four_ranks_fsdp_tp_ep(tmp_path):
+def test_four_ranks_fsdp_tp_ep(tmp_path):
     """``dp_shard=2 x tp=2 (+ SP) x ep=2`` on 4 processes (FSDP's ``_StridedShard`` over TP's
     shards, experts over EP): Qwen3.5-MoE loads and saves as in one process (no training step:
-    four processes on a small machine)."""
+    four processes on a small machine), and a training checkpoint saved by one process (no
+    process group) after an AdamW step loads exactly."""
+    from harts_runtime import train_step
+    from harts_runtime.parallel import save_checkpoint
+
+    model = _debug_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    step, plan = _step_inputs(model.config.vocab_size, 1, model.config.chunk_size)
+    train_step(model, opt, step, step_plan=plan)
+    save_checkpoint(tmp_path / "dcp", model, opt, extra={"step": 1})
+    saved = _gather(model, opt)
     folder = tmp_path / "qwen"
     _runtime_tests()[1].random_hf_model("qwen3_5_moe_text").save_pretrained(folder)
     out_dir = tmp_path / "out"
     kw = {"dp_shard": 2, "tp": 2, "ep": 2, "sequence_parallel": True}
-    results = run_distributed(_hf_worker, 4, [("qwen-4", str(folder), kw)], str(out_dir), False, timeout=240)
+    case = [("qwen-4", str(folder), kw)]
+    results = run_distributed(_hf_worker, 4, case, str(out_dir), False, str(tmp_path / "dcp"), timeout=240)
     _check_hf_case(results, folder, kw, "qwen-4", out_dir)
+    for r in results:
+        assert r["dcp_extra"] == {"step": 1}
+        _assert_same(r["dcp"]["model"], saved["model"], "4 ranks: weights")
+        _assert_same(r["dcp"]["optim"], saved["optim"], "4 ranks: AdamW state")
