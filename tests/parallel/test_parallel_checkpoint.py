@@ -453,3 +453,36 @@ def test_four_ranks_fsdp_tp_ep(tmp_path):
         assert r["dcp_extra"] == {"step": 1}
         _assert_same(r["dcp"]["model"], saved["model"], "4 ranks: weights")
         _assert_same(r["dcp"]["optim"], saved["optim"], "4 ranks: AdamW state")
+
+
+@needs_transformers
+def test_save_pretrained_shards_and_replaces_a_previous_save(tmp_path):
+    """One process: small ``max_shard_bytes`` gives several files and an index, a later save into
+    the same folder replaces them (transformers would prefer a stale ``model.safetensors``), both
+    load back to the same weights; a bad ``max_shard_bytes`` is named."""
+    from harts_runtime import HybridModel, InvalidInputError, load_pretrained, save_pretrained
+    from harts_runtime.models import qwen3_5_moe
+
+    cfg = qwen3_5_moe.from_hf_config(_runtime_tests()[1].hf_config("qwen3_5_moe_text"), chunk_size=16)
+    torch.manual_seed(0)
+    model = HybridModel(cfg)
+    path = tmp_path / "out"
+    save_pretrained(model, path)
+    assert sorted(f.name for f in path.iterdir()) == ["config.json", "model.safetensors"]
+    save_pretrained(model, path, max_shard_bytes=MAX_SHARD_BYTES)
+    index, tensors = _safetensors(path)
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and sorted(f.name for f in path.iterdir()) == sorted(
+        ["config.json", "model.safetensors.index.json", *files]
+    )
+    sizes = [(path / f).stat().st_size for f in files]
+    biggest = max(t.numel() * t.element_size() for t in tensors.values())
+    assert max(sizes) <= max(MAX_SHARD_BYTES, biggest) + 20_000  # + the safetensors header
+    want = model.state_dict()
+    for k, v in load_pretrained(path, chunk_size=16).state_dict().items():
+        assert torch.equal(v, want[k]), k
+    save_pretrained(model, path)
+    assert sorted(f.name for f in path.iterdir()) == ["config.json", "model.safetensors"]
+    with pytest.raises(InvalidInputError) as e:
+        save_pretrained(model, path, max_shard_bytes=0)
+    assert e.value.field == "max_shard_bytes"
