@@ -192,6 +192,8 @@ def apply_fsdp(
             fully_shard(moe, **dict(kw, mesh=mesh.expert_fsdp()))
         fully_shard(block, **kw)
     fully_shard(model, **kw)  # the root: the final norm and the LM head
+    if cpu_offload:  # the weights rest on the host; microbatches go to the mesh's device
+        model._compute_device = torch.device("cuda", torch.cuda.current_device())
     cpu = mesh.dense.device_type == "cpu"
     for m in model.modules():
         if isinstance(m, FSDPModule):

@@ -219,7 +219,9 @@ class HybridModel(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        """Where the microbatches run: the embedding's device, or the compute device that CPU
+        offloading recorded (``harts_runtime.parallel.apply_fsdp``: the weights rest on the host)."""
+        return self.__dict__.get("_compute_device") or self.embed.weight.device
 
     def moe_layers(self) -> list[nn.Module]:
         """The blocks' MoE FFNs (modules with expert-load counts), in block order."""
