@@ -77,8 +77,9 @@ def _slice(args, cfg):
 
 
 def _config(args):
-    from harts_runtime import model_config
     from train_eval import tiny_config
+
+    from harts_runtime import model_config
 
     cfg = model_config(args.flavor, args.layers)
     if args.tiny:

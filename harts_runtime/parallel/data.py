@@ -120,7 +120,11 @@ def run_replica_step(
 
 
 def _device(group) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(group) == "nccl"
+        else torch.device("cpu")
+    )
 
 
 @torch.no_grad()

@@ -85,7 +85,8 @@ class ParallelDims:
             )
         if self.dp_shard % self.ep:
             raise ParallelConfigError(
-                "ep", f"{self.ep} does not divide dp_shard={self.dp_shard} (EP groups are made of dp_shard ranks)"
+                "ep",
+                f"{self.ep} does not divide dp_shard={self.dp_shard} (EP groups are made of dp_shard ranks)",
             )
         if not isinstance(self.sequence_parallel, bool):
             raise ParallelConfigError("sequence_parallel", f"must be a bool, got {self.sequence_parallel!r}")
@@ -155,7 +156,9 @@ class ParallelDims:
         if device_type is None:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         names = ("dp_replicate", "dp_shard", "tp")
-        dense = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=names)
+        dense = init_device_mesh(
+            device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=names
+        )
         dense[("dp_replicate", "dp_shard")]._flatten("dp")
         expert = None
         if self.ep > 1:

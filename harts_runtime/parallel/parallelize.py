@@ -100,13 +100,21 @@ def apply_tp(model: nn.Module, mesh: ParallelMesh) -> None:
             continue
         plan = tp_plan(block.ffn, dims.tp, f" (blocks[{i}].ffn)")
         if plan is None:
-            raise ParallelConfigError(f"blocks[{i}].ffn", f"no tensor-parallel plan for {type(block.ffn).__name__}")
+            raise ParallelConfigError(
+                f"blocks[{i}].ffn", f"no tensor-parallel plan for {type(block.ffn).__name__}"
+            )
         styles[f"blocks.{i}.ffn"] = TensorParallelRegion(plan, sp)
     if not isinstance(model.embed, nn.Embedding) or not isinstance(model.lm_head, nn.Linear):
-        raise ParallelConfigError("model", "tensor parallelism needs an nn.Embedding .embed and an nn.Linear .lm_head")
-    styles["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0) if sp else Replicate())
+        raise ParallelConfigError(
+            "model", "tensor parallelism needs an nn.Embedding .embed and an nn.Linear .lm_head"
+        )
+    styles["embed"] = RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=Shard(0) if sp else Replicate()
+    )
     styles["norm"] = ReplicatedParameters(partial_grad=sp)
-    styles["lm_head"] = VocabParallelHead(sp, backend=getattr(getattr(model, "config", None), "kda_backend", "auto"))
+    styles["lm_head"] = VocabParallelHead(
+        sp, backend=getattr(getattr(model, "config", None), "kda_backend", "auto")
+    )
     parallelize_module(model, tp_mesh, styles)
 
 
@@ -127,7 +135,9 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh) -> None:
             continue
         e = moe.config.num_experts
         if e % dims.ep:
-            raise ParallelConfigError("num_experts", f"{e} is not divisible by ep={dims.ep} (blocks[{i}].ffn)")
+            raise ParallelConfigError(
+                "num_experts", f"{e} is not divisible by ep={dims.ep} (blocks[{i}].ffn)"
+            )
         names = [n for n, _ in moe.named_parameters()]
         placements = {n: ((Shard(0),) if n in _EXPERTS else (Replicate(),)) + tp_rep for n in names}
         grads = {n: ((Shard(0),) if n in _EXPERTS else (Partial(),)) + tp_grad for n in names}
@@ -224,7 +234,9 @@ def parallelize(
     :func:`apply_ac` (``recompute``, ``keep``) and :func:`apply_fsdp`.
     """
     if not isinstance(mesh, ParallelMesh):
-        raise ParallelConfigError("mesh", f"expected a ParallelMesh (ParallelDims.build_mesh()), got {type(mesh).__name__}")
+        raise ParallelConfigError(
+            "mesh", f"expected a ParallelMesh (ParallelDims.build_mesh()), got {type(mesh).__name__}"
+        )
     if getattr(model, "_harts_parallel", None) is not None:
         raise ParallelConfigError("model", "is already parallelized")
     dims = mesh.dims

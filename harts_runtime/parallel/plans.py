@@ -82,7 +82,8 @@ def _attention(m: CompactAttention | CompactGatedAttention, tp: int) -> LayerPla
     kv = COL if c.num_kv_heads % tp == 0 else REP
     if kv is REP and c.num_kv_heads != 1:
         raise ParallelConfigError(
-            "num_kv_heads", f"{c.num_kv_heads} is not divisible by tp={tp} (only one KV head can be replicated)"
+            "num_kv_heads",
+            f"{c.num_kv_heads} is not divisible by tp={tp} (only one KV head can be replicated)",
         )
     p = {}
     for name in ("q_proj", "k_proj", "v_proj"):

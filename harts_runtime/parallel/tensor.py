@@ -225,10 +225,13 @@ class VocabParallelHead(ParallelStyle):
         from harts_runtime.modules.fused import use_fla
 
         if not isinstance(module, nn.Linear) or module.bias is not None:
-            raise ParallelConfigError("lm_head", "a vocabulary-parallel LM head must be a bias-free nn.Linear")
+            raise ParallelConfigError(
+                "lm_head", "a vocabulary-parallel LM head must be a bias-free nn.Linear"
+            )
         if module.weight.shape[0] < device_mesh.size():
             raise ParallelConfigError(
-                "vocab_size", f"{module.weight.shape[0]} < tp={device_mesh.size()}: a rank would hold no vocabulary"
+                "vocab_size",
+                f"{module.weight.shape[0]} < tp={device_mesh.size()}: a rank would hold no vocabulary",
             )
         distribute_parameters(module, device_mesh, {"weight": (Shard(0),)})
         sp, mesh, backend = self.sequence_parallel, device_mesh, self.backend
@@ -242,7 +245,9 @@ class VocabParallelHead(ParallelStyle):
             d = hidden.shape[-1]
             if sp:
                 total = _sp_rows(hidden.shape[0], group) if num_rows is None else int(num_rows)
-                h = DTensor.from_local(hidden, mesh, [Shard(0)], run_check=False, shape=(total, d), stride=(d, 1))
+                h = DTensor.from_local(
+                    hidden, mesh, [Shard(0)], run_check=False, shape=(total, d), stride=(d, 1)
+                )
                 h = h.redistribute(mesh, [Replicate()])
             else:
                 h = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)

@@ -19,7 +19,13 @@ import numpy as np
 import pytest
 import torch
 
-from harts_runtime.parallel import ParallelConfigError, ParallelDims, replica_schedule, run_distributed, step_slots
+from harts_runtime.parallel import (
+    ParallelConfigError,
+    ParallelDims,
+    replica_schedule,
+    run_distributed,
+    step_slots,
+)
 
 CAPACITY = 30  # the debug batch: 4 microbatches at D = 2 (2 slots each)
 LR = 1e-3
@@ -27,7 +33,9 @@ EPS = 1e-6  # AdamW's eps: an element whose gradient is far below eps moves by l
 # noise in g (1e-9 next to a 1e-2 maximum) moves it by 1e-3 lr here, not by 0.1 lr as with eps = 1e-8
 TOL_LOSS = 1e-5  # relative, float32
 TOL_LOGPROB = 2e-5  # absolute, float32 log-probs
-TOL_GRAD = 1e-4  # max |parallel - single| over max |single|, per tensor (float32; TP sums heads in another order)
+TOL_GRAD = (
+    1e-4  # max |parallel - single| over max |single|, per tensor (float32; TP sums heads in another order)
+)
 TOL_PARAM_MAX = 0.1 * LR  # per element, after two AdamW steps: Adam divides by sqrt(v), so an element
 # whose gradient is near eps can move by a few percent of lr on float32 summation-order noise
 TOL_PARAM_MEAN = 1e-3 * LR  # per tensor: mean |difference|, which any real error (a missed reduction,
@@ -100,7 +108,9 @@ def _worker(rank, world, name, path, dims_kw, keep, plan_kind):
         sync_expert_load(model, mesh)
         if it == 0:
             out["grads"] = {n: _full(p.grad) for n, p in model.named_parameters()}
-            out["counts"] = {n: b.clone() for n, b in model.named_buffers() if n.endswith("tokens_per_expert")}
+            out["counts"] = {
+                n: b.clone() for n, b in model.named_buffers() if n.endswith("tokens_per_expert")
+            }
         opt.step()
         model.update_expert_bias()
     out["params"] = {n: _full(p.detach()) for n, p in model.named_parameters()}
@@ -126,7 +136,9 @@ def _reference(name, path, dp, keep, plan_kind):
         out["losses"].append(total)
         if it == 0:
             out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
-            out["counts"] = {n: b.clone() for n, b in model.named_buffers() if n.endswith("tokens_per_expert")}
+            out["counts"] = {
+                n: b.clone() for n, b in model.named_buffers() if n.endswith("tokens_per_expert")
+            }
         opt.step()
         model.update_expert_bias()
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -149,14 +161,18 @@ def _check(results, ref):
     for r in results:
         where = f"rank {r['coords']}"
         for n, c in ref["counts"].items():
-            torch.testing.assert_close(r["counts"][n], c, msg=lambda m, n=n: f"{where} {n}: {m}")
+            torch.testing.assert_close(r["counts"][n], c, msg=lambda m, n=n, w=where: f"{w} {n}: {m}")
         for n, g in ref["grads"].items():
             err = float((r["grads"][n] - g).abs().max() / g.abs().max().clamp_min(1e-30))
             assert err <= TOL_GRAD, f"{where} d{n}: relative error {err:.2e} > {TOL_GRAD}"
         for n, p in ref["params"].items():
             diff = (r["params"][n] - p).abs()
-            assert float(diff.max()) <= TOL_PARAM_MAX, f"{where} {n} after 2 steps: max diff {float(diff.max()):.2e}"
-            assert float(diff.mean()) <= TOL_PARAM_MEAN, f"{where} {n} after 2 steps: mean diff {float(diff.mean()):.2e}"
+            assert float(diff.max()) <= TOL_PARAM_MAX, (
+                f"{where} {n} after 2 steps: max diff {float(diff.max()):.2e}"
+            )
+            assert float(diff.mean()) <= TOL_PARAM_MEAN, (
+                f"{where} {n} after 2 steps: mean diff {float(diff.mean()):.2e}"
+            )
 
 
 def _tiny_checkpoint(tmp_path_factory, family):
@@ -259,7 +275,9 @@ def test_parallel_step_matches_single_process(case, checkpoints):
     results = run_distributed(_worker, world, name, path, dims_kw, keep, plan_kind, timeout=300)
     dims = ParallelDims(world_size=world, **dims_kw)
     if plan_kind == "uneven":  # replica 1 ran an empty microbatch in its second slot
-        assert sorted(r["padded"] for r in results) == sorted(int(r["coords"]["replica"] == 1) for r in results)
+        assert sorted(r["padded"] for r in results) == sorted(
+            int(r["coords"]["replica"] == 1) for r in results
+        )
     _check(results, _reference(name, path, dims.dp, keep, plan_kind))
 
 
