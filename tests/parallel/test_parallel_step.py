@@ -176,67 +176,23 @@ def _check(results, ref):
 
 
 def _tiny_checkpoint(tmp_path_factory, family):
-    """A random-weight Kimi-Linear or Qwen3.5-MoE checkpoint folder (transformers' config class, our
-    ``save_pretrained``), small enough for 2-4 CPU processes, with head and expert counts ``tp=2`` and
-    ``ep=2`` divide."""
-    import transformers
+    """A random-weight Kimi-Linear or Qwen3.5-MoE checkpoint folder (the family tests' tiny
+    transformers configs at 2 layers, our ``save_pretrained``), with head and expert counts that
+    ``tp=2`` and ``ep=2`` divide."""
+    from hf_configs import kimi_linear_config, qwen_config
 
     from harts_runtime import HybridModel, save_pretrained
     from harts_runtime.models import kimi_linear, qwen3_5_moe
 
-    common = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        initializer_range=0.2,
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
+    layers = ["linear_attention", "full_attention"]
     if family == "kimi_linear":
-        hf = transformers.KimiLinearConfig(
-            **common,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            n_shared_experts=1,
-            routed_scaling_factor=2.5,
-            kv_lora_rank=16,
-            q_lora_rank=None,
-            qk_rope_head_dim=4,
-            v_head_dim=8,
-            qk_nope_head_dim=8,
-            n_group=2,
-            topk_group=1,
-            num_experts_per_tok=2,
-            num_local_experts=4,
-            norm_topk_prob=True,
-            linear_head_dim=8,
-            linear_num_heads=2,
-            linear_conv_kernel_dim=4,
-            layer_types=["linear_attention", "full_attention"],
-            mlp_layer_types=["dense", "sparse"],
-        )
+        hf = kimi_linear_config(
+            num_hidden_layers=2, n_group=2, topk_group=1, num_experts_per_tok=2, num_local_experts=4,
+            layer_types=layers, mlp_layer_types=["dense", "sparse"],
+        )  # fmt: skip
         cfg = kimi_linear.from_hf_config(hf, dtype="float32", chunk_size=8)
     else:
-        hf = transformers.Qwen3_5MoeTextConfig(
-            **common,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            num_experts=4,
-            num_experts_per_tok=2,
-            shared_expert_intermediate_size=24,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            linear_conv_kernel_dim=4,
-            layer_types=["linear_attention", "full_attention"],
-            partial_rotary_factor=0.5,
-        )
-        cfg = qwen3_5_moe.from_hf_config(hf, dtype="float32", chunk_size=8)
+        cfg = qwen3_5_moe.from_hf_config(qwen_config(family, layers), dtype="float32", chunk_size=8)
     torch.manual_seed(3)
     path = tmp_path_factory.mktemp(family)
     save_pretrained(HybridModel(cfg), path)

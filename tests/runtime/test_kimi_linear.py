@@ -27,6 +27,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 hp = pytest.importorskip("harts_planner")
 
+from hf_configs import V  # noqa: E402
+from hf_configs import kimi_linear_config as hf_config  # noqa: E402
 from hf_reference import (  # noqa: E402
     compact_and_trajectory_grads,
     hf_logits,
@@ -52,44 +54,8 @@ from harts_runtime.ops.attention import resolve_backend  # noqa: E402
 TOL_LOGITS = 1e-4  # fp32: max |ours - HF| logit over max |HF| logit
 TOL_GRAD = 1e-4  # fp32: max |ours - HF| gradient entry over max |HF| entry, per tensor
 TOL_TRAIN = {"loss": (1e-6, 1e-5), "grad": (2e-6, 2e-3)}  # compact vs trajectory, as test_train.py
-V = 96
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def hf_config(**changes):
-    kw = dict(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        n_shared_experts=1,
-        routed_scaling_factor=2.5,
-        kv_lora_rank=16,
-        q_lora_rank=None,
-        qk_rope_head_dim=4,
-        v_head_dim=8,
-        qk_nope_head_dim=8,
-        n_group=4,
-        topk_group=2,
-        num_experts_per_tok=3,
-        num_local_experts=8,
-        norm_topk_prob=True,
-        initializer_range=0.2,
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
-        linear_head_dim=8,
-        linear_num_heads=2,
-        linear_conv_kernel_dim=4,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
-    )
-    kw.update(changes)
-    return transformers.KimiLinearConfig(**kw)
 
 
 @pytest.fixture

@@ -32,6 +32,8 @@ pytest.importorskip("safetensors")
 hp = pytest.importorskip("harts_planner")
 
 
+from hf_configs import MIXED, V  # noqa: E402
+from hf_configs import qwen_config as hf_config  # noqa: E402
 from hf_reference import (  # noqa: E402
     compact_and_trajectory_grads,
     hf_logits,
@@ -48,45 +50,10 @@ from harts_runtime.models import qwen3_5_moe, qwen3_next  # noqa: E402
 TOL_LOGITS = 1e-4  # fp32: max |ours - HF| logit over max |HF| logit
 TOL_GRAD = 3e-4  # fp32: max |ours - HF| gradient entry over max |HF| entry, per tensor (the GDN
 # decay parameters dt_bias / A_log sum over every row: measured 1.1e-4 through three layers)
-V = 96
 FULL = ["full_attention"] * 3
-MIXED = ["linear_attention", "full_attention", "linear_attention"]
 FAMILIES = ("qwen3_next", "qwen3_5_moe_text")
 
 pytestmark = pytest.mark.usefixtures("one_thread", "hf_torch_gdn")
-
-
-def hf_config(family: str, layer_types=MIXED, **changes):
-    kw = dict(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=24,
-        num_hidden_layers=len(layer_types),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-        layer_types=list(layer_types),
-        initializer_range=0.2,
-        partial_rotary_factor=0.5,
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    if family == "qwen3_next":
-        kw.update(mlp_only_layers=[1], norm_topk_prob=True)
-        kw.update(changes)
-        return transformers.Qwen3NextConfig(**kw)
-    kw.update(changes)
-    return transformers.Qwen3_5MoeTextConfig(**kw)
 
 
 def _hf_class(family):
