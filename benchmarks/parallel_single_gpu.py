@@ -127,20 +127,19 @@ def section_overhead(args, dev) -> dict:
             p.grad = None
         return run_microbatch(model, step, microbatch=mb)[0]
 
-    loss_plain = float(fbg())
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    plain = _timed(dev, fbg, args.warmup, args.repeats)
-    peak_plain = _peak(dev)
-    log(f"plain: {plain}")
+    def measure(label):
+        """(first loss, warm F/B/Grad seconds, peak GiB of the timed runs)."""
+        loss = float(fbg())
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        times = _timed(dev, fbg, args.warmup, args.repeats)
+        log(f"{label}: {times}")
+        return loss, times, _peak(dev)
+
+    loss_plain, plain, peak_plain = measure("plain")
     apply_recompute(model, False)
     parallelize(model, mesh, recompute=True, keep=keep)
-    loss_par = float(fbg())
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    par = _timed(dev, fbg, args.warmup, args.repeats)
-    peak_par = _peak(dev)
-    log(f"parallel (FSDP2, world size 1): {par}")
+    loss_par, par, peak_par = measure("parallel (FSDP2, world size 1)")
     mp, mq = statistics.median(plain), statistics.median(par)
     return {
         "section": "overhead",
