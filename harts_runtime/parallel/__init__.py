@@ -5,7 +5,7 @@ Nothing in the single-process path imports this package. Entry points::
 
     dims = ParallelDims(dp_shard=2, tp=2, ep=2, world_size=4, sequence_parallel=True)
     mesh = dims.build_mesh()
-    parallelize(model, mesh, recompute=True)          # TP -> EP -> AC -> compile -> FSDP2
+    parallelize(model, mesh, recompute=True)          # TP -> EP -> AC -> FSDP2
     result = run_replica_step(plan, mesh, lambda slot, traj: run_microbatch(model, step, traj)[0])
     sync_expert_load(model, mesh)                      # before model.update_expert_bias()
     save_checkpoint(path, model, optimizer, extra={"step": 1})   # DCP; loads under any other config
@@ -27,7 +27,6 @@ from harts_runtime.parallel.expert import ExpertDispatch
 from harts_runtime.parallel.launch import run_distributed
 from harts_runtime.parallel.parallelize import (
     apply_ac,
-    apply_compile,
     apply_ep,
     apply_fsdp,
     apply_tp,
@@ -55,7 +54,6 @@ __all__ = [
     "TensorParallelRegion",
     "VocabParallelHead",
     "apply_ac",
-    "apply_compile",
     "apply_ep",
     "apply_fsdp",
     "apply_tp",

@@ -14,8 +14,7 @@
    (:class:`~harts_runtime.parallel.expert.ExpertDispatch`);
 3. :func:`apply_ac`: block recomputation (:func:`harts_runtime.recompute.apply_recompute`, the
    runtime's one switch; kept regions included);
-4. :func:`apply_compile` (optional): ``torch.compile`` per block;
-5. :func:`apply_fsdp`: FSDP2 ``fully_shard`` on the embedding, every block, and the root (the final
+4. :func:`apply_fsdp`: FSDP2 ``fully_shard`` on the embedding, every block, and the root (the final
    norm and the LM head), over ``dp_shard`` (HSDP over ``(dp_replicate, dp_shard)``); under EP the
    MoE layers over their own mesh (``efsdp``), as torchtitan does for MoE. Gradients are summed, not
    averaged (``set_gradient_divide_factor(1.0)``): every loss of the runtime is already normalised
@@ -29,6 +28,10 @@ checkpoints are the same under any configuration. The single-process code never 
 package; it only offers plain hooks that this package fills in (an LM head with
 ``mapped_logprobs``, ``CompactMoE.row_shard`` and ``CompactMoE.expert_dispatch``).
 
+Not applied: ``torch.compile`` (torchtitan's optional step between recomputation and FSDP). Measured
+on the CPU with the debug model: under block recomputation dynamo breaks the graph at the kept-region
+context of the checkpointed forward and compiles nothing; without it, fake tensors reject the
+float32 grouped GEMM the MoE runs eagerly. The heavy parts are Triton / CuTe kernels already.
 Not yet: pipeline parallelism (``pp > 1`` is rejected by :class:`ParallelDims`; ``docs/parallel.md``).
 """
 
@@ -52,7 +55,7 @@ from harts_runtime.parallel.tensor import (
 )
 from harts_runtime.recompute import apply_recompute
 
-__all__ = ["apply_ac", "apply_compile", "apply_ep", "apply_fsdp", "apply_tp", "parallelize"]
+__all__ = ["apply_ac", "apply_ep", "apply_fsdp", "apply_tp", "parallelize"]
 
 _EXPERTS = ("w_gate", "w_up", "w_down")
 
@@ -151,13 +154,6 @@ def apply_ac(model: nn.Module, keep: tuple[str, ...] = (), save_intermediates: b
     apply_recompute(model, keep=keep, save_intermediates=save_intermediates)
 
 
-def apply_compile(model: nn.Module, **compile_kwargs) -> None:
-    """``torch.compile`` each block's forward in place (graph breaks allowed: the Triton and CuTe
-    kernels, the MoE's split sizes and the plan objects stay outside the graphs)."""
-    for block in _blocks(model):
-        block.compile(**compile_kwargs)
-
-
 def _fsdp_kwargs(mesh, param_dtype, reduce_dtype, cpu_offload, reshard_after_forward):
     kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if param_dtype is not None or reduce_dtype is not None:
@@ -223,13 +219,12 @@ def parallelize(
     *,
     recompute: bool = False,
     keep: tuple[str, ...] = (),
-    compile: bool = False,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Apply TP, EP, recomputation, compilation and FSDP2 to ``model`` in place, in that order;
+    """Apply TP, EP, recomputation and FSDP2 to ``model`` in place, in that order;
     returns it. ``mesh`` from :meth:`ParallelDims.build_mesh`; the other options are those of
     :func:`apply_ac` (``recompute``, ``keep``) and :func:`apply_fsdp`.
     """
@@ -247,8 +242,6 @@ def parallelize(
         apply_ep(model, mesh)
     if recompute:
         apply_ac(model, keep)
-    if compile:
-        apply_compile(model)
     apply_fsdp(
         model,
         mesh,
