@@ -1,8 +1,9 @@
 """CPU smoke tests of the GPU benchmarks at tiny sizes: ``benchmarks/layer_speed.py`` writes its
 top-level keys and a parity record per case; ``benchmarks/train_eval.py`` runs every section on the
 Qwen3.5-shaped flavor (GDN + gated attention + MoE with a gated shared expert) and on a Qwen3.5
-checkpoint folder (``--model PATH``). The debug-flavor and Kimi-Linear-folder runs of train_eval
-are in ``test_train.py`` and ``test_kimi_linear.py``."""
+checkpoint folder (``--model PATH``); ``benchmarks/parallel_eval.py`` runs under ``torchrun`` on 2
+CPU processes (gloo) and parses its configuration syntax. The debug-flavor and Kimi-Linear-folder
+runs of train_eval are in ``test_train.py`` and ``test_kimi_linear.py``."""
 
 import importlib.util
 import json
@@ -191,3 +192,100 @@ def test_train_eval_qwen35_checkpoint_folder(tmp_path):
     res = json.loads((out / "train_eval.json").read_text())
     assert str(tmp_path / "hf") in res["meta"]["model"]
     _train_eval_ok(res)
+
+
+def test_parallel_eval_configs_and_baseline_schedule():
+    """``parallel_eval.py``'s configuration syntax (key=value lists separated by ';', predefined
+    names, the old comma list of names), the world-size filling and skip messages, and the
+    trajectory baseline's packing (every trajectory once, equal counts per replica)."""
+    import numpy as np
+
+    pe = _load("parallel_eval")
+    items = pe.parse_configs("dp_shard=2,tp=2,sp,ep=2; tp=2,sp=0 ;table4-8gpu", ["dp2,ep2"])
+    assert [t for t, _ in items] == ["dp_shard=2,tp=2,sp,ep=2", "tp=2,sp=0", "table4-8gpu", "dp2", "ep2"]
+    assert items[0][1] == {"dp_shard": 2, "tp": 2, "sequence_parallel": True, "ep": 2}
+    assert items[1][1] == {"tp": 2, "sequence_parallel": False}
+    assert items[2][1] == {"dp_shard": 4, "tp": 2, "sequence_parallel": True, "ep": 4}
+    for bad, word in (
+        ("dp=2", "dp_shard"),
+        ("tp=x", "tp"),
+        ("pp=2", "unknown key"),
+        ("fast", "unknown configuration"),
+    ):
+        with pytest.raises(pe.ConfigSpecError, match=word):
+            pe.parse_configs(bad, None)
+    dims, why = pe.make_dims({"tp": 2, "sequence_parallel": True}, 4)  # dp_shard from the world
+    assert why is None and (dims.dp_shard, pe.dims_label(dims)) == (2, "dp_shard=2,tp=2,sp")
+    assert "needs 4 ranks" in pe.make_dims({"dp_shard": 4}, 2)[1]
+    assert "ep" in pe.make_dims({"dp_shard": 2, "ep": 4}, 2)[1]
+    names = {w: [n for n, _ in pe.predefined_for(w)] for w in (2, 4, 8)}
+    assert "dp2-tp2-sp-ep2" in names[4] and "dp4-tp2-sp-ep4" in names[8] and "tp2-sp" in names[2]
+    for w, got in names.items():
+        for n in got:
+            assert pe.make_dims(pe.parse_kv(pe.PREDEFINED[n]), w)[1] is None, n
+    lengths = np.array([30, 5, 5, 12, 7, 40, 3, 9], dtype=np.int64)
+    for dp in (1, 2, 4):
+        per = pe._baseline_schedule(lengths, 48, dp)
+        seen = np.sort(np.concatenate([p for packs in per for p in packs]))
+        assert seen.tolist() == list(range(len(lengths)))
+        assert len({len(packs) for packs in per}) == 1 and all(lengths[p].sum() <= 48 for r in per for p in r)
+        plan = pe.BaselinePlan(per, lengths)
+        assert plan.dp_size == dp and int(plan.work.sum()) == int(lengths.sum())
+
+
+@pytest.mark.slow
+def test_parallel_eval_two_process_cpu_smoke(tmp_path):
+    """``torchrun --nproc-per-node 2 benchmarks/parallel_eval.py`` on the CPU (gloo, the debug flavor in
+    float32): FSDP2 + EP and TP + SP match the single-process step (loss, every log-prob, every
+    gradient, the expert-load counts), the speed and balance fields are there, a configuration of
+    another world size is skipped, the reference files are removed."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "pe.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [
+        os.path.join(BENCH, "parallel_eval.py"),
+        "--device",
+        "cpu",
+        "--flavor",
+        "debug",
+        "--preset",
+        "tiny",
+    ]
+    cmd += [
+        "--capacity",
+        "24",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--configs",
+        "dp_shard=2,ep=2;tp=2,sp;dp_shard=4",
+    ]
+    cmd += ["--scratch", str(tmp_path), "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    doc = json.loads(out.read_text())
+    assert doc["environment"]["world_size"] == 2 and doc["environment"]["device"] == "cpu"
+    assert doc["model"]["compute"] == "float32"
+    ran, skipped = doc["results"][:2], doc["results"][2]
+    assert "needs 4 ranks" in skipped["skipped"]
+    assert [r["label"] for r in ran] == ["dp_shard=2,ep=2", "tp=2,sp"]
+    for r in ran:
+        assert r["loss_rel_diff"] < 1e-5, r
+        assert r["logprob_coverage_ok"] and r["logprob_max_abs_diff"] < 1e-4, r
+        assert r["grad_max_rel_err"] < 1e-3 and r["grad_min_cos"] > 0.9999, r["grad_worst"]
+        assert r["grad_params_compared"] > 0 and r["expert_load_max_rel_diff"] < 1e-5 and r["bf16_ok"]
+        for key in ("harts_fbg_s", "baseline_fbg_s", "fbg_speedup", "core_speedup", "fbg_speedup_over_ideal"):
+            assert r[key] > 0, key
+        assert r["step_compression"] > 1 and r["planner_s"] >= 0
+        pred, meas = r["balance"]["predicted"], r["balance"]["measured"]
+        assert sum(pred["replica_work"]) == r["plan"]["total_work"]
+        assert len(pred["slot_work"]) == r["plan"]["num_slots"] == len(meas["rank_slot_seconds"][0])
+        assert len(meas["rank_slot_seconds"]) == 2 and len(meas["replica_seconds"]) == r["dims"]["dp"]
+    assert ran[0]["plan"]["num_slots"] >= 2  # several slots per replica at T = 24
+    assert not list(tmp_path.glob("parallel_eval_ref*"))
+    assert "| dp_shard=2,ep=2 |" in proc.stdout
