@@ -38,6 +38,7 @@ _EXPORTS = {
     "InvalidInputError": "harts_runtime.errors",
     "ParallelConfigError": "harts_runtime.errors",
     "StepInputsError": "harts_runtime.errors",
+    "export_weights": "harts_runtime.hf",
     "load_pretrained": "harts_runtime.hf",
     "save_pretrained": "harts_runtime.hf",
     "CallLayoutArrays": "harts_runtime.layout",

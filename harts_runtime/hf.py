@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from harts_runtime.errors import InvalidInputError
 
-__all__ = ["FAMILIES", "load_pretrained", "save_pretrained"]
+__all__ = ["FAMILIES", "export_weights", "load_pretrained", "save_pretrained"]
 
 FAMILIES = ("kimi_linear", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
 """``config.json`` ``model_type`` values :func:`load_pretrained` reads (``qwen3_5_moe``: its text part)."""
@@ -296,6 +296,54 @@ def _quiet_redistribute():
         log.setLevel(level)
 
 
+def _sharded(model) -> bool:
+    sharded = any(_is_dtensor(v) for v in model.state_dict().values())
+    if sharded and not dist.is_initialized():
+        raise InvalidInputError("model", "has DTensor parameters but torch.distributed is not initialised")
+    return sharded
+
+
+def _hf_tensors(model, adapter):
+    """``(HF name, full tensor)`` of every checkpoint tensor of ``model``, one at a time, in the
+    adapter's order, on every rank (a sharded parameter is gathered with ``full_tensor()``, a
+    collective in the same order everywhere, and dropped after its last HF tensor)."""
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    _check_state(adapter, state, _sharded(model))  # before the first tensor: an error writes nothing
+    return _hf_stream(adapter, state)
+
+
+def _hf_stream(adapter, state: dict):
+    names = list(adapter.checkpoint_names)
+    pieces = {n: adapter.pieces(n) for n in names}
+    last_use = {p.ours: i for i, n in enumerate(names) for p in pieces[n]}
+    full: dict[str, torch.Tensor] = {}
+
+    def ours(k: str) -> torch.Tensor:
+        if k not in full:
+            t = state[k]
+            full[k] = t.full_tensor() if _is_dtensor(t) else t  # collective, same order on every rank
+        return full[k]
+
+    with torch.no_grad(), _quiet_redistribute():
+        for i, name in enumerate(names):
+            for p in pieces[name]:
+                ours(p.ours)
+            yield name, adapter.assemble(name, ours)
+            for p in pieces[name]:
+                if last_use[p.ours] == i:
+                    full.pop(p.ours, None)
+
+
+def export_weights(model, model_type: str | None = None):
+    """Stream ``(transformers name, tensor)`` pairs of ``model``'s weights, one tensor at a time, in
+    the checkpoint spelling :func:`save_pretrained` writes (for a rollout engine's weight sync:
+    vLLM / SGLang ``load_weights``). A parallelized model's tensors are gathered collectively:
+    every rank iterates the whole stream (each gets the full tensors). ``model_type`` as for
+    :func:`save_pretrained`."""
+    _, adapter = _save_setup(model, model_type)
+    return _hf_tensors(model, adapter)
+
+
 def save_pretrained(
     model, path, model_type: str | None = None, *, max_shard_bytes: int = MAX_SHARD_BYTES
 ) -> None:
@@ -324,42 +372,18 @@ def save_pretrained(
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise InvalidInputError("max_shard_bytes", f"must be a positive integer, got {max_shard_bytes!r}")
     hf_config, adapter = _save_setup(model, model_type)
-    state = {k: v.detach() for k, v in model.state_dict().items()}
-    sharded = any(_is_dtensor(v) for v in state.values())
-    rank = 0
-    if sharded:
-        if not dist.is_initialized():
-            raise InvalidInputError(
-                "model", "has DTensor parameters but torch.distributed is not initialised"
-            )
-        rank = dist.get_rank()
-    _check_state(adapter, state, sharded)
-    names = list(adapter.checkpoint_names)
-    pieces = {n: adapter.pieces(n) for n in names}
-    last_use = {p.ours: i for i, n in enumerate(names) for p in pieces[n]}
+    sharded = _sharded(model)
+    rank = dist.get_rank() if sharded else 0
+    tensors = _hf_tensors(model, adapter)  # checks first: a refused model leaves the folder as it was
     path = Path(path)
     writer = None
     if rank == 0:
         os.makedirs(path, exist_ok=True)
         _remove_weights(path)
         writer = _ShardWriter(path, max_shard_bytes)
-    full: dict[str, torch.Tensor] = {}
-
-    def ours(k: str) -> torch.Tensor:
-        if k not in full:
-            t = state[k]
-            full[k] = t.full_tensor() if _is_dtensor(t) else t  # collective, same order on every rank
-        return full[k]
-
-    with torch.no_grad(), _quiet_redistribute():
-        for i, name in enumerate(names):
-            for p in pieces[name]:
-                ours(p.ours)
-            if writer is not None:
-                writer.add(name, adapter.assemble(name, ours))
-            for p in pieces[name]:
-                if last_use[p.ours] == i:
-                    full.pop(p.ours, None)
+    for name, tensor in tensors:
+        if writer is not None:
+            writer.add(name, tensor)
     if writer is not None:
         writer.close()
         (path / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
