@@ -68,12 +68,49 @@ class StepInputs:
                 raise InvalidInputError(
                     name, f"expected a 1-D tensor of P = S - N = {p} entries, got {shape}"
                 )
+        self._check_values()
         if self.group_ids is not None and self.group_ids.numel() != n:
             raise InvalidInputError("group_ids", f"expected {n} entries, got {self.group_ids.numel()}")
         if self.objective not in ("grpo", "ppo"):
             raise InvalidInputError("objective", f"choose grpo or ppo, got {self.objective!r}")
         if self.config.kl_coef and self.ref_logprobs is None:
             raise InvalidInputError("ref_logprobs", "required when kl_coef != 0")
+
+    def _check_values(self) -> None:
+        """Refuse what would silently poison a step, before any work: a non-finite advantage, a
+        log-prob that is not finite or above 0 (one NaN advantage turned every parameter NaN after
+        one step; old log-probs of -inf gave a loss of 3.7e7), a loss mask that is not boolean or
+        0 / 1. The error names the field, trajectory and position."""
+        cu = self.cu_seqlens.numpy()
+        for name in ("advantages", "old_logprobs", "ref_logprobs"):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if not t.is_floating_point():
+                raise InvalidInputError(name, f"must be a floating-point tensor, got {t.dtype}")
+            bad = ~torch.isfinite(t)
+            if name != "advantages":
+                bad |= t > 0
+            if bool(bad.any()):
+                k = int(bad.nonzero()[0, 0])
+                i = int(np.searchsorted(cu, k, side="right") - 1)
+                what = "advantages must be finite" if name == "advantages" else "log-probs must be finite and <= 0"
+                raise InvalidInputError(f"{name}[{i}][{k - int(cu[i])}]", f"{what}, got {float(t[k])}")
+        m = self.loss_mask
+        if m.dtype != torch.bool:
+            if m.is_complex() or not bool(((m == 0) | (m == 1)).all()):
+                raise InvalidInputError("loss_mask", f"must be boolean or 0 / 1 (dtype {m.dtype})")
+
+    def check_tokens(self, vocab_size: int) -> None:
+        """:class:`InvalidInputError` naming the first token id outside ``[0, vocab_size)`` (the
+        model's vocabulary), before it reaches an embedding as a raw IndexError; once per step."""
+        if self._cache.get("tokens_checked") == vocab_size:
+            return
+        from harts_runtime.rollouts import _check_token_range
+
+        tokens = np.asarray(self.batch.tokens, dtype=np.int64)
+        _check_token_range(tokens, np.asarray(self.batch.offsets, dtype=np.int64), vocab_size, "tokens")
+        self._cache["tokens_checked"] = vocab_size
 
     # ------------------------------------------------------------------ derived (cached)
     @property
@@ -141,6 +178,13 @@ class StepInputs:
                 "ref_logprobs": mv(self.ref_logprobs),
                 "weights": mv(self.weights),
             }
+        return self._cache[key]
+
+    def device_mask(self, device) -> torch.Tensor:
+        """The loss mask as bool on ``device`` (moved once per device)."""
+        key = ("mask", str(device))
+        if key not in self._cache:
+            self._cache[key] = self.loss_mask.to(device=device).bool()
         return self._cache[key]
 
     @classmethod

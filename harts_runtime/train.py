@@ -58,7 +58,7 @@ from harts_runtime.layout.rows import (
     pack_trajectories,
     trajectory_microbatch,
 )
-from harts_runtime.loss.objectives import policy_loss
+from harts_runtime.loss.functions import LossFn, MicrobatchInputs, policy_loss_fn
 from harts_runtime.models import HybridModel, ModelConfig
 from harts_runtime.recompute import recompute_enabled
 from harts_runtime.step_inputs import StepInputs
@@ -67,6 +67,7 @@ __all__ = [
     "StepResult",
     "forward_microbatch",
     "make_microbatch",
+    "microbatch_inputs",
     "plan_microbatches",
     "run_microbatch",
     "step_logprobs",
@@ -87,6 +88,7 @@ def make_microbatch(
     zero loss; data parallelism pads a short replica's slots with it)."""
     _check_mode(mode)
     cfg = model.config
+    step.check_tokens(cfg.vocab_size)
     with torch.profiler.record_function("harts.layout"):
         if mode == "trajectory" or (call_plan is None and len(traj_indices) == 0):
             return trajectory_microbatch(step, traj_indices, cfg, model.device)
@@ -104,6 +106,26 @@ def forward_microbatch(model: HybridModel, mb: Microbatch, *, no_replay: bool = 
     return model(layout, mb.row_index, mb.labels, (mb.lm_order, mb.lm_bounds))
 
 
+def microbatch_inputs(step: StepInputs, mb: Microbatch, device) -> MicrobatchInputs:
+    """The per-target fields of microbatch ``mb`` on ``device`` (what a loss function receives)."""
+    meta = step.device_metadata(device)
+    ti = mb.target_index
+    ref = meta["ref_logprobs"]
+    mask = step.device_mask(device)
+    return MicrobatchInputs(
+        target_index=ti,
+        advantages=meta["advantages"][ti],
+        old_logprobs=meta["old_logprobs"][ti],
+        ref_logprobs=None if ref is None else ref[ti],
+        loss_mask=mask[ti],
+        weights=meta["weights"][ti],
+        cu_seqlens=mb.cu_local.to(device),
+        trajectories=torch.as_tensor(np.asarray(mb.trajectories, dtype=np.int64)),
+        config=step.config,
+        semantic_tokens=mb.semantic_tokens,
+    )
+
+
 def run_microbatch(
     model: HybridModel,
     step: StepInputs,
@@ -115,43 +137,43 @@ def run_microbatch(
     no_replay: bool = False,
     backward: bool = True,
     return_hidden: bool = False,
+    loss_fn: LossFn | None = None,
 ):
     """Forward and backward of one microbatch; returns ``(loss_contribution, stats)``.
 
     ``traj_indices``: the microbatch's trajectory ids (ignored when ``microbatch``, from
-    :func:`make_microbatch`, is given); ``call_plan``: its precomputed plan (compact mode);
-    ``backward``: backpropagate the contribution (gradients accumulate into ``.grad``);
-    ``return_hidden``: also return the final normed hidden rows (detached) as ``stats["hidden"]``
-    with ``stats["row_index"]`` and ``stats["labels"]`` (evaluation).
+    :func:`make_microbatch`, is given; empty: the empty microbatch); ``call_plan``: its
+    precomputed plan (compact mode); ``backward``: backpropagate the contribution (gradients
+    accumulate into ``.grad``); ``return_hidden``: also return the final normed hidden rows
+    (detached) as ``stats["hidden"]`` with ``stats["row_index"]`` and ``stats["labels"]``
+    (evaluation); ``loss_fn``: the objective, ``loss_fn(logprobs, inputs) -> loss`` or ``(loss,
+    metrics)`` (:mod:`harts_runtime.loss.functions`; None: the step's GRPO / PPO,
+    :data:`~harts_runtime.loss.functions.policy_loss_fn`), normalised by step-level denominators.
+    The MoE router loss is added to it (its share ``S_mb / S``).
 
     Returns ``loss_contribution`` (float32 scalar, detached: this microbatch's share of the step
     loss under the module docstring's normalisation) and ``stats``: ``policy_loss``,
     ``router_loss`` (contributions), ``rows``, ``semantic_tokens``, ``replay_tokens``,
-    ``num_calls``, ``logprobs`` (detached [P_mb]) and ``target_index`` ([P_mb], into the step's
-    per-token tensors). Raises :class:`InvalidInputError` (``field="mode"``) for an unknown mode.
+    ``num_calls``, ``logprobs`` (detached [P_mb]), ``target_index`` ([P_mb], into the step's
+    per-token tensors) and ``metrics`` (the loss function's). Raises :class:`InvalidInputError`
+    (``field="mode"``) for an unknown mode.
     """
     _check_mode(mode)
     mb = microbatch if microbatch is not None else make_microbatch(model, step, traj_indices, mode, call_plan)
-    meta = step.device_metadata(model.device)
     hidden, lp, router = forward_microbatch(model, mb, no_replay=no_replay)
-    ti = mb.target_index
-    ref = meta["ref_logprobs"]
-    cfg = dataclasses.replace(step.config, loss_agg_mode="sum", loss_norm=None)
-    pol, _ = policy_loss(
-        lp,
-        meta["old_logprobs"][ti],
-        meta["advantages"][ti],
-        meta["weights"][ti],
-        mb.cu_local.to(lp.device),
-        cfg,
-        None if ref is None else ref[ti],
-    )
+    out = (loss_fn or policy_loss_fn)(lp, microbatch_inputs(step, mb, lp.device))
+    pol, metrics = out if isinstance(out, tuple) else (out, {})
     rl = router * (mb.semantic_tokens / step.batch.semantic_tokens)
     loss = pol + rl
     if backward:
         loss.backward()
     stats = dict(
-        mb.stats, policy_loss=pol.detach(), router_loss=rl.detach(), logprobs=lp.detach(), target_index=ti
+        mb.stats,
+        policy_loss=pol.detach(),
+        router_loss=rl.detach(),
+        logprobs=lp.detach(),
+        target_index=mb.target_index,
+        metrics=metrics,
     )
     if return_hidden:
         stats.update(hidden=hidden.detach(), row_index=mb.row_index, labels=mb.labels)

@@ -1,0 +1,81 @@
+"""The loss-function contract of a microbatch, and the built-in GRPO / PPO objectives as two such
+functions.
+
+A loss function is ``loss_fn(logprobs, inputs) -> loss`` (or ``(loss, metrics)``): ``logprobs``
+[P_mb] are the current log-probs of the microbatch's targets, attached to the graph, in the order of
+``inputs.target_index`` (entries of the step's per-target tensors, i.e. the caller's order);
+``inputs`` (:class:`MicrobatchInputs`) carries the matching per-target fields. The loss must be the
+microbatch's share of the step loss, normalised by *step-level* denominators, so that the sum over
+the step's microbatches, in any grouping over processes, is the step loss:
+``inputs.weights`` are the step's aggregation weights under its ``loss_agg_mode`` (token mean,
+sequence mean, ...), so ``sum(inputs.weights * per_token_loss)`` is always right. Anything that
+knows nothing about prefix sharing plugs in (verl's ``ppo_loss``, a value loss, an SFT term):
+HARTS only decides which microbatch each target lands in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from harts_runtime.loss.objectives import PolicyLossConfig, policy_loss
+
+__all__ = ["LossFn", "MicrobatchInputs", "make_policy_loss_fn", "policy_loss_fn"]
+
+
+@dataclass
+class MicrobatchInputs:
+    """The per-target fields of one microbatch (all on the model's device, in ``target_index``
+    order)."""
+
+    target_index: torch.Tensor
+    """int64 [P_mb]: entries of the step's per-target tensors (the caller's order)."""
+    advantages: torch.Tensor
+    """float32 [P_mb]."""
+    old_logprobs: torch.Tensor
+    """float32 [P_mb]."""
+    ref_logprobs: torch.Tensor | None
+    """float32 [P_mb] or None."""
+    loss_mask: torch.Tensor
+    """bool [P_mb]."""
+    weights: torch.Tensor
+    """float32 [P_mb]: the step-level aggregation weights (zero where the mask is off)."""
+    cu_seqlens: torch.Tensor
+    """int64 [k + 1]: the microbatch's trajectories' target ranges (in its own order)."""
+    trajectories: torch.Tensor
+    """int64 [k]: the microbatch's trajectory ids (indices into the step's trajectories)."""
+    config: PolicyLossConfig
+    """The step's policy-loss configuration."""
+    semantic_tokens: int
+    """The microbatch's semantic tokens (its share of the step's router-loss normalisation)."""
+
+
+LossFn = Callable[[torch.Tensor, MicrobatchInputs], "torch.Tensor | tuple[torch.Tensor, dict]"]
+"""``loss_fn(logprobs [P_mb], inputs) -> loss`` or ``(loss, metrics)``."""
+
+
+def make_policy_loss_fn(config: PolicyLossConfig | None = None) -> LossFn:
+    """The clipped policy-gradient objective (:func:`~harts_runtime.loss.objectives.policy_loss`) with
+    ``config`` (None: the step's own, GRPO or PPO by its ``objective``), reduced by the step-level
+    weights: the function :func:`harts_runtime.run_microbatch` uses by default."""
+
+    def loss_fn(logprobs: torch.Tensor, inputs: MicrobatchInputs):
+        cfg = dataclasses.replace(config or inputs.config, loss_agg_mode="sum", loss_norm=None)
+        return policy_loss(
+            logprobs,
+            inputs.old_logprobs,
+            inputs.advantages,
+            inputs.weights,
+            inputs.cu_seqlens,
+            cfg,
+            inputs.ref_logprobs,
+        )
+
+    return loss_fn
+
+
+policy_loss_fn: LossFn = make_policy_loss_fn()
+"""The step's own objective (GRPO or PPO with their defaults, or ``StepInputs.loss_config``)."""

@@ -1,0 +1,375 @@
+"""Rollouts in the shapes RL frameworks hold them, and HARTS's per-token layout (:class:`Rollouts`).
+
+A step is N flat trajectories of token ids (prompt and response together, as generated) and
+per-token RL fields. HARTS's per-token layout has one entry per *target*: the ``L_i - 1`` positions
+``0 .. L_i - 2`` of trajectory ``i``, entry ``t`` scoring token ``t + 1`` given tokens ``0 .. t``
+(``P = S - N`` entries in all, trajectory by trajectory: the order of
+:class:`~harts_runtime.step_inputs.StepInputs` and of every log-prob HARTS returns).
+
+RL frameworks align per-token fields with the *token* they score instead: the log-prob at position
+``t`` is that of token ``t`` (verl's ``old_log_probs`` / ``response_mask``, TRL's ``per_token_logps``).
+The converters map between the two: HARTS entry ``t - 1`` is the caller's position ``t``, and the
+caller's position 0 (no context, nothing scores it) has no entry. Three input shapes:
+
+* lists (:meth:`Rollouts.from_lists`): token ids per trajectory, fields per trajectory either
+  per target (``L_i - 1`` values) or per token (``L_i`` values, the first ignored), or one scalar
+  per trajectory (GRPO's advantage);
+* padded ``[B, L]`` tensors with an ``attention_mask`` (:meth:`Rollouts.from_padded`): each row's
+  tokens are the contiguous run where the mask is 1 (left and right padding alike), fields
+  token-aligned in the same ``[B, L]`` frame;
+* jagged tensors (:meth:`Rollouts.from_jagged`): ``torch.nested`` tensors (jagged layout) or lists
+  of 1-D tensors, one row per trajectory, fields token-aligned.
+
+and back: :meth:`Rollouts.to_lists`, :meth:`Rollouts.to_padded`, :meth:`Rollouts.to_jagged` turn a
+HARTS per-target tensor ``[P]`` (e.g. the engine's log-probs) into the caller's shape, token-aligned
+(position 0, and padding, get ``fill``).
+
+Which trajectories share prefixes is found by HARTS's own ingestion of the token ids; callers never
+describe trees. Every constructor validates (:meth:`Rollouts.check`): one-line
+:class:`~harts_runtime.errors.InvalidInputError` naming the field, its row and the limit, before any
+work — non-finite advantages or log-probs, positive log-probs, token ids outside ``[0, vocab)``, a
+loss mask that is not boolean (or 0 / 1), shapes that do not match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from harts_runtime.errors import InvalidInputError
+
+__all__ = ["FIELDS", "Rollouts"]
+
+FIELDS = ("advantages", "loss_mask", "old_logprobs", "ref_logprobs")
+"""The per-token fields a :class:`Rollouts` carries (HARTS layout, ``[P]``)."""
+
+
+def _int_tokens(values, field: str) -> np.ndarray:
+    a = np.asarray(values)
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise InvalidInputError(field, f"token ids must be integers, got dtype {a.dtype}")
+    return a.astype(np.int64, copy=False)
+
+
+def _check_token_range(tokens: np.ndarray, offsets: np.ndarray, vocab_size: int | None, field: str) -> None:
+    """:class:`InvalidInputError` naming the first token id outside ``[0, vocab_size)`` (its
+    trajectory and position); O(S)."""
+    bad = tokens < 0
+    if vocab_size is not None:
+        bad |= tokens >= vocab_size
+    if len(tokens) and bad.any():
+        j = int(np.argmax(bad))
+        i = int(np.searchsorted(offsets, j, side="right") - 1)
+        limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        raise InvalidInputError(f"{field}[{i}][{j - offsets[i]}]", f"token id {int(tokens[j])} is outside {limit}")
+
+
+def _check_mask(t: torch.Tensor, field: str) -> torch.Tensor:
+    if t.dtype == torch.bool:
+        return t
+    if t.is_floating_point() or t.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+        bad = (t != 0) & (t != 1)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise InvalidInputError(f"{field}[{i}]", f"a loss mask is boolean or 0 / 1, got {float(t[i])}")
+        return t.bool()
+    raise InvalidInputError(field, f"a loss mask is boolean or 0 / 1, got dtype {t.dtype}")
+
+
+@dataclass
+class Rollouts:
+    """A step's trajectories and per-token fields in HARTS's per-target layout (module docstring).
+
+    ``tokens`` int64 [S] and ``offsets`` int64 [N + 1] (trajectory ``i`` is
+    ``tokens[offsets[i]:offsets[i + 1]]``); every field [P] (``P = S - N``) or None;
+    ``group_ids`` int64 [N] (GRPO groups; metadata) or None. Constructed through the ``from_*``
+    methods (or directly, then :meth:`check`).
+    """
+
+    tokens: np.ndarray
+    offsets: np.ndarray
+    advantages: torch.Tensor | None = None
+    loss_mask: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    group_ids: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def num_trajectories(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @property
+    def num_targets(self) -> int:
+        """P = S - N."""
+        return int(self.offsets[-1]) - self.num_trajectories
+
+    @property
+    def target_offsets(self) -> np.ndarray:
+        """int64 [N + 1]: trajectory ``i`` owns per-target entries ``[o[i], o[i + 1])``."""
+        return self.offsets - np.arange(len(self.offsets), dtype=np.int64)
+
+    # ------------------------------------------------------------------ checks
+    def check(self, vocab_size: int | None = None) -> Rollouts:
+        """Validate in place (fields become float32 / bool tensors); returns ``self``. Raises
+        :class:`InvalidInputError` naming the field (and entry) for: offsets that do not tile the
+        tokens, an empty trajectory, token ids outside ``[0, vocab_size)``, a field of the wrong
+        size, a non-finite advantage or log-prob, a log-prob above 0, a loss mask that is not
+        boolean or 0 / 1, group ids of the wrong size."""
+        self.tokens = _int_tokens(self.tokens, "tokens")
+        off = np.asarray(self.offsets, dtype=np.int64)
+        if off.ndim != 1 or len(off) < 2 or off[0] != 0 or off[-1] != len(self.tokens):
+            raise InvalidInputError(
+                "offsets", f"must run from 0 to the {len(self.tokens)} tokens with at least one trajectory"
+            )
+        lengths = np.diff(off)
+        if (lengths < 1).any():
+            i = int(np.nonzero(lengths < 1)[0][0])
+            raise InvalidInputError(f"trajectories[{i}]", "is empty (a trajectory needs at least one token)")
+        self.offsets = off
+        _check_token_range(self.tokens, off, vocab_size, "tokens")
+        p = self.num_targets
+        for name in FIELDS:
+            t = getattr(self, name)
+            if t is None:
+                continue
+            t = torch.as_tensor(t)
+            if t.dim() != 1 or t.numel() != p:
+                raise InvalidInputError(name, f"expected {p} per-target entries (P = S - N), got {tuple(t.shape)}")
+            if name == "loss_mask":
+                setattr(self, name, _check_mask(t, name))
+                continue
+            if not t.is_floating_point():
+                t = t.float()
+            bad = ~torch.isfinite(t)
+            if name != "advantages":
+                bad = bad | (t > 0)
+            if bool(bad.any()):
+                k = int(bad.nonzero()[0, 0])
+                i = int(np.searchsorted(self.target_offsets, k, side="right") - 1)
+                what = "a log-prob is finite and <= 0" if name != "advantages" else "advantages are finite"
+                raise InvalidInputError(
+                    f"{name}[{i}][{k - int(self.target_offsets[i])}]", f"{what}, got {float(t[k])}"
+                )
+            setattr(self, name, t.float())
+        if self.group_ids is not None:
+            g = torch.as_tensor(self.group_ids)
+            if g.dim() != 1 or g.numel() != self.num_trajectories:
+                raise InvalidInputError("group_ids", f"expected {self.num_trajectories} entries, got {tuple(g.shape)}")
+            self.group_ids = g.long()
+        return self
+
+    # ------------------------------------------------------------------ in
+    @classmethod
+    def from_lists(
+        cls,
+        token_ids: Sequence[Sequence[int]],
+        *,
+        advantages=None,
+        loss_mask=None,
+        old_logprobs=None,
+        ref_logprobs=None,
+        group_ids=None,
+        vocab_size: int | None = None,
+    ) -> Rollouts:
+        """From per-trajectory lists. Each field is, per trajectory, ``L_i - 1`` values (per target),
+        ``L_i`` values (per token: the first is dropped) or one scalar (every target of the
+        trajectory); or the whole field None."""
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence) or not len(token_ids):
+            raise InvalidInputError("token_ids", "must be a non-empty list of token-id lists")
+        lengths = [len(t) for t in token_ids]
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        tokens = (
+            np.concatenate([_int_tokens(t, f"token_ids[{i}]") for i, t in enumerate(token_ids)])
+            if offsets[-1]
+            else np.zeros(0, np.int64)
+        )
+        fields = {}
+        for name, values in zip(FIELDS, (advantages, loss_mask, old_logprobs, ref_logprobs)):
+            if values is None:
+                continue
+            if len(values) != len(lengths):
+                raise InvalidInputError(name, f"expected {len(lengths)} trajectories, got {len(values)}")
+            parts = []
+            for i, (v, n) in enumerate(zip(values, lengths)):
+                a = np.asarray(v, dtype=np.float64 if name != "loss_mask" else None)
+                if a.ndim == 0:
+                    a = np.full(max(n - 1, 0), a.item())
+                elif len(a) == n and n > 0:
+                    a = a[1:]
+                elif len(a) != n - 1:
+                    raise InvalidInputError(
+                        f"{name}[{i}]", f"expected {n - 1} (per target) or {n} (per token) values, got {len(a)}"
+                    )
+                parts.append(a)
+            fields[name] = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0))
+        gid = None if group_ids is None else torch.as_tensor(np.asarray(group_ids, dtype=np.int64))
+        return cls(tokens, offsets, group_ids=gid, **fields).check(vocab_size)
+
+    @classmethod
+    def from_padded(
+        cls,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        *,
+        advantages=None,
+        loss_mask=None,
+        old_logprobs=None,
+        ref_logprobs=None,
+        group_ids=None,
+        vocab_size: int | None = None,
+    ) -> Rollouts:
+        """From padded ``[B, L]`` tensors: row ``b``'s tokens are the contiguous run where
+        ``attention_mask`` is 1; fields are ``[B, L]``, token-aligned (position ``t`` scores token
+        ``t``), read on the same run (its first position dropped)."""
+        ids = torch.as_tensor(input_ids)
+        am = torch.as_tensor(attention_mask)
+        if ids.dim() != 2 or am.shape != ids.shape:
+            raise InvalidInputError(
+                "attention_mask", f"input_ids and attention_mask must be [B, L] alike, got {tuple(ids.shape)} and {tuple(am.shape)}"
+            )
+        am = _check_mask(am.reshape(-1), "attention_mask").view(am.shape).cpu()
+        spans = []
+        for b in range(ids.shape[0]):
+            on = am[b].nonzero().flatten()
+            if on.numel() == 0:
+                raise InvalidInputError(f"attention_mask[{b}]", "has no token")
+            lo, hi = int(on[0]), int(on[-1]) + 1
+            if hi - lo != on.numel():
+                raise InvalidInputError(f"attention_mask[{b}]", "its tokens must be one contiguous run")
+            spans.append((lo, hi))
+        ids_cpu = ids.cpu()
+        rows = [ids_cpu[b, lo:hi].numpy() for b, (lo, hi) in enumerate(spans)]
+        fields = {}
+        for name, values in zip(FIELDS, (advantages, loss_mask, old_logprobs, ref_logprobs)):
+            if values is None:
+                continue
+            v = torch.as_tensor(values).cpu()
+            if v.shape != ids.shape:
+                raise InvalidInputError(name, f"must be [B, L] = {tuple(ids.shape)} like input_ids, got {tuple(v.shape)}")
+            fields[name] = [v[b, lo + 1 : hi] for b, (lo, hi) in enumerate(spans)]
+        return cls._from_rows(rows, fields, group_ids, vocab_size)
+
+    @classmethod
+    def from_jagged(
+        cls,
+        input_ids,
+        *,
+        advantages=None,
+        loss_mask=None,
+        old_logprobs=None,
+        ref_logprobs=None,
+        group_ids=None,
+        vocab_size: int | None = None,
+    ) -> Rollouts:
+        """From jagged rows: ``torch.nested`` tensors (jagged layout) or lists of 1-D tensors, one
+        row per trajectory; fields token-aligned row by row (each row's first value dropped)."""
+        rows = [r.cpu().numpy() for r in _unbind(input_ids, "input_ids")]
+        fields = {}
+        for name, values in zip(FIELDS, (advantages, loss_mask, old_logprobs, ref_logprobs)):
+            if values is None:
+                continue
+            vs = _unbind(values, name)
+            if len(vs) != len(rows):
+                raise InvalidInputError(name, f"expected {len(rows)} rows, got {len(vs)}")
+            for i, (v, r) in enumerate(zip(vs, rows)):
+                if v.numel() != len(r):
+                    raise InvalidInputError(f"{name}[{i}]", f"expected {len(r)} token-aligned values, got {v.numel()}")
+            fields[name] = [v.cpu()[1:] for v in vs]
+        return cls._from_rows(rows, fields, group_ids, vocab_size)
+
+    @classmethod
+    def _from_rows(cls, rows, fields, group_ids, vocab_size) -> Rollouts:
+        if not rows:
+            raise InvalidInputError("input_ids", "has no rows")
+        lengths = [len(r) for r in rows]
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        tokens = np.concatenate([_int_tokens(r, f"input_ids[{i}]") for i, r in enumerate(rows)])
+        flat = {k: torch.cat([torch.as_tensor(x).reshape(-1) for x in v]) for k, v in fields.items()}
+        gid = None if group_ids is None else torch.as_tensor(group_ids).long()
+        return cls(tokens, offsets, group_ids=gid, **flat).check(vocab_size)
+
+    # ------------------------------------------------------------------ out
+    def _per_target(self, values: torch.Tensor, field: str) -> torch.Tensor:
+        v = torch.as_tensor(values)
+        if v.dim() != 1 or v.numel() != self.num_targets:
+            raise InvalidInputError(field, f"expected {self.num_targets} per-target entries, got {tuple(v.shape)}")
+        return v
+
+    def to_lists(self, values: torch.Tensor, field: str = "values") -> list[list[float]]:
+        """Per-target ``values`` [P] as one list of ``L_i - 1`` values per trajectory."""
+        v = self._per_target(values, field).detach().cpu().tolist()
+        o = self.target_offsets
+        return [v[o[i] : o[i + 1]] for i in range(self.num_trajectories)]
+
+    def to_jagged(self, values: torch.Tensor, fill: float = 0.0, field: str = "values") -> torch.Tensor:
+        """Per-target ``values`` [P] as a jagged ``torch.nested`` tensor of ``L_i`` token-aligned
+        values per trajectory (position 0 holds ``fill``)."""
+        v = self._per_target(values, field)
+        o = self.target_offsets
+        rows = [torch.cat([v.new_full((1,), fill), v[o[i] : o[i + 1]]]) for i in range(self.num_trajectories)]
+        return torch.nested.nested_tensor(rows, layout=torch.jagged)
+
+    def to_padded(
+        self, values: torch.Tensor, attention_mask: torch.Tensor, fill: float = 0.0, field: str = "values"
+    ) -> torch.Tensor:
+        """Per-target ``values`` [P] in the ``[B, L]`` frame of ``attention_mask`` (the one these
+        rollouts came from), token-aligned; padding and each row's first position hold ``fill``."""
+        v = self._per_target(values, field)
+        am = torch.as_tensor(attention_mask).bool()
+        if am.shape[0] != self.num_trajectories:
+            raise InvalidInputError("attention_mask", f"expected {self.num_trajectories} rows, got {am.shape[0]}")
+        out = v.new_full(tuple(am.shape), fill)
+        o = self.target_offsets
+        for b in range(am.shape[0]):
+            on = am[b].nonzero().flatten()
+            lo = int(on[0])
+            n = int(o[b + 1] - o[b])
+            out[b, lo + 1 : lo + 1 + n] = v[o[b] : o[b + 1]]
+        return out
+
+    # ------------------------------------------------------------------ HARTS
+    def batch(self):
+        """The ``harts_planner.RolloutBatch`` of the token ids (HARTS's ingestion finds the trees)."""
+        import harts_planner as hp
+
+        return hp.RolloutBatch.from_arrays(self.tokens.astype(np.int32), self.offsets)
+
+    def step_inputs(self, objective: str = "grpo", loss_config=None, batch=None):
+        """A :class:`~harts_runtime.step_inputs.StepInputs` of these rollouts (missing fields: zero
+        advantages, all-ones mask, old log-probs 0, no reference)."""
+        from harts_runtime.step_inputs import StepInputs
+
+        p = self.num_targets
+        zeros = torch.zeros(p)
+        return StepInputs(
+            batch if batch is not None else self.batch(),
+            self.advantages if self.advantages is not None else zeros,
+            self.loss_mask if self.loss_mask is not None else torch.ones(p, dtype=torch.bool),
+            self.old_logprobs if self.old_logprobs is not None else zeros,
+            self.ref_logprobs,
+            self.group_ids,
+            objective,
+            loss_config,
+        )
+
+
+def _unbind(values, field: str) -> list[torch.Tensor]:
+    if isinstance(values, torch.Tensor):
+        if values.is_nested:
+            return list(values.unbind())
+        raise InvalidInputError(field, "expected a nested (jagged) tensor or a list of 1-D tensors")
+    if isinstance(values, (list, tuple)):
+        out = [torch.as_tensor(v) for v in values]
+        for i, v in enumerate(out):
+            if v.dim() != 1:
+                raise InvalidInputError(f"{field}[{i}]", f"expected a 1-D row, got {tuple(v.shape)}")
+        return out
+    raise InvalidInputError(field, f"expected a nested tensor or a list of rows, got {type(values).__name__}")
