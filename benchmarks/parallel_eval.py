@@ -623,7 +623,7 @@ def run_config(text: str, dims, args, dev, step, cfg, mixed: bool, ref_cache: di
         t = time.perf_counter()
         p = hp.plan_step(step.batch, dims.dp, args.capacity, cfg.chunk_size)
         calls = [
-            hp.plan_calls(step.batch, cfg.chunk_size, trajectories=m, conv_width=cfg.conv_size)
+            hp.plan_calls(step.batch, cfg.chunk_size, microbatch=m, conv_width=cfg.conv_size)
             for m in replica_schedule(p, replica)
         ]
         pt = time.perf_counter() - t
@@ -641,7 +641,7 @@ def run_config(text: str, dims, args, dev, step, cfg, mixed: bool, ref_cache: di
     if rank == 0:
         h, b, pl = statistics.median(harts_t), statistics.median(base_t), statistics.median(plan_t)
         all_calls = [
-            hp.plan_calls(step.batch, cfg.chunk_size, trajectories=m, conv_width=cfg.conv_size)
+            hp.plan_calls(step.batch, cfg.chunk_size, microbatch=m, conv_width=cfg.conv_size)
             for m in p.microbatches
         ]
         work = work_compression(cfg, lengths, [c.position_ids for c in all_calls])

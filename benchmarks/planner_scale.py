@@ -158,7 +158,7 @@ def measure(args) -> dict:
         t0 = time.perf_counter()
         calls = 0
         for mb in best.microbatches:
-            calls += plan_calls(batch, args.chunk_size, trajectories=mb).num_calls
+            calls += plan_calls(batch, args.chunk_size, microbatch=mb).num_calls
         out["call_plans_seconds"] = time.perf_counter() - t0
         out["call_plans_calls"] = calls
         out["call_plans_peak_extra_bytes"] = _read_status("VmHWM") - rss if peak_ok else None

@@ -94,7 +94,7 @@ def make_microbatch(
             return trajectory_microbatch(step, traj_indices, cfg, model.device)
         if call_plan is None:
             call_plan = plan_calls(
-                step.batch, cfg.chunk_size, trajectories=np.asarray(traj_indices), conv_width=cfg.conv_size
+                step.batch, cfg.chunk_size, microbatch=np.asarray(traj_indices), conv_width=cfg.conv_size
             )
         return compact_microbatch(step, call_plan, cfg, model.device)
 
@@ -232,7 +232,7 @@ def plan_microbatches(step: StepInputs, mode: str, capacity: int, cfg: ModelConf
     if step_plan is None:
         step_plan = plan_step(step.batch, 1, capacity, cfg.chunk_size)
     mbs = [np.asarray(m, dtype=np.int64) for m in step_plan.microbatches]
-    plans = [plan_calls(step.batch, cfg.chunk_size, trajectories=m, conv_width=cfg.conv_size) for m in mbs]
+    plans = [plan_calls(step.batch, cfg.chunk_size, microbatch=m, conv_width=cfg.conv_size) for m in mbs]
     return mbs, plans, time.perf_counter() - t0
 
 

@@ -186,7 +186,7 @@ def compact_layout(
     batch : harts_planner.RolloutBatch
         The step's batch (tokens, ``row_parent``).
     call_plan : CallLayoutArrays
-        The microbatch's call plan (e.g. ``harts_planner.plan_calls(batch, B, trajectories=...)``);
+        The microbatch's call plan (e.g. ``harts_planner.plan_calls(batch, B, microbatch=...)``);
         only its layout is read.
     tree, row_token : optional
         The batch's :class:`TreeOrder` and token of every batch compact row (int64 [C_batch]), when

@@ -28,7 +28,7 @@ A plan has two parts, in these objects and in the wire message ``harts.planner.v
 * the *debug* part (:class:`CallPlanDebug`, :data:`DEBUG_FIELDS`: 19 arrays): Algorithm 1's internal
   choices (the dynamic program, the recovered chains, the slot producers), for tests, viewers and
   :meth:`CallPlan.to_dict`. A sidecar omits it on request (``omit_debug``; ``debug=False`` in
-  :meth:`harts_planner.Planner.plan_calls`).
+  :func:`plan_calls` and :meth:`harts_planner.Planner.plan_calls`).
 
 A :class:`CallPlan` exposes every array of both parts under its wire name.
 """
@@ -36,11 +36,12 @@ A :class:`CallPlan` exposes every array of both parts under its wire name.
 from __future__ import annotations
 
 import types
+import warnings
 
 import numpy as np
 
 from harts_planner import _native, checks
-from harts_planner.errors import InvalidArgumentError, cancel_token, invalid
+from harts_planner.errors import HartsError, InvalidArgumentError, cancel_token, invalid, renamed
 from harts_planner.fields import NativeField
 
 MAX_CHUNK_SIZE: int = checks.MAX_CHUNK_SIZE
@@ -611,9 +612,12 @@ class CallPlan(CallLayout, CallPlanDebug):
 def plan_calls(
     batch,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-    trajectories=None,
+    microbatch=None,
     conv_width: int = DEFAULT_CONV_WIDTH,
     cancel=None,
+    *,
+    debug: bool = True,
+    trajectories=None,
 ) -> CallPlan:
     """Minimum-call plan and compact physical layout of one microbatch (Algorithm 1).
 
@@ -623,13 +627,20 @@ def plan_calls(
         The ingested batch.
     chunk_size : int
         B, in ``[1, MAX_CHUNK_SIZE]`` (2^20).
-    trajectories : array_like of int, shape [k], optional
+    microbatch : array_like of int, shape [k], optional
         The microbatch: distinct trajectory indices of ``batch`` (any order; the order is kept
-        for :attr:`CallPlan.semantic_to_physical`). ``None`` plans the whole batch.
+        for :attr:`CallPlan.semantic_to_physical`). ``None`` plans the whole batch. The same name as
+        :meth:`harts_planner.Planner.plan_calls`, :func:`harts_planner.estimate_cost` and the
+        PlanCalls request.
     conv_width : int
         w, in ``[1, MAX_CONV_WIDTH]``; sets the shape of :attr:`CallPlan.conv_context`.
     cancel : CancelToken, optional
         Stops the planning within milliseconds once cancelled or past its deadline.
+    debug : bool, default True
+        False returns the plan without its debug part (:meth:`CallPlan.without_debug`: the layout a
+        runtime reads), as ``Planner.plan_calls(..., debug=False)`` does.
+    trajectories : array_like of int, optional
+        Deprecated spelling of ``microbatch`` (a DeprecationWarning; not both).
 
     Returns
     -------
@@ -639,25 +650,39 @@ def plan_calls(
     ------
     InvalidArgumentError
         ``batch`` not a RolloutBatch; ``chunk_size`` or ``conv_width`` out of range or not an
-        integer; ``trajectories``
-        empty, not 1-D integers, an index out of range (``trajectories[j]``) or repeated;
-        ``cancel`` not a CancelToken.
+        integer; ``microbatch`` empty, not 1-D integers, an index out of range (``microbatch[j]``)
+        or repeated; ``cancel`` not a CancelToken; ``debug`` not a bool.
     ResourceLimitError
         A round packs more than 2^31 - 1 rows (``chunk_size``), or the plan would allocate more
-        than :func:`max_plan_bytes` (``trajectories``; :func:`harts_planner.estimate_cost` tells
-        beforehand).
+        than :func:`max_plan_bytes` (``microbatch``, or ``trajectories`` for the whole batch;
+        :func:`harts_planner.estimate_cost` tells beforehand).
     PlanCancelledError
         ``cancel`` fired.
 
     Costs O(k log k + C + R + S_M) for the microbatch's k trajectories, C rows, R replay rows and
     S_M tokens, whatever the size of the batch. The GIL is released while planning.
     """
+    if trajectories is not None:
+        if microbatch is not None:
+            raise invalid("trajectories", "is the old name of microbatch; pass microbatch alone")
+        warnings.warn(
+            "plan_calls(trajectories=...) is deprecated: pass microbatch=...",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        microbatch = trajectories
     if not isinstance(getattr(batch, "_native", None), _native.CompactBatch):
         raise invalid("batch", f"must be a RolloutBatch, got {type(batch).__name__}")
     chunk_size = checks.chunk_size(chunk_size)
     conv_width = checks.conv_width(conv_width)
-    ids = None if trajectories is None else checks.trajectory_ids(trajectories, "trajectories")
-    return CallPlan(_native.plan_calls(batch._native, chunk_size, ids, conv_width, cancel_token(cancel)))
+    debug = checks.boolean(debug, "debug")
+    ids = None if microbatch is None else checks.trajectory_ids(microbatch, "microbatch")
+    try:
+        plan = CallPlan(_native.plan_calls(batch._native, chunk_size, ids, conv_width, cancel_token(cancel)))
+    except HartsError as e:
+        # The core names a microbatch's element ``trajectories[j]``; here it is ``microbatch[j]``.
+        raise (e if ids is None else renamed(e, {"trajectories": "microbatch"})) from None
+    return plan if debug else plan.without_debug()
 
 
 def plan_segment_forest(

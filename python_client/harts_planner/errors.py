@@ -47,6 +47,22 @@ def resource_limit(field: str, message: str) -> ResourceLimitError:
     return err
 
 
+def renamed(err: HartsError, mapping: dict[str, str]) -> HartsError:
+    """The same error with its field's leading name replaced through ``mapping``
+    (``trajectories[3]`` -> ``microbatch[3]``); ``err`` itself when its field is not in ``mapping``."""
+    field = getattr(err, "field", None) or ""
+    head, bracket, rest = field.partition("[")
+    if head not in mapping:
+        return err
+    new_field = mapping[head] + bracket + rest
+    message = str(err)
+    if message.startswith(field):
+        message = new_field + message[len(field) :]
+    out = type(err)(message)
+    out.field = new_field
+    return out
+
+
 def cancel_token(cancel, field: str = "cancel") -> CancelToken | None:
     """``cancel`` when it is None or a :class:`CancelToken`; InvalidArgumentError naming ``field``
     otherwise."""
@@ -64,5 +80,6 @@ __all__ = [
     "PlanCancelledError",
     "cancel_token",
     "invalid",
+    "renamed",
     "resource_limit",
 ]

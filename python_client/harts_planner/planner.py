@@ -205,15 +205,14 @@ class Planner:
         ``microbatch`` holds distinct trajectory indices (None: every trajectory). ``debug=False``
         returns the plan without its debug part (:meth:`CallPlan.without_debug`; a sidecar sends only
         the layout: ``omit_debug``). Raises as :meth:`plan_step`; a bad index is reported on field
-        ``microbatch[j]`` by the sidecar and ``trajectories[j]`` in-process.
+        ``microbatch[j]`` by both transports.
         """
         source = as_source(trajectories)
         chunk_size, conv_width = checks.chunk_size(chunk_size), checks.conv_width(conv_width)
         debug = checks.boolean(debug, "debug")
         if self._client is None:
             batch = source if isinstance(source, RolloutBatch) else ingest(source)
-            plan = plan_calls(batch, chunk_size, trajectories=microbatch, conv_width=conv_width)
-            return plan if debug else plan.without_debug()
+            return plan_calls(batch, chunk_size, microbatch, conv_width=conv_width, debug=debug)
         from harts_planner.rpc import codec
 
         wire = source.segment_tree() if isinstance(source, RolloutBatch) else source

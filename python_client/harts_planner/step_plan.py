@@ -104,6 +104,10 @@ def plan_step(
     capacity: int,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     cancel=None,
+    *,
+    call_plans: bool = False,
+    conv_width: int = DEFAULT_CONV_WIDTH,
+    debug: bool = True,
     **options,
 ) -> StepPlan:
     """Plan one training step: microbatches, their DP replicas and their slots.
@@ -121,6 +125,14 @@ def plan_step(
     cancel : CancelToken, optional
         Stops the planning once cancelled or past its deadline (checked before the planner starts;
         inside its loops once the step planner takes the token).
+    call_plans : bool, default False
+        Also plan every microbatch's calls now (:meth:`StepPlan.call_plans` is filled); otherwise
+        they are planned on first use of :meth:`StepPlan.call_plans`.
+    conv_width : int, default 4
+        w of the call plans' convolution context.
+    debug : bool, default True
+        False: the call plans come without their debug part (the layouts a runtime reads), as
+        ``Planner.plan_step(..., debug=False)`` returns them.
     **options
         Search parameters, defaults in :data:`DEFAULT_OPTIONS`: ``exact_threshold`` (N0 = 512),
         ``max_sampled_k`` (Q_max = 32), ``refine_window`` (H = 8), ``refine_sweeps`` (2),
@@ -153,6 +165,17 @@ def plan_step(
 
     The GIL is released while planning; the result is deterministic.
     """
+    call_plans, debug = checks.boolean(call_plans, "call_plans"), checks.boolean(debug, "debug")
+    conv_width = checks.conv_width(conv_width)
+    plan = _plan_step(batch, dp_size, capacity, chunk_size, cancel, options)
+    plan._conv_width, plan._call_debug = conv_width, debug
+    if call_plans:
+        plan.call_plans(cancel=cancel)
+    return plan
+
+
+def _plan_step(batch, dp_size, capacity, chunk_size, cancel, options: dict) -> StepPlan:
+    """:func:`plan_step` without the call plans."""
     if not isinstance(batch, RolloutBatch):
         raise invalid("batch", f"must be a harts_planner.RolloutBatch, got {type(batch).__name__}")
     dp_size = checks.int64(dp_size, "dp_size")
@@ -188,7 +211,8 @@ def plan_step_with_calls(
     cost of the call plans (:func:`estimate_call_plans`, from the step plan's microbatches) is
     checked once the step is planned and before any call plan is made: ResourceLimitError naming
     ``call_plans``. Raises as :func:`plan_step` and :func:`harts_planner.plan_calls`."""
-    plan = plan_step(batch, dp_size, capacity, chunk_size, cancel=cancel, **options)
+    plan = _plan_step(batch, dp_size, capacity, chunk_size, cancel, options)
+    plan._conv_width, plan._call_debug = conv_width, debug
     if call_plans:
         if limits is not None:
             estimate_call_plans(batch, plan.microbatches, plan.chunk_size, conv_width, debug, cancel).check(
@@ -198,8 +222,9 @@ def plan_step_with_calls(
         for mb in plan.microbatches:
             if check is not None:
                 check()
-            calls = plan_calls(batch, plan.chunk_size, trajectories=mb, conv_width=conv_width, cancel=cancel)
-            plans.append(calls if debug else calls.without_debug())
+            plans.append(
+                plan_calls(batch, plan.chunk_size, mb, conv_width=conv_width, cancel=cancel, debug=debug)
+            )
         plan._call_plans = plans
     return plan
 
@@ -653,6 +678,7 @@ class StepPlan:
         ]
         self._metrics: dict | None = None
         self._call_plans: list | None = None if call_plans is None else list(call_plans)
+        self._conv_width, self._call_debug = DEFAULT_CONV_WIDTH, True  # of call_plans() on first use
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, StepPlan):
@@ -763,13 +789,15 @@ class StepPlan:
     selected = NativeField("Index of the selected candidate in :attr:`candidates`.")
 
     # ------------------------------------------------------------------ call plans
-    def call_plans(self) -> list:
+    def call_plans(self, progress=None, cancel=None) -> list:
         """Per-microbatch minimum-call plans (Section 3.3), computed on first use.
 
-        Calls ``harts_planner.plan_calls(batch, chunk_size, trajectories=microbatch)`` for every
-        microbatch. A plan received from a sidecar has them only when requested with
-        ``call_plans=True`` (``Planner.plan_step``); otherwise this raises InvalidArgumentError
-        (field ``call_plans``).
+        Calls ``harts_planner.plan_calls(batch, chunk_size, microbatch, conv_width, debug=debug)`` for
+        every microbatch (``conv_width`` and ``debug`` as given to :func:`plan_step`; 4 and True by
+        default). ``progress(done, total)``, when given, is called after each microbatch's plan;
+        ``cancel`` (a CancelToken) is passed to each. A plan received from a sidecar has them only
+        when requested with ``call_plans=True`` (``Planner.plan_step``); otherwise this raises
+        InvalidArgumentError (field ``call_plans``).
         """
         if self._call_plans is None and self._batch is None:
             raise invalid(
@@ -778,9 +806,21 @@ class StepPlan:
                 "with Planner.plan_step(..., call_plans=True) or Planner.plan_calls",
             )
         if self._call_plans is None:
-            self._call_plans = [
-                plan_calls(self._batch, self.chunk_size, trajectories=mb) for mb in self.microbatches
-            ]
+            plans = []
+            for mb in self.microbatches:
+                plans.append(
+                    plan_calls(
+                        self._batch,
+                        self.chunk_size,
+                        mb,
+                        conv_width=self._conv_width,
+                        cancel=cancel,
+                        debug=self._call_debug,
+                    )
+                )
+                if progress is not None:
+                    progress(len(plans), len(self.microbatches))
+            self._call_plans = plans
         return self._call_plans
 
     # ------------------------------------------------------------------ export

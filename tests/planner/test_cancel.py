@@ -54,7 +54,7 @@ def _calls():
         "from_segment_tree": lambda c: hp.RolloutBatch.from_segment_tree(tree, cancel=c),
         "ingest": lambda c: hp.batch.ingest(packed, cancel=c),
         "plan_calls": lambda c: hp.plan_calls(batch, 4, cancel=c),
-        "plan_calls(microbatch)": lambda c: hp.plan_calls(batch, 4, trajectories=[0, 2], cancel=c),
+        "plan_calls(microbatch)": lambda c: hp.plan_calls(batch, 4, microbatch=[0, 2], cancel=c),
         "plan_segment_forest": lambda c: hp.call_plan.plan_segment_forest(*forest, 4, cancel=c),
         "plan_step": lambda c: hp.plan_step(batch, 1, 16, cancel=c),
         "plan_step_with_calls": lambda c: hp.step_plan.plan_step_with_calls(

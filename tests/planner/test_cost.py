@@ -77,7 +77,7 @@ def _check_request(trajs, microbatch, chunk: int, conv: int) -> None:
     batch = hp.RolloutBatch.from_token_lists(trajs)
     tree = batch.segment_tree()
     packed = hp.PackedTokens(batch.tokens, batch.offsets)
-    plan = hp.plan_calls(batch, chunk, trajectories=microbatch, conv_width=conv)
+    plan = hp.plan_calls(batch, chunk, microbatch=microbatch, conv_width=conv)
     for source in (tree, batch):
         cost = hp.estimate_cost(source, microbatch=microbatch, chunk_size=chunk, conv_width=conv)
         assert cost.exact and cost.call_plans == 1
@@ -278,7 +278,7 @@ def test_swe_like_microbatches_exact_sizes_and_retained_bytes(swe_like):
         ids = rng.choice(batch.num_trajectories, size=k, replace=False).astype(np.int32)
         cost = hp.estimate_cost(tree, microbatch=ids, debug=False)
         before = _malloc_in_use()
-        plan = hp.plan_calls(from_tree, 64, trajectories=ids)
+        plan = hp.plan_calls(from_tree, 64, microbatch=ids)
         retained = _malloc_in_use() - before
         assert (cost.call_rows, cost.replay_rows) == (plan.compact_tokens, plan.replay_tokens)
         assert 0 < retained <= cost.plan_bytes
@@ -375,7 +375,7 @@ def test_call_plans_of_a_tree_batch_equal_the_token_batch_without_its_rows(trajs
     n = len(trajs)
     ids = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True))
     chunk = data.draw(st.sampled_from([1, 2, 5, 64]))
-    assert hp.plan_calls(from_tree, chunk, trajectories=ids) == hp.plan_calls(batch, chunk, trajectories=ids)
+    assert hp.plan_calls(from_tree, chunk, microbatch=ids) == hp.plan_calls(batch, chunk, microbatch=ids)
     assert not _native.rows_built(from_tree._native)
     assert np.array_equal(from_tree.compact_map, batch.compact_map)  # built now, on first use
     assert _native.rows_built(from_tree._native)

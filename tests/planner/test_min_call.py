@@ -179,7 +179,7 @@ def test_identical_trajectories():
     # Duplicates inside a fork.
     batch = RolloutBatch.from_token_lists([[1, 2, 3], [1, 2, 4], [1, 2, 3]])
     for b in (1, 2, 3):
-        plan = plan_calls(batch, b, trajectories=[2, 1, 0])
+        plan = plan_calls(batch, b, microbatch=[2, 1, 0])
         check_plan(batch, plan, [2, 1, 0])
 
 
@@ -254,7 +254,7 @@ def token_batches(draw):
 def test_random_token_batches_and_subsets(data, b, width):
     trajs, ids = data
     batch = RolloutBatch.from_token_lists(trajs)
-    plan = plan_calls(batch, b, trajectories=ids, conv_width=width)
+    plan = plan_calls(batch, b, microbatch=ids, conv_width=width)
     check_plan(batch, plan, ids)
     start, end, parent, children = plan_tree(plan)
     if choice_count(children) <= 5000:
@@ -289,7 +289,7 @@ def test_whole_batch_rows_are_batch_rows():
 
 def test_subset_and_caller_order():
     batch = small_batch()
-    plan = plan_calls(batch, 2, trajectories=np.array([3, 1], dtype=np.int64))
+    plan = plan_calls(batch, 2, microbatch=np.array([3, 1], dtype=np.int64))
     assert plan.trajectories.tolist() == [3, 1]
     assert plan.compact_tokens == batch.subset_work([1, 3]) == 7
     assert len(plan.segment_roots) == 2  # two trees merged by round
@@ -340,19 +340,54 @@ def test_extreme_chunk_sizes_ok():
 @pytest.mark.parametrize(
     "ids,field",
     [
-        ([], "trajectories"),
-        ([4], "trajectories[0]"),
-        ([0, -1], "trajectories[1]"),
-        ([1, 0, 1], "trajectories"),
-        ([[0, 1]], "trajectories"),
-        ([0.5], "trajectories"),
-        ([2**40], "trajectories[0]"),
+        ([], "microbatch"),
+        ([4], "microbatch[0]"),
+        ([0, -1], "microbatch[1]"),
+        ([1, 0, 1], "microbatch"),
+        ([[0, 1]], "microbatch"),
+        ([0.5], "microbatch"),
+        ([2**40], "microbatch[0]"),
     ],
 )
-def test_bad_trajectories(ids, field):
+def test_bad_microbatch(ids, field):
     with pytest.raises(InvalidArgumentError) as e:
-        plan_calls(small_batch(), 64, trajectories=ids)
-    assert e.value.field == field
+        plan_calls(small_batch(), 64, microbatch=ids)
+    assert e.value.field == field and str(e.value).startswith(field)
+
+
+def test_trajectories_is_a_deprecated_spelling_of_microbatch():
+    batch = small_batch()
+    with pytest.warns(DeprecationWarning, match="microbatch"):
+        old = plan_calls(batch, 64, trajectories=[2, 0])
+    assert old == plan_calls(batch, 64, microbatch=[2, 0])
+    with pytest.raises(InvalidArgumentError) as e:
+        plan_calls(batch, 64, microbatch=[0], trajectories=[1])
+    assert e.value.field == "trajectories"
+
+
+def test_module_level_calls_take_debug_and_call_plans_like_the_planner():
+    """``plan_calls(..., debug=False)`` and ``plan_step(..., call_plans=True, debug=False)`` return
+    what ``Planner()`` returns for the same arguments (the README shows both spellings)."""
+    from harts_planner import Planner, plan_step
+
+    batch = small_batch()
+    lean = plan_calls(batch, 2, [1, 2], debug=False)
+    assert not lean.has_debug and lean == Planner().plan_calls(batch, 2, [1, 2], debug=False)
+    assert lean == plan_calls(batch, 2, [1, 2]).without_debug()
+    step = plan_step(batch, 1, 64, 2, call_plans=True, debug=False)
+    assert step.has_call_plans and not any(c.has_debug for c in step.call_plans())
+    assert step == Planner().plan_step(batch, 1, 64, 2, call_plans=True, debug=False)
+    lazy = plan_step(batch, 1, 64, 2, conv_width=2)  # call plans on first use, with these arguments
+    assert (
+        not lazy.has_call_plans and [c.conv_width for c in lazy.call_plans()] == [2] * lazy.num_microbatches
+    )
+    for bad in ("yes", 1, None):
+        with pytest.raises(InvalidArgumentError) as e:
+            plan_step(batch, 1, 64, call_plans=bad)
+        assert e.value.field == "call_plans"
+        with pytest.raises(InvalidArgumentError) as e:
+            plan_calls(batch, 2, debug=bad)
+        assert e.value.field == "debug"
 
 
 def test_bad_batch():

@@ -370,9 +370,10 @@ def test_call_plans_use_plan_calls(monkeypatch):
     plan = plan_step(batch, 1, 4, chunk_size=2)
     calls = []
 
-    def fake_plan_calls(b, chunk_size, trajectories):
-        calls.append((b, chunk_size, list(trajectories)))
-        return len(trajectories)
+    def fake_plan_calls(b, chunk_size, microbatch, conv_width, cancel, debug):
+        assert (conv_width, cancel, debug) == (4, None, True)  # plan_step's defaults
+        calls.append((b, chunk_size, list(microbatch)))
+        return len(microbatch)
 
     monkeypatch.setattr(harts_planner.step_plan, "plan_calls", fake_plan_calls)
     out = plan.call_plans()

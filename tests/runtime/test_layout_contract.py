@@ -73,7 +73,7 @@ def test_the_runtime_reads_only_the_layout(seed):
     batch = random_batch(seed, num=14, max_new=12)  # small vocabulary: forks, two rounds, replay
     step = StepInputs.synthetic(batch, seed)
     traj = np.arange(0, batch.num_trajectories, 2)
-    plan = hp.plan_calls(batch, cfg.chunk_size, trajectories=traj, conv_width=cfg.conv_size)
+    plan = hp.plan_calls(batch, cfg.chunk_size, microbatch=traj, conv_width=cfg.conv_size)
     assert plan.num_calls >= 2 and plan.replay_tokens > 0
     bare = layout_only(plan)
     assert not isinstance(bare, hp.CallPlan) and isinstance(bare, CallLayoutArrays)
