@@ -316,6 +316,7 @@ class HartsEngine:
             "rows": int(sums["rows"]),
             "compression": step.batch.semantic_tokens / max(1, sums["rows"]),
             "replay_tokens": int(sums["replay_tokens"]),
+            "kda_calls": int(sums["num_calls"]),
             "microbatches": int(sums["microbatches"]),
             "plan_seconds": plan_s,
             "fbg_seconds": fbg_s,

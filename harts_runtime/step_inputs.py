@@ -19,7 +19,17 @@ from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.views import TreeOrder
 from harts_runtime.loss.objectives import PolicyLossConfig, aggregation_weights, grpo_advantages, per_token
 
-__all__ = ["StepInputs"]
+__all__ = ["StepInputs", "default_loss_config"]
+
+
+def default_loss_config(objective: str) -> PolicyLossConfig:
+    """The policy-loss configuration of ``objective`` when none is given: GRPO with a k3 KL
+    penalty of 0.001 and ``seq-mean-token-mean``; PPO with dual clip 3 and ``token-mean``."""
+    if objective == "grpo":
+        return PolicyLossConfig(kl_coef=0.001, loss_agg_mode="seq-mean-token-mean")
+    if objective == "ppo":
+        return PolicyLossConfig(clip_ratio_c=3.0, loss_agg_mode="token-mean")
+    raise InvalidInputError("objective", f"choose grpo or ppo, got {objective!r}")
 
 
 @dataclass
@@ -94,7 +104,11 @@ class StepInputs:
             if bool(bad.any()):
                 k = int(bad.nonzero()[0, 0])
                 i = int(np.searchsorted(cu, k, side="right") - 1)
-                what = "advantages must be finite" if name == "advantages" else "log-probs must be finite and <= 0"
+                what = (
+                    "advantages must be finite"
+                    if name == "advantages"
+                    else "log-probs must be finite and <= 0"
+                )
                 raise InvalidInputError(f"{name}[{i}][{k - int(cu[i])}]", f"{what}, got {float(t[k])}")
         m = self.loss_mask
         if m.dtype != torch.bool:
@@ -118,9 +132,7 @@ class StepInputs:
         """The effective policy-loss config."""
         if self.loss_config is not None:
             return self.loss_config
-        if self.objective == "grpo":
-            return PolicyLossConfig(kl_coef=0.001, loss_agg_mode="seq-mean-token-mean")
-        return PolicyLossConfig(clip_ratio_c=3.0, loss_agg_mode="token-mean")
+        return default_loss_config(self.objective)
 
     @property
     def num_targets(self) -> int:

@@ -458,9 +458,7 @@ def test_gpu_eval_script_smoke_on_cpu(tmp_path):
     ],
 )
 def test_cli_errors_are_one_line_and_exit_2(argv, fragment, capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["--device", "cpu", "--steps", "1", *argv])
-    assert e.value.code == 2
+    assert main(["--device", "cpu", "--steps", "1", *argv]) == 2
     err = capsys.readouterr().err
     assert fragment in err and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("harts-train: error:")
@@ -471,7 +469,7 @@ def test_cli_without_torch_says_what_to_install():
     import subprocess
     import sys
 
-    code = "import sys; sys.modules['torch'] = None; from harts_runtime.cli import main; main(sys.argv[1:])"
+    code = "import sys; sys.modules['torch'] = None; from harts_runtime.cli import main; sys.exit(main(sys.argv[1:]))"
     helped = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True)
     assert helped.returncode == 0 and "--flavor" in helped.stdout
     ran = subprocess.run([sys.executable, "-c", code, "--steps", "1"], capture_output=True, text=True)

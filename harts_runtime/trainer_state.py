@@ -1,0 +1,87 @@
+"""``harts-train``'s record in a checkpoint folder (``trainer.json``), beside what
+:meth:`harts_runtime.engine.HartsEngine.save` writes there: the steps done, the data position and
+the run's settings. Written last, so a folder with it is a complete checkpoint. No torch here
+(``harts-train`` reads it while resolving its settings).
+
+``--save DIR`` writes ``DIR/step-N`` after N steps; ``--resume PATH`` takes a checkpoint folder, or
+the ``step-N`` folder of ``PATH`` with the largest N that is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from harts_runtime.errors import InvalidInputError
+
+__all__ = [
+    "FORMAT",
+    "STATE_NAME",
+    "read_trainer_state",
+    "resolve_checkpoint",
+    "step_folder",
+    "write_trainer_state",
+]
+
+STATE_NAME = "trainer.json"
+FORMAT = "harts-train/1"
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def step_folder(save_dir, step: int) -> Path:
+    """Where ``--save DIR`` puts the checkpoint after ``step`` steps."""
+    return Path(save_dir) / f"step-{step}"
+
+
+def resolve_checkpoint(path) -> Path:
+    """The checkpoint folder ``path`` names: itself when it holds ``trainer.json``, else its
+    complete ``step-N`` folder with the largest N; :class:`InvalidInputError` (``resume``)
+    otherwise."""
+    p = Path(path)
+    if not p.exists():
+        raise InvalidInputError("--resume", f"{str(path)!r}: no such folder")
+    if not p.is_dir():
+        raise InvalidInputError("--resume", f"{str(path)!r} is not a folder")
+    if (p / STATE_NAME).is_file():
+        return p
+    steps = []
+    for child in p.iterdir():
+        m = _STEP.match(child.name)
+        if m and (child / STATE_NAME).is_file():
+            steps.append((int(m.group(1)), child))
+    if steps:
+        return max(steps)[1]
+    if (p / "harts.json").is_file():
+        raise InvalidInputError(
+            "--resume",
+            f"{str(path)!r} has no {STATE_NAME}: an incomplete save, or a checkpoint not written by harts-train",
+        )
+    raise InvalidInputError(
+        "--resume", f"{str(path)!r} holds no checkpoint (no {STATE_NAME}, no complete step-N folder)"
+    )
+
+
+def read_trainer_state(folder) -> dict:
+    """The ``trainer.json`` record of a checkpoint folder."""
+    f = Path(folder) / STATE_NAME
+    try:
+        state = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidInputError("--resume", f"{str(f)!r} is unreadable ({e})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        got = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise InvalidInputError("--resume", f"{str(f)!r}: unknown format {got!r} (expected {FORMAT!r})")
+    for key in ("steps_done", "data", "args"):
+        if key not in state:
+            raise InvalidInputError("--resume", f"{str(f)!r} has no {key!r}")
+    return state
+
+
+def write_trainer_state(folder, state: dict) -> None:
+    """Write ``trainer.json`` atomically (a temporary file renamed over it)."""
+    f = Path(folder) / STATE_NAME
+    tmp = f.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(dict(state, format=FORMAT), indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, f)
