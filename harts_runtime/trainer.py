@@ -191,12 +191,12 @@ def _hms(s: float) -> str:
 
 
 def _line(rec: dict, total: int) -> str:
-    parts = [f"step {rec['step']}/{total}", f"loss={rec['loss']:.6f}"]
-    for k in ("pg_loss", "kl", "clipfrac"):
-        if rec.get(k) is not None:
-            parts.append(f"{k}={rec[k]:.4g}")
     gn = rec["grad_norm"]
-    parts += [
+    parts = [
+        f"step {rec['step']}/{total}",
+        f"loss={rec['loss']:.6f}",
+        f"policy_loss={rec['policy_loss']:.6f}",
+        f"router_loss={rec['router_loss']:.4g}",
         f"grad_norm={gn:.4g}" if gn is not None else "grad_norm=nan",
         f"lr={rec['lr']:.3g}",
         f"tokens={rec['semantic_tokens']:,}",
@@ -605,10 +605,9 @@ def _record(step: int, key, res, rep, dt: float) -> dict:
         "policy_loss": float(m["policy_loss"]),
         "router_loss": float(m["router_loss"]),
     }
-    for k, v in m.items():
+    for k, v in m.items():  # the loss function's own metrics: the engine's mean over rank 0's microbatches
         if k.startswith("loss_fn/"):
-            name = k.split("/", 1)[1]
-            rec[name if name not in rec else k] = float(v)
+            rec[k] = float(v)
     rec.update(
         grad_norm=float(rep.grad_norm),
         lr=float(rep.lr),

@@ -107,7 +107,7 @@ def test_jsonl_trains_its_steps_with_metrics_and_progress_lines(tmp_path, capsys
     assert [r["data_step"] for r in recs] == [0, 1, 0]  # two steps in the file, by its 'step' key; cycled
     for r in recs:
         assert not r["skipped"] and r["rows"] < r["semantic_tokens"] and r["kda_calls"] > 0
-        for k in ("loss", "pg_loss", "kl", "grad_norm", "lr", "compression", "step_seconds"):
+        for k in ("loss", "policy_loss", "loss_fn/kl", "grad_norm", "lr", "compression", "step_seconds"):
             assert isinstance(r[k], float), k
     assert recs[0]["semantic_tokens"] == sum(len(x["tokens"]) for x in _rows(steps=2)[:4])
     # stderr (not a terminal): the data summary, the ignored key, plain progress lines
@@ -233,6 +233,24 @@ def test_synthetic_step_and_help(capsys):
     for a in parser._actions:
         if a.dest != "help":
             assert "default" in fmt._get_help_string(a), a.option_strings
+
+
+def test_readme_synopsis_lists_every_flag_and_no_other():
+    """README's "Training steps: `harts-train`" synopsis and the parser agree."""
+    import re
+    from pathlib import Path
+
+    from harts_runtime.cli import build_parser
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text[text.index("## Training steps: `harts-train`") :]
+    synopsis = section.split("```")[1]
+    harts_lines = [line.split("#")[0] for line in synopsis.splitlines() if not line.startswith("torchrun")]
+    documented = set(re.findall(r"(--[a-z][a-z0-9-]*)", "\n".join(harts_lines)))
+    flags = {
+        o for a in build_parser()._actions for o in a.option_strings if o.startswith("--") and o != "--help"
+    }
+    assert documented == flags, (sorted(documented - flags), sorted(flags - documented))
 
 
 def test_an_unexportable_model_fails_before_training(tmp_path, capsys):
