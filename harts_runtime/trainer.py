@@ -83,6 +83,16 @@ class _FileData:
         key = self.rf.step_keys[i] if self.rf.step_keys is not None else i
         return self.rf.steps[i], key
 
+    def longest(self) -> tuple[int, str]:
+        """The longest trajectory's length, and which step holds it."""
+        best = (0, "")
+        for i, s in enumerate(self.rf.steps):
+            n = int(s.lengths.max())
+            if n > best[0]:
+                key = self.rf.step_keys[i] if self.rf.step_keys is not None else None
+                best = (n, f"step {key}" if key is not None else "the file's one step")
+        return best
+
     def describe(self) -> str:
         rf = self.rf
         tokens = sum(int(s.offsets[-1]) for s in rf.steps)
@@ -111,6 +121,9 @@ class _SyntheticData:
 
     def step(self, i: int):
         return self.inputs, 0
+
+    def longest(self) -> tuple[int, str]:
+        return int(max(self.inputs.batch.lengths)), "the synthetic step"
 
     def describe(self) -> str:
         b = self.inputs.batch
@@ -272,6 +285,11 @@ def _dims(args, world: int):
                     f"{flag}: applies to the sharded model under torchrun (FSDP2); one process trains in --dtype"
                 )
         return None
+    if world % (args.tp * args.dp_replicate):
+        raise _usage(
+            f"--tp {args.tp} x --dp-replicate {args.dp_replicate} = {args.tp * args.dp_replicate} "
+            f"does not divide the world size {world}"
+        )
     try:
         return ParallelDims.from_world(
             world, tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate, sequence_parallel=args.sp
@@ -380,7 +398,6 @@ def train(args, given: set, saved: dict | None, out=None, err=None) -> int:
             "--tensorboard: tensorboard is not installed: pip install 'harts[train]' (or pip install tensorboard)"
         )
     data = _data(args, model_cfg.vocab_size, cpu, loss_cfg)
-    note(data.describe())
 
     same = saved is not None and data.same(saved["data"], data.fingerprint)
     done = int(saved["steps_done"]) if saved else 0
@@ -398,6 +415,12 @@ def train(args, given: set, saved: dict | None, out=None, err=None) -> int:
     total_steps = args.total_steps if args.total_steps is not None else max(1, steps)
     lr = args.lr if args.lr is not None else (1e-6 if args.model else 1e-3)
     capacity = args.capacity or (4096 if cpu else 65_536)
+    longest, where = data.longest()
+    if longest > capacity:  # the planner would refuse it at the first step, after the model is built
+        raise _usage(
+            f"--capacity: T = {capacity} rows per microbatch is below the longest trajectory "
+            f"({longest} tokens, {where}); a trajectory is never split between microbatches"
+        )
     from harts_runtime.engine import EngineConfig, HartsEngine
 
     ecfg = EngineConfig(
@@ -434,6 +457,8 @@ def train(args, given: set, saved: dict | None, out=None, err=None) -> int:
         record_args["flavor"] = model_name
     if isinstance(data, _SyntheticData):
         record_args["max_len"] = data.fingerprint["max_len"]
+
+    note(data.describe())
 
     # ---- processes, model, engine
     created = False

@@ -347,6 +347,10 @@ def _no_ref(rows):
             "r.jsonl:1: old_logprobs[2]: a log-prob is finite and <= 0, got 0.5",
         ),
         (_put(3, "loss_mask", 4, 2), "r.jsonl:4: loss_mask[4]: a loss mask is 0 / 1 or true / false, got 2"),
+        (
+            _put(3, "loss_mask", 5, "yes"),
+            "r.jsonl:4: loss_mask[5]: expected 0 / 1 or true / false, got 'yes'",
+        ),
         (_set(0, "advantages", "high"), "r.jsonl:1: advantages: expected a number or a list of them"),
         (_set(0, "tokens", []), "r.jsonl:1: tokens: is empty"),
         (_no_ref_after_first, "r.jsonl:2: ref_logprobs: missing here but given on line 1"),
@@ -419,6 +423,10 @@ def test_bad_config_files_are_one_line(tmp_path, capsys, config, fragment):
         (["--data", "r.csv"], "unknown rollout file type '.csv'"),
         (["--tp", "2"], "--tp 2: needs several processes: run under torchrun"),
         (["--sp"], "--sp: needs --tp > 1"),
+        (
+            ["--data", "r.jsonl", "--capacity", "8"],
+            "--capacity: T = 8 rows per microbatch is below the longest",
+        ),
         (["--resume", "nowhere"], "--resume: 'nowhere': no such folder"),
         (["--mode", "both", "--data", "r.jsonl"], "--data: --mode both compares two model copies"),
         (["--config", "run.ini"], "--config: 'run.ini': no such file"),
