@@ -315,7 +315,7 @@ def _model_config(args, cpu: bool):
     return model_config(flavor, args.layers, **over), flavor
 
 
-def _loss_config(args, given: set):
+def _loss_config(args):
     from harts_runtime.step_inputs import default_loss_config
 
     over = {k: getattr(args, k) for k in LOSS_FLAGS if getattr(args, k) is not None}
@@ -333,7 +333,7 @@ def _data(args, vocab: int, cpu: bool, loss_cfg):
                 raise
             raise _usage(f"--{e}") from None
         if loss_cfg.kl_coef and not rf.has_ref_logprobs:
-            raise rf_error(
+            raise _rf_error(
                 rf.path,
                 f"the loss has a KL penalty (kl_coef={loss_cfg.kl_coef:g}"
                 + (", grpo's default" if args.kl_coef is None else "")
@@ -349,7 +349,7 @@ def _data(args, vocab: int, cpu: bool, loss_cfg):
     return _SyntheticData(step, fp)
 
 
-def rf_error(path: str, message: str):
+def _rf_error(path: str, message: str):
     from harts_runtime.rollout_files import RolloutFileError
 
     return RolloutFileError(path, None, "ref_logprobs", message)
@@ -386,7 +386,7 @@ def train(args, given: set, saved: dict | None, out=None, err=None) -> int:
         raise _usage(f"--{e}") from None
     dims = _dims(args, world)
     model_cfg, model_name = _model_config(args, cpu)
-    loss_cfg = _loss_config(args, given)
+    loss_cfg = _loss_config(args)
     for path_flag in ("save", "export", "tensorboard"):
         p = getattr(args, path_flag)
         if p is not None and os.path.exists(p) and not os.path.isdir(p):
