@@ -271,7 +271,6 @@ class HartsEngine:
         lp_all = torch.zeros(step.num_targets, dtype=torch.float32, device=dev)
         sums = defaultdict(float)
         metric_sums = defaultdict(float)
-        metric_count = []
 
         def microbatch(slot, traj):
             with torch.set_grad_enabled(not forward_only):
@@ -285,8 +284,6 @@ class HartsEngine:
                 sums[k] += st[k]
             for k, v in st["metrics"].items():
                 metric_sums[k] += float(v)
-            if len(traj):
-                metric_count.append(slot)
             sums["microbatches"] += bool(len(traj))
             return loss
 
@@ -302,12 +299,13 @@ class HartsEngine:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         fbg_s = time.perf_counter() - t0
+        for k, v in metric_sums.items():  # the loss function's metrics are step shares: summed
+            sums[f"loss_fn/{k}"] = v
         if self.mesh is not None and self.dp > 1:
             lp_all = self._sum_over_dp(lp_all)
-            vec = self._sum_over_dp(
-                torch.tensor([sums[k] for k in sorted(sums)], dtype=torch.float64, device=dev)
-            )
-            sums = dict(zip(sorted(sums), vec.tolist()))
+            keys = sorted(sums)  # the same names on every rank (a padding microbatch reports them too)
+            vec = self._sum_over_dp(torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=dev))
+            sums = dict(zip(keys, vec.tolist()))
         metrics = {
             "loss": total,
             "policy_loss": sums["policy_loss"],
@@ -321,10 +319,7 @@ class HartsEngine:
             "plan_seconds": plan_s,
             "fbg_seconds": fbg_s,
         }
-        local = max(1, len(metric_count))
-        metrics.update(
-            {f"loss_fn/{k}": v / local for k, v in metric_sums.items()}
-        )  # mean over this rank's microbatches
+        metrics.update({k: v for k, v in sums.items() if k.startswith("loss_fn/")})
         return EngineOutput(total, lp_all.cpu(), metrics)
 
     def _sum_over_dp(self, t: torch.Tensor) -> torch.Tensor:
@@ -382,6 +377,10 @@ class HartsEngine:
 
             sync_expert_load(self.model, self.mesh)
         self.model.update_expert_bias()
+        for (
+            moe
+        ) in self.model.moe_layers():  # per-step counts (update_expert_bias resets them only with a bias)
+            moe.local_tokens_per_expert.zero_()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return StepReport(self.step, norm, lr)

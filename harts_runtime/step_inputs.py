@@ -156,6 +156,13 @@ class StepInputs:
             ).float()
         return self._cache["weights"]
 
+    @property
+    def weight_total(self) -> float:
+        """The sum of :attr:`weights` over the step."""
+        if "weight_total" not in self._cache:
+            self._cache["weight_total"] = float(self.weights.double().sum())
+        return self._cache["weight_total"]
+
     def _host(self, name: str, make):
         if name not in self._cache:
             self._cache[name] = make()

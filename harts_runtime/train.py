@@ -123,6 +123,7 @@ def microbatch_inputs(step: StepInputs, mb: Microbatch, device) -> MicrobatchInp
         trajectories=torch.as_tensor(np.asarray(mb.trajectories, dtype=np.int64)),
         config=step.config,
         semantic_tokens=mb.semantic_tokens,
+        weight_total=step.weight_total,
     )
 
 

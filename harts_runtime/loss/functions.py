@@ -1,7 +1,8 @@
 """The loss-function contract of a microbatch, and the built-in GRPO / PPO objectives as two such
 functions.
 
-A loss function is ``loss_fn(logprobs, inputs) -> loss`` (or ``(loss, metrics)``): ``logprobs``
+A loss function is ``loss_fn(logprobs, inputs) -> loss`` (or ``(loss, metrics)``; the metrics
+are step shares too: the engine sums them over the step's microbatches and replicas): ``logprobs``
 [P_mb] are the current log-probs of the microbatch's targets, attached to the graph, in the order of
 ``inputs.target_index`` (entries of the step's per-target tensors, i.e. the caller's order);
 ``inputs`` (:class:`MicrobatchInputs`) carries the matching per-target fields. The loss must be the
@@ -51,6 +52,10 @@ class MicrobatchInputs:
     """The step's policy-loss configuration."""
     semantic_tokens: int
     """The microbatch's semantic tokens (its share of the step's router-loss normalisation)."""
+    weight_total: float = 1.0
+    """The sum of the step's aggregation weights (over every microbatch): ``sum(inputs.weights) /
+    weight_total`` is this microbatch's share of the step, for turning a per-microbatch mean
+    metric into a step share."""
 
 
 LossFn = Callable[[torch.Tensor, MicrobatchInputs], "torch.Tensor | tuple[torch.Tensor, dict]"]
@@ -64,7 +69,7 @@ def make_policy_loss_fn(config: PolicyLossConfig | None = None) -> LossFn:
 
     def loss_fn(logprobs: torch.Tensor, inputs: MicrobatchInputs):
         cfg = dataclasses.replace(config or inputs.config, loss_agg_mode="sum", loss_norm=None)
-        return policy_loss(
+        loss, metrics = policy_loss(
             logprobs,
             inputs.old_logprobs,
             inputs.advantages,
@@ -73,6 +78,14 @@ def make_policy_loss_fn(config: PolicyLossConfig | None = None) -> LossFn:
             cfg,
             inputs.ref_logprobs,
         )
+        # pg_loss and kl are already shares of the step loss; the means become weighted shares
+        share = (
+            inputs.weights.sum() / inputs.weight_total if inputs.weight_total else inputs.weights.sum() * 0
+        )
+        for name in ("clipfrac", "approx_kl"):
+            if name in metrics:
+                metrics[name] = metrics[name] * share
+        return loss, metrics
 
     return loss_fn
 

@@ -35,7 +35,10 @@ def test_forward_backward_is_the_train_step():
     out = engine.forward_backward(step)
     r = train_step(ref, None, step, capacity=CAP)
     assert out.loss == pytest.approx(r.loss, rel=1e-6)
-    assert out.metrics["rows"] == r.rows and out.metrics["microbatches"] == r.num_microbatches
+    assert out.metrics["rows"] == r.rows and out.metrics["microbatches"] == r.num_microbatches >= 2
+    m, kl_coef = out.metrics, step.config.kl_coef  # the loss function's metrics are step sums of shares
+    assert m["loss_fn/pg_loss"] + kl_coef * m["loss_fn/kl"] == pytest.approx(m["policy_loss"], rel=1e-5)
+    assert 0.0 <= m["loss_fn/clipfrac"] <= 1.0
     for (n, p), q in zip(engine.model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0, msg=lambda m, n=n: f"d{n}: {m}")
     torch.testing.assert_close(engine.logprobs(step), step_logprobs(ref, step, capacity=CAP).cpu())
@@ -76,6 +79,7 @@ def test_clipping_schedule_and_non_finite_guard():
     report = engine.optimizer_step()
     assert report.grad_norm == pytest.approx(norm, rel=1e-5) and not report.skipped
     assert report.lr == pytest.approx(1e-2 / 3)  # warm-up: (step + 1) / (warmup + 1)
+    assert all(not m.local_tokens_per_expert.any() for m in engine.model.moe_layers())  # per-step counts
     # the same AdamW step on the clipped gradients, by hand
     ref = _model()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2 / 3, eps=cfg.eps, weight_decay=0.0)
