@@ -67,7 +67,7 @@ from tensordict import TensorDict
 from tensordict.tensorclass import NonTensorData, NonTensorStack
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
-from verl.workers.config import ActorConfig
+from verl.workers.config import FSDPActorConfig
 from verl.workers.config.engine import EngineConfig as VerlEngineConfig
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 
@@ -129,16 +129,20 @@ class HartsEngineConfig(VerlEngineConfig):
 
 
 @dataclass
-class HartsActorConfig(ActorConfig):
-    """verl ``ActorConfig`` whose engine is :class:`HartsEngineConfig` (``actor.harts``); select it
-    with ``_target_`` (``examples/verl/``). Works for the reference model too (``forward_only``)."""
+class HartsActorConfig(FSDPActorConfig):
+    """verl actor (or reference) config whose engine is :class:`HartsEngineConfig` (``harts``).
+    A subclass of verl's ``FSDPActorConfig``, so verl's default ``dp`` actor / ref YAML keys are
+    accepted as they are (the FSDP-only ones are ignored); select it with ``_target_``
+    (``examples/verl/``)."""
 
     strategy: str = "harts"
     harts: HartsEngineConfig = field(default_factory=HartsEngineConfig)
-    use_remove_padding: bool = True
-    use_rollout_log_probs: bool = False
 
     def __post_init__(self):
+        if self.strategy != "harts":
+            raise InvalidInputError(
+                "actor.strategy", f"HartsActorConfig runs strategy 'harts', got {self.strategy!r}"
+            )
         super().__post_init__()
         if not isinstance(self.harts, HartsEngineConfig):
             self.harts = HartsEngineConfig(**dict(self.harts))

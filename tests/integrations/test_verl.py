@@ -414,6 +414,39 @@ def test_registry_resolves_harts():
     assert HartsActorConfig(rollout_n=1, use_dynamic_bsz=True).engine.strategy == "harts"
 
 
+def test_example_config_selects_the_backend():
+    """``examples/verl/harts_grpo.yaml`` composes with verl's ``ppo_trainer``, passes verl's
+    ``validate_config``, and gives the actor and the reference model the harts engine (the ref
+    keys popped as ``ActorRolloutRefWorker.init_model`` pops them)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+    from verl.workers.engine import EngineRegistry
+
+    with initialize_config_dir(config_dir=str(HERE.parents[1] / "examples" / "verl"), version_base=None):
+        cfg = compose(config_name="harts_grpo", overrides=["actor_rollout_ref.model.path=/ckpt"])
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    assert cfg.algorithm.adv_estimator == "grpo" and need_reference_policy(cfg)
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert isinstance(actor, HartsActorConfig) and isinstance(actor.engine, HartsEngineConfig)
+    assert actor.engine.strategy == "harts" and actor.engine.capacity == 65536
+    assert EngineRegistry.get_engine_cls("language_model", actor.engine.strategy) is VerlHartsEngine
+    ref = cfg.actor_rollout_ref.ref
+    with open_dict(ref):
+        ref.ppo_mini_batch_size = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+        for key in (
+            "micro_batch_size",
+            "micro_batch_size_per_gpu",
+            "use_dynamic_bsz",
+            "max_token_len_per_gpu",
+        ):
+            value = ref.pop(f"log_prob_{key}", None)
+            ref[key.replace("micro", "ppo_micro").replace("max_token", "ppo_max_token")] = value
+    ref = omega_conf_to_dataclass(ref)
+    assert isinstance(ref.engine, HartsEngineConfig) and ref.engine.forward_only
+
+
 def test_bad_settings_name_the_field(path):
     with pytest.raises(InvalidInputError) as e:
         actor_config(entropy_coeff=0.01)
