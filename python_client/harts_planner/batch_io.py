@@ -113,7 +113,8 @@ def load_batch(path: PathLike, *, format: str | None = None) -> Batch:
     Raises
     ------
     BatchFormatError
-        If the file is malformed: for ``.hrb`` a bad magic, unsupported version, unknown flags,
+        If ``path`` is not a regular file (a FIFO, for one, could block the read forever), or the
+        file is malformed: for ``.hrb`` a bad magic, unsupported version, unknown flags,
         wrong file size (truncated or trailing bytes), checksum mismatch or invalid batch arrays;
         for ``.jsonl`` invalid JSON (also nested too deeply, or not UTF-8) or fields, with the line
         number.
@@ -123,6 +124,8 @@ def load_batch(path: PathLike, *, format: str | None = None) -> Batch:
         If the file cannot be read.
     """
     kind = _resolve_format(path, format)
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO or device could block reading forever
+        raise BatchFormatError(f"{os.fspath(path)}: not a regular file (a directory, FIFO, socket or device)")
     if kind == "hrb":
         return _load_hrb(Path(path))
     return _load_jsonl(Path(path))

@@ -174,13 +174,23 @@ def _load_batch(path: str):
     return RolloutBatch.load(path)
 
 
+def _tls_client(args: argparse.Namespace) -> dict:
+    """The Planner's TLS arguments of a command with --target (``--tls-ca`` / ``--tls-cert`` /
+    ``--tls-key``)."""
+    return {
+        "tls_ca": getattr(args, "tls_ca", None),
+        "tls_cert": getattr(args, "tls_cert", None),
+        "tls_key": getattr(args, "tls_key", None),
+    }
+
+
 def _plan_file(args: argparse.Namespace, call_plans: bool):
     """Plan args.file with the step arguments of ``plan`` / ``show``."""
     from harts_planner.bench import payload
     from harts_planner.planner import Planner
 
     batch = _load_batch(args.file)
-    with Planner(args.target) as planner:
+    with Planner(args.target, **_tls_client(args)) as planner:
         source = batch if args.target is None else payload(batch, args.request)
         return batch, planner.plan_step(
             source, args.dp, args.capacity, args.chunk_size, call_plans=call_plans
@@ -239,10 +249,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     bounds = limits.Limits(
         max_rows=args.max_rows,
         max_plan_memory_bytes=args.max_plan_memory_mb * limits.MiB,
-        max_response_bytes=None if args.max_response_mb is None else args.max_response_mb * limits.MiB,
+        max_response_bytes=args.max_response_mb * limits.MiB,
+        max_request_bytes=args.max_request_mb * limits.MiB,
         max_inflight_bytes=args.max_inflight_mb * limits.MiB,
         max_queued=args.max_queued,
+        receive_timeout=args.receive_timeout,
+        send_timeout=args.send_timeout,
     )
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError(
+            f"{'--tls-key' if args.tls_key is None else '--tls-cert'}: TLS needs both --tls-cert and --tls-key"
+        )
+    if args.tls_client_ca is not None and args.tls_cert is None:
+        raise ValueError("--tls-client-ca: mutual TLS needs the server's --tls-cert and --tls-key too")
     code = serve(
         args.host,
         args.port,
@@ -251,6 +270,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         grace=args.grace,
         log_format=args.log_format,
         limits=bounds,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
     )
     if code != 0:  # a cancelled plan did not stop: a normal exit would wait for its thread
         sys.stdout.flush()
@@ -289,7 +311,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             reference = Planner().plan_step(request, args.dp, args.capacity, call_plans=args.call_plans)
             for transport in transports:
                 bar = Progress(f"{transport}/{kind}", enabled=not args.quiet)
-                make = (lambda: Planner()) if transport == "inprocess" else (lambda: Planner(target))
+                make = (
+                    (lambda: Planner())
+                    if transport == "inprocess"
+                    else (lambda: Planner(target, **_tls_client(args)))
+                )
                 r = bench.run(
                     make,
                     request,
@@ -435,6 +461,21 @@ def input_batch(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r}: no such file")
     if os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r}: is a directory, not a batch file")
+    if not os.path.isfile(text):  # a FIFO, socket or device: reading it could wait forever
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: not a regular file (a FIFO, socket or device); save the batch to a file"
+        )
+    if not os.access(text, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: not readable")
+    return text
+
+
+def input_file(text: str) -> str:
+    """An argparse type: an existing, readable regular file (a certificate or key)."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: no such file" if not os.path.exists(text) else f"{text!r}: not a regular file"
+        )
     if not os.access(text, os.R_OK):
         raise argparse.ArgumentTypeError(f"{text!r}: not readable")
     return text
@@ -521,6 +562,14 @@ def _step_args(p: argparse.ArgumentParser) -> None:
         default="tree",
         help="what to send a sidecar: the compacted tree (default) or the tokens",
     )
+    _tls_client_args(p)
+
+
+def _tls_client_args(p: argparse.ArgumentParser) -> None:
+    """TLS to a --target sidecar (serve --tls-cert / --tls-key [--tls-client-ca])."""
+    p.add_argument("--tls-ca", type=input_file, help="CA certificates (PEM) of the sidecar's TLS certificate")
+    p.add_argument("--tls-cert", type=input_file, help="this client's certificate (PEM), for mutual TLS")
+    p.add_argument("--tls-key", type=input_file, help="this client's private key (PEM), for mutual TLS")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -587,9 +636,17 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument(
         "--max-message-mb",
         type=int_arg(1, limits.MAX_MESSAGE_MB),
-        default=1024,
-        help=f"largest request/response in MiB, at most {limits.MAX_MESSAGE_MB} (default 1024: a 59M-token "
-        "step is 236 MB)",
+        default=limits.DEFAULT_MAX_MESSAGE_BYTES >> 20,
+        help=f"largest gRPC message in MiB, at most {limits.MAX_MESSAGE_MB}: a unary PlanStep / PlanCalls "
+        "request or response, one chunk of a *Stream call; each stream reserves twice this against "
+        f"--max-inflight-mb while it receives (default {limits.DEFAULT_MAX_MESSAGE_BYTES >> 20})",
+    )
+    sv.add_argument(
+        "--max-request-mb",
+        type=int_arg(1, 1 << 20),
+        default=limits.DEFAULT_MAX_TRANSFER_BYTES >> 20,
+        help="largest request of a *Stream call, whole (default "
+        f"{limits.DEFAULT_MAX_TRANSFER_BYTES >> 20}: a 59M-token step is 236 MB)",
     )
     sv.add_argument("--max-message-bytes", type=int_arg(1, 2**31 - 1), default=None, help=argparse.SUPPRESS)
     sv.add_argument(
@@ -610,16 +667,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--max-response-mb",
-        type=int_arg(1, limits.MAX_MESSAGE_MB),
-        default=None,
-        help="largest response, estimated before planning (default: --max-message-mb)",
+        type=int_arg(1, 1 << 20),
+        default=limits.DEFAULT_MAX_TRANSFER_BYTES >> 20,
+        help="largest response, estimated before planning (a unary call's also at most --max-message-mb; "
+        f"default {limits.DEFAULT_MAX_TRANSFER_BYTES >> 20})",
     )
     sv.add_argument(
         "--max-inflight-mb",
         type=int_arg(1, 1 << 30),
         default=limits.DEFAULT.max_inflight_bytes >> 20,
-        help="most request bytes held at once, queued or planning "
-        f"(default {limits.DEFAULT.max_inflight_bytes >> 20})",
+        help="most request bytes held at once: being received (reserved), queued or planning, with "
+        f"what admission built for them (default {limits.DEFAULT.max_inflight_bytes >> 20})",
     )
     sv.add_argument(
         "--max-queued",
@@ -633,6 +691,27 @@ def build_parser() -> argparse.ArgumentParser:
         type=float_arg(0.0, 1e6),
         default=300.0,
         help="seconds in-flight plans get to finish after SIGTERM before they are cancelled (default 300)",
+    )
+    sv.add_argument(
+        "--receive-timeout",
+        type=float_arg(0.001, 1e6),
+        default=limits.DEFAULT.receive_timeout,
+        help="seconds a request message (or one chunk) may take to arrive before the call is cut off "
+        f"(default {limits.DEFAULT.receive_timeout:g})",
+    )
+    sv.add_argument(
+        "--send-timeout",
+        type=float_arg(0.001, 1e6),
+        default=limits.DEFAULT.send_timeout,
+        help="seconds a response may go unread by its client before the call is cut off "
+        f"(default {limits.DEFAULT.send_timeout:g})",
+    )
+    sv.add_argument("--tls-cert", type=input_file, help="serve TLS: the server's certificate chain (PEM)")
+    sv.add_argument("--tls-key", type=input_file, help="serve TLS: the server's private key (PEM)")
+    sv.add_argument(
+        "--tls-client-ca",
+        type=input_file,
+        help="mutual TLS: CA certificates (PEM) that must sign every client's certificate",
     )
     sv.add_argument("--log-format", choices=("json", "text"), default="json", help="log lines on stderr")
     sv.set_defaults(func=cmd_serve)
@@ -648,6 +727,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--request", choices=("tokens", "tree", "both"), default="both", help="what to send")
     b.add_argument("--transport", choices=("inprocess", "grpc", "both"), default="both", help="how to plan")
     b.add_argument("--target", type=target_arg, help="host:port of a running sidecar (default: start one)")
+    _tls_client_args(b)
     b.add_argument(
         "--workers", type=int_arg(1, 1024), default=None, help="worker threads of the started sidecar"
     )

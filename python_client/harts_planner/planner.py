@@ -69,10 +69,17 @@ class Planner:
         Deadline of each sidecar call in seconds, > 0, or None for none (per call override:
         ``timeout=``). The sidecar stops planning when it passes.
     max_message_bytes : int, default 1 GiB
-        Largest request/response this client sends or accepts, in [1, 2^31 - 1] (the server has its
-        own limit).
+        Largest gRPC message this client sends or accepts, in [1, 2^31 - 1] (the server has its own
+        limit). Requests and responses travel in 1 MiB chunks (the ``*Stream`` methods), so this
+        bounds them only against a server without those (unary fallback).
+    tls_ca, tls_cert, tls_key : str, optional
+        TLS to the sidecar (PEM files): ``tls_ca`` the CA certificates that sign the server's
+        certificate (alone: TLS with the system's roots when None and a client certificate is
+        given); ``tls_cert`` and ``tls_key`` this client's certificate and key, for a server that
+        requires them (``serve --tls-client-ca``). None of them: a plaintext channel.
 
-    Raises InvalidArgumentError naming ``target``, ``timeout`` or ``max_message_bytes``.
+    Raises InvalidArgumentError naming ``target``, ``timeout``, ``max_message_bytes`` or the TLS
+    file that cannot be used.
 
     A Planner is thread-safe and a context manager (closing the sidecar channel).
     """
@@ -83,6 +90,9 @@ class Planner:
         *,
         timeout: float | None = DEFAULT_TIMEOUT,
         max_message_bytes: int | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
     ):
         if target is not None:
             checks.string(target, "target")
@@ -96,7 +106,12 @@ class Planner:
         if target is not None:
             from harts_planner.rpc.client import SidecarClient
 
-            self._client = SidecarClient(target, max_message_bytes=max_message_bytes)
+            credentials = None
+            if tls_ca is not None or tls_cert is not None or tls_key is not None:
+                from harts_planner.rpc.tls import channel_credentials
+
+                credentials = channel_credentials(tls_ca, tls_cert, tls_key)
+            self._client = SidecarClient(target, max_message_bytes=max_message_bytes, credentials=credentials)
 
     @property
     def is_remote(self) -> bool:

@@ -20,7 +20,7 @@ import harts_planner as hp
 from harts_planner import SegmentTree
 from harts_planner.rpc import codec
 from harts_planner.rpc import planner_pb2 as pb
-from harts_planner.rpc import server as server_module
+from harts_planner.rpc import servicer as servicer_module
 
 GATED_CAPACITY = 7777
 GATED_CHUNK = 77
@@ -73,21 +73,21 @@ class Gate:
             self.finished += 1
 
     def install(self, monkeypatch) -> Gate:
-        """Wrap the server's plan_step / plan_calls (its module globals)."""
-        real_step, real_calls = server_module.plan_step, server_module.plan_calls
+        """Wrap the servicer's plan_step / plan_calls (its module globals)."""
+        real_step, real_calls = servicer_module.plan_step, servicer_module.plan_calls
 
         def plan_step(batch, dp_size, capacity, chunk_size=64, cancel=None, **options):
             if capacity == GATED_CAPACITY:
                 self.hold(cancel)
             return real_step(batch, dp_size, capacity, chunk_size, **options)
 
-        def plan_calls(batch, chunk_size=64, trajectories=None, conv_width=4, cancel=None):
+        def plan_calls(batch, chunk_size=64, microbatch=None, conv_width=4, cancel=None):
             if chunk_size == GATED_CHUNK:
                 self.hold(cancel)
-            return real_calls(batch, chunk_size, trajectories=trajectories, conv_width=conv_width)
+            return real_calls(batch, chunk_size, microbatch, conv_width=conv_width)
 
-        monkeypatch.setattr(server_module, "plan_step", plan_step)
-        monkeypatch.setattr(server_module, "plan_calls", plan_calls)
+        monkeypatch.setattr(servicer_module, "plan_step", plan_step)
+        monkeypatch.setattr(servicer_module, "plan_calls", plan_calls)
         return self
 
 
@@ -157,19 +157,33 @@ def calls_request(
 
 
 class Raw:
-    """Raw-bytes stubs of both RPCs over one channel: ``call(method, bytes, timeout)`` returns the
-    response bytes or raises grpc.RpcError; ``future(...)`` for cancellation."""
+    """Raw-bytes stubs of the RPCs over one channel: ``call(method, bytes, timeout)`` returns the
+    response bytes or raises grpc.RpcError (``method`` ``"PLAN_STEP"`` / ``"PLAN_CALLS"``: unary;
+    ``"PLAN_STEP_STREAM"`` / ``"PLAN_CALLS_STREAM"``: the request and the response in chunks, the
+    bytes the same); ``future(...)`` for cancellation (unary)."""
 
-    def __init__(self, address: str):
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, credentials=None):
+        self.channel = (
+            grpc.insecure_channel(address)
+            if credentials is None
+            else grpc.secure_channel(address, credentials)
+        )
         self._stubs = {
             m: self.channel.unary_unary(
                 getattr(codec, m), request_serializer=lambda b: b, response_deserializer=lambda b: b
             )
             for m in ("PLAN_STEP", "PLAN_CALLS")
         }
+        for m in ("PLAN_STEP_STREAM", "PLAN_CALLS_STREAM"):
+            self._stubs[m] = self.channel.stream_stream(
+                getattr(codec, m), request_serializer=lambda b: b, response_deserializer=lambda b: b
+            )
 
     def call(self, method: str, data: bytes, timeout: float = 30.0) -> bytes:
+        if method.endswith("_STREAM"):
+            from harts_planner.rpc.client import join_chunks, request_chunks
+
+            return bytes(join_chunks(self._stubs[method](request_chunks(data), timeout=timeout)))
         return self._stubs[method](data, timeout=timeout)
 
     def future(self, method: str, data: bytes, timeout: float = 60.0):
@@ -214,6 +228,16 @@ def fork_tree(prefix: int, leaves: int, leaf: int) -> SegmentTree:
     return SegmentTree(parent, length, np.arange(1, leaves + 1, dtype=np.int32))
 
 
+def copies_tree(tree: SegmentTree, copies: int, scale: int = 1) -> SegmentTree:
+    """``copies`` disjoint copies of ``tree`` (a batch of ``copies`` times the trajectories), segment
+    lengths divided by ``scale`` (at least 1)."""
+    v = tree.num_segments
+    parent = np.concatenate([np.where(tree.parent < 0, -1, tree.parent + i * v) for i in range(copies)])
+    ends = np.concatenate([tree.trajectory_end + i * v for i in range(copies)])
+    length = np.tile(np.maximum(tree.length // scale, 1), copies)
+    return SegmentTree(parent.astype(np.int32), length.astype(np.int32), ends.astype(np.int32))
+
+
 def chain_tree(segments: int, length: int = 1) -> SegmentTree:
     """A path of ``segments`` segments, every one ending a trajectory (12 bytes per segment)."""
     parent = np.arange(-1, segments - 1, dtype=np.int32)
@@ -230,6 +254,7 @@ __all__ = [
     "calls_request",
     "cancelled_error",
     "chain_tree",
+    "copies_tree",
     "fork_tree",
     "future_code",
     "one_segment",

@@ -10,13 +10,13 @@ import os
 import sys
 import time
 
-from harts_planner.rpc import server
+from harts_planner.rpc import control, servicer
 
 SLOW_CAPACITY = 8888
 SECONDS = float(os.environ.get("HARTS_TEST_SLOW_SECONDS", "15"))
 POLLS = os.environ.get("HARTS_TEST_SLOW_POLLS", "1") != "0"
-server.CANCEL_WAIT_SECONDS = float(os.environ.get("HARTS_TEST_CANCEL_WAIT", server.CANCEL_WAIT_SECONDS))
-_real = server.plan_step
+control.CANCEL_WAIT_SECONDS = float(os.environ.get("HARTS_TEST_CANCEL_WAIT", control.CANCEL_WAIT_SECONDS))
+_real = servicer.plan_step
 
 
 def plan_step(batch, dp_size, capacity, chunk_size=64, cancel=None, **options):
@@ -34,7 +34,7 @@ def plan_step(batch, dp_size, capacity, chunk_size=64, cancel=None, **options):
     return _real(batch, dp_size, capacity, chunk_size, **options)
 
 
-server.plan_step = plan_step
+servicer.plan_step = plan_step
 
 if __name__ == "__main__":
     from harts_planner.cli import main

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sidecar_fixtures import Raw, calls_request, step_request
 
 import harts_planner as hp
 from harts_planner import PackedTokens, Planner, RolloutBatch, SegmentTree, synth
-from harts_planner.rpc import codec
+from harts_planner.rpc import codec, limits
 from harts_planner.rpc import planner_pb2 as pb
 from harts_planner.rpc.client import SidecarTimeoutError, SidecarUnavailableError
 from harts_planner.rpc.server import create_server
@@ -179,7 +180,12 @@ def test_reflection_lists_the_service(server):
         assert "harts.planner.v1.PlannerService" in services and "grpc.health.v1.Health" in services
         proto = db.FindFileContainingSymbol("harts.planner.v1.PlannerService")
         assert proto.name == "harts/planner/v1/planner.proto"
-        assert [m.name for m in proto.service[0].method] == ["PlanStep", "PlanCalls"]
+        assert [m.name for m in proto.service[0].method] == [
+            "PlanStep",
+            "PlanCalls",
+            "PlanStepStream",
+            "PlanCallsStream",
+        ]
 
 
 # ---------------------------------------------------------------------------------- bad requests
@@ -416,14 +422,20 @@ def test_fuzz_raw_request_bytes(server, data):
 
 # ---------------------------------------------------------------------------------- limits, deadlines
 def test_over_limit_request_is_refused_and_server_keeps_serving():
+    bounds = limits.Limits(max_request_bytes=200_000, max_response_bytes=64 << 10)
     with (
-        create_server("127.0.0.1:0", workers=2, max_message_bytes=64 << 10) as srv,
+        create_server("127.0.0.1:0", workers=2, max_message_bytes=1 << 20, limits=bounds) as srv,
         Planner(srv.address, timeout=30) as p,
+        Raw(srv.address) as raw,
     ):
-        tokens = np.arange(40_000, dtype=np.int32)  # 160 KB of tokens > 64 KiB
-        with pytest.raises(hp.ResourceLimitError, match="request") as e:
-            p.plan_step((tokens, np.array([0, 40_000])), 1, 50_000)
-        assert e.value.field == "request"
+        tokens = np.arange(100_000, dtype=np.int32)  # 400 KB of tokens > --max-request-mb
+        with pytest.raises(hp.ResourceLimitError, match="request: the request is [0-9,]+ bytes") as e:
+            p.plan_step((tokens, np.array([0, 100_000])), 1, 150_000)
+        assert e.value.field == "request" and "--max-request-mb" in str(e.value)
+        # A unary request over the message-size limit: refused by gRPC before it is parsed.
+        big = np.arange(300_000, dtype=np.int32)
+        code, _ = raw.code("PLAN_STEP", step_request(PackedTokens(big, [0, 300_000]), capacity=400_000))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
         # The same step as a compacted tree is a few bytes; its call plans are not.
         tree = SegmentTree([-1], [40_000], [0])
         assert p.plan_step(tree, 1, 50_000).num_microbatches == 1
@@ -432,8 +444,23 @@ def test_over_limit_request_is_refused_and_server_keeps_serving():
             match="include_call_plans: this request needs about [0-9,]+ response bytes, over the server.s limit of 65,536",
         ) as e:
             p.plan_step(tree, 1, 50_000, call_plans=True)
-        assert e.value.field == "include_call_plans"
+        assert e.value.field == "include_call_plans" and "--max-response-mb" in str(e.value)
         assert p.health() == "SERVING"
+
+
+def test_unary_responses_are_one_message_streams_carry_any_size():
+    """A response larger than one message (--max-message-mb) is refused on the unary method before
+    planning, naming the flag and the streamed method, and served whole by the *Stream method."""
+    tree = SegmentTree([-1, 0, 0], [150_000, 2, 3], [1, 2])
+    with create_server("127.0.0.1:0", workers=2, max_message_bytes=1 << 20) as srv, Raw(srv.address) as raw:
+        code, details = raw.code("PLAN_CALLS", calls_request(tree))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        assert details.startswith("trajectories: this request needs about ") and "*Stream" in details
+        with Planner(srv.address, timeout=60) as p:
+            remote = p.plan_calls(tree, 64)
+        local = Planner().plan_calls(tree, 64)
+        assert remote == local and remote.compact_tokens == 150_005
+        assert remote.server_stats["plan_seconds"] > 0
 
 
 def test_deadline_is_honoured(remote, small_batch):

@@ -42,8 +42,13 @@ DEADLINE, CANCELLED, UNAVAILABLE = (
 HELD = step_request(capacity=GATED_CAPACITY)  # a valid PlanStep the gate holds
 
 
-def _server(workers: int = 1, **limit_args):
-    return create_server("127.0.0.1:0", workers=workers, limits=limits.Limits(**limit_args))
+def _server(workers: int = 1, max_message_bytes: int = limits.DEFAULT_MAX_MESSAGE_BYTES, **limit_args):
+    return create_server(
+        "127.0.0.1:0",
+        workers=workers,
+        max_message_bytes=max_message_bytes,
+        limits=limits.Limits(**limit_args),
+    )
 
 
 # ---------------------------------------------------------------------------------- cost before work
@@ -167,19 +172,36 @@ def test_the_logged_estimates_are_the_plans_sizes(records, debug):
 
 
 # ---------------------------------------------------------------------------------- bounds
+def _held(request: bytes, tree) -> int:
+    """What a tree request holds while queued or planning: its bytes and its batch."""
+    return len(request) + hp.estimate_cost(tree, request="step").ingest_bytes
+
+
 def test_inflight_request_bytes_are_bounded(gate, records):
-    big = chain_tree(1500)  # 18 KB of arrays
+    """Requests held (their bytes and the batch admission built) and the receive reservation of the
+    next message count against --max-inflight-mb: a big request waits for room by being refused, a
+    small one still fits."""
+    big = chain_tree(1500)  # 18 KB of arrays, a 0.7 MB batch
     held = step_request(big, capacity=GATED_CAPACITY)
-    with _server(workers=2, max_inflight_bytes=30_000) as srv, Raw(srv.address) as raw:
+    message = 256 << 10  # above the 80 KB response
+    lane = limits.DEFAULT.receive_reservation(message)
+    copies = 3 * 4 * 1500  # aligned copies of the arrays that are not aligned in the request bytes
+    bound = _held(held, big) + copies + lane + _held(step_request(), TREE)
+    assert _held(held, big) + _held(step_request(big, capacity=2000), big) > bound
+    with (
+        _server(workers=2, max_inflight_bytes=bound, max_message_bytes=message) as srv,
+        Raw(srv.address) as raw,
+    ):
         first = raw.future("PLAN_STEP", held)
         gate.wait_entered()
+        assert _held(held, big) <= srv.servicer.counts()["inflight_bytes"] <= _held(held, big) + copies
         code, details = raw.code("PLAN_STEP", step_request(big, capacity=2000))
-        assert code == RES and details.startswith("request: ") and "--max-inflight-mb" in details
+        assert code == RES and details.startswith("trajectories: ") and "--max-inflight-mb" in details
         assert raw.code("PLAN_STEP", step_request())[0] == grpc.StatusCode.OK  # small ones still fit
         gate.open()
         assert future_code(first) == grpc.StatusCode.OK
         assert raw.code("PLAN_STEP", step_request(big, capacity=2000))[0] == grpc.StatusCode.OK
-        assert srv.servicer.counts()["inflight_bytes"] == 0
+        assert wait_until(lambda: srv.servicer.counts()["inflight_bytes"] == 0)
 
 
 def test_queue_is_bounded(gate):
@@ -318,13 +340,16 @@ def test_client_cancellation_frees_the_queue_and_the_planner_thread(gate, record
         held.cancel()  # the plan polls its token and stops; the thread is free again
         assert len(records.wait_for(2, code="CANCELLED")) == 2 and gate.cancelled == 1
         assert raw.code("PLAN_STEP", step_request())[0] == grpc.StatusCode.OK  # gate still closed
-        assert srv.servicer.counts() == {
+        idle = {
             "active": 0,
             "planning": 0,
             "reserved_bytes": 0,
             "queued": 0,
             "inflight_bytes": 0,
+            "receiving": 0,
+            "sending": 0,
         }
+        assert wait_until(lambda: srv.servicer.counts() == idle), srv.servicer.counts()
 
 
 def test_a_plan_finished_after_its_client_left_is_logged_cancelled(monkeypatch, records):

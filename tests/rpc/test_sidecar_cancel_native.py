@@ -41,7 +41,8 @@ def slow_request():
 
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
 def test_an_abandoned_plan_frees_its_thread(slow_request, records, how):
-    with create_server("127.0.0.1:0", workers=1) as srv, Raw(srv.address) as raw:
+    # a 13 MB unary request, a 24 MB response: over the default 8 MiB message limit
+    with create_server("127.0.0.1:0", workers=1, max_message_bytes=64 << 20) as srv, Raw(srv.address) as raw:
         slow = raw.future("PLAN_STEP", slow_request, timeout=600 if how == "cancel" else 1.0)
         assert wait_until(lambda: srv.servicer.counts()["planning"] == 1)
         time.sleep(0.5)  # well inside the plan

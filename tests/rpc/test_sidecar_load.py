@@ -26,7 +26,7 @@ CLIENTS, SECONDS = 16, 20.0
 OK, INV, RES = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
 CANCELLED, DEADLINE = grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED
 KINDS = ("step", "calls", "invalid", "oversized", "cancelled", "busy")
-SERVE_ARGS = ["--max-response-mb", "4"]
+SERVE_ARGS = ["--max-response-mb", "4", "--max-message-mb", "16"]  # the 13 MB unary "cancelled" requests
 
 
 def _batch(preset: str, seed: int) -> RolloutBatch:
@@ -144,9 +144,9 @@ def run_load(sidecar: SidecarProcess, workload: dict, clients: int = CLIENTS, se
                     request, expected = workload["calls"][int(rng.integers(len(workload["calls"])))]
                     code, response = _call(raw, "PLAN_CALLS", request)
                     correct = code != OK or _canonical(response, pb.PlanCallsResponse) == expected
-                elif kind == "busy":
+                elif kind == "busy":  # in chunks, through the streamed method
                     request, expected = workload["busy"]
-                    code, response = _call(raw, "PLAN_STEP", request)
+                    code, response = _call(raw, "PLAN_STEP_STREAM", request)
                     correct = code != OK or _canonical(response, pb.PlanStepResponse) == expected
                 elif kind == "cancelled":
                     request, _ = workload["busy"]

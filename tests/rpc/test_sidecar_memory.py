@@ -11,10 +11,11 @@ import resource
 
 import grpc
 import pytest
-from sidecar_fixtures import TREE, Raw, calls_request, one_segment, step_request
+from sidecar_fixtures import TREE, Raw, calls_request, copies_tree, one_segment, step_request
 
-from harts_planner import Planner, RolloutBatch, synth
-from harts_planner.rpc import codec
+from harts_planner import Planner, RolloutBatch, estimate_cost, synth
+from harts_planner.rpc import codec, limits
+from harts_planner.rpc import planner_pb2 as pb
 from harts_planner.rpc.server import SidecarProcess
 
 AS_LIMIT = 2 << 30
@@ -62,31 +63,38 @@ HUGE = [  # (id, method, request, field, the limit named)
     ),
     (
         "PlanCalls of 2^26 rows",
-        "PLAN_CALLS",
+        "PLAN_CALLS_STREAM",
         calls_request(one_segment(2**26)),
         "trajectories",
         "--max-response-mb",
     ),
     (
         "PlanStep with the call plans of 2^26 rows",
-        "PLAN_STEP",
+        "PLAN_STEP_STREAM",
         step_request(one_segment(2**26), capacity=2**26, call_plans=True),
         "include_call_plans",
         "--max-response-mb",
     ),
     (
         "PlanStep of 2^26-row call plans, layouts alone",
-        "PLAN_STEP",
+        "PLAN_STEP_STREAM",
         step_request(one_segment(2**26), capacity=2**26, call_plans=True, debug=False),
         "include_call_plans",
         "--max-response-mb",
+    ),
+    (
+        "unary PlanCalls of 2^20 rows: over one message",
+        "PLAN_CALLS",
+        calls_request(one_segment(2**20)),
+        "trajectories",
+        "--max-message-mb",
     ),
 ]
 
 
 def test_requests_for_huge_plans_are_refused_before_any_allocation(swe_tree, tmp_path):
     assert len(HUGE[0][2]) == 26
-    with _bounded(["--max-plan-memory-mb", "1024"], tmp_path) as sidecar, Raw(sidecar.address) as raw:
+    with _bounded(["--max-plan-memory-mb", "256"], tmp_path) as sidecar, Raw(sidecar.address) as raw:
         idle = _status(sidecar.pid)["VmHWM"]
         for case, method, request_, field, flag in HUGE:
             code, details = raw.code(method, request_, timeout=60)
@@ -95,10 +103,10 @@ def test_requests_for_huge_plans_are_refused_before_any_allocation(swe_tree, tmp
                 case,
                 details,
             )
-        # The whole swe-like batch's call plan (a 49 KB request, a 533 MB response, ~3 GB to build).
+        # The whole swe-like batch's call plan (a 49 KB request, a 533 MB response, 534 MB to build).
         whole = codec.plan_calls_request(swe_tree, None, 64, 4).SerializeToString()
         assert len(whole) < 60_000
-        code, details = raw.code("PLAN_CALLS", whole, timeout=60)
+        code, details = raw.code("PLAN_CALLS_STREAM", whole, timeout=60)
         assert code == RES and details.startswith("trajectories: ") and "--max-plan-memory-mb" in details
         # Step plans of those shapes cost O(V + N): served.
         with Planner(sidecar.address, timeout=60) as p:
@@ -111,12 +119,34 @@ def test_requests_for_huge_plans_are_refused_before_any_allocation(swe_tree, tmp
     assert sidecar.proc.returncode == 0
 
 
-def test_an_estimate_that_falls_short_still_ends_in_resource_exhausted(swe_tree):
-    """Under the default limits (8 GiB per plan) the whole swe-like call plan is admitted but does not
-    fit in 2 GiB: RESOURCE_EXHAUSTED (out of memory), not INTERNAL or a dead server."""
+def test_a_streamed_533_mb_plan_is_served_within_a_2_gib_address_space(swe_tree):
+    """The whole swe-like call plan (533 MB) through PlanCallsStream: the response is sent from the
+    plan's own arrays in 1 MiB chunks, so the server needs about the plan (the estimate, 512 MiB),
+    not the plan and two copies of its response (1.6 GB, which did not fit before)."""
     with _bounded() as sidecar, Raw(sidecar.address) as raw:
+        idle = _status(sidecar.pid)["VmHWM"]
         whole = codec.plan_calls_request(swe_tree, None, 64, 4).SerializeToString()
-        code, details = raw.code("PLAN_CALLS", whole, timeout=120)
+        response = raw.call("PLAN_CALLS_STREAM", whole, timeout=120)
+        assert len(response) > 500 << 20
+        peak = _status(sidecar.pid)["VmHWM"]
+        cost = estimate_cost(swe_tree)
+        held = limits.request_bytes(len(whole), 0, cost)  # the request and its tree's batch
+        estimate = limits.of_plan_cost(cost, stream=True).memory_bytes + held
+        assert peak - idle <= estimate < 1.1 * (peak - idle), (peak - idle, estimate)
+        plan = codec.decode_call_plan(pb.PlanCallsResponse.FromString(response).plan)
+        del response
+        assert plan == Planner().plan_calls(swe_tree, 64)
+    assert sidecar.proc.returncode == 0
+
+
+def test_an_estimate_that_falls_short_still_ends_in_resource_exhausted(swe_tree):
+    """Under the default plan-memory limit (8 GiB) the call plan of four swe-like steps (2 GB) is
+    admitted but does not fit in 2 GiB: RESOURCE_EXHAUSTED (out of memory), not INTERNAL or a dead
+    server."""
+    four = copies_tree(swe_tree, 4)
+    with _bounded(["--max-response-mb", "4096"]) as sidecar, Raw(sidecar.address) as raw:
+        whole = codec.plan_calls_request(four, None, 64, 4).SerializeToString()
+        code, details = raw.code("PLAN_CALLS_STREAM", whole, timeout=120)
         assert code == RES and details.startswith("request: the server ran out of memory"), details
         with Planner(sidecar.address, timeout=60) as p:
             assert p.plan_calls(TREE, 4) == Planner().plan_calls(TREE, 4)

@@ -35,6 +35,8 @@ from harts_planner.step_plan import DEFAULT_OPTIONS, StepPlan
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PlannerService"].full_name
 PLAN_STEP = f"/{SERVICE_NAME}/PlanStep"
 PLAN_CALLS = f"/{SERVICE_NAME}/PlanCalls"
+PLAN_STEP_STREAM = f"/{SERVICE_NAME}/PlanStepStream"
+PLAN_CALLS_STREAM = f"/{SERVICE_NAME}/PlanCallsStream"
 
 I32, I64 = np.dtype("<i4"), np.dtype("<i8")
 
@@ -122,24 +124,40 @@ TREE_FIELDS = {
 def decode_trajectories(msg: pb.Trajectories) -> PackedTokens | SegmentTree:
     """Arrays of a request's trajectories (views of the message bytes, not yet validated)."""
     which = msg.WhichOneof("source")
+    arrays = {}
+    if which is not None:
+        part = getattr(msg, which)
+        arrays = {f.name: getattr(part, f.name) for f in part.DESCRIPTOR.fields}
+    if msg.tree_ids:
+        arrays["tree_ids"] = msg.tree_ids
+    return trajectories_of(which, arrays, unpack)
+
+
+def trajectories_of(which: str | None, arrays: dict, read=None) -> PackedTokens | SegmentTree:
+    """The trajectories of a request from its raw arrays: ``which`` is the ``source`` oneof member
+    set (``"packed"``, ``"tree"`` or None) and ``arrays`` its bytes fields by name (plus
+    ``tree_ids``), read by ``read(buffer, dtype, field)`` (default :func:`unpack`). Raises
+    InvalidArgumentError naming the field (none set; a byte count that is not whole values)."""
+    read = unpack if read is None else read
     if which is None:
         raise invalid(
             "trajectories",
             "required: set trajectories.packed (tokens and offsets) or "
             "trajectories.tree (a compacted segment tree)",
         )
-    tree_ids = unpack(msg.tree_ids, I64, "trajectories.tree_ids") if msg.tree_ids else None
+    empty = b""
+    ids = arrays.get("tree_ids", empty)
+    tree_ids = read(ids, I64, "trajectories.tree_ids") if len(ids) else None
     if which == "packed":
         return PackedTokens(
-            unpack(msg.packed.tokens, I32, "trajectories.packed.tokens"),
-            unpack(msg.packed.offsets, I64, "trajectories.packed.offsets"),
+            read(arrays.get("tokens", empty), I32, "trajectories.packed.tokens"),
+            read(arrays.get("offsets", empty), I64, "trajectories.packed.offsets"),
             tree_ids,
         )
-    t = msg.tree
     return SegmentTree(
-        unpack(t.parent, I32, "trajectories.tree.parent"),
-        unpack(t.length, I32, "trajectories.tree.length"),
-        unpack(t.trajectory_end, I32, "trajectories.tree.trajectory_end"),
+        read(arrays.get("parent", empty), I32, "trajectories.tree.parent"),
+        read(arrays.get("length", empty), I32, "trajectories.tree.length"),
+        read(arrays.get("trajectory_end", empty), I32, "trajectories.tree.trajectory_end"),
         tree_ids,
     )
 
@@ -456,7 +474,9 @@ def _objective(msg: pb.Objective) -> tuple[int, int, int]:
     return (msg.total_work, msg.slot_critical_work, msg.max_replica_work)
 
 
-def encode_step_plan(plan: StepPlan) -> pb.StepPlan:
+def encode_step_plan(plan: StepPlan, arrays: bool = True) -> pb.StepPlan:
+    """The wire form of a step plan (without its five arrays when not ``arrays``: the server sends
+    those from the plan's own buffers, :mod:`harts_planner.rpc.wire`)."""
     n = plan._native
     msg = pb.StepPlan(
         dp_size=n.dp_size,
@@ -473,7 +493,7 @@ def encode_step_plan(plan: StepPlan) -> pb.StepPlan:
         planning_seconds=n.planning_seconds,
         options=encode_options(plan.options),
     )
-    for name, dtype in _step_plan.ARRAY_FIELDS.items():
+    for name, dtype in _step_plan.ARRAY_FIELDS.items() if arrays else ():
         setattr(msg, name, pack(getattr(n, name), dtype))
     msg.objective.CopyFrom(
         pb.Objective(**dict(zip(("total_work", "slot_critical_work", "max_replica_work"), n.objective)))

@@ -7,7 +7,7 @@ descriptor (``harts_planner.rpc.planner_pb2``):
   ``type`` (``int64``, ``bytes``, ``message``, ...), ``label`` (``optional`` / ``repeated``), and
   where they apply ``type_name`` (of a message or enum field), ``oneof`` and ``proto3_optional``;
 * every enum: its values' numbers;
-* every service: each method's input and output types.
+* every service: each method's input and output types, and whether either side streams.
 
 :func:`compare` splits the differences between a snapshot and the current descriptor into
 *breaking* ones (an entry removed, or its number, type, label, oneof or presence changed: never
@@ -66,6 +66,17 @@ def _enums(prefix: str, enums, out: dict) -> None:
         out[f"{prefix}.{enum.name}"] = {v.name: v.number for v in enum.value}
 
 
+def _method_entry(method: descriptor_pb2.MethodDescriptorProto) -> dict:
+    """Input and output types, and which side streams (recorded only when it does: a unary method's
+    entry is its two types)."""
+    entry = {"input": method.input_type.lstrip("."), "output": method.output_type.lstrip(".")}
+    if method.client_streaming:
+        entry["client_streaming"] = True
+    if method.server_streaming:
+        entry["server_streaming"] = True
+    return entry
+
+
 def snapshot(file_descriptor=None) -> dict:
     """The snapshot of a file descriptor (default: ``planner_pb2.DESCRIPTOR``) as a JSON-able dict."""
     if file_descriptor is None:
@@ -79,10 +90,7 @@ def snapshot(file_descriptor=None) -> dict:
     _messages(proto.package, proto.message_type, messages, enums)
     _enums(proto.package, proto.enum_type, enums)
     services = {
-        f"{proto.package}.{s.name}": {
-            m.name: {"input": m.input_type.lstrip("."), "output": m.output_type.lstrip(".")} for m in s.method
-        }
-        for s in proto.service
+        f"{proto.package}.{s.name}": {m.name: _method_entry(m) for m in s.method} for s in proto.service
     }
     return {
         "file": proto.name,

@@ -1,0 +1,324 @@
+"""Control of the sidecar's calls: how one call stops, the watchdog that stops stalled ones, and the
+drain that stops them all.
+
+* :class:`RequestControl`: one call's deadline (the RPC's), why it stopped (``reason``), the
+  :class:`harts_planner.CancelToken` the planner polls inside its loops, and the status the call
+  ends with (:meth:`RequestControl.stop_status`). It is cancelled when the client cancels or its
+  deadline passes (gRPC's termination callback), when the :class:`Watchdog` cuts it off, and by a
+  drain after its grace.
+* :class:`Watchdog`: one thread that cancels a call whose request has not arrived within
+  ``--receive-timeout`` seconds, or whose response made no progress (the client read nothing) for
+  ``--send-timeout`` seconds. Cancelling ends the RPC in gRPC (``context.cancel()``), which frees
+  whatever gRPC holds for it (its receive buffer, the unsent response) and wakes the call's thread.
+* :func:`drain`: graceful shutdown (SIGTERM): health NOT_SERVING; queued and new calls get
+  UNAVAILABLE at once; calls in flight (planning or sending their response) get ``grace`` seconds;
+  then every call left is cancelled (plans through their tokens, responses by ending the RPC) and
+  logged UNAVAILABLE with ``delivered: false``; then the server stops. A response logged OK was
+  delivered.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+
+import grpc
+
+from harts_planner.errors import CancelToken, HartsError, PlanCancelledError
+from harts_planner.rpc import logs, status
+
+#: After the grace period: how long cancelled calls get to stop before the server gives up on them.
+CANCEL_WAIT_SECONDS = 5.0
+
+
+class AbortRpcError(Exception):
+    """Ends an RPC with a status (raised inside a handler, turned into ``context.abort``)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None):
+        super().__init__(message)
+        self.code, self.message, self.field = code, message, field
+
+    def status(self) -> grpc.Status:
+        """The status with a google.rpc detail naming :attr:`field` (:func:`status.rich_status`)."""
+        return status.rich_status(self.code, self.message, self.field)
+
+
+def from_harts(err: HartsError) -> AbortRpcError:
+    """The status of a planner error (the table of :mod:`harts_planner.rpc.status`)."""
+    return AbortRpcError(status.for_error(err).code, str(err), getattr(err, "field", None) or "request")
+
+
+def unavailable() -> AbortRpcError:
+    return AbortRpcError(grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another planner")
+
+
+def exhausted(field: str, message: str) -> AbortRpcError:
+    return AbortRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{field}: {message}", field)
+
+
+#: Why a call was stopped -> (status code, message, field). "client" and "deadline" come from gRPC.
+_REASONS = {
+    "deadline": (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded", "deadline"),
+    "shutdown": (grpc.StatusCode.UNAVAILABLE, "the server shut down", None),
+    "receive-timeout": (
+        grpc.StatusCode.CANCELLED,
+        "request: the request did not arrive within the server's --receive-timeout",
+        "request",
+    ),
+    "send-timeout": (
+        grpc.StatusCode.CANCELLED,
+        "response: the client read none of the response for the server's --send-timeout",
+        "response",
+    ),
+    "client": (grpc.StatusCode.CANCELLED, "the client cancelled the request", None),
+}
+
+
+class RequestControl:
+    """Cancellation of one call: a deadline (the RPC's), the reason it stopped, and the
+    :class:`harts_planner.CancelToken` the planner polls inside its loops.
+
+    The token is cancelled when the RPC terminates early (the client cancelled, or its deadline
+    passed: gRPC calls back), when the watchdog cuts the call off and when the server does (a
+    drain's grace ran out). ``wake`` is called on every cancellation (the budget wakes a waiting
+    call). ``on_terminated`` callbacks run when gRPC ends the RPC (early or not) after the handler
+    stopped running (the servicer logs a call whose response was never delivered there).
+    """
+
+    def __init__(self, context, wake=None):
+        self.context = context
+        self._wake = wake
+        self._lock = threading.Lock()
+        self.reason: str | None = None  # "client", "deadline", "shutdown", "receive-timeout", "send-timeout"
+        self.waiter = None  # while it waits for a planner thread (the budget's)
+        self.grant = None  # while it holds one
+        self.phase = "receive"  # receive, admit, queue, plan, encode, send, done
+        self.progress_at = time.monotonic()  # the last sign of life of the transfer (receive, send)
+        self.terminated = threading.Event()  # gRPC ended the RPC
+        self._done = False
+        self._on_terminated: list = []
+        remaining = context.time_remaining() if context is not None else None
+        if remaining is not None and remaining > 1e9:  # no deadline (gRPC says "infinite")
+            remaining = None
+        self.deadline = None if remaining is None else time.monotonic() + max(remaining, 0.0)
+        self.token = CancelToken()
+        if remaining is not None:
+            self.token.set_deadline(max(remaining, 0.0))
+        if context is not None and not context.add_callback(self._terminated):
+            self._terminated()  # the RPC has already ended
+
+    def _terminated(self) -> None:
+        """gRPC's callback: the RPC ended (completed, cancelled by the client, or past its deadline;
+        gRPC's clock may run a little ahead of ours, hence the margin)."""
+        if not self._done:
+            remaining = self.remaining()
+            self.cancel("deadline" if remaining is not None and remaining < 0.05 else "client")
+        self.terminated.set()
+        with self._lock:
+            callbacks, self._on_terminated = self._on_terminated, []
+        for callback in callbacks:
+            callback()
+
+    def on_terminated(self, callback) -> None:
+        """Run ``callback()`` when gRPC ends the RPC (at once if it has)."""
+        with self._lock:
+            if not self.terminated.is_set():
+                self._on_terminated.append(callback)
+                return
+        callback()
+
+    def cancel(self, reason: str) -> None:
+        """Stop this call's plan (the planner stops at its next poll); thread-safe. The first
+        reason sticks."""
+        with self._lock:
+            if self.reason is None:
+                self.reason = reason
+        self.token.cancel()
+        if self._wake is not None:
+            self._wake(self)
+
+    def cut_off(self, reason: str) -> None:
+        """Stop the call (the watchdog, a drain). A call blocked in gRPC, receiving its request or
+        sending its response, has its RPC ended now (the client sees CANCELLED; gRPC frees what it
+        holds for the call); any other stops at its next check or poll and answers with the status
+        of ``reason``."""
+        self.cancel(reason)
+        if self.context is not None and self.phase in ("receive", "send"):
+            self.context.cancel()
+
+    def touch(self) -> None:
+        """The transfer made progress (a request chunk arrived, a response chunk was taken)."""
+        self.progress_at = time.monotonic()
+
+    def finish(self) -> None:
+        """The handler is done: later callbacks are not cancellations."""
+        self._done = True
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def stop_status(self) -> AbortRpcError | None:
+        """Why this call must stop now (DEADLINE_EXCEEDED, CANCELLED, UNAVAILABLE), or None."""
+        reason = self.reason
+        if reason is None and self.expired():
+            reason = "deadline"
+        if reason is None and self.context is not None and not self.context.is_active():
+            reason = "client"
+        if reason is None:
+            return None
+        code, message, field = _REASONS.get(reason, _REASONS["client"])
+        if reason == "shutdown":
+            what = "its response was delivered" if self.phase == "send" else "the plan finished"
+            message = f"the server shut down before {what}; retry on another planner"
+        return AbortRpcError(code, message, field)
+
+    def check(self, phase: str) -> None:
+        """Raise the stop status (its message says which phase was next), if any."""
+        stop = self.stop_status()
+        if stop is not None:
+            stop.message = f"{stop.message} before {phase}"
+            raise stop
+
+    def from_cancelled(self, err: PlanCancelledError) -> AbortRpcError:
+        """The status of a plan the planner stopped (``PlanCancelledError``)."""
+        stop = self.stop_status()
+        if stop is None:  # the token's own clock ran out first
+            code, message, field = _REASONS["deadline"]
+            stop = AbortRpcError(code, message, field)
+        stop.message = f"{stop.message} ({err})"
+        return stop
+
+
+class Watchdog:
+    """One thread that cuts off calls whose transfer stalls.
+
+    :meth:`watch` arms a timer on a call: it fires when ``control.progress_at`` is more than
+    ``seconds`` old (:meth:`RequestControl.touch` pushes it back) and the call is still in
+    ``phase`` (the phase it was armed in); firing cuts the call off with ``reason``. Timers of
+    calls that moved on are dropped when they come due. O(log n) per timer.
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="harts-planner-watchdog", daemon=True)
+        self._thread.start()
+
+    def watch(self, control: RequestControl, phase: str, seconds: float | None, reason: str) -> None:
+        """Arm a timer (a weak reference: a finished call is not kept alive, nor its gRPC stream)."""
+        if seconds is None:
+            return
+        with self._cond:
+            due = control.progress_at + seconds
+            heapq.heappush(self._heap, (due, next(self._seq), weakref.ref(control), phase, seconds, reason))
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            fire = []
+            with self._cond:
+                while not self._stopped and (not self._heap or self._heap[0][0] > time.monotonic()):
+                    wait = None if not self._heap else max(self._heap[0][0] - time.monotonic(), 0.0)
+                    self._cond.wait(wait)
+                if self._stopped:
+                    return
+                now = time.monotonic()
+                while self._heap and self._heap[0][0] <= now:
+                    _, _, ref, phase, seconds, reason = heapq.heappop(self._heap)
+                    control = ref()
+                    if control is None or control.phase != phase or control.terminated.is_set():
+                        continue  # gone or moved on
+                    due = control.progress_at + seconds
+                    if due > now:  # progress since it was armed: check again then
+                        heapq.heappush(self._heap, (due, next(self._seq), ref, phase, seconds, reason))
+                    else:
+                        fire.append((control, reason))
+                    del control
+            for control, reason in fire:
+                control.cut_off(reason)
+
+
+@dataclass
+class DrainResult:
+    """How a drain ended: ``finished`` every call in flight (planning or sending) within the grace;
+    else ``cancelled`` of them were cut off and ``stopped`` says whether they all stopped within
+    CANCEL_WAIT_SECONDS."""
+
+    finished: bool
+    cancelled: int = 0
+    stopped: bool = True
+
+    def __bool__(self) -> bool:
+        return self.finished
+
+    @property
+    def exit_code(self) -> int:
+        """0 when nothing is left running (finished, or cancelled and stopped), else 1."""
+        return 0 if self.finished or self.stopped else 1
+
+
+def drain(server, grace: float, *, cut: threading.Event | None = None) -> DrainResult:
+    """Graceful shutdown of a :class:`~harts_planner.rpc.server.PlannerServer`: health NOT_SERVING;
+    queued and new calls get UNAVAILABLE at once; calls in flight (planning, or sending a response)
+    get ``grace`` seconds (fewer when ``cut`` is set meanwhile: a second signal), then are cut off
+    (plans through their tokens, responses by ending the RPC: each logged UNAVAILABLE, not
+    delivered) and get :data:`CANCEL_WAIT_SECONDS` to stop; then the server stops."""
+    servicer = server.servicer
+    server.health.enter_graceful_shutdown()
+    servicer.begin_drain()
+    counts = servicer.counts()
+    logs.event(
+        "drain",
+        inflight=counts["planning"],
+        queued=counts["queued"],
+        sending=counts["sending"],
+        grace_s=grace,
+    )
+    deadline = time.monotonic() + grace
+    finished = False
+    while True:
+        left = deadline - time.monotonic()
+        if servicer.wait_idle(max(0.0, min(left, 0.1))):
+            finished = True
+            break
+        if left <= 0 or (cut is not None and cut.is_set()):
+            break
+    result = DrainResult(finished)
+    if not finished:
+        result.cancelled = servicer.cancel_inflight()
+        result.stopped = servicer.wait_idle(CANCEL_WAIT_SECONDS)
+    server.stop(grace=0.5)
+    logs.event(
+        "stopped",
+        drained=result.finished,
+        cancelled=result.cancelled,
+        stuck=not result.stopped,
+    )
+    return result
+
+
+__all__ = [
+    "AbortRpcError",
+    "CANCEL_WAIT_SECONDS",
+    "DrainResult",
+    "RequestControl",
+    "Watchdog",
+    "drain",
+    "exhausted",
+    "from_harts",
+    "unavailable",
+]
