@@ -630,7 +630,7 @@ def _record(step: int, key, res, rep, dt: float) -> dict:
         "policy_loss": float(m["policy_loss"]),
         "router_loss": float(m["router_loss"]),
     }
-    for k, v in m.items():  # the loss function's own metrics: the engine's mean over rank 0's microbatches
+    for k, v in m.items():  # the loss function's own metrics: step sums of their per-microbatch shares
         if k.startswith("loss_fn/"):
             rec[k] = float(v)
     rec.update(
