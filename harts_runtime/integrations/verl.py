@@ -311,7 +311,7 @@ class VerlLoss:
         self.loss_function = loss_function
         self.dp_group = dp_group
         tokens, gbs = step_denominators(step)
-        self.step = step
+        self.step = step = step.copy()  # shallow: the caller's TensorDict keeps its own metadata
         tu.assign_non_tensor(step, dp_size=1, batch_num_tokens=tokens, global_batch_size=gbs)
         ids = step.get("input_ids")
         self.lengths = ids.offsets().diff().cpu()

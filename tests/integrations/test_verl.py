@@ -286,6 +286,36 @@ def test_train_batch_steps_and_metrics(path):
     assert all(p.grad is None for p in eng.engine.model.parameters())  # train_mode zeroes on exit
 
 
+def test_checkpoint_round_trip_and_weight_export(path, tmp_path):
+    """``save_checkpoint`` / ``load_checkpoint`` restore weights, AdamW state and verl's LR schedule
+    (a resumed run's next step equals the uninterrupted one's); ``get_per_tensor_param`` streams the
+    transformers tensors ``save_pretrained`` writes (names and shapes)."""
+    from safetensors import safe_open
+
+    cfg = actor_config()
+    loss = partial(ppo_loss, config=cfg)
+    a = backend(path)
+    with a.train_mode():
+        a.train_batch(verl_batch(trajectories(5)), loss)
+    a.lr_scheduler_step()
+    a.save_checkpoint(str(tmp_path / "ckpt"), global_step=1)
+    b = backend(path)
+    b.load_checkpoint(str(tmp_path / "ckpt"))
+    assert b.lr_scheduler.state_dict()["last_epoch"] == a.lr_scheduler.state_dict()["last_epoch"]
+    for eng in (a, b):
+        with eng.train_mode():
+            eng.train_batch(verl_batch(trajectories(6)), loss)
+    for (n, p), (_, q) in zip(a.engine.model.named_parameters(), b.engine.model.named_parameters()):
+        assert torch.equal(p, q), n
+    gen, peft = backend(path).get_per_tensor_param()  # untrained: see the report on g_proj's bias
+    exported = dict(gen)
+    assert peft is None
+    with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
+        assert set(exported) == set(f.keys())
+        for name in f.keys():
+            assert exported[name].shape == f.get_tensor(name).shape, name
+
+
 def test_entropy_and_infer(path):
     """Forward-only with ``calculate_entropy``: entropies of every scored position equal the full
     logits' (HARTS computes one per compact row); log-probs as in training; no loss needed."""
@@ -369,13 +399,18 @@ def _worker(rank, world, path, aggs, order):
             "pg_loss": res["metrics"]["actor/pg_loss"].values,
             "microbatches": eng.last_output.metrics["microbatches"],
         }
+    tu.assign_non_tensor(mine, calculate_entropy=True)
+    with eng.eval_mode():
+        res = eng.infer_batch(mine)
+    out["entropy"] = [r.clone() for r in verl_rows(res["model_output"]["entropy"])]
     return out
 
 
 def test_two_gloo_processes_equal_one(path):
     """verl's balancing and dispatch split the trees over 2 ranks; the backend gathers the step,
     plans it with D = 2 and routes each rank its rows: log-probs, step loss, summed gradients and
-    their global norm equal one process running verl's loss on the whole batch."""
+    their global norm equal one process running verl's loss on the whole batch; so do the
+    forward-only entropies (the LM head gathered from its FSDP2 shards)."""
     from harts_runtime.parallel import run_distributed
 
     aggs = ("token-mean", "seq-mean-token-mean")
@@ -404,6 +439,11 @@ def test_two_gloo_processes_equal_one(path):
             assert res["grad_norm"] == pytest.approx(want_norm, rel=1e-4), where
             assert res["pg_loss"] == results[0][agg]["pg_loss"], where
             assert res["microbatches"] == 2, where  # one per replica
+    full = tu.index_select_tensor_dict(td, torch.as_tensor(order))
+    tu.assign_non_tensor(full, calculate_entropy=True)
+    want = verl_rows(backend(path).infer_batch(full)["model_output"]["entropy"])
+    got = [r for res in results for r in res["entropy"]]
+    torch.testing.assert_close(torch.cat(got), torch.cat(want), rtol=0, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------ registry and errors
