@@ -481,14 +481,30 @@ class VerlHartsEngine(BaseEngine):
             )
             mesh = dims.build_mesh()
         self.mesh = mesh
-        self.engine = HartsEngine.from_pretrained(
+        from harts_runtime.engine import _dtype
+        from harts_runtime.hf import load_pretrained
+
+        kw = {}
+        if mesh is not None:
+            kw = dict(
+                mesh=mesh,
+                parallelize=dict(
+                    recompute=cfg.recompute,
+                    keep=cfg.keep,
+                    param_dtype=_dtype(cfg.param_dtype),
+                    reduce_dtype=_dtype(cfg.reduce_dtype),
+                    cpu_offload=cfg.cpu_offload,
+                ),
+            )
+        model = load_pretrained(
             path,
-            cfg,
-            mesh=mesh,
             dtype=self._harts("model_dtype", "float32"),
             device=device,
             chunk_size=int(self._harts("chunk_size", 64)),
+            **kw,
         )
+        self.frozen = freeze_unexportable(model)
+        self.engine = HartsEngine(model, cfg, mesh=mesh)
         self.lr_scheduler = _verl_scheduler(self.engine.optimizer, opt)
         self.engine.scheduler = _VerlSchedule(self.lr_scheduler)
 
@@ -685,6 +701,26 @@ class VerlHartsEngine(BaseEngine):
             for g, lr in zip(self.engine.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
                 g["lr"] = lr
         return extra
+
+
+def freeze_unexportable(model) -> list[str]:
+    """Freeze the parameters the model's transformers family has no tensor for (its adapter's
+    ``zero_only``, e.g. Kimi-Linear's KDA output-gate bias): the checkpoint holds them at zero, and
+    once trained they could no longer be exported to the rollout engine (``get_per_tensor_param``)
+    or saved. Returns their names."""
+    from harts_runtime.hf import _save_setup
+
+    try:
+        _, adapter = _save_setup(model, None)
+    except (InvalidInputError, KeyError, ValueError):
+        return []
+    suffixes = tuple(s for s, _ in adapter.zero_only)
+    names = []
+    for n, p in model.named_parameters():
+        if suffixes and n.endswith(suffixes):
+            p.requires_grad_(False)
+            names.append(n)
+    return names
 
 
 def _no_loss(logprobs, inputs):

@@ -233,10 +233,13 @@ def rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
+FROZEN = ("mixer.g_proj.1.bias",)  # Kimi-Linear has no tensor for it: the backend freezes it at zero
+
+
 def check_grads(got: dict, want: dict, where=""):
-    assert set(got) == set(want), where
-    for n, g in want.items():
-        err = rel(got[n], g)
+    assert set(got) == {n for n in want if not n.endswith(FROZEN)}, where
+    for n, g in got.items():
+        err = rel(g, want[n])
         assert err <= TOL_GRAD, f"{where} d{n}: relative error {err:.2e}"
 
 
@@ -289,7 +292,8 @@ def test_train_batch_steps_and_metrics(path):
 def test_checkpoint_round_trip_and_weight_export(path, tmp_path):
     """``save_checkpoint`` / ``load_checkpoint`` restore weights, AdamW state and verl's LR schedule
     (a resumed run's next step equals the uninterrupted one's); ``get_per_tensor_param`` streams the
-    transformers tensors ``save_pretrained`` writes (names and shapes)."""
+    transformers tensors ``save_pretrained`` writes (names and shapes), after training too (the
+    parameters Kimi-Linear has no tensor for stay frozen at zero)."""
     from safetensors import safe_open
 
     cfg = actor_config()
@@ -307,7 +311,8 @@ def test_checkpoint_round_trip_and_weight_export(path, tmp_path):
             eng.train_batch(verl_batch(trajectories(6)), loss)
     for (n, p), (_, q) in zip(a.engine.model.named_parameters(), b.engine.model.named_parameters()):
         assert torch.equal(p, q), n
-    gen, peft = backend(path).get_per_tensor_param()  # untrained: see the report on g_proj's bias
+    assert b.frozen and all(n.endswith(FROZEN) for n in b.frozen)  # trained, still exportable
+    gen, peft = b.get_per_tensor_param()
     exported = dict(gen)
     assert peft is None
     with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
@@ -427,7 +432,11 @@ def test_two_gloo_processes_equal_one(path):
         assert len(got_rows) == b
         for got, want in zip(got_rows, rollouts.to_lists(ref_lp)):
             torch.testing.assert_close(got, torch.tensor(want), rtol=0, atol=TOL_LOGPROB)
-        want_norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()])))
+        want_norm = float(
+            torch.linalg.vector_norm(
+                torch.stack([g.norm() for n, g in ref_grads.items() if not n.endswith(FROZEN)])
+            )
+        )
         for rank, res in enumerate(r[agg] for r in results):
             where = f"{agg} rank {rank}"
             assert abs(res["loss"] - ref_loss) <= TOL_LOSS * max(1.0, abs(ref_loss)), (
