@@ -552,6 +552,13 @@ class VerlHartsEngine(BaseEngine):
             raise InvalidInputError(
                 "temperature", "the harts backend scores at temperature 1 only (rollout.temperature=1.0)"
             )
+        for flag, what in (
+            ("calculate_sum_pi_squared", "sum of squared probabilities (full-vocabulary logits)"),
+            ("distillation_use_topk", "top-k distillation (teacher logits)"),
+            ("enable_routing_replay", "MoE router replay"),
+        ):
+            if tu.get_non_tensor_data(data, flag, False):
+                raise InvalidInputError(flag, f"{what} is not supported by the harts backend")
         entropy = bool(tu.get_non_tensor_data(data, "calculate_entropy", False))
         if entropy and not forward_only:
             raise InvalidInputError(

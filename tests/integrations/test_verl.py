@@ -513,6 +513,10 @@ def test_bad_settings_name_the_field(path):
     with pytest.raises(InvalidInputError) as e:
         eng.forward_backward_batch(td, partial(ppo_loss, config=actor_config()))
     assert e.value.field == "calculate_entropy"
+    tu.assign_non_tensor(td, calculate_entropy=False, calculate_sum_pi_squared=True)
+    with pytest.raises(InvalidInputError) as e:
+        eng.infer_batch(td)
+    assert e.value.field == "calculate_sum_pi_squared"
     with pytest.raises(InvalidInputError) as e:
         VerlHartsEngine(
             _Model(path), HartsEngineConfig(param_offload=True, dtype="float32"), FSDPOptimizerConfig(lr=LR)
