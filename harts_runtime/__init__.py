@@ -19,7 +19,7 @@ package                            what
 ``recompute``, ``errors``          the one recomputation switch, the one error class
 ``hf``                             :func:`load_pretrained` / :func:`save_pretrained`: HF checkpoint
                                    folders (Kimi-Linear, Qwen3-Next, Qwen3.5-MoE text) <-> ``HybridModel``
-``demo``, ``cli``                  :func:`train_demo`, ``harts-train``
+``demo``, ``cli``                  :func:`model_demo`, :func:`train_demo`, ``harts-train``
 ``flops``, ``testing``             the FLOP model; test-only trees, decompositions and dense masks
 =================================  ===============================================================
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
+    "model_demo": "harts_runtime.demo",
     "train_demo": "harts_runtime.demo",
     "ConfigError": "harts_runtime.errors",
     "InvalidInputError": "harts_runtime.errors",

@@ -39,12 +39,14 @@ def _demo_plans(batch, args) -> dict:
 
     longest = int(np.max(batch.lengths))
     capacity = max(args.capacity, longest)  # small presets: T never below one trajectory
-    t = time.perf_counter()
+    bar = Progress("step plan", enabled=not args.quiet)
+    bar(0, 1)
     plan = plan_step(batch, args.dp, capacity, args.chunk_size)
-    step_s = time.perf_counter() - t
-    t = time.perf_counter()
-    call_plans = plan.call_plans()
-    calls_s = time.perf_counter() - t
+    bar(1, 1)
+    step_s = bar.close()
+    bar = Progress("call plans", enabled=not args.quiet)
+    call_plans = plan.call_plans(progress=bar)
+    calls_s = bar.close()
     calls = [int(cp.num_calls) for cp in call_plans]
     replay = sum(int(cp.replay_tokens) for cp in call_plans)
     m = plan.metrics
@@ -69,20 +71,20 @@ def _demo_plans(batch, args) -> dict:
 
 
 def _demo_model(args) -> None:
-    """A few training steps of the `debug` hybrid model, compact and trajectory-wise side by side
-    (``harts_runtime.train_demo``; needs the runtime extra: torch)."""
+    """Training steps of the `debug` hybrid model on a few trees, compact and trajectory-wise side by
+    side from the same weights, then the GPU speedup measured on an H200 (``harts_runtime.model_demo``;
+    seconds on a CPU; needs the runtime extra: torch)."""
     try:
-        from harts_runtime import train_demo
+        from harts_runtime import model_demo
     except ImportError as e:  # the base install has no torch: say how to get the model step
         print(
             f"model step skipped ({e.name or e} is not installed): pip install '.[runtime]' torch==2.13.0, "
             "then harts-planner demo or harts-train"
         )
         return
-    print("HARTS demo: debug hybrid model (KDA + MLA + GQA, dense + MoE), compact vs trajectory-wise")
     sys.stdout.flush()
-    preset = "tiny" if args.preset == "tiny" else "small"  # CPU-sized: the small preset, capped
-    train_demo(preset=preset, steps=args.model_steps, seed=0, max_len=1024, device="cpu")
+    preset = "tiny" if args.preset == "tiny" else "demo"  # CPU-sized: a few trees (DEMO_TREES)
+    model_demo(preset=preset, steps=args.model_steps, seed=0)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -392,9 +394,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     output = args.output or (str(args.file).rsplit(".", 1)[0] + ".html")
     with open(output, "w", encoding="utf-8") as f:
         f.write(html)
+    k, segments = plan.num_microbatches, sum(c.num_segments for c in plan.call_plans())
     print(
-        f"wrote {output}: {plan.num_microbatches} microbatches, "
-        f"{sum(c.num_segments for c in plan.call_plans()):,} segments"
+        f"wrote {output}: {k} microbatch{'' if k == 1 else 'es'}, "
+        f"{segments:,} segment{'' if segments == 1 else 's'}"
     )
     return 0
 
@@ -716,7 +719,13 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--log-format", choices=("json", "text"), default="json", help="log lines on stderr")
     sv.set_defaults(func=cmd_serve)
 
-    b = sub.add_parser("bench", help="planning latency in-process and over gRPC (p50/p95/p99, throughput)")
+    b = sub.add_parser(
+        "bench",
+        help="planning latency in-process and over gRPC (p50/p95/p99, throughput)",
+        description="Planning latency in-process and over gRPC. The default is a quick run (tree "
+        "requests, 10 per row: seconds); the full comparison, as benchmarks/service.py reports it, is "
+        "--request both --requests 20 (tokens requests move 229 MB each: about 10 minutes on 2 cores).",
+    )
     b.add_argument(
         "--preset", default="swe-like", choices=presets, help="synthetic preset (default swe-like)"
     )
@@ -724,7 +733,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch", type=input_batch, help="plan this batch file instead of a synthetic one")
     b.add_argument("--dp", type=int_arg(1), default=2, help="DP degree D (default 2)")
     b.add_argument("--capacity", type=int_arg(1), default=65536, help="T (default 65536)")
-    b.add_argument("--request", choices=("tokens", "tree", "both"), default="both", help="what to send")
+    b.add_argument(
+        "--request",
+        choices=("tokens", "tree", "both"),
+        default="tree",
+        help="what to send: the compacted segment tree (default: 49 KB for swe-like, seconds in all), "
+        "the packed tokens (229 MB per swe-like request: minutes) or both",
+    )
     b.add_argument("--transport", choices=("inprocess", "grpc", "both"), default="both", help="how to plan")
     b.add_argument("--target", type=target_arg, help="host:port of a running sidecar (default: start one)")
     _tls_client_args(b)
@@ -733,7 +748,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--clients", type=int_arg(1, 1024), default=1, help="concurrent clients (default 1)")
     b.add_argument(
-        "--requests", type=int_arg(1, 10**9), default=20, help="timed requests per row (default 20)"
+        "--requests", type=int_arg(1, 10**9), default=10, help="timed requests per row (default 10)"
     )
     b.add_argument(
         "--warmup", type=int_arg(0, 10**6), default=1, help="untimed requests per client first (default 1)"

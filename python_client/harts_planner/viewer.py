@@ -5,7 +5,8 @@
   that outputs it. Thick solid edges are direct continuations (the child runs in its parent's
   sequence); dashed edges start a new sequence and are labelled with its replay length
   ``r = s_head - a(s_head)``. Direct chains are drawn horizontally, side branches below them.
-  Hovering a segment shows its positions, round, sequence, T_pre and T_in.
+  Hovering a segment shows its positions, round, sequence, T_pre and T_in; every page also spells
+  these out once in a key (:data:`KEY`).
 * A step plan's microbatches laid out by slot (rows) and DP replica (columns), each with its compact
   work against the capacity T, its trajectories and its call count; each links to its tree.
 
@@ -50,6 +51,7 @@ table.summary td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .legend span.swatch { display: inline-block; width: 12px; height: 12px; border-radius: 6px; margin: 0 4px 0 12px;
   vertical-align: middle; }
 .legend { font-size: 13px; margin: 6px 0; }
+.key { font-size: 13px; max-width: 60em; color: #444; }
 details { margin: 8px 0; border: 1px solid #e4e4e4; border-radius: 6px; padding: 6px 10px; }
 summary { cursor: pointer; font-size: 14px; }
 .scroll { overflow-x: auto; }
@@ -175,6 +177,25 @@ def tree_svg(plan: CallPlan, *, names: Sequence[str] | None = None, id_prefix: s
     return "\n".join(out)
 
 
+#: How to read a tree, printed once above the trees of every page (the tooltips repeat it per segment).
+KEY = (
+    "How to read a tree: each circle is a segment (a fork-free run of tokens shared by every "
+    "trajectory below it); the number inside is its token count, the name above it its id. The fill "
+    "colour is the call round (one packed linear-attention call, Call 1, Call 2, ...) that outputs "
+    "it. A thick solid edge is a direct continuation: the child runs in its parent's sequence, on "
+    "the parent's state. A dashed edge starts a new sequence in a later round, labelled r = its "
+    "replay: the ancestor tokens from the chunk anchor a(s) = B floor(s / B) up to the segment start "
+    "s, re-run to rebuild the chunk's state (no outputs). Hover a circle for its positions, round, "
+    "sequence and the two counts of Algorithm 1's dynamic program: T_pre, the fewest calls for its "
+    "subtree when the state at its entry anchor exists before its call, and T_in, the fewest when it "
+    "is entered as its parent's direct continuation (its entry state exists only inside that call)."
+)
+
+
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n:,} {word if n == 1 else (plural or word + 's')}"
+
+
 def rounds_legend(plan: CallPlan) -> str:
     """One swatch per call round with its sequences, replay and packed tokens."""
     so, po = plan.round_sequence_offsets, plan.packed_offsets
@@ -183,8 +204,8 @@ def rounds_legend(plan: CallPlan) -> str:
         seqs = range(int(so[r]), int(so[r + 1]))
         rep = int(sum(int(plan.sequence_replay_length[q]) for q in seqs))
         parts.append(
-            f'<span class="swatch" style="background:{_colour(r)}"></span>Call {r + 1}: {len(seqs)} '
-            f"sequences, replay {rep:,}, packed {int(po[r + 1] - po[r]):,} tokens"
+            f'<span class="swatch" style="background:{_colour(r)}"></span>Call {r + 1}: '
+            f"{_plural(len(seqs), 'sequence')}, replay {rep:,}, packed {_plural(int(po[r + 1] - po[r]), 'token')}"
         )
     return f'<div class="legend">{"".join(parts)}</div>'
 
@@ -231,9 +252,10 @@ def microbatch_grid_svg(step: StepPlan, calls: Sequence[CallPlan] | None) -> str
         x, y = left + rep * cw, top + s * ch
         w = int(step.work[m])
         frac = min(w / step.capacity, 1.0)
-        extra = f" · {calls[m].num_calls} calls" if calls is not None else ""
+        extra = f" · {_plural(calls[m].num_calls, 'call')}" if calls is not None else ""
         tip = (
-            f"microbatch {m}: replica {rep}, slot {s}, {len(step.microbatches[m])} trajectories, "
+            f"microbatch {m}: replica {rep}, slot {s}, "
+            f"{_plural(len(step.microbatches[m]), 'trajectory', 'trajectories')}, "
             f"compact work {w:,} of T = {step.capacity:,}{extra}"
         )
         out.append(
@@ -279,6 +301,7 @@ def render_call_plan(
         [
             _calls_summary(plan),
             "<h2>Rollout tree by call round</h2>",
+            f'<p class="key">{_e(KEY)}</p>',
             rounds_legend(plan),
             f'<div class="scroll" id="mb0">{tree_svg(plan, names=names, id_prefix="mb0")}</div>',
         ],
@@ -324,12 +347,14 @@ def render_step_plan(
         "<h2>Microbatches by replica and slot</h2>",
         f'<div class="scroll">{microbatch_grid_svg(step, calls)}</div>',
         "<h2>Rollout trees by call round</h2>",
+        f'<p class="key">{_e(KEY)}</p>',
     ]
     for m, plan in enumerate(calls):
         head = (
-            f"M{m}: replica {int(step.replica[m])}, slot {int(step.slot[m])}, {len(step.microbatches[m])} "
-            f"trajectories, {int(step.work[m]):,} compact tokens, {plan.num_calls} calls, "
-            f"replay {plan.replay_tokens:,}, {plan.num_segments} segments"
+            f"M{m}: replica {int(step.replica[m])}, slot {int(step.slot[m])}, "
+            f"{_plural(len(step.microbatches[m]), 'trajectory', 'trajectories')}, "
+            f"{_plural(int(step.work[m]), 'compact token')}, {_plural(plan.num_calls, 'call')}, "
+            f"replay {plan.replay_tokens:,}, {_plural(plan.num_segments, 'segment')}"
         )
         if plan.num_segments > max_segments:
             inner = f'<p class="note">tree not drawn: {plan.num_segments} segments exceed {max_segments}</p>'
@@ -350,6 +375,7 @@ def render(plan, **kwargs) -> str:
 
 
 __all__ = [
+    "KEY",
     "PALETTE",
     "render",
     "render_call_plan",

@@ -50,18 +50,26 @@ def test_demo_table(capsys):
 
 
 @pytest.mark.parametrize(
-    "preset, runtime_preset", [("tiny", "tiny"), ("small", "small"), ("swe-like", "small")]
+    "preset, runtime_preset", [("tiny", "tiny"), ("small", "demo"), ("swe-like", "demo")]
 )
-def test_demo_model_step_calls_the_runtime_demo(monkeypatch, capsys, preset, runtime_preset):
-    """The model step is ``harts_runtime.train_demo`` with a CPU-sized preset (a stand-in module here:
+def test_demo_model_step_calls_the_runtime_demo(monkeypatch, preset, runtime_preset):
+    """The model step is ``harts_runtime.model_demo`` on a CPU-sized batch (a stand-in module here:
     the planner tests need no torch)."""
     calls = []
     fake = types.ModuleType("harts_runtime")
-    fake.train_demo = lambda **kwargs: calls.append(kwargs) or []
+    fake.model_demo = lambda **kwargs: calls.append(kwargs) or []
     monkeypatch.setitem(sys.modules, "harts_runtime", fake)
     assert cli.main(["demo", "--preset", preset, "--quiet", "--model-steps", "3"]) == 0
-    assert calls == [{"preset": runtime_preset, "steps": 3, "seed": 0, "max_len": 1024, "device": "cpu"}]
-    assert "debug hybrid model" in capsys.readouterr().out
+    assert calls == [{"preset": runtime_preset, "steps": 3, "seed": 0}]
+
+
+def test_demo_reports_every_stage_in_a_log(capsys):
+    """Not on a terminal (a log, a pipe), each stage still reports: one plain line per stage, the
+    step plan and the call plans included."""
+    assert cli.main(["demo", "--preset", "small", "--model-steps", "0"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    for stage in ("generate", "ingest", "step plan", "call plans"):
+        assert [line for line in err if line.startswith(stage) and "\r" not in line], (stage, err)
 
 
 def test_demo_without_the_runtime_says_how_to_install_it(monkeypatch, capsys):
@@ -75,11 +83,10 @@ def test_demo_without_the_runtime_says_how_to_install_it(monkeypatch, capsys):
 def test_demo_trains_the_model_compact_and_trajectory_wise(capsys):
     # the whole pipeline: the debug model trained compact and trajectory-wise from the same weights
     pytest.importorskip("torch")  # harts_runtime imports without torch; its demo needs it
-    runtime = pytest.importorskip("harts_runtime")
-    if not hasattr(runtime, "train_demo"):
-        pytest.skip("harts_runtime.train_demo is not in this checkout")
+    pytest.importorskip("harts_runtime")
     assert cli.main(["demo", "--preset", "tiny", "--quiet", "--model-steps", "2"]) == 0
     text = capsys.readouterr().out
+    assert "measured on a GPU (NVIDIA H200" in text and "faster compact than trajectory-wise" in text
     diffs = [
         float(line.rsplit("=", 1)[1])
         for line in text.splitlines()
@@ -143,6 +150,27 @@ def test_show_writes_a_page(small_file, tmp_path, capsys):
     assert cli.main(["show", str(small_file), "--dp", "2", "--capacity", "30000", "-o", str(out)]) == 0
     page = out.read_text()
     assert page.startswith("<!DOCTYPE html>") and "Microbatches by replica and slot" in page
+    assert "How to read a tree" in page and "T_pre" in page.split("How to read a tree")[1]
+    assert "1 microbatches" not in capsys.readouterr().out
+
+
+def test_show_counts_in_words(tmp_path, capsys):
+    path = tmp_path / "one.jsonl"
+    hp.RolloutBatch.from_token_lists([[1, 2, 3], [1, 2, 4]]).save(path)
+    assert cli.main(["show", str(path), "-o", str(tmp_path / "one.html")]) == 0
+    assert "wrote" in (line := capsys.readouterr().out) and ": 1 microbatch, 3 segments" in line
+    page = (tmp_path / "one.html").read_text()
+    assert "1 microbatches" not in page and "1 trajectories" not in page and "1 calls" not in page
+
+
+def test_bench_defaults_are_a_quick_run():
+    """The default bench sends the compacted tree (KBs), not the packed tokens (229 MB per swe-like
+    request); its help says how to run the heavy comparison."""
+    parser = cli.build_parser()
+    args = parser.parse_args(["bench"])
+    assert (args.request, args.requests, args.transport) == ("tree", 10, "both")
+    bench = next(a for a in parser._actions if a.dest == "command").choices["bench"]
+    assert "--request both --requests 20" in " ".join(bench.description.split())
 
 
 def test_bench_in_process_and_grpc(small_file, tmp_path, capsys):
@@ -165,6 +193,8 @@ def test_bench_in_process_and_grpc(small_file, tmp_path, capsys):
                 "1",
                 "--workers",
                 "2",
+                "--request",
+                "both",
                 "--json",
                 str(report),
                 "--quiet",
