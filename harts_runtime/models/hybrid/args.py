@@ -306,8 +306,91 @@ def _qwen35_35b_a3b(num_layers: int = 40) -> ModelConfig:
     )
 
 
-FLAVORS = {"ling-tiny": _ling_tiny, "qwen3.5-35b-a3b": _qwen35_35b_a3b, "debug": _debug}
-"""Named flavors: a function of ``num_layers`` returning a :class:`ModelConfig`."""
+def _kimi_linear_tiny(num_layers: int = 4) -> ModelConfig:
+    """A tiny Kimi-Linear (random weights; ``save_pretrained`` writes a folder transformers'
+    ``KimiLinearForCausalLM`` loads): KDA / MLA alternating, a dense first FFN, then MoE with 8
+    experts in 4 groups (top-3 of 2 groups) and a shared expert. Built by the family's own
+    ``from_hf_config``, so every option is one the checkpoint format carries."""
+    from harts_runtime.models.kimi_linear.args import from_hf_config
+
+    types = (["linear_attention", "full_attention"] * 8)[:num_layers]
+    return from_hf_config(
+        dict(
+            model_type="kimi_linear",
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_hidden_layers=len(types),
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            qk_nope_head_dim=16,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=3,
+            num_local_experts=8,
+            norm_topk_prob=True,
+            linear_head_dim=16,
+            linear_num_heads=2,
+            linear_conv_kernel_dim=4,
+            layer_types=types,
+            mlp_layer_types=(["dense"] + ["sparse"] * 15)[: len(types)],
+        ),
+        dtype="float32",
+    )
+
+
+def _qwen35_tiny(num_layers: int = 4) -> ModelConfig:
+    """A tiny Qwen3.5-MoE text model (random weights; ``save_pretrained`` writes a
+    ``qwen3_5_moe_text`` folder transformers loads): 3 Gated DeltaNet + 1 gated attention, MoE with 4
+    experts top-2 and a gated shared expert, zero-centred norms. Built by the family's own
+    ``from_hf_config``."""
+    from harts_runtime.models.qwen3_next.args import from_hf_config
+
+    types = ((["linear_attention"] * 3 + ["full_attention"]) * 4)[:num_layers]
+    return from_hf_config(
+        dict(
+            model_type="qwen3_5_moe_text",
+            vocab_size=512,
+            hidden_size=64,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_hidden_layers=len(types),
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            layer_types=types,
+            partial_rotary_factor=0.5,
+        ),
+        dtype="float32",
+    )
+
+
+FLAVORS = {
+    "ling-tiny": _ling_tiny,
+    "qwen3.5-35b-a3b": _qwen35_35b_a3b,
+    "debug": _debug,
+    "kimi-linear-tiny": _kimi_linear_tiny,
+    "qwen3.5-tiny": _qwen35_tiny,
+}
+"""Named flavors: a function of ``num_layers`` returning a :class:`ModelConfig`. ``debug``,
+``ling-tiny`` and ``qwen3.5-35b-a3b`` are the hybrid family's shapes (``save_pretrained`` refuses
+them: their options have no checkpoint format); ``kimi-linear-tiny`` and ``qwen3.5-tiny`` are tiny
+models of the two checkpoint families, for a small folder ``save_pretrained`` writes and
+transformers loads."""
 
 
 def model_config(flavor: str, num_layers: int | None = None, **overrides) -> ModelConfig:
