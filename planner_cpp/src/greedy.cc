@@ -71,16 +71,37 @@ std::pair<int32_t, int32_t> RankSpan(const Grouping& g) {
   return lo < hi ? std::make_pair(lo, hi) : std::make_pair(0, 0);
 }
 
+// Ranks [lo, hi) cut into contiguous pieces, each extended while its work fits the capacity
+// (every rank fits alone). O(hi - lo).
+Grouping ContiguousFirstFit(const PlanContext& ctx, int32_t lo, int32_t hi) {
+  Grouping g;
+  for (int32_t a = lo; a < hi;) {
+    int32_t b = a + 1;
+    while (b < hi && ctx.Work(a, b + 1) <= ctx.capacity()) ++b;
+    std::vector<int32_t> piece(b - a);
+    std::iota(piece.begin(), piece.end(), a);
+    g.groups.push_back(std::move(piece));
+    g.work.push_back(ctx.Work(a, b));
+    a = b;
+  }
+  return g;
+}
+
 }  // namespace
 
 Grouping GreedyPlace(const PlanContext& ctx, const std::vector<int32_t>& sequence, GreedyPolicy policy,
-                     CancelToken* cancel) {
+                     CancelToken* cancel, StepBudget* budget) {
   if (sequence.empty()) return Grouping();
   Disposable<Grouping> g;
   const auto [lo, hi] = std::minmax_element(sequence.begin(), sequence.end());
   Disposable<PlacementIndex> index(ctx, *lo, *hi + 1, &*g, cancel);
+  const int64_t base = budget != nullptr ? budget->used : 0;
   for (int32_t r : sequence) {
     Poll(cancel);
+    if (budget != nullptr) {
+      budget->used = base + index->steps();
+      if (budget->exhausted()) break;
+    }
     const PlacementIndex::Choice c = index->Best(r, policy);
     if (c.group < 0) {
       index->NewGroup(r);
@@ -88,11 +109,12 @@ Grouping GreedyPlace(const PlanContext& ctx, const std::vector<int32_t>& sequenc
       index->Insert(c.group, r, c.after);
     }
   }
+  if (budget != nullptr) budget->used = base + index->steps();
   index->Release(cancel);
   return std::move(*g);
 }
 
-bool EliminateSmallMicrobatches(const PlanContext& ctx, Grouping& g, CancelToken* cancel) {
+bool EliminateSmallMicrobatches(const PlanContext& ctx, Grouping& g, CancelToken* cancel, StepBudget* budget) {
   const int64_t k = g.size();
   std::vector<int64_t> visit;
   ResizePolled(&visit, k, cancel);
@@ -109,6 +131,8 @@ bool EliminateSmallMicrobatches(const PlanContext& ctx, Grouping& g, CancelToken
     int64_t old_work;
   };
   std::vector<Move> moved;
+  const int64_t base = budget != nullptr ? budget->used : 0;
+  bool stopped = false;  // the budget ran out
   for (int64_t c : visit) {
     // Tentatively move every member of c (the smallest dC, then the largest resulting work,
     // then the lowest index: the max-shared order); undo on failure.
@@ -116,6 +140,14 @@ bool EliminateSmallMicrobatches(const PlanContext& ctx, Grouping& g, CancelToken
     bool ok = true;
     for (int32_t r : g.groups[c]) {
       Poll(cancel);
+      if (budget != nullptr) {
+        budget->used = base + index.steps();
+        if (budget->exhausted()) {
+          stopped = true;
+          ok = false;
+          break;
+        }
+      }
       const PlacementIndex::Choice best = index.Best(r, GreedyPolicy::kMaxShared, c);
       if (best.group < 0) {
         ok = false;
@@ -131,7 +163,9 @@ bool EliminateSmallMicrobatches(const PlanContext& ctx, Grouping& g, CancelToken
     } else {
       for (size_t j = moved.size(); j-- > 0;) index.Erase(moved[j].dest, moved[j].rank, moved[j].old_work);
     }
+    if (stopped) break;
   }
+  if (budget != nullptr) budget->used = base + index.steps();
   if (any) {
     Grouping kept;
     for (int64_t c = 0; c < k; ++c) {
@@ -197,16 +231,32 @@ bool AlignToDp(const PlanContext& ctx, Grouping& g, int64_t dp_size, CancelToken
   return true;
 }
 
-GreedyResult RunGreedy(const PlanContext& ctx, int64_t dp_size, CancelToken* cancel) {
+GreedyResult RunGreedy(const PlanContext& ctx, int64_t dp_size, CancelToken* cancel,
+                       std::optional<Grouping>* least_work) {
   Disposable<GreedyResult> holder;
   GreedyResult& best = *holder;
+  if (least_work != nullptr) least_work->reset();
   for (GreedyOrder order : {GreedyOrder::kLexAscending, GreedyOrder::kLexDescending, GreedyOrder::kLengthDesc,
                             GreedyOrder::kUniqueSuffix}) {
     const std::vector<int32_t> seq = ProcessingOrder(ctx, order, cancel);
     for (GreedyPolicy policy : {GreedyPolicy::kBestFit, GreedyPolicy::kMaxShared}) {
-      Disposable<Grouping> placed(GreedyPlace(ctx, seq, policy, cancel));
+      StepBudget budget{GreedyStepBudget(ctx.size())};
+      Disposable<Grouping> placed(GreedyPlace(ctx, seq, policy, cancel, &budget));
       Grouping& g = *placed;
-      EliminateSmallMicrobatches(ctx, g, cancel);
+      if (budget.exhausted()) {
+        ++best.plans_over_budget;
+        ReleasePolled(&g, cancel);
+        continue;
+      }
+      EliminateSmallMicrobatches(ctx, g, cancel, &budget);
+      if (least_work != nullptr) {  // RunComponentGreedy's rule for one component
+        const int64_t total = g.TotalWork();
+        std::optional<Grouping>& kept = *least_work;
+        if (!kept || total < kept->TotalWork() || (total == kept->TotalWork() && g.size() < kept->size())) {
+          if (!kept) kept.emplace();
+          CopyPolled(g, &*kept, cancel);
+        }
+      }
       if (!AlignToDp(ctx, g, dp_size, cancel)) continue;
       const int64_t total = g.TotalWork();
       if (!best.feasible || g.size() < best.grouping.size() ||
@@ -222,7 +272,8 @@ GreedyResult RunGreedy(const PlanContext& ctx, int64_t dp_size, CancelToken* can
   return std::move(best);
 }
 
-GreedyResult RunComponentGreedy(const PlanContext& ctx, int64_t dp_size, CancelToken* cancel) {
+GreedyResult RunComponentGreedy(const PlanContext& ctx, int64_t dp_size, CancelToken* cancel,
+                                const std::optional<Grouping>* whole) {
   const int64_t n = ctx.size();
   const int64_t cap = ctx.capacity();
   // Components: maximal rank ranges with no zero adjacent LCP inside.
@@ -255,8 +306,14 @@ GreedyResult RunComponentGreedy(const PlanContext& ctx, int64_t dp_size, CancelT
   }
   Disposable<std::vector<std::optional<Grouping>>> best_holder(num_comp);
   std::vector<std::optional<Grouping>>& best = *best_holder;
+  const bool planned = whole != nullptr && num_comp == 1 && large[0];  // RunGreedy's plans are this one's
+  if (planned && *whole) {
+    best[0].emplace();
+    CopyPolled(**whole, &*best[0], cancel);
+  }
   for (GreedyOrder order : {GreedyOrder::kLexAscending, GreedyOrder::kLexDescending, GreedyOrder::kLengthDesc,
                             GreedyOrder::kUniqueSuffix}) {
+    if (planned) break;
     std::vector<std::vector<int32_t>> seqs(num_comp);
     const std::vector<int32_t> order_seq = ProcessingOrder(ctx, order, cancel);
     ForEachBlock(0, n, cancel, [&](int64_t i) {
@@ -266,9 +323,14 @@ GreedyResult RunComponentGreedy(const PlanContext& ctx, int64_t dp_size, CancelT
     for (int64_t c = 0; c < num_comp; ++c) {
       if (!large[c]) continue;
       for (GreedyPolicy policy : {GreedyPolicy::kBestFit, GreedyPolicy::kMaxShared}) {
-        Disposable<Grouping> placed(GreedyPlace(ctx, seqs[c], policy, cancel));
+        StepBudget budget{GreedyStepBudget(comp_start[c + 1] - comp_start[c])};
+        Disposable<Grouping> placed(GreedyPlace(ctx, seqs[c], policy, cancel, &budget));
         Grouping& g = *placed;
-        EliminateSmallMicrobatches(ctx, g, cancel);
+        if (budget.exhausted()) {
+          ReleasePolled(&g, cancel);
+          continue;
+        }
+        EliminateSmallMicrobatches(ctx, g, cancel, &budget);
         const int64_t total = g.TotalWork();
         if (!best[c] || total < best[c]->TotalWork() || (total == best[c]->TotalWork() && g.size() < best[c]->size())) {
           if (best[c]) ReleasePolled(&*best[c], cancel);
@@ -281,6 +343,7 @@ GreedyResult RunComponentGreedy(const PlanContext& ctx, int64_t dp_size, CancelT
   for (int64_t c = 0; c < num_comp; ++c) {
     Poll(cancel);
     if (!large[c]) continue;
+    if (!best[c]) best[c] = ContiguousFirstFit(ctx, comp_start[c], comp_start[c + 1]);  // every plan over budget
     for (int64_t k = 0; k < best[c]->size(); ++k) {
       items.push_back(std::move(best[c]->groups[k]));
       item_work.push_back(best[c]->work[k]);
@@ -321,7 +384,8 @@ GreedyResult RunComponentGreedy(const PlanContext& ctx, int64_t dp_size, CancelT
     }
   }
   GreedyResult result;
-  EliminateSmallMicrobatches(ctx, g, cancel);
+  StepBudget budget{GreedyStepBudget(n)};
+  EliminateSmallMicrobatches(ctx, g, cancel, &budget);
   if (!AlignToDp(ctx, g, dp_size, cancel)) return result;
   result.feasible = true;
   result.grouping = std::move(g);

@@ -134,8 +134,9 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o, CancelToke
 
   // 3. Trie-aware greedy.
   int64_t greedy_index = -1;
+  Disposable<std::optional<Grouping>> whole;  // the greedy's least-work plan, for the component greedy
   if (o.greedy) {
-    GreedyResult gr = RunGreedy(ctx, d, cancel);
+    GreedyResult gr = RunGreedy(ctx, d, cancel, o.component_greedy ? &*whole : nullptr);
     if (gr.feasible) {
       greedy_index = static_cast<int64_t>(cands.size());
       cands.push_back(Candidate{"greedy:" + gr.name, std::nullopt, std::move(gr.grouping), {}});
@@ -143,7 +144,8 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o, CancelToke
   }
   int64_t component_index = -1;
   if (o.component_greedy) {
-    GreedyResult cr = RunComponentGreedy(ctx, d, cancel);
+    GreedyResult cr = RunComponentGreedy(ctx, d, cancel, o.greedy ? &*whole : nullptr);
+    if (*whole) ReleasePolled(&**whole, cancel);
     if (cr.feasible) {
       component_index = static_cast<int64_t>(cands.size());
       cands.push_back(Candidate{"greedy:" + cr.name, std::nullopt, std::move(cr.grouping), {}});

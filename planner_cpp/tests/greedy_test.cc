@@ -5,6 +5,8 @@
 #include "harts/greedy.h"
 
 #include <algorithm>
+#include <limits>
+#include <optional>
 #include <random>
 
 #include "check.h"
@@ -62,7 +64,7 @@ void CheckSameGroupingAt(const Grouping& a, const Grouping& b, int line) {
 
 // PlacementIndex::Best against probing every live group, on a random grouping of a random
 // subset of the ranks, with random exclusions and retirements.
-void CheckIndex(const PlanContext& ctx, std::mt19937& rng) {
+void CheckIndex(const PlanContext& ctx, std::mt19937& rng, int32_t max_depth = 4) {
   const int32_t n = static_cast<int32_t>(ctx.size());
   std::vector<int32_t> perm(n);
   std::iota(perm.begin(), perm.end(), 0);
@@ -81,7 +83,8 @@ void CheckIndex(const PlanContext& ctx, std::mt19937& rng) {
   }
   for (auto& m : g.groups) g.work.push_back(GroupWork(ctx, m));
   // Small nodes and several levels, so that small batches exercise the hierarchy.
-  PlacementIndex index(ctx, 0, n, &g, nullptr, 2 + static_cast<int32_t>(rng() % 6), static_cast<int32_t>(rng() % 5));
+  PlacementIndex index(ctx, 0, n, &g, nullptr, 2 + static_cast<int32_t>(rng() % 6),
+                       static_cast<int32_t>(rng() % (max_depth + 1)));
   std::vector<char> retired(g.size(), 0);
   for (int64_t k = 0; k < g.size(); ++k)
     if (rng() % 5 == 0) {
@@ -165,7 +168,9 @@ void CheckOne(const std::vector<testing::Traj>& trajs, int64_t cap, std::mt19937
     }
   }
   for (int64_t d = 1; d <= 4; ++d) {
-    const GreedyResult r = RunGreedy(ctx, d);
+    std::optional<Grouping> whole;
+    const GreedyResult r = RunGreedy(ctx, d, nullptr, &whole);
+    CHECK_EQ(r.plans_over_budget, 0);
     const GreedyResult rr = reference::RunGreedy(ctx, d);
     CHECK_EQ(r.feasible, rr.feasible);
     if (r.feasible) {
@@ -181,6 +186,53 @@ void CheckOne(const std::vector<testing::Traj>& trajs, int64_t cap, std::mt19937
       testing::CheckGrouping(ctx, c.grouping);
       CHECK(c.grouping.size() % d == 0);
       CheckSameGrouping(c.grouping, cr.grouping);
+    }
+    // Handing over RunGreedy's least-work plan (used when the batch is one component) changes nothing.
+    const GreedyResult cw = RunComponentGreedy(ctx, d, nullptr, &whole);
+    CHECK_EQ(cw.feasible, c.feasible);
+    if (c.feasible) CheckSameGrouping(cw.grouping, c.grouping);
+  }
+}
+
+// The step budget: deterministic step counts, a placement over budget is flagged (and stops), an
+// elimination over budget stops with a valid grouping, and a budget that suffices changes nothing.
+void CheckBudget(const PlanContext& ctx, std::mt19937& rng) {
+  for (GreedyOrder order : {GreedyOrder::kLexAscending, GreedyOrder::kUniqueSuffix}) {
+    const std::vector<int32_t> seq = ProcessingOrder(ctx, order);
+    for (GreedyPolicy policy : {GreedyPolicy::kBestFit, GreedyPolicy::kMaxShared}) {
+      const Grouping plain = GreedyPlace(ctx, seq, policy);
+      StepBudget unlimited{std::numeric_limits<int64_t>::max()};
+      const Grouping counted = GreedyPlace(ctx, seq, policy, nullptr, &unlimited);
+      CheckSameGrouping(counted, plain);
+      const int64_t placed = unlimited.used;
+      CHECK(placed > 0);
+      StepBudget exact{placed};
+      CheckSameGrouping(GreedyPlace(ctx, seq, policy, nullptr, &exact), plain);
+      CHECK_EQ(exact.used, placed);
+      CHECK(!exact.exhausted());
+      StepBudget short_one{placed - 1 - static_cast<int64_t>(rng() % placed)};
+      const Grouping part = GreedyPlace(ctx, seq, policy, nullptr, &short_one);
+      CHECK(short_one.exhausted());
+      int64_t covered = 0;
+      for (const auto& m : part.groups) covered += static_cast<int64_t>(m.size());
+      CHECK(covered <= ctx.size());
+      // Elimination: the unlimited run, then budgets from none to enough.
+      Grouping full = plain;
+      const bool any = EliminateSmallMicrobatches(ctx, full, nullptr, &unlimited);
+      const int64_t total = unlimited.used;
+      for (int i = 0; i < 6; ++i) {
+        const int64_t limit = placed + static_cast<int64_t>(rng() % (total - placed + 2));
+        StepBudget b{limit, placed};
+        Grouping g = plain;
+        const bool some = EliminateSmallMicrobatches(ctx, g, nullptr, &b);
+        testing::CheckGrouping(ctx, g);
+        CHECK(g.size() >= full.size() && g.size() <= plain.size());
+        CHECK(!some || any);
+        if (limit >= total) {
+          CHECK(!b.exhausted());
+          CheckSameGrouping(g, full);
+        }
+      }
     }
   }
 }
@@ -219,6 +271,19 @@ int main() {
     int64_t longest = 0;
     for (auto& t : trajs) longest = std::max<int64_t>(longest, t.size());
     harts::CheckOne(trajs, longest + static_cast<int64_t>(rng() % 60), rng);
+  }
+  // Bushy, deep trees (many chains of nested nodes): the index with deep hierarchies, the whole
+  // greedy against the reference, and the step budget.
+  for (int trial = 0; trial < 24; ++trial) {
+    const harts::testing::Tree t = harts::testing::BushyForest(rng, 1 + trial % 3, 20 + static_cast<int>(rng() % 120),
+                                                               trial % 2 == 0 ? 0.3 : 0.8);
+    auto batch = harts::testing::MakeTreeBatch(t);
+    int64_t longest = 0;
+    for (int64_t len : batch->lengths()) longest = std::max(longest, len);
+    const harts::PlanContext ctx(*batch, longest + static_cast<int64_t>(rng() % (4 * longest)));
+    for (int i = 0; i < 3; ++i) harts::CheckIndex(ctx, rng, 12);
+    if (trial % 4 == 0) harts::CheckOne(harts::testing::TreeTrajectories(t), ctx.capacity(), rng);
+    harts::CheckBudget(ctx, rng);
   }
   harts::CheckCancel();
   return 0;

@@ -117,6 +117,51 @@ inline Tree ExportTree(const RolloutBatch& b) {
   return t;
 }
 
+// A forest of `trees` bushy, deep rollout trees in the length form: each tree grows by `forks`
+// new segments (1-`max_len` tokens), each under the tree's newest segment with probability
+// `deepen` (long chains that fork along the way) or else under a uniformly chosen earlier one
+// (forks at every level, as a random recursive tree). Every leaf ends a trajectory, and each
+// internal segment does with probability 0.1.
+inline Tree BushyForest(std::mt19937& rng, int trees, int forks, double deepen = 0.5, int max_len = 4) {
+  Tree t;
+  std::uniform_real_distribution<double> u(0, 1);
+  for (int i = 0; i < trees; ++i) {
+    const int32_t root = static_cast<int32_t>(t.parent.size());
+    t.parent.push_back(-1);
+    t.length.push_back(1 + static_cast<int32_t>(rng() % max_len));
+    for (int f = 0; f < forks; ++f) {
+      const int32_t newest = static_cast<int32_t>(t.parent.size()) - 1;
+      const int32_t at = u(rng) < deepen ? newest : root + static_cast<int32_t>(rng() % (newest - root + 1));
+      t.parent.push_back(at);
+      t.length.push_back(1 + static_cast<int32_t>(rng() % max_len));
+    }
+  }
+  std::vector<char> internal(t.parent.size(), 0);
+  for (int32_t p : t.parent)
+    if (p >= 0) internal[p] = 1;
+  for (size_t v = 0; v < t.parent.size(); ++v)
+    if (!internal[v] || u(rng) < 0.1) t.trajectory_end.push_back(static_cast<int32_t>(v));
+  return t;
+}
+
+// The trajectories of a length-form tree as tokens: segment v's tokens are all v + 1, so siblings
+// start differently (and their lexicographic order is their id order, as the tree's).
+inline std::vector<Traj> TreeTrajectories(const Tree& t) {
+  std::vector<Traj> out;
+  for (int32_t e : t.trajectory_end) {
+    std::vector<int32_t> path;
+    for (int32_t v = e; v >= 0; v = t.parent[v]) path.push_back(v);
+    Traj traj;
+    for (size_t i = path.size(); i-- > 0;) traj.insert(traj.end(), t.length[path[i]], path[i] + 1);
+    out.push_back(std::move(traj));
+  }
+  return out;
+}
+
+inline std::unique_ptr<RolloutBatch> MakeTreeBatch(const Tree& t) {
+  return RolloutBatch::FromSegmentTree(t.view(), nullptr, 0);
+}
+
 }  // namespace harts::testing
 
 #endif  // HARTS_TESTS_PLANNER_TEST_UTIL_H_

@@ -45,6 +45,23 @@ trajectories, 0.1-0.5M tokens), ``"medium"`` (about 500 trajectories, a few mill
 about 40-60M tokens, S / C about 5-6 and about 26k tokens per trajectory, with trees of mostly
 under 65,536 compact tokens (roughly one in ten is larger).
 
+Two more step-sized presets cover tree shapes that ``swe-like`` does not: ``"bushy"`` (about 2k
+trajectories in trees of 100-400, forking from the second segment on into up to 8 branches that
+fork again, up to 64 segments deep, S / C about 20: most trees hold several T-sized microbatches of
+interleaved branches) and ``"deep"`` (about 2k trajectories in trees of 20-200 whose paths run up to
+600 short segments, forking rarely but all along them). Both keep every trajectory under 65,536
+tokens and average 15-18k tokens per trajectory, so 100k trajectories of either stay under 2^31
+tokens. Each tree stops forking once it has ``tree_trajectories`` chains.
+
+Segment trees without tokens
+----------------------------
+:func:`generate_tree` grows the same forest (the same draws, so the same shape as :func:`generate`
+for the same preset, seed and overrides) and returns it as a :class:`~harts_planner.SegmentTree`
+(parent, length and trajectory end of every segment) without drawing a token: a 100k-trajectory
+step of 2G tokens is a few MB. Siblings are ordered by segment id (creation order), which the
+segment tree takes for their lexicographic order; :func:`generate` orders them by their random first
+tokens instead, so the two batches rank trajectories differently.
+
 Determinism: the same preset, seed and overrides give byte-identical arrays (one
 ``numpy.random.Generator(PCG64(seed))`` drives every draw).
 
@@ -66,7 +83,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PRESETS", "SynthBatch", "SynthConfig", "generate", "random_trajectories"]
+from harts_planner.batch import SegmentTree
+
+__all__ = ["PRESETS", "SynthBatch", "SynthConfig", "generate", "generate_tree", "random_trajectories"]
 
 IntRange = tuple[int, int]
 ProgressFn = Callable[[int, int], None]
@@ -146,11 +165,18 @@ class SynthConfig:
     it are shortened and chains stop there. None: unbounded. A step planner with microbatch capacity
     T needs every trajectory to fit, so presets used at T = 65,536 set 65,536."""
 
+    tree_trajectories: IntRange | None = None
+    """Per-tree cap on forking, drawn uniformly per tree: a chain end forks only while its tree has
+    fewer chains than the cap (every chain ends in a leaf, so the cap bounds a tree's leaves up to
+    the last fork's branches). None: no cap (forks are bounded by ``max_depth`` and
+    ``max_trajectory_tokens`` alone) and no draw, so presets without it are unchanged."""
+
     def __post_init__(self) -> None:
         for name in ("trees", "prompt_len", "main_turns", "side_turns", "retry_len", "tool_len", "turn_len"):
             _set(self, name, _int_range(self, name))
-        if self.trajectories is not None:
-            _set(self, "trajectories", _int_range(self, "trajectories"))
+        for name in ("trajectories", "tree_trajectories"):
+            if getattr(self, name) is not None:
+                _set(self, name, _int_range(self, name))
         _set(self, "fanout", _weights(self.fanout))
         self._validate()
 
@@ -191,6 +217,8 @@ class SynthConfig:
         _check(self.shared_prefix_tokens, "shared_prefix_tokens", 0, None)
         if self.max_trajectory_tokens is not None:
             _check(self.max_trajectory_tokens, "max_trajectory_tokens", self.shared_prefix_tokens + 1, None)
+        if self.tree_trajectories is not None:
+            _check_range(self.tree_trajectories, "tree_trajectories", 1, None)
 
 
 def _set(config: SynthConfig, name: str, value: object) -> None:
@@ -322,6 +350,48 @@ PRESETS: dict[str, SynthConfig] = {
         duplicate_prob=0.005,
         max_trajectory_tokens=65_536,
     ),
+    "bushy": SynthConfig(
+        trees=(4, 1000),
+        trajectories=(1800, 2200),
+        prompt_len=(1000, 6000),
+        main_turns=(24, 48),
+        side_turns=(2, 10),
+        max_depth=64,
+        fork_min_depth=2,
+        fork_prob=0.4,
+        fanout=(0.3, 0.25, 0.15, 0.1, 0.08, 0.06, 0.04, 0.02),
+        retry_prob=0.3,
+        retry_len=(1, 20),
+        retry_leaf_prob=0.5,
+        tool_prob=0.12,
+        tool_len=(200, 4000),
+        turn_len=(20, 300),
+        prefix_prob=0.005,
+        duplicate_prob=0.005,
+        max_trajectory_tokens=65_536,
+        tree_trajectories=(100, 400),
+    ),
+    "deep": SynthConfig(
+        trees=(10, 1000),
+        trajectories=(1800, 2200),
+        prompt_len=(500, 4000),
+        main_turns=(200, 500),
+        side_turns=(20, 200),
+        max_depth=600,
+        fork_min_depth=3,
+        fork_prob=0.05,
+        fanout=(0.7, 0.2, 0.1),
+        retry_prob=0.3,
+        retry_len=(1, 20),
+        retry_leaf_prob=0.5,
+        tool_prob=0.05,
+        tool_len=(50, 1000),
+        turn_len=(5, 40),
+        prefix_prob=0.005,
+        duplicate_prob=0.005,
+        max_trajectory_tokens=65_536,
+        tree_trajectories=(20, 200),
+    ),
 }
 
 
@@ -441,15 +511,19 @@ def _grow_tree(rng: np.random.Generator, cfg: SynthConfig, forest: _Forest) -> i
     """Add one rollout tree to ``forest``; return its root id."""
     root = forest.add(-1, _log_uniform(rng, cfg.prompt_len))
     chains = [(root, 1, _uniform(rng, cfg.main_turns))]
+    cap = None if cfg.tree_trajectories is None else _uniform(rng, cfg.tree_trajectories)
+    made = 1  # chains started in this tree
     while chains:
         node, depth, turns = chains.pop()
         for _ in range(turns):
             if depth >= cfg.max_depth:
                 break
-            if depth >= cfg.fork_min_depth and rng.random() < cfg.fork_prob:
+            if depth >= cfg.fork_min_depth and (cap is None or made < cap) and rng.random() < cfg.fork_prob:
                 sides = 1 + int(rng.choice(len(cfg.fanout), p=cfg.fanout))
-                branches = (_start_side_branch(rng, cfg, forest, node, depth) for _ in range(sides))
-                chains.extend(b for b in branches if b is not None)
+                branches = [_start_side_branch(rng, cfg, forest, node, depth) for _ in range(sides)]
+                branches = [b for b in branches if b is not None]
+                chains.extend(branches)
+                made += len(branches)
             child = forest.add(node, _turn_length(rng, cfg))
             if child < 0:
                 break
@@ -567,6 +641,18 @@ def _assemble(
     return tokens, offsets, tree_ids
 
 
+def _config(preset: str, seed: int, overrides: dict[str, object]) -> SynthConfig:
+    """The preset's config with ``overrides`` applied, after checking the preset, seed and names."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    _check(seed, "seed", 0, None)
+    fields = {f.name for f in dataclasses.fields(SynthConfig)}
+    for name in overrides:
+        if name not in fields:
+            raise ValueError(f"{name}: not a SynthConfig field; known fields: {sorted(fields)}")
+    return dataclasses.replace(PRESETS[preset], **overrides)
+
+
 def generate(
     preset: str = "swe-like", seed: int = 0, *, progress: ProgressFn | None = None, **overrides: object
 ) -> SynthBatch:
@@ -595,14 +681,7 @@ def generate(
         For an unknown preset, a negative or non-integer seed, an unknown override name, or an
         override value outside its limit; the message names the preset, ``seed`` or the field.
     """
-    if preset not in PRESETS:
-        raise ValueError(f"preset: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    _check(seed, "seed", 0, None)
-    fields = {f.name for f in dataclasses.fields(SynthConfig)}
-    for name in overrides:
-        if name not in fields:
-            raise ValueError(f"{name}: not a SynthConfig field; known fields: {sorted(fields)}")
-    cfg = dataclasses.replace(PRESETS[preset], **overrides)
+    cfg = _config(preset, seed, overrides)
     rng = np.random.Generator(np.random.PCG64(seed))
     forest, roots, orders = _grow_forest(rng, cfg)
     pool, starts = _draw_segment_tokens(rng, cfg, forest, roots)
@@ -615,6 +694,42 @@ def generate(
         seed=seed,
         compact_tokens_expected=len(pool),
     )
+
+
+def generate_tree(preset: str = "swe-like", seed: int = 0, **overrides: object) -> SegmentTree:
+    """Generate the seeded rollout forest of :func:`generate` as a segment tree, drawing no tokens.
+
+    Parameters
+    ----------
+    preset, seed, **overrides
+        As for :func:`generate`; the forest's shape is the one :func:`generate` expands.
+
+    Returns
+    -------
+    harts_planner.SegmentTree
+        ``parent`` / ``length`` int32 [V] (a root segment of ``shared_prefix_tokens`` tokens above
+        every tree when that is positive), ``trajectory_end`` int32 [N] in :func:`generate`'s
+        trajectory order and ``tree_ids`` int64 [N]. Siblings are ordered by id. Trajectory ``i`` has
+        the tokens of :func:`generate`'s trajectory ``i``; the tree's ``length.sum()`` is its
+        ``compact_tokens_expected``.
+
+    Raises
+    ------
+    ValueError
+        As :func:`generate`, naming the preset, ``seed`` or the field.
+    """
+    cfg = _config(preset, seed, overrides)
+    rng = np.random.Generator(np.random.PCG64(seed))
+    forest, _, orders = _grow_forest(rng, cfg)
+    parent = np.asarray(forest.parent, dtype=np.int64)
+    length = np.asarray(forest.length, dtype=np.int64)
+    ends = np.fromiter((node for order in orders for node in order), dtype=np.int64)
+    if cfg.shared_prefix_tokens > 0:
+        parent = np.concatenate(([-1], np.where(parent < 0, 0, parent + 1)))
+        length = np.concatenate(([cfg.shared_prefix_tokens], length))
+        ends = ends + 1
+    tree_ids = np.repeat(np.arange(len(orders), dtype=np.int64), [len(o) for o in orders])
+    return SegmentTree(parent, length, ends, tree_ids)
 
 
 def random_trajectories(

@@ -231,10 +231,11 @@ def test_cancel_from_another_thread_stops_a_long_ingestion():
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
 def test_a_running_step_plan_stops(how):
-    # A random tree of 150k segments (75k trajectories): its step plan takes seconds (~3.6 s here).
+    # A random tree of 600k segments (300k trajectories): its step plan takes seconds (11 s of CPU on
+    # a loaded 2-core machine; 150k segments took 3.6 s before the chain index, 1.6 s after).
     out = _run(
         f"""
-        n = 150_000
+        n = 600_000
         rng = np.random.default_rng(0)
         parent = np.floor(rng.random(n) * np.arange(n)).astype(np.int32)
         parent[0] = -1

@@ -9,11 +9,20 @@ import threading
 
 import numpy as np
 import pytest
+from greedy_oracle import greedy_candidate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import harts_planner
-from harts_planner import InfeasibleError, InvalidArgumentError, RolloutBatch, StepPlan, _native, plan_step
+from harts_planner import (
+    InfeasibleError,
+    InvalidArgumentError,
+    RolloutBatch,
+    StepPlan,
+    _native,
+    plan_step,
+    synth,
+)
 from harts_planner.step_plan import imbalance, schedule_metrics, verify_schedule
 
 
@@ -234,6 +243,100 @@ def test_contiguous_optimum_extension_never_worsens_j(trajs, dp_size, slack, sam
         c for c in plan.candidates if not c["source"].startswith("contiguous-optimum")
     ] == without.candidates
     assert "contiguous_optimum" in plan.phase_seconds
+
+
+# Small bushy and deep rollout trees (synth's "bushy" / "deep" presets, scaled down): many forks per
+# tree, nested at every depth, the shape whose greedy placement the chain index and step budget serve.
+SMALL_SHAPES = {
+    "bushy": {"main_turns": (4, 12), "side_turns": (1, 4), "max_depth": 16, "tree_trajectories": (4, 24)},
+    "deep": {"main_turns": (20, 60), "side_turns": (4, 24), "max_depth": 80, "tree_trajectories": (3, 12)},
+}
+
+
+def small_shape_tree(shape: str, seed: int, trees: int):
+    return synth.generate_tree(
+        shape,
+        seed,
+        trees=(trees, trees),
+        trajectories=None,
+        prompt_len=(1, 8),
+        tool_len=(2, 12),
+        turn_len=(1, 5),
+        retry_len=(1, 3),
+        max_trajectory_tokens=None,
+        **SMALL_SHAPES[shape],
+    )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.sampled_from(sorted(SMALL_SHAPES)),
+    st.integers(0, 2**20),
+    st.integers(1, 3),
+    st.integers(1, 4),
+    st.sampled_from([1.0, 1.5, 3.0]),
+    st.booleans(),
+)
+def test_greedy_candidate_on_bushy_and_deep_trees_matches_the_brute_force_greedy(
+    shape, seed, trees, dp_size, slack, shared_prompt
+):
+    """On bushy / deep trees the greedy candidate (placement index, elimination, alignment, step
+    budget) is exactly what probing every microbatch gives, tie rules included; the plan keeps its
+    guarantees, is deterministic and plans the same from the tree and from its tokens."""
+    tree = small_shape_tree(shape, seed, trees)
+    if shared_prompt:  # one system prompt above every tree: a single component
+        parent = np.concatenate(([-1], np.where(tree.parent < 0, 0, tree.parent + 1)))
+        tree = harts_planner.SegmentTree(parent, np.concatenate(([3], tree.length)), tree.trajectory_end + 1)
+    batch = RolloutBatch.from_segment_tree(tree)
+    capacity = int(int(batch.lengths.max()) * slack)
+    try:
+        plan = plan_step(batch, dp_size, capacity, exact_threshold=0, max_sampled_k=4)
+    except InfeasibleError:
+        assert greedy_candidate(batch, dp_size, capacity) is None
+        return
+    check_plan(batch, plan, dp_size, capacity)
+    expect = greedy_candidate(batch, dp_size, capacity)
+    got = [c for c in plan.candidates if c["source"].startswith("greedy:") and c["source"].count(":") == 1]
+    got = [c for c in got if c["source"] != "greedy:component" and "+" not in c["source"]]
+    if expect is None:
+        assert not got
+    else:
+        (c,) = got
+        assert (c["source"], c["k"], c["objective"][0]) == ("greedy:" + expect[0], expect[1], expect[2])
+    again = plan_step(batch, dp_size, capacity, exact_threshold=0, max_sampled_k=4)
+    assert again.to_dict()["microbatches"] == plan.to_dict()["microbatches"]
+    tokens = batch.segment_tree()  # the same batch compacted again: same plan
+    same = plan_step(
+        RolloutBatch.from_segment_tree(tokens), dp_size, capacity, exact_threshold=0, max_sampled_k=4
+    )
+    assert same.to_dict()["microbatches"] == plan.to_dict()["microbatches"]
+
+
+@pytest.mark.parametrize(("shape", "seed"), [("bushy", 3), ("deep", 1)])
+def test_greedy_candidate_with_index_nodes_matches_the_brute_force_greedy(shape, seed):
+    """Trees of a few hundred trajectories, so that the placement index has nodes (parts of at least
+    128 ranks) nested along chains, as on full-size steps."""
+    tree = synth.generate_tree(
+        shape,
+        seed,
+        trees=(2, 2),
+        trajectories=None,
+        prompt_len=(1, 8),
+        tool_len=(2, 12),
+        turn_len=(1, 5),
+        retry_len=(1, 3),
+        max_trajectory_tokens=None,
+        tree_trajectories=(150, 250),
+    )
+    batch = RolloutBatch.from_segment_tree(tree)
+    assert batch.num_trajectories >= 256
+    for dp_size, slack in ((2, 2.0), (3, 6.0)):
+        capacity = int(int(batch.lengths.max()) * slack)
+        plan = plan_step(batch, dp_size, capacity)
+        check_plan(batch, plan, dp_size, capacity)
+        name, k, total = greedy_candidate(batch, dp_size, capacity)
+        (c,) = [c for c in plan.candidates if c["source"] == "greedy:" + name]
+        assert (c["k"], c["objective"][0]) == (k, total)
 
 
 def test_plans_from_a_segment_tree_match_the_token_batch():

@@ -275,6 +275,8 @@ def test_unknown_preset_is_rejected() -> None:
         ("fanout", (), "not all zero"),
         ("fanout", (1.0,) * 16, "vocab_size=16"),
         ("shared_prefix_tokens", -1, ">= 0"),
+        ("tree_trajectories", (0, 4), ">= 1"),
+        ("tree_trajectories", (5, 2), "exceeds upper bound"),
         ("tool_len", 5, r"\(lo, hi\) pair"),
         ("turn_len", (1.5, 3), "integer"),
     ],
@@ -292,6 +294,91 @@ def test_bad_seed_is_rejected(seed: object) -> None:
 
 
 def test_presets_are_valid_configs() -> None:
-    assert set(synth.PRESETS) == {"tiny", "small", "medium", "swe-like"}
+    assert set(synth.PRESETS) == {"tiny", "small", "medium", "swe-like", "bushy", "deep"}
     for cfg in synth.PRESETS.values():
         assert abs(sum(cfg.fanout) - 1.0) < 1e-12
+
+
+# ---------------------------------------------------------------------------- segment trees without tokens
+def tree_paths(tree) -> list[list[int]]:
+    """Every trajectory of a segment tree as its root-to-end list of segments."""
+    paths = []
+    for end in tree.trajectory_end.tolist():
+        path = []
+        while end >= 0:
+            path.append(end)
+            end = int(tree.parent[end])
+        paths.append(path[::-1])
+    return paths
+
+
+@pytest.mark.parametrize(
+    ("preset", "seed", "overrides"),
+    [("tiny", s, {}) for s in range(6)]
+    + [
+        ("tiny", 2, {"shared_prefix_tokens": 3}),
+        ("small", 0, {}),
+        ("medium", 1, {"shared_prefix_tokens": 40}),
+    ],
+)
+def test_generate_tree_is_the_forest_generate_expands(preset: str, seed: int, overrides: dict) -> None:
+    """Same draws, same forest: trajectory i of the tree has trajectory i's length, the two share the
+    same prefix with every other trajectory (LCPs from the tokens vs. from the tree's paths), the
+    segments hold compact_tokens_expected tokens, and the tree ids agree."""
+    batch = synth.generate(preset, seed, **overrides)
+    tree = synth.generate_tree(preset, seed, **overrides)
+    paths = tree_paths(tree)
+    lengths = [int(tree.length[p].sum()) for p in paths]
+    assert lengths == np.diff(batch.offsets).tolist()
+    assert int(tree.length.sum()) == batch.compact_tokens_expected
+    assert np.array_equal(tree.tree_ids, batch.tree_ids)
+    seqs = trajectories(batch)
+    for i, j in itertools.combinations(range(min(len(seqs), 40)), 2):
+        a, b = seqs[i], seqs[j]
+        common = min(len(a), len(b))
+        mismatch = np.flatnonzero(a[:common] != b[:common])
+        token_lcp = int(mismatch[0]) if mismatch.size else common
+        shared = 0
+        for u, v in zip(paths[i], paths[j], strict=False):
+            if u != v:
+                break
+            shared += int(tree.length[u])
+        assert token_lcp == shared, (i, j)
+
+
+@pytest.mark.parametrize("preset", ["bushy", "deep"])
+def test_generate_tree_is_deterministic(preset: str) -> None:
+    a, b = synth.generate_tree(preset, 4), synth.generate_tree(preset, 4)
+    for name in ("parent", "length", "trajectory_end", "tree_ids"):
+        assert getattr(a, name).tobytes() == getattr(b, name).tobytes()
+    assert synth.generate_tree(preset, 5).length.tobytes() != a.length.tobytes()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_bushy_and_deep_step_scale(seed: int) -> None:
+    """Step-sized (about 2k trajectories, every one under 65,536 tokens and about 15-18k on average, so
+    100k fit under 2^31 tokens); bushy trees hold 100-400 trajectories forking at every depth, deep
+    trees run hundreds of segments deep."""
+    from harts_planner import RolloutBatch
+
+    for preset in ("bushy", "deep"):
+        tree = synth.generate_tree(preset, seed)
+        batch = RolloutBatch.from_segment_tree(tree)
+        n, s = batch.num_trajectories, batch.semantic_tokens
+        assert 1_800 <= n <= 2_800
+        assert int(batch.lengths.max()) <= 65_536
+        assert 12_000 <= s / n <= 20_000
+        per_tree = np.bincount(tree.tree_ids)
+        depth = np.array([len(p) for p in tree_paths(tree)])
+        if preset == "bushy":
+            assert np.median(per_tree) >= 150 and depth.max() <= 64 and s / batch.compact_tokens >= 15
+        else:
+            assert np.median(per_tree) >= 60 and depth.max() >= 400
+
+
+def test_tree_trajectories_caps_each_tree() -> None:
+    cfg = synth.PRESETS["bushy"]
+    tree = synth.generate_tree("bushy", 0, tree_trajectories=(5, 5), prefix_prob=0.0, duplicate_prob=0.0)
+    # Each tree forks only while it has fewer than 5 chains; the last fork adds at most len(fanout).
+    assert np.bincount(tree.tree_ids).max() <= 5 - 1 + len(cfg.fanout)
+    assert len(tree.tree_ids) >= cfg.trajectories[0]

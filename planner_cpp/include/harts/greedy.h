@@ -31,13 +31,28 @@
 //
 // Every destination search (placement and elimination) is exact but runs on a
 // PlacementIndex (placement_index.h) instead of probing all K microbatches.
-// Complexity: O(N log N) per plan for rollout batches (bounded trees; see
-// placement_index.h for the general bound), elimination likewise, alignment O(N + D log N).
-// Every long loop polls `cancel` (cancel.h) and throws Cancelled when it is set.
+//
+// Step budget. The index's cost depends on the tree's shape (placement_index.h): a processing
+// order that spreads each microbatch over many subtrees of a bushy or deep trie makes every
+// update and search touch many hierarchy nodes. So each plan of n ranks gets a budget of
+// GreedyStepBudget(n) = kGreedyStepsPerRank * n + kGreedyStepsFloor index steps
+// (PlacementIndex::steps, a count of elementary operations: deterministic, independent of the
+// machine and of time):
+//   * a placement that exhausts it is abandoned and its plan dropped (RunGreedy keeps the best
+//     of the others; RunComponentGreedy falls back as described there);
+//   * an elimination that exhausts it stops: the microbatch it was dissolving is restored and
+//     every later one kept, so the grouping stays valid.
+// The budget is about 4x the most any plan of the benchmarks' batches (swe-like steps up to
+// 102k trajectories, the planner_quality presets) spends, so it changes none of their plans; on
+// bushy tries it drops the orders that scatter microbatches (their plans were 4-8x worse there).
+// Complexity: O(N) index steps per plan whatever the shape (each O(log N)), alignment
+// O(N + D log N); O(N log N) per plan in all. Every long loop polls `cancel` (cancel.h) and throws
+// Cancelled when it is set.
 #ifndef HARTS_GREEDY_H_
 #define HARTS_GREEDY_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -56,22 +71,44 @@ const char* GreedyPolicyName(GreedyPolicy policy);
 // The processing order of ranks for `order`.
 std::vector<int32_t> ProcessingOrder(const PlanContext& ctx, GreedyOrder order, CancelToken* cancel = nullptr);
 
+// Index steps of one plan of `ranks` ranks (above). The per-rank rate is measured, not derived:
+// see kGreedyStepsPerRank's comment in greedy.cc.
+inline constexpr int64_t kGreedyStepsPerRank = 64;
+inline constexpr int64_t kGreedyStepsFloor = int64_t{1} << 16;
+inline int64_t GreedyStepBudget(int64_t ranks) { return kGreedyStepsPerRank * ranks + kGreedyStepsFloor; }
+
+// A plan's steps: `used` grows as placement and elimination run; null budgets are unlimited.
+struct StepBudget {
+  int64_t limit = 0;
+  int64_t used = 0;
+  bool exhausted() const { return used > limit; }
+};
+
 // Places every rank in `sequence` (distinct ranks, e.g. a permutation of [0, N)) by `policy`.
+// With a budget: stops as soon as it is exhausted, returning the part placed so far (the caller
+// drops it).
 Grouping GreedyPlace(const PlanContext& ctx, const std::vector<int32_t>& sequence, GreedyPolicy policy,
-                     CancelToken* cancel = nullptr);
+                     CancelToken* cancel = nullptr, StepBudget* budget = nullptr);
 
 // Steps 1 and 2 above, in place. EliminateSmallMicrobatches returns whether it dissolved a
-// microbatch; AlignToDp returns false when K cannot be aligned to dp_size.
-bool EliminateSmallMicrobatches(const PlanContext& ctx, Grouping& g, CancelToken* cancel = nullptr);
+// microbatch (with a budget it stops once the budget is exhausted, leaving a valid grouping);
+// AlignToDp returns false when K cannot be aligned to dp_size.
+bool EliminateSmallMicrobatches(const PlanContext& ctx, Grouping& g, CancelToken* cancel = nullptr,
+                                StepBudget* budget = nullptr);
 bool AlignToDp(const PlanContext& ctx, Grouping& g, int64_t dp_size, CancelToken* cancel = nullptr);
 
 struct GreedyResult {
   bool feasible = false;
   Grouping grouping;
-  std::string name;  // e.g. "lex-ascending/best-fit"
+  std::string name;               // e.g. "lex-ascending/best-fit"
+  int64_t plans_over_budget = 0;  // placements abandoned on the step budget
 };
 
-GreedyResult RunGreedy(const PlanContext& ctx, int64_t dp_size, CancelToken* cancel = nullptr);
+// With `least_work`, it also receives, of the 8 plans after elimination (before alignment), the one
+// with the least total work (ties: fewer microbatches, then the first), or nothing when every
+// placement went over budget: what RunComponentGreedy keeps for a batch that is one component.
+GreedyResult RunGreedy(const PlanContext& ctx, int64_t dp_size, CancelToken* cancel = nullptr,
+                       std::optional<Grouping>* least_work = nullptr);
 
 // Component greedy (an extension beyond the paper; PlannerOptions::component_greedy).
 // The compact trie's connected components (rollout trees as recovered from shared tokens)
@@ -84,12 +121,19 @@ GreedyResult RunGreedy(const PlanContext& ctx, int64_t dp_size, CancelToken* can
 //   3. packs the whole components and the pieces by best-fit decreasing work (ties by
 //      first rank) into microbatches of capacity T (the fullest bin that fits);
 //   4. eliminates small microbatches and aligns K to D as in FinishGreedy.
+// Budgets: each plan of a component gets GreedyStepBudget(component ranks); a component whose 8
+// placements all exhaust theirs is cut into contiguous pieces instead (its ranks in order, each
+// piece extended while its work fits T). The final elimination gets GreedyStepBudget(N).
 // Rationale: the global greedy lets trees interfere and contiguous candidates cannot pick
 // the best subset of a large tree's branches; per-tree partitions fix both (on the
 // swe-like preset they match CP-SAT's per-tree optimum).
 // Complexity: the 8 plans of every large component as above, plus O(I log K) packing
 // of I items (an ordered set of bins by work).
-GreedyResult RunComponentGreedy(const PlanContext& ctx, int64_t dp_size, CancelToken* cancel = nullptr);
+// `whole`: RunGreedy's `least_work` for the same batch and capacity (null: none); when the batch
+// is one component larger than T, step 2 takes it instead of planning the component again (the
+// same plans, so the same result).
+GreedyResult RunComponentGreedy(const PlanContext& ctx, int64_t dp_size, CancelToken* cancel = nullptr,
+                                const std::optional<Grouping>* whole = nullptr);
 
 }  // namespace harts
 

@@ -13,30 +13,43 @@
 //                share more than F(u) tokens, two ranks of different parts exactly F(u).
 //   hierarchy    the range is the root node; a part of a node with at least `min_node` ranks,
 //                at depth < `max_depth`, is a node itself (split again at its own floor); every
-//                other part is a cell. Each rank lies in one cell, below a chain of nodes. For
+//                other part is a cell. Each rank lies in one cell, below a path of nodes. For
 //                rollout batches: the root's parts are the rollout trees (F = 0), or the system
-//                prompts, each a node whose parts are the trees behind it.
-//   touching     a group touches a node or cell when it holds one of its ranks.
+//                prompts, each a node whose parts are the trees behind it; a bushy tree nests
+//                node in node as its branches peel off.
+//   chains       the heavy-path decomposition of the nodes: a node's heavy child is its child
+//                node with the most ranks (ties: the first); a chain runs from a node that is no
+//                heavy child (its top) down through heavy children. A root-to-cell path crosses
+//                O(log) chains, entering each at its top.
+//   touching     a group touches a node or cell when it holds one of its ranks; the nodes it
+//                touches are closed under parents, so in each chain it touches a prefix, down to
+//                its chain depth t_M(C) (the deepest touched position).
 //
 // So for rank r in cell c below nodes u_0 (root) > u_1 > ... > u_d, a group has
 //   h = exact LCP (> F(u_d))      if it touches c;
 //   h = F(u_j)                    if it touches u_j but not the next node or cell on the path;
 // and under either policy the best group of a level with a fixed h is the one with the largest
-// work <= T - len(r) + h (ties: the lowest index). Best() evaluates the groups touching c one by
-// one (O(log |M|) each) and each level from the node's ordered set of touching groups by work,
-// skipping those that touch the next node or cell on the path (already evaluated, with a larger
-// h). The answer equals the full probe, tie rules included:
+// work <= T - len(r) + h (ties: the lowest index). Each node keeps the ordered set (work, -index)
+// of the groups whose chain depth in its chain is that node ("exact" sets); a group is in one
+// set per chain it touches. Best() evaluates the groups touching c one by one (O(log |M|) each),
+// then walks the path's chains bottom-up. Where the path leaves a chain at u_j (into a light
+// child node or the cell), level u_j's groups are those of chain depth >= j that do not touch
+// the next node or cell (already evaluated, with a larger h): the exact sets of positions >= j,
+// each scanned by work from the limit, skipping those. Above u_j the next node on the path is the
+// heavy child, so level u_t (t < j) is exactly the exact set of u_t: no skipping. Scans stop as
+// soon as nothing further can beat the incumbent. The answer equals the full probe, tie rules
+// included:
 //   kBestFit    max (w(M) + dC, -index)
 //   kMaxShared  max (h_M(r), w(M) + dC, -index)
 //
-// Complexity: Best() is O(t_c log + sum_levels (1 + s_j) log K) for t_c the groups touching
-// r's cell and s_j the groups a level's scan skips (those touching the next node or cell, with
-// a work between the level's answer and its limit); an update re-keys the group in the set of
-// every node it touches, O(|M| + n_M log K) for n_M such nodes. For rollout batches (trees of
-// bounded size behind a few prompt levels) n_M and t_c are small and a greedy pass is
-// O(N log N). Deep, bushy tries whose microbatches gather trajectories from many subtrees make
-// n_M grow (a random recursive tree of 75k trajectories: seconds); one cell spread over all K
-// groups is the worst case, O(K log) per Best(), as probing.
+// Complexity: Best() is O(t_c log + sum over the path's chains of (len(C) + s_C) log K) for t_c
+// the groups touching r's cell, len(C) <= max_depth + 1 the chains' lengths and s_C the groups
+// an exit level skips (touching the next node or cell, with a work between the incumbent's and
+// the limit). An update re-keys the group in one set per chain it touches, O(|M| + n_C log K)
+// for n_C such chains, plus O(log) per chain entered or left. Microbatches of contiguous rank
+// ranges (the lexicographic orders, the per-tree plans) touch a few chains whatever the trie's
+// depth; orders that scatter a microbatch over many subtrees make n_C and t_c grow, which
+// greedy.h's step budget bounds.
 #ifndef HARTS_PLACEMENT_INDEX_H_
 #define HARTS_PLACEMENT_INDEX_H_
 
@@ -59,7 +72,7 @@ class PlacementIndex {
 
   // Indexes `g` (may be empty; every group's ranks in [lo, hi)), which it then owns the updates
   // of: change it only through Insert / Erase / NewGroup / Retire.
-  // O((hi - lo) + sum |M| depth + K depth log K).
+  // O((hi - lo) depth + sum |M| + sum n_C log K).
   // (min_node, max_depth: the hierarchy's shape; the defaults suit rollout batches, and any
   // values give the same answers.) Polls `cancel` (cancel.h) per indexed group.
   PlacementIndex(const PlanContext& ctx, int32_t lo, int32_t hi, Grouping* g, CancelToken* cancel = nullptr,
@@ -91,42 +104,65 @@ class PlacementIndex {
   bool live(int64_t k) const { return live_[k] != 0; }
   int64_t num_nodes() const { return static_cast<int64_t>(nodes_.size()); }
   int64_t num_cells() const { return static_cast<int64_t>(cells_.size()); }
+  int64_t num_chains() const { return static_cast<int64_t>(chain_offset_.size()) - 1; }
+  // Elementary steps spent so far (construction included): set updates, sets and groups
+  // examined, hierarchy levels walked, binary searches in a group's members. Deterministic (a
+  // function of the calls alone), so a caller can bound its work by it (greedy.h's step budget).
+  int64_t steps() const { return steps_; }
 
  private:
   using WorkSet = std::set<std::pair<int64_t, int32_t>>;  // (work, -group)
 
   struct Node {
     int64_t floor = 0;
-    int32_t parent = -1;  // node index; -1 for the root
-    WorkSet touching;     // INVARIANT: every live group touching the node
+    int32_t parent = -1;     // node index; -1 for the root
+    int32_t lo = 0, hi = 0;  // its ranks
+    int32_t chain = 0, pos = 0;
+    WorkSet exact;  // INVARIANT: the live groups whose chain depth in `chain` is `pos`
   };
   struct Cell {
-    int32_t parent = 0;                              // node index
-    std::vector<std::pair<int32_t, int32_t>> touch;  // (group, members in the cell)
+    int32_t parent = 0;          // node index
+    int32_t lo = 0, hi = 0;      // its ranks
+    std::vector<int32_t> touch;  // INVARIANT: every live group with a member in the cell
   };
+  using Depths = std::vector<std::pair<int32_t, int32_t>>;  // (chain, depth), by chain
 
   void Build(int32_t node, int32_t lo, int32_t hi, int32_t depth, int32_t min_node, int32_t max_depth);
-  // Adds or removes group k's entries in every set it belongs to, at its current work.
-  void Entries(int32_t k, bool add);
+  void BuildChains();
+  int32_t ChainNode(int32_t chain, int32_t pos) const { return chain_nodes_[chain_offset_[chain] + pos]; }
+  int32_t ChainLength(int32_t chain) const { return chain_offset_[chain + 1] - chain_offset_[chain]; }
+  // Whether group k has a member in ranks [lo, hi) (binary search in its sorted members).
+  bool HasMember(int32_t k, int32_t lo, int32_t hi);
+  // Group k's entry of `chain` in depths_[k] (end() if none).
+  Depths::iterator FindDepth(int32_t k, int32_t chain);
   // Sets g_->work[k] = work, re-keying k's entries in place (its set memberships unchanged).
   void Rekey(int32_t k, int64_t work);
-  // Member count of group k in node u > 0 (0 if none; a missing entry is added).
-  int32_t& NodeCount(int32_t k, int32_t u);
-  bool Touches(int32_t k, int32_t u) const;
-  void Count(int32_t k, int32_t r, int32_t delta);  // counts of r's cell and nodes
+  // Rank r (not a member of k yet): registers k in r's cell and deepens its chain depths along
+  // r's path, with entries at g_->work[k].
+  void Attach(int32_t k, int32_t r);
+  // Rank r (no longer a member of k): unregisters k from r's cell and lifts its chain depths
+  // along r's path to its remaining members.
+  void Detach(int32_t k, int32_t r);
+  // Scans set `set` from work `limit` down for level candidates of shared amount `floor`,
+  // skipping `exclude` and (skip_node >= 0) groups touching that node or (skip_node == -1) the
+  // queried cell; updates `best`.
+  template <typename Better>
+  bool ScanLevel(const WorkSet& set, int64_t limit, int64_t len, int64_t floor, int64_t exclude, int32_t skip_node,
+                 bool skip, Choice& best, Better better);
 
   const PlanContext& ctx_;
   int32_t lo_, hi_;
   Grouping* g_;
   std::vector<Node> nodes_;
   std::vector<Cell> cells_;
-  std::vector<int32_t> cell_of_;  // hi - lo: the cell of each rank
-  // Per group: (node, members in it) for every node other than the root it touches.
-  std::vector<std::vector<std::pair<int32_t, int32_t>>> node_count_;
+  std::vector<int32_t> cell_of_;       // hi - lo: the cell of each rank
+  std::vector<int32_t> chain_nodes_;   // the nodes of every chain, top first
+  std::vector<int32_t> chain_offset_;  // chain c is chain_nodes_[chain_offset_[c], chain_offset_[c + 1])
+  std::vector<Depths> depths_;         // per group: its chain depth in every chain it touches
   std::vector<char> live_;
   std::vector<uint32_t> mark_;  // per group: == stamp_ while it touches the queried cell
   uint32_t stamp_ = 0;
-  std::vector<int32_t> path_;  // scratch: the nodes above the queried cell, deepest first
+  int64_t steps_ = 0;
 };
 
 }  // namespace harts
