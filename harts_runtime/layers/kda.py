@@ -15,7 +15,8 @@ name                               shape                 role
 ``b_proj``                         [H, D]                beta (sigmoid) projection
 ``A_log``                          [H]                   decay rate: ``g = -exp(A_log) softplus(f + dt_bias)``
 ``dt_bias``                        [H K]
-``g_proj.0``, ``g_proj.1``         [V, D], [H V, V] + bias [H V]   output-gate projection
+``g_proj.0``, ``g_proj.1``         [V, D], [H V, V] (+ bias [H V])  output-gate projection (bias:
+                                                         ``KDAConfig.output_gate_bias``, fla's default)
 ``o_norm``                         ``.weight`` [V]       sigmoid-gated RMS norm per head
 ``o_proj``                         [D, H V]              output projection
 =================================  ====================  =========================================
@@ -101,6 +102,9 @@ class KDAConfig:
     backend: str = "auto"
     """KDA core and token-wise kernels: "auto" (Triton / fla's fused kernels on CUDA, the
     PyTorch reference on CPU), "triton" or "naive"."""
+    output_gate_bias: bool = True
+    """Whether the output-gate up-projection ``g_proj.1`` has a bias: fla's ``KimiDeltaAttention``
+    has one, transformers' Kimi-Linear (``g_b_proj``) has none (its ``from_hf_config`` sets False)."""
 
 
 def checked_plan(layout: RowLayout, x: torch.Tensor, chunk_size: int | None, conv: tuple[str, int]):
@@ -213,7 +217,9 @@ class KDALayer(nn.Module):
             min=1e-4
         )
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
-        self.g_proj = nn.Sequential(nn.Linear(D, Vd, bias=False), nn.Linear(Vd, H * Vd, bias=True))
+        self.g_proj = nn.Sequential(
+            nn.Linear(D, Vd, bias=False), nn.Linear(Vd, H * Vd, bias=c.output_gate_bias)
+        )
         self.o_norm = GatedRMSNorm(Vd, eps=c.norm_eps, backend=c.backend)
         self.o_proj = nn.Linear(H * Vd, D, bias=False)
 

@@ -112,10 +112,11 @@ def _mla(m: CompactMLA, tp: int) -> LayerPlan:
 
 
 def _kda(m: KDALayer, tp: int) -> LayerPlan:
-    """Heads: the q/k/v, decay up- (``f_proj.1``), beta and output-gate up- (``g_proj.1``)
-    projections by rows, the three short convolutions by channels, ``A_log`` and ``dt_bias`` by
-    head, ``o_proj`` by columns; the low-rank down-projections ``f_proj.0`` / ``g_proj.0`` and the
-    per-channel ``o_norm`` replicated (fla's parameter names)."""
+    """Heads: the q/k/v, decay up- (``f_proj.1``), beta and output-gate up- (``g_proj.1``, and its
+    bias when the layer has one: ``KDAConfig.output_gate_bias``) projections by rows, the three short
+    convolutions by channels, ``A_log`` and ``dt_bias`` by head, ``o_proj`` by columns; the low-rank
+    down-projections ``f_proj.0`` / ``g_proj.0`` and the per-channel ``o_norm`` replicated (fla's
+    parameter names)."""
     p = {
         name: COL
         for name in (
@@ -128,11 +129,12 @@ def _kda(m: KDALayer, tp: int) -> LayerPlan:
             "f_proj.1.weight",
             "b_proj.weight",
             "g_proj.1.weight",
-            "g_proj.1.bias",
             "A_log",
             "dt_bias",
         )
     }
+    if m.g_proj[1].bias is not None:
+        p["g_proj.1.bias"] = COL
     p.update({"f_proj.0.weight": REP, "g_proj.0.weight": REP, "o_norm.weight": REP, "o_proj.weight": ROW})
     return LayerPlan(p, (("num_heads", m.config.num_heads),))
 

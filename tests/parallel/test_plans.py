@@ -1,8 +1,9 @@
 """Single-process oracle of the tensor-parallel plans (:mod:`harts_runtime.parallel.plans`) and of
 the layers' head counts read from their (local) weights.
 
-For every layer kind of ``TP_PLANS`` (GQA, MQA, MLA with and without a query latent, KDA, fused and
-split GDN with grouped value heads, gated GQA and MQA, the dense FFN) at tp = 2 and 4, in float64
+For every layer kind of ``TP_PLANS`` (GQA, MQA, MLA with and without a query latent, KDA with and
+without its output-gate bias, fused and split GDN with grouped value heads, gated GQA and MQA, the
+dense FFN) at tp = 2 and 4, in float64
 on the CPU with the reference backends: each rank's local parameters are built from the full ones by the
 plan (``Shard(d)``: chunk ``r`` of dim ``d``; ``Replicate()``: the full tensor) and the layer's
 ordinary forward runs on them through :func:`torch.func.functional_call` (plain tensors swapped in,
@@ -92,6 +93,21 @@ LAYERS = {
         lambda: KDALayer(
             KDAConfig(
                 hidden_size=D, num_heads=4, head_k_dim=4, head_v_dim=3, chunk_size=CHUNK, backend="naive"
+            )
+        ),
+        (2, 4),
+        TOL_F32,
+    ),
+    "kda_no_gate_bias": (  # Kimi-Linear's KDA: no output-gate bias (the plan places none)
+        lambda: KDALayer(
+            KDAConfig(
+                hidden_size=D,
+                num_heads=4,
+                head_k_dim=4,
+                head_v_dim=3,
+                chunk_size=CHUNK,
+                backend="naive",
+                output_gate_bias=False,
             )
         ),
         (2, 4),

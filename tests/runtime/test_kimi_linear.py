@@ -228,9 +228,14 @@ def test_missing_unknown_and_misshapen_tensors_are_named(checkpoint):
     with pytest.raises(InvalidInputError) as e:
         to_hf({k: v for k, v in ours.items() if k != "blocks.3.ffn.w_up"}, cfg)
     assert e.value.field == "blocks.3.ffn.w_up"
+    # A Kimi-Linear model has exactly Kimi-Linear's tensors: no KDA output-gate bias (fla's layer
+    # has one). A model built with it exports while the bias is zero, and refuses a non-zero one.
+    assert not any(k.endswith("g_proj.1.bias") for k in ours)
+    biased = from_hf_config(hf.config, kda_output_gate_bias=True)
+    ours = from_hf(sd, biased)
     ours["blocks.0.mixer.g_proj.1.bias"] = torch.ones_like(ours["blocks.0.mixer.g_proj.1.bias"])
     with pytest.raises(InvalidInputError) as e:
-        to_hf(ours, cfg)
+        to_hf(ours, biased)
     assert e.value.field == "blocks.0.mixer.g_proj.1.bias"
 
 

@@ -50,6 +50,8 @@ class ModelConfig:
     """KDA heads (None: ``num_heads``)."""
     kda_norm_eps: float = 1e-5
     """Epsilon of KDA's gated output RMSNorm."""
+    kda_output_gate_bias: bool = True
+    """Whether KDA's output-gate up-projection has a bias (fla's layer: yes; Kimi-Linear: no)."""
     conv_size: int = 4
     """KDA causal convolution width w."""
     chunk_size: int = 8

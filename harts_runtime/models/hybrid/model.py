@@ -54,6 +54,7 @@ def _kda(cfg: ModelConfig, attn_backend: str) -> nn.Module:
             chunk_size=cfg.chunk_size,
             norm_eps=cfg.kda_norm_eps,
             backend=cfg.kda_backend,
+            output_gate_bias=cfg.kda_output_gate_bias,
         )
     )
 

@@ -122,6 +122,9 @@ def from_hf_config(cfg, *, dtype: str | None = None, chunk_size: int = 64, **ove
     size (does not change the math). ``overrides``: further :class:`ModelConfig` fields
     (execution options such as ``attn_backend``, ``kda_backend``, ``lm_head_rows``).
 
+    The model has exactly Kimi-Linear's parameters: in particular its KDA output-gate
+    up-projection has no bias (``kda_output_gate_bias=False``, unlike fla's layer).
+
     Raises :class:`InvalidInputError` naming the field for options HybridModel cannot reproduce:
     ``hidden_act`` other than silu, ``tie_word_embeddings``, ``attention_bias``,
     ``num_key_value_heads`` != ``num_attention_heads``, a non-sigmoid router, MLA with RoPE
@@ -168,6 +171,7 @@ def from_hf_config(cfg, *, dtype: str | None = None, chunk_size: int = 64, **ove
         kda_head_dim=int(lin.get("head_dim") or _get(d, "linear_head_dim")),
         kda_num_heads=int(lin.get("num_heads") or _get(d, "linear_num_heads")),
         kda_norm_eps=float(_get(d, "rms_norm_eps")),
+        kda_output_gate_bias=False,  # g_b_proj has no bias
         conv_size=int(lin.get("short_conv_kernel_size") or _get(d, "linear_conv_kernel_dim")),
         chunk_size=chunk_size,
         kv_lora_rank=int(_get(d, "kv_lora_rank")),

@@ -12,8 +12,10 @@ KDA ``self_attn.{q,k,v,b,o}_proj``, ``o_norm``          ``mixer.`` same names (f
 KDA ``self_attn.conv1d.weight`` [3 H K, 1, w]           ``mixer.{q,k,v}_conv1d.weight`` (split in 3)
 KDA ``forget_gate.f_a_proj``, ``f_b_proj``              ``mixer.f_proj.0``, ``mixer.f_proj.1``
 KDA ``forget_gate.dt_bias``, ``forget_gate.A_log``      ``mixer.dt_bias``, ``mixer.A_log`` ([1,1,H,1] <-> [H])
-KDA ``g_a_proj``, ``g_b_proj``                          ``mixer.g_proj.0``, ``mixer.g_proj.1`` (our bias
-                                                        is zero; a non-zero one cannot be exported)
+KDA ``g_a_proj``, ``g_b_proj``                          ``mixer.g_proj.0``, ``mixer.g_proj.1`` (no bias:
+                                                        ``from_hf_config`` sets ``kda_output_gate_bias``
+                                                        False; a model built with fla's bias exports
+                                                        only while the bias is zero)
 MLA ``q_proj`` / ``q_a_proj``, ``q_a_layernorm``,       ``mixer.q_proj`` / ``q_a_proj``, ``q_a_norm``,
 ``q_b_proj``, ``kv_a_proj_with_mqa``,                   ``q_b_proj``, ``kv_a_proj``, ``kv_a_norm``,
 ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``           ``kv_b_proj``, ``o_proj``
@@ -191,7 +193,8 @@ class KimiLinearStateDictAdapter(HFStateDictAdapter):
         return [(k, v) for k, _, v in self.convert_slots(name, tensor)]
 
     def extra_ours(self) -> dict[str, torch.Tensor]:
-        """Our tensors with no HF counterpart: zero expert-load counts and KDA output-gate biases."""
+        """Our tensors with no HF counterpart: zero expert-load counts, and zero KDA output-gate
+        biases when the config has them (``kda_output_gate_bias``; a Kimi-Linear config does not)."""
         ends = (".local_tokens_per_expert", "mixer.g_proj.1.bias")
         return {k: torch.zeros(s) for k, s in self.our_shapes.items() if k.endswith(ends)}
 
