@@ -7,9 +7,19 @@ Marks (registered in pyproject.toml):
   reports them as failures. Tests that run Triton kernels under ``TRITON_INTERPRET=1`` on the CPU
   are not ``gpu`` tests.
 * ``slow``: the test takes seconds (full-scale workloads); ``-m "not slow"`` is the quick loop.
+
+Threads: every test runs with one intra-op thread (``OMP_NUM_THREADS=1``, set here before anything
+imports torch, so the processes tests start inherit it too; an ``OMP_NUM_THREADS`` already in the
+environment wins). The suite's tensors are tiny: a thread team only adds contention, and on a busy
+2-core machine it is ruinous (measured side by side under load: ``tests/runtime/test_kda_layer.py``
+and ``test_attention.py`` 3.3x faster in wall time with one thread; the Triton interpreter cases 2-3x).
 """
 
-import pytest
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
 
 
 def _cuda_available() -> bool:
@@ -31,7 +41,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny graphs: intra-op threads only add contention (10x slower on a busy 2-core box).
-    Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``: one thread even where the
+    environment asked for more (the suite's default is one, see the module docstring)."""
     torch = pytest.importorskip("torch")
     n = torch.get_num_threads()
     torch.set_num_threads(1)
