@@ -44,8 +44,11 @@ per row, from the final hidden rows and the LM-head weight, mapped to the target
 log-probs. An entropy *loss* (``actor.entropy_coeff != 0``, or ``calculate_entropy`` in training)
 needs a gradient through it, which the fused head does not provide: that is refused with
 :class:`~harts_runtime.errors.InvalidInputError` naming the field. So are a sampling temperature
-other than 1, multimodal position ids, and verl's parameter / optimizer offload (use
-``harts.cpu_offload``).
+other than 1, multimodal (3-D) jagged inputs, ``calculate_sum_pi_squared``, top-k distillation,
+router replay, and verl's parameter / optimizer offload (use ``harts.cpu_offload``).
+
+Parameters the checkpoint's transformers family has no tensor for (its adapter's ``zero_only``)
+are frozen at load (:func:`freeze_unexportable`), so every later weight export still succeeds.
 """
 
 from __future__ import annotations
