@@ -115,6 +115,7 @@ def run_figures(run: Run) -> dict:
         "trajectory_seconds": trajectory["fbg_seconds"],
         "tflops_executed": _pair(sp.get("tflops"), "compact"),
         "tflops_model": _pair(sp.get("mfu_tflops"), "compact"),
+        "tflops_trajectory": _pair(sp.get("tflops"), "trajectory"),
         "device_busy": breakdown.get("device_busy"),
         "abs_loss_diff": abs(compact["loss"] - trajectory["loss"]),
     }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the lent machine, first of two calls (carry .whl .fa4a): keep FlashAttention-4's first half in
 # /tmp/fa4, install the carried wheels (.whl: fla, grpcio-tools) into /tmp/site, build HARTS into
-# /tmp/harts, then run "$@" (optional) with those on the path. docs/gpu.md has the recipe.
+# /tmp/harts, then run "$@" (optional) with those on the path. benchmarks/results/gpu_runs.md has the recipe.
 # HARTS_GPU_TMP (default /tmp) moves every /tmp path (tests/runtime/test_gpu_call_scripts.py).
 set -u
 T=${HARTS_GPU_TMP:-/tmp}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Here (with a network): pack FlashAttention-4 for the lent H200 (docs/gpu.md), whose image lacks it.
+# Here (with a network): pack FlashAttention-4 for the lent H200 (benchmarks/results/gpu_runs.md), whose image lacks it.
 # Its CUDA-13 compiler library (92 MB) does not fit one 64 MiB carry: .fa4a/ holds every small
 # wheel and the first part of the xz-compressed library, .fa4b/ the rest. Carry .fa4a in one call
 # (call_a.sh) and .fa4b in the next, made at once (the machine keeps /tmp only while warm).

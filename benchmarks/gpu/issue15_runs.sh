@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The open issue-15 GPU runs (docs/gpu.md "Open GPU work"), one device call per step, made back to
+# The open issue-15 GPU runs (benchmarks/results/gpu_runs.md "Open GPU work"), one device call per step, made back to
 # back so /tmp stays warm. From the repo root on the lent machine:
 #   a  carry .whl .fa4a   build + this session's GPU tests              (~3 min)
 #   b  carry .whl .fa4b   FA4 + 24-layer speedup/breakdown, both cores kept (~5 min)

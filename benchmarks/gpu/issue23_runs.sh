@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 23's single-GPU runs (docs/gpu.md), one device call per step (carry .whl: fla-core and
-# grpcio-tools wheels, docs/gpu.md "Carry what the image lacks"). From the repo root on the lent machine:
+# Issue 23's single-GPU runs (benchmarks/results/gpu_runs.md), one device call per step (carry .whl: fla-core and
+# grpcio-tools wheels, benchmarks/results/gpu_runs.md "Carry what the image lacks"). From the repo root on the lent machine:
 #   a  build; the empty-microbatch GPU test (DP padding on the fused paths); the FSDP2 path at
 #      world size 1 (NCCL) against the unparallelised 24-layer ling-tiny microbatch   (~6 min)
 #   b  build; CPUOffloadPolicy capacity: Qwen3.5-35B-A3B depths 4 and 6, one process each (~7 min)

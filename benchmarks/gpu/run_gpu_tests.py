@@ -1,5 +1,5 @@
 """pytest with one Triton config per kernel (no autotuning): the GPU tests' runner on the lent
-machine, where a cold full autotune costs minutes (docs/gpu.md). Arguments go to pytest, e.g.
+machine, where a cold full autotune costs minutes (benchmarks/results/gpu_runs.md). Arguments go to pytest, e.g.
 ``python3 benchmarks/gpu/run_gpu_tests.py -q -m gpu --import-mode=prepend tests/runtime/test_moe_gpu.py``."""
 
 import os

@@ -1,5 +1,5 @@
 """CPU tests of the control flow of the device-only scripts ``benchmarks/gpu/call_a.sh`` and
-``call_b.sh`` (docs/gpu.md, "FA4"): each runs with bash in a fake repo root (``.fa4a/``, ``.fa4b/``,
+``call_b.sh`` (benchmarks/results/gpu_runs.md, "FA4"): each runs with bash in a fake repo root (``.fa4a/``, ``.fa4b/``,
 ``.whl/`` built here: zip wheels and a real xz tar split in three parts, as ``fa4_pack.sh`` makes
 them), ``HARTS_GPU_TMP`` standing in for ``/tmp`` and a fake ``python3`` first on ``PATH``. The fake
 logs each call and does ``-m pip install ... --target DIR ARGS`` by unzipping each wheel into DIR
