@@ -23,6 +23,8 @@ planning calls release the GIL, so other Python threads run meanwhile.
 
 from __future__ import annotations
 
+import numbers
+
 from harts_planner._native import (  # noqa: F401  (re-exported)
     CancelToken,
     HartsError,
@@ -38,6 +40,25 @@ def invalid(field: str, message: str) -> InvalidArgumentError:
     err = InvalidArgumentError(f"{field}: {message}")
     err.field = field
     return err
+
+
+def _checked_set_deadline(native_set_deadline):
+    def set_deadline(self, seconds) -> None:
+        """Stop the call once ``seconds`` (a real number) have passed from now; a negative value is
+        already past, ``math.inf`` clears the deadline. InvalidArgumentError naming ``seconds`` for
+        anything else (a string, a bool, None, NaN)."""
+        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+            raise invalid("seconds", f"must be a number of seconds, got {type(seconds).__name__} {seconds!r}")
+        native_set_deadline(self, float(seconds))
+
+    set_deadline.native = native_set_deadline
+    return set_deadline
+
+
+# The binding converts the argument itself and raises TypeError for a string; wrap it once so that
+# every token (however made) names the field instead.
+if not hasattr(CancelToken.set_deadline, "native"):
+    CancelToken.set_deadline = _checked_set_deadline(CancelToken.set_deadline)
 
 
 def resource_limit(field: str, message: str) -> ResourceLimitError:

@@ -6,7 +6,8 @@ headers as HPACK literals without indexing, RFC 7541 6.2.2): :class:`H2Connectio
 connection, exchanges SETTINGS, and then lets a test open streams (:meth:`~H2Connection.open`), send
 gRPC messages or parts of them (:meth:`~H2Connection.send_message`), and choose whether to read
 what the server sends (``read=False``: no flow-control credit is ever returned, so the server can send
-a stream at most the initial window, ``window`` bytes). A reader thread answers SETTINGS and PING
+a stream at most the initial window, ``window`` bytes; ``read_rate``: no faster than that). A reader
+thread answers SETTINGS and PING
 (so the server sees a live peer) and counts, per stream, the DATA bytes received and whether the
 stream ended (END_STREAM or RST_STREAM). Server headers are not decoded: the tests learn a call's
 status from the server's log or from a real gRPC client.
@@ -75,9 +76,19 @@ class H2Connection:
     """
 
     def __init__(
-        self, host: str, port: int, *, read: bool = True, window: int = 65535, timeout: float = 10.0
+        self,
+        host: str,
+        port: int,
+        *,
+        read: bool = True,
+        window: int = 65535,
+        timeout: float = 10.0,
+        read_rate: float | None = None,
     ):
         self.read = read
+        self.read_rate = read_rate  # bytes per second credited back at most (a slow reader)
+        self._credited = 0
+        self._started = time.monotonic()
         self.sock = socket.create_connection((host, port), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.settimeout(None)
@@ -227,6 +238,11 @@ class H2Connection:
                     s.ended = s.ended or bool(flags & END_STREAM)
                 self._cond.notify_all()
             if self.read and payload:
+                if self.read_rate:  # take it no faster than read_rate
+                    self._credited += len(payload)
+                    ahead = self._credited / self.read_rate - (time.monotonic() - self._started)
+                    if ahead > 0:
+                        time.sleep(ahead)
                 credit = struct.pack(">I", len(payload))
                 self._send(frame(WINDOW_UPDATE, 0, sid, credit) + frame(WINDOW_UPDATE, 0, 0, credit))
         elif kind == HEADERS:

@@ -163,10 +163,14 @@ class Raw:
     bytes the same); ``future(...)`` for cancellation (unary)."""
 
     def __init__(self, address: str, credentials=None):
+        options = [
+            ("grpc.max_receive_message_length", 2**31 - 1),
+            ("grpc.max_send_message_length", 2**31 - 1),
+        ]
         self.channel = (
-            grpc.insecure_channel(address)
+            grpc.insecure_channel(address, options=options)
             if credentials is None
-            else grpc.secure_channel(address, credentials)
+            else grpc.secure_channel(address, credentials, options=options)
         )
         self._stubs = {
             m: self.channel.unary_unary(
@@ -216,6 +220,12 @@ def future_code(future, timeout: float = 60.0) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
+def queued_request(capacity: int = 100) -> bytes:
+    """A valid PlanStep big enough to wait for a planner thread: 200 trajectories, about 3 MB of
+    planner memory (smaller plans are made at once, without one: admission.EXPRESS_PLAN_BYTES)."""
+    return step_request(fork_tree(10, 200, 5), capacity=capacity)
+
+
 def one_segment(tokens: int) -> SegmentTree:
     """One trajectory of ``tokens`` tokens (the smallest request that asks for a big plan)."""
     return SegmentTree([-1], [tokens], [0])
@@ -258,6 +268,7 @@ __all__ = [
     "fork_tree",
     "future_code",
     "one_segment",
+    "queued_request",
     "step_request",
     "wait_until",
     "pb",

@@ -15,14 +15,14 @@ import time
 
 import grpc
 import pytest
-from sidecar_fixtures import TREE, Raw, future_code, step_request, wait_until
+from sidecar_fixtures import Raw, future_code, queued_request, step_request, wait_until
 
 from harts_planner import Planner, SegmentTree
 from harts_planner.rpc.client import SidecarUnavailableError
 from harts_planner.rpc.server import SidecarProcess
 
 LAUNCHER = [sys.executable, os.path.join(os.path.dirname(__file__), "slow_sidecar.py")]
-SLOW = step_request(capacity=8888)  # slow_sidecar.SLOW_CAPACITY: 15 s unless cancelled
+SLOW = queued_request(capacity=8888)  # slow_sidecar.SLOW_CAPACITY: 15 s unless cancelled, on a planner thread
 UNAVAILABLE, OK = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.OK
 
 
@@ -47,7 +47,7 @@ def test_sigterm_answers_queued_requests_at_once_then_cancels_after_the_grace(tm
         with Raw(sidecar.address) as raw:
             slow = raw.future("PLAN_STEP", SLOW, timeout=60)
             assert wait_until(lambda: _started(log))
-            queued = raw.future("PLAN_STEP", step_request(), timeout=60)
+            queued = raw.future("PLAN_STEP", queued_request(), timeout=60)
             time.sleep(0.3)  # let it reach the queue (if not, it is refused on arrival: the same answer)
             sent = time.monotonic()
             sidecar.proc.send_signal(signal.SIGTERM)
@@ -94,7 +94,7 @@ def test_sigterm_lets_in_flight_plans_finish_within_the_grace(tmp_path):
             sidecar.proc.kill()
     records = _records(log)
     ok = [r for r in records if r.get("event") == "rpc" and r["code"] == "OK"]
-    assert ok and ok[0]["input"] == "tree" and ok[0]["trajectories"] == TREE.num_trajectories
+    assert ok and ok[0]["input"] == "tree" and ok[0]["trajectories"] == 200  # queued_request()
     expected = {"plan_ms", "ingest_ms", "decode_ms", "queue_ms", "total_ms", "microbatches", "request_bytes"}
     assert expected <= ok[0].keys()
     assert records[-1]["event"] == "stopped" and records[-1]["drained"] is True

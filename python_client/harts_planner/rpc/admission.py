@@ -6,16 +6,19 @@ Three parts, each used by the servicer (:mod:`harts_planner.rpc.servicer`):
   thread, before any thread of a pool is taken: planner calls (PlanStep, PlanCalls and their
   ``*Stream`` forms) run on the planner pool, at most ``planner_calls`` at once; health and
   reflection calls on their own small pool, at most ``service_calls`` at once, so that no number of
-  planner calls, stalled or not, delays a health check. A call over its class's bound is refused at
-  once (RESOURCE_EXHAUSTED) on a third, tiny pool. Service calls read their requests through
-  :class:`GuardedReader` (a receive reservation and the receive timeout, as planner calls).
+  planner calls, stalled or not, delays a health check. When a class is full, the call of that
+  class that has waited longest (at least :data:`EVICT_AFTER_SECONDS`) for a request it never got is
+  cut off to make room: stalled streams cannot keep a live client out. Otherwise a call over its
+  class's bound is refused at once (RESOURCE_EXHAUSTED) on a third, tiny pool. Service calls read
+  their requests through :class:`GuardedReader` (the receive timeout, as planner calls).
 * :class:`Budget`, the ledger of what calls hold: request bytes (every stream reserves what its next
   message may be before it reads it, then holds what it received and what admission built:
   ``--max-inflight-mb``), planner threads (``--workers``), the plan-memory budget shared by the plans
   running at once and the responses not yet delivered (``--max-plan-memory-mb``), and the queue
   (``--max-queued``). Over a bound, a call gets RESOURCE_EXHAUSTED naming the field and the flag;
   a plan that fits waits for a thread and room, first come first served (a small one may pass a
-  big one that does not fit yet), while its deadline allows.
+  big one that does not fit yet), while its deadline allows; a tiny plan (a few hundred
+  trajectories: :data:`EXPRESS_PLAN_BYTES`) is made at once on its call's thread.
 * :class:`Admission`, the checks and the cost of one request before it waits for a planner thread:
   its scalars, the vectorized checks ingestion starts with (packed tokens), the planner's cost
   estimate from the request alone (:func:`harts_planner.estimate_cost`; a segment tree is validated
@@ -50,6 +53,14 @@ SERVICE_CALLS = 16
 REFUSAL_THREADS = 4
 #: A plan whose memory is at most this share of the budget may pass bigger ones waiting for room.
 SMALL_SHARE = 64
+#: A plan whose planner memory is at most this (a few hundred trajectories) is made at once on the
+#: call's own thread, without waiting for a planner thread behind long plans.
+EXPRESS_PLAN_BYTES = 2 << 20
+#: A call that has waited this long for (the rest of) its request without receiving anything may be
+#: cut off to make room for a new call when its class is full (a stalled stream cannot hold a slot
+#: that a live client needs), by class: a health check's request is a few bytes; a planner call's
+#: may be a whole message (--max-message-mb) whose progress the server cannot see.
+EVICT_AFTER_SECONDS = {"service": 0.2, "planner": 0.25}
 
 
 # ---------------------------------------------------------------------------------- the ledger
@@ -83,6 +94,7 @@ class Budget:
         self._draining = False
         self._controls: set[RequestControl] = set()
         self._waiters: collections.deque[Grant] = collections.deque()
+        self._receivers: dict[RequestControl, str] = {}  # calls waiting for a request message: class
 
     # ------------------------------------------------------------------ state
     @property
@@ -166,23 +178,59 @@ class Budget:
                 self._held -= size
                 self._lock.notify_all()
 
-    def receiving(self, delta: int) -> None:
+    def receiving(self, ctl: RequestControl, kind: str, waiting: bool) -> None:
+        """``ctl`` (a call of class ``kind``) starts or stops waiting for a request message."""
         with self._lock:
-            self._receiving += delta
+            if waiting:
+                self._receivers[ctl] = kind
+                self._receiving += kind == "planner"
+            elif self._receivers.pop(ctl, None) is not None:
+                self._receiving -= kind == "planner"
+
+    def evict_stalled(self, kind: str, min_age: float | None = None) -> bool:
+        """Cut off the call of class ``kind`` that has waited longest (at least ``min_age`` seconds)
+        for its request without receiving anything; True when there was one. Its slot, thread and
+        receive reservation come free as soon as its handler sees it (milliseconds)."""
+        now = time.monotonic()
+        min_age = EVICT_AFTER_SECONDS[kind] if min_age is None else min_age
+        with self._lock:
+            stalled = [c for c, k in self._receivers.items() if k == kind and now - c.progress_at >= min_age]
+            victim = min(stalled, key=lambda c: c.progress_at) if stalled else None
+            if victim is not None:
+                del self._receivers[victim]
+                self._receiving -= kind == "planner"
+        if victim is None:
+            return False
+        victim.cut_off("evicted")
+        return True
+
+    def wait_room(self, size: int, timeout: float) -> bool:
+        """Wait until ``size`` more bytes of requests fit (or nothing is held)."""
+        with self._lock:
+            return self._lock.wait_for(
+                lambda: self._held == 0 or self._held + size <= self.limits.max_inflight_bytes, timeout
+            )
 
     def sending(self, delta: int) -> None:
         with self._lock:
             self._sending += delta
 
     # ------------------------------------------------------------------ planner threads
-    def acquire(self, ctl: RequestControl, memory: int) -> Grant:
+    def acquire(self, ctl: RequestControl, memory: int, express: bool = False) -> Grant:
         """A planner thread and ``memory`` bytes of the plan-memory budget, waited for while the
-        call's deadline allows. Raises UNAVAILABLE when draining, RESOURCE_EXHAUSTED when
-        ``max_queued`` wait already, DEADLINE_EXCEEDED / CANCELLED when the call stops waiting."""
+        call's deadline allows. An ``express`` plan (one the planner makes in well under a
+        millisecond: :data:`EXPRESS_PLAN_BYTES`) takes no planner thread and waits for nobody when
+        its memory fits. Raises UNAVAILABLE when draining, RESOURCE_EXHAUSTED when ``max_queued`` wait
+        already, DEADLINE_EXCEEDED / CANCELLED when the call stops waiting."""
         with self._lock:
             if self._draining:
                 raise unavailable()
             grant = Grant(memory)
+            if express and self._reserved + memory <= self.limits.max_plan_memory_bytes:
+                self._reserved += memory
+                grant.granted = True
+                ctl.grant = grant
+                return grant
             if (not self._waiters or self._small(memory)) and self._fits_locked(memory):
                 self._grant_locked(grant)
             else:
@@ -299,6 +347,19 @@ class GuardedReader:
         self._budget = budget
         self._watchdog = watchdog
         self._reserve = reserve
+        self._kind = "planner" if reserve else "service"
+
+    def _hold(self, reservation: int) -> None:
+        """Reserve ``reservation`` bytes; when they do not fit, make room by cutting off the longest
+        stalled receiver (if any) and try once more."""
+        budget = self._budget
+        try:
+            budget.hold(reservation, "request", "bytes (what one more message may hold)")
+        except AbortRpcError:
+            if not budget.evict_stalled(self._kind):
+                raise
+            budget.wait_room(reservation, 1.0)
+            budget.hold(reservation, "request", "bytes (what one more message may hold)")
 
     def __iter__(self):
         return self
@@ -311,19 +372,22 @@ class GuardedReader:
         does not fit, the call's stop status when it was cut off while waiting."""
         budget, ctl = self._budget, self._ctl
         reservation = budget.limits.receive_reservation(budget.max_message_bytes) if self._reserve else 0
-        budget.hold(reservation, "request", "bytes (what one more message may hold)")
-        budget.receiving(1)
+        self._hold(reservation)
         ctl.phase = phase
         ctl.touch()
+        budget.receiving(ctl, self._kind, True)
         self._watchdog.watch(ctl, phase, budget.limits.receive_timeout, "receive-timeout")
         try:
             message = next(self._iterator)
-        except grpc.RpcError:  # the RPC ended while we waited (cut off, cancelled, past its deadline)
+        except grpc.RpcError as err:  # the RPC ended while we waited (cut off, cancelled, past its deadline)
+            # gRPC keeps this error in the call's state: without its traceback it cannot keep this
+            # frame's callers (and the request bytes they hold) alive.
+            err.with_traceback(None)
             stop = ctl.stop_status() or AbortRpcError(grpc.StatusCode.CANCELLED, "the request stream ended")
             raise stop from None
         finally:
             ctl.phase = "admit"
-            budget.receiving(-1)
+            budget.receiving(ctl, self._kind, False)
             budget.release(reservation)
         ctl.touch()
         return message
@@ -372,6 +436,10 @@ class Guard(grpc.ServerInterceptor):
             full = self._counts[kind] >= bound
             if not full:
                 self._counts[kind] += 1
+        if full and not self.budget.draining and self.budget.evict_stalled(kind):
+            with self._lock:  # the stalled call's thread comes free within milliseconds
+                self._counts[kind] += 1
+            full = False
         if full:
             return self._refusal(handler, kind, bound)
         return self._wrap(handler, kind)
@@ -506,6 +574,7 @@ class Job:
     cost: _limits.Cost
     plan_cost: object = None  # the planner's PlanCost
     held: int = 0  # request bytes it holds beyond what it received (aligned copies, the tree's batch)
+    express: bool = False  # small enough to plan at once (EXPRESS_PLAN_BYTES)
     decode_s: float = 0.0  # request -> arrays
     ingest_s: float = 0.0  # arrays -> batch (a tree: at admission; tokens: on a planner thread)
 
@@ -624,7 +693,9 @@ class Admission:
         except BaseException:
             self.budget.release(held)
             raise
-        return Job(args, source, batch, cost, plan_cost, held, decode_s, ingest_s)
+        planner = plan_cost.plan_bytes + (plan_cost.ingest_bytes if tokens else 0)
+        express = planner <= EXPRESS_PLAN_BYTES and not (step and args["call_plans"])
+        return Job(args, source, batch, cost, plan_cost, held, express, decode_s, ingest_s)
 
     def step(self, request, which, arrays, ctl, record, stream: bool) -> Job:
         args = codec.decode_plan_step_request(request)
@@ -641,6 +712,8 @@ __all__ = [
     "Grant",
     "Guard",
     "GuardedReader",
+    "EVICT_AFTER_SECONDS",
+    "EXPRESS_PLAN_BYTES",
     "Job",
     "PLANNER_METHODS",
     "REFUSAL_THREADS",

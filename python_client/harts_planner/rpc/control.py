@@ -74,6 +74,11 @@ _REASONS = {
         "response: the client read none of the response for the server's --send-timeout",
         "response",
     ),
+    "evicted": (
+        grpc.StatusCode.CANCELLED,
+        "request: the request had not arrived and the server needed the call's slot for another",
+        "request",
+    ),
     "client": (grpc.StatusCode.CANCELLED, "the client cancelled the request", None),
 }
 
@@ -93,7 +98,8 @@ class RequestControl:
         self.context = context
         self._wake = wake
         self._lock = threading.Lock()
-        self.reason: str | None = None  # "client", "deadline", "shutdown", "receive-timeout", "send-timeout"
+        # "client", "deadline", "shutdown", "receive-timeout", "send-timeout", "evicted"
+        self.reason: str | None = None
         self.waiter = None  # while it waits for a planner thread (the budget's)
         self.grant = None  # while it holds one
         self.phase = "receive"  # receive, admit, queue, plan, encode, send, done

@@ -10,11 +10,14 @@ these phases, each logged in the call's record (:mod:`harts_planner.rpc.logs`):
    (:class:`~harts_planner.rpc.admission.GuardedReader`); a chunked request is assembled in one buffer
    and its arrays read in place (:mod:`harts_planner.rpc.wire`);
 2. *admit* (:class:`~harts_planner.rpc.admission.Admission`): checks and cost before any planner
-   thread is taken; a bad or unaffordable request is answered here;
+   thread is taken; a bad or unaffordable request is answered here (a request over
+   :data:`ADMIT_INLINE_BYTES` is admitted at the planner threads' priority);
 3. *queue*: a planner thread and room in the plan-memory budget
    (:meth:`~harts_planner.rpc.admission.Budget.acquire`), while the deadline allows;
-4. *plan* (the C++ core releases the GIL and polls the call's cancel token); then the request and
-   the planner thread are given back;
+4. *plan* on one of ``workers`` planner threads, which run at a lower scheduling priority than the
+   threads that answer calls (:data:`PLANNER_NICENESS`; the C++ core releases the GIL and polls the
+   call's cancel token); a tiny plan (:data:`~harts_planner.rpc.admission.EXPRESS_PLAN_BYTES`) is
+   made at once on the call's thread; then the request and the planner thread are given back;
 5. *encode*: the response as wire parts over the plan's arrays, no copy (:mod:`~harts_planner.rpc.wire`);
 6. *send*: one message (unary, at most ``--max-message-mb``) or 1 MiB chunks, each copied out of
    the GIL and sent once the client has taken the previous one; the call's stop status (deadline,
@@ -29,7 +32,10 @@ any other way is logged with the status it ended with.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
+from concurrent import futures
 
 import grpc
 from google.protobuf.message import DecodeError, EncodeError
@@ -49,6 +55,26 @@ METHODS = (
     ("PlanStepStream", pb.PlanStepRequest, True, True),
     ("PlanCallsStream", pb.PlanCallsRequest, True, False),
 )
+
+
+#: Requests up to this size are admitted on the call's thread; bigger ones (whose checks and index
+#: take longer than a health check should wait) on the planner threads' priority.
+ADMIT_INLINE_BYTES = 1 << 20
+#: How much lower the planner threads' scheduling priority is (their nice value above the process's):
+#: a CPU-bound plan then yields the cores to the threads that answer calls (health checks, small
+#: requests, admission, sending) and still uses every core they leave idle.
+PLANNER_NICENESS = 10
+
+
+def lower_priority(niceness: int = PLANNER_NICENESS) -> bool:
+    """Raise the calling thread's nice value by ``niceness`` (Linux: a thread is a task of its own);
+    True when done."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
+        return True
+    except (AttributeError, OSError):
+        return False
 
 
 def _identity(data):
@@ -76,6 +102,10 @@ class PlannerServicer:
         self.logger = logger
         self.chunk_bytes = chunk_bytes
         self.admission = Admission(budget, chunk_bytes)
+        # The planner threads (workers, granted by the budget) and as many for admitting big requests.
+        self.planner_pool = futures.ThreadPoolExecutor(
+            2 * budget.workers, thread_name_prefix="harts-plan", initializer=lower_priority
+        )
 
     # ------------------------------------------------------------------ state (the budget's)
     @property
@@ -138,6 +168,7 @@ class PlannerServicer:
         grant = None
         sending = False
         entered = False
+        data = request = arrays = job = parts = None  # cleared at the end: see finally
         try:
             budget.enter(ctl)
             entered = True
@@ -156,18 +187,27 @@ class PlannerServicer:
             t0 = time.perf_counter()
             ctl.phase = "admit"
             admit = self.admission.step if step else self.admission.calls
-            job = admit(request, which, arrays, ctl, record, stream)
+            if record["request_bytes"] <= ADMIT_INLINE_BYTES:
+                job = admit(request, which, arrays, ctl, record, stream)
+            else:  # validating and indexing a big request takes long: as a plan, below the RPC threads
+                job = self.planner_pool.submit(admit, request, which, arrays, ctl, record, stream).result()
             del arrays
             held += job.held
             record["admit_ms"] = _ms(time.perf_counter() - t0)
             ctl.check("planning")
             t0 = time.perf_counter()
             ctl.phase = "queue"
-            grant = budget.acquire(ctl, job.cost.memory_bytes)
+            grant = budget.acquire(ctl, job.cost.memory_bytes, job.express)
             record["queue_ms"] = _ms(time.perf_counter() - t0)
+            if job.express:
+                record["express"] = True
             ctl.phase = "plan"
+            make = self._plan_step if step else self._plan_calls
             try:
-                parts = (self._plan_step if step else self._plan_calls)(job, ctl, record, stream)
+                if job.express:  # microseconds of planning: on this thread
+                    parts = make(job, ctl, record, stream)
+                else:  # on a planner thread, below the RPC threads' priority
+                    parts = self.planner_pool.submit(make, job, ctl, record, stream).result()
             except PlanCancelledError as e:  # the planner stopped at the call's token
                 raise ctl.from_cancelled(e) from None
             budget.release_thread(grant)
@@ -221,6 +261,9 @@ class PlannerServicer:
             self.logger.exception("unexpected error in %s", method)
             context.abort(grpc.StatusCode.INTERNAL, f"internal planner error: {type(e).__name__}: {e}")
         finally:
+            # A traceback kept by gRPC (in the call's state) may keep this frame alive: let go of
+            # the request and the plan now, not when the cycle collector finds it.
+            data = request = arrays = job = parts = None  # noqa: F841
             ctl.finish()
             ctl.phase = "done"
             if sending:
@@ -279,6 +322,7 @@ class PlannerServicer:
                 f"the request is {total:,} bytes, over the server's limit of {limit:,} (--max-request-mb)",
             )
         budget.hold(total)
+        assembly = None
         try:
             assembly = wire.Assembly(total, bytes(data[:4096]))
             assembly.add(data)
@@ -293,6 +337,8 @@ class PlannerServicer:
                 self._raise_if_gone(reader)
             return assembly.view(), total
         except BaseException:
+            if assembly is not None:
+                assembly.free()  # at once, whatever may still reference this frame
             budget.release(total)
             raise
 

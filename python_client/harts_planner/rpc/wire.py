@@ -426,6 +426,11 @@ class Assembly:
             ctypes.memmove(self._base + self.size, _view_address(chunk), len(chunk))
         self.size += len(chunk)
 
+    def free(self) -> None:
+        """Drop the buffer (a request given up half way)."""
+        self._buffer = None
+        self._base = 0
+
     def view(self) -> memoryview:
         """The request's bytes (once complete)."""
         if self.size != self.total:

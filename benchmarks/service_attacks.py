@@ -1,0 +1,494 @@
+"""The sidecar under hostile and careless clients (issue 25): each attack of the issue against a fresh
+``harts-planner serve`` on 127.0.0.1, with a prober in its own process asking the health service and
+planning a 9-token PlanCalls every 10 ms meanwhile.
+
+Targets: the server's resident memory stays under its configured budget whatever clients send or fail
+to read; a health check and a tiny valid request are answered within 50 ms p99 under every attack;
+deadlines and cancels stop the sending of a response; a drain delivers every response it logs OK (or
+logs what it did not deliver); the cost estimate bounds the measured peak.
+
+Sections (``--sections``; sizes are the issue's scaled down to a shared 2-core, 24 GB machine, see
+each one's ``sizes``):
+
+* ``stalled``: streams that send their headers and nothing else (the issue: 74 made every call,
+  health included, answer "Concurrent RPC limit exceeded").
+* ``queued``: legal requests whose segment trees the server indexes at admission, sent while both
+  planner threads run slow plans (the issue: 16 requests of 32 MB held 10 GB uncounted).
+* ``partial``: streams that announce 1 GiB and stop after 200 MiB (the issue: 8 x 400 MiB reached
+  3.26 GB against a 2 GiB --max-inflight-mb, 3.1 GB still held after they closed).
+* ``never_read``: valid 22-byte requests for large responses from clients that read none of them
+  (the issue: six held 3.1 GB and were logged OK).
+* ``encoding``: one 22-byte request for a large response, read by a normal client (the issue:
+  health stalled for 27.7 s).
+* ``deadline``: the same with a 1 s deadline: how long the server stays busy past it (the issue:
+  4.7 s, a minute for a 1 GB response).
+* ``drain``: SIGTERM while large responses are being read: what the clients got, what the log says
+  (the issue: logged OK, the client got UNAVAILABLE, 6 of 6 runs).
+* ``estimate``: a packed-tokens request: the server's estimate (request held + plan memory) against
+  its measured peak (the issue: 5.32 GB estimated, 8.56 GB peak for 1.06 GB of tokens).
+
+``--launcher SCRIPT`` runs another ``harts-planner`` (a script that imports an older checkout's
+``harts_planner.cli``): the figures before the change come from the commit before it. Flags the older
+server lacks are left out; it gets the unary methods (it has no ``*Stream`` ones).
+
+    python benchmarks/service_attacks.py --out benchmarks/results/service_attacks.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "rpc"))
+
+from attacks import Probe, memory, never_read, partial_uploads, records, stalled_streams  # noqa: E402
+from sidecar_fixtures import Raw, calls_request, copies_tree, one_segment  # noqa: E402
+
+from harts_planner import PackedTokens, RolloutBatch, bench, estimate_cost, synth  # noqa: E402
+from harts_planner.rpc import codec, limits  # noqa: E402
+from harts_planner.rpc.server import SidecarProcess  # noqa: E402
+
+MiB = 1 << 20
+
+
+class Server:
+    """A ``serve`` process: the new one, or ``--launcher``'s (``old``)."""
+
+    def __init__(
+        self, args, log_dir: str, name: str, flags=(), new_flags=(), workers: int = 2, grace: float = 30.0
+    ):
+        self.old = args.launcher is not None
+        command = [sys.executable, args.launcher] if self.old else None
+        self.log = os.path.join(log_dir, f"{name}.log")
+        extra = list(flags) + ([] if self.old else list(new_flags))
+        self.proc = SidecarProcess(
+            workers=workers, grace=grace, log_path=self.log, extra_args=extra, command=command, env=_env()
+        )
+        self.address = self.proc.address
+        self.idle = memory(self.proc.pid)
+
+    def stream(self, method: str) -> str:
+        """The method to plan big responses with: the streamed one (unary on the old server)."""
+        return method if self.old else method + "_STREAM"
+
+    def peak_mb(self) -> float:
+        return round((memory(self.proc.pid)["VmHWM"]) / MiB, 1)
+
+    def rss_mb(self) -> float:
+        return round(memory(self.proc.pid)["VmRSS"] / MiB, 1)
+
+    def close(self) -> int:
+        try:
+            return self.proc.terminate(120)
+        except Exception:
+            self.proc.proc.kill()
+            return -9
+
+
+def _env() -> dict:
+    return {**os.environ, "MALLOC_ARENA_MAX": "2"}
+
+
+def _codes(log: str) -> dict:
+    out: dict[str, int] = {}
+    for r in records(log):
+        out[r["code"]] = out.get(r["code"], 0) + 1
+    return out
+
+
+def _slow_step(swe, copies: int = 300, scale: int = 40) -> bytes:
+    """A valid PlanStep that plans for seconds (many swe-like trees, lengths / scale)."""
+    return codec.serialize_plan_step_request(
+        copies_tree(swe, copies, scale), 1, 65536 // scale, 64, {}, False, 4
+    )
+
+
+# ---------------------------------------------------------------------------------- attacks
+def stalled(args, log_dir, swe) -> dict:
+    srv = Server(args, log_dir, "stalled")
+    try:
+        conns = stalled_streams(srv.address, args.stalled)
+        conns += stalled_streams(srv.address, 20, path="/grpc.health.v1.Health/Check")
+        time.sleep(0.5)
+        probe = Probe(srv.address, args.probe_seconds).result()
+        for c in conns:
+            c.close()
+        return {
+            "sizes": {"stalled_planner_streams": args.stalled, "stalled_health_streams": 20},
+            "probe": probe,
+        }
+    finally:
+        srv.close()
+
+
+def _in_threads(n: int, fn) -> tuple[list, list]:
+    """Start ``n`` threads running ``fn()``; returns (threads, results list filled as they end)."""
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(fn())) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def queued(args, log_dir, swe) -> dict:
+    budget = limits.DEFAULT.max_inflight_bytes // MiB
+    srv = Server(args, log_dir, "queued")
+    try:
+        slow = _slow_step(swe, copies=300)
+        tree = copies_tree(swe, args.queued_copies, 40)
+        request_ = codec.serialize_plan_step_request(tree, 1, 65536 // 40, 64, {}, False, 4)
+        with Raw(srv.address) as raw:
+            holds, _ = _in_threads(2, lambda: raw.code(srv.stream("PLAN_STEP"), slow, timeout=300)[0].name)
+            time.sleep(2.0)
+            waiting, codes = _in_threads(
+                args.queued, lambda: raw.code(srv.stream("PLAN_STEP"), request_, timeout=300)[0].name
+            )
+            time.sleep(1.0)
+            probe = Probe(srv.address, args.probe_seconds).result()
+            peak = srv.peak_mb()
+            for t in holds + waiting:
+                t.join(600)
+        return {
+            "sizes": {
+                "queued_requests": args.queued,
+                "request_mb": round(len(request_) / MiB, 1),
+                "tree_segments": tree.num_segments,
+                "batch_mb_each": round(estimate_cost(tree, request="step").ingest_bytes / MiB, 1),
+                "max_inflight_mb": budget,
+            },
+            "idle_mb": round(srv.idle["VmRSS"] / MiB, 1),
+            "peak_mb": peak,
+            "client_codes": {c: codes.count(c) for c in set(codes)},
+            "probe": probe,
+        }
+    finally:
+        srv.close()
+
+
+def partial(args, log_dir, swe) -> dict:
+    budget = limits.DEFAULT.max_inflight_bytes // MiB
+    srv = Server(args, log_dir, "partial")
+    try:
+        out = {}
+        holder = {}
+        attack = threading.Thread(
+            target=lambda: holder.setdefault(
+                "r",
+                partial_uploads(
+                    srv.address,
+                    args.partial,
+                    1 << 30,
+                    args.partial_mb * MiB,
+                    stream_method=not srv.old,
+                    timeout=5,
+                ),
+            )
+        )
+        attack.start()
+        probe = Probe(srv.address, args.probe_seconds)
+        attack.join()
+        conns, accepted = holder["r"]
+        out["during_mb"] = srv.rss_mb()
+        out["probe"] = probe.result()
+        out["peak_mb"] = srv.peak_mb()
+        for c in conns:
+            c.close()
+        time.sleep(2.0)
+        out["after_close_mb"] = srv.rss_mb()
+        out["accepted_mb"] = [round(a / MiB, 1) for a in accepted]
+        out["sizes"] = {
+            "streams": args.partial,
+            "claimed_mb": 1024,
+            "sent_mb": args.partial_mb,
+            "max_inflight_mb": budget,
+        }
+        out["idle_mb"] = round(srv.idle["VmRSS"] / MiB, 1)
+        return out
+    finally:
+        srv.close()
+
+
+def _big_calls(segment_tokens: int) -> bytes:
+    return calls_request(one_segment(segment_tokens))
+
+
+def never_read_attack(args, log_dir, swe) -> dict:
+    srv = Server(args, log_dir, "never_read", new_flags=["--send-timeout", str(args.send_timeout)])
+    try:
+        request_ = _big_calls(args.big_tokens)
+        path = codec.PLAN_CALLS if srv.old else codec.PLAN_CALLS_STREAM
+        held = never_read(srv.address, [request_] * args.never_read, path=path)
+        probe = Probe(srv.address, args.probe_seconds)
+        time.sleep(1.0)
+        during = srv.rss_mb()
+        result = probe.result()
+        peak = srv.peak_mb()
+        wait = args.send_timeout + 5 - args.probe_seconds
+        time.sleep(max(wait, 1.0))
+        after = srv.rss_mb()
+        codes = _codes(srv.log)
+        for conn, _ in held:
+            conn.close()
+        return {
+            "sizes": {
+                "clients": args.never_read,
+                "request_bytes": len(request_),
+                "response_mb": round(_response_mb(args.big_tokens), 1),
+                "send_timeout_s": None if srv.old else args.send_timeout,
+            },
+            "idle_mb": round(srv.idle["VmRSS"] / MiB, 1),
+            "during_mb": during,
+            "peak_mb": peak,
+            "after_send_timeout_mb": after,
+            "logged_codes": codes,
+            "logged_delivered": sum(bool(r.get("delivered")) for r in records(srv.log)),
+            "probe": result,
+        }
+    finally:
+        srv.close()
+
+
+def _response_mb(tokens: int) -> float:
+    return estimate_cost(one_segment(tokens)).response_bytes / MiB
+
+
+def encoding(args, log_dir, swe) -> dict:
+    srv = Server(args, log_dir, "encoding")
+    try:
+        request_ = _big_calls(args.big_tokens)
+        with Raw(srv.address) as raw:
+            probe = Probe(srv.address, args.probe_seconds)
+            t0 = time.perf_counter()
+            times = []
+            while time.perf_counter() - t0 < args.probe_seconds - 1:
+                t1 = time.perf_counter()
+                data = raw.call(srv.stream("PLAN_CALLS"), request_, timeout=120)
+                times.append(time.perf_counter() - t1)
+                size = len(data)
+                del data
+            result = probe.result()
+        return {
+            "sizes": {
+                "request_bytes": len(request_),
+                "response_mb": round(size / MiB, 1),
+                "method": srv.stream("PlanCalls"),
+            },
+            "responses": len(times),
+            "response_seconds": [round(t, 2) for t in times],
+            "probe": result,
+            "peak_mb": srv.peak_mb(),
+        }
+    finally:
+        srv.close()
+
+
+def deadline(args, log_dir, swe) -> dict:
+    srv = Server(args, log_dir, "deadline")
+    try:
+        request_ = _big_calls(2 * args.big_tokens)
+        out = []
+        with Raw(srv.address) as raw:
+            for d in (0.3, 0.6):
+                n = len(records(srv.log))
+                t0 = time.monotonic()
+                code, _ = raw.code(srv.stream("PLAN_CALLS"), request_, timeout=d)
+                while len(records(srv.log)) == n and time.monotonic() < t0 + 300:  # logged when it ends
+                    time.sleep(0.005)
+                busy = time.monotonic() - t0 - d
+                out.append(
+                    {"deadline_s": d, "code": code.name, "server_busy_past_deadline_s": round(busy, 3)}
+                )
+        return {
+            "sizes": {
+                "request_bytes": len(request_),
+                "response_mb": round(_response_mb(2 * args.big_tokens), 1),
+            },
+            "runs": out,
+            "logged": [{k: r.get(k) for k in ("code", "error", "total_ms")} for r in records(srv.log)],
+        }
+    finally:
+        srv.close()
+
+
+def drain(args, log_dir, swe) -> dict:
+    """SIGTERM while clients read large responses at ``--drain-rate`` MB/s: did each client get its
+    whole response, and what did the log say?"""
+    runs = []
+    request_ = _big_calls(args.big_tokens)
+    size = estimate_cost(one_segment(args.big_tokens)).response_bytes
+    for grace in (60.0, 0.5):
+        srv = Server(args, log_dir, f"drain_{grace}", grace=grace)
+        path = codec.PLAN_CALLS if srv.old else codec.PLAN_CALLS_STREAM
+        held = never_read(
+            srv.address, [request_] * args.drain_clients, path=path, read_rate=args.drain_rate * MiB
+        )
+        time.sleep(args.drain_after)
+        srv.proc.proc.send_signal(signal.SIGTERM)
+        rc = srv.proc.proc.wait(300)
+        for conn, sid in held:
+            conn.wait(lambda c, sid=sid: c.finished(sid), 120)
+        got = [conn.streams[sid].received for conn, sid in held]
+        whole = [n >= 0.999 * size for n in got]  # its bytes, give or take the chunks' framing
+        for conn, _ in held:
+            conn.close()
+        logged = [{"code": r["code"], "delivered": r.get("delivered")} for r in records(srv.log)]
+        runs.append(
+            {
+                "grace_s": grace,
+                "exit_code": rc,
+                "clients_got_whole_response": whole,
+                "client_mb": [round(n / MiB, 1) for n in got],
+                "logged": logged,
+                "logged_ok_but_not_delivered": max(0, sum(r["code"] == "OK" for r in logged) - sum(whole)),
+            }
+        )
+    return {
+        "sizes": {
+            "clients": args.drain_clients,
+            "response_mb": round(size / MiB, 1),
+            "read_rate_mb_s": args.drain_rate,
+            "sigterm_after_s": args.drain_after,
+        },
+        "runs": runs,
+    }
+
+
+def _wait_log(log: str, needle: str, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with open(log) as f:
+            if needle in f.read():
+                return
+        time.sleep(0.05)
+
+
+def estimate(args, log_dir, swe) -> dict:
+    runs = []
+    syn = synth.generate("swe-like", seed=0)
+    batch = RolloutBatch.from_arrays(syn.tokens, syn.offsets, syn.tree_ids)
+    k = args.estimate_copies
+    n = len(batch.offsets) - 1
+    offsets = np.concatenate(
+        [batch.offsets[:-1] + i * len(batch.tokens) for i in range(k)] + [[k * len(batch.tokens)]]
+    )
+    tokens = PackedTokens(
+        np.tile(batch.tokens, k), offsets, np.concatenate([batch.tree_ids + i * n for i in range(k)])
+    )
+    for _ in (1,):
+        request_ = codec.serialize_plan_step_request(tokens, 2, 65536, 64, {}, False, 4)
+        for concurrent in (1, 2) if k == 1 else (1,):
+            srv = Server(args, log_dir, f"estimate_{concurrent}", new_flags=["--max-message-mb", "8"])
+            try:
+                idle = memory(srv.proc.pid)["VmHWM"]
+                with Raw(srv.address) as raw:
+                    method = srv.stream("PLAN_STEP")
+                    threads = [
+                        threading.Thread(target=raw.call, args=(method, request_, 600))
+                        for _ in range(concurrent)
+                    ]
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join()
+                peak = memory(srv.proc.pid)["VmHWM"] - idle
+                rec = records(srv.log)
+                est = sum(
+                    r.get("estimate", {}).get("memory_bytes", 0) + r.get("request_held_bytes", 0) for r in rec
+                )
+                if srv.old:  # the old server's estimate: the plan's, from its log
+                    est = sum(r.get("estimate", {}).get("memory_bytes", 0) for r in rec)
+                runs.append(
+                    {
+                        "request_mb": round(len(request_) / MiB, 1),
+                        "concurrent": concurrent,
+                        "estimate_mb": round(est / MiB, 1),
+                        "peak_above_idle_mb": round(peak / MiB, 1),
+                        "bound_holds": peak <= est,
+                    }
+                )
+            finally:
+                srv.close()
+    return {"runs": runs}
+
+
+SECTIONS = {
+    "stalled": stalled,
+    "queued": queued,
+    "partial": partial,
+    "never_read": never_read_attack,
+    "encoding": encoding,
+    "deadline": deadline,
+    "drain": drain,
+    "estimate": estimate,
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results", "service_attacks.json")
+    )
+    p.add_argument("--sections", default=",".join(SECTIONS))
+    p.add_argument("--launcher", default=None, help="a script running an older harts-planner CLI")
+    p.add_argument("--probe-seconds", type=float, default=8.0)
+    p.add_argument("--stalled", type=int, default=180, help="stalled planner streams")
+    p.add_argument("--queued", type=int, default=16)
+    p.add_argument(
+        "--queued-copies",
+        type=int,
+        default=100,
+        help="swe-like trees (lengths / 40) per queued request (3.6 MB)",
+    )
+    p.add_argument("--partial", type=int, default=8)
+    p.add_argument("--partial-mb", type=int, default=200)
+    p.add_argument("--never-read", type=int, default=6)
+    p.add_argument(
+        "--big-tokens", type=int, default=5_000_000, help="one-segment PlanCalls: a 153 MB response"
+    )
+    p.add_argument("--send-timeout", type=float, default=10.0)
+    p.add_argument("--drain-clients", type=int, default=3)
+    p.add_argument(
+        "--estimate-copies", type=int, default=1, help="swe-like token batches in the estimate request"
+    )
+    p.add_argument("--drain-after", type=float, default=3.0)
+    p.add_argument("--drain-rate", type=float, default=40.0, help="MB/s the drain's clients read at")
+    args = p.parse_args(argv)
+    syn = synth.generate("swe-like", seed=0)
+    swe = RolloutBatch.from_arrays(syn.tokens, syn.offsets, syn.tree_ids).segment_tree()
+    report = {
+        "benchmark": "service_attacks",
+        "date": time.strftime("%Y-%m-%d"),
+        "server": "before (--launcher)" if args.launcher else "this checkout",
+        "machine": bench.machine(),
+        "load_average": os.getloadavg(),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in [s for s in args.sections.split(",") if s]:
+            t = time.perf_counter()
+            try:
+                report[name] = SECTIONS[name](args, tmp, swe)
+            except Exception as e:  # an attack that breaks the server is a result too
+                report[name] = {"error": f"{type(e).__name__}: {e}"}
+            print(
+                f"{name} ({time.perf_counter() - t:.1f} s): {json.dumps(report[name])[:2000]}",
+                file=sys.stderr,
+                flush=True,
+            )
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
