@@ -17,6 +17,15 @@ Both spellings of the tensors load (the checkpoint one, per-expert tensors, whic
 ``save_pretrained`` and the released checkpoints use, and the in-memory one of the transformers
 model's ``state_dict()``); saving writes the checkpoint spelling.
 
+A folder is checked before anything is allocated, and every problem is one
+:class:`~harts_runtime.errors.InvalidInputError` naming the field (or tensor, or file) and the file:
+a ``config.json`` or index that is not a JSON object, a config without ``model_type``, size fields
+that are not positive integers, a model whose parameters need more bytes than the target device
+(or, on the CPU, the host) has available (counted on the meta device from one block of each kind,
+so even a million-layer config is refused at once), an index entry outside the folder or naming a
+missing file, a file that is not valid safetensors (truncated, corrupt header); and while reading,
+a tensor that is not floating point or holds NaN or infinite values.
+
 Both work on parallelized models too (:func:`harts_runtime.parallel.parallelize`, every parameter
 a DTensor). ``load_pretrained(path, mesh=mesh)`` builds the model on the meta device, parallelizes
 it, allocates it, and has each rank read only the slices of the HF tensors its own shards come
@@ -35,7 +44,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -43,7 +54,7 @@ import torch.distributed as dist
 
 from harts_runtime.errors import InvalidInputError
 
-__all__ = ["FAMILIES", "export_weights", "load_pretrained", "save_pretrained"]
+__all__ = ["FAMILIES", "export_weights", "load_pretrained", "model_bytes", "save_pretrained"]
 
 FAMILIES = ("kimi_linear", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
 """``config.json`` ``model_type`` values :func:`load_pretrained` reads (``qwen3_5_moe``: its text part)."""
@@ -90,31 +101,288 @@ def _dtype_name(dtype) -> str | None:
     raise InvalidInputError("dtype", f"expected a torch.dtype or a name, got {dtype!r}")
 
 
+def _read_json(file: Path) -> dict:
+    """The JSON object in ``file``; InvalidInputError naming the file when it is unreadable, not
+    JSON, or not an object."""
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise InvalidInputError(file.name, f"{file} is not UTF-8 text") from None
+    except OSError as e:
+        raise InvalidInputError(file.name, f"cannot read {file}: {e.strerror or e}") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidInputError(
+            file.name, f"{file} is not JSON (line {e.lineno} column {e.colno}: {e.msg})"
+        ) from None
+    if not isinstance(value, dict):
+        raise InvalidInputError(file.name, f"{file} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
 def _weight_files(path: Path) -> list[Path]:
-    if (path / INDEX_NAME).is_file():
-        index = json.loads((path / INDEX_NAME).read_text())
-        files = sorted(set(index.get("weight_map", {}).values()))
-        if not files:
-            raise InvalidInputError(INDEX_NAME, "has an empty weight_map")
-        return [path / f for f in files]
+    """The safetensors files of a folder: those its index names (each a plain file name inside the
+    folder that exists), else ``model.safetensors``."""
+    index_file = path / INDEX_NAME
+    if index_file.is_file():
+        weight_map = _read_json(index_file).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise InvalidInputError(
+                "weight_map", f"{index_file} has no weight_map object naming the tensors' files"
+            )
+        files: dict[str, str] = {}  # file name -> first tensor naming it
+        for tensor, name in weight_map.items():
+            if not isinstance(name, str) or not name:
+                raise InvalidInputError(
+                    f"weight_map[{tensor}]", f"{name!r} in {index_file} is not a file name"
+                )
+            files.setdefault(name, tensor)
+        root = path.resolve()
+        for name, tensor in sorted(files.items()):
+            if Path(name).name != name or name in (".", "..") or (path / name).resolve().parent != root:
+                raise InvalidInputError(
+                    f"weight_map[{tensor}]", f"{name!r} in {index_file} is outside the folder {path}"
+                )
+            if not (path / name).is_file():
+                raise InvalidInputError(
+                    name, f"listed in {index_file} (weight_map[{tensor}]) but not a file in {path}"
+                )
+        return [path / f for f in sorted(files)]
     if (path / WEIGHTS_NAME).is_file():
         return [path / WEIGHTS_NAME]
     raise InvalidInputError("path", f"{path} has neither {WEIGHTS_NAME} nor {INDEX_NAME}")
 
 
-def _open_folder(path, dtype, overrides):
-    """``(path, hf_config, model_type, ModelConfig, adapter)`` of a checkpoint folder."""
+#: Config fields read as sizes: each, when present, must be a positive integer.
+_SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "linear_head_dim",
+    "linear_num_heads",
+    "linear_conv_kernel_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+)
+#: Sizes beyond which a field is the first suspect when a model does not fit (the error names it).
+_PLAUSIBLE = {
+    "num_hidden_layers": 1_000,
+    "hidden_size": 65_536,
+    "vocab_size": 2_000_000,
+    "num_local_experts": 4_096,
+    "num_experts": 4_096,
+    "intermediate_size": 1_000_000,
+    "moe_intermediate_size": 1_000_000,
+}
+
+
+def _check_sizes(hf_config: dict, file: Path) -> None:
+    """Every size field of ``hf_config`` (and of a ``text_config`` in it) a positive integer."""
+    for where, cfg in (("", hf_config), ("text_config.", hf_config.get("text_config"))):
+        if not isinstance(cfg, dict):
+            continue
+        for name in _SIZE_FIELDS:
+            v = cfg.get(name)
+            if v is None:
+                continue
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not math.isfinite(v)
+                or v != int(v)
+                or v < 1
+            ):
+                raise InvalidInputError(where + name, f"{v!r} in {file} is not a positive integer")
+
+
+def model_bytes(cfg) -> int:
+    """Bytes of the parameters and buffers of ``HybridModel(cfg)``, without building it: one block
+    of each (mixer, FFN) kind on the meta device, times its count, plus the embedding, the final
+    norm and the head. Milliseconds for any number of layers and any width."""
+    from harts_runtime.models.hybrid.model import HybridModel
+
+    kinds = Counter(zip(cfg.mixers, cfg.ffns))
+    skeleton = HybridModel(
+        cfg.replace(mixers=tuple(m for m, _ in kinds), ffns=tuple(f for _, f in kinds)), "meta"
+    )
+    total = 0
+    for name, t in skeleton.state_dict().items():
+        size = t.numel() * t.element_size()
+        if name.startswith("blocks."):
+            size *= kinds[list(kinds)[int(name.split(".")[1])]]
+        total += size
+    return total
+
+
+def _available_bytes(device) -> tuple[int | None, str]:
+    """``(free bytes, where)`` of the device a model goes to: a CUDA device's free memory, the
+    host's available memory for the CPU; ``(None, ...)`` when unknown (the meta device, others)."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(dev)[0]), f"{dev} (free)"
+        except (RuntimeError, AssertionError):
+            return None, str(dev)
+    if dev.type != "cpu":
+        return None, str(dev)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "the host (MemAvailable)"
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "the host"
+    except (AttributeError, OSError, ValueError):
+        return None, "the host"
+
+
+def _human(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n:,.0f} bytes"
+
+
+def _check_fits(cfg, hf_config: dict, file: Path, device, shards: int = 1) -> None:
+    """InvalidInputError, before anything is allocated, when the model's bytes (split over
+    ``shards`` ranks: a lower bound of one rank's share) exceed what ``device`` has available. The
+    field is the config's least plausible size field (else the file)."""
+    needed = model_bytes(cfg)
+    available, where = _available_bytes(device)
+    if available is None or needed <= available * shards:
+        return
+    text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else hf_config
+    ratios = {k: text[k] / v for k, v in _PLAUSIBLE.items() if isinstance(text.get(k), (int, float))}
+    field = max(ratios, key=ratios.get) if ratios and max(ratios.values()) > 1 else file.name
+    share = f", at least {_human(needed / shards)} on each of {shards} ranks" if shards > 1 else ""
+    value = f" ({field} = {text[field]})" if field in text else ""
+    raise InvalidInputError(
+        field,
+        f"the model of {file}{value} needs {_human(needed)} of parameters{share}, more than the "
+        f"{_human(available)} available on {where}; nothing was allocated",
+    )
+
+
+def _read_config(path, dtype, overrides) -> tuple[Path, dict, str, object]:
+    """``(path, hf_config, model_type, ModelConfig)`` of a checkpoint folder, every problem an
+    InvalidInputError naming the field and ``config.json``."""
     path = Path(path)
-    if not (path / CONFIG_NAME).is_file():
+    file = path / CONFIG_NAME
+    if not file.is_file():
         raise InvalidInputError("path", f"{path} has no {CONFIG_NAME}")
-    hf_config = json.loads((path / CONFIG_NAME).read_text())
-    model_type = hf_config.get("model_type", "kimi_linear")
-    from_hf_config, _, adapter_cls = _family(model_type)
-    cfg = from_hf_config(hf_config, dtype=_dtype_name(dtype), **overrides)
+    hf_config = _read_json(file)
+    model_type = hf_config.get("model_type")
+    if model_type is None:
+        raise InvalidInputError("model_type", f"missing from {file}; supported: {', '.join(FAMILIES)}")
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
+        raise InvalidInputError("model_type", f"{model_type!r} in {file}; supported: {', '.join(FAMILIES)}")
+    from_hf_config, _, _ = _family(model_type)
+    _check_sizes(hf_config, file)
+    try:
+        cfg = from_hf_config(hf_config, dtype=_dtype_name(dtype), **overrides)
+    except InvalidInputError as e:
+        top = e.field.split("[", 1)[0].split(".", 1)[0]
+        if top in hf_config or top in (hf_config.get("text_config") or {}):
+            raise InvalidInputError(e.field, f"{str(e)[len(e.field) + 2 :]} (in {file})") from None
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:
+        raise InvalidInputError(
+            CONFIG_NAME, f"{file} does not describe a {model_type} model: {e!r}"
+        ) from None
+    return path, hf_config, model_type, cfg
+
+
+def _open_folder(path, dtype, overrides, *, device=None, shards: int = 1, check_memory: bool = True):
+    """``(path, hf_config, model_type, ModelConfig, adapter)`` of a checkpoint folder; with
+    ``check_memory``, the model's bytes (over ``shards`` ranks) checked against ``device``'s
+    memory first (None: the host's), before the adapter builds the model on the meta device."""
+    path, hf_config, model_type, cfg = _read_config(path, dtype, overrides)
+    if check_memory:
+        _check_fits(cfg, hf_config, path / CONFIG_NAME, device, shards)
+    _, _, adapter_cls = _family(model_type)
     adapter = (
         adapter_cls(cfg, prefix="model.language_model.") if model_type == "qwen3_5_moe" else adapter_cls(cfg)
     )
     return path, hf_config, model_type, cfg, adapter
+
+
+def _safetensors_error():
+    from safetensors import SafetensorError
+
+    return SafetensorError
+
+
+@contextlib.contextmanager
+def _reading(file: Path, name: str | None = None):
+    """Turns what safetensors raises on a bad file (a truncated or corrupt header, unreadable
+    data) into an InvalidInputError naming the file (and the tensor being read)."""
+    try:
+        yield
+    except (_safetensors_error(), OSError, RuntimeError) as e:
+        detail = " ".join(str(e).split()) or type(e).__name__
+        where = f"tensor {name} of {file}" if name else str(file)
+        raise InvalidInputError(name or file.name, f"cannot read {where}: {detail}") from None
+
+
+def _check_dtype(name: str, dtype: str, file: Path) -> None:
+    """A checkpoint tensor (safetensors dtype string, e.g. ``F32``) must be floating point."""
+    if not (dtype.startswith("F") or dtype.startswith("BF")):
+        raise InvalidInputError(name, f"is {dtype} in {file}; checkpoint weights are floating point")
+
+
+def _scan_headers(files: list[Path], adapter, stack: contextlib.ExitStack) -> dict:
+    """Opens every safetensors file (kept open by ``stack``) and checks the headers before any
+    tensor is read: each file valid, no tensor twice, every tensor one of the config's (skipping
+    those the adapter ignores), of its shape and floating point, none missing. Returns ``{HF name:
+    (file handle, file)}``."""
+    from safetensors import safe_open
+
+    where: dict[str, tuple] = {}
+    for f in files:
+        with _reading(f):
+            fh = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+            names = list(fh.keys())
+        for name in names:
+            if name in where:
+                raise InvalidInputError(name, f"appears twice (again in {f.name})")
+            if adapter.ignored(name):  # outside the text model (vision tower, MTP head)
+                continue
+            with _reading(f, name):
+                header = fh.get_slice(name)
+                dtype, shape = header.get_dtype(), tuple(header.get_shape())
+            _check_dtype(name, dtype, f)
+            want = adapter.hf_shape(name)
+            if shape != want:
+                raise InvalidInputError(name, f"shape {shape} != {want} of this config (in {f})")
+            where[name] = (fh, f)
+    missing = adapter.missing(where)
+    if missing:
+        raise InvalidInputError(missing[0], f"missing from the checkpoint ({len(missing)} tensors missing)")
+    return where
+
+
+def _check_finite(name: str, tensor: torch.Tensor, file: Path) -> None:
+    bad = int((~torch.isfinite(tensor)).sum())
+    if bad:
+        raise InvalidInputError(name, f"has {bad} non-finite values (NaN or infinity) in {file}")
 
 
 def load_pretrained(path, dtype=None, device=None, *, mesh=None, parallelize=None, **overrides):
@@ -132,8 +400,10 @@ def load_pretrained(path, dtype=None, device=None, *, mesh=None, parallelize=Non
     its shards' slices (:func:`harts_runtime.parallel.checkpoint.load_pretrained_sharded`);
     collective, every rank calls it.
 
-    Raises :class:`InvalidInputError` naming the config field or tensor: unsupported options,
-    unknown, missing or misshapen tensors.
+    Raises :class:`InvalidInputError` naming the config field, tensor or file, and the file
+    (module docstring): a folder that is not a readable checkpoint, unsupported options, a model
+    that does not fit the device (checked before anything is allocated), unknown, missing,
+    misshapen, non-floating-point or non-finite tensors.
     """
     if mesh is not None:
         from harts_runtime.parallel.checkpoint import load_pretrained_sharded
@@ -143,39 +413,31 @@ def load_pretrained(path, dtype=None, device=None, *, mesh=None, parallelize=Non
         )
     if parallelize is not None:
         raise InvalidInputError("parallelize", "needs a mesh")
-    from safetensors import safe_open
-
     from harts_runtime.models.hybrid.model import HybridModel
 
-    path, hf_config, _, cfg, adapter = _open_folder(path, dtype, overrides)
     device = "cpu" if device is None else device
-    ignored = adapter.ignored
+    path, hf_config, _, cfg, adapter = _open_folder(path, dtype, overrides, device=device)
     files = _weight_files(path)
-    # built on the meta device and allocated uninitialised: every tensor is written below
-    # ("auto" attention is resolved per call, on the device the rows are on)
-    model = HybridModel(cfg, device="meta").to_empty(device=device)
-    model.config = cfg
-    targets = model.state_dict(keep_vars=True)
-    written: dict[str, set] = {}
-    seen = set()
-    with torch.no_grad():
-        for k, v in adapter.extra_ours().items():
-            targets[k].copy_(v)
-            written[k] = {None}
-        for f in files:
-            with safe_open(str(f), framework="pt", device="cpu") as fh:
-                for name in fh.keys():
-                    if name in seen:
-                        raise InvalidInputError(name, f"appears twice (again in {f.name})")
-                    if ignored(name):  # outside the text model (vision tower, MTP head)
-                        continue
-                    for ours, slot, tensor in adapter.convert_slots(name, fh.get_tensor(name)):
-                        (targets[ours] if slot is None else targets[ours][slot]).copy_(tensor)
-                        written.setdefault(ours, set()).add(slot)
-                    seen.add(name)
-    missing = adapter.missing(seen)
-    if missing:
-        raise InvalidInputError(missing[0], f"missing from the checkpoint ({len(missing)} tensors missing)")
+    with contextlib.ExitStack() as stack:
+        tensors = _scan_headers(files, adapter, stack)  # before anything is allocated
+        # built on the meta device and allocated uninitialised: every tensor is written below
+        # ("auto" attention is resolved per call, on the device the rows are on)
+        model = HybridModel(cfg, device="meta").to_empty(device=device)
+        model.config = cfg
+        targets = model.state_dict(keep_vars=True)
+        written: dict[str, set] = {}
+        with torch.no_grad():
+            for k, v in adapter.extra_ours().items():
+                targets[k].copy_(v)
+                written[k] = {None}
+            for name, (fh, f) in tensors.items():
+                with _reading(f, name):
+                    tensor = fh.get_tensor(name)
+                _check_finite(name, tensor, f)
+                for ours, slot, part in adapter.convert_slots(name, tensor):
+                    (targets[ours] if slot is None else targets[ours][slot]).copy_(part)
+                    written.setdefault(ours, set()).add(slot)
+                del tensor
     for k, t in targets.items():  # the adapter's table covers every tensor; checked, not assumed
         w = written.get(k, set())
         if None not in w and len(w) != t.shape[0]:

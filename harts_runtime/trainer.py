@@ -305,9 +305,9 @@ def _model_config(args, cpu: bool):
             raise _usage("--model: a checkpoint folder replaces --flavor and --layers; give one")
         if not os.path.isfile(os.path.join(args.model, "config.json")):
             raise _usage(f"--model: {args.model!r} is not a checkpoint folder (no config.json)")
-        from harts_runtime.hf import _open_folder
+        from harts_runtime.hf import _read_config
 
-        return _open_folder(args.model, args.dtype, {})[3], str(args.model)
+        return _read_config(args.model, args.dtype, {})[3], str(args.model)
     from harts_runtime.models import model_config
 
     flavor = args.flavor or ("debug" if cpu else "ling-tiny")

@@ -206,61 +206,78 @@ def load_pretrained_sharded(path, mesh, *, dtype=None, device=None, parallelize=
     ``dtype``, ``overrides``: as :func:`harts_runtime.load_pretrained`; ``device``: None for the
     mesh's device (the current CUDA device, or the CPU). The checks of the folder (unknown,
     misshapen, duplicate and missing tensors, unsupported config fields) run on every rank before
-    any tensor is read and raise :class:`InvalidInputError` naming the tensor or field.
+    any tensor is read and raise :class:`InvalidInputError` naming the tensor or field (and the
+    file), as :func:`harts_runtime.load_pretrained`'s; the memory check takes the model's bytes
+    over the mesh's ranks (a lower bound of one rank's share) against the target device's; each
+    slice read is checked to be finite.
     """
-    from safetensors import safe_open
-
-    from harts_runtime.hf import _open_folder, _weight_files
+    from harts_runtime.hf import _open_folder, _scan_headers, _weight_files
     from harts_runtime.models.hybrid.model import HybridModel
     from harts_runtime.parallel.parallelize import parallelize as parallelize_model
 
-    path, hf_config, _, cfg, adapter = _open_folder(path, dtype, overrides)
+    target = _device(mesh, device)
+    path, hf_config, _, cfg, adapter = _open_folder(
+        path, dtype, overrides, device=target, shards=mesh.dense.size()
+    )
     files = _weight_files(path)
     extra = adapter.extra_ours()
     with contextlib.ExitStack() as stack:
-        sources: dict[str, list] = {}  # our name -> [(piece, file handle)]
-        seen: set[str] = set()
-        for f in files:
-            fh = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
-            for name in fh.keys():  # headers only: names and shapes
-                if name in seen:
-                    raise InvalidInputError(name, f"appears twice (again in {f.name})")
-                if adapter.ignored(name):
-                    continue
-                want, shape = adapter.hf_shape(name), tuple(fh.get_slice(name).get_shape())
-                if shape != want:
-                    raise InvalidInputError(name, f"shape {shape} != {want} of this config")
-                for p in adapter.pieces(name):
-                    sources.setdefault(p.ours, []).append((p, fh))
-                seen.add(name)
-        missing = adapter.missing(seen)
-        if missing:
-            raise InvalidInputError(
-                missing[0], f"missing from the checkpoint ({len(missing)} tensors missing)"
-            )
+        sources: dict[str, list] = {}  # our name -> [(piece, file handle, file)]
+        for name, (fh, f) in _scan_headers(files, adapter, stack).items():  # headers only
+            for p in adapter.pieces(name):
+                sources.setdefault(p.ours, []).append((p, fh, f))
         for k, shape in adapter.our_shapes.items():
-            slots = {p.slot for p, _ in sources.get(k, ())}
+            slots = {p.slot for p, _, _ in sources.get(k, ())}
             if k not in extra and None not in slots and slots != set(range(shape[0] if shape else 0)):
                 raise InvalidInputError(k, "not written by any checkpoint tensor")
 
         model = HybridModel(cfg, device="meta")
         parallelize_model(model, mesh, **(parallelize or {}))
-        model.to_empty(device=_device(mesh, device))
-        with torch.no_grad():
-            for k, t in model.state_dict(keep_vars=True).items():
-                local, box = local_box(t)
-                if local.numel() == 0:
-                    continue
-                if k in extra:
-                    local.copy_(extra[k][tuple(slice(a, b) for a, b in box)])
-                    continue
-                for p, fh in sources[k]:
-                    target, free = local, box
-                    if p.slot is not None:
-                        if not box[0][0] <= p.slot < box[0][1]:
-                            continue  # another rank's expert: never opened
-                        target, free = local[p.slot - box[0][0]], box[1:]
-                    target.copy_(p.to_ours(fh.get_slice(p.hf)[p.hf_index(free)]))
+        model.to_empty(device=target)
+        failure = None  # a rank's own slices may hold what the others' do not: agreed on below
+        try:
+            _read_slices(model, sources, extra)
+        except InvalidInputError as e:
+            failure = e
+        _agree(failure, target, path)
     model.config = cfg
     model.hf_config = hf_config
     return model
+
+
+def _agree(failure, device, path) -> None:
+    """Every rank raises when any rank's read failed (its own error, or one naming the folder),
+    so that no rank goes on into a collective the others never reach. One all-reduce."""
+    flag = torch.tensor([0.0 if failure is None else 1.0])
+    if _distributed():
+        if dist.get_backend() == "nccl":
+            flag = flag.to(device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if failure is not None:
+        raise failure
+    if float(flag.item()):
+        raise InvalidInputError("path", f"another rank found a bad tensor in {path} (its error names it)")
+
+
+def _read_slices(model, sources: dict, extra: dict) -> None:
+    """Each parameter's local part from its checkpoint slices (the others' experts never opened)."""
+    from harts_runtime.hf import _check_finite, _reading
+
+    with torch.no_grad():
+        for k, t in model.state_dict(keep_vars=True).items():
+            local, box = local_box(t)
+            if local.numel() == 0:
+                continue
+            if k in extra:
+                local.copy_(extra[k][tuple(slice(a, b) for a, b in box)])
+                continue
+            for p, fh, f in sources[k]:
+                into, free = local, box
+                if p.slot is not None:
+                    if not box[0][0] <= p.slot < box[0][1]:
+                        continue  # another rank's expert: never opened
+                    into, free = local[p.slot - box[0][0]], box[1:]
+                with _reading(f, p.hf):
+                    part = fh.get_slice(p.hf)[p.hf_index(free)]
+                _check_finite(p.hf, part, f)
+                into.copy_(p.to_ours(part))

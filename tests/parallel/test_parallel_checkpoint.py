@@ -209,6 +209,9 @@ def _recorded_reads():
         def get_shape(self):
             return self._s.get_shape()
 
+        def get_dtype(self):
+            return self._s.get_dtype()
+
         def __getitem__(self, index):
             t = self._s[index]
             reads.append((self._name, t.numel()))
