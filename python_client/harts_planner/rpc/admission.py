@@ -607,7 +607,7 @@ class Admission:
 
         def read(view, dtype, field):
             arr = wire.array(view, dtype, field)
-            if arr.size and not np.shares_memory(arr, np.frombuffer(view, np.uint8)):
+            if arr.size and not np.may_share_memory(arr, np.frombuffer(view, np.uint8)):
                 copied[0] += arr.nbytes
             return arr
 
