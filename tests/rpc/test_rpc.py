@@ -448,6 +448,36 @@ def test_over_limit_request_is_refused_and_server_keeps_serving():
         assert p.health() == "SERVING"
 
 
+def test_the_client_falls_back_to_unary_methods_on_a_server_without_streams(small_batch):
+    """A server of before the *Stream methods answers them UNIMPLEMENTED: the client plans through
+    PlanStep / PlanCalls from then on, with the same plans."""
+    from concurrent import futures
+
+    from harts_planner.rpc import control
+    from harts_planner.rpc.admission import Budget
+    from harts_planner.rpc.servicer import PlannerServicer
+
+    pool = futures.ThreadPoolExecutor(8)
+    servicer = PlannerServicer(
+        Budget(2, limits.DEFAULT, limits.DEFAULT_MAX_MESSAGE_BYTES), control.Watchdog()
+    )
+    handlers = {k: v for k, v in servicer.handlers(pool).items() if not k.endswith("Stream")}
+    old = grpc.server(pool)
+    old.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(codec.SERVICE_NAME, handlers),))
+    port = old.add_insecure_port("127.0.0.1:0")
+    old.start()
+    try:
+        with Planner(f"127.0.0.1:{port}", timeout=30) as p:
+            assert p._client.stream
+            assert p.plan_step(small_batch, 1, 40000) == Planner().plan_step(small_batch, 1, 40000)
+            assert not p._client.stream  # fell back
+            assert p.plan_calls(small_batch, 16, [0, 1]) == Planner().plan_calls(small_batch, 16, [0, 1])
+    finally:
+        old.stop(None)
+        servicer.watchdog.stop()
+        servicer.planner_pool.shutdown()
+
+
 def test_unary_responses_are_one_message_streams_carry_any_size():
     """A response larger than one message (--max-message-mb) is refused on the unary method before
     planning, naming the flag and the streamed method, and served whole by the *Stream method."""
