@@ -202,12 +202,16 @@ def _rpc_records(log_path: str) -> list[dict]:
     return [r for r in _records(log_path) if r.get("event") == "rpc"]
 
 
+#: The robustness sections send their slow 32 MB requests to the unary methods (one message each).
+UNARY_ARGS = ["--max-message-mb", "64"]
+
+
 def _raw(address: str):
     import grpc
 
     from harts_planner.rpc import codec
 
-    channel = grpc.insecure_channel(address)
+    channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 2**31 - 1)])
     stubs = {
         name: channel.unary_unary(path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
         for name, path in (("step", codec.PLAN_STEP), ("calls", codec.PLAN_CALLS))
@@ -247,7 +251,7 @@ def _refusal(log: str) -> dict:
         "plan_calls_2^26_tokens": codec.plan_calls_request(SegmentTree([-1], [2**26], [0]), None, 64, 4),
     }
     out = {}
-    with SidecarProcess(workers=2, log_path=log) as sidecar:
+    with SidecarProcess(workers=2, log_path=log, extra_args=UNARY_ARGS) as sidecar:
         channel, stubs = _raw(sidecar.address)
         idle = _memory(sidecar.pid)
         for name, message in requests.items():
@@ -297,7 +301,7 @@ def _invalid_under_load(args, tree: SegmentTree, log: str) -> dict:
     invalid = _invalid_requests()
     rows: list[tuple[str, str, float]] = []
     lock = threading.Lock()
-    with SidecarProcess(workers=args.workers, log_path=log) as sidecar:
+    with SidecarProcess(workers=args.workers, log_path=log, extra_args=UNARY_ARGS) as sidecar:
         stop = time.monotonic() + args.load_seconds
 
         def client(i: int) -> None:
@@ -336,6 +340,17 @@ def _tiny_request() -> bytes:
     return codec.plan_step_request(SegmentTree([-1], [3], [0]), 1, 10, 64, {}, False, 4).SerializeToString()
 
 
+def _queued_request() -> bytes:
+    """A step of 200 trajectories: big enough to wait for a planner thread (a 3-token request is
+    planned at once since issue 25, without one)."""
+    from harts_planner.rpc import codec
+
+    parent = np.array([-1] + [0] * 200, dtype=np.int32)
+    length = np.array([10] + [5] * 200, dtype=np.int32)
+    tree = SegmentTree(parent, length, np.arange(1, 201, dtype=np.int32))
+    return codec.plan_step_request(tree, 1, 100, 64, {}, False, 4).SerializeToString()
+
+
 def _slow_request(big: SegmentTree, dp: int, scale: int) -> bytes:
     from harts_planner.rpc import codec
 
@@ -344,7 +359,7 @@ def _slow_request(big: SegmentTree, dp: int, scale: int) -> bytes:
 
 def _deadlines(args, big: SegmentTree, log: str) -> dict:
     slow = _slow_request(big, 2, args.scale)
-    with SidecarProcess(workers=2, log_path=log) as sidecar:
+    with SidecarProcess(workers=2, log_path=log, extra_args=UNARY_ARGS) as sidecar:
         channel, stubs = _raw(sidecar.address)
         start = time.perf_counter()
         futures = [stubs["step"].future(slow, timeout=1.0) for _ in range(2)]
@@ -390,7 +405,7 @@ def _plan_seconds(big: SegmentTree, dp: int, scale: int) -> float:
 
 def _cancel(args, big: SegmentTree, log: str) -> dict:
     slow = _slow_request(big, 1, args.scale)
-    with SidecarProcess(workers=1, log_path=log) as sidecar:
+    with SidecarProcess(workers=1, log_path=log, extra_args=UNARY_ARGS) as sidecar:
         channel, stubs = _raw(sidecar.address)
         future = stubs["step"].future(slow, timeout=600)
         time.sleep(args.cancel_after)  # past admission (validation, estimate, the tree's index): planning
@@ -414,11 +429,11 @@ def _cancel(args, big: SegmentTree, log: str) -> dict:
 
 def _sigterm(args, big: SegmentTree, log: str) -> dict:
     slow = _slow_request(big, 1, args.scale)
-    sidecar = SidecarProcess(workers=1, grace=1.0, log_path=log)
+    sidecar = SidecarProcess(workers=1, grace=1.0, log_path=log, extra_args=UNARY_ARGS)
     channel, stubs = _raw(sidecar.address)
     future = stubs["step"].future(slow, timeout=600)
     time.sleep(args.cancel_after)  # planning by now
-    queued = stubs["step"].future(_tiny_request(), timeout=600)
+    queued = stubs["step"].future(_queued_request(), timeout=600)
     time.sleep(0.2)
     sent = time.perf_counter()
     sidecar.proc.send_signal(signal.SIGTERM)
