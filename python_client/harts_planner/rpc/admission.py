@@ -349,17 +349,19 @@ class GuardedReader:
         self._reserve = reserve
         self._kind = "planner" if reserve else "service"
 
-    def _hold(self, reservation: int) -> None:
+    def _hold(self, reservation: int, attempts: int = 8) -> None:
         """Reserve ``reservation`` bytes; when they do not fit, make room by cutting off the longest
-        stalled receiver (if any) and try once more."""
+        stalled receiver and try again (another call may take the room first: a few times, while
+        there are stalled receivers to cut off)."""
         budget = self._budget
-        try:
-            budget.hold(reservation, "request", "bytes (what one more message may hold)")
-        except AbortRpcError:
-            if not budget.evict_stalled(self._kind):
-                raise
-            budget.wait_room(reservation, 1.0)
-            budget.hold(reservation, "request", "bytes (what one more message may hold)")
+        for attempt in range(attempts):
+            try:
+                budget.hold(reservation, "request", "bytes (what one more message may hold)")
+                return
+            except AbortRpcError:
+                if attempt == attempts - 1 or not budget.evict_stalled(self._kind):
+                    raise
+            budget.wait_room(reservation, 0.25)
 
     def __iter__(self):
         return self

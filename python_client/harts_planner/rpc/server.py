@@ -347,16 +347,16 @@ def serve(
     # was admitted but whose arrays would still outgrow the budget stops with RESOURCE_EXHAUSTED.
     set_max_plan_bytes(limits.max_plan_memory_bytes)
     cap_malloc_arenas((default_workers() if workers is None else workers) + 1)
+    server = create_server(
+        address, workers=workers, max_message_bytes=max_message_bytes, limits=limits, credentials=credentials
+    )
     configure_logging(log_format)
     from harts_planner.rpc import logs
 
     warning = exposure_warning(host, credentials is not None, tls_client_ca is not None)
-    if warning is not None:  # before binding: the configuration is what it is about
+    if warning is not None:
         print(f"harts-planner: warning: {warning}", file=sys.stderr, flush=True)
         logs.event("warning", level=30, message=warning)
-    server = create_server(
-        address, workers=workers, max_message_bytes=max_message_bytes, limits=limits, credentials=credentials
-    )
     stop, cut = threading.Event(), threading.Event()
 
     def on_signal(signum, frame) -> None:
