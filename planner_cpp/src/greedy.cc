@@ -235,7 +235,11 @@ GreedyResult RunGreedy(const PlanContext& ctx, int64_t dp_size, CancelToken* can
                        std::optional<Grouping>* least_work) {
   Disposable<GreedyResult> holder;
   GreedyResult& best = *holder;
-  if (least_work != nullptr) least_work->reset();
+  if (least_work != nullptr) {
+    least_work->reset();
+    for (int64_t r = 1; r < ctx.size() && least_work != nullptr; ++r)
+      if (ctx.AdjacentLcp(r) == 0) least_work = nullptr;  // several components: not needed
+  }
   for (GreedyOrder order : {GreedyOrder::kLexAscending, GreedyOrder::kLexDescending, GreedyOrder::kLengthDesc,
                             GreedyOrder::kUniqueSuffix}) {
     const std::vector<int32_t> seq = ProcessingOrder(ctx, order, cancel);

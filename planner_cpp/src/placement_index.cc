@@ -10,7 +10,7 @@ PlacementIndex::PlacementIndex(const PlanContext& ctx, int32_t lo, int32_t hi, G
                                int32_t min_node, int32_t max_depth)
     : ctx_(ctx), lo_(lo), hi_(hi), g_(g), cell_of_(std::max(0, hi - lo), 0) {
   assert(0 <= lo && lo <= hi && hi <= ctx.size());
-  nodes_.emplace_back();
+  nodes_.emplace_back(pool_);
   nodes_[0].lo = lo;
   nodes_[0].hi = hi;
   if (hi > lo) Build(0, lo, hi, 0, std::max(min_node, 2), max_depth);
@@ -90,7 +90,7 @@ void PlacementIndex::Build(int32_t node, int32_t lo, int32_t hi, int32_t depth, 
     while (b < hi && ctx_.AdjacentLcp(b) != floor) ++b;
     if (b - a >= min_node && depth + 1 <= max_depth && b - a < hi - lo) {
       const int32_t child = static_cast<int32_t>(nodes_.size());
-      nodes_.emplace_back();
+      nodes_.emplace_back(pool_);
       nodes_[child].parent = node;
       nodes_[child].lo = a;
       nodes_[child].hi = b;
@@ -146,24 +146,24 @@ void PlacementIndex::Rekey(int32_t k, int64_t work) {
   const int64_t old = g_->work[k];
   g_->work[k] = work;
   if (work == old) return;
-  for (const auto& [chain, depth] : depths_[k]) {  // reuses the set node: no allocation
+  for (const auto& [chain, depth] : depths_[k]) {  // the node goes back to the pool and out again
+    // (not extract / insert: libstdc++'s node handles leak a copy of a stateful allocator)
     WorkSet& set = nodes_[ChainNode(chain, depth)].exact;
-    auto handle = set.extract({old, -k});
-    handle.value().first = work;
-    set.insert(std::move(handle));
+    set.erase({old, -k});
+    set.insert({work, -k});
   }
   steps_ += static_cast<int64_t>(depths_[k].size());
 }
 
 void PlacementIndex::Attach(int32_t k, int32_t r) {
   const int32_t c = cell_of_[r - lo_];
-  if (HasMember(k, cells_[c].lo, cells_[c].hi)) return;  // the cell, and its whole path, is touched
+  if (!g_->groups[k].empty() && HasMember(k, cells_[c].lo, cells_[c].hi)) return;  // the whole path is touched
   cells_[c].touch.push_back(k);
   const std::pair<int64_t, int32_t> key{g_->work[k], -k};
   Depths& d = depths_[k];
   for (int32_t u = cells_[c].parent; u >= 0;) {
     const int32_t chain = nodes_[u].chain, pos = nodes_[u].pos;
-    const auto it = FindDepth(k, chain);
+    const auto it = d.empty() ? d.end() : FindDepth(k, chain);
     if (it != d.end()) {  // k touches the chain's top, so every node above it
       if (it->second < pos) {
         ++steps_;
@@ -324,13 +324,13 @@ void PlacementIndex::Erase(int64_t k, int32_t r, int64_t work) {
 
 int64_t PlacementIndex::NewGroup(int32_t r) {
   const int32_t k = static_cast<int32_t>(g_->size());
-  g_->groups.push_back({});
+  g_->groups.emplace_back();
   g_->work.push_back(ctx_.Length(r));
   live_.push_back(1);
   mark_.push_back(0);
   depths_.emplace_back();
-  Attach(k, r);
-  g_->groups[k].push_back(r);
+  Attach(k, r);  // (no members yet: every chain on r's path is new to k)
+  g_->groups[k].assign(1, r);
   return k;
 }
 

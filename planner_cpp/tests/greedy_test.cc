@@ -275,8 +275,8 @@ int main() {
   // Bushy, deep trees (many chains of nested nodes): the index with deep hierarchies, the whole
   // greedy against the reference, and the step budget.
   for (int trial = 0; trial < 24; ++trial) {
-    const harts::testing::Tree t = harts::testing::BushyForest(rng, 1 + trial % 3, 20 + static_cast<int>(rng() % 120),
-                                                               trial % 2 == 0 ? 0.3 : 0.8);
+    const harts::testing::Tree t =
+        harts::testing::BushyForest(rng, 1 + trial % 3, 20 + static_cast<int>(rng() % 120), trial % 2 == 0 ? 0.3 : 0.8);
     auto batch = harts::testing::MakeTreeBatch(t);
     int64_t longest = 0;
     for (int64_t len : batch->lengths()) longest = std::max(longest, len);

@@ -53,7 +53,11 @@
 #ifndef HARTS_PLACEMENT_INDEX_H_
 #define HARTS_PLACEMENT_INDEX_H_
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <new>
 #include <set>
 #include <utility>
 #include <vector>
@@ -64,6 +68,84 @@
 namespace harts {
 
 enum class GreedyPolicy { kBestFit = 0, kMaxShared = 1 };
+
+// Fixed-size nodes for the index's ordered sets, carved from blocks and recycled through a free
+// list: a greedy pass inserts and erases millions of set nodes, which malloc would scatter (and
+// spend a fifth of the time on). One pool per index, freed with it.
+class NodePool {
+ public:
+  // A node of `size` bytes; the first request fixes the pool's node size, and a request of another
+  // size gets nullptr (its caller allocates elsewhere).
+  void* Get(size_t size) {
+    if (size_ == 0) size_ = Slot(size);
+    if (Slot(size) != size_) return nullptr;
+    if (free_ != nullptr) {
+      void* p = free_;
+      free_ = *static_cast<void**>(p);
+      return p;
+    }
+    if (used_ == capacity_) {  // a new block, twice the last (small indexes stay small), not zeroed
+      capacity_ = capacity_ == 0 ? kFirstBlock : std::min(2 * capacity_, kMaxBlock);
+      blocks_.emplace_back(new std::max_align_t[size_ * capacity_ / sizeof(std::max_align_t)]);
+      used_ = 0;
+    }
+    return reinterpret_cast<std::byte*>(blocks_.back().get()) + size_ * used_++;
+  }
+  // Whether Get(size) is served by the pool.
+  bool Serves(size_t size) const { return size_ != 0 && Slot(size) == size_; }
+  // Takes back a node Get returned.
+  void Put(void* p) {
+    *static_cast<void**>(p) = free_;
+    free_ = p;
+  }
+
+ private:
+  static constexpr size_t kFirstBlock = 16, kMaxBlock = 4096;  // nodes per block
+  // A node's bytes rounded up to the maximal alignment (so every node of a block is aligned).
+  static size_t Slot(size_t size) {
+    const size_t a = alignof(std::max_align_t);
+    return (std::max(size, sizeof(void*)) + a - 1) / a * a;
+  }
+  size_t size_ = 0;
+  std::vector<std::unique_ptr<std::max_align_t[]>> blocks_;
+  size_t used_ = 0, capacity_ = 0;  // nodes handed out of / in the last block
+  void* free_ = nullptr;
+};
+
+// std::allocator-compatible front of a NodePool: single objects of the pool's node size come from
+// it, anything else from operator new.
+template <typename T>
+struct PoolAllocator {
+  using value_type = T;
+  std::shared_ptr<NodePool> pool;
+  explicit PoolAllocator(std::shared_ptr<NodePool> p) : pool(std::move(p)) {}
+  template <typename U>
+  PoolAllocator(const PoolAllocator<U>& o) : pool(o.pool) {}  // NOLINT(google-explicit-constructor): rebinding
+  T* allocate(size_t n) {
+    if (n == 1 && alignof(T) <= alignof(std::max_align_t))
+      if (void* p = pool->Get(sizeof(T))) return static_cast<T*>(p);
+    return static_cast<T*>(::operator new(n * sizeof(T)));
+  }
+  void deallocate(T* p, size_t n) {
+    if (n == 1 && alignof(T) <= alignof(std::max_align_t) && Pooled()) {
+      pool->Put(p);
+    } else {
+      ::operator delete(p);
+    }
+  }
+  template <typename U>
+  bool operator==(const PoolAllocator<U>& o) const {
+    return pool == o.pool;
+  }
+  template <typename U>
+  bool operator!=(const PoolAllocator<U>& o) const {
+    return pool != o.pool;
+  }
+
+ private:
+  // Whether this type's single objects come from the pool (it serves one node size).
+  bool Pooled() const { return pool->Serves(sizeof(T)); }
+};
 
 class PlacementIndex {
  public:
@@ -111,9 +193,11 @@ class PlacementIndex {
   int64_t steps() const { return steps_; }
 
  private:
-  using WorkSet = std::set<std::pair<int64_t, int32_t>>;  // (work, -group)
+  using Key = std::pair<int64_t, int32_t>;  // (work, -group)
+  using WorkSet = std::set<Key, std::less<Key>, PoolAllocator<Key>>;
 
   struct Node {
+    explicit Node(const std::shared_ptr<NodePool>& pool) : exact(PoolAllocator<Key>(pool)) {}
     int64_t floor = 0;
     int32_t parent = -1;     // node index; -1 for the root
     int32_t lo = 0, hi = 0;  // its ranks
@@ -153,6 +237,7 @@ class PlacementIndex {
   const PlanContext& ctx_;
   int32_t lo_, hi_;
   Grouping* g_;
+  std::shared_ptr<NodePool> pool_ = std::make_shared<NodePool>();  // the sets' nodes (outlives them)
   std::vector<Node> nodes_;
   std::vector<Cell> cells_;
   std::vector<int32_t> cell_of_;       // hi - lo: the cell of each rank

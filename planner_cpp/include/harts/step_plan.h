@@ -54,11 +54,12 @@
 //                       (field "deadline"); see below.
 //
 // Complexity (N trajectories, K microbatches): O(K0 log N) natural partition; exact DP as
-// in contiguous_dp.h; O(K0 log K0 + Q_max K) evolution; O(N log N) per greedy plan for
-// rollout batches (placement_index.h); O(N H log) per repaired anchor plus
-// O(|A| + |B|) H^2 log per update; O(N log S) contiguous optimum; O(K log K) per schedule.
-// Measured on one core (benchmarks/planner_scale.py): about 4 ms per 1k trajectories of the
-// swe-like preset, near-linear from 2k to 102k trajectories (log-log slope 1.06).
+// in contiguous_dp.h; O(K0 log K0 + Q_max K) evolution; O(N log N) per greedy plan on any
+// tree shape (placement_index.h; at most GreedyStepBudget(N) index steps, greedy.h); O(N H log)
+// per repaired anchor plus O(|A| + |B|) H^2 log per update; O(N log S) contiguous optimum;
+// O(K log K) per schedule. Measured on one core (benchmarks/planner_scale.py): about 4 ms per 1k
+// trajectories of the swe-like preset, near-linear from 2k to 102k trajectories (log-log slope
+// 1.06); about 9 ms (bushy trees) and 15 ms (deep trees) per 1k trajectories up to 108k.
 //
 // Cancellation: PlanStep polls `cancel` (cancel.h) in every phase's loops and checks it
 // between phases; a cancelled or expired token stops it within milliseconds by throwing
