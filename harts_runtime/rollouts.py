@@ -64,7 +64,9 @@ def _check_token_range(tokens: np.ndarray, offsets: np.ndarray, vocab_size: int 
         j = int(np.argmax(bad))
         i = int(np.searchsorted(offsets, j, side="right") - 1)
         limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-        raise InvalidInputError(f"{field}[{i}][{j - offsets[i]}]", f"token id {int(tokens[j])} is outside {limit}")
+        raise InvalidInputError(
+            f"{field}[{i}][{j - offsets[i]}]", f"token id {int(tokens[j])} is outside {limit}"
+        )
 
 
 def _check_mask(t: torch.Tensor, field: str) -> torch.Tensor:
@@ -142,7 +144,9 @@ class Rollouts:
                 continue
             t = torch.as_tensor(t)
             if t.dim() != 1 or t.numel() != p:
-                raise InvalidInputError(name, f"expected {p} per-target entries (P = S - N), got {tuple(t.shape)}")
+                raise InvalidInputError(
+                    name, f"expected {p} per-target entries (P = S - N), got {tuple(t.shape)}"
+                )
             if name == "loss_mask":
                 setattr(self, name, _check_mask(t, name))
                 continue
@@ -162,7 +166,9 @@ class Rollouts:
         if self.group_ids is not None:
             g = torch.as_tensor(self.group_ids)
             if g.dim() != 1 or g.numel() != self.num_trajectories:
-                raise InvalidInputError("group_ids", f"expected {self.num_trajectories} entries, got {tuple(g.shape)}")
+                raise InvalidInputError(
+                    "group_ids", f"expected {self.num_trajectories} entries, got {tuple(g.shape)}"
+                )
             self.group_ids = g.long()
         return self
 
@@ -206,7 +212,8 @@ class Rollouts:
                     a = a[1:]
                 elif len(a) != n - 1:
                     raise InvalidInputError(
-                        f"{name}[{i}]", f"expected {n - 1} (per target) or {n} (per token) values, got {len(a)}"
+                        f"{name}[{i}]",
+                        f"expected {n - 1} (per target) or {n} (per token) values, got {len(a)}",
                     )
                 parts.append(a)
             fields[name] = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0))
@@ -233,7 +240,8 @@ class Rollouts:
         am = torch.as_tensor(attention_mask)
         if ids.dim() != 2 or am.shape != ids.shape:
             raise InvalidInputError(
-                "attention_mask", f"input_ids and attention_mask must be [B, L] alike, got {tuple(ids.shape)} and {tuple(am.shape)}"
+                "attention_mask",
+                f"input_ids and attention_mask must be [B, L] alike, got {tuple(ids.shape)} and {tuple(am.shape)}",
             )
         am = _check_mask(am.reshape(-1), "attention_mask").view(am.shape).cpu()
         spans = []
@@ -253,7 +261,9 @@ class Rollouts:
                 continue
             v = torch.as_tensor(values).cpu()
             if v.shape != ids.shape:
-                raise InvalidInputError(name, f"must be [B, L] = {tuple(ids.shape)} like input_ids, got {tuple(v.shape)}")
+                raise InvalidInputError(
+                    name, f"must be [B, L] = {tuple(ids.shape)} like input_ids, got {tuple(v.shape)}"
+                )
             fields[name] = [v[b, lo + 1 : hi] for b, (lo, hi) in enumerate(spans)]
         return cls._from_rows(rows, fields, group_ids, vocab_size)
 
@@ -281,7 +291,9 @@ class Rollouts:
                 raise InvalidInputError(name, f"expected {len(rows)} rows, got {len(vs)}")
             for i, (v, r) in enumerate(zip(vs, rows)):
                 if v.numel() != len(r):
-                    raise InvalidInputError(f"{name}[{i}]", f"expected {len(r)} token-aligned values, got {v.numel()}")
+                    raise InvalidInputError(
+                        f"{name}[{i}]", f"expected {len(r)} token-aligned values, got {v.numel()}"
+                    )
             fields[name] = [v.cpu()[1:] for v in vs]
         return cls._from_rows(rows, fields, group_ids, vocab_size)
 
@@ -300,7 +312,9 @@ class Rollouts:
     def _per_target(self, values: torch.Tensor, field: str) -> torch.Tensor:
         v = torch.as_tensor(values)
         if v.dim() != 1 or v.numel() != self.num_targets:
-            raise InvalidInputError(field, f"expected {self.num_targets} per-target entries, got {tuple(v.shape)}")
+            raise InvalidInputError(
+                field, f"expected {self.num_targets} per-target entries, got {tuple(v.shape)}"
+            )
         return v
 
     def to_lists(self, values: torch.Tensor, field: str = "values") -> list[list[float]]:
@@ -325,7 +339,9 @@ class Rollouts:
         v = self._per_target(values, field)
         am = torch.as_tensor(attention_mask).bool()
         if am.shape[0] != self.num_trajectories:
-            raise InvalidInputError("attention_mask", f"expected {self.num_trajectories} rows, got {am.shape[0]}")
+            raise InvalidInputError(
+                "attention_mask", f"expected {self.num_trajectories} rows, got {am.shape[0]}"
+            )
         out = v.new_full(tuple(am.shape), fill)
         o = self.target_offsets
         for b in range(am.shape[0]):
