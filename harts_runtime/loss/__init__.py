@@ -2,6 +2,14 @@
 and fused with the LM head, each with an optional vocabulary-parallel group) and
 :mod:`~harts_runtime.loss.objectives` (GRPO / PPO with the aggregation modes written once)."""
 
+from harts_runtime.loss.functions import (
+    LossFn,
+    MicrobatchInputs,
+    grpo_loss_fn,
+    make_policy_loss_fn,
+    policy_loss_fn,
+    ppo_loss_fn,
+)
 from harts_runtime.loss.logprobs import (
     LogProbTargets,
     expanded_logprobs,
@@ -27,6 +35,8 @@ from harts_runtime.loss.objectives import (
 __all__ = [
     "AGG_MODES",
     "LogProbTargets",
+    "LossFn",
+    "MicrobatchInputs",
     "PolicyLossConfig",
     "aggregate",
     "aggregation_weights",
@@ -34,12 +44,16 @@ __all__ = [
     "gae",
     "grpo_advantages",
     "grpo_loss",
+    "grpo_loss_fn",
     "kl_penalty",
     "lm_head_logprobs",
+    "make_policy_loss_fn",
     "mapped_logprobs",
     "per_token",
     "policy_loss",
+    "policy_loss_fn",
     "ppo_loss",
+    "ppo_loss_fn",
     "targets_from_batch",
     "value_loss",
 ]

@@ -24,7 +24,14 @@ import torch
 
 from harts_runtime.loss.objectives import PolicyLossConfig, policy_loss
 
-__all__ = ["LossFn", "MicrobatchInputs", "make_policy_loss_fn", "policy_loss_fn"]
+__all__ = [
+    "LossFn",
+    "MicrobatchInputs",
+    "grpo_loss_fn",
+    "make_policy_loss_fn",
+    "policy_loss_fn",
+    "ppo_loss_fn",
+]
 
 
 @dataclass
@@ -92,3 +99,10 @@ def make_policy_loss_fn(config: PolicyLossConfig | None = None) -> LossFn:
 
 policy_loss_fn: LossFn = make_policy_loss_fn()
 """The step's own objective (GRPO or PPO with their defaults, or ``StepInputs.loss_config``)."""
+
+grpo_loss_fn: LossFn = make_policy_loss_fn(PolicyLossConfig(kl_coef=0.001))
+"""GRPO: the clipped surrogate (0.2) plus a k3 KL-to-reference penalty of 0.001 (needs
+``ref_logprobs``), aggregated by the step's ``loss_agg_mode`` (its weights)."""
+
+ppo_loss_fn: LossFn = make_policy_loss_fn(PolicyLossConfig(clip_ratio_c=3.0))
+"""PPO: the clipped surrogate (0.2) with dual clip 3, aggregated by the step's ``loss_agg_mode``."""

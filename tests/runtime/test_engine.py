@@ -207,3 +207,15 @@ def test_export_weights_round_trips_through_transformers(tmp_path, monkeypatch):
     for t in trajs:
         ours = ours_logits(engine.model, [t])
         assert rel_err(ours, hf_logits(hf, t)) < 1e-4
+
+
+def test_built_in_objectives_are_loss_functions():
+    """GRPO and PPO are two loss functions of the contract: passing them explicitly gives the
+    step's built-in objective of that name."""
+    from harts_runtime.loss import grpo_loss_fn, ppo_loss_fn
+
+    for objective, fn in (("grpo", grpo_loss_fn), ("ppo", ppo_loss_fn)):
+        step = dataclasses.replace(_step(), objective=objective, _cache={})
+        a = HartsEngine(_model(), EngineConfig(capacity=CAP)).forward_backward(step, fn)
+        b = HartsEngine(_model(), EngineConfig(capacity=CAP)).forward_backward(step)
+        assert a.loss == b.loss and torch.equal(a.logprobs, b.logprobs), objective
