@@ -2,6 +2,8 @@
 plugs in (compact equals trajectory-wise); clipping, the LR schedule and the non-finite guard; save
 and resume continue bit for bit; ``export_weights`` round-trips through transformers' model."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
