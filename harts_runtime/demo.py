@@ -53,10 +53,16 @@ def synthetic_step(
 ) -> StepInputs:
     """:class:`StepInputs` of a ``harts_planner.synth`` preset (tokens in ``[0, vocab)``,
     trajectories capped at ``max_len`` tokens; ``shape`` overrides preset fields, e.g.
-    :data:`DEMO_TREES`) with synthetic GRPO/PPO metadata."""
+    :data:`DEMO_TREES`) with synthetic GRPO/PPO metadata. A preset with more trees than the
+    vocabulary has tokens (each tree starts with its own) is capped at ``vocab`` trees (swe-like's
+    up to 1,000 trees on the 512-token debug model)."""
     over = {"vocab_size": vocab, **shape}
     if max_len is not None:
         over["max_trajectory_tokens"] = max_len
+    if "trees" not in shape and preset in synth.PRESETS:
+        lo, hi = synth.PRESETS[preset].trees  # each tree starts with its own token: at most vocab trees
+        if hi > vocab:
+            over["trees"] = (min(lo, vocab), vocab)
     sb = synth.generate(preset, seed, **over)
     batch = RolloutBatch.from_arrays(sb.tokens, sb.offsets, sb.tree_ids)
     return StepInputs.synthetic(batch, seed, objective, vocab_size=vocab)

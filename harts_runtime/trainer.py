@@ -386,6 +386,8 @@ def train(args, given: set, saved: dict | None, out=None, err=None) -> int:
         raise _usage(f"--{e}") from None
     dims = _dims(args, world)
     model_cfg, model_name = _model_config(args, cpu)
+    if args.model is None:  # a flavor: refuse what the device cannot hold before any data or model
+        _check_training_fits(model_cfg, model_name, device, world)
     loss_cfg = _loss_config(args)
     for path_flag in ("save", "export", "tensorboard"):
         p = getattr(args, path_flag)
@@ -619,6 +621,23 @@ def _loop(engine, data, args, ecfg, steps, done, position, record_args, world, l
         if writer is not None:
             writer.close()
     return 0
+
+
+def _check_training_fits(cfg, name: str, device, world: int) -> None:
+    """One-line error, before the model is built, when the flavor's weights, gradients and AdamW
+    state (4x the parameter bytes; split over ``world`` ranks) exceed the device's available memory
+    (``--flavor ling-tiny`` on a CPU needs about 125 GB: it was OOM-killed with no word)."""
+    from harts_runtime.hf import _available_bytes, _human, model_bytes
+
+    needed = 4 * model_bytes(cfg) / max(1, world)
+    available, where = _available_bytes(device)
+    if available is not None and needed > available:
+        raise InvalidInputError(
+            "flavor",
+            f"{name} with {cfg.num_layers} layers needs about {_human(needed)} for its weights, gradients "
+            f"and AdamW state{' per rank' if world > 1 else ''}, more than the {_human(available)} "
+            f"available on {where}; take fewer --layers, a smaller flavor, or more ranks",
+        )
 
 
 def _record(step: int, key, res, rep, dt: float) -> dict:

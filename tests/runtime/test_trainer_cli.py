@@ -459,3 +459,24 @@ def test_traceback_on_request(tmp_path, monkeypatch, capsys):
     assert main([*BASE, "--data", str(tmp_path / "nowhere.jsonl")]) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and err.strip().splitlines()[-1].startswith("harts-train: error: --data:")
+
+
+def test_a_flavor_too_big_for_the_device_is_refused_before_it_is_built(monkeypatch, capsys):
+    """``--flavor ling-tiny`` on a CPU was OOM-killed with no word: its weights, gradients and AdamW
+    state are estimated first (on the meta device) and refused in one line naming the flag."""
+    import harts_runtime.hf as hf
+
+    monkeypatch.setattr(hf, "_available_bytes", lambda device: (1 << 20, "the host (MemAvailable)"))
+    assert main(["--flavor", "ling-tiny", "--steps", "1", "--preset", "tiny"]) == 2
+    _one_error_line(capsys, "flavor: ling-tiny with 24 layers needs about")
+
+
+def test_a_preset_with_more_trees_than_tokens_is_capped():
+    """swe-like draws up to 1,000 trees, each starting with its own token: on the 512-token debug
+    vocabulary the synthetic step caps the trees at the vocabulary (it failed with 'trees: must be in
+    [1, 512]')."""
+    from harts_runtime.demo import synthetic_step
+
+    step = synthetic_step("swe-like", 0, 512, max_len=64)
+    first = {int(step.batch.tokens[o]) for o in step.batch.offsets[:-1]}
+    assert 0 < len(first) <= 512 and step.batch.num_trajectories >= len(first)
