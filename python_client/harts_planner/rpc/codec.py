@@ -28,7 +28,7 @@ from harts_planner.call_plan import (
     MAX_CONV_WIDTH,
     CallPlan,
 )
-from harts_planner.errors import HartsError, invalid
+from harts_planner.errors import HartsError, invalid, renamed
 from harts_planner.rpc import planner_pb2 as pb
 from harts_planner.step_plan import DEFAULT_OPTIONS, StepPlan
 
@@ -70,22 +70,6 @@ def unpack(data: bytes, dtype: np.dtype, field: str) -> np.ndarray:
         )
     arr = np.frombuffer(data, dtype=dtype)
     return arr if arr.dtype.isnative else arr.astype(arr.dtype.newbyteorder("="))
-
-
-def renamed(err: HartsError, mapping: dict[str, str]) -> HartsError:
-    """The same error with its field's leading name replaced through ``mapping``
-    (``offsets[3]`` -> ``trajectories.packed.offsets[3]``); unchanged when not in ``mapping``."""
-    field = getattr(err, "field", None) or ""
-    head, bracket, rest = field.partition("[")
-    if head not in mapping:
-        return err
-    new_field = mapping[head] + bracket + rest
-    message = str(err)
-    if message.startswith(field):
-        message = new_field + message[len(field) :]
-    out = type(err)(message)
-    out.field = new_field
-    return out
 
 
 # ---------------------------------------------------------------------------------- trajectories
