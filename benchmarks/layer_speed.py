@@ -486,6 +486,11 @@ def case_kda_compact(ctx: Context) -> dict:
 
     res["compact"] = try_time(lambda: layer(x, layout), [x], params, gy, dev, a.reps)
     res["compact"].update(compact_rows=c, packed_rows=packed)
+    if res["compact"].get("status") == "ok":
+        try:
+            res["compact_kernels"] = kernel_profile(lambda: layer(x, layout), [x], params, gy, dev)
+        except Exception as e:  # noqa: BLE001
+            res["compact_kernels"] = {"status": short_error(e)}
     variants = {
         "trajectory": scaled_lengths(packed),  # the 8-trajectory profile on the packed row count
         "trajectory_same_sequences": m["sequence_lengths"],  # the rounds' own sequences, one call
@@ -498,6 +503,13 @@ def case_kda_compact(ctx: Context) -> dict:
             lambda xt=xt, offs=offs: layer.forward_trajectories(xt, offs), [xt], params, gyt, dev, a.reps
         )
         r.update(rows=packed, sequences=len(lengths))
+        if name == "trajectory" and r.get("status") == "ok":
+            try:
+                r["kernels"] = kernel_profile(
+                    lambda xt=xt, offs=offs: layer.forward_trajectories(xt, offs), [xt], params, gyt, dev
+                )
+            except Exception as e:  # noqa: BLE001
+                r["kernels"] = {"status": short_error(e)}
         res[name] = r
         del xt, gyt
         free(dev)
@@ -809,7 +821,33 @@ def case_moe(ctx: Context) -> dict:
         res["dense_gemm"] = {"status": short_error(e)}
     if res["ours"].get("status") == "ok":
         res["host"] = host_vs_device(call, [x], params, gy, dev, a.reps)
+        try:
+            res["kernels"] = kernel_profile(call, [x], params, gy, dev)
+        except Exception as e:  # noqa: BLE001
+            res["kernels"] = {"status": short_error(e)}
     return res
+
+
+def kernel_profile(call, inputs, params, gy, dev, top: int = 15) -> dict:
+    """One warm fwd+bwd of ``call`` under ``torch.profiler``: device seconds per kernel (self time,
+    the ``top`` largest) and their total, to say where a layer's time goes against its roofline."""
+    from torch.profiler import ProfilerActivity, profile
+
+    wrt = [t for t in inputs + params if t.requires_grad]
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    sync(dev)
+    with profile(activities=acts) as prof:
+        torch.autograd.grad(call(), wrt, gy, allow_unused=True)
+        sync(dev)
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0)
+        if t and str(getattr(e, "device_type", "")).endswith("CUDA"):
+            rows.append({"kernel": e.key[:160], "calls": e.count, "ms": t / 1e3})
+    rows.sort(key=lambda r: -r["ms"])
+    return {"total_ms": sum(r["ms"] for r in rows), "kernels": len(rows), "top": rows[:top]}
 
 
 def host_vs_device(call, inputs, params, gy, dev, reps: int) -> dict:

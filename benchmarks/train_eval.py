@@ -17,7 +17,16 @@ Sections (each catches its own errors; JSON and a markdown table are rewritten a
   activations of a ``--fidelity-rows`` microbatch; ``--fidelity-recompute`` picks the settings).
 * ``replay``: SymKL and mean |dNLL| against trajectory run A by state-handoff depth d = 0..5 (the
   segment depth of the position's segment in the batch trie) for rerun, replay and no-replay.
-* ``breakdown``: ``torch.profiler`` over one compact microbatch (forward + backward with
+* ``microbatches``: every microbatch of the speedup slice timed alone, warm, both modes: rows,
+  trees, rounds, replay, capacity fill, host layout and F/B/Grad seconds, µs per packed row and
+  executed TFLOP/s; the median and the slowest compact microbatch (for ``breakdown``), and the
+  step's F/B/Grad if every microbatch ran at its median one's rate.
+* ``first``: the process's first compact microbatch (imports and model init before it), with what
+  compiled, loaded from Triton's cache or autotuned inside it (``benchmarks/compile_trace.py``).
+* ``newshapes``: a never-seen step (the slice of ``--seed + 1``) after the kernels are warm: its
+  first compact pass against its warm repeat, with what compiled inside the first pass.
+* ``breakdown``: ``torch.profiler`` over one compact microbatch (after ``microbatches``, its median
+  one and its slowest one) (forward + backward with
   recomputation), device time per ``harts.*`` range (KDA core / gathers / state stacking,
   attention views / core, MoE, LM head, layout), the replay share of KDA core time, kernel count,
   device-busy share of wall time (union of kernel intervals / wall; CUDA), and planner time from
@@ -26,6 +35,11 @@ Sections (each catches its own errors; JSON and a markdown table are rewritten a
 Run on the GPU machine (about 5-7 minutes with the defaults)::
 
     python benchmarks/train_eval.py --out benchmarks/results/train_eval --budget-s 420
+
+The whole-step benchmark (eight microbatches of a step, each one's profile; 24 layers)::
+
+    python benchmarks/train_eval.py --layers 24 --slice-microbatches 8 --repeats 1 \
+        --sections speedup,microbatches,newshapes,breakdown --out DIR
 
 CPU smoke test: ``python benchmarks/train_eval.py --device cpu --flavor debug --tiny --out DIR``;
 ``--tiny`` with another flavor (``ling-tiny``, ``qwen3.5-35b-a3b``) keeps its layer pattern and
@@ -43,6 +57,7 @@ import sys
 import time
 import traceback
 
+PROCESS_START = time.perf_counter()
 if "--fast-autotune" in sys.argv:
     # Short device leases: compile one config per Triton kernel (ours and fla's) instead of
     # benchmarking every candidate. Both executions use the same kernels, so ratios stay fair;
@@ -60,6 +75,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for extra in (os.path.join(ROOT, "kernels"), ROOT):
     sys.path.insert(0, extra)
 sys.path.append(os.path.join(ROOT, "python_client"))
+sys.path.append(os.path.join(ROOT, "benchmarks"))  # compile_trace, when loaded from elsewhere
 
 import harts_planner as hp
 from harts_planner import synth
@@ -77,7 +93,11 @@ from harts_runtime.flops import layer_costs, work_compression
 from harts_runtime.layers.attention import CompactAttentionBase
 from harts_runtime.ops.attention import resolve_backend
 
+from compile_trace import CompileTrace
+
 DEPTHS = 6
+#: every section, in the order the markdown lists them (``--sections`` picks and orders the runs)
+SECTIONS = ("speedup", "microbatches", "first", "newshapes", "fidelity", "replay", "breakdown")
 GRAD_SAMPLE = 16_000_000  # gradient entries kept per run for the gradient cosine
 
 
@@ -200,24 +220,38 @@ def section_speedup(args, model, dev, shared):
     log(f"speedup slice: {info}")
     mbs, plans, plan_s = plan_microbatches(step, "compact", args.capacity, cfg)
     work = work_compression(cfg, step.batch.lengths, [p.position_ids for p in plans])
+    shared["ideal_work_compression"] = work["ideal_work_compression"]
     tmbs, _, _ = plan_microbatches(step, "trajectory", args.capacity, cfg)
     keep = _keep(args)
     apply_recompute(model, keep=keep)  # block recomputation (keeping the regions of --keep)
     # warm-up: one microbatch per mode (compilation, autotuning), recomputation on
-    first_s = {}
+    first_s, first_trace = {}, {}
     for mode, first in (("compact", mbs[0]), ("trajectory", tmbs[0])):
         t = time.perf_counter()
-        run_microbatch(model, step, first, mode, call_plan=plans[0] if mode == "compact" else None)
+        with CompileTrace() as trace:
+            run_microbatch(model, step, first, mode, call_plan=plans[0] if mode == "compact" else None)
+            sync(dev)
         model.zero_grad(set_to_none=True)
-        sync(dev)
         first_s[mode] = time.perf_counter() - t
-        log(f"warm-up {mode}: {first_s[mode]:.1f}s")
+        first_trace[mode] = trace.summary()
+        log(f"warm-up {mode}: {first_s[mode]:.1f}s ({_trace_line(first_trace[mode])})")
     runs = {"compact": [], "trajectory": []}
+    per_mb = shared.setdefault("speedup_microbatch_seconds", {})  # best F/B/Grad seconds per microbatch
     for _ in range(args.repeats):
         for mode in ("compact", "trajectory"):
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
-            r = train_step(model, None, step, None, mode, capacity=args.capacity)
+            marks = []
+
+            def mark(done, total, marks=marks):  # a sync after each microbatch: ~no cost at 2-3 s each
+                sync(dev)
+                marks.append(time.perf_counter())
+
+            sync(dev)
+            t0 = time.perf_counter()
+            r = train_step(model, None, step, None, mode, capacity=args.capacity, progress=mark)
+            secs = np.diff([t0, *marks]).tolist()
+            per_mb[mode] = [min(a, b) for a, b in zip(per_mb[mode], secs)] if mode in per_mb else secs
             model.zero_grad(set_to_none=True)
             d = r.to_dict()
             d["peak_memory_gib"] = (
@@ -252,6 +286,7 @@ def section_speedup(args, model, dev, shared):
         "first_microbatch_overhead_seconds": {
             m: first_s[m] - best[m]["fbg_seconds"] / best[m]["num_microbatches"] for m in best
         },
+        "first_microbatch_compiles": first_trace,
         "keep": sorted(keep),
         "executed_flops": {m: executed_flops(cfg, work, m, keep) for m in ("compact", "trajectory")},
         "tflops": {
@@ -265,6 +300,167 @@ def section_speedup(args, model, dev, shared):
             m: work[f"{m}_flops"] / best[m]["fbg_seconds"] / 1e12 for m in ("compact", "trajectory")
         },
         "mfu_tflops_note": "model FLOPs (3 x forward, no recomputation counted) / F/B/Grad seconds",
+    }
+
+
+def _trace_line(summary: dict) -> str:
+    """One log line of a :class:`CompileTrace` summary: count and seconds per kind."""
+    kinds = summary.get("kinds") or {}
+    return ", ".join(f"{k} {v['count']} / {v['seconds']:.1f}s" for k, v in sorted(kinds.items())) or "nothing compiled"
+
+
+def _time_microbatch(model, step, traj, mode, plan, dev) -> tuple[float, float, dict]:
+    """(host layout seconds, F/B/Grad seconds, stats) of one microbatch, synchronised on each side;
+    gradients accumulate as in ``train_step``."""
+    sync(dev)
+    t0 = time.perf_counter()
+    mb = make_microbatch(model, step, traj, mode, plan)
+    sync(dev)
+    t1 = time.perf_counter()
+    _, st = run_microbatch(model, step, mode=mode, microbatch=mb)
+    sync(dev)
+    return t1 - t0, time.perf_counter() - t1, st
+
+
+def section_microbatches(args, model, dev, shared):
+    """Per microbatch of the speedup slice, both modes: rows, trees, rounds, replay, capacity fill,
+    host layout and F/B/Grad seconds, microseconds per packed row and executed TFLOP/s (warm: run
+    after ``speedup``, best of ``--repeats`` passes; trajectory microbatches keep the speedup
+    section's per-microbatch timings, host layout included, when it ran). Names the median and the slowest (lowest
+    executed TFLOP/s) compact microbatch, which ``breakdown`` profiles, and what the step's F/B/Grad
+    would be if every microbatch of a mode ran at its median microbatch's TFLOP/s."""
+    cfg = model.config
+    step = shared.get("speedup_step") or make_slice(
+        args, args.capacity, None, args.slice_microbatches, args.seed, cfg.vocab_size
+    )
+    keep = _keep(args)
+    apply_recompute(model, keep=keep)
+    lengths = np.asarray(step.batch.lengths, dtype=np.int64)
+    trees = np.asarray(step.batch.tree_ids)
+    out = {}
+    for mode in ("compact", "trajectory"):
+        mbs, plans, _ = plan_microbatches(step, mode, args.capacity, cfg)
+        rows = []
+        for i, traj in enumerate(mbs):
+            plan = plans[i] if plans else None
+            w = work_compression(cfg, lengths[traj], [plan.position_ids] if plan is not None else [])
+            packed = plan.compact_tokens + plan.replay_tokens if plan is not None else int(lengths[traj].sum())
+            rows.append(
+                {
+                    "index": i,
+                    "trajectories": int(len(traj)),
+                    "trees": int(np.unique(trees[traj]).size),
+                    "semantic_tokens": int(lengths[traj].sum()),
+                    "rows": plan.compact_tokens if plan is not None else int(lengths[traj].sum()),
+                    "replay_tokens": plan.replay_tokens if plan is not None else 0,
+                    "rounds": plan.num_calls if plan is not None else 1,
+                    "sequences": plan.num_sequences if plan is not None else int(len(traj)),
+                    "state_slots": plan.num_state_slots if plan is not None else 0,
+                    "fill": packed / args.capacity,
+                    "ideal_work_compression": w["ideal_work_compression"] if plan is not None else 1.0,
+                    "executed_flops": executed_flops(cfg, w, mode, keep),
+                    "layout_s": float("inf"),
+                    "fbg_s": float("inf"),
+                }
+            )
+        timed = shared.get("speedup_microbatch_seconds", {}).get(mode)
+        if mode == "trajectory" and timed is not None and len(timed) == len(rows):
+            for r, sec in zip(rows, timed):  # the speedup section's timings (layout included)
+                r["fbg_s"], r["layout_s"] = sec, None
+        else:
+            for _ in range(max(args.repeats, 1)):
+                for i, traj in enumerate(mbs):
+                    lay, fbg, _ = _time_microbatch(model, step, traj, mode, plans[i] if plans else None, dev)
+                    r = rows[i]
+                    r["layout_s"], r["fbg_s"] = min(r["layout_s"], lay), min(r["fbg_s"], fbg)
+                model.zero_grad(set_to_none=True)
+        for r in rows:
+            r["us_per_packed_row"] = r["fbg_s"] / (r["rows"] + r["replay_tokens"]) * 1e6
+            r["tflops"] = r["executed_flops"] / r["fbg_s"] / 1e12
+        by_tflops = sorted(range(len(rows)), key=lambda i: rows[i]["tflops"])
+        med = by_tflops[len(by_tflops) // 2]
+        total = sum(r["fbg_s"] for r in rows)
+        at_median = sum(r["executed_flops"] for r in rows) / (rows[med]["tflops"] * 1e12)
+        out[mode] = {
+            "microbatches": rows,
+            "median_index": med,
+            "slowest_index": by_tflops[0],
+            "fbg_s_sum": total,
+            "layout_s_sum": sum(r["layout_s"] or 0.0 for r in rows),
+            "fbg_s_at_median_tflops": at_median,
+            "tflops_step": sum(r["executed_flops"] for r in rows) / total / 1e12,
+        }
+        log(
+            f"microbatches {mode}: {len(rows)}, F/B/Grad {total:.2f}s (at the median microbatch's TFLOP/s "
+            f"{at_median:.2f}s), TFLOP/s min/median/max {rows[by_tflops[0]]['tflops']:.0f}/"
+            f"{rows[med]['tflops']:.0f}/{rows[by_tflops[-1]]['tflops']:.0f}"
+        )
+    c, t = out["compact"], out["trajectory"]
+    ideal = shared.get("ideal_work_compression")
+    out["summary"] = {
+        "fbg_speedup_sum_of_microbatches": t["fbg_s_sum"] / c["fbg_s_sum"],
+        "fbg_speedup_if_every_compact_at_its_median": t["fbg_s_sum"] / c["fbg_s_at_median_tflops"],
+        "ideal_work_compression": ideal,
+    }
+    shared["profile_microbatches"] = {"median": c["median_index"], "slowest": c["slowest_index"]}
+    return out
+
+
+def section_newshapes(args, model, dev, shared):
+    """A step the process has never seen (the slice of seed ``--seed + 1``, same preset, capacity
+    and size), after the kernels are warm from another step: its first compact pass against its
+    warm repeat, with what compiled, loaded or autotuned during the first pass (:class:`CompileTrace`)."""
+    cfg = model.config
+    step = make_slice(args, args.capacity, None, args.slice_microbatches, args.seed + 1, cfg.vocab_size)
+    apply_recompute(model, keep=_keep(args))
+    with CompileTrace() as trace:
+        first = train_step(model, None, step, None, "compact", capacity=args.capacity)
+    model.zero_grad(set_to_none=True)
+    warm = []
+    for _ in range(max(args.repeats, 1)):
+        warm.append(train_step(model, None, step, None, "compact", capacity=args.capacity).fbg_seconds)
+        model.zero_grad(set_to_none=True)
+    summary = trace.summary()
+    log(f"new shapes: first {first.fbg_seconds:.2f}s, warm {min(warm):.2f}s ({_trace_line(summary)})")
+    return {
+        "batch": batch_info(step),
+        "microbatches": first.num_microbatches,
+        "first_fbg_s": first.fbg_seconds,
+        "warm_fbg_s": min(warm),
+        "warm_runs_s": warm,
+        "overhead": first.fbg_seconds / min(warm) - 1.0,
+        "target_overhead": 0.02,
+        "compiles": summary,
+    }
+
+
+def section_first(args, model, dev, shared):
+    """A process's first compact microbatch (the speedup slice's first, recomputation as in
+    ``speedup``) with what it compiled, loaded or autotuned, against its warm repeat; and the
+    seconds from the process start to that microbatch (imports, model init)."""
+    cfg = model.config
+    step = shared.get("speedup_step") or make_slice(
+        args, args.capacity, None, args.slice_microbatches, args.seed, cfg.vocab_size
+    )
+    shared["speedup_step"] = step
+    mbs, plans, _ = plan_microbatches(step, "compact", args.capacity, cfg)
+    apply_recompute(model, keep=_keep(args))
+    before = time.perf_counter() - PROCESS_START
+    with CompileTrace() as trace:
+        lay, fbg, _ = _time_microbatch(model, step, mbs[0], "compact", plans[0], dev)
+    model.zero_grad(set_to_none=True)
+    lay_w, fbg_w, _ = _time_microbatch(model, step, mbs[0], "compact", plans[0], dev)
+    model.zero_grad(set_to_none=True)
+    summary = trace.summary()
+    log(f"first microbatch {lay + fbg:.1f}s, warm {lay_w + fbg_w:.2f}s ({_trace_line(summary)})")
+    return {
+        "rows": plans[0].compact_tokens,
+        "process_seconds_before": before,
+        "first_s": lay + fbg,
+        "warm_s": lay_w + fbg_w,
+        "target_first_s": 10.0,
+        "compiles": summary,
+        "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
     }
 
 
@@ -557,17 +753,31 @@ def section_replay(args, model, dev, shared):
 
 
 def section_breakdown(args, model, dev, shared):
-    from torch.profiler import ProfilerActivity, profile
-
+    """The profile of one compact microbatch: after ``microbatches``, its median one (top-level
+    keys) and its slowest one (``"slowest"``); otherwise the slice's first."""
     cfg = model.config
     step = shared.get("speedup_step") or make_slice(args, args.capacity, None, 1, args.seed, cfg.vocab_size)
     mbs, plans, plan_s = plan_microbatches(step, "compact", args.capacity, cfg)
+    pick = shared.get("profile_microbatches") or {"median": 0}
+    out = _profile_microbatch(args, model, dev, step, mbs[pick["median"]], plans[pick["median"]], plan_s)
+    out["microbatch"]["index"] = pick["median"]
+    if pick.get("slowest") is not None and pick["slowest"] != pick["median"]:
+        slow = _profile_microbatch(args, model, dev, step, mbs[pick["slowest"]], plans[pick["slowest"]], plan_s)
+        slow["microbatch"]["index"] = pick["slowest"]
+        out["slowest"] = slow
+    return out
+
+
+def _profile_microbatch(args, model, dev, step, traj, plan, plan_s):
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = model.config
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     sync(dev)
     t = time.perf_counter()
     apply_recompute(model, keep=_keep(args))
     with profile(activities=acts) as prof:
-        mb = make_microbatch(model, step, mbs[0], "compact", plans[0])
+        mb = make_microbatch(model, step, traj, "compact", plan)
         run_microbatch(model, step, mode="compact", microbatch=mb)
         sync(dev)
     wall = time.perf_counter() - t
@@ -576,7 +786,7 @@ def section_breakdown(args, model, dev, shared):
     # device_busy is judged against; kernels are warm now
     sync(dev)
     t = time.perf_counter()
-    mb = make_microbatch(model, step, mbs[0], "compact", plans[0])
+    mb = make_microbatch(model, step, traj, "compact", plan)
     run_microbatch(model, step, mode="compact", microbatch=mb)
     sync(dev)
     wall_plain = time.perf_counter() - t
@@ -602,7 +812,7 @@ def section_breakdown(args, model, dev, shared):
         ):
             kernels += e.count
             kernel_s += self_dev / 1e6
-    p = plans[0]
+    p = plan
     replay_share = p.replay_tokens / max(p.replay_tokens + p.compact_tokens, 1)
     core = ranges.get("harts.kda.core", {}).get("device_s" if dev.type == "cuda" else "cpu_s", 0.0)
     busy = _busy_seconds(prof) if dev.type == "cuda" else None
@@ -753,35 +963,118 @@ def markdown(res: dict) -> str:
                 f"{b['mean_abs_dnll']:.3e} | {c['mean_abs_dnll']:.3e} |"
             )
         lines.append("")
+    m = res.get("microbatches")
+    if isinstance(m, dict) and "compact" in m:
+        lines += _microbatches_md(m)
+    for name, title in (("first", "First microbatch of the process"), ("newshapes", "A step of never-seen shapes")):
+        d = res.get(name)
+        if isinstance(d, dict) and "compiles" in d:
+            lines += _compiles_md(name, title, d)
     k = res.get("breakdown")
     if isinstance(k, dict) and "ranges" in k:
-        lines += [
-            "## Breakdown (one compact microbatch, forward + backward, recompute)",
-            "",
-            (
-                f"wall {k['wall_s']:.3f} s profiled, {k.get('wall_unprofiled_s', float('nan')):.3f} s without "
-                f"the profiler; device kernels {k['device_kernels']} taking {k['device_kernel_s']:.3f} s"
-                + (
-                    f" (device busy {k['device_busy']:.1%} of the unprofiled wall, "
-                    f"{k.get('device_busy_profiled') or 0:.1%} of the profiled one)"
-                    if k.get("device_busy") is not None
-                    else ""
-                )
-                + "; "
-                f"planner {k['planner_s']:.3f} s; KDA replay share of packed rows {k['kda_replay_share_of_packed_rows']:.4f} "
-                f"(~{k['kda_replay_s_estimate']:.3f} s of KDA core)"
-            ),
-            "",
-            "| range | calls | device s | cpu s |",
-            "|---|---:|---:|---:|",
-        ]
-        for name, d in sorted(k["ranges"].items()):
-            lines.append(f"| {name} | {d['calls']} | {d['device_s']:.4f} | {d['cpu_s']:.4f} |")
-        lines.append("")
-    for name in ("speedup", "fidelity", "replay", "breakdown"):
+        for title, d in (("median", k), ("slowest", k.get("slowest"))):
+            if isinstance(d, dict) and "ranges" in d:
+                lines += _breakdown_md(title, d)
+    for name in SECTIONS:
         if isinstance(res.get(name), dict) and "error" in res[name]:
             lines.append(f"**{name} failed:** `{res[name]['error']}`")
     return "\n".join(lines) + "\n"
+
+
+def _breakdown_md(title: str, k: dict) -> list[str]:
+    mb = k["microbatch"]
+    lines = [
+        f"## Breakdown ({title} compact microbatch"
+        + (f" #{mb['index']}" if "index" in mb else "")
+        + f": {mb['rows']:,} rows, {mb['calls']} rounds, forward + backward, recompute)",
+        "",
+        (
+            f"wall {k['wall_s']:.3f} s profiled, {k.get('wall_unprofiled_s', float('nan')):.3f} s without "
+            f"the profiler; device kernels {k['device_kernels']} taking {k['device_kernel_s']:.3f} s"
+            + (
+                f" (device busy {k['device_busy']:.1%} of the unprofiled wall, "
+                f"{k.get('device_busy_profiled') or 0:.1%} of the profiled one)"
+                if k.get("device_busy") is not None
+                else ""
+            )
+            + "; "
+            f"planner {k['planner_s']:.3f} s; KDA replay share of packed rows {k['kda_replay_share_of_packed_rows']:.4f} "
+            f"(~{k['kda_replay_s_estimate']:.3f} s of KDA core)"
+        ),
+        "",
+        "| range | calls | device s | cpu s |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, d in sorted(k["ranges"].items()):
+        lines.append(f"| {name} | {d['calls']} | {d['device_s']:.4f} | {d['cpu_s']:.4f} |")
+    lines.append("")
+    return lines
+
+
+def _microbatches_md(m: dict) -> list[str]:
+    c, t, sm = m["compact"], m["trajectory"], m.get("summary") or {}
+    ideal = sm.get("ideal_work_compression")
+    lines = [
+        "## Microbatches of the slice (warm, each timed alone)",
+        "",
+        (
+            f"Compact: {len(c['microbatches'])} microbatches, F/B/Grad {c['fbg_s_sum']:.3f} s "
+            f"({c['tflops_step']:.1f} TFLOP/s executed; {c['fbg_s_at_median_tflops']:.3f} s if each ran at the "
+            f"median microbatch's TFLOP/s), host layout {c['layout_s_sum']:.3f} s. Trajectory: "
+            f"{len(t['microbatches'])} microbatches, {t['fbg_s_sum']:.3f} s ({t['tflops_step']:.1f} TFLOP/s; "
+            f"{t['fbg_s_at_median_tflops']:.3f} s at its median). Speedup of the sums "
+            f"{sm.get('fbg_speedup_sum_of_microbatches', float('nan')):.3f}x"
+            + (f" ({sm['fbg_speedup_sum_of_microbatches'] / ideal:.3f} of the ideal {ideal:.3f}x)" if ideal else "")
+            + f"; with every compact microbatch at its median {sm.get('fbg_speedup_if_every_compact_at_its_median', float('nan')):.3f}x."
+        ),
+        "",
+        "| # | trajectories | trees | rows | replay | rounds | fill | ideal work compression | layout s | F/B/Grad s | µs / packed row | TFLOP/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in c["microbatches"]:
+        tag = " (median)" if r["index"] == c["median_index"] else " (slowest)" if r["index"] == c["slowest_index"] else ""
+        lines.append(
+            f"| {r['index']}{tag} | {r['trajectories']} | {r['trees']} | {r['rows']:,} | {r['replay_tokens']:,} | "
+            f"{r['rounds']} | {r['fill']:.2f} | {r['ideal_work_compression']:.3f}x | {r['layout_s']:.3f} | "
+            f"{r['fbg_s']:.3f} | {r['us_per_packed_row']:.2f} | {r['tflops']:.1f} |"
+        )
+    tr = sorted(t["microbatches"], key=lambda r: r["tflops"])
+    lines += [
+        "",
+        f"Trajectory microbatches: TFLOP/s min / median / max {tr[0]['tflops']:.1f} / "
+        f"{tr[len(tr) // 2]['tflops']:.1f} / {tr[-1]['tflops']:.1f}; µs per row "
+        f"{min(r['us_per_packed_row'] for r in tr):.2f}-{max(r['us_per_packed_row'] for r in tr):.2f}.",
+        "",
+    ]
+    return lines
+
+
+def _compiles_md(name: str, title: str, d: dict) -> list[str]:
+    c = d["compiles"]
+    if name == "first":
+        head = (
+            f"{d['first_s']:.2f} s against {d['warm_s']:.3f} s warm ({d['rows']:,} rows; target "
+            f"{d['target_first_s']:.0f} s); {d['process_seconds_before']:.1f} s of imports and model init before it; "
+            f"TRITON_CACHE_DIR {d.get('triton_cache_dir') or 'unset'}."
+        )
+    else:
+        head = (
+            f"{d['microbatches']} compact microbatches: first pass {d['first_fbg_s']:.3f} s against "
+            f"{d['warm_fbg_s']:.3f} s warm: {d['overhead']:+.1%} (target {d['target_overhead']:+.0%})."
+        )
+    lines = [f"## {title}", "", head, ""]
+    kinds = c.get("kinds") or {}
+    lines.append(
+        "Inside it: "
+        + (", ".join(f"{k} {v['count']} ({v['seconds']:.2f} s)" for k, v in sorted(kinds.items())) or "nothing compiled")
+        + " (autotune seconds contain their compiles)."
+    )
+    if c.get("top"):
+        lines += ["", "| kind | kernel | events | distinct keys | seconds |", "|---|---|---:|---:|---:|"]
+        for r in c["top"][:12]:
+            lines.append(f"| {r['kind']} | `{r['name']}` | {r['count']} | {r['distinct_keys']} | {r['seconds']:.2f} |")
+    lines.append("")
+    return lines
 
 
 def write(out_dir: str, res: dict) -> None:
@@ -854,7 +1147,12 @@ def main(argv=None) -> int:
         help="attention backend (harts_runtime.ops.attention.BACKENDS, or auto)",
     )
     ap.add_argument("--repeats", type=int, default=2, help="timed steps per mode")
-    ap.add_argument("--sections", default="speedup,fidelity,replay,breakdown")
+    ap.add_argument(
+        "--sections",
+        default="speedup,fidelity,replay,breakdown",
+        help=f"comma-separated sections to run, in order (known: {', '.join(SECTIONS)}); the whole-step "
+        "benchmark is --slice-microbatches 8 --sections speedup,microbatches,newshapes,breakdown",
+    )
     ap.add_argument(
         "--fast-autotune",
         action="store_true",
@@ -862,6 +1160,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke sizes (preset tiny, T = 64)")
     args = ap.parse_args(argv)
+    unknown = [x for x in (t.strip() for t in args.sections.split(",")) if x and x not in SECTIONS]
+    if unknown:
+        ap.error(f"--sections: unknown {unknown} (known: {', '.join(SECTIONS)})")
     if args.tiny:
         args.preset, args.capacity, args.slice_microbatches, args.fidelity_rows, args.repeats = (
             "tiny",
@@ -910,12 +1211,7 @@ def main(argv=None) -> int:
     }
     write(args.out, res)
     shared: dict = {}
-    funcs = {
-        "speedup": section_speedup,
-        "fidelity": section_fidelity,
-        "replay": section_replay,
-        "breakdown": section_breakdown,
-    }
+    funcs = {name: globals()[f"section_{name}"] for name in SECTIONS}
     for name in [s.strip() for s in args.sections.split(",") if s.strip()]:
         elapsed = time.perf_counter() - start
         if elapsed > args.budget_s:

@@ -430,17 +430,26 @@ def test_gpu_eval_script_smoke_on_cpu(tmp_path):
     spec = importlib.util.spec_from_file_location("train_eval", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.main(["--device", "cpu", "--flavor", "debug", "--tiny", "--out", str(tmp_path)]) == 0
+    argv = ["--device", "cpu", "--flavor", "debug", "--tiny", "--out", str(tmp_path), "--sections", ",".join(mod.SECTIONS)]
+    assert mod.main(argv) == 0
     res = json.loads((tmp_path / "train_eval.json").read_text())
-    for name in ("speedup", "fidelity", "replay", "breakdown"):
+    for name in mod.SECTIONS:
         assert "error" not in res[name], res[name].get("traceback")
+    m = res["microbatches"]
+    assert [r["index"] for r in m["compact"]["microbatches"]] == list(range(s_mbs := len(m["compact"]["microbatches"])))
+    assert s_mbs >= 2 and all(r["fbg_s"] > 0 and r["rows"] > 0 and r["rounds"] >= 1 for r in m["compact"]["microbatches"])
+    assert sum(r["rows"] for r in m["compact"]["microbatches"]) == res["speedup"]["runs"]["compact"][0]["rows"]
+    assert sum(r["rows"] for r in m["trajectory"]["microbatches"]) == res["speedup"]["batch"]["semantic_tokens"]
+    assert res["breakdown"]["microbatch"]["index"] == m["compact"]["median_index"]
+    assert res["newshapes"]["first_fbg_s"] > 0 and res["first"]["first_s"] > 0
     s = res["speedup"]
     assert s["non_replay_row_compression"] > 1 and s["ideal_work_compression"] > 1 and s["fbg_speedup"] > 0
     assert res["fidelity"]["no_recompute"]["harts_cos"] > 0.9999
     replay = res["replay"]
     assert replay["replay"][0]["tokens"] > 0 and sum(d["tokens"] for d in replay["replay"][1:]) > 0
     assert "harts.kda.core" in res["breakdown"]["ranges"]
-    assert "## Speedup (Table 4)" in (tmp_path / "train_eval.md").read_text()
+    md = (tmp_path / "train_eval.md").read_text()
+    assert "## Speedup (Table 4)" in md and "## Microbatches of the slice" in md and "## A step of never-seen shapes" in md
 
 
 @pytest.mark.parametrize(
