@@ -87,7 +87,9 @@ class CompileTrace:
                                 "kind": "autotune",
                                 "name": getattr(fn, "__qualname__", getattr(fn, "__name__", str(fn))),
                                 "seconds": time.perf_counter() - t,
-                                "key": _short(dict(zip(getattr(tuner, "keys", []), new[-1])) if new else None),
+                                "key": _short(
+                                    dict(zip(getattr(tuner, "keys", []), new[-1])) if new else None
+                                ),
                                 "configs": len(getattr(tuner, "configs", [])),
                             }
                         )
@@ -129,7 +131,9 @@ class CompileTrace:
             setattr(owner, name, old)
         graphs = self._graphs() - self._graphs0
         if graphs:
-            self.events.append({"kind": "torch_compile", "name": "unique_graphs", "seconds": 0.0, "key": str(graphs)})
+            self.events.append(
+                {"kind": "torch_compile", "name": "unique_graphs", "seconds": 0.0, "key": str(graphs)}
+            )
         self.wall_s = time.perf_counter() - self._t0
 
     @staticmethod
@@ -151,7 +155,8 @@ class CompileTrace:
             k["count"] += 1
             k["seconds"] += e["seconds"]
             p = per.setdefault(
-                (e["kind"], e["name"]), {"kind": e["kind"], "name": e["name"], "count": 0, "seconds": 0.0, "keys": set()}
+                (e["kind"], e["name"]),
+                {"kind": e["kind"], "name": e["name"], "count": 0, "seconds": 0.0, "keys": set()},
             )
             p["count"] += 1
             p["seconds"] += e["seconds"]

@@ -77,6 +77,8 @@ for extra in (os.path.join(ROOT, "kernels"), ROOT):
 sys.path.append(os.path.join(ROOT, "python_client"))
 sys.path.append(os.path.join(ROOT, "benchmarks"))  # compile_trace, when loaded from elsewhere
 
+from compile_trace import CompileTrace
+
 import harts_planner as hp
 from harts_planner import synth
 from harts_runtime import (
@@ -92,8 +94,6 @@ from harts_runtime import (
 from harts_runtime.flops import layer_costs, work_compression
 from harts_runtime.layers.attention import CompactAttentionBase
 from harts_runtime.ops.attention import resolve_backend
-
-from compile_trace import CompileTrace
 
 DEPTHS = 6
 #: every section, in the order the markdown lists them (``--sections`` picks and orders the runs)
@@ -306,7 +306,10 @@ def section_speedup(args, model, dev, shared):
 def _trace_line(summary: dict) -> str:
     """One log line of a :class:`CompileTrace` summary: count and seconds per kind."""
     kinds = summary.get("kinds") or {}
-    return ", ".join(f"{k} {v['count']} / {v['seconds']:.1f}s" for k, v in sorted(kinds.items())) or "nothing compiled"
+    return (
+        ", ".join(f"{k} {v['count']} / {v['seconds']:.1f}s" for k, v in sorted(kinds.items()))
+        or "nothing compiled"
+    )
 
 
 def _time_microbatch(model, step, traj, mode, plan, dev) -> tuple[float, float, dict]:
@@ -344,7 +347,9 @@ def section_microbatches(args, model, dev, shared):
         for i, traj in enumerate(mbs):
             plan = plans[i] if plans else None
             w = work_compression(cfg, lengths[traj], [plan.position_ids] if plan is not None else [])
-            packed = plan.compact_tokens + plan.replay_tokens if plan is not None else int(lengths[traj].sum())
+            packed = (
+                plan.compact_tokens + plan.replay_tokens if plan is not None else int(lengths[traj].sum())
+            )
             rows.append(
                 {
                     "index": i,
@@ -762,7 +767,9 @@ def section_breakdown(args, model, dev, shared):
     out = _profile_microbatch(args, model, dev, step, mbs[pick["median"]], plans[pick["median"]], plan_s)
     out["microbatch"]["index"] = pick["median"]
     if pick.get("slowest") is not None and pick["slowest"] != pick["median"]:
-        slow = _profile_microbatch(args, model, dev, step, mbs[pick["slowest"]], plans[pick["slowest"]], plan_s)
+        slow = _profile_microbatch(
+            args, model, dev, step, mbs[pick["slowest"]], plans[pick["slowest"]], plan_s
+        )
         slow["microbatch"]["index"] = pick["slowest"]
         out["slowest"] = slow
     return out
@@ -966,7 +973,10 @@ def markdown(res: dict) -> str:
     m = res.get("microbatches")
     if isinstance(m, dict) and "compact" in m:
         lines += _microbatches_md(m)
-    for name, title in (("first", "First microbatch of the process"), ("newshapes", "A step of never-seen shapes")):
+    for name, title in (
+        ("first", "First microbatch of the process"),
+        ("newshapes", "A step of never-seen shapes"),
+    ):
         d = res.get(name)
         if isinstance(d, dict) and "compiles" in d:
             lines += _compiles_md(name, title, d)
@@ -1024,7 +1034,11 @@ def _microbatches_md(m: dict) -> list[str]:
             f"{len(t['microbatches'])} microbatches, {t['fbg_s_sum']:.3f} s ({t['tflops_step']:.1f} TFLOP/s; "
             f"{t['fbg_s_at_median_tflops']:.3f} s at its median). Speedup of the sums "
             f"{sm.get('fbg_speedup_sum_of_microbatches', float('nan')):.3f}x"
-            + (f" ({sm['fbg_speedup_sum_of_microbatches'] / ideal:.3f} of the ideal {ideal:.3f}x)" if ideal else "")
+            + (
+                f" ({sm['fbg_speedup_sum_of_microbatches'] / ideal:.3f} of the ideal {ideal:.3f}x)"
+                if ideal
+                else ""
+            )
             + f"; with every compact microbatch at its median {sm.get('fbg_speedup_if_every_compact_at_its_median', float('nan')):.3f}x."
         ),
         "",
@@ -1032,7 +1046,13 @@ def _microbatches_md(m: dict) -> list[str]:
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in c["microbatches"]:
-        tag = " (median)" if r["index"] == c["median_index"] else " (slowest)" if r["index"] == c["slowest_index"] else ""
+        tag = (
+            " (median)"
+            if r["index"] == c["median_index"]
+            else " (slowest)"
+            if r["index"] == c["slowest_index"]
+            else ""
+        )
         lines.append(
             f"| {r['index']}{tag} | {r['trajectories']} | {r['trees']} | {r['rows']:,} | {r['replay_tokens']:,} | "
             f"{r['rounds']} | {r['fill']:.2f} | {r['ideal_work_compression']:.3f}x | {r['layout_s']:.3f} | "
@@ -1066,13 +1086,18 @@ def _compiles_md(name: str, title: str, d: dict) -> list[str]:
     kinds = c.get("kinds") or {}
     lines.append(
         "Inside it: "
-        + (", ".join(f"{k} {v['count']} ({v['seconds']:.2f} s)" for k, v in sorted(kinds.items())) or "nothing compiled")
+        + (
+            ", ".join(f"{k} {v['count']} ({v['seconds']:.2f} s)" for k, v in sorted(kinds.items()))
+            or "nothing compiled"
+        )
         + " (autotune seconds contain their compiles)."
     )
     if c.get("top"):
         lines += ["", "| kind | kernel | events | distinct keys | seconds |", "|---|---|---:|---:|---:|"]
         for r in c["top"][:12]:
-            lines.append(f"| {r['kind']} | `{r['name']}` | {r['count']} | {r['distinct_keys']} | {r['seconds']:.2f} |")
+            lines.append(
+                f"| {r['kind']} | `{r['name']}` | {r['count']} | {r['distinct_keys']} | {r['seconds']:.2f} |"
+            )
     lines.append("")
     return lines
 

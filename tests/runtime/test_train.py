@@ -430,16 +430,34 @@ def test_gpu_eval_script_smoke_on_cpu(tmp_path):
     spec = importlib.util.spec_from_file_location("train_eval", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    argv = ["--device", "cpu", "--flavor", "debug", "--tiny", "--out", str(tmp_path), "--sections", ",".join(mod.SECTIONS)]
+    argv = [
+        "--device",
+        "cpu",
+        "--flavor",
+        "debug",
+        "--tiny",
+        "--out",
+        str(tmp_path),
+        "--sections",
+        ",".join(mod.SECTIONS),
+    ]
     assert mod.main(argv) == 0
     res = json.loads((tmp_path / "train_eval.json").read_text())
     for name in mod.SECTIONS:
         assert "error" not in res[name], res[name].get("traceback")
     m = res["microbatches"]
-    assert [r["index"] for r in m["compact"]["microbatches"]] == list(range(s_mbs := len(m["compact"]["microbatches"])))
-    assert s_mbs >= 2 and all(r["fbg_s"] > 0 and r["rows"] > 0 and r["rounds"] >= 1 for r in m["compact"]["microbatches"])
-    assert sum(r["rows"] for r in m["compact"]["microbatches"]) == res["speedup"]["runs"]["compact"][0]["rows"]
-    assert sum(r["rows"] for r in m["trajectory"]["microbatches"]) == res["speedup"]["batch"]["semantic_tokens"]
+    assert [r["index"] for r in m["compact"]["microbatches"]] == list(
+        range(s_mbs := len(m["compact"]["microbatches"]))
+    )
+    assert s_mbs >= 2 and all(
+        r["fbg_s"] > 0 and r["rows"] > 0 and r["rounds"] >= 1 for r in m["compact"]["microbatches"]
+    )
+    assert (
+        sum(r["rows"] for r in m["compact"]["microbatches"]) == res["speedup"]["runs"]["compact"][0]["rows"]
+    )
+    assert (
+        sum(r["rows"] for r in m["trajectory"]["microbatches"]) == res["speedup"]["batch"]["semantic_tokens"]
+    )
     assert res["breakdown"]["microbatch"]["index"] == m["compact"]["median_index"]
     assert res["newshapes"]["first_fbg_s"] > 0 and res["first"]["first_s"] > 0
     s = res["speedup"]
@@ -449,7 +467,11 @@ def test_gpu_eval_script_smoke_on_cpu(tmp_path):
     assert replay["replay"][0]["tokens"] > 0 and sum(d["tokens"] for d in replay["replay"][1:]) > 0
     assert "harts.kda.core" in res["breakdown"]["ranges"]
     md = (tmp_path / "train_eval.md").read_text()
-    assert "## Speedup (Table 4)" in md and "## Microbatches of the slice" in md and "## A step of never-seen shapes" in md
+    assert (
+        "## Speedup (Table 4)" in md
+        and "## Microbatches of the slice" in md
+        and "## A step of never-seen shapes" in md
+    )
 
 
 @pytest.mark.parametrize(
