@@ -9,7 +9,9 @@ package                            what
 :mod:`harts_runtime.layout`        plan arrays -> device index tensors (rows, KDA rounds, views,
                                    convolution windows); the planner contract (``CallLayoutArrays``)
 :mod:`harts_runtime.modules`       building blocks: norms, short convolution, RoPE, SwiGLU
-:mod:`harts_runtime.ops`           the compact-attention op and its backends, packed-row gathers, kept regions
+:mod:`harts_runtime.ops`           the compact-attention op and its backends, packed-row gathers, kept
+                                   regions, the MoE's grouped GEMMs, expert dispatch / combine,
+                                   row-weighted SwiGLU
 :mod:`harts_runtime.layers`        one file per layer (KDA, attention, MLA, MoE, FFN), each called
                                    as ``forward(x, layout)``
 :mod:`harts_runtime.models`        model families: ``models/<family>/{args,model}.py``

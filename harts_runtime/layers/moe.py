@@ -35,37 +35,27 @@ Expert computation, chosen by ``MoEConfig.grouped``:
 
 * ``grouped=False``: a loop over experts (the reference, as torchtitan ``_run_experts_for_loop``;
   it synchronises with the device once per expert, through ``nonzero``);
-* ``grouped=True``: one permutation: the N*k assignments are sorted by expert once (a stable
-  device-side argsort, its inverse by a scatter, the per-expert counts by a scatter-add into a
-  fixed [E] buffer, offsets by a cumsum), the rows are gathered once, two grouped matmuls run
-  on the expert-sorted rows (``torch._grouped_mm`` with the device offsets where
-  :func:`_grouped_mm_ok` allows, else a padded batched matmul over experts): gate and up as one
-  product with ``[w_gate | w_up]`` [E, D, 2I] (:func:`gate_up_mm`: concatenated inside the
-  forward and again in the backward, never saved between them; the parameters stay separate for
-  the state-dict adapters and expert parallelism), then the down projection. Between them the SwiGLU (fla's fused Triton kernel on
-  CUDA, ``MoEConfig.backend``) also scales each slot's I-wide row by its routing weight (exact:
-  the down projection is linear), so the slots go back with one gather by the inverse
-  permutation and a plain fixed-order sum over the k slots. The backward is gathers and
-  fixed-order sums too (no atomics, no second sort).
+* ``grouped=True`` (:meth:`CompactMoE._experts_grouped`), on the ops of :mod:`harts_runtime.ops`:
+  the N*k assignments are sorted by expert once and the rows gathered once
+  (:mod:`~harts_runtime.ops.dispatch`); two grouped matmuls run on the expert-sorted rows, gate and
+  up as one product with ``[w_gate | w_up]`` [E, D, 2I], then the down projection
+  (:mod:`~harts_runtime.ops.grouped_gemm`); between them the SwiGLU (fla's fused Triton kernel on
+  CUDA, ``MoEConfig.backend``) also scales each slot's I-wide row by its routing weight (exact: the
+  down projection is linear; :mod:`~harts_runtime.ops.swiglu`), so the slots go back with one
+  gather by the inverse permutation and a plain fixed-order sum over the k slots. The backward is
+  gathers and fixed-order sums too (no atomics, no second sort).
 
 Host synchronisation (issue 15): on CUDA the grouped path issues no device-to-host copy and no
-data-dependent output shape, forward or backward, when ``torch._grouped_mm`` takes its fast path:
-bf16 inputs and weights, compute capability 9.x or 10.x (PyTorch's ``_grouped_mm_cuda``; other
-devices and dtypes run ``_grouped_mm_fallback``, which copies the offsets to the host), and
-16-byte aligned rows (D and I multiples of 8 in bf16: D=1536, I=512 qualifies). Group sizes need
-no padding: the forward and input-gradient products are 2-D x 3-D (the ragged dimension is M),
-and the weight gradient is ``x^T`` (column-major) times the row-major output gradient, the one
-2-D x 2-D layout the kernel accepts with any group size, empty groups included. Anything else
-(fp32 or fp16 on CUDA, unaligned widths, older GPUs) takes the padded-bmm fallback, which reads
-the largest count on the host (one synchronisation per grouped matmul). The router, its
-statistics (z-loss, load-balancing loss, multiplicity-weighted counts ``f_e``), the count
-accumulation into ``local_tokens_per_expert`` and :meth:`CompactMoE.update_expert_bias` are
-device-side in every path: nothing is read back per step.
+data-dependent output shape, forward or backward, when ``torch._grouped_mm`` takes its fast path
+(bf16, compute capability 9.x or 10.x, 16-byte aligned rows: the conditions are in
+:mod:`harts_runtime.ops.grouped_gemm`); anything else takes the padded-bmm fallback, one
+synchronisation per grouped matmul. The router, its statistics (z-loss, load-balancing loss,
+multiplicity-weighted counts ``f_e``), the count accumulation into ``local_tokens_per_expert`` and
+:meth:`CompactMoE.update_expert_bias` are device-side in every path: nothing is read back per step.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -74,24 +64,13 @@ from torch import nn
 
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.rows import RowLayout
-from harts_runtime.modules.fused import device_guard, use_fla
 from harts_runtime.modules.swiglu import SwiGLU
+from harts_runtime.ops.dispatch import combine_rows, dispatch_rows, sort_assignments
+from harts_runtime.ops.grouped_gemm import gate_up_mm, grouped_mm
 from harts_runtime.ops.rows import permute_rows
+from harts_runtime.ops.swiglu import swiglu_rows
 
-__all__ = [
-    "SCORE_FUNCS",
-    "CompactMoE",
-    "MoEConfig",
-    "MoEOutput",
-    "combine_rows",
-    "dispatch_rows",
-    "gate_up_mm",
-    "grouped_mm",
-    "route",
-    "router_losses",
-    "sort_assignments",
-    "swiglu_rows",
-]
+__all__ = ["SCORE_FUNCS", "CompactMoE", "MoEConfig", "MoEOutput", "route", "router_losses"]
 
 
 @dataclass(kw_only=True)
@@ -276,297 +255,6 @@ def router_losses(
     aux = (mass * counts).sum() * (e / (k * s * s))
     z = z_sum / s
     return aux, z, tokens_per_expert.float()
-
-
-# ------------------------------------------------------------------------------ grouped matmul
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous (``_grouped_mm`` needs it)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g.contiguous()
-
-
-@functools.cache
-def _has_grouped_mm() -> bool:
-    return hasattr(torch, "_grouped_mm")
-
-
-@functools.cache
-def _cuda_fast_grouped_mm(device_index: int) -> bool:
-    """PyTorch's bf16 ``_grouped_mm`` fast path (CUTLASS, offsets read on the device) exists for
-    compute capability 9.x and 10.x only (``_scaled_mm_allowed_device(sm90_only, sm100_only)``)."""
-    return torch.cuda.get_device_capability(device_index)[0] in (9, 10)
-
-
-def _tma_layout(t: torch.Tensor) -> bool:
-    """Row- or column-major in the last two dimensions with 16-byte aligned leading strides (the
-    ``check_valid_strides_and_return_transposed`` rule of ``_grouped_mm``)."""
-    align = 16 // t.element_size()
-    s, z = t.stride(), t.shape
-    if s[-1] == 1 and s[-2] >= max(1, z[-1]):
-        return s[-2] % align == 0
-    if s[-2] == 1 and s[-1] >= max(1, z[-2]):
-        return s[-1] % align == 0
-    return False
-
-
-def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether :func:`grouped_mm` may call ``torch._grouped_mm`` for ``x`` [M, K] and ``w`` [E, K, N].
-
-    Both need 16-byte aligned rows (``K`` and ``N`` times the element size) and one dtype. On CUDA
-    the dtype must be bf16 and the device SM90/SM100, the only case whose kernel reads the offsets
-    on the device; fp32/fp16 there would run PyTorch's per-group host loop (a synchronisation),
-    so they take the padded bmm instead. On the CPU fp32 and bf16 qualify.
-    """
-    if not _has_grouped_mm() or x.dtype != w.dtype:
-        return False
-    aligned = _tma_layout(x) and _tma_layout(w) and (w.shape[-1] * w.element_size()) % 16 == 0
-    if x.is_cuda:
-        return (
-            aligned
-            and x.dtype == torch.bfloat16
-            and all((t.storage_offset() * t.element_size()) % 16 == 0 for t in (x, w))
-            and _cuda_fast_grouped_mm(x.device.index)
-        )
-    return aligned and x.dtype in (torch.float32, torch.bfloat16)
-
-
-def _padded_bmm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Segmented matmul by padding each expert's rows into [E, max_count, K] and one bmm.
-
-    The fallback of :func:`grouped_mm`: the padded shape needs the largest count on the host (one
-    device synchronisation per call)."""
-    e = w.shape[0]
-    m = int(counts.max()) if counts.numel() else 0
-    starts = torch.cumsum(counts, 0) - counts
-    expert = torch.repeat_interleave(torch.arange(e, device=x.device), counts, output_size=x.shape[0])
-    slot = torch.arange(x.shape[0], device=x.device) - starts[expert]
-    padded = x.new_zeros(e, m, x.shape[1]).index_put((expert, slot), x)
-    return torch.bmm(padded, w)[expert, slot]
-
-
-def grouped_mm(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    counts: torch.Tensor,
-    impl: str = "auto",
-    offs: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Rows of ``x`` [M, K] grouped by expert (``counts`` int [E], summing to M) times ``w`` [E, K, N].
-
-    Returns [M, N]: group ``e``'s rows times ``w[e]``. ``impl``: ``"grouped_mm"``
-    (``torch._grouped_mm``), ``"bmm"`` (padded batched matmul) or ``"auto"`` (the first when
-    :func:`_grouped_mm_ok` allows it). Both are differentiable. ``offs``: the int32 cumulative
-    counts, if the caller already has them (several matmuls over one grouping); computed on the
-    device otherwise.
-    """
-    if _takes_grouped_mm(impl, x, w):
-        offs = torch.cumsum(counts, 0, dtype=torch.int32) if offs is None else offs
-        return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
-    return _padded_bmm(x, w, counts)
-
-
-def _takes_grouped_mm(impl: str, x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether a grouped matmul of ``x`` by ``w`` under ``impl`` calls ``torch._grouped_mm``
-    (:func:`grouped_mm`); :class:`InvalidInputError` for an unknown ``impl``."""
-    if impl not in ("auto", "grouped_mm", "bmm"):
-        raise InvalidInputError("impl", f"unknown {impl!r}; choose auto, grouped_mm or bmm")
-    return impl == "grouped_mm" or (impl == "auto" and x.shape[0] > 0 and _grouped_mm_ok(x, w))
-
-
-# ------------------------------------------------------------------------- dispatch and combine
-class _GateUpGroupedMM(torch.autograd.Function):
-    """``torch._grouped_mm(x, [w_gate | w_up], offs)`` that does not keep the concatenation.
-
-    The forward concatenates the two [E, D, I] weights into one [E, D, 2I] operand, multiplies and
-    frees it; it saves ``x`` and the two parameters (which live anyway). The backward rebuilds the
-    concatenation only for the input gradient, ``dY [w_gate | w_up]^T``, and computes the weight
-    gradient as one ``x^T dY`` [E, D, 2I] split into the two parameters' gradients. These are the
-    products of ``torch._grouped_mm``'s own derivative (2-D x 3-D, and column-major ``x^T`` times
-    the row-major ``dY``: its device-offset fast path). With autograd's ``cat`` the [E, D, 2I]
-    operand was saved from the forward to the backward: 2 E D I elements (0.4 GB per ling-tiny MoE
-    layer in bf16, 1 GB per Qwen3.5-35B-A3B layer) per layer without recomputation."""
-
-    @staticmethod
-    def forward(ctx, x, w_gate, w_up, offs):
-        ctx.save_for_backward(x, w_gate, w_up, offs)
-        return torch._grouped_mm(x, torch.cat([w_gate, w_up], dim=-1), offs=offs)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w_gate, w_up, offs = ctx.saved_tensors
-        g = g.contiguous()
-        dx = dg = du = None
-        if ctx.needs_input_grad[0]:
-            w = torch.cat([w_gate, w_up], dim=-1)
-            dx = torch._grouped_mm(g, w.transpose(-2, -1), offs=offs)
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            dg, du = torch._grouped_mm(x.t(), g, offs=offs).split(w_gate.shape[-1], dim=-1)
-        return dx, dg, du, None
-
-
-def gate_up_mm(
-    x: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    counts: torch.Tensor,
-    impl: str = "auto",
-    offs: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`grouped_mm` of ``x`` [M, D] with ``[w_gate | w_up]`` [E, D, 2I] (the two [E, D, I]
-    weights side by side): [M, 2I], the gate product in the first I columns. On the
-    ``torch._grouped_mm`` path the concatenation lives only inside the forward and the backward
-    (:class:`_GateUpGroupedMM`); on the padded-bmm fallback it is an autograd ``cat``."""
-    if w_gate.shape != w_up.shape or w_gate.dtype != w_up.dtype:
-        raise InvalidInputError(
-            "w_up", f"{tuple(w_up.shape)} {w_up.dtype} != w_gate {tuple(w_gate.shape)} {w_gate.dtype}"
-        )
-    # the concatenation is a fresh contiguous [E, D, 2I]: w_gate's checks cover its dtype, device
-    # and alignment (I aligned implies 2I aligned)
-    if _takes_grouped_mm(impl, x, w_gate):
-        offs = torch.cumsum(counts, 0, dtype=torch.int32) if offs is None else offs
-        return _GateUpGroupedMM.apply(x, w_gate, w_up, offs)
-    return grouped_mm(x, torch.cat([w_gate, w_up], dim=-1), counts, impl, offs)
-
-
-def sort_assignments(topk_idx: torch.Tensor, num_experts: int):
-    """The one permutation of the grouped path, computed on the device (no host synchronisation).
-
-    Parameters
-    ----------
-    topk_idx : Tensor, int64, [N, k]
-
-    Returns
-    -------
-    order : Tensor, int64, [N*k]
-        The assignment slots ``c * k + j`` sorted by expert (stable: rows ascending inside an
-        expert, so the grouping is deterministic).
-    inverse : Tensor, int64, [N*k]
-        The inverse permutation (``inverse[order] = arange``), by a scatter rather than a second sort.
-    counts : Tensor, int64, [E]
-        Assignments per expert, by a scatter-add into a fixed-size buffer (``bincount`` on CUDA
-        reads its output size back from the device).
-    """
-    flat = topk_idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    slots = torch.arange(flat.numel(), device=flat.device)
-    inverse = torch.empty_like(order).scatter_(0, order, slots)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat)
-    )
-    return order, inverse, counts
-
-
-def _sum_slots(y: torch.Tensor, k: int) -> torch.Tensor:
-    """[N*k, W] slots in row-major slot order -> [N, W]: a fixed-order sum over the k slots of a
-    row (PyTorch's reduction accumulates bf16 in fp32 and rounds once; no atomics)."""
-    return y.view(y.shape[0] // k, k, y.shape[-1]).sum(1)
-
-
-class _Dispatch(torch.autograd.Function):
-    """``x[rows]`` with ``rows = order // k``: rows [N, D] to their N*k expert-sorted assignment slots.
-
-    Backward: the slot gradients back to [N, k] order by a gather with ``inverse``, then a sum
-    over the k slots (:func:`_sum_slots`), instead of autograd's accumulating ``index_put`` /
-    ``index_add`` (a sort or atomics on CUDA). The adjoint of :class:`_Combine`.
-    """
-
-    @staticmethod
-    def forward(ctx, x, rows, inverse, k):
-        ctx.save_for_backward(inverse)
-        ctx.k = k
-        return x.index_select(0, rows)
-
-    @staticmethod
-    def backward(ctx, g):
-        (inverse,) = ctx.saved_tensors
-        return _sum_slots(g.index_select(0, inverse), ctx.k), None, None, None
-
-
-class _Combine(torch.autograd.Function):
-    """Expert-sorted slots [N*k, D] back to their rows [N, D]: one gather by ``inverse`` (row-major
-    slot order), then the fixed-order sum over the k slots of a row (:func:`_sum_slots`).
-
-    Backward: ``g[rows]`` (``rows = order // k``, one gather straight into the expert-sorted slot
-    order; no expanded [N, k, D] gradient, no scatter). The adjoint of :class:`_Dispatch`.
-    """
-
-    @staticmethod
-    def forward(ctx, y, rows, inverse, k):
-        ctx.save_for_backward(rows)
-        return _sum_slots(y.index_select(0, inverse), k)
-
-    @staticmethod
-    def backward(ctx, g):
-        (rows,) = ctx.saved_tensors
-        return g.index_select(0, rows), None, None, None
-
-
-def dispatch_rows(x: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
-    """Rows [N, D] to their N*k expert-sorted assignment slots (``x[rows]``, ``rows = order // k``);
-    backward by a gather and a fixed-order sum over the k slots (:class:`_Dispatch`)."""
-    return _Dispatch.apply(x, rows, inverse, k)
-
-
-def combine_rows(y: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
-    """Expert-sorted slots [N*k, D] back to their N rows, summed over the k slots in a fixed order
-    (:class:`_Combine`, the adjoint of :func:`dispatch_rows`)."""
-    return _Combine.apply(y, rows, inverse, k)
-
-
-# ------------------------------------------------------------------------------------ SwiGLU
-class _FusedSwiGLU(torch.autograd.Function):
-    """``silu(a) * b`` (times ``w`` per row, if given) for ``gu = [a | b]`` [M, 2I], through fla's
-    Triton SwiGLU kernels (``swiglu_fwd`` / ``swiglu_fwdbwd``, the ones ``fla.modules.activations
-    .swiglu`` runs; fp32 math, one rounding).
-
-    Saves only ``gu`` and ``w``: the backward recomputes ``h = silu(a) * b`` in the same kernel that
-    forms ``da``, ``db`` (``use_weight=True``), so no [M, I] intermediate is kept. ``da`` and
-    ``db`` are written into one [M, 2I] gradient (one ``cat``; two slice backwards would each fill
-    a zero [M, 2I] buffer and add them). ``dw = sum_I(g * h)``, as autograd forms it for ``h * w``.
-    """
-
-    @staticmethod
-    def forward(ctx, gu, w):
-        from fla.modules.activations.ops import swiglu_fwd
-
-        a, b = gu.chunk(2, dim=-1)
-        with device_guard(gu):
-            h = swiglu_fwd(a, b)
-        ctx.save_for_backward(gu, w)
-        return h if w is None else h.mul_(w[:, None])
-
-    @staticmethod
-    def backward(ctx, g):
-        from fla.modules.activations.ops import swiglu_fwdbwd
-
-        gu, w = ctx.saved_tensors
-        a, b = gu.chunk(2, dim=-1)
-        need_w = w is not None and ctx.needs_input_grad[1]
-        with device_guard(gu):
-            if w is None:
-                da, db = swiglu_fwdbwd(a, b, g)
-            else:
-                da, db, h = swiglu_fwdbwd(a, b, g * w[:, None], use_weight=True)
-        dw = (g * h).sum(-1) if need_w else None
-        return torch.cat([da, db], dim=-1), dw
-
-
-def swiglu_rows(gu: torch.Tensor, w: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
-    """``silu(a) * b``, each row scaled by ``w`` [M] if given, for ``gu = [a | b]`` [M, 2I] -> [M, I].
-
-    ``backend`` as :func:`harts_runtime.modules.fused.use_fla`: fla's fused kernels
-    (:class:`_FusedSwiGLU`) or the PyTorch reference ``F.silu(a) * b`` (then ``* w``)."""
-    if use_fla(gu, backend):
-        return _FusedSwiGLU.apply(gu, w)
-    a, b = gu.chunk(2, dim=-1)
-    h = F.silu(a) * b
-    return h if w is None else h * w[:, None]
 
 
 # ---------------------------------------------------------------------------------- module

@@ -1,4 +1,15 @@
-"""Ops the layers call: :mod:`~harts_runtime.ops.attention` (compact attention and its backends)."""
+"""Ops the layers call, one job per module:
+
+* :mod:`~harts_runtime.ops.attention`: compact attention and its backends (re-exported here);
+* :mod:`~harts_runtime.ops.rows`: packed-row gathers and plain permutations with gather-only backwards;
+* :mod:`~harts_runtime.ops.keep`: kept regions for selective recomputation;
+* :mod:`~harts_runtime.ops.grouped_gemm`: grouped matmul of expert-sorted rows (``grouped_mm``,
+  ``gate_up_mm``) on ``torch._grouped_mm``'s device-offset kernel or a padded bmm;
+* :mod:`~harts_runtime.ops.dispatch`: the MoE's one permutation (``sort_assignments``) and its
+  row dispatch / combine (``dispatch_rows``, ``combine_rows``);
+* :mod:`~harts_runtime.ops.swiglu`: SwiGLU on rows with per-row weights (``swiglu_rows``; fla's
+  fused kernels or the reference).
+"""
 
 from harts_runtime.ops.attention import BACKENDS, available_backends, compact_attention, trajectory_attention
 

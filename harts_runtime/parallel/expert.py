@@ -8,7 +8,7 @@ own compact rows, exactly as in :class:`CompactMoE`: each compact row is routed 
 by its multiplicity ``q_c`` (``q_c`` only weights the z-loss, the aux-loss mass and counts and the
 expert-load counts). The expert computation is :class:`ExpertDispatch`:
 
-1. sort the ``N k`` assignments by expert (:func:`~harts_runtime.layers.moe.sort_assignments`),
+1. sort the ``N k`` assignments by expert (:func:`~harts_runtime.ops.dispatch.sort_assignments`),
    gather the rows in that order;
 2. all-to-all the per-expert counts (``E`` integers; the one host synchronisation, for the
    split sizes), then the rows, to the ranks that own their experts
@@ -29,14 +29,9 @@ from __future__ import annotations
 import torch
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
-from harts_runtime.layers.moe import (
-    combine_rows,
-    dispatch_rows,
-    gate_up_mm,
-    grouped_mm,
-    sort_assignments,
-    swiglu_rows,
-)
+from harts_runtime.ops.dispatch import combine_rows, dispatch_rows, sort_assignments
+from harts_runtime.ops.grouped_gemm import gate_up_mm, grouped_mm
+from harts_runtime.ops.swiglu import swiglu_rows
 
 __all__ = ["ExpertDispatch"]
 

@@ -1,6 +1,7 @@
 """The runtime's rooms import down the pipeline only (docs/architecture.md, "Packages and what each
-may import"): layout/, modules/ and loss/ import no other room; ops/ imports layout/; layers/
-import layout/, modules/, ops/ and the kernels; models/ import layers/ and loss/. Shared by all:
+may import"): layout/, modules/ and loss/ import no other room; ops/ imports layout/ and modules/
+(the fla-or-reference switch); layers/ import layout/, modules/, ops/ and the kernels; models/
+import layers/ and loss/. Shared by all:
 ``harts_runtime.errors`` (and ``testing`` nowhere in production code)."""
 
 import ast
@@ -14,7 +15,7 @@ ALLOWED = {
     "layout": set(),
     "modules": set(),
     "loss": set(),
-    "ops": {"layout"},
+    "ops": {"layout", "modules"},
     "layers": {"layout", "modules", "ops"},
     "models": {"layers", "loss", "layout", "modules", "ops"},
 }

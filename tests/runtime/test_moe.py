@@ -18,17 +18,11 @@ import triton_interpreter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harts_runtime.errors import InvalidInputError
-from harts_runtime.layers.moe import (
-    CompactMoE,
-    MoEConfig,
-    _grouped_mm_ok,
-    gate_up_mm,
-    grouped_mm,
-    route,
-    sort_assignments,
-    swiglu_rows,
-)
+from harts_runtime.layers.moe import CompactMoE, MoEConfig, route
 from harts_runtime.layout import RowLayout
+from harts_runtime.ops.dispatch import sort_assignments
+from harts_runtime.ops.grouped_gemm import _grouped_mm_ok, gate_up_mm, grouped_mm
+from harts_runtime.ops.swiglu import swiglu_rows
 from harts_runtime.testing import random_batch
 
 
@@ -207,7 +201,8 @@ def test_fused_swiglu_matches_the_reference_under_the_interpreter():
     code = triton_interpreter.prelude("fla.modules.activations.ops") + textwrap.dedent(
         """
         import torch
-        from harts_runtime.layers.moe import CompactMoE, MoEConfig, swiglu_rows
+        from harts_runtime.layers.moe import CompactMoE, MoEConfig
+        from harts_runtime.ops.swiglu import swiglu_rows
         from harts_runtime.layout import RowLayout
 
         tol = dict(rtol=1e-5, atol=1e-6)
@@ -309,7 +304,7 @@ def test_grouped_path_on_cuda_bf16():
     """On CUDA (bf16, SM90) the grouped path uses torch._grouped_mm; it agrees with the loop."""
     import copy
 
-    from harts_runtime.layers.moe import _grouped_mm_ok
+    from harts_runtime.ops.grouped_gemm import _grouped_mm_ok
 
     torch.manual_seed(0)
     base = (

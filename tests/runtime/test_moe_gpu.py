@@ -18,16 +18,11 @@ import copy
 import pytest
 import torch
 
-from harts_runtime.layers.moe import (
-    CompactMoE,
-    MoEConfig,
-    _grouped_mm_ok,
-    gate_up_mm,
-    grouped_mm,
-    swiglu_rows,
-)
+from harts_runtime.layers.moe import CompactMoE, MoEConfig
 from harts_runtime.layout import RowLayout
 from harts_runtime.modules.fused import fla_available
+from harts_runtime.ops.grouped_gemm import _grouped_mm_ok, gate_up_mm, grouped_mm
+from harts_runtime.ops.swiglu import swiglu_rows
 
 pytestmark = pytest.mark.gpu
 

@@ -1,0 +1,113 @@
+"""The one permutation of the grouped MoE path: assignments sorted by expert, rows to their slots and back.
+
+A router picks k experts for each of N rows (``topk_idx`` int64 [N, k]). The grouped matmuls
+(:mod:`harts_runtime.ops.grouped_gemm`) run on the N*k assignment slots (slot ``c * k + j``: row
+``c``'s ``j``-th expert) sorted by expert:
+
+* :func:`sort_assignments` ``(topk_idx, E) -> (order, inverse, counts)``: a stable argsort of the
+  slots by expert (rows ascending inside one expert, so the grouping is deterministic), its inverse
+  by a scatter rather than a second sort, and the per-expert counts by a scatter-add into a fixed
+  [E] buffer (``bincount`` on CUDA reads its output size back); the grouped matmuls' offsets are a
+  cumsum of the counts;
+* :func:`dispatch_rows` ``(x [N, D], rows, inverse, k) -> [N*k, D]``: ``x[rows]`` with
+  ``rows = order // k``, every row gathered into its k expert-sorted slots;
+* :func:`combine_rows` ``(y [N*k, D], rows, inverse, k) -> [N, D]``: the slots back into row-major
+  slot order by one gather with ``inverse``, then a fixed-order sum over each row's k slots.
+
+Dispatch and combine are each other's adjoint, and each one's backward is the other's forward:
+gathers and fixed-order sums, with no atomics, no accumulating ``index_put`` / ``index_add`` and no
+second sort, so forward and backward are deterministic. Everything stays on the device: no value is
+read back to the host, forward or backward. (A slot's routing weight follows the same permutation
+through :func:`harts_runtime.ops.rows.permute_rows`.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["combine_rows", "dispatch_rows", "sort_assignments"]
+
+
+def sort_assignments(topk_idx: torch.Tensor, num_experts: int):
+    """The one permutation of the grouped path, computed on the device (no host synchronisation).
+
+    Parameters
+    ----------
+    topk_idx : Tensor, int64, [N, k]
+
+    Returns
+    -------
+    order : Tensor, int64, [N*k]
+        The assignment slots ``c * k + j`` sorted by expert (stable: rows ascending inside an
+        expert, so the grouping is deterministic).
+    inverse : Tensor, int64, [N*k]
+        The inverse permutation (``inverse[order] = arange``), by a scatter rather than a second sort.
+    counts : Tensor, int64, [E]
+        Assignments per expert, by a scatter-add into a fixed-size buffer (``bincount`` on CUDA
+        reads its output size back from the device).
+    """
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    slots = torch.arange(flat.numel(), device=flat.device)
+    inverse = torch.empty_like(order).scatter_(0, order, slots)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+    return order, inverse, counts
+
+
+def _sum_slots(y: torch.Tensor, k: int) -> torch.Tensor:
+    """[N*k, W] slots in row-major slot order -> [N, W]: a fixed-order sum over the k slots of a
+    row (PyTorch's reduction accumulates bf16 in fp32 and rounds once; no atomics)."""
+    return y.view(y.shape[0] // k, k, y.shape[-1]).sum(1)
+
+
+class _Dispatch(torch.autograd.Function):
+    """``x[rows]`` with ``rows = order // k``: rows [N, D] to their N*k expert-sorted assignment slots.
+
+    Backward: the slot gradients back to [N, k] order by a gather with ``inverse``, then a sum
+    over the k slots (:func:`_sum_slots`), instead of autograd's accumulating ``index_put`` /
+    ``index_add`` (a sort or atomics on CUDA). The adjoint of :class:`_Combine`.
+    """
+
+    @staticmethod
+    def forward(ctx, x, rows, inverse, k):
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return x.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, g):
+        (inverse,) = ctx.saved_tensors
+        return _sum_slots(g.index_select(0, inverse), ctx.k), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Expert-sorted slots [N*k, D] back to their rows [N, D]: one gather by ``inverse`` (row-major
+    slot order), then the fixed-order sum over the k slots of a row (:func:`_sum_slots`).
+
+    Backward: ``g[rows]`` (``rows = order // k``, one gather straight into the expert-sorted slot
+    order; no expanded [N, k, D] gradient, no scatter). The adjoint of :class:`_Dispatch`.
+    """
+
+    @staticmethod
+    def forward(ctx, y, rows, inverse, k):
+        ctx.save_for_backward(rows)
+        return _sum_slots(y.index_select(0, inverse), k)
+
+    @staticmethod
+    def backward(ctx, g):
+        (rows,) = ctx.saved_tensors
+        return g.index_select(0, rows), None, None, None
+
+
+def dispatch_rows(x: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows [N, D] to their N*k expert-sorted assignment slots (``x[rows]``, ``rows = order // k``);
+    backward by a gather and a fixed-order sum over the k slots (:class:`_Dispatch`)."""
+    return _Dispatch.apply(x, rows, inverse, k)
+
+
+def combine_rows(y: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    """Expert-sorted slots [N*k, D] back to their N rows, summed over the k slots in a fixed order
+    (:class:`_Combine`, the adjoint of :func:`dispatch_rows`)."""
+    return _Combine.apply(y, rows, inverse, k)
