@@ -830,7 +830,8 @@ def case_moe(ctx: Context) -> dict:
 
 def kernel_profile(call, inputs, params, gy, dev, top: int = 15) -> dict:
     """One warm fwd+bwd of ``call`` under ``torch.profiler``: device seconds per kernel (self time,
-    the ``top`` largest) and their total, to say where a layer's time goes against its roofline."""
+    the ``top`` largest) and their total, to say where a layer's time goes against its roofline
+    (our ``harts.*`` ranges are annotations, not kernels: left out)."""
     from torch.profiler import ProfilerActivity, profile
 
     wrt = [t for t in inputs + params if t.requires_grad]
@@ -844,7 +845,7 @@ def kernel_profile(call, inputs, params, gy, dev, top: int = 15) -> dict:
         t = getattr(e, "self_device_time_total", None)
         if t is None:
             t = getattr(e, "self_cuda_time_total", 0)
-        if t and str(getattr(e, "device_type", "")).endswith("CUDA"):
+        if t and str(getattr(e, "device_type", "")).endswith("CUDA") and not e.key.startswith("harts."):
             rows.append({"kernel": e.key[:160], "calls": e.count, "ms": t / 1e3})
     rows.sort(key=lambda r: -r["ms"])
     return {"total_ms": sum(r["ms"] for r in rows), "kernels": len(rows), "top": rows[:top]}

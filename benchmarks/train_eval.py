@@ -412,11 +412,21 @@ def section_microbatches(args, model, dev, shared):
 
 
 def section_newshapes(args, model, dev, shared):
-    """A step the process has never seen (the slice of seed ``--seed + 1``, same preset, capacity
-    and size), after the kernels are warm from another step: its first compact pass against its
-    warm repeat, with what compiled, loaded or autotuned during the first pass (:class:`CompileTrace`)."""
+    """Steps the process has never seen (the slices of seeds ``--seed + 1 .. --seed +
+    --newshape-steps``, same preset, capacity and size), one after the other, after the kernels
+    are warm from the speedup step: each one's first compact pass against its warm repeat, with
+    what compiled, loaded or autotuned during the first pass (:class:`CompileTrace`). The top-level
+    figures are the last step's (the kernels of the earlier never-seen steps are warm by then, as
+    in training); ``steps`` has every one."""
+    steps = [
+        _newshape_step(args, model, dev, args.seed + k) for k in range(1, max(args.newshape_steps, 1) + 1)
+    ]
+    return {**steps[-1], "steps": steps}
+
+
+def _newshape_step(args, model, dev, seed):
     cfg = model.config
-    step = make_slice(args, args.capacity, None, args.slice_microbatches, args.seed + 1, cfg.vocab_size)
+    step = make_slice(args, args.capacity, None, args.slice_microbatches, seed, cfg.vocab_size)
     apply_recompute(model, keep=_keep(args))
     with CompileTrace() as trace:
         first = train_step(model, None, step, None, "compact", capacity=args.capacity)
@@ -426,8 +436,11 @@ def section_newshapes(args, model, dev, shared):
         warm.append(train_step(model, None, step, None, "compact", capacity=args.capacity).fbg_seconds)
         model.zero_grad(set_to_none=True)
     summary = trace.summary()
-    log(f"new shapes: first {first.fbg_seconds:.2f}s, warm {min(warm):.2f}s ({_trace_line(summary)})")
+    log(
+        f"new shapes (seed {seed}): first {first.fbg_seconds:.2f}s, warm {min(warm):.2f}s ({_trace_line(summary)})"
+    )
     return {
+        "seed": seed,
         "batch": batch_info(step),
         "microbatches": first.num_microbatches,
         "first_fbg_s": first.fbg_seconds,
@@ -1079,8 +1092,17 @@ def _compiles_md(name: str, title: str, d: dict) -> list[str]:
         )
     else:
         head = (
-            f"{d['microbatches']} compact microbatches: first pass {d['first_fbg_s']:.3f} s against "
-            f"{d['warm_fbg_s']:.3f} s warm: {d['overhead']:+.1%} (target {d['target_overhead']:+.0%})."
+            " ".join(
+                f"Seed {x['seed']}: {x['microbatches']} compact microbatches, first pass {x['first_fbg_s']:.3f} s "
+                f"against {x['warm_fbg_s']:.3f} s warm: {x['overhead']:+.1%}"
+                + (
+                    f" ({x['compiles']['kinds'].get('triton_compile', {}).get('count', 0)} Triton compiles)."
+                    if x.get("compiles")
+                    else "."
+                )
+                for x in d.get("steps") or [d]
+            )
+            + f" Target {d['target_overhead']:+.0%}; the table is the last step's."
         )
     lines = [f"## {title}", "", head, ""]
     kinds = c.get("kinds") or {}
@@ -1172,6 +1194,12 @@ def main(argv=None) -> int:
         help="attention backend (harts_runtime.ops.attention.BACKENDS, or auto)",
     )
     ap.add_argument("--repeats", type=int, default=2, help="timed steps per mode")
+    ap.add_argument(
+        "--newshape-steps",
+        type=int,
+        default=2,
+        help="never-seen steps the newshapes section runs one after the other (seeds --seed + 1, + 2, ...)",
+    )
     ap.add_argument(
         "--sections",
         default="speedup,fidelity,replay,breakdown",

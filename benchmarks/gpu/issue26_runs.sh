@@ -7,10 +7,13 @@
 #                         step, the median and slowest profiles), then a new process's first
 #                         microbatch with the cache the first two left                              (~7 min)
 #   c  carry nothing      (after b) the 8-layer Qwen3.5-35B-A3B slice beside it
+#   d  carry .whl .fa4a   (after the RMSNorm launch fix) build; its GPU test and the fused-module /
+#                         model GPU tests; layer_speed moe, kda_compact                            (~3 min)
+#   e  carry .whl .fa4b   FA4; the 24-layer 8-microbatch slice again (two never-seen steps)         (~6 min)
 # Everything is written under $OUT as it goes; each step's log is $OUT/<step>.log.
 set -u
 here=$(dirname "$0")
-step=${1:?usage: issue26_runs.sh a|b|c}
+step=${1:?usage: issue26_runs.sh a|b|c|d|e}
 OUT=${OUT:?set OUT (the device tool does)}
 te() { timeout "$1" python3 benchmarks/train_eval.py --fast-autotune --keep attention,linear_attention "${@:2}"; }
 S8="--slice-microbatches 8 --repeats 1 --sections speedup,microbatches,newshapes,breakdown"
@@ -23,6 +26,13 @@ case "$step" in
        te 60 --layers 24 --slice-microbatches 8 --sections first --out $OUT/te24_first" ;;
   c) bash "$here/call_b.sh" bash -c "$(declare -f te); \
        te 500 --flavor qwen3.5-35b-a3b --layers 8 $S8 --out $OUT/te_qwen35_slice8" ;;
-  *) echo "unknown step $step: a, b or c"; exit 2 ;;
+  d) bash "$here/call_a.sh" bash -c "timeout 200 python3 benchmarks/gpu/run_gpu_tests.py -q -m gpu \
+       --import-mode=prepend tests/runtime/test_rms_norm.py tests/runtime/test_fused_modules.py \
+       tests/runtime/test_moe_gpu.py; timeout 200 python3 benchmarks/layer_speed.py --fast-autotune \
+       --cases moe,kda_compact --no-readme --out $OUT/layer_speed.json" ;;
+  e) bash "$here/call_b.sh" bash -c "$(declare -f te); \
+       te 420 --layers 24 $S8 --out $OUT/te24_slice8; \
+       te 60 --layers 24 --slice-microbatches 8 --sections first --out $OUT/te24_first" ;;
+  *) echo "unknown step $step: a, b, c, d or e"; exit 2 ;;
 esac 2>&1 | tee "$OUT/$step.log"
 exit "${PIPESTATUS[0]}"
