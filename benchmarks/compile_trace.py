@@ -64,6 +64,7 @@ class CompileTrace:
                             "name": getattr(fn_self.fn, "__qualname__", str(fn_self)),
                             "seconds": time.perf_counter() - t,
                             "key": _short(key),
+                            "key_id": hash(repr(key)),  # distinct keys counted on the whole key
                         }
                     )
                     return out
@@ -160,10 +161,10 @@ class CompileTrace:
             )
             p["count"] += 1
             p["seconds"] += e["seconds"]
-            p["keys"].add(e["key"])
+            p["keys"].add((e.get("key_id", e["key"]), e["key"]))
         rows = sorted(per.values(), key=lambda p: -p["seconds"])[:top]
         for p in rows:
-            keys = sorted(p.pop("keys"))
+            keys = sorted(p.pop("keys"), key=lambda k: k[1])
             p["distinct_keys"] = len(keys)
-            p["sample_keys"] = keys[:3]
+            p["sample_keys"] = [k[1] for k in keys[:3]]
         return {"wall_s": self.wall_s, "kinds": dict(kinds), "top": rows}
