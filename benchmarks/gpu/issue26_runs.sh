@@ -10,10 +10,12 @@
 #   d  carry .whl .fa4a   (after the RMSNorm launch fix) build; its GPU test and the fused-module /
 #                         model GPU tests; layer_speed moe, kda_compact                            (~3 min)
 #   e  carry .whl .fa4b   FA4; the 24-layer 8-microbatch slice again (two never-seen steps)         (~6 min)
+#   f  carry .whl .fa4a   (after the programs-per-group fix) build; the RMSNorm GPU test            (~1.5 min)
+#   g  carry .whl .fa4b   FA4; three never-seen 8-microbatch steps one after the other              (~4.5 min)
 # Everything is written under $OUT as it goes; each step's log is $OUT/<step>.log.
 set -u
 here=$(dirname "$0")
-step=${1:?usage: issue26_runs.sh a|b|c|d|e}
+step=${1:?usage: issue26_runs.sh a|b|c|d|e|f|g}
 OUT=${OUT:?set OUT (the device tool does)}
 te() { timeout "$1" python3 benchmarks/train_eval.py --fast-autotune --keep attention,linear_attention "${@:2}"; }
 S8="--slice-microbatches 8 --repeats 1 --sections speedup,microbatches,newshapes,breakdown"
@@ -33,6 +35,10 @@ case "$step" in
   e) bash "$here/call_b.sh" bash -c "$(declare -f te); \
        te 420 --layers 24 $S8 --out $OUT/te24_slice8; \
        te 60 --layers 24 --slice-microbatches 8 --sections first --out $OUT/te24_first" ;;
-  *) echo "unknown step $step: a, b, c, d or e"; exit 2 ;;
+  f) bash "$here/call_a.sh" timeout 120 python3 benchmarks/gpu/run_gpu_tests.py -q -m gpu \
+       --import-mode=prepend tests/runtime/test_rms_norm.py ;;
+  g) bash "$here/call_b.sh" bash -c "$(declare -f te); te 330 --layers 24 --slice-microbatches 8 \
+       --sections newshapes --newshape-steps 3 --repeats 1 --out $OUT/te24_newshapes" ;;
+  *) echo "unknown step $step: a to g"; exit 2 ;;
 esac 2>&1 | tee "$OUT/$step.log"
 exit "${PIPESTATUS[0]}"

@@ -11,8 +11,10 @@ that gives a new ``BS`` compiles the kernel again: on the H200 (132 SMs) a never
 microbatches compiled it 12 times (3.1 s of a 5.8 s first-pass overhead), and T <= 65,536 allows
 497 variants. Here ``BS`` is rounded up by :func:`rows_per_program` to one of four values per
 octave (at most 25% more rows for a program, about 4 log2(BS) variants in all) and the grid is the
-``ceil(T / BS)`` programs the rows need. The kernel bounds each program's loop by T and writes one
-partial ``dw`` row per program, so the result is fla's with the partial sums grouped differently.
+``ceil(T / BS)`` programs the rows need; the programs-per-group constexpr ``GS`` (fla: ``NS``) is
+the SM count, which any grid of one group may use. The kernel bounds each program's loop by T and
+writes one partial ``dw`` row per program, so the result is fla's with the partial sums grouped
+differently.
 
 For D <= 512 fla takes another kernel whose row bucket (``NB = ceil(T / 2048)``) is already bounded;
 that path is fla's own ``layer_norm_bwd``.
@@ -83,8 +85,9 @@ def rms_norm_bwd(dy, x, weight, rstd):
     bd = min(65536 // x.element_size(), triton.next_power_of_2(D))
     if D > bd:
         raise RuntimeError("rms_norm: feature dim >= 64KB is not supported (fla's limit)")
-    bs = rows_per_program(T, min(get_multiprocessor_count(x.device.index), T))
-    ns = -(-T // bs)
+    sms = get_multiprocessor_count(x.device.index)
+    bs = rows_per_program(T, min(sms, T))
+    ns = -(-T // bs)  # <= min(sms, T)
     dx = torch.empty_like(x)
     dw = torch.empty((ns, D), dtype=torch.float32, device=x.device)
     layer_norm_bwd_kernel_row[(ns,)](
@@ -105,7 +108,7 @@ def rms_norm_bwd(dy, x, weight, rstd):
         D=D,
         BS=bs,
         BD=bd,
-        GS=ns,
+        GS=sms,  # programs per group, a constexpr too: any value >= ns (one group) is right
         IS_RMS_NORM=True,
         HAS_DRESIDUAL=False,
         STORE_DRESIDUAL=False,
