@@ -80,6 +80,94 @@ RUNS: tuple[Run, ...] = (
 HEADLINE = "ling_tiny_24"
 
 
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One whole-step measurement (issue 26): result folders under ``benchmarks/results/`` holding
+    ``train_eval.json`` of the sections ``speedup`` (+ ``microbatches``, ``newshapes``), ``first``,
+    or None where the call did not run them."""
+
+    label: str
+    slice: str | None
+    first: str | None = None
+
+
+#: Whole steps: the one-microbatch line and the 8-microbatch slice of one device call, then the
+#: slice after each shape-specialization fix (24-layer ling-tiny, both cores kept, fast autotune).
+STEPS: tuple[Step, ...] = (
+    Step("one microbatch (12 trajectories)", "issue26_gpu/te24_mb1"),
+    Step(
+        "8 microbatches (100 trajectories, 11 compact microbatches)",
+        "issue26_gpu/te24_slice8",
+        "issue26_gpu/te24_first",
+    ),
+    Step(
+        "the same, RMSNorm rows per program bucketed",
+        "issue26_gpu/after_norm_fix/te24_slice8",
+        "issue26_gpu/after_norm_fix/te24_first",
+    ),
+    Step(
+        "never-seen steps of a new process (the first is its first step), programs per group fixed too",
+        "issue26_gpu/after_norm_fix/te24_newshapes",
+    ),
+)
+
+
+def step_figures(step: Step) -> dict:
+    """The whole-step figures of one :class:`Step` (None where not measured)."""
+    data = _load(f"{step.slice}/train_eval.json") if step.slice else {}
+    first = _load(f"{step.first}/train_eval.json").get("first") if step.first else None
+    sp, mb, ns = data.get("speedup"), data.get("microbatches"), data.get("newshapes")
+    out = {"label": step.label, "date": data.get("meta", {}).get("date", "")[:10], "source": step.slice}
+    if sp:
+        out.update(
+            microbatches=min(sp["runs"]["compact"], key=lambda r: r["fbg_seconds"])["num_microbatches"],
+            speedup=sp["fbg_speedup"],
+            of_ideal=sp["fbg_speedup_over_ideal"],
+            ideal=sp["ideal_work_compression"],
+            tflops=(sp["tflops"]["compact"], sp["tflops"]["trajectory"]),
+        )
+    if mb:
+        warm = mb["summary"]["fbg_speedup_sum_of_microbatches"]
+        out.update(
+            warm_speedup=warm,
+            warm_of_ideal=warm / mb["summary"]["ideal_work_compression"],
+            tflops=(mb["compact"]["tflops_step"], mb["trajectory"]["tflops_step"]),
+        )
+    if ns:
+        out["newshapes"] = [x["overhead"] for x in ns.get("steps") or [ns]]
+    if first:
+        out["first_s"] = first["first_s"]
+    return out
+
+
+def steps_block() -> list[str]:
+    """The whole-step table of the generated block."""
+    rows = [
+        "Whole steps (issue 26; `train_eval.py --layers 24 --slice-microbatches 8 --sections "
+        "speedup,microbatches,newshapes,breakdown`, then `--sections first` in a new process; one H200, bf16, "
+        "`--fast-autotune`, both cores kept). *First pass*: the step's `train_step` right after one "
+        "microbatch per mode warmed up, so every other microbatch shape is new to the process; *warm*: each "
+        "microbatch timed alone after that, summed; *never-seen step*: a new step's first compact pass against "
+        "its warm repeat, steps in order.",
+        "",
+        "| run | date | compact microbatches | speedup, first pass (of ideal) | speedup, warm (of ideal) "
+        "| TFLOP/s executed, compact / trajectory | never-seen step overhead | first microbatch, warm cache | results |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for f in (step_figures(s) for s in STEPS):
+        first_pass = f"{f['speedup']:.3f}x ({f['of_ideal']:.3f})" if "speedup" in f else "-"
+        warm = f"{f['warm_speedup']:.3f}x ({f['warm_of_ideal']:.3f})" if "warm_speedup" in f else "-"
+        if "warm_speedup" not in f and f.get("microbatches") == 1:
+            warm = first_pass  # one microbatch, warmed up: its first pass is warm
+        tflops = f"{f['tflops'][0]:.1f} / {f['tflops'][1]:.1f}" if "tflops" in f else "-"
+        new = ", ".join(f"{x:+.1%}" for x in f["newshapes"]) if "newshapes" in f else "-"
+        rows.append(
+            f"| {f['label']} | {f['date']} | {_num(f.get('microbatches'), 'd')} | {first_pass} | {warm} | {tflops} "
+            f"| {new} | {_num(f.get('first_s'), '.1f', ' s')} | `results/{f['source']}` |"
+        )
+    return rows
+
+
 def _load(path: str) -> dict:
     return json.loads((RESULTS / path).read_text())
 
@@ -164,6 +252,7 @@ def block() -> str:
             f"{_num(f['device_busy'], '.1%')} | `{f['source'].removeprefix('benchmarks/')}` |"
         )
     layer = layer_figures()
+    rows += ["", *steps_block()]
     rows += [
         "",
         f"Layers (`results/layer_speed.json`): KDA fwd+bwd {layer['kda_vs_fla']:.2f}x fla's "
