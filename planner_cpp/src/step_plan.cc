@@ -36,6 +36,14 @@ struct Candidate {
   int64_t TotalWork() const { return grouping.TotalWork(); }
 };
 
+// Selection order (step_plan.h, step 5): the smaller J, then the fewer microbatches; a strict
+// order, so the earlier candidate keeps a full tie.
+bool Better(const Candidate& a, const Candidate& b) {
+  if (a.schedule.objective < b.schedule.objective) return true;
+  if (b.schedule.objective < a.schedule.objective) return false;
+  return a.size() < b.size();
+}
+
 Candidate Contiguous(const PlanContext& ctx, std::string source, std::vector<int32_t> cuts) {
   Candidate c{std::move(source), std::nullopt, {}, {}};
   for (size_t i = 0; i + 1 < cuts.size(); ++i) c.grouping.work.push_back(ctx.Work(cuts[i], cuts[i + 1]));
@@ -250,7 +258,7 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o, CancelToke
     Check(cancel);
     cands[i].schedule = AssignReplicas(cands[i].grouping.work, d);
     plan.candidates.push_back({cands[i].source, cands[i].size(), cands[i].schedule.objective});
-    if (best < 0 || cands[i].schedule.objective < cands[best].schedule.objective) best = static_cast<int64_t>(i);
+    if (best < 0 || Better(cands[i], cands[best])) best = static_cast<int64_t>(i);
   }
   plan.selected = best;
   Candidate& c = cands[best];

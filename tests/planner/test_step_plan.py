@@ -124,9 +124,12 @@ def check_plan(batch: RolloutBatch, plan: StepPlan, dp_size: int, capacity: int)
     assert keys == sorted(keys)
     for mb in plan.microbatches:
         assert np.all(np.diff(batch.rank[mb]) > 0)
-    # The winner is the lexicographic minimum of the candidates.
+    # The winner is the lexicographic minimum of the candidates; ties to the fewer microbatches,
+    # then to the earlier candidate.
     assert plan.candidates[plan.selected]["objective"] == plan.objective
     assert min(c["objective"] for c in plan.candidates) == plan.objective
+    cands = plan.candidates
+    assert plan.selected == min(range(len(cands)), key=lambda i: (cands[i]["objective"], cands[i]["k"], i))
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -593,3 +596,14 @@ def test_call_plans_with_the_min_call_planner():
     assert len(calls) == plan.num_microbatches
     for cp, w in zip(calls, plan.work, strict=True):
         assert cp.compact_tokens == w and cp.chunk_size == 64 and cp.num_calls >= 1
+
+
+def test_equal_work_prefers_fewer_microbatches():
+    """Four unshared trajectories of 4, 4, 2, 2 tokens at T = 6: the contiguous candidates (trie
+    order) need K = 3, the greedy ones pack K = 2, all with J = (12, 12, 12). Each microbatch costs a
+    fixed time (about 0.3 s of a 2 s microbatch on the H200), so the tie goes to K = 2."""
+    batch = RolloutBatch.from_token_lists([[1, 5, 5, 5], [2, 5, 5, 5], [3, 5], [4, 5]])
+    plan = plan_step(batch, 1, 6)
+    ks = {c["k"] for c in plan.candidates if c["objective"] == plan.objective}
+    assert {2, 3} <= ks, plan.candidates
+    assert plan.num_microbatches == 2 and plan.objective == (12, 12, 12)

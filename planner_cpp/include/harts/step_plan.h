@@ -37,8 +37,10 @@
 //      contiguous-partition optimum over the range, which sampled evolution may miss; exact
 //      search (N <= N0) covers every K of the range already.
 //   5. every candidate gets the replica/slot schedule of AssignReplicas; the plan with
-//      the lexicographically smallest J wins, ties to the earlier candidate in the order
-//      above (base in ascending K, greedy, component greedy, refined, contiguous optimum).
+//      the lexicographically smallest J wins; ties to the fewer microbatches (each microbatch
+//      costs a fixed time beside its work: about 0.3 s of a 2 s microbatch on the H200,
+//      benchmarks/results/issue26_gpu), then to the earlier candidate in the order above
+//      (base in ascending K, greedy, component greedy, refined, contiguous optimum).
 // The plan is deterministic: no randomness, every tie broken by a fixed rule.
 //
 // Errors:
