@@ -464,21 +464,54 @@ def section_first(args, model, dev, shared):
     mbs, plans, _ = plan_microbatches(step, "compact", args.capacity, cfg)
     apply_recompute(model, keep=_keep(args))
     before = time.perf_counter() - PROCESS_START
+    prof = None
+    if args.first_profile:  # attribution, not timing: cProfile slows the host side
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+    t0 = time.perf_counter()  # the tracer's own imports (triton, FA4's cutlass) count as first-use cost
     with CompileTrace() as trace:
         lay, fbg, _ = _time_microbatch(model, step, mbs[0], "compact", plans[0], dev)
+    first_s = time.perf_counter() - t0
+    if prof is not None:
+        prof.disable()
     model.zero_grad(set_to_none=True)
     lay_w, fbg_w, _ = _time_microbatch(model, step, mbs[0], "compact", plans[0], dev)
     model.zero_grad(set_to_none=True)
     summary = trace.summary()
-    log(f"first microbatch {lay + fbg:.1f}s, warm {lay_w + fbg_w:.2f}s ({_trace_line(summary)})")
+    log(f"first microbatch {first_s:.1f}s, warm {lay_w + fbg_w:.2f}s ({_trace_line(summary)})")
     return {
         "rows": plans[0].compact_tokens,
         "process_seconds_before": before,
-        "first_s": lay + fbg,
+        "first_s": first_s,
+        "first_layout_s": lay,
+        "first_fbg_s": fbg,
         "warm_s": lay_w + fbg_w,
         "target_first_s": 10.0,
         "compiles": summary,
         "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
+        "profiled": prof is not None,
+        "host_profile": _host_profile(prof) if prof is not None else None,
+    }
+
+
+def _host_profile(prof, top: int = 30) -> dict:
+    """The functions a cProfile'd block spent its host time in: the ``top`` by cumulative and by
+    own time (seconds, calls, ``file:line(name)`` with the path cut to its last three parts)."""
+    import pstats
+
+    def name(fn):
+        path, line, func = fn
+        return f"{'/'.join(path.split('/')[-3:])}:{line}({func})"
+
+    rows = [
+        {"function": name(fn), "calls": nc, "own_s": tt, "cumulative_s": ct}
+        for fn, (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()
+    ]
+    return {
+        "by_cumulative": sorted(rows, key=lambda r: -r["cumulative_s"])[:top],
+        "by_own": sorted(rows, key=lambda r: -r["own_s"])[:top],
     }
 
 
@@ -1104,6 +1137,8 @@ def _compiles_md(name: str, title: str, d: dict) -> list[str]:
             )
             + f" Target {d['target_overhead']:+.0%}; the table is the last step's."
         )
+    if name == "first" and d.get("host_profile"):
+        head += " Under cProfile (attribution only; the timing is from a run without it)."
     lines = [f"## {title}", "", head, ""]
     kinds = c.get("kinds") or {}
     lines.append(
@@ -1120,6 +1155,15 @@ def _compiles_md(name: str, title: str, d: dict) -> list[str]:
             lines.append(
                 f"| {r['kind']} | `{r['name']}` | {r['count']} | {r['distinct_keys']} | {r['seconds']:.2f} |"
             )
+    hp = d.get("host_profile")
+    if hp:
+        lines += [
+            "",
+            "| host function (by cumulative time) | calls | cumulative s | own s |",
+            "|---|---:|---:|---:|",
+        ]
+        for r in hp["by_cumulative"][:20]:
+            lines.append(f"| `{r['function']}` | {r['calls']} | {r['cumulative_s']:.2f} | {r['own_s']:.2f} |")
     lines.append("")
     return lines
 
@@ -1194,6 +1238,12 @@ def main(argv=None) -> int:
         help="attention backend (harts_runtime.ops.attention.BACKENDS, or auto)",
     )
     ap.add_argument("--repeats", type=int, default=2, help="timed steps per mode")
+    ap.add_argument(
+        "--first-profile",
+        action="store_true",
+        help="run the first section's microbatch under cProfile and report where its host time went "
+        "(attribution only: the profiler slows the host side, so time it in a run without this flag)",
+    )
     ap.add_argument(
         "--newshape-steps",
         type=int,
