@@ -388,6 +388,7 @@ def section_microbatches(args, model, dev, shared):
         at_median = sum(r["executed_flops"] for r in rows) / (rows[med]["tflops"] * 1e12)
         out[mode] = {
             "microbatches": rows,
+            "fixed_cost": fixed_cost(rows),
             "median_index": med,
             "slowest_index": by_tflops[0],
             "fbg_s_sum": total,
@@ -409,6 +410,32 @@ def section_microbatches(args, model, dev, shared):
     }
     shared["profile_microbatches"] = {"median": c["median_index"], "slowest": c["slowest_index"]}
     return out
+
+
+def fixed_cost(rows: list[dict]) -> dict | None:
+    """Least squares ``F/B/Grad seconds = fixed + executed FLOPs / rate`` over a mode's microbatches:
+    the time every microbatch costs beside its work. ``microbatch_cost_tokens`` puts it in the
+    planner's unit (``plan_step(microbatch_cost=...)``): the fixed seconds over the variable seconds
+    per compact row of these microbatches. None with fewer than three microbatches or no spread of
+    work (the intercept is then not identified)."""
+    if len(rows) < 3:
+        return None
+    f = np.array([r["executed_flops"] for r in rows]) / 1e12
+    t = np.array([r["fbg_s"] for r in rows])
+    if f.max() - f.min() < 0.2 * f.mean():
+        return None
+    a = np.vstack([np.ones_like(f), f]).T
+    (fixed, per_tflop), *_ = np.linalg.lstsq(a, t, rcond=None)
+    pred = a @ np.array([fixed, per_tflop])
+    r2 = 1.0 - float(((t - pred) ** 2).sum() / max(((t - t.mean()) ** 2).sum(), 1e-30))
+    variable = max(float(t.sum() - fixed * len(rows)), 1e-30)
+    tokens = sum(r["rows"] for r in rows)
+    return {
+        "fixed_s": float(fixed),
+        "marginal_tflops": float(1.0 / per_tflop) if per_tflop > 0 else None,
+        "r2": r2,
+        "microbatch_cost_tokens": int(round(max(float(fixed), 0.0) / (variable / tokens))),
+    }
 
 
 def section_newshapes(args, model, dev, shared):
@@ -1073,6 +1100,17 @@ def _microbatches_md(m: dict) -> list[str]:
     lines = [
         "## Microbatches of the slice (warm, each timed alone)",
         "",
+        *(
+            [
+                f"Fixed cost of a compact microbatch (least squares of F/B/Grad on executed FLOPs): "
+                f"{fc['fixed_s']:.3f} s beside {fc['marginal_tflops'] or float('nan'):.0f} TFLOP/s of work "
+                f"(R^2 {fc['r2']:.3f}), about {fc['microbatch_cost_tokens']:,} compact tokens: the planner's "
+                f"`microbatch_cost`.",
+                "",
+            ]
+            if (fc := c.get("fixed_cost"))
+            else []
+        ),
         (
             f"Compact: {len(c['microbatches'])} microbatches, F/B/Grad {c['fbg_s_sum']:.3f} s "
             f"({c['tflops_step']:.1f} TFLOP/s executed; {c['fbg_s_at_median_tflops']:.3f} s if each ran at the "

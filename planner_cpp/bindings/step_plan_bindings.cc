@@ -42,6 +42,7 @@ py::dict DefaultStepOptions() {
   d["component_greedy"] = kDefaults.component_greedy;
   d["search"] = kDefaults.search;
   d["contiguous_optimum"] = kDefaults.contiguous_optimum;
+  d["microbatch_cost"] = kDefaults.microbatch_cost;
   return d;
 }
 
@@ -69,7 +70,7 @@ auto PlanView(Member member) {
 StepPlan Plan(const RolloutBatch& batch, int64_t dp_size, int64_t capacity, harts::CancelToken* cancel,
               int64_t exact_threshold, int64_t max_sampled_k, int64_t refine_window, int64_t refine_sweeps,
               int64_t max_anchors, int64_t repair_window, int64_t repair_iterations, bool greedy, bool refine,
-              bool component_greedy, bool contiguous_optimum, const std::string& search) {
+              bool component_greedy, bool contiguous_optimum, const std::string& search, int64_t microbatch_cost) {
   harts::PlannerOptions o;
   o.dp_size = dp_size;
   o.capacity = capacity;
@@ -85,6 +86,7 @@ StepPlan Plan(const RolloutBatch& batch, int64_t dp_size, int64_t capacity, hart
   o.component_greedy = component_greedy;
   o.contiguous_optimum = contiguous_optimum;
   o.search = search;
+  o.microbatch_cost = microbatch_cost;
   py::gil_scoped_release release;
   return harts::PlanStep(batch, o, cancel);
 }
@@ -168,6 +170,7 @@ void DefineStepPlan(py::module_& m) {
         py::arg("repair_iterations") = kDefaults.repair_iterations, py::arg("greedy") = kDefaults.greedy,
         py::arg("refine") = kDefaults.refine, py::arg("component_greedy") = kDefaults.component_greedy,
         py::arg("contiguous_optimum") = kDefaults.contiguous_optimum, py::arg("search") = kDefaults.search,
+        py::arg("microbatch_cost") = kDefaults.microbatch_cost,
         "Plan one step (harts/step_plan.h; cancel: a CancelToken or None); releases the GIL.");
   m.def("default_step_options", &DefaultStepOptions,
         "A new dict: every search option of plan_step and its default (harts::PlannerOptions).");

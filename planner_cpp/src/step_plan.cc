@@ -36,11 +36,23 @@ struct Candidate {
   int64_t TotalWork() const { return grouping.TotalWork(); }
 };
 
-// Selection order (step_plan.h, step 5): the smaller J, then the fewer microbatches; a strict
+// J with every microbatch's work counted `cost` tokens more (step_plan.h, step 5): each replica
+// runs K / D microbatches, one per slot.
+Objective WithMicrobatchCost(const Candidate& c, int64_t cost, int64_t dp_size) {
+  Objective j = c.schedule.objective;
+  const int64_t slots = c.size() / dp_size;
+  j.total_work += cost * c.size();
+  j.slot_critical_work += cost * slots;
+  j.max_replica_work += cost * slots;
+  return j;
+}
+
+// Selection order (step_plan.h, step 5): the smaller J_c, then the fewer microbatches; a strict
 // order, so the earlier candidate keeps a full tie.
-bool Better(const Candidate& a, const Candidate& b) {
-  if (a.schedule.objective < b.schedule.objective) return true;
-  if (b.schedule.objective < a.schedule.objective) return false;
+bool Better(const Candidate& a, const Candidate& b, int64_t cost, int64_t dp_size) {
+  const Objective ja = WithMicrobatchCost(a, cost, dp_size), jb = WithMicrobatchCost(b, cost, dp_size);
+  if (ja < jb) return true;
+  if (jb < ja) return false;
   return a.size() < b.size();
 }
 
@@ -63,6 +75,10 @@ void ValidatePlannerOptions(const PlannerOptions& o) {
   RequireAtLeast(o.max_anchors, 0, "max_anchors");
   RequireAtLeast(o.repair_window, 0, "repair_window");
   RequireAtLeast(o.repair_iterations, 0, "repair_iterations");
+  RequireAtLeast(o.microbatch_cost, 0, "microbatch_cost");
+  if (o.microbatch_cost > o.capacity)
+    throw InvalidArgument("microbatch_cost", "must be <= capacity T = " + std::to_string(o.capacity) + ", got " +
+                                                 std::to_string(o.microbatch_cost));
   if (o.search != "auto" && o.search != "exact" && o.search != "heuristic")
     throw InvalidArgument("search", "must be \"auto\", \"exact\" or \"heuristic\", got \"" + o.search + "\"");
 }
@@ -258,7 +274,7 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o, CancelToke
     Check(cancel);
     cands[i].schedule = AssignReplicas(cands[i].grouping.work, d);
     plan.candidates.push_back({cands[i].source, cands[i].size(), cands[i].schedule.objective});
-    if (best < 0 || Better(cands[i], cands[best])) best = static_cast<int64_t>(i);
+    if (best < 0 || Better(cands[i], cands[best], o.microbatch_cost, d)) best = static_cast<int64_t>(i);
   }
   plan.selected = best;
   Candidate& c = cands[best];

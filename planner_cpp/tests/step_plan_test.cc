@@ -138,6 +138,28 @@ int main() {
       CHECK(p.selected >= 0 && p.selected < static_cast<int64_t>(p.candidates.size()));
       for (const CandidateSummary& c : p.candidates) CHECK(!(c.objective < p.objective));
       {
+        // Selection (step 5): the least (J with the microbatch cost, K, order). A cost changes
+        // only which candidate wins.
+        PlannerOptions costed = o;
+        costed.microbatch_cost = static_cast<int64_t>(rng() % (o.capacity + 1));
+        const StepPlan q = PlanStep(*batch, costed);
+        CheckPlan(*batch, q, o.dp_size, o.capacity);
+        CHECK_EQ(q.candidates.size(), p.candidates.size());
+        auto key = [&](const StepPlan& plan, size_t i, int64_t cost) {
+          const CandidateSummary& c = plan.candidates[i];
+          const int64_t slots = c.k / o.dp_size;
+          return std::make_tuple(c.objective.total_work + cost * c.k, c.objective.slot_critical_work + cost * slots,
+                                 c.objective.max_replica_work + cost * slots, c.k, i);
+        };
+        for (const StepPlan* plan : {&p, &q}) {
+          const int64_t cost = plan == &p ? 0 : costed.microbatch_cost;
+          size_t best = 0;
+          for (size_t i = 1; i < plan->candidates.size(); ++i)
+            if (key(*plan, i, cost) < key(*plan, best, cost)) best = i;
+          CHECK_EQ(plan->selected, static_cast<int64_t>(best));
+        }
+      }
+      {
         // The selected total is at most every exact contiguous candidate's, in exact search
         // (its base candidates) and in heuristic search (the contiguous-optimum candidate).
         const PlanContext ctx(*batch, o.capacity);
@@ -173,6 +195,13 @@ int main() {
   o.dp_size = 0;
   testing::ExpectError<InvalidArgument>([&] { PlanStep(*batch, o); }, "dp_size");
   o.dp_size = 2;
+  o.microbatch_cost = -1;
+  testing::ExpectError<InvalidArgument>([&] { PlanStep(*batch, o); }, "microbatch_cost");
+  o.microbatch_cost = 6;  // > T = 5
+  testing::ExpectError<InvalidArgument>([&] { PlanStep(*batch, o); }, "microbatch_cost");
+  o.microbatch_cost = 5;
+  CheckPlan(*batch, PlanStep(*batch, o), 2, 5);
+  o.microbatch_cost = 0;
   o.search = "fast";
   testing::ExpectError<InvalidArgument>([&] { PlanStep(*batch, o); }, "search");
   // Three disjoint trajectories of 5 tokens at T = 5, D = 2: K must be 4 > N = 3.

@@ -101,6 +101,9 @@ SCALAR_FIELDS: tuple[str, ...] = (
 #: contiguous_optimum  True     extension, not in the paper: least-work contiguous partition over the
 #:                              heuristic search's K range, refined and repaired (False = paper)
 #: search              "auto"   ``"auto"`` | ``"exact"`` | ``"heuristic"``
+#: microbatch_cost     0        extension, not in the paper: a fixed cost of every microbatch in compact
+#:                              tokens, in [0, capacity]; candidates are compared with it added to each
+#:                              microbatch's work (the plan still reports J)
 #: ==================  =======  =========================================================================
 #:
 #: ``planner.proto`` states the same defaults in its ``StepOptions`` comments (a test checks both).
@@ -153,7 +156,11 @@ def plan_step(
         partition over every K of the heuristic search's range (``harts/contiguous_optimum.h``,
         exact), so a heuristic plan never does more compact work than that optimum; it can only
         lower J. ``component_greedy=False, contiguous_optimum=False`` compares exactly the paper's
-        candidate set.
+        candidate set. ``microbatch_cost`` (0): an extension that selects among the candidates with
+        every microbatch's work counted that many compact tokens more, for a per-microbatch fixed
+        time (``benchmarks/train_eval.py``'s ``microbatches`` section fits it: the fixed seconds
+        over the seconds per compact token); candidates with equal J (or J with that cost) go to
+        the fewer microbatches.
 
     Returns
     -------

@@ -112,7 +112,15 @@ def test_natural_partition_matches_reference(trajs, slack):
 
 
 # ---------------------------------------------------------------------------- guarantees
-def check_plan(batch: RolloutBatch, plan: StepPlan, dp_size: int, capacity: int) -> None:
+def with_microbatch_cost(candidate: dict, cost: int, dp_size: int) -> tuple:
+    """J of a candidate with every microbatch's work counted ``cost`` tokens more (``step_plan.h``,
+    step 5): K microbatches, K / D per replica, one per slot."""
+    total, critical, max_replica = candidate["objective"]
+    k, slots = candidate["k"], candidate["k"] // dp_size
+    return (total + cost * k, critical + cost * slots, max_replica + cost * slots)
+
+
+def check_plan(batch: RolloutBatch, plan: StepPlan, dp_size: int, capacity: int, cost: int = 0) -> None:
     work = verify_schedule(batch, plan.microbatches, plan.replica, plan.slot, dp_size, capacity)
     assert np.array_equal(work, plan.work)
     m = schedule_metrics(plan.work, plan.replica, plan.slot, dp_size)
@@ -124,12 +132,14 @@ def check_plan(batch: RolloutBatch, plan: StepPlan, dp_size: int, capacity: int)
     assert keys == sorted(keys)
     for mb in plan.microbatches:
         assert np.all(np.diff(batch.rank[mb]) > 0)
-    # The winner is the lexicographic minimum of the candidates; ties to the fewer microbatches,
-    # then to the earlier candidate.
-    assert plan.candidates[plan.selected]["objective"] == plan.objective
-    assert min(c["objective"] for c in plan.candidates) == plan.objective
+    # The winner is the lexicographic minimum of the candidates' J (with the microbatch cost, when
+    # there is one); ties to the fewer microbatches, then to the earlier candidate.
     cands = plan.candidates
-    assert plan.selected == min(range(len(cands)), key=lambda i: (cands[i]["objective"], cands[i]["k"], i))
+    assert cands[plan.selected]["objective"] == plan.objective
+    if cost == 0:
+        assert min(c["objective"] for c in cands) == plan.objective
+    key = lambda i: (with_microbatch_cost(cands[i], cost, dp_size), cands[i]["k"], i)  # noqa: E731
+    assert plan.selected == min(range(len(cands)), key=key)
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -607,3 +617,49 @@ def test_equal_work_prefers_fewer_microbatches():
     ks = {c["k"] for c in plan.candidates if c["objective"] == plan.objective}
     assert {2, 3} <= ks, plan.candidates
     assert plan.num_microbatches == 2 and plan.objective == (12, 12, 12)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tree_batches(max_n=24, max_len=12), st.integers(1, 3), st.integers(0, 6), st.integers(0, 40))
+def test_microbatch_cost_selects_by_j_with_the_cost(trajs, dp_size, slack, cost_percent):
+    """``microbatch_cost`` changes only the selection: the same candidates, the winner the least J
+    with the cost added to every microbatch, the reported objective the paper's J; 0 is the default."""
+    batch = RolloutBatch.from_token_lists(trajs)
+    capacity = int(batch.lengths.max()) + slack
+    cost = capacity * cost_percent // 100
+    try:
+        base = plan_step(batch, dp_size, capacity, max_sampled_k=3)
+    except InfeasibleError:
+        return
+    plan = plan_step(batch, dp_size, capacity, max_sampled_k=3, microbatch_cost=cost)
+    check_plan(batch, plan, dp_size, capacity, cost)
+    assert plan.candidates == base.candidates
+    chosen = with_microbatch_cost(plan.candidates[plan.selected], cost, dp_size)
+    assert chosen <= with_microbatch_cost(base.candidates[base.selected], cost, dp_size)
+    if cost == 0:
+        assert (
+            plan.selected == base.selected
+            and plan.to_dict()["microbatches"] == base.to_dict()["microbatches"]
+        )
+
+
+def test_microbatch_cost_trades_work_for_fewer_microbatches():
+    """A bushy step at T = 65,536 (synthetic, seed 0): the least-work plan has K = 35; with each
+    microbatch costing 8,400 tokens (0.31 s on the H200 over the 24-layer ling-tiny's variable seconds
+    per compact row, benchmarks/results/issue26_gpu) a plan of 4 fewer microbatches and 0.18% more
+    work wins."""
+    from harts_planner import synth
+
+    sb = synth.generate("bushy", 0)
+    batch = RolloutBatch.from_arrays(sb.tokens, sb.offsets, sb.tree_ids)
+    base = plan_step(batch, 1, 65_536)
+    costed = plan_step(batch, 1, 65_536, microbatch_cost=8_400)
+    assert costed.num_microbatches < base.num_microbatches
+    assert base.total_work < costed.total_work < base.total_work * 1.01
+    assert (
+        costed.total_work + 6_750 * costed.num_microbatches < base.total_work + 6_750 * base.num_microbatches
+    )
+    with pytest.raises(InvalidArgumentError, match="microbatch_cost: must be <= capacity T = 65536"):
+        plan_step(batch, 1, 65_536, microbatch_cost=65_537)
+    with pytest.raises(InvalidArgumentError, match="microbatch_cost: must be >= 0"):
+        plan_step(batch, 1, 65_536, microbatch_cost=-1)

@@ -41,6 +41,11 @@
 //      costs a fixed time beside its work: about 0.3 s of a 2 s microbatch on the H200,
 //      benchmarks/results/issue26_gpu), then to the earlier candidate in the order above
 //      (base in ascending K, greedy, component greedy, refined, contiguous optimum).
+//      Extension (microbatch_cost = c > 0): candidates are compared by J_c, J with every
+//      microbatch's work counted c tokens more: (total + c K, slot-critical + c K / D,
+//      max replica + c K / D); the plan still reports its J. c is the fixed time of a
+//      microbatch over the time of one compact token (benchmarks/train_eval.py's microbatches
+//      section fits both).
 // The plan is deterministic: no randomness, every tie broken by a fixed rule.
 //
 // Errors:
@@ -97,6 +102,9 @@ struct PlannerOptions {
   bool component_greedy = true;    // extension: per-tree greedy candidate (not in the paper)
   bool contiguous_optimum = true;  // extension: least-work contiguous partition over the range
   std::string search = "auto";     // "auto" | "exact" | "heuristic"
+  // Extension: a fixed cost of every microbatch in compact-token units, in [0, capacity]; see
+  // step 5 above. 0 = the paper's selection (with the tie rule).
+  int64_t microbatch_cost = 0;
 };
 
 struct CandidateSummary {

@@ -221,6 +221,7 @@ OPTION_MINIMUMS = {
     "max_anchors": 0,
     "repair_window": 0,
     "repair_iterations": 0,
+    "microbatch_cost": 0,
 }
 
 
@@ -238,6 +239,8 @@ def check_step(lengths: np.ndarray, dp_size: int, capacity: int, options: dict) 
     for name, lo in OPTION_MINIMUMS.items():
         if merged[name] < lo:
             raise invalid(name, f"must be >= {lo}, got {merged[name]}")
+        if name == "microbatch_cost" and merged[name] > capacity:
+            raise invalid(name, f"must be <= capacity T = {capacity}, got {merged[name]}")
     if merged["search"] not in _SEARCH_TO_WIRE:
         raise invalid("search", f'must be "auto", "exact" or "heuristic", got "{merged["search"]}"')
     over = np.flatnonzero(lengths > capacity)
