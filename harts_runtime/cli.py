@@ -227,6 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="T: compact rows per microbatch (default: 4096 on CPU, 65536 on CUDA)",
     )
     g.add_argument(
+        "--microbatch-cost",
+        metavar="TOKENS",
+        type=_int(0),
+        default=0,
+        help="the planner's fixed cost of a microbatch in compact tokens, at most T (default 0: the paper's "
+        "selection; benchmarks/train_eval.py's microbatches section fits it for a model and GPU)",
+    )
+    g.add_argument(
         "--mode",
         choices=MODES + ("both",),
         default="compact",

@@ -66,6 +66,10 @@ class EngineConfig:
     """Clip the global gradient norm to this (None: no clipping; the norm is reported anyway)."""
     capacity: int = 65_536
     """T: compact rows per microbatch (the planner's capacity)."""
+    microbatch_cost: int = 0
+    """The planner's ``microbatch_cost``: a microbatch's fixed time in compact tokens, in [0,
+    capacity] (0: the paper's selection). ``benchmarks/train_eval.py``'s ``microbatches`` section fits
+    it for a model and GPU (about 8,400 for the 24-layer ``ling-tiny`` on an H200)."""
     mode: str = "compact"
     """``compact`` (HARTS) or ``trajectory`` (the trajectory-wise baseline, for comparisons)."""
     objective: str = "grpo"
@@ -105,6 +109,11 @@ class EngineConfig:
             raise InvalidInputError("max_grad_norm", f"must be positive or None, got {self.max_grad_norm!r}")
         if not (isinstance(self.capacity, int) and self.capacity > 0):
             raise InvalidInputError("capacity", f"must be a positive integer, got {self.capacity!r}")
+        if not (isinstance(self.microbatch_cost, int) and 0 <= self.microbatch_cost <= self.capacity):
+            raise InvalidInputError(
+                "microbatch_cost",
+                f"must be an integer in [0, capacity = {self.capacity}], got {self.microbatch_cost!r}",
+            )
         if self.mode not in ("compact", "trajectory"):
             raise InvalidInputError("mode", f"choose compact or trajectory, got {self.mode!r}")
         if self.objective not in ("grpo", "ppo"):
@@ -248,7 +257,13 @@ class HartsEngine:
         t0 = time.perf_counter()
         cfg = self.model.config
         if self.config.mode == "compact":
-            plan = hp.plan_step(step.batch, self.dp, self.config.capacity, cfg.chunk_size)
+            plan = hp.plan_step(
+                step.batch,
+                self.dp,
+                self.config.capacity,
+                cfg.chunk_size,
+                microbatch_cost=self.config.microbatch_cost,
+            )
         else:
             plan = _TrajectoryPlan(step, self.config.capacity, self.dp)
         return plan, time.perf_counter() - t0

@@ -417,6 +417,8 @@ def train(args, given: set, saved: dict | None, out=None, err=None) -> int:
     total_steps = args.total_steps if args.total_steps is not None else max(1, steps)
     lr = args.lr if args.lr is not None else (1e-6 if args.model else 1e-3)
     capacity = args.capacity or (4096 if cpu else 65_536)
+    if args.microbatch_cost > capacity:
+        raise _usage(f"--microbatch-cost: must be <= T = {capacity} (--capacity), got {args.microbatch_cost}")
     longest, where = data.longest()
     if longest > capacity:  # the planner would refuse it at the first step, after the model is built
         raise _usage(
@@ -434,6 +436,7 @@ def train(args, given: set, saved: dict | None, out=None, err=None) -> int:
         min_lr_ratio=args.min_lr_ratio,
         max_grad_norm=args.max_grad_norm or None,
         capacity=capacity,
+        microbatch_cost=args.microbatch_cost,
         mode=args.mode,
         objective=args.objective,
         loss_config=loss_cfg,

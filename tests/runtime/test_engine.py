@@ -118,6 +118,8 @@ def test_lr_schedules():
         (dict(lr_schedule="step"), "lr_schedule"),
         (dict(max_grad_norm=-1.0), "max_grad_norm"),
         (dict(mode="tree"), "mode"),
+        (dict(microbatch_cost=-1), "microbatch_cost"),
+        (dict(capacity=8, microbatch_cost=9), "microbatch_cost"),
     ]:
         with pytest.raises(InvalidInputError) as e:
             EngineConfig(**kw)
@@ -221,3 +223,25 @@ def test_built_in_objectives_are_loss_functions():
         a = HartsEngine(_model(), EngineConfig(capacity=CAP)).forward_backward(step, fn)
         b = HartsEngine(_model(), EngineConfig(capacity=CAP)).forward_backward(step)
         assert a.loss == b.loss and torch.equal(a.logprobs, b.logprobs), objective
+
+
+def test_microbatch_cost_reaches_the_planner(monkeypatch):
+    """EngineConfig.microbatch_cost is the planner's option: the step is planned with it, and the
+    step's loss does not depend on how the trajectories were grouped."""
+    import harts_planner
+
+    seen = []
+    real = harts_planner.plan_step
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("microbatch_cost"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(harts_planner, "plan_step", spy)
+    step = _step()
+    losses = [
+        HartsEngine(_model(), EngineConfig(capacity=CAP, microbatch_cost=cost)).forward_backward(step).loss
+        for cost in (0, CAP)
+    ]
+    assert seen == [0, CAP]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)

@@ -427,6 +427,11 @@ def test_bad_config_files_are_one_line(tmp_path, capsys, config, fragment):
             ["--data", "r.jsonl", "--capacity", "8"],
             "--capacity: T = 8 rows per microbatch is below the longest",
         ),
+        (
+            ["--data", "r.jsonl", "--capacity", "64", "--microbatch-cost", "65"],
+            "--microbatch-cost: must be <= T = 64 (--capacity), got 65",
+        ),
+        (["--microbatch-cost", "-1"], "argument --microbatch-cost: must be >= 0, got -1"),
         (["--resume", "nowhere"], "--resume: 'nowhere': no such folder"),
         (["--mode", "both", "--data", "r.jsonl"], "--data: --mode both compares two model copies"),
         (["--config", "run.ini"], "--config: 'run.ini': no such file"),
