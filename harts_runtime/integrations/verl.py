@@ -103,6 +103,9 @@ class HartsEngineConfig(VerlEngineConfig):
     strategy: str = "harts"
     capacity: int = 65_536
     """T: compact rows per microbatch (the planner's capacity; verl's micro-batch settings are ignored)."""
+    microbatch_cost: int = 0
+    """The planner's fixed cost of a microbatch in compact tokens, in [0, capacity]
+    (:attr:`harts_runtime.engine.EngineConfig.microbatch_cost`)."""
     mode: str = "compact"
     """``compact`` (HARTS) or ``trajectory`` (the trajectory-wise baseline, same loss)."""
     model_dtype: str = "float32"
@@ -463,6 +466,7 @@ class VerlHartsEngine(BaseEngine):
             betas=tuple(getattr(opt, "betas", (0.9, 0.999))) if opt is not None else (0.9, 0.999),
             max_grad_norm=_clip(opt),
             capacity=int(self._harts("capacity", 65_536)),
+            microbatch_cost=int(self._harts("microbatch_cost", 0)),
             mode=self._harts("mode", "compact"),
             recompute=bool(self._harts("recompute", False)),
             keep=tuple(self._harts("keep", ()) or ()),

@@ -495,6 +495,26 @@ def test_example_config_selects_the_backend():
     assert isinstance(ref.engine, HartsEngineConfig) and ref.engine.forward_only
 
 
+def test_microbatch_cost_reaches_the_engine(path):
+    eng = VerlHartsEngine(
+        model_config=_Model(path),
+        engine_config=HartsEngineConfig(
+            capacity=CAPACITY, microbatch_cost=CAPACITY // 4, dtype="float32", chunk_size=CHUNK
+        ),
+        optimizer_config=FSDPOptimizerConfig(lr=LR, weight_decay=0.0),
+        checkpoint_config=None,
+    )
+    eng.initialize()
+    assert eng.engine.config.microbatch_cost == CAPACITY // 4
+    with pytest.raises(InvalidInputError) as e:
+        VerlHartsEngine(
+            _Model(path),
+            HartsEngineConfig(capacity=8, microbatch_cost=9, dtype="float32"),
+            FSDPOptimizerConfig(lr=LR),
+        ).initialize()
+    assert e.value.field == "microbatch_cost"
+
+
 def test_bad_settings_name_the_field(path):
     with pytest.raises(InvalidInputError) as e:
         actor_config(entropy_coeff=0.01)
