@@ -11,6 +11,8 @@
   Its compiles are also listed as ``triton_compile`` events (the seconds nest).
 * ``cute_compile``: FlashAttention-4's CuTe-DSL compiles (``cutlass.cute.compile``) when it is
   installed.
+* ``cute_load``: FlashAttention-4 kernels looked up in its persistent cache
+  (``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``): ``key`` says ``hit`` (loaded from disk) or ``miss``.
 * ``torch_compile``: graphs compiled by ``torch.compile`` (dynamo's ``unique_graphs`` counter).
 
 Only the benchmarks use it; it patches class attributes for the block and restores them after.
@@ -123,6 +125,33 @@ class CompileTrace:
                 return traced
 
             self._patch(cute, "compile", make_cute)
+        try:
+            import importlib.util
+
+            fa_cache = None
+            if importlib.util.find_spec("flash_attn.cute") is not None:  # FA4 installed: the runtime uses it
+                from flash_attn.cute import cache_utils as fa_cache
+        except Exception:  # noqa: BLE001 - FA4 is optional
+            fa_cache = None
+        if fa_cache is not None and hasattr(fa_cache, "JITPersistentCache"):
+
+            def make_load(old):
+                def traced(cache, key, *args, **kwargs):
+                    t = time.perf_counter()
+                    hit = old(cache, key, *args, **kwargs)
+                    events.append(
+                        {
+                            "kind": "cute_load",
+                            "name": getattr(cache, "cache_path", None) and cache.cache_path.name or "fa4",
+                            "seconds": time.perf_counter() - t,
+                            "key": "hit" if hit else "miss",
+                        }
+                    )
+                    return hit
+
+                return traced
+
+            self._patch(fa_cache.JITPersistentCache, "_try_load_from_storage", make_load)
         self._graphs0 = self._graphs()
         return self
 
