@@ -968,6 +968,12 @@ def markdown(res: dict) -> str:
                 f"Slice: {b['trajectories']} trajectories, S = {b['semantic_tokens']:,}, C = {b['compact_tokens']:,}, "
                 f"T = {s['capacity']:,}, recomputation on"
                 + (f" (kept: {', '.join(s['keep'])})." if s.get("keep") else ".")
+                + (
+                    " With one timed step, every microbatch shape but the warmed-up first is new to the process: "
+                    "this is the step's first pass (compiles included); the Microbatches section times it warm."
+                    if len(s["runs"]["compact"]) == 1 and s["runs"]["compact"][0]["num_microbatches"] > 1
+                    else ""
+                )
             ),
             "",
             "| non-replay row compression | ideal work compression | F/B/Grad speedup | Core speedup | F/B/Grad / ideal |",
@@ -1164,7 +1170,7 @@ def _compiles_md(name: str, title: str, d: dict) -> list[str]:
     else:
         head = (
             " ".join(
-                f"Seed {x['seed']}: {x['microbatches']} compact microbatches, first pass {x['first_fbg_s']:.3f} s "
+                f"Seed {x.get('seed', '+1')}: {x['microbatches']} compact microbatches, first pass {x['first_fbg_s']:.3f} s "
                 f"against {x['warm_fbg_s']:.3f} s warm: {x['overhead']:+.1%}"
                 + (
                     f" ({x['compiles']['kinds'].get('triton_compile', {}).get('count', 0)} Triton compiles)."
