@@ -49,8 +49,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "rpc"))
 
-from attacks import Probe, memory, never_read, partial_uploads, records, stalled_streams  # noqa: E402
-from sidecar_fixtures import Raw, calls_request, copies_tree, one_segment  # noqa: E402
+from attacks import Probe, never_read, partial_uploads, records, stalled_streams  # noqa: E402
+from sidecar_fixtures import Raw, calls_request, copies_tree, memory, one_segment  # noqa: E402
 
 from harts_planner import PackedTokens, RolloutBatch, bench, estimate_cost, synth  # noqa: E402
 from harts_planner.rpc import codec, limits  # noqa: E402

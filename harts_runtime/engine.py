@@ -119,6 +119,16 @@ class EngineConfig:
         if self.objective not in ("grpo", "ppo"):
             raise InvalidInputError("objective", f"choose grpo or ppo, got {self.objective!r}")
 
+    def parallelize_options(self) -> dict:
+        """The ``parallelize`` keywords this config asks for (``load_pretrained(..., parallelize=)``)."""
+        return dict(
+            recompute=self.recompute,
+            keep=self.keep,
+            param_dtype=_dtype(self.param_dtype),
+            reduce_dtype=_dtype(self.reduce_dtype),
+            cpu_offload=self.cpu_offload,
+        )
+
     def lr_factor(self, step: int) -> float:
         """The learning-rate multiplier after ``step`` optimizer steps."""
         if step < self.warmup_steps:
@@ -180,15 +190,7 @@ class HartsEngine:
         if mesh is not None and getattr(model, "_harts_parallel", None) is None:
             from harts_runtime.parallel import parallelize
 
-            parallelize(
-                model,
-                mesh,
-                recompute=cfg.recompute,
-                keep=cfg.keep,
-                param_dtype=_dtype(cfg.param_dtype),
-                reduce_dtype=_dtype(cfg.reduce_dtype),
-                cpu_offload=cfg.cpu_offload,
-            )
+            parallelize(model, mesh, **cfg.parallelize_options())
         elif mesh is None and cfg.recompute:
             apply_recompute(model, keep=cfg.keep)
         self.optimizer = torch.optim.AdamW(
@@ -214,14 +216,14 @@ class HartsEngine:
         if mesh is None:
             model = load_pretrained(path, dtype=dtype, device=device, **overrides)
         else:
-            par = dict(
-                recompute=cfg.recompute,
-                keep=cfg.keep,
-                param_dtype=_dtype(cfg.param_dtype),
-                reduce_dtype=_dtype(cfg.reduce_dtype),
-                cpu_offload=cfg.cpu_offload,
+            model = load_pretrained(
+                path,
+                dtype=dtype,
+                device=device,
+                mesh=mesh,
+                parallelize=cfg.parallelize_options(),
+                **overrides,
             )
-            model = load_pretrained(path, dtype=dtype, device=device, mesh=mesh, parallelize=par, **overrides)
         return cls(model, cfg, mesh=mesh)
 
     # ------------------------------------------------------------------ properties

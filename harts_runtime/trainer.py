@@ -476,18 +476,10 @@ def train(args, given: set, saved: dict | None, out=None, err=None) -> int:
         mesh = dims.build_mesh(device.type) if dims is not None else None
         torch.manual_seed(args.seed)
         if args.model is not None:
-            from harts_runtime.engine import _dtype
             from harts_runtime.hf import load_pretrained
 
-            par = None
-            if mesh is not None:  # as HartsEngine.from_pretrained: each rank reads its shards' slices
-                par = dict(
-                    recompute=ecfg.recompute,
-                    keep=ecfg.keep,
-                    param_dtype=_dtype(ecfg.param_dtype),
-                    reduce_dtype=_dtype(ecfg.reduce_dtype),
-                    cpu_offload=ecfg.cpu_offload,
-                )
+            # as HartsEngine.from_pretrained: with a mesh each rank reads its shards' slices
+            par = ecfg.parallelize_options() if mesh is not None else None
             model = load_pretrained(args.model, dtype=args.dtype, device=device, mesh=mesh, parallelize=par)
         else:
             from harts_runtime.models import HybridModel

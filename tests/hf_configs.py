@@ -85,3 +85,22 @@ def qwen_config(family: str, layer_types=MIXED, **changes):
         return transformers.Qwen3NextConfig(**kw)
     kw.update(changes)
     return transformers.Qwen3_5MoeTextConfig(**kw)
+
+
+def perturb_kimi_linear(model):
+    """Every floating parameter of a Kimi-Linear model moved off its initialisation, in place (norm
+    weights and the MoE correction bias redrawn, all others given noise), so that a swapped or
+    dropped tensor shows; returns the model. Draws from torch's global generator."""
+    import torch
+
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if not t.is_floating_point():
+                continue
+            if "norm" in name:
+                t.copy_(1 + 0.3 * torch.randn_like(t))
+            elif "e_score_correction_bias" in name:
+                t.copy_(0.3 * torch.randn_like(t))
+            else:  # every other parameter too: no default initialisation hides a mapping error
+                t.add_(0.02 * torch.randn_like(t))
+    return model

@@ -488,21 +488,9 @@ class VerlHartsEngine(BaseEngine):
             )
             mesh = dims.build_mesh()
         self.mesh = mesh
-        from harts_runtime.engine import _dtype
         from harts_runtime.hf import load_pretrained
 
-        kw = {}
-        if mesh is not None:
-            kw = dict(
-                mesh=mesh,
-                parallelize=dict(
-                    recompute=cfg.recompute,
-                    keep=cfg.keep,
-                    param_dtype=_dtype(cfg.param_dtype),
-                    reduce_dtype=_dtype(cfg.reduce_dtype),
-                    cpu_offload=cfg.cpu_offload,
-                ),
-            )
+        kw = {} if mesh is None else dict(mesh=mesh, parallelize=cfg.parallelize_options())
         model = load_pretrained(
             path,
             dtype=self._harts("model_dtype", "float32"),

@@ -29,20 +29,10 @@ def build(out: Path, trajs: list[list[int]], seed: int = 0) -> None:
     fn = mk.chunk_kimi_delta_attention
     mk.chunk_kimi_delta_attention = getattr(fn, "__wrapped__", fn)
     sys.path.insert(0, str(HERE.parent))
-    from hf_configs import kimi_linear_config
+    from hf_configs import kimi_linear_config, perturb_kimi_linear
 
     torch.manual_seed(seed)
-    model = transformers.KimiLinearForCausalLM(kimi_linear_config()).float().eval()
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            if not t.is_floating_point():
-                continue
-            if "norm" in name:
-                t.copy_(1 + 0.3 * torch.randn_like(t))
-            elif "e_score_correction_bias" in name:
-                t.copy_(0.3 * torch.randn_like(t))
-            else:
-                t.add_(0.02 * torch.randn_like(t))
+    model = perturb_kimi_linear(transformers.KimiLinearForCausalLM(kimi_linear_config()).float().eval())
     model.save_pretrained(out / "hf")
     lps = []
     with torch.no_grad():

@@ -8,7 +8,7 @@
   caller can end it: :func:`stalled_streams` (streams that never send their request),
   :func:`partial_uploads` (requests that stop half way), :func:`never_read` (valid requests whose
   responses are never read: no flow-control credit is returned).
-* :func:`memory` of a process (VmRSS, VmHWM) and :func:`records` of a ``serve`` log.
+* :func:`records` of a ``serve`` log (a process's memory: ``sidecar_fixtures.memory``).
 """
 
 from __future__ import annotations
@@ -170,17 +170,6 @@ def never_read(
     return out
 
 
-def memory(pid: int) -> dict:
-    """VmRSS and VmHWM of a process, bytes."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmRSS"):
-                out[key] = int(value.split()[0]) << 10
-    return out
-
-
 def records(log_path, event: str = "rpc") -> list[dict]:
     """The JSON records of a ``serve`` log with ``event``."""
     out = []
@@ -212,7 +201,6 @@ __all__ = [
     "Probe",
     "TINY",
     "bounded_env",
-    "memory",
     "never_read",
     "partial_uploads",
     "records",

@@ -273,3 +273,14 @@ __all__ = [
     "wait_until",
     "pb",
 ]
+
+
+def memory(pid: int) -> dict:
+    """VmRSS and VmHWM of a process, bytes."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS"):
+                out[key] = int(value.split()[0]) << 10
+    return out

@@ -26,8 +26,8 @@ import time
 import grpc
 import numpy as np
 import pytest
-from attacks import TINY, memory, never_read, partial_uploads, records, stalled_streams, wait_for
-from sidecar_fixtures import TREE, Raw, calls_request, one_segment
+from attacks import TINY, never_read, partial_uploads, records, stalled_streams, wait_for
+from sidecar_fixtures import TREE, Raw, calls_request, memory, one_segment
 
 import harts_planner as hp
 from harts_planner import Planner, RolloutBatch, estimate_cost, synth

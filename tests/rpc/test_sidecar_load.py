@@ -15,7 +15,7 @@ import time
 import grpc
 import numpy as np
 import pytest
-from sidecar_fixtures import Raw
+from sidecar_fixtures import Raw, memory
 
 from harts_planner import PackedTokens, Planner, RolloutBatch, SegmentTree, synth
 from harts_planner.rpc import codec
@@ -109,16 +109,6 @@ def workload():
     }
 
 
-def _status(pid: int) -> dict:
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmRSS"):
-                out[key] = int(value.split()[0]) << 10
-    return out
-
-
 def run_load(sidecar: SidecarProcess, workload: dict, clients: int = CLIENTS, seconds: float = SECONDS):
     """``clients`` threads cycling through :data:`KINDS` for ``seconds``; returns the rows
     (kind, status code, seconds, plan correct) and the server's peak memory (bytes)."""
@@ -175,7 +165,7 @@ def run_load(sidecar: SidecarProcess, workload: dict, clients: int = CLIENTS, se
     for t in threads:
         t.join(seconds + 120)
     assert not errors, errors[0]
-    return results, _status(sidecar.pid)["VmHWM"]
+    return results, memory(sidecar.pid)["VmHWM"]
 
 
 def test_sixteen_clients_mixed_requests_for_twenty_seconds(workload, tmp_path):

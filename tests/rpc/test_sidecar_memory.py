@@ -11,7 +11,7 @@ import resource
 
 import grpc
 import pytest
-from sidecar_fixtures import TREE, Raw, calls_request, copies_tree, one_segment, step_request
+from sidecar_fixtures import TREE, Raw, calls_request, copies_tree, memory, one_segment, step_request
 
 from harts_planner import Planner, RolloutBatch, estimate_cost, synth
 from harts_planner.rpc import codec, limits
@@ -35,16 +35,6 @@ def _bounded(extra_args=(), tmp_path=None) -> SidecarProcess:
         env=env,
         log_path=None if tmp_path is None else str(tmp_path / "serve.log"),
     )
-
-
-def _status(pid: int) -> dict:
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmRSS"):
-                out[key] = int(value.split()[0]) << 10
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +85,7 @@ HUGE = [  # (id, method, request, field, the limit named)
 def test_requests_for_huge_plans_are_refused_before_any_allocation(swe_tree, tmp_path):
     assert len(HUGE[0][2]) == 26
     with _bounded(["--max-plan-memory-mb", "256"], tmp_path) as sidecar, Raw(sidecar.address) as raw:
-        idle = _status(sidecar.pid)["VmHWM"]
+        idle = memory(sidecar.pid)["VmHWM"]
         for case, method, request_, field, flag in HUGE:
             code, details = raw.code(method, request_, timeout=60)
             assert code == RES, (case, code, details)
@@ -114,7 +104,7 @@ def test_requests_for_huge_plans_are_refused_before_any_allocation(swe_tree, tmp
             local = Planner().plan_step(TREE, 1, 10, call_plans=True)
             assert p.plan_step(TREE, 1, 10, call_plans=True) == local
             assert p.health() == "SERVING"
-        peak = _status(sidecar.pid)["VmHWM"]
+        peak = memory(sidecar.pid)["VmHWM"]
         assert peak - idle < 100 << 20, (idle, peak)  # nothing big was ever allocated
     assert sidecar.proc.returncode == 0
 
@@ -124,11 +114,11 @@ def test_a_streamed_533_mb_plan_is_served_within_a_2_gib_address_space(swe_tree)
     plan's own arrays in 1 MiB chunks, so the server needs about the plan (the estimate, 512 MiB),
     not the plan and two copies of its response (1.6 GB, which did not fit before)."""
     with _bounded() as sidecar, Raw(sidecar.address) as raw:
-        idle = _status(sidecar.pid)["VmHWM"]
+        idle = memory(sidecar.pid)["VmHWM"]
         whole = codec.plan_calls_request(swe_tree, None, 64, 4).SerializeToString()
         response = raw.call("PLAN_CALLS_STREAM", whole, timeout=120)
         assert len(response) > 500 << 20
-        peak = _status(sidecar.pid)["VmHWM"]
+        peak = memory(sidecar.pid)["VmHWM"]
         cost = estimate_cost(swe_tree)
         held = limits.request_bytes(len(whole), 0, cost)  # the request and its tree's batch
         estimate = limits.of_plan_cost(cost, stream=True).memory_bytes + held

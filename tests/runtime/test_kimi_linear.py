@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 hp = pytest.importorskip("harts_planner")
 
-from hf_configs import V  # noqa: E402
+from hf_configs import V, perturb_kimi_linear  # noqa: E402
 from hf_configs import kimi_linear_config as hf_config  # noqa: E402
 from hf_reference import (  # noqa: E402
     compact_and_trajectory_grads,
@@ -68,18 +68,7 @@ def random_hf_model(seed: int = 0, **changes):
     """HF's model with a fixed seed and every parameter perturbed (norm weights and the correction
     bias redrawn, all others given noise) so that a swapped or dropped tensor shows."""
     torch.manual_seed(seed)
-    model = transformers.KimiLinearForCausalLM(hf_config(**changes)).float().eval()
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            if not t.is_floating_point():
-                continue
-            if "norm" in name:
-                t.copy_(1 + 0.3 * torch.randn_like(t))
-            elif "e_score_correction_bias" in name:
-                t.copy_(0.3 * torch.randn_like(t))
-            else:  # every other parameter too: no default initialisation hides a mapping error
-                t.add_(0.02 * torch.randn_like(t))
-    return model
+    return perturb_kimi_linear(transformers.KimiLinearForCausalLM(hf_config(**changes)).float().eval())
 
 
 def random_trajs(seed: int, lengths=(23, 40, 9)) -> list[list[int]]:

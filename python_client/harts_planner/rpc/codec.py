@@ -30,6 +30,7 @@ from harts_planner.call_plan import (
 )
 from harts_planner.errors import HartsError, invalid, renamed
 from harts_planner.rpc import planner_pb2 as pb
+from harts_planner.rpc import wire as _wire
 from harts_planner.step_plan import DEFAULT_OPTIONS, StepPlan
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PlannerService"].full_name
@@ -337,25 +338,12 @@ def plan_calls_request(
 # buffers (one copy, in the final join), and appended to the protobuf bytes of the other fields.
 # Setting a bytes field and serializing would copy a step's 200+ MB of tokens three times. The
 # result parses to exactly the message the *_request functions build (tested).
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | 0x80 if n else b)
-        if not n:
-            return bytes(out)
-
-
-def _len_header(number: int, length: int) -> bytes:
-    return _varint(number << 3 | 2) + _varint(length)
-
-
 def _bytes_fields(fields) -> list:
     parts = []
     for number, values, dtype in fields:
         buf = memoryview(np.ascontiguousarray(values, dtype=dtype)).cast("B")
         if len(buf):
-            parts += [_len_header(number, len(buf)), buf]
+            parts += [_wire.header(number, len(buf)), buf]
     return parts
 
 
@@ -367,10 +355,10 @@ def _trajectories_parts(source: PackedTokens | SegmentTree) -> list:
     else:
         raise invalid("trajectories", f"must be PackedTokens or SegmentTree, got {type(source).__name__}")
     body = _bytes_fields(inner)
-    parts = [_len_header(number, sum(len(p) for p in body)), *body]
+    parts = [_wire.header(number, sum(len(p) for p in body)), *body]
     if source.tree_ids is not None:
         parts += _bytes_fields([(3, source.tree_ids, I64)])
-    return [_len_header(1, sum(len(p) for p in parts)), *parts]  # field 1 of both requests
+    return [_wire.header(1, sum(len(p) for p in parts)), *parts]  # field 1 of both requests
 
 
 def serialize_plan_step_request(
