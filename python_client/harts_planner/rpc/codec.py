@@ -30,7 +30,6 @@ from harts_planner.call_plan import (
 )
 from harts_planner.errors import HartsError, invalid, renamed
 from harts_planner.rpc import planner_pb2 as pb
-from harts_planner.rpc import wire as _wire
 from harts_planner.step_plan import DEFAULT_OPTIONS, StepPlan
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PlannerService"].full_name
@@ -338,12 +337,27 @@ def plan_calls_request(
 # buffers (one copy, in the final join), and appended to the protobuf bytes of the other fields.
 # Setting a bytes field and serializing would copy a step's 200+ MB of tokens three times. The
 # result parses to exactly the message the *_request functions build (tested).
+def varint(n: int) -> bytes:
+    """``n`` >= 0 as a protobuf base-128 varint."""
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | 0x80 if n else b)
+        if not n:
+            return bytes(out)
+
+
+def header(number: int, length: int) -> bytes:
+    """Tag and length of a length-delimited field."""
+    return varint(number << 3 | 2) + varint(length)
+
+
 def _bytes_fields(fields) -> list:
     parts = []
     for number, values, dtype in fields:
         buf = memoryview(np.ascontiguousarray(values, dtype=dtype)).cast("B")
         if len(buf):
-            parts += [_wire.header(number, len(buf)), buf]
+            parts += [header(number, len(buf)), buf]
     return parts
 
 
@@ -355,10 +369,10 @@ def _trajectories_parts(source: PackedTokens | SegmentTree) -> list:
     else:
         raise invalid("trajectories", f"must be PackedTokens or SegmentTree, got {type(source).__name__}")
     body = _bytes_fields(inner)
-    parts = [_wire.header(number, sum(len(p) for p in body)), *body]
+    parts = [header(number, sum(len(p) for p in body)), *body]
     if source.tree_ids is not None:
         parts += _bytes_fields([(3, source.tree_ids, I64)])
-    return [_wire.header(1, sum(len(p) for p in parts)), *parts]  # field 1 of both requests
+    return [header(1, sum(len(p) for p in parts)), *parts]  # field 1 of both requests
 
 
 def serialize_plan_step_request(

@@ -31,26 +31,13 @@ from harts_planner import call_plan as _call_plan
 from harts_planner import step_plan as _step_plan
 from harts_planner.errors import invalid
 from harts_planner.rpc import planner_pb2 as pb
+from harts_planner.rpc.codec import header, varint
 
 #: Data bytes per chunk of a ``*Stream`` call, either way: a chunk message fits in 1 MiB.
 CHUNK_BYTES = (1 << 20) - 64
 _LITTLE = sys.byteorder == "little"
 _CALL_PLAN_NUMBERS = {f.name: f.number for f in pb.CallPlan.DESCRIPTOR.fields}
 _STEP_PLAN_NUMBERS = {f.name: f.number for f in pb.StepPlan.DESCRIPTOR.fields}
-
-
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | 0x80 if n else b)
-        if not n:
-            return bytes(out)
-
-
-def header(number: int, length: int) -> bytes:
-    """Tag and length of a length-delimited field."""
-    return varint(number << 3 | 2) + varint(length)
 
 
 def _address(buffer) -> int:
