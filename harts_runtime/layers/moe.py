@@ -39,11 +39,12 @@ Expert computation, chosen by ``MoEConfig.grouped``:
   the N*k assignments are sorted by expert once and the rows gathered once
   (:mod:`~harts_runtime.ops.dispatch`); two grouped matmuls run on the expert-sorted rows, gate and
   up as one product with ``[w_gate | w_up]`` [E, D, 2I], then the down projection
-  (:mod:`~harts_runtime.ops.grouped_gemm`); between them the SwiGLU (fla's fused Triton kernel on
+  (:mod:`~harts_runtime.ops.grouped_gemm`); between them the SwiGLU (a fused Triton kernel on
   CUDA, ``MoEConfig.backend``) also scales each slot's I-wide row by its routing weight (exact: the
   down projection is linear; :mod:`~harts_runtime.ops.swiglu`), so the slots go back with one
-  gather by the inverse permutation and a plain fixed-order sum over the k slots. The backward is
-  gathers and fixed-order sums too (no atomics, no second sort).
+  gather by the inverse permutation and a plain fixed-order sum over the k slots (one fused
+  gather-sum kernel on CUDA). The backward is gathers and fixed-order sums too (no atomics, no
+  second sort).
 
 Host synchronisation (issue 15): on CUDA the grouped path issues no device-to-host copy and no
 data-dependent output shape, forward or backward, when ``torch._grouped_mm`` takes its fast path
@@ -113,9 +114,10 @@ class MoEConfig:
     grouped: bool = True
     """Grouped-matmul expert path (True) or the per-expert loop reference (False)."""
     backend: str = "auto"
-    """Where the grouped path's SwiGLU runs (:mod:`harts_runtime.modules.fused`): ``"triton"``
-    (fla's fused SwiGLU kernels), ``"naive"`` (``F.silu(a) * b``) or ``"auto"`` (fla's on CUDA
-    when fla-core is importable, else the reference)."""
+    """Where the grouped path's memory-bound steps run (:mod:`harts_runtime.modules.fused`):
+    ``"triton"`` (the fused kernels of :mod:`harts_kernels.moe`: the weighted SwiGLU and the
+    gather-sums of the combine and the dispatch's backward), ``"naive"`` (PyTorch) or ``"auto"``
+    (the kernels on CUDA when triton and fla-core are importable, else PyTorch)."""
     accumulate_counts: bool = True
     """Add each training-mode forward's counts to ``local_tokens_per_expert``. A model that
     recomputes this forward (activation checkpointing) sets False and accumulates
@@ -393,12 +395,13 @@ class CompactMoE(nn.Module):
         order, inverse, counts = sort_assignments(topk_idx, self.config.num_experts)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         rows = torch.div(order, k, rounding_mode="floor")
-        xs = dispatch_rows(x, rows, inverse, k)  # [N*k, D] expert-sorted
+        be = self.config.backend
+        xs = dispatch_rows(x, rows, inverse, k, be)  # [N*k, D] expert-sorted
         ws = permute_rows(weight.reshape(-1), order, inverse)  # [N*k] slot weights, expert-sorted
         gu = gate_up_mm(xs, self.w_gate, self.w_up, counts, offs=offs)  # [N*k, 2I]
-        h = swiglu_rows(gu, ws, self.config.backend)  # [N*k, I], weighted
+        h = swiglu_rows(gu, ws, be)  # [N*k, I], weighted
         ys = grouped_mm(h, self.w_down, counts, offs=offs)  # [N*k, D] expert-sorted, weighted
-        return combine_rows(ys, rows, inverse, k)
+        return combine_rows(ys, rows, inverse, k, be)
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor:

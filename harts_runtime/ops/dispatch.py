@@ -12,7 +12,8 @@ A router picks k experts for each of N rows (``topk_idx`` int64 [N, k]). The gro
 * :func:`dispatch_rows` ``(x [N, D], rows, inverse, k) -> [N*k, D]``: ``x[rows]`` with
   ``rows = order // k``, every row gathered into its k expert-sorted slots;
 * :func:`combine_rows` ``(y [N*k, D], rows, inverse, k) -> [N, D]``: the slots back into row-major
-  slot order by one gather with ``inverse``, then a fixed-order sum over each row's k slots.
+  slot order by one gather with ``inverse``, then a fixed-order sum over each row's k slots (on the
+  Triton path one kernel, :func:`harts_kernels.moe.gather_sum`, with no [N*k, D] temporary).
 
 Dispatch and combine are each other's adjoint, and each one's backward is the other's forward:
 gathers and fixed-order sums, with no atomics, no accumulating ``index_put`` / ``index_add`` and no
@@ -24,6 +25,8 @@ through :func:`harts_runtime.ops.rows.permute_rows`.)
 from __future__ import annotations
 
 import torch
+
+from harts_runtime.modules.fused import use_fla
 
 __all__ = ["combine_rows", "dispatch_rows", "sort_assignments"]
 
@@ -56,58 +59,71 @@ def sort_assignments(topk_idx: torch.Tensor, num_experts: int):
     return order, inverse, counts
 
 
-def _sum_slots(y: torch.Tensor, k: int) -> torch.Tensor:
-    """[N*k, W] slots in row-major slot order -> [N, W]: a fixed-order sum over the k slots of a
-    row (PyTorch's reduction accumulates bf16 in fp32 and rounds once; no atomics)."""
-    return y.view(y.shape[0] // k, k, y.shape[-1]).sum(1)
+def _gather_sum(y: torch.Tensor, index: torch.Tensor, k: int, fused: bool) -> torch.Tensor:
+    """``y[index]`` [N*k, W] in row-major slot order, summed over each row's k slots -> [N, W], in
+    a fixed order (float32 accumulation, one rounding; no atomics). ``fused``: in one pass by
+    :func:`harts_kernels.moe.gather_sum`, without the [N*k, W] gathered temporary; else PyTorch's
+    gather, then its reduction."""
+    if fused:
+        from harts_kernels.moe import gather_sum
+
+        return gather_sum(y, index, k)
+    g = y.index_select(0, index)
+    return g.view(g.shape[0] // k, k, g.shape[-1]).sum(1)
 
 
 class _Dispatch(torch.autograd.Function):
     """``x[rows]`` with ``rows = order // k``: rows [N, D] to their N*k expert-sorted assignment slots.
 
     Backward: the slot gradients back to [N, k] order by a gather with ``inverse``, then a sum
-    over the k slots (:func:`_sum_slots`), instead of autograd's accumulating ``index_put`` /
+    over the k slots (:func:`_gather_sum`), instead of autograd's accumulating ``index_put`` /
     ``index_add`` (a sort or atomics on CUDA). The adjoint of :class:`_Combine`.
     """
 
     @staticmethod
-    def forward(ctx, x, rows, inverse, k):
+    def forward(ctx, x, rows, inverse, k, fused):
         ctx.save_for_backward(inverse)
-        ctx.k = k
+        ctx.k, ctx.fused = k, fused
         return x.index_select(0, rows)
 
     @staticmethod
     def backward(ctx, g):
         (inverse,) = ctx.saved_tensors
-        return _sum_slots(g.index_select(0, inverse), ctx.k), None, None, None
+        return _gather_sum(g, inverse, ctx.k, ctx.fused), None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     """Expert-sorted slots [N*k, D] back to their rows [N, D]: one gather by ``inverse`` (row-major
-    slot order), then the fixed-order sum over the k slots of a row (:func:`_sum_slots`).
+    slot order), then the fixed-order sum over the k slots of a row (:func:`_gather_sum`).
 
     Backward: ``g[rows]`` (``rows = order // k``, one gather straight into the expert-sorted slot
     order; no expanded [N, k, D] gradient, no scatter). The adjoint of :class:`_Dispatch`.
     """
 
     @staticmethod
-    def forward(ctx, y, rows, inverse, k):
+    def forward(ctx, y, rows, inverse, k, fused):
         ctx.save_for_backward(rows)
-        return _sum_slots(y.index_select(0, inverse), k)
+        return _gather_sum(y, inverse, k, fused)
 
     @staticmethod
     def backward(ctx, g):
         (rows,) = ctx.saved_tensors
-        return g.index_select(0, rows), None, None, None
+        return g.index_select(0, rows), None, None, None, None
 
 
-def dispatch_rows(x: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+def dispatch_rows(
+    x: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, k: int, backend: str = "auto"
+) -> torch.Tensor:
     """Rows [N, D] to their N*k expert-sorted assignment slots (``x[rows]``, ``rows = order // k``);
-    backward by a gather and a fixed-order sum over the k slots (:class:`_Dispatch`)."""
-    return _Dispatch.apply(x, rows, inverse, k)
+    backward by a gather and a fixed-order sum over the k slots (:class:`_Dispatch`), fused into
+    one kernel when ``backend`` selects the Triton path (:func:`~harts_runtime.modules.fused.use_fla`)."""
+    return _Dispatch.apply(x, rows, inverse, k, use_fla(x, backend))
 
 
-def combine_rows(y: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+def combine_rows(
+    y: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, k: int, backend: str = "auto"
+) -> torch.Tensor:
     """Expert-sorted slots [N*k, D] back to their N rows, summed over the k slots in a fixed order
-    (:class:`_Combine`, the adjoint of :func:`dispatch_rows`)."""
-    return _Combine.apply(y, rows, inverse, k)
+    (:class:`_Combine`, the adjoint of :func:`dispatch_rows`); the gather and the sum are one kernel
+    when ``backend`` selects the Triton path."""
+    return _Combine.apply(y, rows, inverse, k, use_fla(y, backend))

@@ -51,7 +51,7 @@ class ExpertDispatch:
         ep, el = self.size, moe.w_gate.shape[0]  # local experts, from the local shard
         order, inverse, counts = sort_assignments(topk_idx, ep * el)
         rows = torch.div(order, k, rounding_mode="floor")
-        xs = dispatch_rows(x, rows, inverse, k)  # [N k, D] expert-sorted
+        xs = dispatch_rows(x, rows, inverse, k, moe.config.backend)  # [N k, D] expert-sorted
         ws = weight.reshape(-1)[order]  # [N k] slot weights, expert-sorted
         # src-major: recv[src * el + e] rows of local expert e come from rank src
         recv = all_to_all_single(counts, None, None, self.group).view(ep, el)
@@ -65,7 +65,7 @@ class ExpertDispatch:
         ye = grouped_mm(h, moe.w_down, local_counts)  # [R, D] expert-major
         yr = torch.empty_like(ye).index_copy(0, regroup, ye)  # back to src-major
         yb = all_to_all_single_autograd(yr, send_sizes, recv_sizes, self.group)  # [N k, D] expert-sorted
-        return combine_rows(yb * ws[:, None], rows, inverse, k)
+        return combine_rows(yb * ws[:, None], rows, inverse, k, moe.config.backend)
 
 
 def _expert_major(recv: torch.Tensor, total: int) -> torch.Tensor:

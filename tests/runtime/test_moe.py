@@ -195,10 +195,10 @@ def test_swiglu_rows_reference_folds_the_row_weights():
 @pytest.mark.slow
 @pytest.mark.skipif(not (_importable("triton") and _importable("fla")), reason="needs triton and fla-core")
 def test_fused_swiglu_matches_the_reference_under_the_interpreter():
-    """fla's SwiGLU kernels (``backend="triton"``, TRITON_INTERPRET=1 on the CPU): ``swiglu_rows``
-    with and without row weights, and the whole grouped MoE, forward and backward, against the
-    reference backend in fp32. The CUDA comparison is in test_moe_gpu.py."""
-    code = triton_interpreter.prelude("fla.modules.activations.ops") + textwrap.dedent(
+    """The fused kernels (``backend="triton"``: harts_kernels.moe's weighted SwiGLU and gather-sums;
+    TRITON_INTERPRET=1 on the CPU): ``swiglu_rows`` with and without row weights, and the whole
+    grouped MoE, forward and backward, against the reference backend in fp32. The CUDA comparison is in test_moe_gpu.py."""
+    code = triton_interpreter.prelude() + textwrap.dedent(
         """
         import torch
         from harts_runtime.layers.moe import CompactMoE, MoEConfig

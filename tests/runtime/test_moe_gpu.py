@@ -1,8 +1,8 @@
 """CompactMoE on CUDA (issue 15, item 3): the grouped path runs forward and backward without host
 synchronisation, and agrees with the fp32 per-expert loop.
 
-The grouped module runs in bf16 (its SwiGLU through fla's fused kernel when fla-core is importable,
-``MoEConfig.backend="auto"``) with ``torch._grouped_mm``'s device-offset kernel (SM90/SM100); after
+The grouped module runs in bf16 (its SwiGLU and gather-sums through harts_kernels.moe's fused
+kernels when triton and fla-core are importable, ``MoEConfig.backend="auto"``) with ``torch._grouped_mm``'s device-offset kernel (SM90/SM100); after
 one warm-up step (cuBLAS/CUTLASS workspaces, allocator blocks, lazy initialisation) a second
 forward + backward + expert-bias step runs under ``torch.cuda.set_sync_debug_mode("error")``, so
 any synchronising CUDA call PyTorch makes (``.item()``, ``.tolist()``, ``nonzero``, a blocking
@@ -195,9 +195,9 @@ def test_grouped_mm_ok_on_cuda():
 
 
 FUSED_SWIGLU_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-"""Relative Frobenius error of fla's fused SwiGLU (``swiglu_rows(..., "triton")``) against the
-fp32 reference on the same (rounded) inputs: fp32 math in both, so fp32 agrees to rounding; in bf16
-the kernel rounds h once and the gradients once (~2^-9 relative), the weight product once more."""
+"""Relative Frobenius error of the fused SwiGLU (``swiglu_rows(..., "triton")``,
+harts_kernels.moe) against the fp32 reference on the same (rounded) inputs: fp32 math in both, so
+fp32 agrees to rounding; in bf16 the kernel rounds h and each gradient once (~2^-9 relative)."""
 
 
 @pytest.mark.skipif(not fla_available(), reason="needs fla-core and triton")
@@ -225,14 +225,15 @@ def test_fused_swiglu_matches_the_reference(dtype, weighted):
 
 
 FUSED_VS_NAIVE_MOE_RTOL = 2e-2
-"""Relative Frobenius error, bf16 grouped MoE with fla's SwiGLU vs with the reference SwiGLU: two
-bf16 computations that round h differently (fla once, the reference after silu, the product and
-the weight), each ~0.5% from the exact result (the :data:`RTOL` scale)."""
+"""Relative Frobenius error, bf16 grouped MoE with the fused kernels vs with the PyTorch ops: two
+bf16 computations that round h differently (the kernel once, the reference after silu, the product
+and the weight) and sum the k slots in float32 (both), each ~0.5% from the exact result (the
+:data:`RTOL` scale)."""
 
 
 @pytest.mark.skipif(not fla_available(), reason="needs fla-core and triton")
 def test_grouped_moe_fused_and_reference_swiglu_agree():
-    """The whole bf16 grouped MoE with ``backend="auto"`` (fla's SwiGLU) and ``"naive"``: same
+    """The whole bf16 grouped MoE with ``backend="auto"`` (the fused kernels) and ``"naive"``: same
     routing, outputs and gradients within bf16 rounding."""
     if not fast_grouped_mm_device():
         pytest.skip("torch._grouped_mm reads offsets on the device only on SM90/SM100")
