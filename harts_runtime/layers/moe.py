@@ -68,6 +68,7 @@ from harts_runtime.layout.rows import RowLayout
 from harts_runtime.modules.swiglu import SwiGLU
 from harts_runtime.ops.dispatch import combine_rows, dispatch_rows, sort_assignments
 from harts_runtime.ops.grouped_gemm import gate_up_mm, grouped_mm
+from harts_runtime.ops.router import router_logits
 from harts_runtime.ops.rows import permute_rows
 from harts_runtime.ops.swiglu import swiglu_rows
 
@@ -326,8 +327,7 @@ class CompactMoE(nn.Module):
         """
         multiplicity = None if layout is None else layout.multiplicity
         c = self.config
-        dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        logits = hidden.to(dt) @ self.router.to(dt).t()  # [N, E]
+        logits = router_logits(hidden, self.router)  # [N, E] float32 (float64 rows: float64)
         probs, topk_idx, weight = route(
             logits,
             c.top_k,

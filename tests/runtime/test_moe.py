@@ -533,3 +533,19 @@ def test_gate_up_mm_refuses_mismatched_weights():
         gate_up_mm(x, torch.zeros(2, 8, 4), torch.zeros(2, 8, 6), torch.tensor([2, 2]))
     with pytest.raises(InvalidInputError, match="impl"):
         gate_up_mm(x, torch.zeros(2, 8, 4), torch.zeros(2, 8, 4), torch.tensor([2, 2]), impl="x")
+
+
+def test_router_logits_are_the_float32_product_off_cuda():
+    """``router_logits`` off CUDA: the float32 product (float64 rows: float64), gradients in the
+    operands' dtypes. The bf16 tensor-core form is compared on CUDA in test_moe_gpu.py."""
+    from harts_runtime.ops.router import router_logits
+
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        h = torch.randn(33, 24, generator=gen).to(dtype).requires_grad_()
+        w = torch.randn(6, 24, generator=gen).to(dtype).requires_grad_()
+        out = router_logits(h, w)
+        assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        torch.testing.assert_close(out, h.detach().to(out.dtype) @ w.detach().to(out.dtype).t())
+        out.sum().backward()
+        assert h.grad.dtype == dtype and w.grad.dtype == dtype

@@ -279,3 +279,33 @@ def test_gate_up_mm_matches_the_concatenated_product_without_host_sync():
         results.append([y.detach()] + [t.grad for t in ts])
     for name, a, b in zip(("y", "x", "w_gate", "w_up"), *results):
         assert torch.equal(a, b), (name, rel(a, b))
+
+
+ROUTER_RTOL = {"logits": 1e-5, "d_hidden": 2e-3, "d_weight": 2e-3}
+"""Relative Frobenius error of ``router_logits`` on bf16 operands (bf16 tensor cores, float32
+output) against the float32 product of the same values: products of bf16 values are exact in
+float32, so the logits differ only by the accumulation order (~1e-7); the backward is float32 in
+both, then rounded to bf16, where values that differ in their last float32 bits can round one bf16
+ulp apart (2^-8 on a few elements)."""
+
+
+def test_router_logits_on_bf16_tensor_cores_match_the_float32_product():
+    from harts_runtime.ops.router import router_logits
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    h0 = torch.randn(N, D, device="cuda", generator=gen).to(torch.bfloat16)
+    w0 = (torch.randn(E, D, device="cuda", generator=gen) * D**-0.5).to(torch.bfloat16)
+    g = torch.randn(N, E, device="cuda", generator=gen)
+    h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    out = router_logits(h, w)
+    assert type(out.grad_fn).__name__ == "_Bf16RouterLogitsBackward" and out.dtype == torch.float32
+    out.backward(g)
+    hf, wf = h0.float().requires_grad_(), w0.float().requires_grad_()
+    ref = hf @ wf.t()
+    ref.backward(g)
+    errors = {
+        "logits": rel(out, ref),
+        "d_hidden": rel(h.grad, hf.grad.bfloat16()),
+        "d_weight": rel(w.grad, wf.grad.bfloat16()),
+    }
+    assert all(errors[k] <= ROUTER_RTOL[k] for k in errors), errors

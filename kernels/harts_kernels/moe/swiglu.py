@@ -85,7 +85,16 @@ def swiglu_weighted_bwd(gu: torch.Tensor, w: torch.Tensor | None, g: torch.Tenso
     bm, bi = launch_blocks(i)
     with _guard(gu):
         swiglu_bwd_kernel[(triton.cdiv(m, bm),)](
-            gu, w if w is not None else gu, g, dgu, dw if dw is not None else gu, m, i,
-            HAS_W=w is not None, BM=bm, BI=bi, num_warps=4,
+            gu,
+            w if w is not None else gu,
+            g,
+            dgu,
+            dw if dw is not None else gu,
+            m,
+            i,
+            HAS_W=w is not None,
+            BM=bm,
+            BI=bi,
+            num_warps=4,
         )
     return dgu, dw

@@ -1,5 +1,7 @@
 """The Triton kernels of :mod:`harts_kernels.moe` (imported on first use: this module needs triton).
 
+``W`` in the SwiGLU kernels is the intermediate width I.
+
 Every row count is a runtime argument excluded from specialization (``do_not_specialize``): the
 constexprs are the block sizes, chosen from the widths alone, and flags, so a microbatch of a
 never-seen size reuses the compiled kernel.
@@ -25,36 +27,36 @@ def gather_sum_kernel(y, index, out, N, D, K: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def swiglu_fwd_kernel(gu, w, h, M, I, HAS_W: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr):
+def swiglu_fwd_kernel(gu, w, h, M, W, HAS_W: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr):
     """Program (r, c): rows ``r BM ..``, columns ``c BI ..`` of ``h = silu(a) * b (* w)``."""
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BI + tl.arange(0, BI)
-    mask = (rows < M)[:, None] & (cols < I)[None, :]
-    p = gu + rows[:, None] * (2 * I) + cols[None, :]
+    mask = (rows < M)[:, None] & (cols < W)[None, :]
+    p = gu + rows[:, None] * (2 * W) + cols[None, :]
     a = tl.load(p, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(p + I, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(p + W, mask=mask, other=0.0).to(tl.float32)
     out = a * tl.sigmoid(a) * b
     if HAS_W:
         out *= tl.load(w + rows, mask=rows < M, other=0.0).to(tl.float32)[:, None]
-    tl.store(h + rows[:, None] * I + cols[None, :], out.to(h.dtype.element_ty), mask=mask)
+    tl.store(h + rows[:, None] * W + cols[None, :], out.to(h.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
-def swiglu_bwd_kernel(gu, w, g, dgu, dw, M, I, HAS_W: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr):
-    """Program r: rows ``r BM ..``, all I columns in blocks of BI: ``d a``, ``d b`` into ``dgu``
+def swiglu_bwd_kernel(gu, w, g, dgu, dw, M, W, HAS_W: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr):
+    """Program r: rows ``r BM ..``, all W columns in blocks of BI: ``d a``, ``d b`` into ``dgu``
     and, with weights, ``dw = sum_I g * silu(a) * b`` (float32, one rounding)."""
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     rmask = rows < M
     if HAS_W:
         wr = tl.load(w + rows, mask=rmask, other=0.0).to(tl.float32)
     acc = tl.zeros([BM], dtype=tl.float32)
-    for c0 in range(0, I, BI):
+    for c0 in range(0, W, BI):
         cols = c0 + tl.arange(0, BI)
-        mask = rmask[:, None] & (cols < I)[None, :]
-        p = gu + rows[:, None] * (2 * I) + cols[None, :]
+        mask = rmask[:, None] & (cols < W)[None, :]
+        p = gu + rows[:, None] * (2 * W) + cols[None, :]
         a = tl.load(p, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(p + I, mask=mask, other=0.0).to(tl.float32)
-        go = tl.load(g + rows[:, None] * I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(p + W, mask=mask, other=0.0).to(tl.float32)
+        go = tl.load(g + rows[:, None] * W + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         s = tl.sigmoid(a)
         silu = a * s
         if HAS_W:
@@ -64,8 +66,8 @@ def swiglu_bwd_kernel(gu, w, g, dgu, dw, M, I, HAS_W: tl.constexpr, BM: tl.const
             dh = go
         da = dh * b * s * (1.0 + a * (1.0 - s))
         db = dh * silu
-        q = dgu + rows[:, None] * (2 * I) + cols[None, :]
+        q = dgu + rows[:, None] * (2 * W) + cols[None, :]
         tl.store(q, da.to(dgu.dtype.element_ty), mask=mask)
-        tl.store(q + I, db.to(dgu.dtype.element_ty), mask=mask)
+        tl.store(q + W, db.to(dgu.dtype.element_ty), mask=mask)
     if HAS_W:
         tl.store(dw + rows, acc.to(dw.dtype.element_ty), mask=rmask)
