@@ -347,15 +347,19 @@ class CompactMoE(nn.Module):
         if self.training and c.accumulate_counts:
             self.local_tokens_per_expert += counts.detach()
         # Shared experts: a dense SwiGLU, independent of the routing, issued before the routed
-        # path on the same stream (no side streams); the sum below is the same either way.
+        # path on the same stream (no side streams). The grouped path adds their output in its
+        # combine (one pass); the others add it after.
         s = self._shared(hidden) if c.num_shared_experts > 0 else None
-        if self.expert_dispatch is not None:
-            out = self.expert_dispatch(self, hidden, topk_idx, weight.to(hidden.dtype))
+        w = weight.to(hidden.dtype)
+        if self.expert_dispatch is None and c.grouped:
+            out = self._experts_grouped(hidden, topk_idx, w, base=s)
         else:
-            experts = self._experts_grouped if c.grouped else self._experts_loop
-            out = experts(hidden, topk_idx, weight.to(hidden.dtype))
-        if s is not None:
-            out = out + s
+            if self.expert_dispatch is not None:
+                out = self.expert_dispatch(self, hidden, topk_idx, w)
+            else:
+                out = self._experts_loop(hidden, topk_idx, w)
+            if s is not None:
+                out = out + s
         return MoEOutput(
             out, aux, z, counts.detach(), topk_idx, weight, c.aux_loss_coef * aux + c.z_loss_coef * z
         )
@@ -381,12 +385,13 @@ class CompactMoE(nn.Module):
                 out = out.index_add(0, rows, self._ffn(x[rows], e) * weight[rows, slot, None])
         return out
 
-    def _experts_grouped(self, x, topk_idx, weight):
+    def _experts_grouped(self, x, topk_idx, weight, base=None):
         """Fast path: one expert sort of the N*k assignments, one gather of the rows, two grouped
         matmuls on device offsets (gate and up as one [E, D, 2I] product, then the down
         projection), the SwiGLU with the routing weights folded into its I-wide output, one gather
-        back and a fixed-order sum over the k slots. No host synchronisation on the
-        ``torch._grouped_mm`` path (module docstring).
+        back and a fixed-order sum over the k slots, plus ``base`` [N, D] (the shared experts'
+        output) if given. No host synchronisation on the ``torch._grouped_mm`` path (module
+        docstring).
 
         The routing weight of a slot multiplies its intermediate row ``h`` before the (linear) down
         projection, ``(w h) W_down = w (h W_down)``: the combine then has no D-wide weighted
@@ -401,7 +406,7 @@ class CompactMoE(nn.Module):
         gu = gate_up_mm(xs, self.w_gate, self.w_up, counts, offs=offs)  # [N*k, 2I]
         h = swiglu_rows(gu, ws, be)  # [N*k, I], weighted
         ys = grouped_mm(h, self.w_down, counts, offs=offs)  # [N*k, D] expert-sorted, weighted
-        return combine_rows(ys, rows, inverse, k, be)
+        return combine_rows(ys, rows, inverse, k, be, base)
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor:

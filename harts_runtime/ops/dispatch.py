@@ -59,17 +59,18 @@ def sort_assignments(topk_idx: torch.Tensor, num_experts: int):
     return order, inverse, counts
 
 
-def _gather_sum(y: torch.Tensor, index: torch.Tensor, k: int, fused: bool) -> torch.Tensor:
+def _gather_sum(y: torch.Tensor, index: torch.Tensor, k: int, fused: bool, base=None) -> torch.Tensor:
     """``y[index]`` [N*k, W] in row-major slot order, summed over each row's k slots -> [N, W], in
-    a fixed order (float32 accumulation, one rounding; no atomics). ``fused``: in one pass by
-    :func:`harts_kernels.moe.gather_sum`, without the [N*k, W] gathered temporary; else PyTorch's
-    gather, then its reduction."""
+    a fixed order (float32 accumulation, one rounding; no atomics), plus ``base`` [N, W] if given.
+    ``fused``: in one pass by :func:`harts_kernels.moe.gather_sum`, without the [N*k, W] gathered
+    temporary; else PyTorch's gather, its reduction, then the add."""
     if fused:
         from harts_kernels.moe import gather_sum
 
-        return gather_sum(y, index, k)
+        return gather_sum(y, index, k, base)
     g = y.index_select(0, index)
-    return g.view(g.shape[0] // k, k, g.shape[-1]).sum(1)
+    out = g.view(g.shape[0] // k, k, g.shape[-1]).sum(1)
+    return out if base is None else base + out
 
 
 class _Dispatch(torch.autograd.Function):
@@ -101,14 +102,15 @@ class _Combine(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, y, rows, inverse, k, fused):
+    def forward(ctx, y, rows, inverse, k, fused, base):
         ctx.save_for_backward(rows)
-        return _gather_sum(y, inverse, k, fused)
+        ctx.has_base = base is not None
+        return _gather_sum(y, inverse, k, fused, base)
 
     @staticmethod
     def backward(ctx, g):
         (rows,) = ctx.saved_tensors
-        return g.index_select(0, rows), None, None, None, None
+        return g.index_select(0, rows), None, None, None, None, (g if ctx.has_base else None)
 
 
 def dispatch_rows(
@@ -121,9 +123,15 @@ def dispatch_rows(
 
 
 def combine_rows(
-    y: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, k: int, backend: str = "auto"
+    y: torch.Tensor,
+    rows: torch.Tensor,
+    inverse: torch.Tensor,
+    k: int,
+    backend: str = "auto",
+    base: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Expert-sorted slots [N*k, D] back to their N rows, summed over the k slots in a fixed order
-    (:class:`_Combine`, the adjoint of :func:`dispatch_rows`); the gather and the sum are one kernel
-    when ``backend`` selects the Triton path."""
-    return _Combine.apply(y, rows, inverse, k, use_fla(y, backend))
+    (:class:`_Combine`, the adjoint of :func:`dispatch_rows`), plus ``base`` [N, D] if given (the
+    shared experts' output; its gradient is the output's); the gather, the sum and the add are one
+    kernel when ``backend`` selects the Triton path."""
+    return _Combine.apply(y, rows, inverse, k, use_fla(y, backend), base)

@@ -54,6 +54,8 @@ def test_reference_backward_is_autograds():
     idx = torch.randint(0, 11, (4 * 3,), generator=gen)
     ref = torch.stack([y[idx[3 * n : 3 * n + 3]].sum(0) for n in range(4)])
     torch.testing.assert_close(naive_gather_sum(y, idx, 3), ref)
+    base = torch.randn(4, 5, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(naive_gather_sum(y, idx, 3, base), base + ref)
 
 
 def test_launch_rules_depend_on_widths_only():
@@ -85,6 +87,8 @@ CASES = textwrap.dedent(
             y = torch.randn(m, d, device=dev).to(dt)
             idx = torch.randint(0, m, (n * k,), device=dev)
             close("out", gather_sum(y, idx, k), naive_gather_sum(y, idx, k))
+            base = torch.randn(n, d, device=dev).to(dt)
+            close("out", gather_sum(y, idx, k, base), naive_gather_sum(y, idx, k, base))
             i = rnd.choice({widths}) // 2 or 1
             gu = torch.randn(m, 2 * i, device=dev).to(dt)
             g = torch.randn(m, i, device=dev).to(dt)

@@ -1,8 +1,9 @@
 """The memory-bound steps of the grouped MoE path, fused (issue 26, item 3).
 
-* :func:`gather_sum` ``(y [M, D], index [N*k], k) -> [N, D]``: ``sum_j y[index[n*k + j]]`` in
-  float32, rounded once: the combine of the expert-sorted slots back into their rows, and the
-  backward of the dispatch, without the [N*k, D] gathered temporary.
+* :func:`gather_sum` ``(y [M, D], index [N*k], k, base=None) -> [N, D]``: ``base[n] + sum_j
+  y[index[n*k + j]]`` in float32, rounded once: the combine of the expert-sorted slots back into
+  their rows (plus the shared experts' output), and the backward of the dispatch, without the
+  [N*k, D] gathered temporary.
 * :func:`swiglu_weighted` / :func:`swiglu_weighted_bwd`: ``silu(a) * b * w`` per row for
   ``gu = [a | b]`` [M, 2I], and its gradients ``d gu`` [M, 2I] (written in place, no
   concatenation) and ``d w`` [M] (a row dot product in the same kernel).

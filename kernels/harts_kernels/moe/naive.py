@@ -6,10 +6,13 @@ import torch
 import torch.nn.functional as F
 
 
-def naive_gather_sum(y: torch.Tensor, index: torch.Tensor, k: int) -> torch.Tensor:
-    """``out[n] = sum_{j < k} y[index[n * k + j]]`` in float32 (j ascending), cast to ``y.dtype``."""
+def naive_gather_sum(
+    y: torch.Tensor, index: torch.Tensor, k: int, base: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out[n] = base[n] + sum_{j < k} y[index[n * k + j]]`` in float32, cast to ``y.dtype``."""
     d = y.shape[-1]
-    return y.float().index_select(0, index).view(-1, k, d).sum(1).to(y.dtype)
+    out = y.float().index_select(0, index).view(-1, k, d).sum(1)
+    return (out if base is None else base.float() + out).to(y.dtype)
 
 
 def naive_swiglu_weighted(gu: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:

@@ -14,12 +14,16 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["N"])
-def gather_sum_kernel(y, index, out, N, D, K: tl.constexpr, BD: tl.constexpr):
-    """Program (n, c): ``out[n, cols] = sum_{j < K} y[index[n K + j], cols]``, float32, j ascending."""
+def gather_sum_kernel(y, index, base, out, N, D, K: tl.constexpr, HAS_BASE: tl.constexpr, BD: tl.constexpr):
+    """Program (n, c): ``out[n, cols] = base[n, cols] + sum_{j < K} y[index[n K + j], cols]``,
+    float32, the base first, then j ascending."""
     n = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     mask = cols < D
-    acc = tl.zeros([BD], dtype=tl.float32)
+    if HAS_BASE:
+        acc = tl.load(base + n * D + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros([BD], dtype=tl.float32)
     for j in tl.static_range(K):
         src = tl.load(index + n * K + j)
         acc += tl.load(y + src * D + cols, mask=mask, other=0.0).to(tl.float32)
