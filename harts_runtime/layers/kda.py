@@ -243,8 +243,9 @@ class KDALayer(nn.Module):
 
     def _features_fused(self, x: torch.Tensor, windows: ConvWindows):
         """:meth:`_features` through fla's kernels (same math, same outputs)."""
-        from fla.modules.l2norm import l2norm
         from fla.ops.kda.gate import fused_kda_gate
+
+        from harts_kernels.norm import l2norm  # fla's math, no compile per row count
 
         c = self.config
         R, H, K, Vd = x.shape[0], self.b_proj.weight.shape[0], c.head_k_dim, c.head_v_dim

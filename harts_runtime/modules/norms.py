@@ -5,8 +5,9 @@ activation="sigmoid")``'s parameters and math) and of Qwen3-Next / Qwen3.5's gat
 the statistics are computed in float32.
 
 :class:`RMSNorm`, :class:`GatedRMSNorm` and :func:`l2_norm` take a ``backend``
-(:mod:`harts_runtime.modules.fused`): on CUDA they run fla's fused kernels (``rms_norm``,
-``rms_norm_gated``, ``l2norm``; same math, float32 inside), on the CPU the PyTorch reference below."""
+(:mod:`harts_runtime.modules.fused`): on CUDA they run the Triton kernels of
+:mod:`harts_kernels.norm` (``rms_norm``, ``rms_norm_gated``, ``l2norm``: fla's math, float32 inside,
+compiled once per width and dtype whatever the row count), on the CPU the PyTorch reference below."""
 
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ class RMSNorm(nn.Module):
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_fla(x, self.backend):  # fla's fused kernels: float32 statistics and product, one cast
-            from harts_kernels.norm import rms_norm  # launched without a compile per row count
+        if use_fla(x, self.backend):  # fused kernels: float32 statistics and product, one cast
+            from harts_kernels.norm import rms_norm  # no compile per row count
 
             w = 1.0 + self.weight.float() if self.zero_centered else self.weight  # as the reference
             return rms_norm(x, w, self.eps)
@@ -78,19 +79,20 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if use_fla(x, self.backend):
-            from fla.modules.fused_norm_gate import rms_norm_gated
+            from harts_kernels.norm import rms_norm_gated  # fla's math, no compile per row count
 
-            return rms_norm_gated(x, gate, self.weight, None, activation=self.activation, eps=self.eps)
+            return rms_norm_gated(x, gate, self.weight, self.eps, self.activation)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight.float() * _GATE_ACTIVATIONS[self.activation](gate.float())).to(x.dtype)
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6, backend: str = "naive") -> torch.Tensor:
-    """``x * rsqrt(sum(x^2) + eps)`` over the last dim (the sum in float32); fla's ``l2norm``
-    kernel when ``backend`` selects it (the reference by default)."""
+    """``x * rsqrt(sum(x^2) + eps)`` over the last dim (the sum in float32); the fused kernel
+    (:func:`harts_kernels.norm.l2norm`, fla's math) when ``backend`` selects it (the reference by
+    default)."""
     if use_fla(x, backend):
-        from fla.modules.l2norm import l2norm
+        from harts_kernels.norm import l2norm
 
         return l2norm(x, eps)
     return x * torch.rsqrt((x.float() * x.float()).sum(-1, keepdim=True) + eps).to(x.dtype)

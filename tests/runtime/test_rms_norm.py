@@ -1,32 +1,22 @@
-"""harts_kernels.norm: RMSNorm on fla's kernels with the backward's rows per program bucketed
-(no compile per row count). The bucketing rule's properties, and the operator against its float32
-reference and fla's own ``rms_norm`` under the Triton interpreter, on both of fla's backward paths
-(D > 512: the row kernel launched here; D <= 512: fla's) and row counts that give grids of one
-program up to one program per row."""
+"""harts_kernels.norm.rms_norm: RMSNorm in Triton, one compile per (D, dtype) whatever the row
+count. The operator against its float32 reference and fla's own ``rms_norm`` under the Triton
+interpreter, at a width of one block per row (D = 640) and of many rows per block (D = 48), with
+row counts that give grids of one program up to several programs looping over several blocks; on
+CUDA, bf16 at the model's width against fla, and 21 row counts compile one variant of each kernel.
+(tests/runtime/test_norm_kernels.py covers the launch rule and the other norms.)"""
 
+import importlib
 import importlib.util
 
 import pytest
 import triton_interpreter
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from harts_kernels.norm import rows_per_program
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.integers(1, 1 << 22), st.integers(1, 1024))
-def test_rows_per_program_covers_every_row_within_a_quarter(rows, programs):
-    need = -(-rows // programs)
-    bs = rows_per_program(rows, programs)
-    assert need <= bs <= max(need, need * 5 // 4 + 1)
-    assert -(-rows // bs) <= programs  # the grid it implies never exceeds the programs asked for
-
-
-def test_rows_per_program_has_few_variants():
-    # at T <= 65,536 on 132 SMs fla's ceil(T / 132) has 497 values; the buckets have 32
-    assert len({rows_per_program(t, min(132, t)) for t in range(1, 65_537)}) <= 40
-    assert [rows_per_program(n, 1) for n in (8, 9, 243, 256, 257, 497)] == [8, 10, 256, 256, 320, 512]
+# max |ours - ref| / max |ref|: float32 under the interpreter (summation order only); on CUDA, bf16
+# outputs and input gradients (two bf16 ulps of the largest value) and the float32 dweight (a sum
+# over the rows grouped differently from fla's)
+INTERPRETER_TOL = 2e-6
+CUDA_BF16_TOL = 8e-3
+CUDA_DWEIGHT_TOL = 1e-5
 
 
 @pytest.mark.slow
@@ -36,15 +26,18 @@ def test_rows_per_program_has_few_variants():
 def test_matches_reference_and_fla_under_the_interpreter():
     code = (
         triton_interpreter.prelude("fla.modules.layernorm")
+        + f"INTERPRETER_TOL = {INTERPRETER_TOL}\n"
         + """
+import sys
 import torch
 import fla.modules.norm.layernorm as fla_ln
 import fla.utils
 from fla.modules.layernorm import rms_norm as fla_rms_norm
 from harts_kernels.norm import naive_rms_norm, rms_norm
 
-# the interpreter has one "SM": pretend seven, so grids have several programs and a partial last one
+# fla's backward and ours on seven "SMs": several programs, and a partial last one
 fla.utils.get_multiprocessor_count = fla_ln.get_multiprocessor_count = lambda *a, **k: 7
+sys.modules["harts_kernels.norm.rms_norm"].sm_count = lambda device: 7
 torch.manual_seed(0)
 for D in (640, 48):
     for T in (1, 5, 37, 300):
@@ -61,7 +54,7 @@ for D in (640, 48):
                 for i, (a, b) in enumerate(zip(out["ours"], out[ref])):
                     err = ((a - b).abs().max() / b.abs().max()).item()
                     print(D, T, ref, i, err)
-                    assert err < 2e-6, (D, T, ref, i, err)
+                    assert err < INTERPRETER_TOL, (D, T, ref, i, err)
 # a 3-D input keeps its shape
 x = torch.randn(4, 3, 640, requires_grad=True)
 w = torch.ones(640, requires_grad=True)
@@ -78,16 +71,17 @@ print("ok")
 
 @pytest.mark.gpu
 @pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs fla-core")
-def test_cuda_matches_fla_and_compiles_once_per_bucket():
-    """On CUDA, bf16 at the model's width: dx bit-equal to fla's ``rms_norm`` (same per-row math),
-    dweight within float32 regrouping; 21 row counts whose fla launches take 16 values of ``BS``
-    compile at most two variants of the row kernel here."""
+def test_cuda_matches_fla_and_compiles_once(monkeypatch):
+    """On CUDA, bf16 at the model's width: output and dx within bf16 rounding of fla's
+    ``rms_norm``, dweight within float32 regrouping; 21 row counts (for fla's launch: 16 values of
+    its rows per program) compile one variant of each kernel (fresh kernels, so the count is this
+    test's own)."""
     import torch
     from fla.modules.layernorm import rms_norm as fla_rms_norm
-    from fla.modules.norm.layernorm import layer_norm_bwd_kernel_row
 
     from harts_kernels.norm import rms_norm
 
+    rms_mod = importlib.import_module("harts_kernels.norm.rms_norm")
     dev = torch.device("cuda")
     torch.manual_seed(0)
     D = 2304
@@ -99,16 +93,14 @@ def test_cuda_matches_fla_and_compiles_once_per_bucket():
         ours += torch.autograd.grad(ours[0], (x, w), gy)
         ref = (fla_rms_norm(x, w, None, eps=1e-6),)
         ref += torch.autograd.grad(ref[0], (x, w), gy)
-        assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1]), T
-        assert ((ours[2] - ref[2]).abs().max() / ref[2].abs().max()).item() < 1e-5, T
+        for i, (a, b, tol) in enumerate(zip(ours, ref, (CUDA_BF16_TOL, CUDA_BF16_TOL, CUDA_DWEIGHT_TOL))):
+            err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+            assert err < tol, (T, i, err)
 
-    jit = layer_norm_bwd_kernel_row
-    while not hasattr(jit, "device_caches"):  # through the autotuner(s) to the JITFunction
-        jit = jit.fn
-    cache = lambda: sum(len(c[0]) for c in jit.device_caches.values())  # noqa: E731
-    before = cache()
+    monkeypatch.setattr(rms_mod, "_KERNELS", rms_mod._build_kernels())
     for T in range(40_000, 42_001, 100):
         x = torch.randn(T, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
         torch.autograd.grad(rms_norm(x, w, 1e-6).sum(), x)
     torch.cuda.synchronize()
-    assert cache() - before <= 2, cache() - before
+    counts = {k: sum(len(c[0]) for c in jit.device_caches.values()) for k, jit in rms_mod.kernels().items()}
+    assert counts == {"fwd": 1, "bwd": 1}, counts

@@ -1,119 +1,204 @@
-"""RMSNorm forward and backward on fla's kernels, without a compile per row count.
+"""RMSNorm (optionally gated) forward and backward in Triton, one compile per (D, dtype, gate).
 
 Contract: ``rms_norm(x, weight, eps)`` = ``x * rsqrt(mean(x^2, -1) + eps) * weight`` over the last
 dim of ``x`` [..., D], statistics and product in float32, one cast to ``x.dtype``; gradients for
-``x`` and ``weight`` (``weight`` [D], any float dtype; its gradient in its dtype). The math and the
-kernels are fla's ``rms_norm`` (``fla.modules.norm.layernorm``); only the backward's launch differs.
+``x`` and ``weight`` (``weight`` [D], any float dtype; its gradient in its dtype). The math is fla's
+``rms_norm`` (``fla.modules.norm.layernorm``: ``rstd = 1 / sqrt(mean(x^2) + eps)``, ``dx = (w dy -
+xhat mean(xhat w dy)) rstd``). The kernels here also serve
+:func:`harts_kernels.norm.rms_norm_gated` (the ``ACTIVATION`` constexpr: ``"none"``, ``"sigmoid"``,
+``"silu"``).
 
-Why: for D > 512 fla's backward runs ``layer_norm_bwd_kernel_row`` with ``NS`` = the SM count
-programs of ``BS = ceil(T / NS)`` rows each, and ``BS`` is a ``tl.constexpr``. Every row count T
-that gives a new ``BS`` compiles the kernel again: on the H200 (132 SMs) a never-seen step of 12
-microbatches compiled it 12 times (3.1 s of a 5.8 s first-pass overhead), and T <= 65,536 allows
-497 variants. Here ``BS`` is rounded up by :func:`rows_per_program` to one of four values per
-octave (at most 25% more rows for a program, about 4 log2(BS) variants in all) and the grid is the
-``ceil(T / BS)`` programs the rows need; the programs-per-group constexpr ``GS`` (fla: ``NS``) is
-the SM count, which any grid of one group may use. The kernel bounds each program's loop by T and
-writes one partial ``dw`` row per program, so the result is fla's with the partial sums grouped
-differently.
+Why: fla's kernels compile per row count. For D <= 512 its forward and backward carry ``NB =
+cdiv(T, 2048)`` as a constexpr and autotune key, and its backward the rows per program ``BS``; for
+D > 512 its backward row kernel takes ``BS = cdiv(T, SMs)`` as a constexpr. On the H200 a
+never-seen step of 12 microbatches compiled the row kernel 12 times (3.1 s of a 5.8 s first-pass
+overhead); bucketing ``BS`` still compiled once per new bucket (issue 26).
 
-For D <= 512 fla takes another kernel whose row bucket (``NB = ceil(T / 2048)``) is already bounded;
-that path is fla's own ``layer_norm_bwd``.
+What is specialized: ``D``, ``BD``, ``BT``, ``ACTIVATION`` (constexprs from
+:func:`harts_kernels.norm.launch.launch_config`, no row count), the dtypes, the pointers' alignment.
+What is not: the row count ``T`` and the backward's program count ``NP`` (runtime,
+``do_not_specialize``). Forward: ``cdiv(T, BT)`` programs of one block of ``BT`` rows. Backward:
+:func:`~harts_kernels.norm.launch.backward_programs` programs, program ``p`` takes row blocks
+``p, p + NP, ...`` (a runtime loop bound and stride), accumulates ``dweight`` in float32 and writes
+one partial row; the host sums the partial rows (fla's reduction, grouped differently).
+
+Importing this module needs only torch; triton loads on the first call.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
+from harts_kernels.norm.launch import (
+    as_rows,
+    backward_programs,
+    launch_config,
+    on_device,
+    row_blocks,
+    sm_count,
+)
 
-def _on_device(t: torch.Tensor):
-    """fla's kernels launch on the current CUDA device: make it ``t``'s (a no-op off CUDA)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+# activation names of the gate -> the kernels' ACTIVATION constexpr
+ACTIVATIONS = {"none": "none", "sigmoid": "sigmoid", "silu": "silu", "swish": "silu"}
 
-
-def rows_per_program(rows: int, programs: int) -> int:
-    """Rows per program of the backward: ``ceil(rows / programs)`` rounded up to ``m * 2**e`` with
-    ``m`` in {4, 5, 6, 7} (exact below 8). Never less than ``ceil(rows / programs)``, at most 25%
-    more (rounding keeps it within a quarter of an octave)."""
-    need = -(-max(rows, 1) // max(programs, 1))
-    if need <= 8:
-        return need
-    step = 1 << (need.bit_length() - 3)  # need in [4 step, 8 step)
-    return -(-need // step) * step
+_KERNELS: dict | None = None
 
 
-class _RMSNorm(torch.autograd.Function):
+def _build_kernels() -> dict:
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["T"])
+    def rms_norm_fwd_kernel(
+        x,
+        g,
+        w,
+        y,
+        rstd,
+        eps,
+        T,
+        D: tl.constexpr,
+        BD: tl.constexpr,
+        BT: tl.constexpr,
+        ACTIVATION: tl.constexpr,
+    ):
+        o_t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+        o_d = tl.arange(0, BD)
+        m_t = o_t < T
+        m_d = o_d < D
+        m_x = m_t[:, None] & m_d[None, :]
+        p_x = o_t[:, None] * D + o_d[None, :]
+        b_x = tl.load(x + p_x, mask=m_x, other=0.0).to(tl.float32)
+        b_rstd = 1 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
+        tl.store(rstd + o_t, b_rstd, mask=m_t)
+        b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_y = b_x * b_rstd[:, None] * b_w[None, :]
+        if ACTIVATION == "sigmoid":
+            b_g = tl.load(g + p_x, mask=m_x, other=0.0).to(tl.float32)
+            b_y = b_y * tl.sigmoid(b_g)
+        elif ACTIVATION == "silu":
+            b_g = tl.load(g + p_x, mask=m_x, other=0.0).to(tl.float32)
+            b_y = b_y * b_g * tl.sigmoid(b_g)
+        tl.store(y + p_x, b_y.to(y.dtype.element_ty), mask=m_x)
+
+    @triton.jit(do_not_specialize=["T", "NP"])
+    def rms_norm_bwd_kernel(
+        x,
+        g,
+        w,
+        dy,
+        rstd,
+        dx,
+        dg,
+        dw,
+        T,
+        NP,
+        D: tl.constexpr,
+        BD: tl.constexpr,
+        BT: tl.constexpr,
+        ACTIVATION: tl.constexpr,
+    ):
+        i_p = tl.program_id(0)
+        o_d = tl.arange(0, BD)
+        m_d = o_d < D
+        b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_dw = tl.zeros([BT, BD], dtype=tl.float32)
+        for i_b in range(i_p, tl.cdiv(T, BT), NP):
+            o_t = (i_b * BT + tl.arange(0, BT)).to(tl.int64)
+            m_t = o_t < T
+            m_x = m_t[:, None] & m_d[None, :]
+            p_x = o_t[:, None] * D + o_d[None, :]
+            b_x = tl.load(x + p_x, mask=m_x, other=0.0).to(tl.float32)
+            b_dy = tl.load(dy + p_x, mask=m_x, other=0.0).to(tl.float32)
+            b_rstd = tl.load(rstd + o_t, mask=m_t, other=0.0)
+            b_xhat = b_x * b_rstd[:, None]
+            if ACTIVATION != "none":
+                b_g = tl.load(g + p_x, mask=m_x, other=0.0).to(tl.float32)
+                b_s = tl.sigmoid(b_g)
+                b_y = b_xhat * b_w[None, :]
+                if ACTIVATION == "sigmoid":
+                    b_gate = b_s
+                    b_dg = b_dy * b_y * b_s * (1 - b_s)
+                else:
+                    b_gate = b_g * b_s
+                    b_dg = b_dy * b_y * (b_s + b_g * b_s * (1 - b_s))
+                tl.store(dg + p_x, b_dg.to(dg.dtype.element_ty), mask=m_x)
+                b_dy = b_dy * b_gate
+            b_dw += b_dy * b_xhat  # rows past T and columns past D hold zeros
+            b_wdy = b_dy * b_w[None, :]
+            b_c1 = tl.sum(b_xhat * b_wdy, axis=1) / D
+            b_dx = (b_wdy - b_xhat * b_c1[:, None]) * b_rstd[:, None]
+            tl.store(dx + p_x, b_dx.to(dx.dtype.element_ty), mask=m_x)
+        tl.store(dw + i_p.to(tl.int64) * D + o_d, tl.sum(b_dw, axis=0), mask=m_d)
+
+    return {"fwd": rms_norm_fwd_kernel, "bwd": rms_norm_bwd_kernel}
+
+
+def kernels() -> dict:
+    """The Triton kernels ``{"fwd": ..., "bwd": ...}`` (JIT functions), built on the first call."""
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = _build_kernels()
+    return _KERNELS
+
+
+def rms_norm_fwd(x, gate, weight, eps: float, activation: str):
+    """``(y, rstd)`` for ``x`` (and ``gate`` or None) [T, D] contiguous; ``activation`` is a value of
+    :data:`ACTIVATIONS`."""
+    T, D = x.shape
+    cfg = launch_config(D, x.dtype)
+    y = torch.empty_like(x)
+    rstd = torch.empty((T,), dtype=torch.float32, device=x.device)
+    if T:
+        with on_device(x):
+            kernels()["fwd"][(row_blocks(T, cfg),)](
+                x, gate, weight, y, rstd, eps, T,
+                D=D, BD=cfg.BD, BT=cfg.BT, ACTIVATION=activation, num_warps=cfg.num_warps,
+            )  # fmt: skip
+    return y, rstd
+
+
+def rms_norm_bwd(dy, x, gate, weight, rstd, activation: str):
+    """``(dx, dgate or None, dweight)`` for ``dy``, ``x``, ``gate`` [T, D] contiguous and the
+    forward's ``rstd`` [T]; ``dweight`` in ``weight.dtype``."""
+    T, D = x.shape
+    cfg = launch_config(D, x.dtype)
+    dx = torch.empty_like(x)
+    dg = torch.empty_like(gate) if gate is not None else None
+    ns = backward_programs(T, cfg, sm_count(x.device))
+    dw = torch.empty((ns, D), dtype=torch.float32, device=x.device)  # every program writes its row
+    if T:
+        with on_device(x):
+            kernels()["bwd"][(ns,)](
+                x, gate, weight, dy, rstd, dx, dg, dw, T, ns,
+                D=D, BD=cfg.BD, BT=cfg.BT, ACTIVATION=activation, num_warps=cfg.num_warps,
+            )  # fmt: skip
+    else:
+        dw.zero_()
+    return dx, dg, dw.sum(0).to(weight.dtype)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Autograd of :func:`rms_norm` and :func:`harts_kernels.norm.rms_norm_gated` (``gate`` None
+    with ``activation`` ``"none"``)."""
+
     @staticmethod
-    def forward(ctx, x, weight, eps):
-        from fla.modules.norm.layernorm import layer_norm_fwd
-
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        with _on_device(x):
-            y, _, rstd, _ = layer_norm_fwd(x=x2, weight=weight, bias=None, eps=eps, is_rms_norm=True)
-        ctx.save_for_backward(x2, weight, rstd)
-        ctx.shape = shape
-        return y.view(shape)
+    def forward(ctx, x, gate, weight, eps, activation):
+        x2 = as_rows(x)
+        g2 = as_rows(gate) if gate is not None else None
+        y, rstd = rms_norm_fwd(x2, g2, weight, eps, activation)
+        ctx.save_for_backward(x2, g2, weight, rstd)
+        ctx.shape, ctx.activation = x.shape, activation
+        return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        with _on_device(x):
-            dx, dw = rms_norm_bwd(dy.reshape(x.shape).contiguous(), x, weight, rstd)
-        return dx.view(ctx.shape), dw, None
+        x, g, weight, rstd = ctx.saved_tensors
+        dx, dg, dw = rms_norm_bwd(as_rows(dy), x, g, weight, rstd, ctx.activation)
+        return dx.view(ctx.shape), dg.view(ctx.shape) if dg is not None else None, dw, None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of ``x`` [..., D] by ``weight`` [D] (module docstring); on CUDA tensors (or under
-    ``TRITON_INTERPRET=1``) with fla-core installed."""
-    return _RMSNorm.apply(x, weight, eps)
-
-
-def rms_norm_bwd(dy, x, weight, rstd):
-    """``(dx, dweight)`` of :func:`rms_norm` for ``x``, ``dy`` [T, D] and the forward's ``rstd`` [T]."""
-    import triton
-    from fla.modules.norm.layernorm import layer_norm_bwd, layer_norm_bwd_kernel_row
-    from fla.utils import IS_INTEL, get_multiprocessor_count
-
-    T, D = x.shape
-    if D <= 512 and not (D == 512 and IS_INTEL):
-        dx, dw, _, _ = layer_norm_bwd(dy=dy, x=x, weight=weight, bias=None, rstd=rstd, is_rms_norm=True)
-        return dx, dw
-    bd = min(65536 // x.element_size(), triton.next_power_of_2(D))
-    if D > bd:
-        raise RuntimeError("rms_norm: feature dim >= 64KB is not supported (fla's limit)")
-    sms = get_multiprocessor_count(x.device.index)
-    bs = rows_per_program(T, min(sms, T))
-    ns = -(-T // bs)  # <= min(sms, T)
-    dx = torch.empty_like(x)
-    dw = torch.empty((ns, D), dtype=torch.float32, device=x.device)
-    layer_norm_bwd_kernel_row[(ns,)](
-        x=x,
-        w=weight,
-        b=None,
-        y=None,
-        dy=dy,
-        dx=dx,
-        dw=dw,
-        db=None,
-        dres=None,
-        dres_in=None,
-        mean=None,
-        rstd=rstd,
-        T=T,
-        G=1,
-        D=D,
-        BS=bs,
-        BD=bd,
-        GS=sms,  # programs per group, a constexpr too: any value >= ns (one group) is right
-        IS_RMS_NORM=True,
-        HAS_DRESIDUAL=False,
-        STORE_DRESIDUAL=False,
-        HAS_WEIGHT=True,
-        HAS_BIAS=False,
-        RECOMPUTE_OUTPUT=False,
-    )
-    return dx, dw.sum(0).to(weight.dtype)
+    """RMSNorm of ``x`` [..., D] by ``weight`` [D] (module docstring); CUDA tensors, or any under
+    ``TRITON_INTERPRET=1``."""
+    return RMSNormFunction.apply(x, None, weight, eps, "none")
