@@ -6,18 +6,21 @@
 #                         line, then the 8-microbatch slice (speedup, each microbatch, a never-seen
 #                         step, the median and slowest profiles), then a new process's first
 #                         microbatch with the cache the first two left, timed, then under cProfile (~8 min)
-#   c  carry nothing      (after b) the 8-layer Qwen3.5-35B-A3B slice beside it
+#   c  carry nothing      (after b) the 8-layer Qwen3.5-35B-A3B slice beside it (speedup, each microbatch)
 #   d  carry .whl .fa4a   (after the RMSNorm launch fix) build; its GPU test and the fused-module /
 #                         model GPU tests; layer_speed moe, kda_compact                            (~3 min)
 #   e  carry .whl .fa4b   FA4; the 24-layer 8-microbatch slice again (two never-seen steps)         (~6 min)
 #   f  carry .whl .fa4a   (after the programs-per-group fix) build; the RMSNorm GPU test            (~1.5 min)
 #   g  carry .whl .fa4b   FA4; three never-seen 8-microbatch steps one after the other              (~4.5 min)
 #   t  carry nothing      (after a FA4 call) the tuned one-microbatch line (cold full autotune); its Triton
-#                         cache comes back as $OUT/tcache_tuned.tgz when under 60 MB (to carry later)
+#                         cache comes back as $OUT/tcache_tuned.tgz.0, .1, ... (15 MiB parts, the device
+#                         tool's file limit; at most four) to carry later: cat tcache_tuned.tgz.* | tar xzf -
+#   h  carry .whl .fa4a   (after the fused MoE and norm kernels) build; their GPU tests and the MoE's
+#                         with the fused-module ones; layer_speed moe                              (~3.5 min)
 # Everything is written under $OUT as it goes; each step's log is $OUT/<step>.log.
 set -u
 here=$(dirname "$0")
-step=${1:?usage: issue26_runs.sh a|b|c|d|e|f|g|t}
+step=${1:?usage: issue26_runs.sh a|b|c|d|e|f|g|h|t}
 OUT=${OUT:?set OUT (the device tool does)}
 te() { timeout "$1" python3 benchmarks/train_eval.py --fast-autotune --keep attention,linear_attention "${@:2}"; }
 S8="--slice-microbatches 8 --repeats 1 --sections speedup,microbatches,newshapes,breakdown"
@@ -29,8 +32,8 @@ case "$step" in
        te 330 --layers 24 $S8 --out $OUT/te24_slice8; \
        te 60 --layers 24 --slice-microbatches 8 --sections first --out $OUT/te24_first; \
        te 90 --layers 24 --slice-microbatches 8 --sections first --first-profile --out $OUT/te24_first_profile" ;;
-  c) bash "$here/call_b.sh" bash -c "$(declare -f te); \
-       te 500 --flavor qwen3.5-35b-a3b --layers 8 $S8 --out $OUT/te_qwen35_slice8" ;;
+  c) bash "$here/call_b.sh" bash -c "$(declare -f te); te 420 --flavor qwen3.5-35b-a3b --layers 8 \
+       --slice-microbatches 8 --repeats 1 --sections speedup,microbatches --out $OUT/te_qwen35_slice8" ;;
   d) bash "$here/call_a.sh" bash -c "timeout 200 python3 benchmarks/gpu/run_gpu_tests.py -q -m gpu \
        --import-mode=prepend tests/runtime/test_rms_norm.py tests/runtime/test_fused_modules.py \
        tests/runtime/test_moe_gpu.py; timeout 200 python3 benchmarks/layer_speed.py --fast-autotune \
@@ -43,10 +46,16 @@ case "$step" in
   g) bash "$here/call_b.sh" bash -c "$(declare -f te); te 330 --layers 24 --slice-microbatches 8 \
        --sections newshapes --newshape-steps 3 --repeats 1 --out $OUT/te24_newshapes" ;;
   t) TRITON_CACHE_DIR=${HARTS_GPU_TMP:-/tmp}/tc_tuned bash "$here/call_b.sh" bash -c "\
-       timeout 560 python3 benchmarks/train_eval.py --keep attention,linear_attention --layers 24 \
+       timeout 540 python3 benchmarks/train_eval.py --keep attention,linear_attention --layers 24 \
        --sections speedup --out $OUT/te24_tuned; rc=\$?; \
-       tar czf $OUT/tcache_tuned.tgz -C \$(dirname \$TRITON_CACHE_DIR) tc_tuned; \
-       [ \$(stat -c %s $OUT/tcache_tuned.tgz) -lt 60000000 ] || rm $OUT/tcache_tuned.tgz; exit \$rc" ;;
-  *) echo "unknown step $step: a to g, or t"; exit 2 ;;
+       tar czf ${HARTS_GPU_TMP:-/tmp}/tcache_tuned.tgz -C \$(dirname \$TRITON_CACHE_DIR) tc_tuned; \
+       split -b 15m -d -a 1 ${HARTS_GPU_TMP:-/tmp}/tcache_tuned.tgz $OUT/tcache_tuned.tgz.; \
+       [ \$(ls $OUT/tcache_tuned.tgz.* | wc -l) -le 4 ] || rm $OUT/tcache_tuned.tgz.*; exit \$rc" ;;
+  h) bash "$here/call_a.sh" bash -c "timeout 240 python3 benchmarks/gpu/run_gpu_tests.py -q -m gpu \
+       --import-mode=prepend tests/kernels/test_moe_kernels.py tests/runtime/test_moe_gpu.py \
+       tests/runtime/test_rms_norm.py tests/runtime/test_norm_kernels.py tests/runtime/test_fused_modules.py; \
+       timeout 150 python3 benchmarks/layer_speed.py --fast-autotune --cases moe --no-readme \
+       --out $OUT/layer_speed.json" ;;
+  *) echo "unknown step $step: a to h, or t"; exit 2 ;;
 esac 2>&1 | tee "$OUT/$step.log"
 exit "${PIPESTATUS[0]}"
