@@ -40,9 +40,14 @@ class Run:
 #: Every train_eval run the docs mention, newest configuration first.
 RUNS: tuple[Run, ...] = (
     Run(
+        "ling_tiny_24_fused_moe",
+        "issue26_gpu/fused_moe/te24_mb1/train_eval.json",
+        "`ling-tiny`, 24 layers (7.8B), attention and KDA cores kept, fused MoE kernels (issue 26)",
+    ),
+    Run(
         "ling_tiny_24",
         "issue15_gpu_s5/te24_kept2/train_eval.json",
-        "`ling-tiny`, 24 layers (7.8B), attention and KDA cores kept",
+        "`ling-tiny`, 24 layers, attention and KDA cores kept (before issue 26's MoE kernels)",
     ),
     Run(
         "ling_tiny_24_attention_kept",
@@ -77,7 +82,7 @@ RUNS: tuple[Run, ...] = (
     ),
 )
 #: The run the README, docs/architecture.md and ``harts-planner demo`` quote.
-HEADLINE = "ling_tiny_24"
+HEADLINE = "ling_tiny_24_fused_moe"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +114,26 @@ STEPS: tuple[Step, ...] = (
         "never-seen steps of a new process (the first is its first step), programs per group fixed too",
         "issue26_gpu/after_norm_fix/te24_newshapes",
     ),
+    Step(
+        "fused MoE kernels, norms without a compile per row count: one microbatch",
+        "issue26_gpu/fused_moe/te24_mb1",
+    ),
+    Step(
+        "the same code: 8 microbatches (100 trajectories; 8 compact microbatches, the planner's tie rule)",
+        "issue26_gpu/fused_moe/te24_slice8",
+        "issue26_gpu/fused_moe/te24_first",
+    ),
+    Step(
+        "the same code, a new process's first microbatch with Python bytecode compiled (a fresh lent machine: "
+        "its Triton and FA4 caches warmed by one earlier process)",
+        None,
+        "issue26_gpu/fused_moe/te24_first_pyc_warm",
+    ),
+    Step(
+        "`qwen3.5-35b-a3b`, 8 layers, the same 8-microbatch slice (96 trajectories; torch varlen attention, "
+        "FA4 not installed on that machine)",
+        "issue26_gpu/fused_moe/te_qwen35_slice8",
+    ),
 )
 
 
@@ -117,7 +142,10 @@ def step_figures(step: Step) -> dict:
     data = _load(f"{step.slice}/train_eval.json") if step.slice else {}
     first = _load(f"{step.first}/train_eval.json").get("first") if step.first else None
     sp, mb, ns = data.get("speedup"), data.get("microbatches"), data.get("newshapes")
-    out = {"label": step.label, "date": data.get("meta", {}).get("date", "")[:10], "source": step.slice}
+    date = data.get("meta", {}).get("date", "") or (
+        _load(f"{step.first}/train_eval.json")["meta"]["date"] if step.first else ""
+    )
+    out = {"label": step.label, "date": date[:10], "source": step.slice or step.first}
     if sp:
         out.update(
             microbatches=min(sp["runs"]["compact"], key=lambda r: r["fbg_seconds"])["num_microbatches"],
@@ -148,7 +176,11 @@ def steps_block() -> list[str]:
         "`--fast-autotune`, both cores kept). *First pass*: the step's `train_step` right after one "
         "microbatch per mode warmed up, so every other microbatch shape is new to the process; *warm*: each "
         "microbatch timed alone after that, summed; *never-seen step*: a new step's first compact pass against "
-        "its warm repeat, steps in order.",
+        "its warm repeat, steps in order. *First microbatch*: on the lent machine Python writes no bytecode "
+        "(`PYTHONDONTWRITEBYTECODE=1`, torch installed without `.pyc`), so every process compiled from source the torch modules "
+        "first imported inside its first microbatch (`torch._dynamo`, inductor prims, FSDP, sympy: 2,043 modules, "
+        "8.9 s of `compile` under cProfile; FlashAttention-4's `quack` decorates functions with "
+        "`torch.compiler.disable`, which imports `torch._dynamo`); the bytecode-compiled row is a normal install's case.",
         "",
         "| run | date | compact microbatches | speedup, first pass (of ideal) | speedup, warm (of ideal) "
         "| TFLOP/s executed, compact / trajectory | never-seen step overhead | first microbatch, warm cache | results |",
@@ -273,7 +305,8 @@ def quotes() -> dict[str, str]:
         "headline": (
             f"{h['speedup']:.2f}x faster compact than trajectory-wise (ideal work compression "
             f"{h['ideal']:.2f}x), {h['tflops_executed']:.1f} TFLOP/s executed "
-            f"({h['tflops_model']:.1f} model), device busy {h['device_busy']:.1%}"
+            f"({h['tflops_model']:.1f} model)"
+            + ("" if h["device_busy"] is None else f", device busy {h['device_busy']:.1%}")
         ),
         "layers": (
             f"KDA layer {layer['kda_vs_fla']:.2f}x fla's `KimiDeltaAttention` fwd+bwd, compact KDA "

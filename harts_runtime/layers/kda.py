@@ -45,7 +45,8 @@ Two paths of the token-wise parts, chosen by ``KDAConfig.backend`` (:mod:`harts_
 * fused (CUDA): fla's varlen convolution on q, k and v with each sequence's context rows as its
   initial state (outputs contiguous, so nothing is copied before the core), one GEMM for the
   low-rank decay / output-gate inputs and beta (the three weights concatenated); fla's
-  ``l2norm``, ``fused_kda_gate`` and ``rms_norm_gated`` kernels;
+  ``fused_kda_gate``; the L2 norm and the gated RMSNorm of :mod:`harts_kernels.norm` (fla's math,
+  no compile per row count);
 * reference (CPU): the same math module by module in PyTorch (float32 statistics).
 
 :meth:`KDALayer.forward_trajectories` is the slow reference: every trajectory through the same

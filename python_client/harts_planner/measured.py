@@ -2,17 +2,17 @@
 ``python benchmarks/figures.py`` from the results file named in ``source``; do not edit
 (``tests/test_docs_figures.py`` checks it is current)."""
 
-#: ling-tiny, 24 layers (7.8B), attention and KDA cores kept: one swe-like microbatch, compact vs trajectory-wise.
+#: ling-tiny, 24 layers (7.8B), attention and KDA cores kept, fused MoE kernels (issue 26): one swe-like microbatch, compact vs trajectory-wise.
 GPU_HEADLINE = {
     "device": "NVIDIA H200",
-    "date": "2026-12-01",
-    "source": "benchmarks/results/issue15_gpu_s5/te24_kept2/train_eval.json",
+    "date": "2026-12-02",
+    "source": "benchmarks/results/issue26_gpu/fused_moe/te24_mb1/train_eval.json",
     "trajectories": 12,
     "semantic_tokens": 261665,
     "compact_rows": 65303,
-    "speedup": 3.5919978242082564,
+    "speedup": 3.544918626823311,
     "ideal": 3.500175577866879,
-    "compact_seconds": 2.9810536809999917,
-    "trajectory_seconds": 10.707938335999984,
-    "tflops_executed": 267.68558837991424,
+    "compact_seconds": 2.7088484690000314,
+    "trajectory_seconds": 9.60264739500002,
+    "tflops_executed": 294.5846243238432,
 }
