@@ -281,12 +281,19 @@ def test_gate_up_mm_matches_the_concatenated_product_without_host_sync():
         assert torch.equal(a, b), (name, rel(a, b))
 
 
-ROUTER_RTOL = {"logits": 1e-5, "d_hidden": 2e-3, "d_weight": 2e-3}
+ROUTER_RTOL = {
+    "logits": 1e-5,
+    "d_hidden": 2e-3,
+    "d_weight": 2e-3,
+    "d_hidden_fp32": 2e-5,
+    "d_weight_fp32": 2e-5,
+}
 """Relative Frobenius error of ``router_logits`` on bf16 operands (bf16 tensor cores, float32
-output) against the float32 product of the same values: products of bf16 values are exact in
-float32, so the logits differ only by the accumulation order (~1e-7); the backward is float32 in
-both, then rounded to bf16, where values that differ in their last float32 bits can round one bf16
-ulp apart (2^-8 on a few elements)."""
+outputs) against the float32 product of the same values: products of bf16 values are exact in
+float32, so the logits differ only by the accumulation order (~1e-7). The backward's split of the
+float32 gradient into two bf16 terms is float32's product to ~2^-17 before the gradients are
+rounded to bf16, where values that differ in their last bits can round one bf16 ulp apart (2^-8 on
+a few elements): ``*_fp32`` compares the float32 values before that rounding."""
 
 
 def test_router_logits_on_bf16_tensor_cores_match_the_float32_product():
@@ -303,9 +310,14 @@ def test_router_logits_on_bf16_tensor_cores_match_the_float32_product():
     hf, wf = h0.float().requires_grad_(), w0.float().requires_grad_()
     ref = hf @ wf.t()
     ref.backward(g)
+    from harts_runtime.ops.router import mm_split, split_bf16
+
+    hi, lo = split_bf16(g)
     errors = {
         "logits": rel(out, ref),
         "d_hidden": rel(h.grad, hf.grad.bfloat16()),
         "d_weight": rel(w.grad, wf.grad.bfloat16()),
+        "d_hidden_fp32": rel(mm_split(hi, lo, w0), hf.grad),
+        "d_weight_fp32": rel(mm_split(hi.t(), lo.t(), h0), wf.grad),
     }
     assert all(errors[k] <= ROUTER_RTOL[k] for k in errors), errors
