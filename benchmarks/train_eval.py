@@ -247,9 +247,11 @@ def section_speedup(args, model, dev, shared):
                 sync(dev)
                 marks.append(time.perf_counter())
 
+            alloc0 = _allocator_counts(dev)
             sync(dev)
             t0 = time.perf_counter()
-            r = train_step(model, None, step, None, mode, capacity=args.capacity, progress=mark)
+            with CompileTrace() as trace:
+                r = train_step(model, None, step, None, mode, capacity=args.capacity, progress=mark)
             secs = np.diff([t0, *marks]).tolist()
             per_mb[mode] = [min(a, b) for a, b in zip(per_mb[mode], secs)] if mode in per_mb else secs
             model.zero_grad(set_to_none=True)
@@ -257,6 +259,10 @@ def section_speedup(args, model, dev, shared):
             d["peak_memory_gib"] = (
                 torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
             )
+            # what the pass did besides its work: per-microbatch seconds, compiles, allocator growth
+            d["microbatch_seconds"] = secs
+            d["compiles"] = trace.summary()
+            d["allocator"] = {k: v - alloc0.get(k, 0) for k, v in _allocator_counts(dev).items()}
             runs[mode].append(d)
             log(
                 f"{mode}: fbg {r.fbg_seconds:.2f}s plan {r.plan_seconds * 1e3:.1f}ms microbatches "
@@ -301,6 +307,17 @@ def section_speedup(args, model, dev, shared):
         },
         "mfu_tflops_note": "model FLOPs (3 x forward, no recomputation counted) / F/B/Grad seconds",
     }
+
+
+def _allocator_counts(dev) -> dict:
+    """The CUDA caching allocator's cumulative counters that show growth: device allocations and
+    frees (``cudaMalloc`` / ``cudaFree``), retries after a failed allocation (each frees cached
+    blocks and synchronises), segments allocated; empty off CUDA."""
+    if dev.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(dev)
+    keys = ("num_device_alloc", "num_device_free", "num_alloc_retries", "segment.all.allocated")
+    return {k: int(stats.get(k, 0)) for k in keys}
 
 
 def _trace_line(summary: dict) -> str:
@@ -1002,6 +1019,20 @@ def markdown(res: dict) -> str:
             lines += [
                 "First microbatch of the run (compilation and autotuning, Triton cache as found) against a warm one: "
                 + "; ".join(f"{m} {fm[m]:.1f} s vs {wm[m]:.2f} s" for m in ("compact", "trajectory")),
+                "",
+            ]
+        first_runs = {m: s["runs"][m][0] for m in ("compact", "trajectory") if s["runs"].get(m)}
+        if any("microbatch_seconds" in d for d in first_runs.values()):
+            lines += [
+                "First timed step, per mode: "
+                + "; ".join(
+                    f"{m} microbatches {', '.join(f'{x:.2f}' for x in d['microbatch_seconds'])} s "
+                    f"({_trace_line(d.get('compiles') or {})}"
+                    + "".join(f", {k} +{v}" for k, v in (d.get("allocator") or {}).items())
+                    + ")"
+                    for m, d in first_runs.items()
+                    if "microbatch_seconds" in d
+                ),
                 "",
             ]
     f = res.get("fidelity")
