@@ -43,7 +43,10 @@ def slow_request():
 def test_an_abandoned_plan_frees_its_thread(slow_request, records, how):
     # a 13 MB unary request, a 24 MB response: over the default 8 MiB message limit
     with create_server("127.0.0.1:0", workers=1, max_message_bytes=64 << 20) as srv, Raw(srv.address) as raw:
-        slow = raw.future("PLAN_STEP", slow_request, timeout=600 if how == "cancel" else 1.0)
+        # deadline: 3 s from the call, so the 13 MB upload and its admission (up to ~2 s on a loaded
+        # 2-core machine; a 1 s deadline could expire before planning began) leave the plan
+        # (~7 s on one core) started and far from done when it expires
+        slow = raw.future("PLAN_STEP", slow_request, timeout=600 if how == "cancel" else 3.0)
         assert wait_until(lambda: srv.servicer.counts()["planning"] == 1)
         time.sleep(0.5)  # well inside the plan
         if how == "cancel":
