@@ -25,7 +25,7 @@ def gather_sum_kernel(y, index, base, out, N, D, K: tl.constexpr, HAS_BASE: tl.c
     else:
         acc = tl.zeros([BD], dtype=tl.float32)
     for j in tl.static_range(K):
-        src = tl.load(index + n * K + j)
+        src = tl.load(index + n * K + j).to(tl.int64)  # row offsets past 2^31 elements
         acc += tl.load(y + src * D + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out + n * D + cols, acc.to(out.dtype.element_ty), mask=mask)
 
