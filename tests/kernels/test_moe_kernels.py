@@ -110,6 +110,7 @@ def _cases(device, trials, max_rows, widths):
     return CASES.format(tol=tol, device=device, trials=trials, max_rows=max_rows, widths=widths)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_kernels_match_the_references_under_the_interpreter():
     r = _interpret(_cases("cpu", 12, 300, [2, 16, 40, 130, 1100]))
