@@ -291,7 +291,7 @@ ROUTER_RTOL = {
 """Relative Frobenius error of ``router_logits`` on bf16 operands (bf16 tensor cores, float32
 outputs) against the float32 product of the same values: products of bf16 values are exact in
 float32, so the logits differ only by the accumulation order (~1e-7). The backward's split of the
-float32 gradient into two bf16 terms is float32's product to ~2^-17 before the gradients are
+float32 gradient into two bf16 terms is float32's product to ~2^-16 before the gradients are
 rounded to bf16, where values that differ in their last bits can round one bf16 ulp apart (2^-8 on
 a few elements): ``*_fp32`` compares the float32 values before that rounding."""
 
