@@ -63,6 +63,8 @@ class _Bf16RouterLogits(torch.autograd.Function):
 
 _OUT_DTYPE = torch.torch_version.TorchVersion(torch.__version__) >= "2.8"
 """``torch.mm(..., out_dtype=)`` (bf16 operands, float32 output on CUDA) exists from torch 2.8."""
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+"""Tensor types the tensor-core path takes: not DTensor, whose sharding rules may lack ``out_dtype``."""
 
 
 def router_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -73,6 +75,8 @@ def router_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         and hidden.dim() == 2
         and hidden.dtype == torch.bfloat16
         and weight.dtype == torch.bfloat16
+        and type(hidden) in _PLAIN  # a DTensor (tensor parallelism outside a local region) keeps torch's path
+        and type(weight) in _PLAIN
     ):
         return _Bf16RouterLogits.apply(hidden, weight)
     dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
