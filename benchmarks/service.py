@@ -50,8 +50,12 @@ import time
 
 import numpy as np
 
-from harts_planner import Planner, RolloutBatch, SegmentTree, bench, synth
-from harts_planner.rpc.server import SidecarProcess
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "rpc"))
+
+from sidecar_fixtures import memory  # noqa: E402  (the /proc reader service_attacks.py and the tests use)
+
+from harts_planner import Planner, RolloutBatch, SegmentTree, bench, synth  # noqa: E402
+from harts_planner.rpc.server import SidecarProcess  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,16 +187,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---------------------------------------------------------------------------------- robustness
-def _memory(pid: int) -> dict:
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) << 10
-    return out
-
-
 def _records(log_path: str) -> list[dict]:
     with open(log_path) as f:
         return [json.loads(line) for line in f if line.startswith("{")]
@@ -253,7 +247,7 @@ def _refusal(log: str) -> dict:
     out = {}
     with SidecarProcess(workers=2, log_path=log, extra_args=UNARY_ARGS) as sidecar:
         channel, stubs = _raw(sidecar.address)
-        idle = _memory(sidecar.pid)
+        idle = memory(sidecar.pid)
         for name, message in requests.items():
             data = message.SerializeToString()
             before = len(_rpc_records(log))
@@ -266,7 +260,7 @@ def _refusal(log: str) -> dict:
                 "server_ms": bench.percentiles([ms / 1e3 for ms in server]),
                 "client": bench.percentiles([t for _, t in seen]),
             }
-        after = _memory(sidecar.pid)
+        after = memory(sidecar.pid)
         channel.close()
     details = next(r["error"] for r in _rpc_records(log) if r["code"] == "RESOURCE_EXHAUSTED")
     return {
@@ -321,7 +315,7 @@ def _invalid_under_load(args, tree: SegmentTree, log: str) -> dict:
             t.start()
         for t in threads:
             t.join()
-        peak = _memory(sidecar.pid)["VmHWM"]
+        peak = memory(sidecar.pid)["VmHWM"]
     out = {"clients": args.load_clients, "seconds": args.load_seconds, "server_peak_mb": peak / 2**20}
     for kind in ("valid", "invalid"):
         mine = [r for r in rows if r[0] == kind]

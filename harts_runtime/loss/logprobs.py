@@ -51,6 +51,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from harts_kernels.device import on_device
+
 __all__ = [
     "DEFAULT_CHUNK",
     "ChunkedLMHeadLogProbs",
@@ -339,7 +341,7 @@ class ChunkedLMHeadLogProbs(torch.autograd.Function):
 def _device_guard(t: torch.Tensor, fused: bool):
     """``torch.cuda.device(t.device)`` for fla's kernels on CUDA (they launch on the current
     device), else a no-op."""
-    return torch.cuda.device(t.device) if fused and t.is_cuda else contextlib.nullcontext()
+    return on_device(t) if fused else contextlib.nullcontext()
 
 
 _IGNORE = -100

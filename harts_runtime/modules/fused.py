@@ -9,12 +9,12 @@ one ``backend`` switch moves a whole layer between its reference and its product
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 
 import torch
 
+from harts_kernels.device import on_device as device_guard  # the kernels' launch guard, one copy
 from harts_runtime.errors import InvalidInputError
 
 __all__ = ["BACKENDS", "device_guard", "fla_available", "use_fla"]
@@ -45,9 +45,3 @@ def use_fla(x: torch.Tensor, backend: str) -> bool:
             raise InvalidInputError("backend", "'triton' needs fla-core and triton (pip install fla-core)")
         return x.shape[0] > 0
     raise InvalidInputError("backend", f"unknown {backend!r}; choose one of {list(BACKENDS)}")
-
-
-def device_guard(t: torch.Tensor):
-    """The CUDA device context for launching fla's kernels on ``t`` (they launch on the current
-    device, as fla's ``input_guard`` sets it); a no-op off CUDA."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()

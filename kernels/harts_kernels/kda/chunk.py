@@ -22,10 +22,10 @@ use_beta_sigmoid_in_kernel=False, use_qk_l2norm_in_kernel=False)``):
 from __future__ import annotations
 
 from collections import OrderedDict
-from contextlib import nullcontext
 
 import torch
 
+from harts_kernels.device import on_device
 from harts_kernels.kda.naive import naive_chunk_kda_with_states
 from harts_kernels.kda.utils import (
     PackedRequests,
@@ -418,8 +418,7 @@ def chunk_kda_with_states(
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    guard = torch.cuda.device(q.device) if q.is_cuda else nullcontext()
-    with guard:
+    with on_device(q):
         o, final_state, bstates = ChunkKDAWithStatesFunction.apply(
             q,
             k,

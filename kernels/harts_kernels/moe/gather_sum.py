@@ -18,9 +18,9 @@ the only constexprs besides the dtypes, so a new N or M compiles nothing.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
+
+from harts_kernels.device import on_device
 
 
 def block_columns(d: int) -> int:
@@ -54,7 +54,7 @@ def gather_sum(
     if n == 0 or d == 0:
         return out
     bd = block_columns(d)
-    with torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext():
+    with on_device(y):
         gather_sum_kernel[(n, triton.cdiv(d, bd))](
             y,
             index.contiguous(),

@@ -20,9 +20,9 @@ Launch: ``M`` is runtime and not specialized; the blocks come from I alone
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
+
+from harts_kernels.device import on_device
 
 
 def launch_blocks(i: int) -> tuple[int, int]:
@@ -41,10 +41,6 @@ def _check(gu: torch.Tensor, w: torch.Tensor | None):
         raise ValueError(f"w: shape {tuple(w.shape)}, expected [{gu.shape[0]}]")
 
 
-def _guard(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def swiglu_weighted(gu: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(a) * b * w[:, None]`` for ``gu = [a | b]`` [M, 2I] (module docstring)."""
     import triton
@@ -58,7 +54,7 @@ def swiglu_weighted(gu: torch.Tensor, w: torch.Tensor | None = None) -> torch.Te
     if m == 0 or i == 0:
         return h
     bm, bi = launch_blocks(i)
-    with _guard(gu):
+    with on_device(gu):
         swiglu_fwd_kernel[(triton.cdiv(m, bm), triton.cdiv(i, bi))](
             gu, w if w is not None else gu, h, m, i, HAS_W=w is not None, BM=bm, BI=bi, num_warps=4
         )
@@ -83,7 +79,7 @@ def swiglu_weighted_bwd(gu: torch.Tensor, w: torch.Tensor | None, g: torch.Tenso
             dw.zero_()
         return dgu.zero_(), dw
     bm, bi = launch_blocks(i)
-    with _guard(gu):
+    with on_device(gu):
         swiglu_bwd_kernel[(triton.cdiv(m, bm),)](
             gu,
             w if w is not None else gu,

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from harts_kernels.norm.launch import as_rows, launch_config, on_device, row_blocks
+from harts_kernels.device import on_device
+from harts_kernels.norm.launch import as_rows, launch_config, row_blocks
 
 _KERNELS: dict | None = None
 

@@ -27,7 +27,6 @@ Importing this module needs only torch.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -96,11 +95,6 @@ def sm_count(device: torch.device) -> int:
 @functools.cache
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def on_device(t: torch.Tensor):
-    """Triton launches on the current CUDA device: make it ``t``'s (a no-op off CUDA)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:

@@ -29,14 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from harts_kernels.norm.launch import (
-    as_rows,
-    backward_programs,
-    launch_config,
-    on_device,
-    row_blocks,
-    sm_count,
-)
+from harts_kernels.device import on_device
+from harts_kernels.norm.launch import as_rows, backward_programs, launch_config, row_blocks, sm_count
 
 # activation names of the gate -> the kernels' ACTIVATION constexpr
 ACTIVATIONS = {"none": "none", "sigmoid": "sigmoid", "silu": "silu", "swish": "silu"}
