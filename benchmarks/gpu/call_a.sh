@@ -3,6 +3,9 @@
 # /tmp/fa4, install the carried wheels (.whl: fla, grpcio-tools) into /tmp/site, build HARTS into
 # /tmp/harts, then run "$@" (optional) with those on the path. benchmarks/results/gpu_runs.md has the recipe.
 # HARTS_GPU_TMP (default /tmp) moves every /tmp path (tests/runtime/test_gpu_call_scripts.py).
+# HARTS_AUTOTUNE_SEED=DIR copies a kept tuned run's autotune choices (Triton's *.autotune.json files,
+# e.g. benchmarks/results/issue26_gpu/tuned/autotune) into the Triton cache first, so a tuned run
+# compiles the chosen configs instead of benchmarking every config (docs/gpu.md, "The caches").
 set -u
 T=${HARTS_GPU_TMP:-/tmp}
 mkdir -p "$T/fa4" && cp .fa4a/* "$T/fa4/" || exit 1
@@ -11,4 +14,8 @@ rm -rf "$T/harts"
 PYTHONPATH=$T/site python3 -m pip install --no-build-isolation --no-deps --no-compile -q --target "$T/harts" . \
     > "${OUT:-$T}/build.log" 2>&1 || { tail -30 "${OUT:-$T}/build.log"; exit 1; }
 export PYTHONPATH=$T/harts:$T/site PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$T/tc}
+if [ -n "${HARTS_AUTOTUNE_SEED:-}" ]; then
+    [ -d "$HARTS_AUTOTUNE_SEED" ] || { echo "HARTS_AUTOTUNE_SEED: no folder $HARTS_AUTOTUNE_SEED"; exit 1; }
+    mkdir -p "$TRITON_CACHE_DIR" && cp -R "$HARTS_AUTOTUNE_SEED/." "$TRITON_CACHE_DIR/" || exit 1
+fi
 [ $# -eq 0 ] || "$@"

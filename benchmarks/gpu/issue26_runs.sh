@@ -15,12 +15,16 @@
 #   t  carry nothing      (after a FA4 call) the tuned one-microbatch line (cold full autotune); its Triton
 #                         cache comes back as $OUT/tcache_tuned.tgz.0, .1, ... (15 MiB parts, the device
 #                         tool's file limit; at most four) to carry later: cat tcache_tuned.tgz.* | tar xzf -
+#                         (its autotune choices alone: benchmarks/results/issue26_gpu/tuned/autotune, which
+#                         call_a.sh copies into the cache with HARTS_AUTOTUNE_SEED=that folder)
 #   h  carry .whl .fa4a   (after the fused MoE and norm kernels) build; their GPU tests and the MoE's
 #                         with the fused-module ones; layer_speed moe                              (~3.5 min)
+#   i  carry .whl .fa4a   (after the router's tensor-core backward) build; whole models of the three
+#                         families against transformers on CUDA with every new kernel           (~4 min)
 # Everything is written under $OUT as it goes; each step's log is $OUT/<step>.log.
 set -u
 here=$(dirname "$0")
-step=${1:?usage: issue26_runs.sh a|b|c|d|e|f|g|h|t}
+step=${1:?usage: issue26_runs.sh a|b|c|d|e|f|g|h|i|t}
 OUT=${OUT:?set OUT (the device tool does)}
 te() { timeout "$1" python3 benchmarks/train_eval.py --fast-autotune --keep attention,linear_attention "${@:2}"; }
 S8="--slice-microbatches 8 --repeats 1 --sections speedup,microbatches,newshapes,breakdown"
@@ -56,6 +60,8 @@ case "$step" in
        tests/runtime/test_fused_modules.py; \
        timeout 150 python3 benchmarks/layer_speed.py --fast-autotune --cases moe --no-readme \
        --out $OUT/layer_speed.json" ;;
-  *) echo "unknown step $step: a to h, or t"; exit 2 ;;
+  i) bash "$here/call_a.sh" timeout 330 python3 benchmarks/gpu/run_gpu_tests.py -q -m gpu \
+       --import-mode=prepend tests/runtime/test_families_gpu.py ;;
+  *) echo "unknown step $step: a to i, or t"; exit 2 ;;
 esac 2>&1 | tee "$OUT/$step.log"
 exit "${PIPESTATUS[0]}"

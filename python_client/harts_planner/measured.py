@@ -2,17 +2,17 @@
 ``python benchmarks/figures.py`` from the results file named in ``source``; do not edit
 (``tests/test_docs_figures.py`` checks it is current)."""
 
-#: ling-tiny, 24 layers (7.8B), attention and KDA cores kept, fused MoE kernels (issue 26): one swe-like microbatch, compact vs trajectory-wise.
+#: ling-tiny, 24 layers (7.8B), attention and KDA cores kept, tuned kernels (full autotune, no --fast-autotune; issue 26): one swe-like microbatch, compact vs trajectory-wise.
 GPU_HEADLINE = {
     "device": "NVIDIA H200",
     "date": "2026-12-02",
-    "source": "benchmarks/results/issue26_gpu/fused_moe/te24_mb1/train_eval.json",
+    "source": "benchmarks/results/issue26_gpu/tuned/te24_tuned/train_eval.json",
     "trajectories": 12,
     "semantic_tokens": 261665,
     "compact_rows": 65303,
-    "speedup": 3.544918626823311,
+    "speedup": 3.5077566220373178,
     "ideal": 3.500175577866879,
-    "compact_seconds": 2.7088484690000314,
-    "trajectory_seconds": 9.60264739500002,
-    "tflops_executed": 294.5846243238432,
+    "compact_seconds": 2.5201077100000475,
+    "trajectory_seconds": 8.839924507999967,
+    "tflops_executed": 316.64722322149356,
 }

@@ -236,3 +236,41 @@ def test_no_command_installs_and_exits_0(rig, script):
     assert all(c.split("|", 1)[1].startswith("-m pip install ") for c in rig.pip_calls())
     made = "harts/harts_runtime" if script == "call_a.sh" else "site_fa4/.complete"
     assert (rig.tmp / made).exists()
+
+
+def test_autotune_seed_is_copied_into_the_triton_cache(rig):
+    """HARTS_AUTOTUNE_SEED=DIR copies DIR's tree (Triton's <hash>/<kernel>.autotune.json files) into
+    the Triton cache before the command runs, keeping what the cache already holds; a missing folder
+    stops the call before the command."""
+    seed = rig.repo / "seed"
+    (seed / "ABC").mkdir(parents=True)
+    (seed / "ABC/kernel.autotune.json").write_text('{"key": [1], "configs_timings": []}')
+    (rig.tmp / "tc/OLD").mkdir(parents=True)
+    (rig.tmp / "tc/OLD/kept.json").write_text("{}")
+    r = rig.run("call_a.sh", *rig.record(), HARTS_AUTOTUNE_SEED=str(seed))
+    assert r.returncode == 0, r.stdout + r.stderr
+    tc = Path(rig.seen_env()["TRITON_CACHE_DIR"])
+    assert (tc / "ABC/kernel.autotune.json").read_text() == '{"key": [1], "configs_timings": []}'
+    assert (tc / "OLD/kept.json").is_file()
+
+    rig.seen.unlink()
+    r = rig.run("call_a.sh", *rig.record(), HARTS_AUTOTUNE_SEED=str(rig.repo / "nowhere"))
+    assert r.returncode == 1 and "HARTS_AUTOTUNE_SEED: no folder" in r.stdout and not rig.seen.exists()
+
+
+def test_the_kept_autotune_choices_are_triton_cache_entries():
+    """benchmarks/results/issue26_gpu/tuned/autotune holds what Triton's autotuner writes and reads
+    back (``Autotuner.check_disk_cache``): ``<sha256 hex>/<kernel>.autotune.json`` with the tuning key
+    and every config's timings."""
+    import json
+    import re
+
+    root = GPU.parent / "results" / "issue26_gpu" / "tuned" / "autotune"
+    files = sorted(root.glob("*/*.autotune.json"))
+    assert files and sorted(root.rglob("*.json")) == files
+    for f in files:
+        assert re.fullmatch(r"[A-Z2-7]{52}", f.parent.name), f  # Triton's base32 cache-key folders
+        data = json.loads(f.read_text())
+        assert data["key"] and data["configs_timings"], f
+        for config, timings in data["configs_timings"]:
+            assert {"kwargs", "num_warps", "num_stages"} <= set(config) and len(timings) >= 1, f
