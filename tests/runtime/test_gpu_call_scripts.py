@@ -7,7 +7,9 @@ logs each call and does ``-m pip install ... --target DIR ARGS`` by unzipping ea
 """
 
 import io
+import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -154,6 +156,7 @@ def test_call_a_then_call_b(rig):
     seen = rig.seen_env()
     assert seen["PYTHONPATH"] == f"{t}/harts:{t}/site"
     assert seen["TRITON_CACHE_DIR"] == f"{t}/tc" and seen["PYTHONUNBUFFERED"] == "1"
+    assert not (t / "tc").exists()  # no HARTS_AUTOTUNE_SEED: the cache is left to Triton
 
     rig.seen.unlink()
     r = rig.run("call_b.sh", *rig.record())
@@ -241,7 +244,7 @@ def test_no_command_installs_and_exits_0(rig, script):
 def test_autotune_seed_is_copied_into_the_triton_cache(rig):
     """HARTS_AUTOTUNE_SEED=DIR copies DIR's tree (Triton's <hash>/<kernel>.autotune.json files) into
     the Triton cache before the command runs, keeping what the cache already holds; a missing folder
-    stops the call before the command."""
+    stops the call before it installs anything."""
     seed = rig.repo / "seed"
     (seed / "ABC").mkdir(parents=True)
     (seed / "ABC/kernel.autotune.json").write_text('{"key": [1], "configs_timings": []}')
@@ -256,15 +259,13 @@ def test_autotune_seed_is_copied_into_the_triton_cache(rig):
     rig.seen.unlink()
     r = rig.run("call_a.sh", *rig.record(), HARTS_AUTOTUNE_SEED=str(rig.repo / "nowhere"))
     assert r.returncode == 1 and "HARTS_AUTOTUNE_SEED: no folder" in r.stdout and not rig.seen.exists()
+    assert len(rig.pip_calls()) == 2  # stopped before installing or building anything
 
 
 def test_the_kept_autotune_choices_are_triton_cache_entries():
     """benchmarks/results/issue26_gpu/tuned/autotune holds what Triton's autotuner writes and reads
-    back (``Autotuner.check_disk_cache``): ``<sha256 hex>/<kernel>.autotune.json`` with the tuning key
-    and every config's timings."""
-    import json
-    import re
-
+    back (``Autotuner.check_disk_cache``): ``<base32 of the key's sha256>/<kernel>.autotune.json`` with
+    the tuning key and every config's timings."""
     root = GPU.parent / "results" / "issue26_gpu" / "tuned" / "autotune"
     files = sorted(root.glob("*/*.autotune.json"))
     assert files and sorted(root.rglob("*.json")) == files
