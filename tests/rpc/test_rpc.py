@@ -454,7 +454,7 @@ def test_the_client_falls_back_to_unary_methods_on_a_server_without_streams(smal
     from concurrent import futures
 
     from harts_planner.rpc import control
-    from harts_planner.rpc.admission import Budget
+    from harts_planner.rpc.ledger import Budget
     from harts_planner.rpc.servicer import PlannerServicer
 
     pool = futures.ThreadPoolExecutor(8)

@@ -10,27 +10,31 @@ child process.
 
 The server is split the way grpc's examples split one, one job per module:
 
-=================================  ===============================================================
-module                             job
-=================================  ===============================================================
-:mod:`~harts_planner.rpc.admission` routing and bounding calls (:class:`~.admission.Guard`, an
-                                   interceptor), the ledger of what they hold (:class:`~.admission.Budget`),
-                                   the checks and costs of a request (:class:`~.admission.Admission`)
-:mod:`~harts_planner.rpc.servicer`  the handlers: receive, admit, queue, plan, encode, send
-:mod:`~harts_planner.rpc.wire`      wire bytes of large messages without holding the GIL
-:mod:`~harts_planner.rpc.control`   how a call stops (:class:`~.control.RequestControl`), the
-                                   watchdog of stalled transfers, the drain
-:mod:`~harts_planner.rpc.logs`      one structured record per call and per lifecycle event
-:mod:`~harts_planner.rpc.limits`    the limits and the cost model
-:mod:`~harts_planner.rpc.tls`       TLS credentials from PEM files
-this module                        the server's options, pools and entry points
-=================================  ===============================================================
+========================================  ==================================================================
+module                                    job
+========================================  ==================================================================
+:mod:`~harts_planner.rpc.interceptor`     routing each call to its pool, bounding each class of calls
+                                          (:class:`~.interceptor.Guard`)
+:mod:`~harts_planner.rpc.ledger`          what calls hold, the planner threads they wait for
+                                          (:class:`~.ledger.Budget`)
+:mod:`~harts_planner.rpc.request_reader`  reading request messages under a reservation and the receive
+                                          timeout (:class:`~.request_reader.GuardedReader`)
+:mod:`~harts_planner.rpc.admission`       the checks and costs of a request (:class:`~.admission.Admission`)
+:mod:`~harts_planner.rpc.servicer`        the handlers: receive, admit, queue, plan, encode, send
+:mod:`~harts_planner.rpc.wire`            wire bytes of large messages without holding the GIL
+:mod:`~harts_planner.rpc.control`         how a call stops (:class:`~.control.RequestControl`), the
+                                          watchdog of stalled transfers, the drain
+:mod:`~harts_planner.rpc.logs`            one structured record per call and per lifecycle event
+:mod:`~harts_planner.rpc.limits`          the limits and the cost model
+:mod:`~harts_planner.rpc.tls`             TLS credentials from PEM files
+this module                               the server's options, pools and entry points
+========================================  ==================================================================
 
 What the server does against hostile or careless clients (measured: ``benchmarks/service.py
 --attacks``; tests ``tests/rpc/test_sidecar_attacks.py``):
 
 * Every call runs on a pool of its class (planner calls; health and reflection), bounded on arrival
-  by the :class:`~.admission.Guard`, so no number of planner calls, stalled or not, delays a health
+  by the :class:`~.interceptor.Guard`, so no number of planner calls, stalled or not, delays a health
   check; a call over its class's bound is refused at once.
 * A stream reserves what its next message may hold (``--max-message-mb``, twice: gRPC's buffer and
   Python's copy) against ``--max-inflight-mb`` before it reads it, and must receive it within
@@ -65,8 +69,9 @@ from harts_planner import checks
 from harts_planner.call_plan import set_max_plan_bytes
 from harts_planner.rpc import codec, control, tls, wire
 from harts_planner.rpc import limits as _limits
-from harts_planner.rpc.admission import Budget, Guard
 from harts_planner.rpc.control import CANCEL_WAIT_SECONDS, DrainResult, RequestControl
+from harts_planner.rpc.interceptor import Guard
+from harts_planner.rpc.ledger import Budget
 from harts_planner.rpc.limits import DEFAULT_MAX_MESSAGE_BYTES
 from harts_planner.rpc.logs import LOGGER, JsonFormatter, TextFormatter, configure_logging
 from harts_planner.rpc.servicer import PlannerServicer
@@ -215,7 +220,7 @@ def create_server(
     gRPC message either way (a unary request or response; a ``*Stream`` call's chunk);
     ``credentials`` from :func:`harts_planner.rpc.tls.server_credentials` serve TLS (default:
     plaintext). Planner calls beyond :func:`planner_calls` at once, and health or reflection calls
-    beyond :data:`~harts_planner.rpc.admission.SERVICE_CALLS`, are refused (RESOURCE_EXHAUSTED).
+    beyond :data:`~harts_planner.rpc.interceptor.SERVICE_CALLS`, are refused (RESOURCE_EXHAUSTED).
     Raises ValueError for a bad argument, ``RuntimeError`` when the address cannot be bound.
     """
     workers = default_workers() if workers is None else checks.integer(workers, "workers", 1, 1 << 16)

@@ -1,19 +1,19 @@
 """The handlers of ``harts.planner.v1.PlannerService``: one call from its first byte to its last.
 
 Every method (PlanStep, PlanCalls and their ``*Stream`` forms) is served by one generator on a
-thread of the planner pool (:class:`~harts_planner.rpc.admission.Guard` bounds how many), through
+thread of the planner pool (:class:`~harts_planner.rpc.interceptor.Guard` bounds how many), through
 these phases, each logged in the call's record (:mod:`harts_planner.rpc.logs`):
 
 1. *receive*: the request message (unary) or chunks (``*Stream``: the first announces the size,
    checked against ``--max-request-mb`` and held against ``--max-inflight-mb`` before the rest is
    read), each read under a receive reservation and the receive timeout
-   (:class:`~harts_planner.rpc.admission.GuardedReader`); a chunked request is assembled in one buffer
-   and its arrays read in place (:mod:`harts_planner.rpc.wire`);
+   (:class:`~harts_planner.rpc.request_reader.GuardedReader`); a chunked request is assembled in one
+   buffer and its arrays read in place (:mod:`harts_planner.rpc.wire`);
 2. *admit* (:class:`~harts_planner.rpc.admission.Admission`): checks and cost before any planner
    thread is taken; a bad or unaffordable request is answered here (a request over
    :data:`ADMIT_INLINE_BYTES` is admitted at the planner threads' priority);
 3. *queue*: a planner thread and room in the plan-memory budget
-   (:meth:`~harts_planner.rpc.admission.Budget.acquire`), while the deadline allows;
+   (:meth:`~harts_planner.rpc.ledger.Budget.acquire`), while the deadline allows;
 4. *plan* on one of ``workers`` planner threads, which run at a lower scheduling priority than the
    threads that answer calls (:data:`PLANNER_NICENESS`; the C++ core releases the GIL and polls the
    call's cancel token); a tiny plan (:data:`~harts_planner.rpc.admission.EXPRESS_PLAN_BYTES`) is
@@ -45,8 +45,10 @@ from harts_planner.errors import HartsError, PlanCancelledError
 from harts_planner.rpc import codec, control, logs, wire
 from harts_planner.rpc import limits as _limits
 from harts_planner.rpc import planner_pb2 as pb
-from harts_planner.rpc.admission import Admission, Budget, GuardedReader
+from harts_planner.rpc.admission import Admission
 from harts_planner.rpc.control import AbortRpcError, RequestControl, exhausted
+from harts_planner.rpc.ledger import Budget
+from harts_planner.rpc.request_reader import GuardedReader
 
 #: The four methods: (name, request message class, streamed, step).
 METHODS = (
