@@ -37,108 +37,95 @@ from torch import nn
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.loss.functions import LossFn
 from harts_runtime.loss.objectives import PolicyLossConfig
+from harts_runtime.options import ExecutionOptions, OptimizerOptions
 from harts_runtime.rollouts import Rollouts
 from harts_runtime.step_inputs import StepInputs
 
 __all__ = ["EngineConfig", "EngineOutput", "HartsEngine", "StepReport"]
 
-SCHEDULES = ("constant", "linear", "cosine")
 
-
-@dataclass(kw_only=True)
 class EngineConfig:
-    """Optimizer, schedule, clipping and execution options of a :class:`HartsEngine`."""
+    """What a :class:`HartsEngine` runs: its execution options, its optimizer options and its
+    objective. Every option is declared once, in :mod:`harts_runtime.options`; this class composes
+    them. Flat keywords are routed to the options class that declares them (``EngineConfig(lr=1e-3,
+    capacity=4096)``), with the same checks; reading ``config.lr`` or ``config.capacity`` reads
+    through. An unknown keyword raises :class:`InvalidInputError` naming it."""
 
-    lr: float = 1e-6
-    """Peak learning rate (AdamW)."""
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    warmup_steps: int = 0
-    """Linear warm-up from 0 to ``lr`` over this many optimizer steps."""
-    lr_schedule: str = "constant"
-    """After warm-up: ``constant``, ``linear`` or ``cosine`` decay to ``min_lr_ratio * lr`` at
-    ``total_steps``."""
-    total_steps: int | None = None
-    """Needed by ``linear`` and ``cosine``."""
-    min_lr_ratio: float = 0.0
-    max_grad_norm: float | None = 1.0
-    """Clip the global gradient norm to this (None: no clipping; the norm is reported anyway)."""
-    capacity: int = 65_536
-    """T: compact rows per microbatch (the planner's capacity)."""
-    microbatch_cost: int = 0
-    """The planner's ``microbatch_cost``: a microbatch's fixed time in compact tokens, in [0,
-    capacity] (0: the paper's selection). ``benchmarks/train_eval.py``'s ``microbatches`` section fits
-    it for a model and GPU (about 8,400 for the 24-layer ``ling-tiny`` on an H200)."""
-    mode: str = "compact"
-    """``compact`` (HARTS) or ``trajectory`` (the trajectory-wise baseline, for comparisons)."""
-    objective: str = "grpo"
-    """The built-in objective when ``forward_backward`` gets no ``loss_fn``: ``grpo`` or ``ppo``."""
-    loss_config: PolicyLossConfig | None = None
-    """Clip, KL and aggregation of the built-in objective (None: the objective's defaults)."""
-    recompute: bool = False
-    keep: tuple[str, ...] = ()
-    """Kept regions under recomputation (``attention``, ``linear_attention``)."""
-    param_dtype: str | None = None
-    """FSDP2 compute dtype with a mesh (e.g. ``"bfloat16"`` over float32 masters)."""
-    reduce_dtype: str | None = None
-    cpu_offload: bool = False
+    __slots__ = ("execution", "optimizer", "objective", "loss_config")
 
-    def __post_init__(self):
-        for name in ("lr", "eps"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise InvalidInputError(name, f"must be a positive finite number, got {v!r}")
-        if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
-            raise InvalidInputError("weight_decay", f"must be >= 0, got {self.weight_decay!r}")
-        if self.lr_schedule not in SCHEDULES:
-            raise InvalidInputError("lr_schedule", f"unknown {self.lr_schedule!r}; choose one of {SCHEDULES}")
-        if self.lr_schedule != "constant" and not (
-            isinstance(self.total_steps, int) and self.total_steps > 0
-        ):
-            raise InvalidInputError(
-                "total_steps", f"a positive integer is needed by lr_schedule={self.lr_schedule!r}"
-            )
-        if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
-            raise InvalidInputError("warmup_steps", f"must be an integer >= 0, got {self.warmup_steps!r}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise InvalidInputError("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio!r}")
-        if self.max_grad_norm is not None and not (
-            self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)
-        ):
-            raise InvalidInputError("max_grad_norm", f"must be positive or None, got {self.max_grad_norm!r}")
-        if not (isinstance(self.capacity, int) and self.capacity > 0):
-            raise InvalidInputError("capacity", f"must be a positive integer, got {self.capacity!r}")
-        if not (isinstance(self.microbatch_cost, int) and 0 <= self.microbatch_cost <= self.capacity):
-            raise InvalidInputError(
-                "microbatch_cost",
-                f"must be an integer in [0, capacity = {self.capacity}], got {self.microbatch_cost!r}",
-            )
-        if self.mode not in ("compact", "trajectory"):
-            raise InvalidInputError("mode", f"choose compact or trajectory, got {self.mode!r}")
-        if self.objective not in ("grpo", "ppo"):
-            raise InvalidInputError("objective", f"choose grpo or ppo, got {self.objective!r}")
+    def __init__(
+        self,
+        *,
+        execution: ExecutionOptions | None = None,
+        optimizer: OptimizerOptions | None = None,
+        objective: str = "grpo",
+        loss_config: PolicyLossConfig | None = None,
+        **options,
+    ):
+        routed: dict[type, dict] = {ExecutionOptions: {}, OptimizerOptions: {}}
+        for name, value in options.items():
+            owner = _OWNER.get(name)
+            if owner is None:
+                raise InvalidInputError(
+                    name, f"not an engine option; choose from {sorted(_OWNER) + ['objective', 'loss_config']}"
+                )
+            routed[owner][name] = value
+        base = {ExecutionOptions: execution, OptimizerOptions: optimizer}
+        for cls, given in routed.items():
+            if base[cls] is None:
+                base[cls] = cls(**given)
+            elif given:
+                base[cls] = dataclasses.replace(base[cls], **given)
+        self.execution: ExecutionOptions = base[ExecutionOptions]
+        self.optimizer: OptimizerOptions = base[OptimizerOptions]
+        if objective not in ("grpo", "ppo"):
+            raise InvalidInputError("objective", f"choose grpo or ppo, got {objective!r}")
+        self.objective = objective
+        self.loss_config = loss_config
 
-    def parallelize_options(self) -> dict:
-        """The ``parallelize`` keywords this config asks for (``load_pretrained(..., parallelize=)``)."""
-        return dict(
-            recompute=self.recompute,
-            keep=self.keep,
-            param_dtype=_dtype(self.param_dtype),
-            reduce_dtype=_dtype(self.reduce_dtype),
-            cpu_offload=self.cpu_offload,
+    def __getattr__(self, name):
+        owner = _OWNER.get(name)
+        if owner is ExecutionOptions:
+            return getattr(object.__getattribute__(self, "execution"), name)
+        if owner is OptimizerOptions or name == "lr_factor":
+            return getattr(object.__getattribute__(self, "optimizer"), name)
+        raise AttributeError(name)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, EngineConfig) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        return (
+            f"EngineConfig(execution={self.execution!r}, optimizer={self.optimizer!r}, "
+            f"objective={self.objective!r}, loss_config={self.loss_config!r})"
         )
 
-    def lr_factor(self, step: int) -> float:
-        """The learning-rate multiplier after ``step`` optimizer steps."""
-        if step < self.warmup_steps:
-            return (step + 1) / (self.warmup_steps + 1)
-        if self.lr_schedule == "constant":
-            return 1.0
-        span = max(1, self.total_steps - self.warmup_steps)
-        frac = min(1.0, (step - self.warmup_steps) / span)
-        decay = 1.0 - frac if self.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
-        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay
+    def replace(self, **changes) -> EngineConfig:
+        """A copy with ``changes`` (flat option names, or ``execution`` / ``optimizer`` / ...)."""
+        kw = dict(
+            execution=self.execution,
+            optimizer=self.optimizer,
+            objective=self.objective,
+            loss_config=self.loss_config,
+        )
+        kw.update({k: changes.pop(k) for k in list(changes) if k in kw})
+        return EngineConfig(**kw, **changes)
+
+    def parallelize_options(self) -> dict:
+        """The ``parallelize`` keywords the execution options ask for."""
+        return self.execution.parallelize_options()
+
+    def to_dict(self) -> dict:
+        """A JSON-able record (saved with checkpoints)."""
+        out = {"objective": self.objective}
+        for part in (self.execution, self.optimizer):
+            out.update(
+                {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(part).items()}
+            )
+        return out
+
+
+_OWNER = {f.name: cls for cls in (ExecutionOptions, OptimizerOptions) for f in dataclasses.fields(cls)}
 
 
 @dataclass
@@ -165,24 +152,17 @@ class StepReport:
     reason: str = ""
 
 
-def _dtype(name):
-    if name is None or isinstance(name, torch.dtype):
-        return name
-    if name not in ("float32", "bfloat16", "float16"):
-        raise InvalidInputError("param_dtype", f"unknown dtype {name!r}")
-    return getattr(torch, name)
-
-
 class HartsEngine:
     """Model, optimizer (AdamW), LR schedule, gradient clipping and planner of one training job.
 
-    ``model``: a :class:`~harts_runtime.models.HybridModel` (e.g. from
-    :func:`harts_runtime.load_pretrained`); with ``mesh`` (``ParallelDims(...).build_mesh()``) it is
-    parallelized here unless it already is. Every rank constructs the engine with the same model and
-    calls every method in the same order (the collectives need it).
+    Build one with :meth:`build` (a checkpoint folder, a flavor or a model config; with ``dims``
+    sharded over a device mesh), or wrap a model you built (``HartsEngine(model, config,
+    mesh=mesh)``; parallelized here unless it already is). Every rank constructs the engine alike
+    and calls every method in the same order (the collectives need it). ``optimizer``: use this
+    optimizer instead of an AdamW built from ``config.optimizer``.
     """
 
-    def __init__(self, model: nn.Module, config: EngineConfig | None = None, *, mesh=None):
+    def __init__(self, model: nn.Module, config: EngineConfig | None = None, *, mesh=None, optimizer=None):
         from harts_runtime.recompute import apply_recompute
 
         self.config = cfg = config or EngineConfig()
@@ -193,38 +173,84 @@ class HartsEngine:
             parallelize(model, mesh, **cfg.parallelize_options())
         elif mesh is None and cfg.recompute:
             apply_recompute(model, keep=cfg.keep)
-        self.optimizer = torch.optim.AdamW(
+        opt = cfg.optimizer
+        self.optimizer = optimizer or torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
-            lr=cfg.lr,
-            betas=cfg.betas,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
+            lr=opt.lr,
+            betas=opt.betas,
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, cfg.lr_factor)
+        self.scheduler = (
+            None
+            if opt.lr_schedule == "external"
+            else torch.optim.lr_scheduler.LambdaLR(self.optimizer, opt.lr_factor)
+        )
+        self.frozen: list[str] = []
+        """Parameters frozen because the model's transformers family cannot carry them (:meth:`build`)."""
         self.step = 0
+        self._planner = None
         self.model.train()
 
     @classmethod
-    def from_pretrained(
-        cls, path, config: EngineConfig | None = None, *, mesh=None, dtype=None, device=None, **overrides
-    ):
-        """Load a transformers checkpoint folder (:func:`harts_runtime.load_pretrained`; with a mesh
-        straight into the sharded model, each rank reading its slices) and build the engine."""
-        from harts_runtime.hf import load_pretrained
+    def build(
+        cls,
+        source,
+        config: EngineConfig | None = None,
+        dims=None,
+        *,
+        mesh=None,
+        dtype: str | None = None,
+        device=None,
+        freeze: bool | None = None,
+        **overrides,
+    ) -> HartsEngine:
+        """The one way a training job gets its model: source -> model -> ``parallelize`` -> each rank
+        reads its slices -> one freezing rule -> optimizer.
 
-        cfg = config or EngineConfig()
-        if mesh is None:
-            model = load_pretrained(path, dtype=dtype, device=device, **overrides)
+        ``source``: a transformers checkpoint folder (``str`` / ``Path``), a flavor name
+        (:data:`harts_runtime.models.FLAVORS`, random weights) or a
+        :class:`~harts_runtime.models.ModelConfig`. ``dims``: None for one process, or a
+        :class:`~harts_runtime.parallel.ParallelDims` whose mesh is built here (torch.distributed
+        initialised by the caller; ``mesh=`` passes one built already). A checkpoint is read straight
+        into the sharded model (the model is made on the meta device, parallelized, and each rank
+        reads only its slices). ``freeze`` (default: for checkpoint sources) freezes the parameters
+        the transformers family cannot carry (:func:`harts_runtime.hf.freeze_family_constants`),
+        named in :attr:`frozen`. ``overrides``: model-config fields (``chunk_size=16``,
+        ``num_layers=2`` for a flavor)."""
+        config = config or EngineConfig()
+        if mesh is None and dims is not None:
+            mesh = dims.build_mesh(torch.device(device).type if device is not None else None)
+        checkpoint = isinstance(source, (str, Path)) and Path(source).is_dir()
+        if checkpoint:
+            from harts_runtime.hf import load_pretrained
+
+            kw = {} if mesh is None else dict(mesh=mesh, parallelize=config.parallelize_options())
+            model = load_pretrained(source, dtype=dtype, device=device, **kw, **overrides)
         else:
-            model = load_pretrained(
-                path,
-                dtype=dtype,
-                device=device,
-                mesh=mesh,
-                parallelize=cfg.parallelize_options(),
-                **overrides,
-            )
-        return cls(model, cfg, mesh=mesh)
+            from harts_runtime.models import HybridModel, ModelConfig, model_config
+
+            if isinstance(source, ModelConfig):
+                cfg = source.replace(**overrides) if overrides else source
+            elif isinstance(source, str):
+                layers = overrides.pop("num_layers", None)
+                cfg = model_config(source, layers, **overrides)
+            else:
+                raise InvalidInputError(
+                    "source",
+                    f"expected a checkpoint folder, a flavor name or a ModelConfig, got {source!r}",
+                )
+            if dtype is not None:
+                cfg = cfg.replace(dtype=dtype)
+            model = HybridModel(cfg, device=device)
+        frozen = []
+        if freeze if freeze is not None else checkpoint:
+            from harts_runtime.hf import freeze_family_constants
+
+            frozen = freeze_family_constants(model)
+        engine = cls(model, config, mesh=mesh)
+        engine.frozen = frozen
+        return engine
 
     # ------------------------------------------------------------------ properties
     @property
@@ -234,6 +260,15 @@ class HartsEngine:
     @property
     def dp(self) -> int:
         return 1 if self.mesh is None else self.mesh.dims.dp
+
+    @property
+    def planner(self):
+        """The :class:`harts_planner.Planner` of ``config.planner``: in-process, or a sidecar."""
+        if self._planner is None:
+            from harts_planner import Planner
+
+            self._planner = Planner(self.config.planner)
+        return self._planner
 
     # ------------------------------------------------------------------ inputs
     def step_inputs(self, rollouts) -> StepInputs:
@@ -251,48 +286,80 @@ class HartsEngine:
         step.check_tokens(self.vocab_size)
         return step
 
-    def _plan(self, step: StepInputs):
-        """``(plan, plan_seconds)``: the step plan (its microbatches on DP replicas and slots), or for
-        the trajectory baseline a plan-like packing of expanded trajectories."""
-        import harts_planner as hp
+    def plan(self, step: StepInputs):
+        """``(plan, call_plans, plan_seconds)``: the step plan (its microbatches on DP replicas and
+        slots; for the trajectory baseline a plan-like packing of expanded trajectories), the call
+        plan of each microbatch this rank runs (keyed by its first trajectory), and the planner's
+        time for both."""
+        from harts_runtime.parallel.data import replica_schedule
 
         t0 = time.perf_counter()
         cfg = self.model.config
-        if self.config.mode == "compact":
-            plan = hp.plan_step(
-                step.batch,
-                self.dp,
-                self.config.capacity,
-                cfg.chunk_size,
-                microbatch_cost=self.config.microbatch_cost,
+        ex = self.config.execution
+        calls = {}
+        if ex.mode == "compact":
+            plan = self.planner.plan_step(
+                step.batch, self.dp, ex.capacity, cfg.chunk_size, microbatch_cost=ex.microbatch_cost
             )
+            replica = 0 if self.mesh is None else self.mesh.replica
+            for traj in replica_schedule(plan, replica):
+                calls[int(traj[0])] = self.planner.plan_calls(
+                    step.batch, cfg.chunk_size, microbatch=traj, conv_width=cfg.conv_size
+                )
         else:
-            plan = _TrajectoryPlan(step, self.config.capacity, self.dp)
-        return plan, time.perf_counter() - t0
+            plan = _TrajectoryPlan(step, ex.capacity, self.dp)
+        return plan, calls, time.perf_counter() - t0
 
     # ------------------------------------------------------------------ step
     def forward_backward(
-        self, rollouts, loss_fn: LossFn | None = None, *, forward_only: bool = False
+        self,
+        rollouts,
+        loss_fn: LossFn | None = None,
+        *,
+        forward_only: bool = False,
+        keep_hidden=None,
+        progress=None,
     ) -> EngineOutput:
         """Run the step's microbatches (this rank's replica's, slot by slot) forward and, unless
         ``forward_only``, backward, accumulating gradients; returns the step loss, the log-probs of
-        every target in the caller's order, and metrics. ``loss_fn``: ``loss_fn(logprobs, inputs)
-        -> loss`` or ``(loss, metrics)`` with step-level denominators
-        (:mod:`harts_runtime.loss.functions`; None: the built-in GRPO / PPO)."""
-        from harts_runtime.train import run_microbatch
+        every target in the caller's order, and metrics. This is the step loop every caller runs
+        (``harts-train``, the verl backend, :func:`harts_runtime.train.train_step`, the benchmarks).
+
+        ``loss_fn``: ``loss_fn(logprobs, inputs) -> loss`` or ``(loss, metrics)`` with step-level
+        denominators (:mod:`harts_runtime.loss.functions`; None: the built-in GRPO / PPO; a
+        forward-only step computes none). ``keep_hidden``: a hook called with each non-empty
+        microbatch's result dict, which then also holds its final normed hidden rows (``hidden``,
+        detached) with ``row_index`` (the row of each target), ``target_index`` and ``logprobs``
+        (e.g. the verl backend's entropy). ``progress(done, total)``: called after each slot.
+        A step's values are checked when it runs (an in-place NaN in its advantages is refused)."""
+        from harts_runtime.parallel.data import run_replica_step
+        from harts_runtime.train import make_microbatch, run_microbatch
 
         step = self.step_inputs(rollouts)
-        plan, plan_s = self._plan(step)
-        mode = self.config.mode
+        if hasattr(step, "check_values"):
+            step.check_values()
+        plan, calls, plan_s = self.plan(step)
+        ex = self.config.execution
         dev = self.model.device
         lp_all = torch.zeros(step.num_targets, dtype=torch.float32, device=dev)
         sums = defaultdict(float)
         metric_sums = defaultdict(float)
+        loss_fn = _no_loss if (forward_only and loss_fn is None) else loss_fn
+        slots = _slot_count(plan, self.mesh)
 
         def microbatch(slot, traj):
+            call_plan = calls.get(int(traj[0])) if len(traj) else None
+            mb = make_microbatch(self.model, step, traj, ex.mode, call_plan)
             with torch.set_grad_enabled(not forward_only):
                 loss, st = run_microbatch(
-                    self.model, step, traj, mode, loss_fn=loss_fn, backward=not forward_only
+                    self.model,
+                    step,
+                    mode=ex.mode,
+                    microbatch=mb,
+                    loss_fn=loss_fn,
+                    backward=not forward_only,
+                    no_replay=ex.no_replay,
+                    return_hidden=keep_hidden is not None and len(traj) > 0,
                 )
             lp_all[st["target_index"].to(dev)] = st["logprobs"].float()
             for k in ("policy_loss", "router_loss"):
@@ -302,17 +369,17 @@ class HartsEngine:
             for k, v in st["metrics"].items():
                 metric_sums[k] += float(v)
             sums["microbatches"] += bool(len(traj))
+            if keep_hidden is not None and len(traj):
+                keep_hidden(st)
+            if progress is not None:
+                progress(slot + 1, slots)
             return loss
 
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        if self.mesh is None:
-            total = 0.0
-            for j, traj in enumerate(plan.microbatches):
-                total += float(microbatch(j, np.asarray(traj, dtype=np.int64)))
-        else:
-            from harts_runtime.parallel import run_replica_step
-
-            total = run_replica_step(plan, self.mesh, microbatch).loss
+        with torch.set_grad_enabled(not forward_only):
+            result = run_replica_step(plan, self.mesh, microbatch)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         fbg_s = time.perf_counter() - t0
@@ -323,6 +390,7 @@ class HartsEngine:
             keys = sorted(sums)  # the same names on every rank (a padding microbatch reports them too)
             vec = self._sum_over_dp(torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=dev))
             sums = dict(zip(keys, vec.tolist()))
+        total = result.loss
         metrics = {
             "loss": total,
             "policy_loss": sums["policy_loss"],
@@ -335,6 +403,7 @@ class HartsEngine:
             "microbatches": int(sums["microbatches"]),
             "plan_seconds": plan_s,
             "fbg_seconds": fbg_s,
+            "slot_seconds": list(result.slot_seconds),
         }
         metrics.update({k: v for k, v in sums.items() if k.startswith("loss_fn/")})
         return EngineOutput(total, lp_all.cpu(), metrics)
@@ -345,10 +414,10 @@ class HartsEngine:
         dist.all_reduce(t, group=self.mesh.dp.get_group())
         return t
 
-    @torch.no_grad()
     def logprobs(self, rollouts) -> torch.Tensor:
         """Current log-probs of every target of ``rollouts``, float32 [P] in the caller's order."""
-        return self.forward_backward(rollouts, forward_only=True).logprobs
+        with torch.no_grad():
+            return self.forward_backward(rollouts, forward_only=True).logprobs
 
     # ------------------------------------------------------------------ optimizer
     def grad_norm(self) -> float:
@@ -370,25 +439,28 @@ class HartsEngine:
         return math.sqrt(sq)
 
     def optimizer_step(self) -> StepReport:
-        """Clip, step the optimizer and the LR schedule, update the MoE expert biases (their
-        multiplicity-weighted counts summed over ranks first), zero the gradients. When the gradient
-        norm is not finite the step is skipped, the gradients dropped, and the report says so."""
+        """Clip, step the optimizer and the LR schedule (none under ``lr_schedule="external"``),
+        update the MoE expert biases (their multiplicity-weighted counts summed over ranks first),
+        zero the gradients. When the gradient norm is not finite the step is skipped, the gradients
+        dropped, and the report says so."""
         norm = self.grad_norm()
         lr = self.optimizer.param_groups[0]["lr"]
+        clip = self.config.optimizer.max_grad_norm
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             for m in self.model.modules():
                 if hasattr(m, "local_tokens_per_expert"):
                     m.local_tokens_per_expert.zero_()
             return StepReport(self.step, norm, lr, True, f"non-finite gradient norm {norm}; step skipped")
-        if self.config.max_grad_norm is not None and norm > self.config.max_grad_norm:
-            coef = self.config.max_grad_norm / (norm + 1e-6)
+        if clip is not None and norm > clip:
+            coef = clip / (norm + 1e-6)
             with torch.no_grad():
                 for p in self.model.parameters():
                     if p.grad is not None:
                         p.grad.mul_(coef)
         self.optimizer.step()
-        self.scheduler.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         if self.mesh is not None:
             from harts_runtime.parallel import sync_expert_load
 
@@ -408,7 +480,7 @@ class HartsEngine:
         every rank calls it). Loadable by :meth:`load` under another parallel configuration."""
         from harts_runtime.parallel.checkpoint import save_checkpoint
 
-        extra = {"engine_step": self.step, "config": _jsonable(dataclasses.asdict(self.config))}
+        extra = {"engine_step": self.step, "config": self.config.to_dict()}
         save_checkpoint(path, self.model, self.optimizer, extra=extra)
         rank = _rank()
         torch.save(_rng_state(), Path(path) / f"rng-{rank}.pt")
@@ -425,9 +497,10 @@ class HartsEngine:
                 "path", f"{path} is a checkpoint without an engine step (not saved by HartsEngine.save)"
             )
         self.step = int(extra["engine_step"])
-        self.scheduler.last_epoch = self.step
-        for g, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
-            g["lr"] = base * self.config.lr_factor(self.step)
+        if self.scheduler is not None:
+            self.scheduler.last_epoch = self.step
+            for g, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+                g["lr"] = base * self.config.lr_factor(self.step)
         own = Path(path) / f"rng-{_rank()}.pt"
         rng = own if own.exists() else Path(path) / "rng-0.pt"
         if rng.exists():
@@ -440,6 +513,17 @@ class HartsEngine:
         from harts_runtime.hf import export_weights
 
         return export_weights(self.model, model_type)
+
+
+def _no_loss(logprobs, inputs):
+    """A forward-only step's objective: none (its log-probs are what is wanted)."""
+    return logprobs.sum() * 0.0
+
+
+def _slot_count(plan, mesh) -> int:
+    from harts_runtime.parallel.data import step_slots
+
+    return step_slots(plan) if mesh is not None else sum(1 for m in plan.microbatches if len(m))
 
 
 class _TrajectoryPlan:
@@ -455,14 +539,6 @@ class _TrajectoryPlan:
         self.dp_size = dp
         self.replica = np.arange(len(packs)) % dp
         self.slot = np.arange(len(packs)) // dp
-
-
-def _jsonable(d: dict) -> dict:
-    return {
-        k: (list(v) if isinstance(v, tuple) else v)
-        for k, v in d.items()
-        if not isinstance(v, PolicyLossConfig)
-    }
 
 
 def _rank() -> int:

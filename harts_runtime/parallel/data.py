@@ -82,14 +82,17 @@ def run_replica_step(
     mesh,
     microbatch_fn: Callable[[int, np.ndarray], torch.Tensor | float],
 ) -> ReplicaStepResult:
-    """Run this rank's replica's microbatches slot by slot, padding with empty microbatches.
+    """The step loop: run this rank's replica's microbatches slot by slot, padding with empty
+    microbatches, and sum the step loss over the replicas. :meth:`HartsEngine.forward_backward
+    <harts_runtime.engine.HartsEngine.forward_backward>` is its caller.
 
     Parameters
     ----------
     plan : harts_planner.StepPlan
-        With ``plan.dp_size`` equal to ``mesh.dims.dp``.
-    mesh : ParallelMesh
-        This job's meshes (:meth:`ParallelDims.build_mesh`).
+        With ``plan.dp_size`` equal to ``mesh.dims.dp`` (1 without a mesh).
+    mesh : ParallelMesh or None
+        This job's meshes (:meth:`ParallelDims.build_mesh`); None for one process, which runs every
+        microbatch of the plan in slot order, without padding or collectives.
     microbatch_fn : callable ``(slot, trajectory_indices) -> loss``
         Runs one microbatch's forward and backward (e.g. ``harts_runtime.run_microbatch``, which
         backpropagates) and returns its detached loss contribution; called with an empty index
@@ -99,11 +102,11 @@ def run_replica_step(
     -------
     ReplicaStepResult
     """
-    dims = mesh.dims
-    if plan.dp_size != dims.dp:
-        raise ParallelConfigError("plan", f"dp_size {plan.dp_size} != dp_replicate * dp_shard = {dims.dp}")
-    schedule = replica_schedule(plan, mesh.replica)
-    slots = step_slots(plan)
+    dp = 1 if mesh is None else mesh.dims.dp
+    if plan.dp_size != dp:
+        raise ParallelConfigError("plan", f"dp_size {plan.dp_size} != dp_replicate * dp_shard = {dp}")
+    schedule = replica_schedule(plan, 0 if mesh is None else mesh.replica)
+    slots = len(schedule) if mesh is None else step_slots(plan)
     local, seconds = 0.0, []
     for j in range(slots):
         t0 = time.perf_counter()
@@ -111,7 +114,7 @@ def run_replica_step(
         local += float(loss.detach()) if torch.is_tensor(loss) else float(loss)
         seconds.append(time.perf_counter() - t0)
     total = local
-    if dims.dp > 1:
+    if dp > 1:
         group = mesh.dp.get_group()
         t = torch.tensor([local], dtype=torch.float64, device=_device(group))
         dist.all_reduce(t, group=group)

@@ -193,7 +193,7 @@ def test_export_weights_round_trips_through_transformers(tmp_path, monkeypatch):
     hf_cfg = qwen_config("qwen3_5_moe_text", ["linear_attention", "full_attention"])
     torch.manual_seed(0)
     transformers.Qwen3_5MoeForCausalLM(hf_cfg).float().save_pretrained(tmp_path / "hf")
-    engine = HartsEngine.from_pretrained(tmp_path / "hf", EngineConfig(lr=1e-2, capacity=64), dtype="float32")
+    engine = HartsEngine.build(tmp_path / "hf", EngineConfig(lr=1e-2, capacity=64), dtype="float32")
     batch = random_batch(5, num=6, vocab=engine.vocab_size, max_new=8)
     engine.forward_backward(StepInputs.synthetic(batch, seed=2, vocab_size=engine.vocab_size))
     engine.optimizer_step()  # trained weights, not the checkpoint's
