@@ -6,11 +6,13 @@ field (``"advantages"``, ``"mixers[1]"``, ``"call_plan.chunk_size"``, ``"tp"``) 
 ``"<field>: <what is wrong, with the limit>"``. The names the runtime used before it had one class
 stay importable as aliases of it: :data:`StepInputsError` (step inputs and train-step arguments),
 :data:`ConfigError` (model configuration) and :data:`ParallelConfigError` (parallel configuration).
+:class:`UsageError`, its subclass, is a bad command-line flag or config file of ``harts-train``: its
+message is the whole line and names the flag itself.
 """
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "InvalidInputError", "ParallelConfigError", "StepInputsError"]
+__all__ = ["ConfigError", "InvalidInputError", "ParallelConfigError", "StepInputsError", "UsageError"]
 
 
 class InvalidInputError(ValueError):
@@ -18,6 +20,16 @@ class InvalidInputError(ValueError):
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class UsageError(InvalidInputError):
+    """A bad ``harts-train`` flag, flag combination or config file: one line (``--keep: needs
+    --recompute ...``), exit code 2. The message is used as given; ``.field`` is the flag it names
+    (``"--keep"``), or ``""``."""
+
+    def __init__(self, message: str, field: str = ""):
+        ValueError.__init__(self, message)
         self.field = field
 
 
