@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from harts_runtime.errors import InvalidInputError
+from harts_runtime.token_range import check_token_range
 
 __all__ = ["FIELDS", "Rollouts"]
 
@@ -52,21 +53,6 @@ def _int_tokens(values, field: str) -> np.ndarray:
     if a.size and not np.issubdtype(a.dtype, np.integer):
         raise InvalidInputError(field, f"token ids must be integers, got dtype {a.dtype}")
     return a.astype(np.int64, copy=False)
-
-
-def _check_token_range(tokens: np.ndarray, offsets: np.ndarray, vocab_size: int | None, field: str) -> None:
-    """:class:`InvalidInputError` naming the first token id outside ``[0, vocab_size)`` (its
-    trajectory and position); O(S)."""
-    bad = tokens < 0
-    if vocab_size is not None:
-        bad |= tokens >= vocab_size
-    if len(tokens) and bad.any():
-        j = int(np.argmax(bad))
-        i = int(np.searchsorted(offsets, j, side="right") - 1)
-        limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-        raise InvalidInputError(
-            f"{field}[{i}][{j - offsets[i]}]", f"token id {int(tokens[j])} is outside {limit}"
-        )
 
 
 def _check_mask(t: torch.Tensor, field: str) -> torch.Tensor:
@@ -136,7 +122,7 @@ class Rollouts:
             i = int(np.nonzero(lengths < 1)[0][0])
             raise InvalidInputError(f"trajectories[{i}]", "is empty (a trajectory needs at least one token)")
         self.offsets = off
-        _check_token_range(self.tokens, off, vocab_size, "tokens")
+        check_token_range(self.tokens, off, vocab_size, "tokens")
         p = self.num_targets
         for name in FIELDS:
             t = getattr(self, name)

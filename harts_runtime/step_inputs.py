@@ -18,8 +18,24 @@ from harts_planner import RolloutBatch
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.views import TreeOrder
 from harts_runtime.loss.objectives import PolicyLossConfig, aggregation_weights, grpo_advantages, per_token
+from harts_runtime.token_range import check_token_range
 
 __all__ = ["StepInputs", "default_loss_config"]
+
+_FIELDS = ("advantages", "loss_mask", "old_logprobs", "ref_logprobs")
+"""The per-token fields, [P] each."""
+_LOGPROB_FIELDS = ("advantages", "old_logprobs", "ref_logprobs")
+"""The floating-point ones (advantages finite; log-probs finite and <= 0)."""
+_BATCH_CACHE = ("tokens_checked", "row_token", "tree", "fields_seen")
+"""Cache entries derived from the batch alone (kept when a per-token field changes)."""
+
+
+def _same(a, b) -> bool:
+    """Whether two :meth:`StepInputs._fields_seen` records are of the same tensors at the same
+    versions (None: unknown, never the same)."""
+    if a is None or b is None:
+        return False
+    return all(x is y and u == v for (x, u), (y, v) in zip(a, b))
 
 
 def default_loss_config(objective: str) -> PolicyLossConfig:
@@ -68,17 +84,7 @@ class StepInputs:
                 "batch", "needs its tokens (a RolloutBatch built from a SegmentTree has none)"
             )
         n = b.num_trajectories
-        p = b.semantic_tokens - n
-        for name in ("advantages", "loss_mask", "old_logprobs", "ref_logprobs"):
-            t = getattr(self, name)
-            if t is None:
-                continue
-            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != p:
-                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise InvalidInputError(
-                    name, f"expected a 1-D tensor of P = S - N = {p} entries, got {shape}"
-                )
-        self._check_values()
+        self.check_values()
         if self.group_ids is not None and self.group_ids.numel() != n:
             raise InvalidInputError("group_ids", f"expected {n} entries, got {self.group_ids.numel()}")
         if self.objective not in ("grpo", "ppo"):
@@ -86,13 +92,32 @@ class StepInputs:
         if self.config.kl_coef and self.ref_logprobs is None:
             raise InvalidInputError("ref_logprobs", "required when kl_coef != 0")
 
-    def _check_values(self) -> None:
-        """Refuse what would silently poison a step, before any work: a non-finite advantage, a
-        log-prob that is not finite or above 0 (one NaN advantage turned every parameter NaN after
-        one step; old log-probs of -inf gave a loss of 3.7e7), a loss mask that is not boolean or
-        0 / 1. The error names the field, trajectory and position."""
-        cu = self.cu_seqlens.numpy()
-        for name in ("advantages", "old_logprobs", "ref_logprobs"):
+    def check_values(self) -> None:
+        """Refuse per-token fields that would silently poison a step, before any work; the step
+        loop calls it once per step, since the fields are plain tensors that can be edited in place
+        after construction (``step.advantages[3] = float("nan")``).
+
+        Raises :class:`InvalidInputError` naming the field (and, for a bad value, its trajectory
+        and position): a field that is not a 1-D tensor of ``P = S - N`` entries (``advantages``,
+        ``loss_mask``, ``old_logprobs`` required; ``ref_logprobs`` optional), a non-finite
+        advantage, a log-prob that is not finite or above 0 (one NaN advantage turned every
+        parameter NaN after one step; old log-probs of -inf gave a loss of 3.7e7), a loss mask that
+        is not boolean or 0 / 1. O(P) elementwise work and one host read per field (a device sync
+        when the fields live on a GPU). A field replaced or edited in place since the last check
+        also drops what was derived from it (:attr:`weights`, the device copies)."""
+        p = self.num_targets
+        for name in _FIELDS:
+            t = getattr(self, name)
+            if t is None:
+                if name == "ref_logprobs":
+                    continue
+                raise InvalidInputError(name, f"required: a 1-D tensor of P = S - N = {p} entries")
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != p:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise InvalidInputError(
+                    name, f"expected a 1-D tensor of P = S - N = {p} entries, got {shape}"
+                )
+        for name in _LOGPROB_FIELDS:
             t = getattr(self, name)
             if t is None:
                 continue
@@ -102,6 +127,7 @@ class StepInputs:
             if name != "advantages":
                 bad |= t > 0
             if bool(bad.any()):
+                cu = self.cu_seqlens.numpy()
                 k = int(bad.nonzero()[0, 0])
                 i = int(np.searchsorted(cu, k, side="right") - 1)
                 what = (
@@ -114,16 +140,43 @@ class StepInputs:
         if m.dtype != torch.bool:
             if m.is_complex() or not bool(((m == 0) | (m == 1)).all()):
                 raise InvalidInputError("loss_mask", f"must be boolean or 0 / 1 (dtype {m.dtype})")
+        seen = self._fields_seen()
+        if self._cache.get("fields_seen") is not None and not _same(self._cache["fields_seen"], seen):
+            for key in [k for k in self._cache if k not in _BATCH_CACHE]:
+                del self._cache[key]
+        self._cache["fields_seen"] = seen
+
+    def _fields_seen(self):
+        """``(tensor, version)`` of each per-token field: it changes when a field is replaced or
+        edited in place through torch (its version counter); None where a tensor keeps no counter
+        (inference-mode tensors). Writes that bypass torch (``.numpy()``, ``.data``) go unseen."""
+        out = []
+        for name in _FIELDS:
+            t = getattr(self, name)
+            try:
+                out.append((t, None if t is None else t._version))
+            except RuntimeError:
+                return None
+        return tuple(out)
+
+    def _check_values_if_changed(self) -> None:
+        """:meth:`check_values` unless no field was replaced or edited in place since the last
+        check (O(1) then)."""
+        seen = self._cache.get("fields_seen")
+        if seen is None or not _same(seen, self._fields_seen()):
+            self.check_values()
 
     def check_tokens(self, vocab_size: int) -> None:
         """:class:`InvalidInputError` naming the first token id outside ``[0, vocab_size)`` (the
-        model's vocabulary), before it reaches an embedding as a raw IndexError; once per step."""
+        model's vocabulary), before it reaches an embedding as a raw IndexError; once per step.
+        Every microbatch calls it (:func:`harts_runtime.train.make_microbatch`), so it also re-runs
+        :meth:`check_values` when a field was replaced or edited in place through torch since the
+        last check (O(1) otherwise)."""
+        self._check_values_if_changed()
         if self._cache.get("tokens_checked") == vocab_size:
             return
-        from harts_runtime.rollouts import _check_token_range
-
         tokens = np.asarray(self.batch.tokens, dtype=np.int64)
-        _check_token_range(tokens, np.asarray(self.batch.offsets, dtype=np.int64), vocab_size, "tokens")
+        check_token_range(tokens, np.asarray(self.batch.offsets, dtype=np.int64), vocab_size, "tokens")
         self._cache["tokens_checked"] = vocab_size
 
     # ------------------------------------------------------------------ derived (cached)

@@ -1,0 +1,32 @@
+"""The token-id range check shared by :class:`~harts_runtime.rollouts.Rollouts` and
+:class:`~harts_runtime.step_inputs.StepInputs` (:func:`check_token_range`).
+
+It sits on the bottom floor (numpy and :mod:`harts_runtime.errors` only), so both callers import it
+without importing each other.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from harts_runtime.errors import InvalidInputError
+
+__all__ = ["check_token_range"]
+
+
+def check_token_range(tokens: np.ndarray, offsets: np.ndarray, vocab_size: int | None, field: str) -> None:
+    """Raise :class:`InvalidInputError` naming the first token id outside ``[0, vocab_size)`` (or
+    below 0 when ``vocab_size`` is None) as ``field[trajectory][position]``; O(S).
+
+    ``tokens``: int [S], the trajectories' ids back to back; ``offsets``: int64 [N + 1], trajectory
+    ``i`` is ``tokens[offsets[i]:offsets[i + 1]]``."""
+    bad = tokens < 0
+    if vocab_size is not None:
+        bad |= tokens >= vocab_size
+    if len(tokens) and bad.any():
+        j = int(np.argmax(bad))
+        i = int(np.searchsorted(offsets, j, side="right") - 1)
+        limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        raise InvalidInputError(
+            f"{field}[{i}][{j - offsets[i]}]", f"token id {int(tokens[j])} is outside {limit}"
+        )
