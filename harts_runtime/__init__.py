@@ -17,7 +17,10 @@ package                            what
 :mod:`harts_runtime.models`        model families: ``models/<family>/{args,model}.py``
 :mod:`harts_runtime.loss`          mapped log-probs (optional TP group) and GRPO / PPO objectives
 :mod:`harts_runtime.parallel`      DP from the step plan, TP / SP, EP, vocabulary parallelism
+``rollouts``                       :class:`Rollouts`: RL frameworks' rollout shapes <-> HARTS's layout
 ``step_inputs``, ``train``         the step's inputs (:class:`StepInputs`), the step (:func:`train_step`)
+``engine``, ``options``            :class:`HartsEngine` (model, optimizer, planner of a training job),
+                                   :class:`EngineConfig` and its option dataclasses
 ``recompute``, ``errors``          the one recomputation switch, the one error class
 ``hf``                             :func:`load_pretrained` / :func:`save_pretrained`: HF checkpoint
                                    folders (Kimi-Linear, Qwen3-Next, Qwen3.5-MoE text) <-> ``HybridModel``
@@ -41,6 +44,10 @@ _EXPORTS = {
     "InvalidInputError": "harts_runtime.errors",
     "ParallelConfigError": "harts_runtime.errors",
     "StepInputsError": "harts_runtime.errors",
+    "EngineConfig": "harts_runtime.engine",
+    "EngineOutput": "harts_runtime.engine",
+    "HartsEngine": "harts_runtime.engine",
+    "StepReport": "harts_runtime.engine",
     "export_weights": "harts_runtime.hf",
     "load_pretrained": "harts_runtime.hf",
     "save_pretrained": "harts_runtime.hf",
@@ -61,14 +68,18 @@ _EXPORTS = {
     "HybridModel": "harts_runtime.models",
     "ModelConfig": "harts_runtime.models",
     "model_config": "harts_runtime.models",
+    "DEFAULT_CAPACITY": "harts_runtime.options",
+    "ExecutionOptions": "harts_runtime.options",
+    "OptimizerOptions": "harts_runtime.options",
     "apply_recompute": "harts_runtime.recompute",
     "recompute_enabled": "harts_runtime.recompute",
+    "Rollouts": "harts_runtime.rollouts",
     "StepInputs": "harts_runtime.step_inputs",
     "StepResult": "harts_runtime.train",
-    "forward_microbatch": "harts_runtime.train",
-    "make_microbatch": "harts_runtime.train",
+    "forward_microbatch": "harts_runtime.microbatch",
+    "make_microbatch": "harts_runtime.microbatch",
     "plan_microbatches": "harts_runtime.train",
-    "run_microbatch": "harts_runtime.train",
+    "run_microbatch": "harts_runtime.microbatch",
     "step_logprobs": "harts_runtime.train",
     "train_step": "harts_runtime.train",
 }
