@@ -6,14 +6,14 @@
   H200 (``harts_planner.measured``); no CPU timings (the CPU runs reference kernels).
 * :func:`train_demo`: ``harts-train --mode both``, steps of any flavor and preset with timings.
 
-Both executions train identical copies of one model, each with its own optimizer, so every step
+Both executions train identical copies of one model, each an engine of its own
+(:meth:`harts_runtime.engine.HartsEngine.build`, the step loop every caller runs), so every step
 of the compact and the trajectory execution starts from the same weights and the two loss curves
 can be compared step by step: they agree to float rounding (the same math).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import sys
 import time
@@ -23,12 +23,13 @@ import torch
 from tqdm import tqdm
 
 from harts_planner import RolloutBatch, synth
+from harts_runtime.engine import EngineConfig, HartsEngine
 from harts_runtime.errors import InvalidInputError
-from harts_runtime.layout.rows import MODES
-from harts_runtime.models import HybridModel, model_config
-from harts_runtime.recompute import apply_recompute
+from harts_runtime.models import model_config
+from harts_runtime.options import DEFAULT_CAPACITY, MODES
+from harts_runtime.recompute import recompute_enabled
 from harts_runtime.step_inputs import StepInputs
-from harts_runtime.train import StepResult, train_step
+from harts_runtime.train import StepResult
 
 __all__ = ["DEMO_TREES", "model_demo", "synthetic_step", "train_demo", "train_modes"]
 
@@ -106,49 +107,51 @@ def train_modes(
     Returns one dict per step, as :func:`train_demo`."""
     dev = torch.device(device)
     cpu = dev.type == "cpu"
-    loaded = None
     if model_path is not None:
         if layers is not None:
             raise InvalidInputError("layers", "a checkpoint folder keeps all its layers")
-        from harts_runtime.hf import load_pretrained
-
-        loaded = load_pretrained(model_path, device=dev)
-        cfg, flavor = loaded.config, str(model_path)
+        source, flavor, shape = model_path, str(model_path), {}
     else:
         flavor = flavor or ("debug" if cpu else "ling-tiny")
-        cfg = model_config(flavor, layers)
-    capacity = capacity or (4096 if cpu else 65_536)
+        source, shape = flavor, {"num_layers": layers}
+    capacity = capacity or (4096 if cpu else DEFAULT_CAPACITY)
     out = sys.stdout if out is None else out
-    torch.manual_seed(seed)
+    # One engine per mode on identical weights (module docstring); AdamW as torch's default.
+    engines = {}
+    for mode in modes:
+        cfg = EngineConfig(
+            mode=mode,
+            capacity=capacity,
+            recompute=recompute,
+            keep=tuple(keep) if recompute else (),
+            lr=lr,
+            weight_decay=0.01,
+            max_grad_norm=None,
+            objective=objective,
+        )
+        torch.manual_seed(seed)
+        engines[mode] = HartsEngine.build(source, cfg, device=dev, freeze=False, **shape)
+    model = engines[modes[0]].model
+    mcfg = model.config
     t = time.perf_counter()
-    step = synthetic_step(preset, seed, cfg.vocab_size, max_len, objective)
+    step = synthetic_step(preset, seed, mcfg.vocab_size, max_len, objective)
     b = step.batch
     print(
         f"batch: preset={preset} seed={seed} trajectories={b.num_trajectories} S={b.semantic_tokens:,} "
         f"C={b.compact_tokens:,} S/C={b.compression:.2f} ({time.perf_counter() - t:.2f}s)",
         file=sys.stderr,
     )
-    model = apply_recompute(
-        loaded if loaded is not None else HybridModel(cfg, device=dev),
-        recompute,
-        keep=keep if recompute else (),
-    )
     print(
-        f"model: {flavor} layers={cfg.num_layers} params={sum(p.numel() for p in model.parameters()):,} "
-        f"dtype={cfg.dtype} device={dev}",
+        f"model: {flavor} layers={mcfg.num_layers} params={sum(p.numel() for p in model.parameters()):,} "
+        f"dtype={mcfg.dtype} device={dev}",
         file=sys.stderr,
     )
-    # Several modes: identical copies of the model, each with its own optimizer (module docstring).
-    models = {m: (model if k == 0 else copy.deepcopy(model)) for k, m in enumerate(modes)}
-    opts = {m: torch.optim.AdamW(models[m].parameters(), lr=lr) for m in modes}
     results = []
     for i in range(steps):
         row: dict = {"step": i}
         for mode in modes:
             with StepProgress(f"step {i} {mode}", quiet=json_lines) as progress:
-                r = train_step(
-                    models[mode], opts[mode], step, None, mode, capacity=capacity, progress=progress
-                )
+                r = _engine_step(engines[mode], step, progress)
             row[mode] = r.to_dict()
             print(json.dumps(dict(r.to_dict(), step=i)) if json_lines else _line(i, mode, r), file=out)
         if len(modes) == 2:
@@ -157,6 +160,14 @@ def train_modes(
                 print(f"step {i} |loss(compact) - loss(trajectory)| = {row['abs_loss_diff']:.3e}", file=out)
         results.append(row)
     return results
+
+
+def _engine_step(engine: HartsEngine, step: StepInputs, progress=None) -> StepResult:
+    """One optimizer step of ``engine`` on ``step`` as a :class:`StepResult`."""
+    res = engine.forward_backward(step, progress=progress)
+    t1 = time.perf_counter()
+    engine.optimizer_step()
+    return StepResult.of(res, engine.config.mode, recompute_enabled(engine.model), time.perf_counter() - t1)
 
 
 class StepProgress:
@@ -234,11 +245,13 @@ def _model_demo(preset: str, steps: int, seed: int, out: TextIO, capacity: int) 
     shape = DEMO_TREES if preset == "demo" else {}
     step = synthetic_step("small" if preset == "demo" else "tiny", seed, cfg.vocab_size, **shape)
     b = step.batch
-    torch.manual_seed(seed)
-    model = HybridModel(cfg)
-    params = sum(p.numel() for p in model.parameters())
-    models = {"compact": model, "trajectory": copy.deepcopy(model)}
-    opts = {m: torch.optim.AdamW(models[m].parameters(), lr=1e-3) for m in MODES}
+    engines = {}
+    for mode in MODES:
+        torch.manual_seed(seed)
+        engines[mode] = HartsEngine.build(
+            cfg, EngineConfig(mode=mode, capacity=capacity, lr=1e-3, weight_decay=0.01, max_grad_norm=None)
+        )
+    params = sum(p.numel() for p in engines["compact"].model.parameters())
     _, plans, _ = plan_microbatches(step, "compact", capacity, cfg)
     work = work_compression(cfg, b.lengths, [p.position_ids for p in plans])
     print(
@@ -252,9 +265,7 @@ def _model_demo(preset: str, steps: int, seed: int, out: TextIO, capacity: int) 
         row: dict = {"step": i}
         for mode in MODES:
             with StepProgress(f"step {i} {mode}") as progress:
-                r = train_step(
-                    models[mode], opts[mode], step, None, mode, capacity=capacity, progress=progress
-                )
+                r = _engine_step(engines[mode], step, progress)
             row[mode] = r.to_dict()
             extra = (
                 f" (S/C = {r.compression:.2f}x), {r.num_calls} KDA calls, replay {r.replay_tokens:,} tokens"

@@ -37,6 +37,7 @@ from torch import nn
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.loss.functions import LossFn
 from harts_runtime.loss.objectives import PolicyLossConfig
+from harts_runtime.microbatch import make_microbatch, run_microbatch
 from harts_runtime.options import ExecutionOptions, OptimizerOptions
 from harts_runtime.rollouts import Rollouts
 from harts_runtime.step_inputs import StepInputs
@@ -135,7 +136,7 @@ class EngineOutput:
     loss: float
     """The step loss (objective + MoE router loss), summed over the step's microbatches."""
     logprobs: torch.Tensor
-    """float32 [P]: current log-probs of every target, in the caller's per-target order (cpu)."""
+    """float32 [P] (float64 for a float64 model): current log-probs of every target, in the caller's per-target order (cpu)."""
     metrics: dict = field(default_factory=dict)
 
 
@@ -286,11 +287,11 @@ class HartsEngine:
         step.check_tokens(self.vocab_size)
         return step
 
-    def plan(self, step: StepInputs):
+    def plan(self, step: StepInputs, step_plan=None):
         """``(plan, call_plans, plan_seconds)``: the step plan (its microbatches on DP replicas and
-        slots; for the trajectory baseline a plan-like packing of expanded trajectories), the call
-        plan of each microbatch this rank runs (keyed by its first trajectory), and the planner's
-        time for both."""
+        slots; for the trajectory baseline a plan-like packing of expanded trajectories;
+        ``step_plan`` when given), the call plan of each microbatch this rank runs (keyed by its
+        first trajectory), and the planner's time for both."""
         from harts_runtime.parallel.data import replica_schedule
 
         t0 = time.perf_counter()
@@ -298,7 +299,7 @@ class HartsEngine:
         ex = self.config.execution
         calls = {}
         if ex.mode == "compact":
-            plan = self.planner.plan_step(
+            plan = step_plan or self.planner.plan_step(
                 step.batch, self.dp, ex.capacity, cfg.chunk_size, microbatch_cost=ex.microbatch_cost
             )
             replica = 0 if self.mesh is None else self.mesh.replica
@@ -319,6 +320,7 @@ class HartsEngine:
         forward_only: bool = False,
         keep_hidden=None,
         progress=None,
+        plan=None,
     ) -> EngineOutput:
         """Run the step's microbatches (this rank's replica's, slot by slot) forward and, unless
         ``forward_only``, backward, accumulating gradients; returns the step loss, the log-probs of
@@ -331,17 +333,18 @@ class HartsEngine:
         microbatch's result dict, which then also holds its final normed hidden rows (``hidden``,
         detached) with ``row_index`` (the row of each target), ``target_index`` and ``logprobs``
         (e.g. the verl backend's entropy). ``progress(done, total)``: called after each slot.
+        ``plan``: a step plan made beforehand (compact mode; the call plans are still made here).
         A step's values are checked when it runs (an in-place NaN in its advantages is refused)."""
         from harts_runtime.parallel.data import run_replica_step
-        from harts_runtime.train import make_microbatch, run_microbatch
 
         step = self.step_inputs(rollouts)
         if hasattr(step, "check_values"):
             step.check_values()
-        plan, calls, plan_s = self.plan(step)
+        plan, calls, plan_s = self.plan(step, plan)
         ex = self.config.execution
         dev = self.model.device
-        lp_all = torch.zeros(step.num_targets, dtype=torch.float32, device=dev)
+        lp_dtype = torch.float64 if self.model.config.dtype == "float64" else torch.float32
+        lp_all = torch.zeros(step.num_targets, dtype=lp_dtype, device=dev)
         sums = defaultdict(float)
         metric_sums = defaultdict(float)
         loss_fn = _no_loss if (forward_only and loss_fn is None) else loss_fn
@@ -361,7 +364,7 @@ class HartsEngine:
                     no_replay=ex.no_replay,
                     return_hidden=keep_hidden is not None and len(traj) > 0,
                 )
-            lp_all[st["target_index"].to(dev)] = st["logprobs"].float()
+            lp_all[st["target_index"].to(dev)] = st["logprobs"].to(lp_dtype)
             for k in ("policy_loss", "router_loss"):
                 sums[k] += float(st[k])
             for k in ("rows", "semantic_tokens", "replay_tokens", "num_calls"):

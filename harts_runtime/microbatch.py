@@ -1,4 +1,7 @@
-"""One RL train step over a rollout batch, compact (HARTS) or trajectory-wise (baseline).
+"""One microbatch of a step, compact (HARTS) or trajectory-wise (baseline): its rows, forward,
+log-probs, loss share and backward. The step loop above it is
+:meth:`harts_runtime.engine.HartsEngine.forward_backward` (over
+:func:`harts_runtime.parallel.data.run_replica_step`).
 
 Both executions run the same model, the same per-token objective and the same step metadata:
 
@@ -41,38 +44,23 @@ materialisation, forward, log-probs, loss, backward; no optimizer update);
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 import torch.profiler
 
-from harts_planner import plan_calls, plan_step
+from harts_planner import plan_calls
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.rows import (
     MODES,
     Microbatch,
     compact_microbatch,
-    pack_trajectories,
     trajectory_microbatch,
 )
 from harts_runtime.loss.functions import LossFn, MicrobatchInputs, policy_loss_fn
-from harts_runtime.models import HybridModel, ModelConfig
-from harts_runtime.recompute import recompute_enabled
+from harts_runtime.models import HybridModel
 from harts_runtime.step_inputs import StepInputs
 
-__all__ = [
-    "StepResult",
-    "forward_microbatch",
-    "make_microbatch",
-    "microbatch_inputs",
-    "plan_microbatches",
-    "run_microbatch",
-    "step_logprobs",
-    "train_step",
-]
+__all__ = ["forward_microbatch", "make_microbatch", "microbatch_inputs", "run_microbatch"]
 
 
 def _check_mode(mode: str) -> None:
@@ -179,144 +167,3 @@ def run_microbatch(
     if return_hidden:
         stats.update(hidden=hidden.detach(), row_index=mb.row_index, labels=mb.labels)
     return loss.detach(), stats
-
-
-@dataclass
-class StepResult:
-    """What one :func:`train_step` did and how long it took."""
-
-    loss: float
-    policy_loss: float
-    router_loss: float
-    mode: str
-    recompute: bool
-    num_microbatches: int
-    semantic_tokens: int
-    rows: int
-    """Non-replay rows executed (compact rows summed over microbatches; S for the baseline)."""
-    replay_tokens: int
-    num_calls: int
-    """KDA packed calls per KDA layer, summed over microbatches."""
-    plan_seconds: float
-    fbg_seconds: float
-    optimizer_seconds: float
-
-    @property
-    def compression(self) -> float:
-        """Non-replay row compression ``S / rows``."""
-        return self.semantic_tokens / max(self.rows, 1)
-
-    @property
-    def core_seconds(self) -> float:
-        return self.plan_seconds + self.fbg_seconds
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d.update(compression=self.compression, core_seconds=self.core_seconds)
-        return d
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def plan_microbatches(step: StepInputs, mode: str, capacity: int, cfg: ModelConfig, step_plan=None):
-    """The step's microbatches: ``(list of trajectory-id arrays, list of CallPlan or None, seconds)``.
-    Compact: ``plan_step`` (D = 1) and every ``plan_calls`` (timed: planner time). Trajectory:
-    :func:`pack_trajectories` (not planner time; seconds reported as 0)."""
-    _check_mode(mode)
-    if mode == "trajectory":
-        lengths = np.asarray(step.batch.lengths, dtype=np.int64)
-        return pack_trajectories(lengths, capacity), [], 0.0
-    t0 = time.perf_counter()
-    if step_plan is None:
-        step_plan = plan_step(step.batch, 1, capacity, cfg.chunk_size)
-    mbs = [np.asarray(m, dtype=np.int64) for m in step_plan.microbatches]
-    plans = [plan_calls(step.batch, cfg.chunk_size, microbatch=m, conv_width=cfg.conv_size) for m in mbs]
-    return mbs, plans, time.perf_counter() - t0
-
-
-def train_step(
-    model: HybridModel,
-    optimizer,
-    step: StepInputs,
-    step_plan=None,
-    mode: str = "compact",
-    *,
-    capacity: int = 65_536,
-    no_replay: bool = False,
-    progress=None,
-) -> StepResult:
-    """One optimizer step over the whole batch.
-
-    ``zero_grad`` -> plan (compact: ``step_plan`` or ``plan_step(batch, 1, capacity)``, then
-    ``plan_calls`` per microbatch; trajectory: first-fit-decreasing packing at ``capacity``) ->
-    for each microbatch :func:`run_microbatch` -> ``optimizer.step()`` (skipped when ``optimizer``
-    is None) -> MoE expert-bias update. ``progress(done, total)`` is called after each microbatch.
-    """
-    dev = model.device
-    if optimizer is not None:
-        optimizer.zero_grad(set_to_none=True)
-    mbs, plans, plan_s = plan_microbatches(step, mode, capacity, model.config, step_plan)
-    _sync(dev)
-    t0 = time.perf_counter()
-    total = torch.zeros((), device=dev)
-    pol = torch.zeros((), device=dev)
-    rl = torch.zeros((), device=dev)
-    rows = replay = calls = 0
-    for i, traj in enumerate(mbs):
-        mb = make_microbatch(model, step, traj, mode, plans[i] if plans else None)
-        loss, st = run_microbatch(model, step, mode=mode, microbatch=mb, no_replay=no_replay)
-        total += loss
-        pol += st["policy_loss"]
-        rl += st["router_loss"]
-        rows += st["rows"]
-        replay += st["replay_tokens"]
-        calls += st["num_calls"]
-        if progress is not None:
-            progress(i + 1, len(mbs))
-    _sync(dev)
-    fbg = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    if optimizer is not None:
-        optimizer.step()
-        model.update_expert_bias()
-    _sync(dev)
-    return StepResult(
-        float(total),
-        float(pol),
-        float(rl),
-        mode,
-        recompute_enabled(model),
-        len(mbs),
-        step.batch.semantic_tokens,
-        rows,
-        replay,
-        calls,
-        plan_s,
-        fbg,
-        time.perf_counter() - t1,
-    )
-
-
-@torch.no_grad()
-def step_logprobs(
-    model: HybridModel,
-    step: StepInputs,
-    mode: str = "compact",
-    capacity: int = 65_536,
-    no_replay: bool = False,
-) -> torch.Tensor:
-    """Current log-probs of every target of the step, float32 [P] in original batch order (no grad)."""
-    mbs, plans, _ = plan_microbatches(step, mode, capacity, model.config)
-    out = torch.empty(
-        step.num_targets,
-        device=model.device,
-        dtype=torch.float64 if model.config.dtype == "float64" else torch.float32,
-    )
-    for i, traj in enumerate(mbs):
-        mb = make_microbatch(model, step, traj, mode, plans[i] if plans else None)
-        _, lp, _ = forward_microbatch(model, mb, no_replay=no_replay)
-        out[mb.target_index] = lp
-    return out

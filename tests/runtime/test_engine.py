@@ -231,13 +231,13 @@ def test_microbatch_cost_reaches_the_planner(monkeypatch):
     import harts_planner
 
     seen = []
-    real = harts_planner.plan_step
+    real = harts_planner.Planner.plan_step  # the engine plans through its Planner (in-process here)
 
-    def spy(*args, **kwargs):
+    def spy(self, *args, **kwargs):
         seen.append(kwargs.get("microbatch_cost"))
-        return real(*args, **kwargs)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(harts_planner, "plan_step", spy)
+    monkeypatch.setattr(harts_planner.Planner, "plan_step", spy)
     step = _step()
     losses = [
         HartsEngine(_model(), EngineConfig(capacity=CAP, microbatch_cost=cost)).forward_backward(step).loss
