@@ -4,7 +4,9 @@
 :class:`harts_runtime.models.hybrid.model.HybridModel`; it validates itself on construction and
 raises :class:`~harts_runtime.errors.InvalidInputError` naming the field.
 
-Named flavors (:data:`FLAVORS`, :func:`model_config`): ``ling-tiny`` (Table 1; the table does not
+Named flavors (:data:`FLAVORS`, :func:`model_config`; looked up through
+:mod:`harts_runtime.models.registry`, so this module imports no checkpoint family, each family
+package brings its own): ``ling-tiny`` (Table 1; the table does not
 give head dims or the MLA ranks, so KDA uses 16 heads of 128 and MLA follows DeepSeek-V2-Lite:
 KV rank 512, 128 + 64 query/key dims, 128 value dims; sigmoid routing with an expert bias as in
 Ling 2.0) and ``debug`` (tiny, fp32, CPU). ``model_config("ling-tiny", num_layers=8)`` keeps the
@@ -14,13 +16,15 @@ first 8 layers of the pattern (2 x (3 KDA + 1 MLA), layer 1 dense) for a smaller
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from harts_runtime.errors import InvalidInputError
+from harts_runtime.models.registry import family_flavors
 
-__all__ = ["FFNS", "FLAVORS", "MIXERS", "ModelConfig", "ffn_pattern", "model_config"]
+__all__ = ["FFNS", "FLAVORS", "HYBRID_FLAVORS", "MIXERS", "ModelConfig", "ffn_pattern", "model_config"]
 
 MIXERS = ("kda", "mla", "gqa", "gated_attention", "gdn")
 """Token-mixer names of :attr:`ModelConfig.mixers` (the model's builder table has one entry each)."""
@@ -229,13 +233,14 @@ def ffn_pattern(num_layers: int, first_k_dense: int = 0, moe_layer_freq: int = 1
 
 
 # ------------------------------------------------------------------------------- flavors
-def _ling_tiny(num_layers: int = 24) -> ModelConfig:
+def _ling_tiny(num_layers: int | None = None, **overrides) -> ModelConfig:
+    n = 24 if num_layers is None else num_layers
     mixers = (("kda",) * 3 + ("mla",)) * 6
-    return ModelConfig(
+    cfg = ModelConfig(
         vocab_size=157_184,
         hidden_size=1536,
-        mixers=mixers[:num_layers],
-        ffns=(("dense",) + ("moe",) * 23)[:num_layers],
+        mixers=mixers[:n],
+        ffns=(("dense",) + ("moe",) * 23)[:n],
         num_heads=16,
         kda_head_dim=128,
         conv_size=4,
@@ -258,152 +263,72 @@ def _ling_tiny(num_layers: int = 24) -> ModelConfig:
         dtype="bfloat16",
         lm_head_rows=2048,
     )
+    return cfg.replace(**overrides) if overrides else cfg
 
 
-def _debug(num_layers: int = 4) -> ModelConfig:
+def _debug(num_layers: int | None = None, **overrides) -> ModelConfig:
+    n = 4 if num_layers is None else num_layers
     mixers = ("kda", "mla", "kda", "gqa")
-    return ModelConfig(
+    cfg = ModelConfig(
         vocab_size=512,
-        mixers=(mixers * 8)[:num_layers],
-        ffns=(("dense", "moe", "moe", "dense") * 8)[:num_layers],
+        mixers=(mixers * 8)[:n],
+        ffns=(("dense", "moe", "moe", "dense") * 8)[:n],
         num_kv_heads=1,
         lm_head_rows=16,
     )
+    return cfg.replace(**overrides) if overrides else cfg
 
 
-def _qwen35_35b_a3b(num_layers: int = 40) -> ModelConfig:
-    """Qwen3.5-35B-A3B's text model shape (random weights; for a checkpoint use
-    :func:`harts_runtime.load_pretrained`): 40 layers of 3 Gated DeltaNet + 1 gated attention,
-    256 experts top-8 plus a gated shared expert, zero-centred norms."""
-    mixers = (("gdn",) * 3 + ("gated_attention",)) * 10
-    return ModelConfig(
-        vocab_size=248_320,
-        hidden_size=2048,
-        mixers=mixers[:num_layers],
-        ffns=("moe",) * num_layers,
-        num_heads=16,
-        num_kv_heads=2,
-        head_dim=256,
-        partial_rotary_factor=0.25,
-        rope_theta=1e7,
-        conv_size=4,
-        chunk_size=64,
-        gdn_num_k_heads=16,
-        gdn_num_v_heads=32,
-        gdn_head_k_dim=128,
-        gdn_head_v_dim=128,
-        gdn_projection="split",
-        num_experts=256,
-        top_k=8,
-        expert_intermediate=512,
-        norm_topk_prob=True,
-        num_shared_experts=1,
-        shared_expert_intermediate=512,
-        shared_expert_gate=True,
-        aux_loss_coef=0.0,
-        z_loss_coef=0.0,
-        zero_centered_norms=True,
-        dtype="bfloat16",
-        lm_head_rows=2048,
-    )
+HYBRID_FLAVORS = {"ling-tiny": _ling_tiny, "debug": _debug}
+"""The hybrid shapes without a checkpoint family (``save_pretrained`` refuses them: their options
+have no checkpoint format): name -> ``(num_layers=None, **overrides) -> ModelConfig``."""
 
 
-def _kimi_linear_tiny(num_layers: int = 4) -> ModelConfig:
-    """A tiny Kimi-Linear (random weights; ``save_pretrained`` writes a folder transformers'
-    ``KimiLinearForCausalLM`` loads): KDA / MLA alternating, a dense first FFN, then MoE with 8
-    experts in 4 groups (top-3 of 2 groups) and a shared expert. Built by the family's own
-    ``from_hf_config``, so every option is one the checkpoint format carries."""
-    from harts_runtime.models.kimi_linear.args import from_hf_config
+class _Flavors(Mapping):
+    """:data:`HYBRID_FLAVORS` and every registered family's flavors
+    (:func:`harts_runtime.models.registry.family_flavors`, read on each lookup, so the family
+    packages load on first use and a family registered later is included)."""
 
-    types = (["linear_attention", "full_attention"] * 8)[:num_layers]
-    return from_hf_config(
-        dict(
-            model_type="kimi_linear",
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            num_hidden_layers=len(types),
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            n_shared_experts=1,
-            routed_scaling_factor=2.5,
-            kv_lora_rank=16,
-            q_lora_rank=None,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            qk_nope_head_dim=16,
-            n_group=4,
-            topk_group=2,
-            num_experts_per_tok=3,
-            num_local_experts=8,
-            norm_topk_prob=True,
-            linear_head_dim=16,
-            linear_num_heads=2,
-            linear_conv_kernel_dim=4,
-            layer_types=types,
-            mlp_layer_types=(["dense"] + ["sparse"] * 15)[: len(types)],
-        ),
-        dtype="float32",
-    )
+    def _all(self) -> dict:
+        families = family_flavors()
+        for name in families:
+            if name in HYBRID_FLAVORS:
+                raise InvalidInputError("flavor", f"{name!r} is both a hybrid flavor and a family's")
+        return {**HYBRID_FLAVORS, **families}
+
+    def __getitem__(self, name):
+        return self._all()[name]
+
+    def __iter__(self):
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __repr__(self) -> str:
+        return f"FLAVORS({sorted(self._all())})"
 
 
-def _qwen35_tiny(num_layers: int = 4) -> ModelConfig:
-    """A tiny Qwen3.5-MoE text model (random weights; ``save_pretrained`` writes a
-    ``qwen3_5_moe_text`` folder transformers loads): 3 Gated DeltaNet + 1 gated attention, MoE with 4
-    experts top-2 and a gated shared expert, zero-centred norms. Built by the family's own
-    ``from_hf_config``."""
-    from harts_runtime.models.qwen3_next.args import from_hf_config
-
-    types = ((["linear_attention"] * 3 + ["full_attention"]) * 4)[:num_layers]
-    return from_hf_config(
-        dict(
-            model_type="qwen3_5_moe_text",
-            vocab_size=512,
-            hidden_size=64,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
-            num_hidden_layers=len(types),
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            num_experts=4,
-            num_experts_per_tok=2,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_conv_kernel_dim=4,
-            layer_types=types,
-            partial_rotary_factor=0.5,
-        ),
-        dtype="float32",
-    )
-
-
-FLAVORS = {
-    "ling-tiny": _ling_tiny,
-    "qwen3.5-35b-a3b": _qwen35_35b_a3b,
-    "debug": _debug,
-    "kimi-linear-tiny": _kimi_linear_tiny,
-    "qwen3.5-tiny": _qwen35_tiny,
-}
-"""Named flavors: a function of ``num_layers`` returning a :class:`ModelConfig`. ``debug``,
-``ling-tiny`` and ``qwen3.5-35b-a3b`` are the hybrid family's shapes (``save_pretrained`` refuses
-them: their options have no checkpoint format); ``kimi-linear-tiny`` and ``qwen3.5-tiny`` are tiny
-models of the two checkpoint families, for a small folder ``save_pretrained`` writes and
-transformers loads."""
+FLAVORS: Mapping = _Flavors()
+"""Named flavors: name -> ``(num_layers=None, **overrides) -> ModelConfig``. ``debug`` and
+``ling-tiny`` are the hybrid family's shapes (:data:`HYBRID_FLAVORS`); the checkpoint families
+bring theirs (:attr:`harts_runtime.models.registry.Family.flavors`): ``kimi-linear-tiny``
+(:mod:`harts_runtime.models.kimi_linear.flavors`), ``qwen3.5-35b-a3b`` and ``qwen3.5-tiny``
+(:mod:`harts_runtime.models.qwen3_5_moe.flavors`; the tiny ones for a small folder
+``save_pretrained`` writes and transformers loads)."""
 
 
 def model_config(flavor: str, num_layers: int | None = None, **overrides) -> ModelConfig:
-    """The config of a named flavor, optionally cut to its first ``num_layers`` layers.
+    """The config of a named flavor (:data:`FLAVORS`), optionally cut to its first ``num_layers``
+    layers.
 
     Raises :class:`~harts_runtime.errors.InvalidInputError` (alias ``ConfigError``) naming
     ``flavor``, ``num_layers`` or an override field.
     """
-    if flavor not in FLAVORS:
-        raise InvalidInputError("flavor", f"unknown {flavor!r}; choose one of {sorted(FLAVORS)}")
-    cfg = FLAVORS[flavor]() if num_layers is None else FLAVORS[flavor](num_layers)
+    flavors = dict(FLAVORS)
+    if flavor not in flavors:
+        raise InvalidInputError("flavor", f"unknown {flavor!r}; choose one of {sorted(flavors)}")
+    cfg = flavors[flavor](num_layers)
     if num_layers is not None and (num_layers < 1 or cfg.num_layers != num_layers):
         raise InvalidInputError(
             "num_layers", f"flavor {flavor!r} supports 1..{cfg.num_layers} layers, got {num_layers}"

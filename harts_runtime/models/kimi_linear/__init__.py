@@ -3,7 +3,8 @@
 ``args``: :func:`from_hf_config` (a ``KimiLinearConfig`` or its ``config.json`` dict -> our
 :class:`~harts_runtime.models.hybrid.args.ModelConfig`) and :func:`to_hf_config` (back);
 ``state_dict_adapter``: :func:`from_hf` / :func:`to_hf` (state dicts, every tensor mapped and
-checked). Loading and saving checkpoint folders is :mod:`harts_runtime.hf`.
+checked); ``flavors``: ``kimi-linear-tiny``. The family registers itself (:data:`FAMILY`,
+:mod:`harts_runtime.models.registry`). Loading and saving checkpoint folders is :mod:`harts_runtime.hf`.
 
 Kimi-Linear is the hybrid family with KDA linear-attention layers (``linear_attention``), MLA
 full-attention layers without positional encoding (``full_attention``; ``mla_rope=False``), a
@@ -13,6 +14,35 @@ dense SwiGLU in the first ``first_k_dense_replace`` layers and elsewhere a sigmo
 """
 
 from harts_runtime.models.kimi_linear.args import from_hf_config, to_hf_config
+from harts_runtime.models.kimi_linear.flavors import FLAVORS
 from harts_runtime.models.kimi_linear.state_dict_adapter import KimiLinearStateDictAdapter, from_hf, to_hf
+from harts_runtime.models.registry import Family, register_family
 
-__all__ = ["KimiLinearStateDictAdapter", "from_hf", "from_hf_config", "to_hf", "to_hf_config"]
+__all__ = [
+    "FAMILY",
+    "FLAVORS",
+    "KimiLinearStateDictAdapter",
+    "from_hf",
+    "from_hf_config",
+    "to_hf",
+    "to_hf_config",
+]
+
+
+def owns(cfg) -> bool:
+    """A model with any KDA or MLA layer is a Kimi-Linear model."""
+    return any(m in ("kda", "mla") for m in cfg.mixers)
+
+
+FAMILY = register_family(
+    Family(
+        name="kimi_linear",
+        model_types=("kimi_linear",),
+        from_hf_config=from_hf_config,
+        to_hf_config=to_hf_config,
+        adapter=KimiLinearStateDictAdapter,
+        owns=owns,
+        flavors=FLAVORS,
+    )
+)
+"""The registered family (:mod:`harts_runtime.models.registry`)."""

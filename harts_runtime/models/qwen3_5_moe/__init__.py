@@ -6,7 +6,8 @@ for: the gated delta net's split input projections (``in_proj_qkv``, ours ``in_p
 ``in_proj_k`` / ``in_proj_v``; ``in_proj_z``, ``in_proj_b``, ``in_proj_a``;
 ``gdn_projection="split"``), every layer sparse, top-k always renormalised, and the
 ``model.language_model.`` prefix of the vision-language checkpoints (the vision tower and the MTP
-head are skipped). Saving writes a ``qwen3_5_moe_text`` folder.
+head are skipped). Saving writes a ``qwen3_5_moe_text`` folder. Flavors (:mod:`.flavors`):
+``qwen3.5-35b-a3b``, ``qwen3.5-tiny``; the family registers itself (:data:`FAMILY`).
 """
 
 from __future__ import annotations
@@ -16,23 +17,35 @@ from collections.abc import Mapping
 import torch
 
 from harts_runtime.models.hybrid.args import ModelConfig
+from harts_runtime.models.qwen3_5_moe.flavors import FLAVORS
 from harts_runtime.models.qwen3_next import args as _args
 from harts_runtime.models.qwen3_next.state_dict_adapter import QwenStateDictAdapter
+from harts_runtime.models.registry import Family, register_family
 
-__all__ = ["Qwen35MoeStateDictAdapter", "from_hf", "from_hf_config", "to_hf", "to_hf_config"]
+__all__ = [
+    "FAMILY",
+    "FLAVORS",
+    "MODEL_TYPE",
+    "Qwen35MoeStateDictAdapter",
+    "from_hf",
+    "from_hf_config",
+    "to_hf",
+    "to_hf_config",
+]
 
-FAMILY = "qwen3_5_moe_text"
+MODEL_TYPE = "qwen3_5_moe_text"
+"""The ``model_type`` written (``qwen3_5_moe``, the vision-language folders, is read only)."""
 
 
 def from_hf_config(cfg, *, dtype: str | None = None, chunk_size: int = 64, **overrides) -> ModelConfig:
     """Our :class:`ModelConfig` of a ``Qwen3_5MoeTextConfig`` / ``Qwen3_5MoeConfig`` (its text part)
     or their ``config.json`` dict; see :func:`harts_runtime.models.qwen3_next.from_hf_config`."""
-    return _args.from_hf_config(cfg, dtype=dtype, family=FAMILY, chunk_size=chunk_size, **overrides)
+    return _args.from_hf_config(cfg, dtype=dtype, family=MODEL_TYPE, chunk_size=chunk_size, **overrides)
 
 
 def to_hf_config(cfg: ModelConfig, base: Mapping | None = None) -> dict:
     """The ``qwen3_5_moe_text`` ``config.json`` dict of ``cfg``."""
-    return _args.to_hf_config(cfg, base, family=FAMILY)
+    return _args.to_hf_config(cfg, base, family=MODEL_TYPE)
 
 
 class Qwen35MoeStateDictAdapter(QwenStateDictAdapter):
@@ -51,3 +64,28 @@ def from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: ModelConfig) -> d
 def to_hf(state_dict: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Our :class:`HybridModel` state dict -> a ``Qwen3_5MoeForCausalLM`` state dict."""
     return Qwen35MoeStateDictAdapter(config).to_hf(state_dict)
+
+
+def owns(cfg) -> bool:
+    """A model with split-projection GDN layers and no KDA / MLA layer is a Qwen3.5-MoE model."""
+    if any(m in ("kda", "mla") for m in cfg.mixers):
+        return False
+    return "gdn" in cfg.mixers and cfg.gdn_projection == "split"
+
+
+FAMILY = register_family(
+    Family(
+        name="qwen3_5_moe",
+        model_types=(MODEL_TYPE, "qwen3_5_moe"),
+        from_hf_config=from_hf_config,
+        to_hf_config=to_hf_config,
+        adapter=Qwen35MoeStateDictAdapter,
+        owns=owns,
+        flavors=FLAVORS,
+        prefixes={"qwen3_5_moe": "model.language_model."},
+        read_only=("qwen3_5_moe",),
+    )
+)
+"""The registered family (:mod:`harts_runtime.models.registry`): reads ``qwen3_5_moe_text`` and the
+text part of ``qwen3_5_moe`` folders (tensors under ``model.language_model.``), writes
+``qwen3_5_moe_text``."""

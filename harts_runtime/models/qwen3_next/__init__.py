@@ -1,7 +1,8 @@
 """Qwen3-Next (transformers ``Qwen3NextForCausalLM``) as a :class:`~harts_runtime.models.hybrid.HybridModel`.
 
 ``args``: :func:`from_hf_config` / :func:`to_hf_config`; ``state_dict_adapter``: :func:`from_hf` /
-:func:`to_hf` (every tensor mapped and shape-checked). Loading and saving checkpoint folders is
+:func:`to_hf` (every tensor mapped and shape-checked). The family registers itself (:data:`FAMILY`,
+:mod:`harts_runtime.models.registry`). Loading and saving checkpoint folders is
 :mod:`harts_runtime.hf`.
 
 Qwen3-Next is the hybrid family with gated delta-net layers (``linear_attention``; our ``gdn``
@@ -12,5 +13,28 @@ expert (dense SwiGLU layers in ``mlp_only_layers`` and off the ``decoder_sparse_
 
 from harts_runtime.models.qwen3_next.args import from_hf_config, to_hf_config
 from harts_runtime.models.qwen3_next.state_dict_adapter import QwenStateDictAdapter, from_hf, to_hf
+from harts_runtime.models.registry import Family, register_family
 
-__all__ = ["QwenStateDictAdapter", "from_hf", "from_hf_config", "to_hf", "to_hf_config"]
+__all__ = ["FAMILY", "QwenStateDictAdapter", "from_hf", "from_hf_config", "to_hf", "to_hf_config"]
+
+
+def owns(cfg) -> bool:
+    """A model without KDA / MLA layers and without split-projection GDN layers (Qwen3.5-MoE's) is
+    a Qwen3-Next model (the family a model of other mixers is offered to, which then names what it
+    cannot write)."""
+    if any(m in ("kda", "mla") for m in cfg.mixers):
+        return False
+    return not ("gdn" in cfg.mixers and cfg.gdn_projection == "split")
+
+
+FAMILY = register_family(
+    Family(
+        name="qwen3_next",
+        model_types=("qwen3_next",),
+        from_hf_config=from_hf_config,
+        to_hf_config=to_hf_config,
+        adapter=QwenStateDictAdapter,
+        owns=owns,
+    )
+)
+"""The registered family (:mod:`harts_runtime.models.registry`)."""
