@@ -14,7 +14,7 @@ Nothing in the single-process path imports this package. Entry points::
     save_pretrained(model, out_folder)                 # harts_runtime.save_pretrained: collective
 """
 
-from harts_runtime.parallel.checkpoint import load_checkpoint, load_pretrained_sharded, save_checkpoint
+from harts_runtime.parallel.checkpoint import load_checkpoint, save_checkpoint
 from harts_runtime.parallel.data import (
     ReplicaStepResult,
     replica_schedule,
@@ -58,7 +58,6 @@ __all__ = [
     "apply_fsdp",
     "apply_tp",
     "load_checkpoint",
-    "load_pretrained_sharded",
     "parallelize",
     "replica_schedule",
     "row_block",

@@ -248,10 +248,10 @@ def _recorded_reads():
 def _local_elements(model, folder) -> int:
     """Elements of this rank's shards of every tensor the folder holds (all but the adapter's
     ``extra_ours``: expert-load counts, zero biases)."""
-    from harts_runtime.hf import _open_folder
+    from harts_runtime.hf.folder import open_folder
     from harts_runtime.parallel.checkpoint import local_box
 
-    extra = _open_folder(folder, None, {})[-1].extra_ours()
+    extra = open_folder(folder, None, {})[-1].extra_ours()
     return sum(local_box(t)[0].numel() for k, t in model.state_dict().items() if k not in extra)
 
 

@@ -191,23 +191,23 @@ def test_absurd_sizes_are_refused_before_allocating(kimi, tmp_path, field, value
 
 def test_a_model_that_does_not_fit_the_device_is_refused(kimi, monkeypatch):
     """The check reads the target device's free memory (here: a host with 1 MiB available)."""
-    import harts_runtime.hf as hf
+    import harts_runtime.hf.folder as folder
 
-    monkeypatch.setattr(hf, "_available_bytes", lambda device: (2**10, "the host"))
+    monkeypatch.setattr(folder, "available_bytes", lambda device: (2**10, "the host"))
     refused(
         kimi, "config.json", "KiB of parameters", "1.0 KiB available on the host", "nothing was allocated"
     )
-    monkeypatch.setattr(hf, "_available_bytes", lambda device: (None, "meta"))
+    monkeypatch.setattr(folder, "available_bytes", lambda device: (None, "meta"))
     assert load_pretrained(kimi) is not None  # unknown memory: not refused
 
 
 def test_model_bytes_counts_every_parameter_and_buffer(kimi):
-    from harts_runtime.hf import _read_config, model_bytes
+    from harts_runtime.hf import model_bytes, read_config
 
     model = load_pretrained(kimi)
     want = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     assert model_bytes(model.config) == want
-    cfg = _read_config(kimi, "bfloat16", {})[3]
+    cfg = read_config(kimi, "bfloat16", {})[3]
     assert model_bytes(cfg) == sum(
         t.numel() * t.element_size() for t in load_pretrained(kimi, dtype="bfloat16").state_dict().values()
     )

@@ -17,7 +17,7 @@ hp = pytest.importorskip("harts_planner")
 from hf_configs import V, kimi_linear_config, qwen_config  # noqa: E402
 
 from harts_runtime import StepInputs, load_pretrained, save_pretrained, train_step  # noqa: E402
-from harts_runtime.hf import _save_setup  # noqa: E402
+from harts_runtime.hf import save_setup  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,7 +45,7 @@ def step_inputs() -> StepInputs:
 def test_a_trained_checkpoint_saves_and_reloads(tmp_path, family):
     hf_model(family).save_pretrained(tmp_path / "hf")
     model = load_pretrained(tmp_path / "hf")
-    _, adapter = _save_setup(model, None)
+    _, adapter = save_setup(model, None)
     covered = {p.ours for name in adapter.checkpoint_names for p in adapter.pieces(name)}
     params = {n for n, _ in model.named_parameters()}
     assert params <= covered, sorted(params - covered)  # no parameter the family lacks
