@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -32,14 +32,12 @@ from harts_runtime.layout.contract import CallLayoutArrays, check_call_layout
 from harts_runtime.layout.kda_plan import KDAExecutionPlan
 from harts_runtime.layout.views import AttentionViews, Branches, TreeOrder, build_views, expand_ranges
 
-if TYPE_CHECKING:
-    from harts_runtime.models import ModelConfig
-    from harts_runtime.step_inputs import StepInputs
-
 __all__ = [
     "MODES",
     "Microbatch",
     "RowLayout",
+    "RowShape",
+    "StepRows",
     "compact_layout",
     "compact_microbatch",
     "lm_chunks",
@@ -48,6 +46,32 @@ __all__ = [
     "trajectory_layout",
     "trajectory_microbatch",
 ]
+
+
+class RowShape(Protocol):
+    """The model-config fields the rows are built for (a
+    :class:`~harts_runtime.models.hybrid.args.ModelConfig` has them; this package imports no model
+    code): the KDA chunk size, the causal-convolution width and the rows per LM-head chunk."""
+
+    chunk_size: int
+    conv_size: int
+    lm_head_rows: int
+
+
+class StepRows(Protocol):
+    """What the microbatch builders read of a step (a :class:`harts_runtime.step_inputs.StepInputs`
+    has it; this package does not import it): the ``harts_planner.RolloutBatch``, its
+    :class:`TreeOrder` and the token of every batch compact row (int64 [C_batch])."""
+
+    @property
+    def batch(self): ...
+
+    @property
+    def tree(self) -> TreeOrder: ...
+
+    @property
+    def row_token(self) -> np.ndarray: ...
+
 
 MODES = ("compact", "trajectory")
 """The two executions of a microbatch."""
@@ -250,7 +274,7 @@ def trajectory_layout(batch, trajectories, chunk_size: int, conv_width: int) -> 
     )
 
 
-def _finish(mode, traj, layout, targets, s_mb, stats, cfg, device) -> Microbatch:
+def _finish(mode, traj, layout, targets, s_mb, stats, cfg: RowShape, device) -> Microbatch:
     _, _, row_index, labels, target_index, cu_local = targets
     order, bounds = lm_chunks(row_index, layout.num_rows, cfg.lm_head_rows)
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device, non_blocking=True)
@@ -270,7 +294,7 @@ def _finish(mode, traj, layout, targets, s_mb, stats, cfg, device) -> Microbatch
 
 
 def compact_microbatch(
-    step: StepInputs, call_plan: CallLayoutArrays, cfg: ModelConfig, device="cpu"
+    step: StepRows, call_plan: CallLayoutArrays, cfg: RowShape, device="cpu"
 ) -> Microbatch:
     """Materialise a microbatch's compact physical rows from its call plan's layout.
 
@@ -304,7 +328,7 @@ def compact_microbatch(
     return _finish("compact", traj, layout, targets, s_mb, stats, cfg, device)
 
 
-def trajectory_microbatch(step: StepInputs, trajectories, cfg: ModelConfig, device="cpu") -> Microbatch:
+def trajectory_microbatch(step: StepRows, trajectories, cfg: RowShape, device="cpu") -> Microbatch:
     """The baseline's microbatch: :func:`trajectory_layout` and its targets, on ``device``."""
     traj = np.asarray(trajectories, dtype=np.int64)
     layout = trajectory_layout(step.batch, traj, cfg.chunk_size, cfg.conv_size)
