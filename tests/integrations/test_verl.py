@@ -207,7 +207,7 @@ def reference(path, td, config):
     """verl's per-trajectory computation: HARTS's trajectory-wise log-probs of the whole batch in
     one microbatch, verl's ``ppo_loss`` called once on all rows with its own local normalisation
     (``dp_size`` 1, no global token count). Returns ``(loss, log-probs [P], grads, rollouts)``."""
-    eng = HartsEngine.from_pretrained(
+    eng = HartsEngine.build(
         path,
         EngineConfig(mode="trajectory", capacity=10**6, max_grad_norm=None, loss_config=PolicyLossConfig()),
         dtype="float32",
@@ -512,7 +512,7 @@ def test_microbatch_cost_reaches_the_engine(path):
             HartsEngineConfig(capacity=8, microbatch_cost=9, dtype="float32"),
             FSDPOptimizerConfig(lr=LR),
         ).initialize()
-    assert e.value.field == "microbatch_cost"
+    assert e.value.field == "harts.microbatch_cost"
 
 
 def test_bad_settings_name_the_field(path):

@@ -1,0 +1,120 @@
+"""The verl configs of the ``harts`` backend: :class:`HartsEngineConfig` (``actor.harts`` /
+``ref.harts``) and :class:`HartsActorConfig` (the actor or reference config that carries it).
+
+:class:`HartsEngineConfig` is verl's engine config (``forward_only``, ``seed``, ``dtype``, ...) plus
+every field of :class:`harts_runtime.options.ExecutionOptions` but ``param_dtype`` (which verl's own
+``dtype`` sets), generated from that class: the same names, defaults and help, flat under ``harts``
+(``actor.harts.capacity``) as verl's YAML and omegaconf expect, and checked by ``ExecutionOptions``
+itself (errors name the field as ``harts.<field>``). The checked options are
+:attr:`HartsEngineConfig.execution`. The verl-only settings (``tp``, ``ep``, ``dp_replicate``,
+``sequence_parallel``, ``model_dtype``, ``chunk_size``) are declared here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+
+from verl.workers.config import FSDPActorConfig
+from verl.workers.config.engine import EngineConfig as VerlEngineConfig
+
+from harts_runtime.errors import InvalidInputError
+from harts_runtime.options import ExecutionOptions
+
+__all__ = ["HartsActorConfig", "HartsEngineConfig"]
+
+_FROM_VERL = {"param_dtype": "dtype"}
+"""ExecutionOptions fields a verl field sets instead (``harts.dtype``: FSDP2's compute dtype)."""
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""verl's short dtype names."""
+
+
+def _execution_fields(cls):
+    """Declare on ``cls`` (before ``@dataclass``) every :class:`ExecutionOptions` field but those
+    :data:`_FROM_VERL` maps, with its type, default and metadata."""
+    hints = typing.get_type_hints(ExecutionOptions)
+    verl_names = {f.name for f in dataclasses.fields(VerlEngineConfig)}
+    for f in dataclasses.fields(ExecutionOptions):
+        if f.name in _FROM_VERL:
+            continue
+        if f.name in verl_names or f.name in cls.__dict__.get("__annotations__", {}):
+            raise TypeError(f"ExecutionOptions.{f.name} clashes with a field of {cls.__name__}")
+        if f.default_factory is not dataclasses.MISSING:
+            spec = field(default_factory=f.default_factory, metadata=f.metadata)
+        else:
+            spec = field(default=f.default, metadata=f.metadata)
+        cls.__annotations__[f.name] = hints[f.name]
+        setattr(cls, f.name, spec)
+    return cls
+
+
+@dataclass
+@_execution_fields
+class HartsEngineConfig(VerlEngineConfig):
+    """verl engine config of the ``harts`` backend (``actor.harts`` / ``ref.harts``): verl's common
+    fields (``forward_only``, ``seed``, ...), the execution options of
+    :class:`harts_runtime.options.ExecutionOptions` (``capacity``, ``microbatch_cost``, ``mode``,
+    ``planner``, ``recompute``, ``keep``, ``no_replay``, ``reduce_dtype``, ``cpu_offload``: generated
+    from it, module docstring) and the verl-only settings below. ``dtype`` (verl's, default bfloat16)
+    is the FSDP2 compute dtype over ``model_dtype`` masters (``ExecutionOptions.param_dtype``);
+    ``"float32"`` computes in float32. verl's micro-batch settings are ignored (HARTS packs by
+    ``capacity``); verl's ``param_offload`` / ``optimizer_offload`` are refused (``cpu_offload``)."""
+
+    strategy: str = "harts"
+    model_dtype: str = "float32"
+    """dtype the checkpoint is loaded in (FSDP2's masters)."""
+    chunk_size: int = 64
+    """KDA / GDN chunk size (does not change the math)."""
+    tp: int = 1
+    ep: int = 1
+    dp_replicate: int = 1
+    sequence_parallel: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.strategy != "harts":
+            raise InvalidInputError(
+                "strategy", f"the harts engine config needs strategy 'harts', got {self.strategy!r}"
+            )
+        given = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(ExecutionOptions)
+            if f.name not in _FROM_VERL
+        }
+        dtype = _ALIASES.get(self.dtype, self.dtype)
+        given["param_dtype"] = None if dtype in (None, "float32") else dtype
+        try:
+            execution = ExecutionOptions(**given)
+        except InvalidInputError as e:  # named as verl's config names it
+            raise InvalidInputError(
+                f"harts.{_FROM_VERL.get(e.field, e.field)}", str(e)[len(e.field) + 2 :]
+            ) from None
+        self.execution = execution  # the checked options (keep normalised to a sorted tuple)
+
+
+@dataclass
+class HartsActorConfig(FSDPActorConfig):
+    """verl actor (or reference) config whose engine is :class:`HartsEngineConfig` (``harts``).
+    A subclass of verl's ``FSDPActorConfig``, so verl's default ``dp`` actor / ref YAML keys are
+    accepted as they are (the FSDP-only ones are ignored); select it with ``_target_``
+    (``examples/verl/``)."""
+
+    strategy: str = "harts"
+    harts: HartsEngineConfig = field(default_factory=HartsEngineConfig)
+
+    def __post_init__(self):
+        if self.strategy != "harts":
+            raise InvalidInputError(
+                "actor.strategy", f"HartsActorConfig runs strategy 'harts', got {self.strategy!r}"
+            )
+        super().__post_init__()
+        if not isinstance(self.harts, HartsEngineConfig):
+            self.harts = HartsEngineConfig(**dict(self.harts))
+        self.engine = self.harts
+        if self.entropy_coeff:
+            raise InvalidInputError(
+                "actor.entropy_coeff",
+                f"an entropy loss ({self.entropy_coeff}) needs its gradient, which the harts backend's fused "
+                "LM head does not compute; set it to 0",
+            )
