@@ -4,9 +4,9 @@
 ``model.safetensors``, or shards listed in ``model.safetensors.index.json``) into our model;
 :func:`save_pretrained` writes one that ``transformers.AutoModelForCausalLM.from_pretrained``
 loads; :func:`export_weights` streams its tensors for a rollout engine. The family is
-``config.json``'s ``model_type`` (:data:`FAMILIES`): Kimi-Linear, Qwen3-Next and Qwen3.5-MoE text
-(of a vision-language ``qwen3_5_moe`` folder the text model, the vision tower and MTP head
-skipped); their config and tensor maps are :mod:`harts_runtime.models`' families. Needs the ``hf``
+``config.json``'s ``model_type``, looked up in :mod:`harts_runtime.models.registry`: Kimi-Linear,
+Qwen3-Next and Qwen3.5-MoE text (of a vision-language ``qwen3_5_moe`` folder the text model, the
+vision tower and MTP head skipped); each family holds its config and tensor maps. Needs the ``hf``
 extra (``safetensors``; transformers only to run the checkpoint on the HF side).
 
 One job per module:
@@ -32,7 +32,6 @@ weights and optimizer state) are :func:`harts_runtime.parallel.checkpoint.save_c
 
 from harts_runtime.hf.folder import (
     CONFIG_NAME,
-    FAMILIES,
     INDEX_NAME,
     WEIGHTS_NAME,
     available_bytes,
@@ -54,7 +53,6 @@ _save_setup = save_setup
 
 __all__ = [
     "CONFIG_NAME",
-    "FAMILIES",
     "INDEX_NAME",
     "MAX_SHARD_BYTES",
     "WEIGHTS_NAME",

@@ -2,8 +2,8 @@
 
 Every problem is one :class:`~harts_runtime.errors.InvalidInputError` naming the field (or tensor,
 or file) and the file, raised before anything is allocated: a ``config.json`` or index that is not
-a JSON object, a config without ``model_type`` or of a family :mod:`harts_runtime.models` does not
-have, size fields that are not positive integers, a model whose parameters need more bytes than the
+a JSON object, a config without ``model_type`` or of one no family reads
+(:func:`harts_runtime.models.registry.model_types`), size fields that are not positive integers, a model whose parameters need more bytes than the
 target device (or, on the CPU, the host) has available (counted on the meta device from one block
 of each kind, :func:`model_bytes`, so even a million-layer config is refused at once), an index
 entry outside the folder or naming a missing file, a file that is not valid safetensors (truncated,
@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 
 from harts_runtime.errors import InvalidInputError
+from harts_runtime.models.registry import get_family, model_types
 
 __all__ = [
     "CONFIG_NAME",
-    "FAMILIES",
     "INDEX_NAME",
     "WEIGHTS_NAME",
     "available_bytes",
@@ -47,36 +47,6 @@ __all__ = [
     "scan_headers",
     "weight_files",
 ]
-
-FAMILIES = ("kimi_linear", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
-"""``config.json`` ``model_type`` values :func:`load_pretrained` reads (``qwen3_5_moe``: its text part)."""
-
-
-def _family(model_type: str):
-    """model_type -> (from_hf_config, to_hf_config, adapter class)."""
-    if model_type == "kimi_linear":
-        from harts_runtime.models import kimi_linear as m
-
-        return m.from_hf_config, m.to_hf_config, m.KimiLinearStateDictAdapter
-    if model_type == "qwen3_next":
-        from harts_runtime.models import qwen3_next as m
-
-        return m.from_hf_config, m.to_hf_config, m.QwenStateDictAdapter
-    if model_type in ("qwen3_5_moe_text", "qwen3_5_moe"):
-        from harts_runtime.models import qwen3_5_moe as m
-
-        return m.from_hf_config, m.to_hf_config, m.Qwen35MoeStateDictAdapter
-    raise InvalidInputError("model_type", f"{model_type!r}; supported: {', '.join(FAMILIES)}")
-
-
-def _infer_model_type(cfg) -> str:
-    """The family of a model built without a checkpoint config: its mixers decide."""
-    if any(m in ("kda", "mla") for m in cfg.mixers):
-        return "kimi_linear"
-    if "gdn" in cfg.mixers and cfg.gdn_projection == "split":
-        return "qwen3_5_moe_text"
-    return "qwen3_next"
-
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -282,14 +252,15 @@ def read_config(path, dtype, overrides) -> tuple[Path, dict, str, object]:
         raise InvalidInputError("path", f"{path} has no {CONFIG_NAME}")
     hf_config = _read_json(file)
     model_type = hf_config.get("model_type")
+    supported = model_types()
     if model_type is None:
-        raise InvalidInputError("model_type", f"missing from {file}; supported: {', '.join(FAMILIES)}")
-    if not isinstance(model_type, str) or model_type not in FAMILIES:
-        raise InvalidInputError("model_type", f"{model_type!r} in {file}; supported: {', '.join(FAMILIES)}")
-    from_hf_config, _, _ = _family(model_type)
+        raise InvalidInputError("model_type", f"missing from {file}; supported: {', '.join(supported)}")
+    if not isinstance(model_type, str) or model_type not in supported:
+        raise InvalidInputError("model_type", f"{model_type!r} in {file}; supported: {', '.join(supported)}")
+    family = get_family(model_type)
     _check_sizes(hf_config, file)
     try:
-        cfg = from_hf_config(hf_config, dtype=_dtype_name(dtype), **overrides)
+        cfg = family.from_hf_config(hf_config, dtype=_dtype_name(dtype), **overrides)
     except InvalidInputError as e:
         top = e.field.split("[", 1)[0].split(".", 1)[0]
         if top in hf_config or top in (hf_config.get("text_config") or {}):
@@ -309,10 +280,7 @@ def open_folder(path, dtype, overrides, *, device=None, shards: int = 1, check_m
     path, hf_config, model_type, cfg = read_config(path, dtype, overrides)
     if check_memory:
         _check_fits(cfg, hf_config, path / CONFIG_NAME, device, shards)
-    _, _, adapter_cls = _family(model_type)
-    adapter = (
-        adapter_cls(cfg, prefix="model.language_model.") if model_type == "qwen3_5_moe" else adapter_cls(cfg)
-    )
+    adapter = get_family(model_type).make_adapter(cfg, model_type)  # with that type's tensor prefix
     return path, hf_config, model_type, cfg, adapter
 
 

@@ -3,8 +3,8 @@
 :func:`save_pretrained` writes ``config.json`` and safetensors weights that
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads; :func:`export_weights` streams the
 same tensors, one at a time, for a rollout engine's weight sync. The family written is the loaded
-checkpoint's, or the one :func:`harts_runtime.models.registry.family_of` gives the config;
-:func:`save_setup` is that choice and the family's checks.
+checkpoint's, or the one :func:`harts_runtime.models.registry.family_of` gives the config
+(:func:`save_setup`: that choice and the family's checks).
 
 Both work on parallelized models (:func:`harts_runtime.parallel.parallelize`, every parameter a
 DTensor) and are then collective: every rank calls them, each parameter is gathered
@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from harts_runtime.errors import InvalidInputError
-from harts_runtime.hf.folder import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, _family, _infer_model_type
+from harts_runtime.hf.folder import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
+from harts_runtime.models.registry import family_of, get_family
 
 __all__ = ["MAX_SHARD_BYTES", "export_weights", "save_pretrained", "save_setup"]
 
@@ -36,24 +37,33 @@ MAX_SHARD_BYTES = 5 * 10**9
 """Default largest safetensors file :func:`save_pretrained` writes (transformers' ``"5GB"``)."""
 
 
-def save_setup(model, model_type=None):
-    """``(hf_config dict, adapter)`` for saving ``model`` as ``model_type`` (see
-    :func:`save_pretrained`); raises what the family cannot express."""
+def save_setup(model, model_type: str | None = None) -> tuple[dict, object]:
+    """``(config.json dict, state-dict adapter)`` for writing ``model`` as ``model_type``.
+
+    ``model_type`` None: the loaded checkpoint's (``model.hf_config``), a type its family only
+    reads (``qwen3_5_moe``, vision-language) written as the family's own (``qwen3_5_moe_text``);
+    without a checkpoint config the family that owns ``model.config``
+    (:func:`harts_runtime.models.registry.family_of`). Raises :class:`InvalidInputError` for a
+    ``model_type`` no family writes and for what the family cannot express (the family's
+    ``to_hf_config`` names the :class:`ModelConfig` field; Kimi-Linear has no zero-centred norms
+    and no shared-expert gate)."""
     cfg = model.config
     base = getattr(model, "hf_config", None)
     if model_type is None:
-        model_type = (base or {}).get("model_type") or _infer_model_type(cfg)
-        model_type = "qwen3_5_moe_text" if model_type == "qwen3_5_moe" else model_type
-    if model_type == "qwen3_5_moe":
-        raise InvalidInputError(
-            "model_type", "qwen3_5_moe (vision-language) is not written; use qwen3_5_moe_text"
-        )
-    _, to_hf_config, adapter_cls = _family(model_type)
-    if model_type == "kimi_linear":  # Qwen-only options Kimi-Linear's config cannot carry
+        loaded = (base or {}).get("model_type")
+        family = get_family(loaded) if loaded is not None else family_of(cfg)
+        model_type = family.model_type
+    else:
+        family = get_family(model_type)
+        if model_type in family.read_only:
+            raise InvalidInputError(
+                "model_type", f"{model_type} is read, not written; use {family.model_type}"
+            )
+    if family.name == "kimi_linear":  # Qwen-only options Kimi-Linear's config cannot carry
         for name in ("zero_centered_norms", "shared_expert_gate"):
             if getattr(cfg, name):
                 raise InvalidInputError(name, "True has no Kimi-Linear equivalent")
-    return to_hf_config(cfg, base=base), adapter_cls(cfg)
+    return family.to_hf_config(cfg, base=base), family.make_adapter(cfg, model_type)
 
 
 def _is_dtensor(t) -> bool:

@@ -137,11 +137,11 @@ def hf_grads(model, trajs, w):
 
 
 def our_grads(ours, trajs, w, family):
-    from harts_runtime.hf import _family
+    from harts_runtime.models.registry import get_family
 
     ours.zero_grad()
     (ours_logits(ours, trajs, grad=True).float() * w).sum().backward()
-    adapter = _family(family)[2](ours.config)
+    adapter = get_family(family).adapter(ours.config)
     grads = {k: torch.zeros(s, dtype=torch.float64) for k, s in adapter.our_shapes.items()}
     grads.update(
         {k: p.grad.detach().double().cpu() for k, p in ours.named_parameters() if p.grad is not None}
