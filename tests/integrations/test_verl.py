@@ -541,3 +541,48 @@ def test_bad_settings_name_the_field(path):
             _Model(path), HartsEngineConfig(param_offload=True, dtype="float32"), FSDPOptimizerConfig(lr=LR)
         ).initialize()
     assert e.value.field == "param_offload"
+
+
+def test_execution_options_are_declared_once():
+    """``harts.*`` carries every field of ``ExecutionOptions`` (same defaults; ``param_dtype`` set by
+    verl's ``dtype``), checked by ``ExecutionOptions`` itself with the field named for verl."""
+    import dataclasses
+
+    from harts_runtime.options import DEFAULT_CAPACITY, ExecutionOptions
+
+    cfg = HartsEngineConfig()
+    assert cfg.capacity == DEFAULT_CAPACITY and cfg.execution.param_dtype == "bfloat16"
+    for f in dataclasses.fields(ExecutionOptions):
+        if f.name != "param_dtype":
+            assert getattr(cfg, f.name) == getattr(ExecutionOptions(), f.name), f.name
+    cfg = HartsEngineConfig(recompute=True, keep=["linear_attention", "attention"], dtype="float32")
+    assert cfg.execution == ExecutionOptions(recompute=True, keep=("attention", "linear_attention"))
+    for kw, name in (
+        (dict(keep=["attention"]), "harts.keep"),  # keep needs recompute
+        (dict(recompute=True, keep=["mlp"]), "harts.keep"),
+        (dict(capacity=0), "harts.capacity"),
+        (dict(dtype="int8"), "harts.dtype"),
+    ):
+        with pytest.raises(InvalidInputError) as e:
+            HartsEngineConfig(**kw)
+        assert e.value.field == name, kw
+
+
+def test_verl_sets_the_learning_rate(path):
+    """The engine runs ``lr_schedule="external"``: its optimizer step leaves the LR alone, verl's
+    warm-up schedule (``lr_scheduler_step``) sets it; the execution options reach the engine."""
+    eng = VerlHartsEngine(
+        model_config=_Model(path),
+        engine_config=HartsEngineConfig(capacity=CAPACITY, dtype="float32", chunk_size=CHUNK),
+        optimizer_config=FSDPOptimizerConfig(lr=LR, lr_warmup_steps=2, total_training_steps=10),
+    )
+    eng.initialize()
+    assert eng.engine.config.lr_schedule == "external" and eng.engine.config.capacity == CAPACITY
+    assert eng.engine.config.execution is eng.engine_config.execution
+    lrs = lambda: [g["lr"] for g in eng.engine.optimizer.param_groups]  # noqa: E731
+    assert lrs() == [0.0] * len(lrs())  # verl's warm-up starts at 0
+    with eng.train_mode():
+        eng.train_batch(verl_batch(trajectories(7, num=4)), partial(ppo_loss, config=actor_config()))
+    assert lrs() == [0.0] * len(lrs())
+    assert eng.lr_scheduler_step() == pytest.approx(LR / 2)
+    assert lrs() == pytest.approx([LR / 2] * len(lrs()))
