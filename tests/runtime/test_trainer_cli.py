@@ -253,6 +253,37 @@ def test_readme_synopsis_lists_every_flag_and_no_other():
     assert documented == flags, (sorted(documented - flags), sorted(flags - documented))
 
 
+def test_option_flags_are_generated_from_the_options():
+    """Every ExecutionOptions / OptimizerOptions field but the excluded ones is a flag, named after
+    it, with its help text, choices and metavar (where the command line does not say otherwise)."""
+    from harts_runtime.cli import build_parser
+    from harts_runtime.cli.flags import CLI_FLAGS, NOT_FLAGS
+    from harts_runtime.options import ExecutionOptions, OptimizerOptions, option_fields
+
+    actions = {a.dest: a for a in build_parser()._actions}
+    for cls in (ExecutionOptions, OptimizerOptions):
+        for f in option_fields(cls):
+            if f.name in NOT_FLAGS:
+                assert f.name not in actions
+                continue
+            a = actions[f.name]
+            assert a.option_strings == ["--" + f.name.replace("_", "-")]
+            if "help" not in CLI_FLAGS.get(f.name, {}):
+                assert a.help.startswith(f.metadata["help"]), f.name
+            if "choices" in f.metadata and "choices" not in CLI_FLAGS.get(f.name, {}) and f.name != "keep":
+                assert tuple(a.choices) == tuple(f.metadata["choices"]), f.name
+            assert a.metavar == f.metadata.get("metavar"), f.name
+
+
+def test_the_trainer_never_imports_the_cli():
+    import subprocess
+    import sys
+
+    code = "import sys, harts_runtime.trainer; print(sorted(m for m in sys.modules if m.startswith('harts_runtime.cli')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_an_unexportable_model_fails_before_training(tmp_path, capsys):
     """The debug flavor has a GQA layer, which no transformers family here holds: --export is
     refused before any step runs."""
@@ -403,11 +434,12 @@ def test_bad_parquet_columns_name_the_row_and_field(tmp_path, capsys):
     "config,fragment",
     [
         ("stepz = 3\n", "run.toml: stepz: unknown key; did you mean 'steps'?"),
-        ("lr = -1\n", "run.toml: lr: must be > 0, got -1.0"),
+        ("lr = -1\n", "run.toml: lr: must be a positive finite number, got -1.0"),
         ('lr_schedule = "exp"\n', "run.toml: lr_schedule: invalid choice 'exp'"),
         ("recompute = 1\n", "run.toml: recompute: expected true or false, got 1"),
         ("steps = [1]\n", "run.toml: steps: expected a single value, got list"),
         ("steps = \n", "run.toml: not valid TOML"),
+        ('keep = ["attention"]\n', "run.toml: keep: needs --recompute (it names what recomputation keeps)"),
     ],
 )
 def test_bad_config_files_are_one_line(tmp_path, capsys, config, fragment):
@@ -429,10 +461,16 @@ def test_bad_config_files_are_one_line(tmp_path, capsys, config, fragment):
         ),
         (
             ["--data", "r.jsonl", "--capacity", "64", "--microbatch-cost", "65"],
-            "--microbatch-cost: must be <= T = 64 (--capacity), got 65",
+            "--microbatch-cost: must be an integer in [0, 64], got 65",
         ),
-        (["--microbatch-cost", "-1"], "argument --microbatch-cost: must be >= 0, got -1"),
+        (["--microbatch-cost", "-1"], "--microbatch-cost: must be an integer in [0, 4096], got -1"),
         (["--resume", "nowhere"], "--resume: 'nowhere': no such folder"),
+        (["--keep", "attention"], "--keep: needs --recompute (it names what recomputation keeps)"),
+        (["--recompute", "--keep", "attention,bogus"], "--keep: unknown regions ['bogus']"),
+        (["--mode", "both", "--keep", "attention"], "--keep: needs --recompute"),
+        (["--lr", "0"], "--lr: must be a positive finite number, got 0.0"),
+        (["--min-lr-ratio", "2"], "--min-lr-ratio: must be a finite number in [0.0, 1.0], got 2.0"),
+        (["--max-grad-norm", "-1"], "--max-grad-norm: must be a positive finite number, got -1.0"),
         (["--mode", "both", "--data", "r.jsonl"], "--data: --mode both compares two model copies"),
         (["--config", "run.ini"], "--config: 'run.ini': no such file"),
         (["--steps", "x"], "argument --steps: expected an integer, got 'x'"),
@@ -471,7 +509,7 @@ def test_a_flavor_too_big_for_the_device_is_refused_before_it_is_built(monkeypat
     state are estimated first (on the meta device) and refused in one line naming the flag."""
     import harts_runtime.hf as hf
 
-    monkeypatch.setattr(hf, "_available_bytes", lambda device: (1 << 20, "the host (MemAvailable)"))
+    monkeypatch.setattr(hf, "available_bytes", lambda device: (1 << 20, "the host (MemAvailable)"))
     assert main(["--flavor", "ling-tiny", "--steps", "1", "--preset", "tiny"]) == 2
     _one_error_line(capsys, "flavor: ling-tiny with 24 layers needs about")
 

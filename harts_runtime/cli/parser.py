@@ -1,0 +1,270 @@
+"""The ``harts-train`` argument parser (:func:`build_parser`): the data, model, parallelism,
+checkpoint and output flags declared here, the execution and optimizer flags generated from
+:mod:`harts_runtime.options` (:mod:`harts_runtime.cli.flags`). Errors are one line; ``--help`` shows
+every flag's default. No torch here.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from harts_runtime.cli.flags import add_option_flags, float_type, int_type
+from harts_runtime.errors import UsageError
+from harts_runtime.options import ExecutionOptions, OptimizerOptions
+
+__all__ = ["DESCRIPTION", "EPILOG", "PROG", "build_parser"]
+
+PROG = "harts-train"
+DESCRIPTION = "train a hybrid-attention model on rollout files (or on a synthetic step)."
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors are one line (``harts-train: error: MESSAGE (see harts-train --help)``), raised as
+    :class:`UsageError` so that :func:`~harts_runtime.cli.main` reports them like every other
+    error."""
+
+    def error(self, message: str):  # noqa: D102 (argparse API)
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Help with every flag's default: ``(default: X)`` unless the text already says it (``none``
+    for an unset value, ``off`` for a switch)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.default is argparse.SUPPRESS:
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            return text + " (default: off)"
+        if action.default is None or action.default == "":
+            return text + " (default: none)"
+        return text + " (default: %(default)s)"
+
+
+EPILOG = """\
+examples:
+  harts-train --data rollouts.jsonl --flavor debug --steps 20 --save ckpt --metrics m.jsonl
+  harts-train --config run.toml --lr 2e-6                     # flags override the file
+  harts-train --resume ckpt                                   # the latest ckpt/step-N, same settings
+  torchrun --nproc-per-node 4 -m harts_runtime.cli --model PATH --data r.parquet --tp 2 --sp
+  harts-train --preset small --steps 3                        # a synthetic step (no --data)
+
+config file keys are the long flag names (with _ or -), e.g. in TOML:
+  data = "rollouts.parquet"
+  model = "ckpt/Kimi-Linear"
+  lr = 1e-6
+  lr_schedule = "cosine"
+  keep = ["attention"]
+  save = "ckpt"
+
+rollout file (one trajectory per JSONL line or Parquet row; docs/rollout-format.md):
+  tokens (ids), advantages (per token or one number), loss_mask, old_logprobs,
+  optional ref_logprobs, group_id, step (rows of one step value train together)
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``harts-train`` parser (no torch needed)."""
+    ap = _Parser(prog=PROG, description=DESCRIPTION, formatter_class=_Formatter, epilog=EPILOG)
+    ap.add_argument(
+        "--config", metavar="FILE", help="settings file (.toml, .yaml/.yml or .json) keyed by flag name"
+    )
+    _data_flags(ap.add_argument_group("data"))
+    _model_flags(ap.add_argument_group("model"))
+    add_option_flags(
+        ap.add_argument_group("execution (harts_runtime.options.ExecutionOptions)"), ExecutionOptions
+    )
+    _objective_flags(ap.add_argument_group("objective (the built-in policy loss)"))
+    add_option_flags(
+        ap.add_argument_group("optimizer (AdamW; harts_runtime.options.OptimizerOptions)"), OptimizerOptions
+    )
+    _parallel_flags(
+        ap.add_argument_group("parallelism (under torchrun; dp_shard = world / (dp_replicate * tp))")
+    )
+    _checkpoint_flags(ap.add_argument_group("checkpoints"))
+    _output_flags(ap.add_argument_group("output"))
+    return ap
+
+
+def _data_flags(g) -> None:
+    g.add_argument(
+        "--data",
+        metavar="FILE",
+        help="rollout file: .jsonl (one trajectory per line) or .parquet (one per row); "
+        "default: none, train on the synthetic --preset step",
+    )
+    g.add_argument(
+        "--steps",
+        metavar="N",
+        type=int_type(0),
+        default=None,
+        help="train until this many steps are done (a total: a resumed run continues to it); "
+        "default: one pass over --data's steps (continuing a resumed run's total when --data is the "
+        "same file, one more pass when it is a new one); 3 on the synthetic step",
+    )
+    g.add_argument(
+        "--preset",
+        metavar="NAME",
+        default="small",
+        help="synthetic step: harts_planner.synth preset (tiny, small, medium, swe-like)",
+    )
+    g.add_argument(
+        "--max-len",
+        metavar="L",
+        type=int_type(1),
+        default=None,
+        help="synthetic step: cap trajectory length (default: 1024 on CPU, the preset's on CUDA)",
+    )
+    g.add_argument(
+        "--seed",
+        metavar="N",
+        type=int_type(0),
+        default=0,
+        help="model initialisation (flavors) and synthetic step",
+    )
+
+
+def _model_flags(g) -> None:
+    g.add_argument(
+        "--flavor",
+        metavar="NAME",
+        default=None,
+        help="model flavor with random weights: debug, ling-tiny or qwen3.5-35b-a3b (default: debug on CPU, "
+        "ling-tiny on CUDA)",
+    )
+    g.add_argument(
+        "--model",
+        metavar="PATH",
+        default=None,
+        help="a transformers checkpoint folder (Kimi-Linear, Qwen3-Next, Qwen3.5-MoE) instead of a flavor",
+    )
+    g.add_argument(
+        "--layers",
+        metavar="N",
+        type=int_type(1),
+        default=None,
+        help="keep the first N layers of the flavor's pattern (default: all)",
+    )
+    g.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="weight dtype (default: the flavor's; a checkpoint's config.json dtype)",
+    )
+    g.add_argument(
+        "--device",
+        metavar="DEVICE",
+        default=None,
+        help="cpu or cuda[:i] (default: cuda when available; under torchrun cuda:LOCAL_RANK)",
+    )
+
+
+def _objective_flags(g) -> None:
+    g.add_argument("--objective", choices=("grpo", "ppo"), default="grpo", help="built-in policy loss")
+    g.add_argument(
+        "--clip-ratio-low", type=float_type(lo=0.0), default=None, help="ratio >= 1 - this (default: 0.2)"
+    )
+    g.add_argument(
+        "--clip-ratio-high",
+        type=float_type(lo=0.0),
+        default=None,
+        help="ratio <= 1 + this (default: --clip-ratio-low)",
+    )
+    g.add_argument(
+        "--clip-ratio-c",
+        type=float_type(lo=1.0),
+        default=None,
+        help="dual-clip bound for negative advantages (default: off for grpo, 3 for ppo)",
+    )
+    g.add_argument(
+        "--kl-coef",
+        type=float_type(lo=0.0),
+        default=None,
+        help="KL-to-reference penalty weight, needs ref_logprobs (default: 0.001 for grpo, 0 for ppo)",
+    )
+    g.add_argument(
+        "--kl-estimator", choices=("k1", "k2", "k3"), default=None, help="KL estimator (default: k3)"
+    )
+    g.add_argument(
+        "--loss-agg-mode",
+        choices=("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+        default=None,
+        help="loss aggregation (default: seq-mean-token-mean for grpo, token-mean for ppo)",
+    )
+    g.add_argument(
+        "--loss-norm",
+        type=float_type(positive=True),
+        default=None,
+        help="constant of seq-mean-token-sum-norm (default: none)",
+    )
+
+
+def _parallel_flags(g) -> None:
+    g.add_argument("--tp", metavar="N", type=int_type(1), default=1, help="tensor-parallel degree")
+    g.add_argument(
+        "--ep", metavar="N", type=int_type(1), default=1, help="expert-parallel degree (divides dp_shard)"
+    )
+    g.add_argument("--dp-replicate", metavar="N", type=int_type(1), default=1, help="HSDP replica groups")
+    g.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
+
+
+def _checkpoint_flags(g) -> None:
+    g.add_argument(
+        "--save",
+        metavar="DIR",
+        default=None,
+        help="save DIR/step-N (model, optimizer, schedule, RNG, data position) every --save-every steps "
+        "and at the end",
+    )
+    g.add_argument(
+        "--save-every",
+        metavar="N",
+        type=int_type(0),
+        default=0,
+        help="steps between saves (0: only at the end)",
+    )
+    g.add_argument(
+        "--resume",
+        metavar="PATH",
+        default=None,
+        help="continue from a checkpoint folder, or the latest DIR/step-N of a --save DIR: its weights, "
+        "optimizer, step counter, schedule and data position, and its settings unless given again",
+    )
+    g.add_argument(
+        "--export",
+        metavar="DIR",
+        default=None,
+        help="at the end, write a transformers checkpoint folder (save_pretrained)",
+    )
+
+
+def _output_flags(g) -> None:
+    g.add_argument(
+        "--json", action="store_true", help="print one JSON object per step on stdout instead of a text line"
+    )
+    g.add_argument(
+        "--metrics",
+        metavar="FILE",
+        default=None,
+        help="append one JSON object per step to FILE (a resumed run drops records past its step)",
+    )
+    g.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        default=None,
+        help="TensorBoard event files in DIR (needs tensorboard: pip install 'harts[train]')",
+    )
+    g.add_argument(
+        "--progress",
+        choices=("auto", "bar", "lines", "off"),
+        default="auto",
+        help="progress on stderr: auto = a tqdm bar on a terminal, plain lines otherwise (logs)",
+    )
+    g.add_argument(
+        "--progress-every",
+        metavar="SECONDS",
+        type=float_type(lo=0.0),
+        default=30.0,
+        help="seconds between plain progress lines",
+    )

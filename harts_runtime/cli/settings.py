@@ -1,0 +1,164 @@
+"""``harts-train``'s settings: config files (:func:`load_config`) and the resolution of flags over a
+config file over a resumed checkpoint's saved settings (:func:`resolve_settings`).
+
+A config file (TOML, YAML or JSON) is a flat table keyed by the flags' long names (``max_grad_norm``
+or ``max-grad-norm``); each value is converted as its flag's text would be (a list for a
+comma-separated flag such as ``keep``). Every problem is one :class:`UsageError` naming the file
+and key. No torch here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+from pathlib import Path
+
+from harts_runtime.cli.parser import build_parser
+from harts_runtime.errors import UsageError
+
+__all__ = ["NOT_CONFIG", "NOT_INHERITED", "load_config", "resolve_settings"]
+
+NOT_CONFIG = ("config", "help")
+"""Flags a config file cannot set."""
+NOT_INHERITED = ("config", "resume", "steps")
+"""Settings a resumed run does not take from the checkpoint (``steps``: the trainer decides)."""
+
+
+def _parse(raw: bytes, ext: str, where: str):
+    if ext == ".toml":
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            try:
+                import tomli as tomllib
+            except ImportError:
+                raise UsageError(
+                    "--config: reading TOML on Python 3.10 needs tomli: pip install 'harts[train]'",
+                    "--config",
+                ) from None
+        return tomllib.loads(raw.decode("utf-8"))
+    if ext in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise UsageError(
+                "--config: reading YAML needs pyyaml: pip install 'harts[train]'", "--config"
+            ) from None
+        return yaml.safe_load(raw.decode("utf-8"))
+    if ext == ".json":
+        return json.loads(raw.decode("utf-8"))
+    raise UsageError(
+        f"--config: {where!r}: unknown config type {ext or '(none)'!r}; expected .toml, .yaml, .yml or .json",
+        "--config",
+    )
+
+
+def load_config(path, parser: argparse.ArgumentParser | None = None) -> dict:
+    """The settings of a config file (``.toml``, ``.yaml`` / ``.yml`` or ``.json``: a flat table of
+    flag long names, ``-`` or ``_``), each converted as its flag would be; raises
+    :class:`UsageError` naming the file and key."""
+    parser = parser or build_parser()
+    p = Path(path)
+    where = str(path)
+    if not p.is_file():
+        raise UsageError(
+            f"--config: {where!r}: {'is a directory' if p.is_dir() else 'no such file'}", "--config"
+        )
+    ext = p.suffix.lower()
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise UsageError(f"--config: {where!r}: {e.strerror or e}", "--config") from None
+    try:
+        data = _parse(raw, ext, where)
+    except UsageError:
+        raise
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})", "--config") from None
+    except Exception as e:  # tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError
+        msg = " ".join(str(e).split())
+        raise UsageError(f"{where}: not valid {ext[1:].upper()}: {msg}", "--config") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UsageError(
+            f"{where}: expected a table of settings keyed by flag name, got {type(data).__name__}", "--config"
+        )
+    actions = {a.dest: a for a in parser._actions if a.dest not in NOT_CONFIG and a.option_strings}
+    out = {}
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest not in actions:
+            close = difflib.get_close_matches(dest, list(actions), n=1)
+            hint = (
+                f"; did you mean {close[0]!r}?"
+                if close
+                else "; keys are the long flag names (see harts-train --help)"
+            )
+            raise UsageError(f"{where}: {key}: unknown key{hint}", "--config")
+        out[dest] = _config_value(actions[dest], value, f"{where}: {key}")
+    return out
+
+
+def _config_value(action: argparse.Action, value, where: str):
+    if value is None:
+        return action.default
+    if isinstance(action, argparse._StoreTrueAction):
+        if not isinstance(value, bool):
+            raise UsageError(f"{where}: expected true or false, got {value!r}", "--config")
+        return value
+    if getattr(action.type, "__name__", None) == "list" and isinstance(value, list):
+        if not all(isinstance(v, str) for v in value):
+            raise UsageError(f"{where}: expected a list of names, got {value!r}", "--config")
+        value = ",".join(value)
+    if isinstance(value, (list, dict)):
+        raise UsageError(f"{where}: expected a single value, got {type(value).__name__}", "--config")
+    if isinstance(value, bool):
+        raise UsageError(
+            f"{where}: expected a {getattr(action.type, '__name__', 'string')}, got {value!r}", "--config"
+        )
+    if action.type is not None:
+        try:
+            value = action.type(str(value))
+        except argparse.ArgumentTypeError as e:
+            raise UsageError(f"{where}: {e}", "--config") from None
+    else:
+        value = str(value)
+    if action.choices is not None and value not in action.choices:
+        choices = ", ".join(map(str, action.choices))
+        raise UsageError(f"{where}: invalid choice {value!r} (choose from {choices})", "--config")
+    return value
+
+
+def resolve_settings(argv) -> tuple[argparse.Namespace, dict, dict | None]:
+    """``(settings, given, saved)``: the flag defaults, overridden by a resumed checkpoint's saved
+    settings, then by ``--config``, then by the command line. ``given`` maps each setting the config
+    file or the command line set to where: the config file's name, or None for the command line
+    (errors name the file and key for the first). ``saved`` is the resumed checkpoint's
+    ``trainer.json`` record (or None), with its ``folder``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    explicit = build_parser()
+    for a in explicit._actions:
+        a.default = argparse.SUPPRESS
+    given_cli = vars(explicit.parse_args(argv))
+    config = load_config(args.config, parser) if args.config else {}
+    resume = given_cli.get("resume", config.get("resume"))
+    saved = None
+    settings = {a.dest: a.default for a in parser._actions if a.dest != "help"}
+    if resume:
+        from harts_runtime.trainer_state import read_trainer_state, resolve_checkpoint
+
+        folder = resolve_checkpoint(resume)
+        saved = read_trainer_state(folder)
+        saved["folder"] = str(folder)
+        for k, v in saved.get("args", {}).items():
+            if k in settings and k not in NOT_INHERITED:
+                settings[k] = v
+    settings.update(config)
+    settings.update(given_cli)
+    settings["resume"] = resume
+    given = dict.fromkeys(config, str(args.config) if config else None)
+    given.update(dict.fromkeys(given_cli))
+    return argparse.Namespace(**settings), given, saved

@@ -1,0 +1,124 @@
+"""The data a ``harts-train`` run trains on: a rollout file's steps (:class:`FileData`) or the
+synthetic step (:class:`SyntheticData`), each with a fingerprint saved with checkpoints (a resumed
+run continues its data position only on the same data). :func:`load_data` reads and checks the whole
+source against the model's vocabulary and the loss before any model work."""
+
+from __future__ import annotations
+
+import os
+
+from harts_runtime.errors import InvalidInputError, UsageError
+
+__all__ = ["FileData", "SyntheticData", "load_data"]
+
+
+class FileData:
+    """A rollout file's steps (:class:`harts_runtime.rollout_files.RolloutFile`)."""
+
+    def __init__(self, rf):
+        self.rf = rf
+        self.num_steps = rf.num_steps
+        self.fingerprint = {
+            "kind": "file",
+            "path": os.path.abspath(rf.path),
+            "sha256": rf.sha256,
+            "steps": rf.num_steps,
+        }
+
+    def step(self, i: int):
+        """``(StepInputs, key)`` of the file's step ``i`` (key: its ``step`` value, else ``i``)."""
+        key = self.rf.step_keys[i] if self.rf.step_keys is not None else i
+        return self.rf.steps[i], key
+
+    def longest(self) -> tuple[int, str]:
+        """The longest trajectory's length, and which step holds it."""
+        best = (0, "")
+        for i, s in enumerate(self.rf.steps):
+            n = int(s.lengths.max())
+            if n > best[0]:
+                key = self.rf.step_keys[i] if self.rf.step_keys is not None else None
+                best = (n, f"step {key}" if key is not None else "the file's one step")
+        return best
+
+    def describe(self) -> str:
+        """One line: the file, its trajectories, tokens and steps."""
+        rf = self.rf
+        tokens = sum(int(s.offsets[-1]) for s in rf.steps)
+        text = (
+            f"data: {rf.path} ({rf.format}): {rf.rows:,} trajectories, {tokens:,} tokens in {rf.num_steps} "
+            f"step{'s' if rf.num_steps != 1 else ''}"
+            + (" (by its 'step' key)" if rf.step_keys is not None else "")
+            + ("; ref_logprobs" if rf.has_ref_logprobs else "; no ref_logprobs")
+        )
+        if rf.ignored:
+            text += f"; ignored keys: {', '.join(rf.ignored)}"
+        return text
+
+    @staticmethod
+    def same(a: dict, b: dict) -> bool:
+        """Whether two fingerprints are of the same file contents."""
+        return a.get("kind") == "file" and b.get("kind") == "file" and a.get("sha256") == b.get("sha256")
+
+
+class SyntheticData:
+    """The synthetic step (``--preset``), the same every step."""
+
+    def __init__(self, step, fingerprint: dict):
+        self.inputs = step
+        self.num_steps = 1
+        self.fingerprint = fingerprint
+
+    def step(self, i: int):
+        """``(StepInputs, 0)``."""
+        return self.inputs, 0
+
+    def longest(self) -> tuple[int, str]:
+        """The longest trajectory's length, and where it is."""
+        return int(max(self.inputs.batch.lengths)), "the synthetic step"
+
+    def describe(self) -> str:
+        """One line: the preset, its trajectories and token counts."""
+        b = self.inputs.batch
+        f = self.fingerprint
+        return (
+            f"batch: preset={f['preset']} seed={f['seed']} trajectories={b.num_trajectories} "
+            f"S={b.semantic_tokens:,} C={b.compact_tokens:,} S/C={b.compression:.2f}"
+        )
+
+    @staticmethod
+    def same(a: dict, b: dict) -> bool:
+        """Whether two fingerprints are of the same synthetic step."""
+        return a == b
+
+
+def load_data(args, vocab: int, cpu: bool, loss_cfg):
+    """The run's data: ``--data``'s file read and checked against ``vocab`` (and, when the loss
+    has a KL penalty, for ``ref_logprobs`` in every row), else the synthetic ``--preset`` step.
+    A bad file raises :class:`~harts_runtime.rollout_files.RolloutFileError` naming the line and
+    field."""
+    if args.data is not None:
+        from harts_runtime.rollout_files import RolloutFileError, read_rollout_file
+
+        try:
+            rf = read_rollout_file(args.data, vocab)
+        except InvalidInputError as e:
+            if isinstance(e, RolloutFileError) or e.field != "data":
+                raise
+            raise UsageError(f"--{e}", "--data") from None
+        if loss_cfg.kl_coef and not rf.has_ref_logprobs:
+            raise RolloutFileError(
+                rf.path,
+                None,
+                "ref_logprobs",
+                f"the loss has a KL penalty (kl_coef={loss_cfg.kl_coef:g}"
+                + (", grpo's default" if args.kl_coef is None else "")
+                + ") and needs ref_logprobs in every row; add them or pass --kl-coef 0",
+            )
+        return FileData(rf)
+    from harts_runtime.demo import synthetic_step
+
+    max_len = args.max_len if args.max_len is not None else (1024 if cpu else None)
+    step = synthetic_step(args.preset, args.seed, vocab, max_len, args.objective)
+    step.loss_config = loss_cfg
+    fp = {"kind": "synthetic", "preset": args.preset, "seed": args.seed, "max_len": max_len, "vocab": vocab}
+    return SyntheticData(step, fp)
