@@ -1,10 +1,34 @@
 """Model families, one package each with ``args.py`` (keyword config + named flavors) and
 ``model.py`` (the modules), as torchtitan's ``models/<name>/model/{args,model}.py``.
 
-Families: :mod:`~harts_runtime.models.hybrid` (KDA / MLA / GQA mixers, dense / MoE FFNs; flavors
-``ling-tiny`` and ``debug``).
+:mod:`~harts_runtime.models.hybrid`: the model (KDA / MLA / GQA / gated-attention / GDN mixers,
+dense / MoE FFNs), :class:`ModelConfig` and the hybrid flavors ``ling-tiny`` and ``debug``.
+The checkpoint families :mod:`~harts_runtime.models.kimi_linear`,
+:mod:`~harts_runtime.models.qwen3_next` and :mod:`~harts_runtime.models.qwen3_5_moe` (config maps,
+state-dict adapters, their own flavors) register themselves in
+:mod:`~harts_runtime.models.registry` (:func:`get_family`, :func:`family_of`, :func:`families`);
+:data:`FLAVORS` / :func:`model_config` look every flavor up through it.
 """
 
 from harts_runtime.models.hybrid import FLAVORS, HybridModel, ModelConfig, model_config
+from harts_runtime.models.registry import (
+    Family,
+    families,
+    family_of,
+    get_family,
+    model_types,
+    register_family,
+)
 
-__all__ = ["FLAVORS", "HybridModel", "ModelConfig", "model_config"]
+__all__ = [
+    "FLAVORS",
+    "Family",
+    "HybridModel",
+    "ModelConfig",
+    "families",
+    "family_of",
+    "get_family",
+    "model_config",
+    "model_types",
+    "register_family",
+]

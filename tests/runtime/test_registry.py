@@ -130,3 +130,39 @@ def test_registry_imports_no_family():
     imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert not [m for m in imported if m and m.startswith("harts_runtime.models")], imported
+
+
+def _imports(package: str) -> dict[str, set[str]]:
+    """``{module: harts_runtime modules it imports}`` of every file of ``package`` (any import: at
+    the top, under ``TYPE_CHECKING``, in functions)."""
+    root = Path(registry.__file__).parents[2]
+    out = {}
+    for f in (root / package.replace(".", "/")).rglob("*.py"):
+        names = set()
+        for n in ast.walk(ast.parse(f.read_text())):
+            if isinstance(n, ast.Import):
+                names.update(a.name for a in n.names)
+            elif isinstance(n, ast.ImportFrom) and n.module:
+                names.add(n.module)
+        out[str(f.relative_to(root))] = {m for m in names if m.startswith("harts_runtime.")}
+    return out
+
+
+def test_layers_and_layout_import_no_model_code():
+    """models -> layers -> layout, never back (no circle; ``TYPE_CHECKING`` imports count too)."""
+    for package, banned in (
+        (
+            "harts_runtime.layout",
+            ("harts_runtime.models", "harts_runtime.layers", "harts_runtime.step_inputs"),
+        ),
+        ("harts_runtime.layers", ("harts_runtime.models",)),
+    ):
+        for file, mods in _imports(package).items():
+            assert not [m for m in mods if m.startswith(banned)], (file, mods)
+
+
+def test_hybrid_args_imports_no_family():
+    """The flavors of the checkpoint families come through the registry (no args <-> family circle)."""
+    (mods,) = [m for f, m in _imports("harts_runtime.models.hybrid").items() if f.endswith("args.py")]
+    allowed = ("harts_runtime.models.hybrid", "harts_runtime.models.registry")
+    assert not [m for m in mods if m.startswith("harts_runtime.models") and not m.startswith(allowed)], mods
