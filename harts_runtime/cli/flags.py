@@ -1,5 +1,5 @@
-"""``harts-train``'s flags of the option classes, generated from their declarations, and the options
-built back from the resolved settings.
+"""``harts-train``'s flags of the option classes, generated from their declarations, and the
+options' errors said as those flags.
 
 Every field of :class:`~harts_runtime.options.ExecutionOptions` and
 :class:`~harts_runtime.options.OptimizerOptions` but those in :data:`NOT_FLAGS` is a flag: the field
@@ -50,7 +50,9 @@ __all__ = [
 OPTION_CLASSES = (ExecutionOptions, OptimizerOptions)
 """The option classes whose fields are flags."""
 NOT_FLAGS = ("no_replay", "betas", "eps")
-"""Option fields without a flag (``harts-train`` never had one; they keep their declared defaults)."""
+"""Option fields without a flag (``harts-train`` never had one; they keep their declared defaults).
+``--lr-schedule`` has no ``external`` choice either (``CLI_FLAGS["lr_schedule"]``): no scheduler
+outside ``harts-train`` sets its learning rate."""
 CLI_FLAGS: dict[str, dict] = {
     "capacity": dict(default=None, more=f"; default: 4096 on CPU, {DEFAULT_CAPACITY} on CUDA"),
     "mode": dict(
