@@ -35,12 +35,13 @@ __all__ = [
     "register_family",
 ]
 
-BUILTIN_FAMILIES = (
-    "harts_runtime.models.kimi_linear",
-    "harts_runtime.models.qwen3_next",
-    "harts_runtime.models.qwen3_5_moe",
-)
-"""Packages imported on the first lookup; each registers its family (in this order)."""
+BUILTIN_FAMILIES = {
+    "kimi_linear": "harts_runtime.models.kimi_linear",
+    "qwen3_next": "harts_runtime.models.qwen3_next",
+    "qwen3_5_moe": "harts_runtime.models.qwen3_5_moe",
+}
+"""Built-in family name -> its package, imported on the first lookup (it registers the family).
+Lookups list these first, in this order, whichever was imported first."""
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ def _load_builtins() -> None:
         return
     _state["builtins"] = "loading"
     try:
-        for package in BUILTIN_FAMILIES:
+        for package in BUILTIN_FAMILIES.values():
             importlib.import_module(package)
     except BaseException:
         _state["builtins"] = "no"
@@ -163,9 +164,12 @@ def _load_builtins() -> None:
 
 
 def families() -> tuple[Family, ...]:
-    """Every registered family, in registration order (the built-in ones first)."""
+    """Every registered family: the built-in ones (:data:`BUILTIN_FAMILIES` order), then the others in
+    registration order."""
     _load_builtins()
-    return tuple(_FAMILIES.values())
+    rank = {name: i for i, name in enumerate(BUILTIN_FAMILIES)}
+    order = sorted(enumerate(_FAMILIES.values()), key=lambda p: (rank.get(p[1].name, len(rank)), p[0]))
+    return tuple(f for _, f in order)
 
 
 def model_types() -> tuple[str, ...]:
@@ -191,10 +195,11 @@ def family_of(config) -> Family:
     for family in families():
         if family.owns(config):
             return family
-    raise InvalidInputError("config", f"no model family owns this config; families: {', '.join(_FAMILIES)}")
+    raise InvalidInputError(
+        "config", f"no model family owns this config; families: {', '.join(f.name for f in families())}"
+    )
 
 
 def family_flavors() -> dict[str, Callable]:
     """Every family's flavors: name -> ``(num_layers=None, **overrides) -> ModelConfig``."""
-    _load_builtins()
-    return {name: family.flavors[name] for name, family in _BY_FLAVOR.items()}
+    return {name: fn for family in families() for name, fn in family.flavors.items()}

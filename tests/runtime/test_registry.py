@@ -9,6 +9,8 @@
 """
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,19 @@ def test_builtin_families_by_model_type():
     assert get_family("qwen3_5_moe") is get_family("qwen3_5_moe_text") is qwen3_5_moe.FAMILY
     assert qwen3_5_moe.FAMILY.model_type == "qwen3_5_moe_text"
     assert qwen3_5_moe.FAMILY.read_only == ("qwen3_5_moe",)
+
+
+def test_builtin_order_does_not_depend_on_import_order():
+    code = (
+        "from harts_runtime.models import qwen3_5_moe, qwen3_next\n"
+        "from harts_runtime.models.registry import families, model_types\n"
+        "print(','.join(f.name for f in families()), ','.join(model_types()))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == [
+        "kimi_linear,qwen3_next,qwen3_5_moe",
+        "kimi_linear,qwen3_next,qwen3_5_moe_text,qwen3_5_moe",
+    ]
 
 
 @pytest.mark.parametrize("bad", ["llama", "", None, 3])
