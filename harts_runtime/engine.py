@@ -510,6 +510,13 @@ class HartsEngine:
             _set_rng_state(torch.load(rng, weights_only=False))
         return extra
 
+    def save_pretrained(self, path, model_type: str | None = None) -> None:
+        """Write the model as a transformers checkpoint folder (:func:`harts_runtime.hf.save_pretrained`;
+        collective under a mesh)."""
+        from harts_runtime.hf import save_pretrained
+
+        save_pretrained(self.model, path, model_type=model_type)
+
     def export_weights(self, model_type: str | None = None):
         """``(transformers name, tensor)`` pairs, one tensor at a time (:func:`harts_runtime.hf.export_weights`;
         every rank iterates under a mesh)."""

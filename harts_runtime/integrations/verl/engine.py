@@ -141,7 +141,7 @@ class VerlHartsEngine(BaseEngine):
         )
         dims = None
         if dist.is_initialized():
-            from harts_runtime.parallel import ParallelDims
+            from harts_runtime.parallel.dims import ParallelDims
 
             dims = ParallelDims.from_world(
                 dist.get_world_size(),
@@ -312,9 +312,7 @@ class VerlHartsEngine(BaseEngine):
             (Path(local_path) / "verl_harts.json").write_text(json.dumps({"global_step": int(global_step)}))
         contents = getattr(self.checkpoint_config, "save_contents", None) or ()
         if "hf_model" in contents:
-            from harts_runtime.hf import save_pretrained
-
-            save_pretrained(self.engine.model, Path(local_path) / "huggingface")
+            self.engine.save_pretrained(Path(local_path) / "huggingface")
         if dist.is_initialized():
             dist.barrier()
 
