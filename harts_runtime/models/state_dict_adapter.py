@@ -17,7 +17,7 @@ name ending in ``#alt`` is a second spelling that is read but never written.
 
 Both tables also give each HF tensor as :class:`TensorPiece` s (:meth:`HFStateDictAdapter.pieces`):
 which block of the HF tensor is which of our tensors (or one expert slot of it), and along which
-dimensions. That is all a sharded reader or writer needs: :mod:`harts_runtime.parallel.checkpoint`
+dimensions. That is all a sharded reader or writer needs: :mod:`harts_runtime.hf.sharded`
 reads each rank's block of each of our tensors as slices of the HF tensors it comes from, and
 :func:`harts_runtime.hf.save_pretrained` assembles one HF tensor at a time
 (:meth:`HFStateDictAdapter.assemble`) from our gathered tensors.
