@@ -292,7 +292,7 @@ class HartsEngine:
         slots; for the trajectory baseline a plan-like packing of expanded trajectories;
         ``step_plan`` when given), the call plan of each microbatch this rank runs (keyed by its
         first trajectory), and the planner's time for both."""
-        from harts_runtime.parallel.data import replica_schedule
+        from harts_runtime.parallel.data import rank_schedule
 
         t0 = time.perf_counter()
         cfg = self.model.config
@@ -302,8 +302,7 @@ class HartsEngine:
             plan = step_plan or self.planner.plan_step(
                 step.batch, self.dp, ex.capacity, cfg.chunk_size, microbatch_cost=ex.microbatch_cost
             )
-            replica = 0 if self.mesh is None else self.mesh.replica
-            for traj in replica_schedule(plan, replica):
+            for traj in rank_schedule(plan, self.mesh):
                 calls[int(traj[0])] = self.planner.plan_calls(
                     step.batch, cfg.chunk_size, microbatch=traj, conv_width=cfg.conv_size
                 )

@@ -28,7 +28,14 @@ import torch.distributed as dist
 
 from harts_runtime.parallel.dims import ParallelConfigError
 
-__all__ = ["ReplicaStepResult", "replica_schedule", "run_replica_step", "step_slots", "sync_expert_load"]
+__all__ = [
+    "ReplicaStepResult",
+    "rank_schedule",
+    "replica_schedule",
+    "run_replica_step",
+    "step_slots",
+    "sync_expert_load",
+]
 
 EMPTY = np.zeros(0, dtype=np.int64)
 """The trajectories of an empty (padding) microbatch."""
@@ -56,6 +63,21 @@ def replica_schedule(plan, replica: int) -> list[np.ndarray]:
     mine = mine[np.argsort(slot[mine], kind="stable")]
     out = [np.asarray(plan.microbatches[m], dtype=np.int64) for m in mine.tolist()]
     return [m for m in out if m.size]
+
+
+def rank_schedule(plan, mesh) -> list[np.ndarray]:
+    """The non-empty microbatches this rank runs, in order: its replica's in slot order
+    (:func:`replica_schedule`, ``plan.dp_size`` must equal the mesh's DP degree), or without a mesh
+    (one process holding the whole step) every microbatch of the plan, whatever replica it was
+    planned for, in the plan's order."""
+    if mesh is None:
+        out = [np.asarray(m, dtype=np.int64) for m in plan.microbatches]
+        return [m for m in out if m.size]
+    if plan.dp_size != mesh.dims.dp:
+        raise ParallelConfigError(
+            "plan", f"dp_size {plan.dp_size} != dp_replicate * dp_shard = {mesh.dims.dp}"
+        )
+    return replica_schedule(plan, mesh.replica)
 
 
 def step_slots(plan) -> int:
@@ -89,10 +111,11 @@ def run_replica_step(
     Parameters
     ----------
     plan : harts_planner.StepPlan
-        With ``plan.dp_size`` equal to ``mesh.dims.dp`` (1 without a mesh).
+        With ``plan.dp_size`` equal to ``mesh.dims.dp`` (any without a mesh).
     mesh : ParallelMesh or None
-        This job's meshes (:meth:`ParallelDims.build_mesh`); None for one process, which runs every
-        microbatch of the plan in slot order, without padding or collectives.
+        This job's meshes (:meth:`ParallelDims.build_mesh`); None for one process holding the whole
+        step, which runs every microbatch of the plan (:func:`rank_schedule`), without padding or
+        collectives.
     microbatch_fn : callable ``(slot, trajectory_indices) -> loss``
         Runs one microbatch's forward and backward (e.g. ``harts_runtime.run_microbatch``, which
         backpropagates) and returns its detached loss contribution; called with an empty index
@@ -103,9 +126,7 @@ def run_replica_step(
     ReplicaStepResult
     """
     dp = 1 if mesh is None else mesh.dims.dp
-    if plan.dp_size != dp:
-        raise ParallelConfigError("plan", f"dp_size {plan.dp_size} != dp_replicate * dp_shard = {dp}")
-    schedule = replica_schedule(plan, 0 if mesh is None else mesh.replica)
+    schedule = rank_schedule(plan, mesh)
     slots = len(schedule) if mesh is None else step_slots(plan)
     local, seconds = 0.0, []
     for j in range(slots):
