@@ -6,8 +6,9 @@
   own GIL and threads are not the server's or the attacker's).
 * Attacks, each on its own connections (:mod:`h2_client`), each returning what it holds so that the
   caller can end it: :func:`stalled_streams` (streams that never send their request),
-  :func:`partial_uploads` (requests that stop half way), :func:`never_read` (valid requests whose
-  responses are never read: no flow-control credit is returned).
+  :func:`partial_uploads` (requests that stop half way), :class:`Trickle` (uploads that announce a
+  large request and send an empty chunk every 0.2 s), :func:`never_read` (valid requests whose
+  responses are never read: no flow-control credit is returned; or read slowly).
 * :func:`records` of a ``serve`` log (a process's memory: ``sidecar_fixtures.memory``).
 """
 
@@ -145,6 +146,50 @@ def partial_uploads(
     return conns, accepted
 
 
+class Trickle:
+    """``streams`` PlanCallsStream uploads, one connection each, whose first chunk announces
+    ``claimed`` bytes and that then send an empty chunk every ``every`` seconds, forever (a thread
+    keeps them going until :meth:`close`). ``alive()``: the streams the server has not ended."""
+
+    def __init__(self, address: str, streams: int, claimed: int, every: float = 0.2):
+        import threading
+
+        host, port = _host_port(address)
+        self.conns, self.sids = [], []
+        self._stop = threading.Event()
+        first = wire.varint(2 << 3) + wire.varint(claimed) + wire.header(1, 16) + bytes(16)
+        for _ in range(streams):
+            conn = H2Connection(host, port)
+            sid = conn.open(codec.PLAN_CALLS_STREAM)
+            conn.send_message(sid, first, end_stream=False, timeout=5)
+            self.conns.append(conn)
+            self.sids.append(sid)
+        self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
+        self._thread.start()
+
+    def _run(self, every: float) -> None:
+        while not self._stop.wait(every):
+            for conn, sid in zip(self.conns, self.sids):
+                s = conn.streams[sid]
+                if not (conn.closed or s.reset or s.ended):
+                    try:
+                        conn.send_message(sid, b"", end_stream=False, timeout=0.1)
+                    except OSError:
+                        pass
+
+    def alive(self) -> int:
+        return sum(
+            not (c.closed or c.streams[sid].reset or c.streams[sid].ended)
+            for c, sid in zip(self.conns, self.sids)
+        )
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for c in self.conns:
+            c.close()
+
+
 def never_read(
     address: str,
     requests: list[bytes],
@@ -200,6 +245,7 @@ def bounded_env() -> dict:
 __all__ = [
     "Probe",
     "TINY",
+    "Trickle",
     "bounded_env",
     "never_read",
     "partial_uploads",

@@ -209,11 +209,35 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {limits.DEFAULT.receive_timeout:g})",
     )
     sv.add_argument(
+        "--min-receive-rate-mb",
+        type=float_arg(0.001, 1e6),
+        default=limits.DEFAULT_MIN_RATE / limits.MiB,
+        help="MiB/s a request must arrive at once --receive-timeout has passed: a request of N MiB has "
+        "--receive-timeout + N / this seconds in all, however steadily it trickles "
+        f"(default {limits.DEFAULT_MIN_RATE / limits.MiB:g})",
+    )
+    sv.add_argument(
         "--send-timeout",
         type=float_arg(0.001, 1e6),
         default=limits.DEFAULT.send_timeout,
         help="seconds a response may go unread by its client before the call is cut off "
         f"(default {limits.DEFAULT.send_timeout:g})",
+    )
+    sv.add_argument(
+        "--min-send-rate-mb",
+        type=float_arg(0.001, 1e6),
+        default=limits.DEFAULT_MIN_RATE / limits.MiB,
+        help="MiB/s a client must read its response at once --send-timeout has passed: a response of "
+        "N MiB has --send-timeout + N / this seconds in all "
+        f"(default {limits.DEFAULT_MIN_RATE / limits.MiB:g})",
+    )
+    sv.add_argument(
+        "--max-connections",
+        type=int_arg(1, 1 << 20),
+        default=4096,
+        help="client connections the server is ready for: it raises its file-descriptor limit "
+        "(RLIMIT_NOFILE) to fit them, warns when the hard limit leaves fewer and refuses to start "
+        "below 64 (default 4096)",
     )
     sv.add_argument("--tls-cert", type=input_file, help="serve TLS: the server's certificate chain (PEM)")
     sv.add_argument("--tls-key", type=input_file, help="serve TLS: the server's private key (PEM)")

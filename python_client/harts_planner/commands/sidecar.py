@@ -32,6 +32,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queued=args.max_queued,
         receive_timeout=args.receive_timeout,
         send_timeout=args.send_timeout,
+        min_receive_rate=args.min_receive_rate_mb * limits.MiB,
+        min_send_rate=args.min_send_rate_mb * limits.MiB,
     )
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError(
@@ -50,6 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
+        max_connections=args.max_connections,
     )
     if code != 0:  # a cancelled plan did not stop: a normal exit would wait for its thread
         sys.stdout.flush()

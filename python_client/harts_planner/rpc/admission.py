@@ -147,7 +147,8 @@ class Admission:
         cost, plan_cost = self.estimate(source, ctl, record, args, step=step, stream=stream)
         tokens = isinstance(source, PackedTokens)
         held = _limits.request_bytes(0, copied, plan_cost, tokens=tokens)
-        record["request_held_bytes"] = record.get("request_bytes", 0) + held
+        received = record.get("request_bytes", 0) + record.get("parse_held_bytes", 0)
+        record["request_held_bytes"] = received + held
         self.budget.hold(held, "trajectories", "bytes (the request's batch and array copies)")
         try:
             batch, ingest_s = self.ingest_tree(source, ctl, record)

@@ -6,12 +6,17 @@ drain that stops them all.
   ends with (:meth:`RequestControl.stop_status`). It is cancelled when the client cancels or its
   deadline passes (gRPC's termination callback), when the :class:`Watchdog` cuts it off, and by a
   drain after its grace.
-* :class:`Watchdog`: one thread that cancels a call whose request has not arrived within
+* :class:`Watchdog`: one thread that cancels a call whose request message has not arrived within
   ``--receive-timeout`` seconds, or whose response made no progress (the client read nothing) for
-  ``--send-timeout`` seconds. Cancelling ends the RPC in gRPC (``context.cancel()``), which frees
+  ``--send-timeout`` seconds; and, whatever the progress, a call whose request or response moves
+  slower than the server's minimum rate (``--min-receive-rate-mb`` / ``--min-send-rate-mb``) once
+  its timeout has passed: a transfer of ``n`` bytes has ``timeout + n / rate`` seconds in all (the
+  total receive and send deadlines; a stream trickling empty chunks is cut off after the timeout,
+  not never). Cancelling ends the RPC in gRPC (``context.cancel()``), which frees
   whatever gRPC holds for it (its receive buffer, the unsent response) and wakes the call's thread.
 * :func:`drain`: graceful shutdown (SIGTERM): health NOT_SERVING; queued and new calls get
-  UNAVAILABLE at once; calls in flight (planning or sending their response) get ``grace`` seconds;
+  UNAVAILABLE at once; calls still receiving their request are cut off at once (an upload the
+  server would never plan); calls in flight (planning or sending their response) get ``grace`` seconds;
   then every call left is cancelled (plans through their tokens, responses by ending the RPC) and
   logged UNAVAILABLE with ``delivered: false``; then the server stops. A response logged OK was
   delivered.
@@ -79,7 +84,14 @@ _REASONS = {
         "request: the request had not arrived and the server needed the call's slot for another",
         "request",
     ),
+    "receive-rate": (grpc.StatusCode.CANCELLED, "request: the request arrived too slowly", "request"),
+    "send-rate": (grpc.StatusCode.CANCELLED, "response: the client read the response too slowly", "response"),
     "client": (grpc.StatusCode.CANCELLED, "the client cancelled the request", None),
+}
+#: The flags of the two minimum rates, by phase.
+_RATE_FLAGS = {
+    "receive": ("--receive-timeout", "--min-receive-rate-mb"),
+    "send": ("--send-timeout", "--min-send-rate-mb"),
 }
 
 
@@ -104,6 +116,11 @@ class RequestControl:
         self.grant = None  # while it holds one
         self.phase = "receive"  # receive, admit, queue, plan, encode, send, done
         self.progress_at = time.monotonic()  # the last sign of life of the transfer (receive, send)
+        # The transfer under way (its phase, when it began, bytes moved): the minimum-rate rule.
+        self.transfer = "receive"
+        self.transfer_started = self.progress_at
+        self.moved = 0
+        self.uploading = False  # reading its request (a drain cuts it off at once)
         self.terminated = threading.Event()  # gRPC ended the RPC
         self._done = False
         self._on_terminated: list = []
@@ -156,9 +173,24 @@ class RequestControl:
         if self.context is not None and self.phase in ("receive", "send"):
             self.context.cancel()
 
-    def touch(self) -> None:
-        """The transfer made progress (a request chunk arrived, a response chunk was taken)."""
+    def touch(self, moved: int = 0) -> None:
+        """The transfer made progress (a request chunk arrived, a response chunk was taken):
+        ``moved`` more bytes."""
         self.progress_at = time.monotonic()
+        self.moved += moved
+
+    def begin_transfer(self, phase: str) -> None:
+        """The request starts arriving or the response starts going out: the minimum-rate clock
+        (:meth:`behind`) starts now, at 0 bytes."""
+        self.transfer, self.transfer_started, self.moved = phase, time.monotonic(), 0
+        self.progress_at = self.transfer_started
+
+    def rate_due(self, seconds: float | None, rate: float | None) -> float | None:
+        """When the transfer falls below ``rate`` bytes/s after its first ``seconds``: its start +
+        ``seconds`` + bytes moved / ``rate`` (monotonic); None without a rate."""
+        if rate is None or seconds is None:
+            return None
+        return self.transfer_started + seconds + self.moved / rate
 
     def finish(self) -> None:
         """The handler is done: later callbacks are not cancellations."""
@@ -182,7 +214,18 @@ class RequestControl:
         code, message, field = _REASONS.get(reason, _REASONS["client"])
         if reason == "shutdown":
             what = "its response was delivered" if self.phase == "send" else "the plan finished"
+            if self.uploading:
+                what = "the request arrived"
             message = f"the server shut down before {what}; retry on another planner"
+        elif reason in ("receive-rate", "send-rate"):
+            phase = reason.partition("-")[0]
+            timeout, flag = _RATE_FLAGS[phase]
+            what = "of the request arrived" if phase == "receive" else "of the response were read"
+            message = (
+                f"{field}: {self.moved:,} bytes {what} in "
+                f"{time.monotonic() - self.transfer_started:.1f} s, below the server's minimum rate "
+                f"({flag}, after {timeout})"
+            )
         return AbortRpcError(code, message, field)
 
     def check(self, phase: str) -> None:
@@ -206,9 +249,11 @@ class Watchdog:
     """One thread that cuts off calls whose transfer stalls.
 
     :meth:`watch` arms a timer on a call: it fires when ``control.progress_at`` is more than
-    ``seconds`` old (:meth:`RequestControl.touch` pushes it back) and the call is still in
-    ``phase`` (the phase it was armed in); firing cuts the call off with ``reason``. Timers of
-    calls that moved on are dropped when they come due. O(log n) per timer.
+    ``seconds`` old (:meth:`RequestControl.touch` pushes it back), or, with a ``rate`` (bytes/s),
+    when the transfer has fallen behind it (:meth:`RequestControl.rate_due`), and the call is still
+    in ``phase`` (the phase it was armed in); firing cuts the call off with ``reason`` (stalled) or
+    ``PHASE-rate`` (too slow). Timers of calls that moved on are dropped when they come due.
+    O(log n) per timer.
     """
 
     def __init__(self):
@@ -219,13 +264,21 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="harts-planner-watchdog", daemon=True)
         self._thread.start()
 
-    def watch(self, control: RequestControl, phase: str, seconds: float | None, reason: str) -> None:
+    def watch(
+        self,
+        control: RequestControl,
+        phase: str,
+        seconds: float | None,
+        reason: str,
+        rate: float | None = None,
+    ) -> None:
         """Arm a timer (a weak reference: a finished call is not kept alive, nor its gRPC stream)."""
         if seconds is None:
             return
         with self._cond:
-            due = control.progress_at + seconds
-            heapq.heappush(self._heap, (due, next(self._seq), weakref.ref(control), phase, seconds, reason))
+            due, _ = _due(control, seconds, rate, reason)
+            entry = (due, next(self._seq), weakref.ref(control), phase, seconds, rate, reason)
+            heapq.heappush(self._heap, entry)
             self._cond.notify()
 
     def stop(self) -> None:
@@ -244,18 +297,28 @@ class Watchdog:
                     return
                 now = time.monotonic()
                 while self._heap and self._heap[0][0] <= now:
-                    _, _, ref, phase, seconds, reason = heapq.heappop(self._heap)
+                    _, _, ref, phase, seconds, rate, reason = heapq.heappop(self._heap)
                     control = ref()
                     if control is None or control.phase != phase or control.terminated.is_set():
                         continue  # gone or moved on
-                    due = control.progress_at + seconds
+                    due, why = _due(control, seconds, rate, reason)
                     if due > now:  # progress since it was armed: check again then
-                        heapq.heappush(self._heap, (due, next(self._seq), ref, phase, seconds, reason))
+                        entry = (due, next(self._seq), ref, phase, seconds, rate, reason)
+                        heapq.heappush(self._heap, entry)
                     else:
-                        fire.append((control, reason))
+                        fire.append((control, why))
                     del control
             for control, reason in fire:
                 control.cut_off(reason)
+
+
+def _due(control: RequestControl, seconds: float, rate: float | None, reason: str) -> tuple[float, str]:
+    """When a watched call is due and why: stalled (``reason``) or behind the minimum rate."""
+    stall = control.progress_at + seconds
+    behind = control.rate_due(seconds, rate)
+    if behind is not None and behind < stall - 0.01:  # else it is a stall: nothing came at all
+        return behind, f"{control.transfer}-rate"
+    return stall, reason
 
 
 @dataclass
@@ -286,12 +349,14 @@ def drain(server, grace: float, *, cut: threading.Event | None = None) -> DrainR
     servicer = server.servicer
     server.health.enter_graceful_shutdown()
     servicer.begin_drain()
+    uploads = servicer.budget.cut_uploads()
     counts = servicer.counts()
     logs.event(
         "drain",
         inflight=counts["planning"],
         queued=counts["queued"],
         sending=counts["sending"],
+        uploads_cut=uploads,
         grace_s=grace,
     )
     deadline = time.monotonic() + grace

@@ -112,6 +112,15 @@ class Budget:
             c.cut_off("shutdown")
         return len(controls)
 
+    def cut_uploads(self) -> int:
+        """Cut off every call still receiving its request (a drain: the server will plan none of
+        them); returns how many."""
+        with self._lock:
+            controls = [c for c in self._controls if c.uploading]
+        for c in controls:
+            c.cut_off("shutdown")
+        return len(controls)
+
     def wait_idle(self, timeout: float | None) -> bool:
         """Wait until no call is in a handler; False when ``timeout`` passed first."""
         with self._lock:
@@ -163,14 +172,23 @@ class Budget:
                 self._receiving -= kind == "planner"
 
     def evict_stalled(self, kind: str, min_age: float | None = None) -> bool:
-        """Cut off the call of class ``kind`` that has waited longest (at least ``min_age`` seconds)
-        for its request without receiving anything; True when there was one. Its slot, thread and
-        receive reservation come free as soon as its handler sees it (milliseconds)."""
+        """Cut off the call of class ``kind`` that waits for its request and is most overdue: that
+        has received nothing for at least ``min_age`` seconds, or whose request arrives below the
+        minimum rate (``--min-receive-rate-mb``) after its first ``min_age`` seconds (a stream
+        trickling empty chunks); True when there was one. Its slot, thread, receive reservation and
+        the bytes its request holds come free as soon as its handler sees it (milliseconds)."""
         now = time.monotonic()
         min_age = EVICT_AFTER_SECONDS[kind] if min_age is None else min_age
+        rate = self.limits.min_receive_rate
+
+        def due(c: RequestControl) -> float:
+            behind = c.rate_due(min_age, rate)
+            stall = c.progress_at + min_age
+            return stall if behind is None else min(stall, behind)
+
         with self._lock:
-            stalled = [c for c, k in self._receivers.items() if k == kind and now - c.progress_at >= min_age]
-            victim = min(stalled, key=lambda c: c.progress_at) if stalled else None
+            stalled = [c for c, k in self._receivers.items() if k == kind and due(c) <= now]
+            victim = min(stalled, key=due) if stalled else None
             if victim is not None:
                 del self._receivers[victim]
                 self._receiving -= kind == "planner"

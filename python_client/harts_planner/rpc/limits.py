@@ -15,8 +15,15 @@ limit                      what it bounds                                      `
                            stream reserves what its next message may be),
                            queued or planning, with what admission built
 ``max_queued``             requests waiting for a planner thread               ``--max-queued``
-``receive_timeout``        seconds a request (or one chunk) may take to arrive ``--receive-timeout``
+``receive_timeout``        seconds a request message (or one chunk) may take   ``--receive-timeout``
+                           to arrive
+``min_receive_rate``       bytes/s a request must arrive at once its           ``--min-receive-rate-mb``
+                           ``receive_timeout`` has passed: a request of ``n``
+                           bytes has ``receive_timeout + n / rate`` seconds
 ``send_timeout``           seconds a response may go unread                    ``--send-timeout``
+``min_send_rate``          bytes/s a response must be read at once its         ``--min-send-rate-mb``
+                           ``send_timeout`` has passed (the total send
+                           deadline: ``send_timeout + n / rate``)
 =========================  ==================================================  ========================
 
 A unary call carries its request and its response in one gRPC message each, so both are also
@@ -60,6 +67,9 @@ RESPONSE_COPIES = 2
 STREAM_CHUNKS = 2
 #: Bytes a stream reserves per message it may receive: gRPC's receive buffer and Python's copy.
 RECEIVE_COPIES = 2
+#: Default minimum rate of a transfer once its timeout has passed (bytes/s): a 1 GiB request has
+#: ``--receive-timeout`` + 1,024 s to arrive.
+DEFAULT_MIN_RATE = float(1 << 20)
 #: Memory of one call beyond its plan and response: Python objects, gRPC's call state, the
 #: thread's stack pages, allocator slack (measured: about 1.5 MB on the whole swe-like PlanCalls).
 CALL_OVERHEAD_BYTES = 4 << 20
@@ -74,7 +84,9 @@ def _positive_seconds(value, name: str) -> None:
         or not value > 0
         or value == float("inf")
     ):
-        raise ValueError(f"{name}: must be a finite number of seconds > 0 or None, got {value!r}")
+        raise ValueError(
+            f"{name}: must be a finite number > 0 (seconds; bytes/s for a rate) or None, got {value!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -90,11 +102,13 @@ class Limits:
     max_request_bytes: int | None = None
     receive_timeout: float | None = 10.0
     send_timeout: float | None = 60.0
+    min_receive_rate: float | None = DEFAULT_MIN_RATE
+    min_send_rate: float | None = DEFAULT_MIN_RATE
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name.endswith("_timeout"):
+            if f.name.endswith("_timeout") or f.name.endswith("_rate"):
                 _positive_seconds(value, f.name)
                 continue
             if value is None and f.name in ("max_response_bytes", "max_request_bytes"):
@@ -113,6 +127,18 @@ class Limits:
         """The request bound in force (as :meth:`response_limit`)."""
         limit = DEFAULT_MAX_TRANSFER_BYTES if self.max_request_bytes is None else self.max_request_bytes
         return limit if stream else min(limit, max_message_bytes)
+
+    def transfer_deadline(self, size: int, phase: str) -> float | None:
+        """Seconds a transfer of ``size`` bytes has in all (``phase`` ``"receive"`` or ``"send"``):
+        its timeout + ``size`` / its minimum rate; None without a timeout (or rate: no total)."""
+        timeout, rate = (
+            (self.receive_timeout, self.min_receive_rate)
+            if phase == "receive"
+            else (self.send_timeout, self.min_send_rate)
+        )
+        if timeout is None or rate is None:
+            return None
+        return timeout + size / rate
 
     def receive_reservation(self, max_message_bytes: int) -> int:
         """Bytes a stream reserves against ``max_inflight_bytes`` before it reads a message: gRPC
@@ -221,6 +247,7 @@ __all__ = [
     "DEFAULT",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_MAX_TRANSFER_BYTES",
+    "DEFAULT_MIN_RATE",
     "MAX_MESSAGE_MB",
     "MiB",
     "RECEIVE_COPIES",

@@ -3,8 +3,9 @@
 :class:`GuardedReader` wraps a call's request iterator: before each message the call reserves what
 the message may hold against ``--max-inflight-mb`` (:class:`~harts_planner.rpc.ledger.Budget`; when
 it does not fit, the longest stalled receiver of the same class is cut off to make room) and arms the
-receive timeout (:class:`~harts_planner.rpc.control.Watchdog`, ``--receive-timeout``); after it, the
-reservation is returned. Planner calls read through it in the servicer
+receive timeout (:class:`~harts_planner.rpc.control.Watchdog`, ``--receive-timeout``) with the minimum
+rate (``--min-receive-rate-mb``: the request as a whole must arrive within ``--receive-timeout`` +
+its bytes / the rate, however steadily its chunks trickle); after it, the reservation is returned. Planner calls read through it in the servicer
 (:mod:`harts_planner.rpc.servicer`); health and reflection calls through the interceptor
 (:class:`~harts_planner.rpc.interceptor.Guard`), without a reservation (their number bounds them).
 """
@@ -59,12 +60,15 @@ class GuardedReader:
         """The next message (StopIteration at the end); RESOURCE_EXHAUSTED when the reservation
         does not fit, the call's stop status when it was cut off while waiting."""
         budget, ctl = self._budget, self._ctl
-        reservation = budget.limits.receive_reservation(budget.max_message_bytes) if self._reserve else 0
+        ctl.check("the next request message")  # cut off between two messages (a drain)
+        limits = budget.limits
+        reservation = limits.receive_reservation(budget.max_message_bytes) if self._reserve else 0
         self._hold(reservation)
         ctl.phase = phase
         ctl.touch()
         budget.receiving(ctl, self._kind, True)
-        self._watchdog.watch(ctl, phase, budget.limits.receive_timeout, "receive-timeout")
+        rate = limits.min_receive_rate if self._reserve else None
+        self._watchdog.watch(ctl, phase, limits.receive_timeout, "receive-timeout", rate)
         try:
             message = next(self._iterator)
         except grpc.RpcError as err:  # the RPC ended while we waited (cut off, cancelled, past its deadline)
@@ -77,7 +81,7 @@ class GuardedReader:
             ctl.phase = "admit"
             budget.receiving(ctl, self._kind, False)
             budget.release(reservation)
-        ctl.touch()
+        ctl.touch(len(message) if isinstance(message, (bytes, bytearray, memoryview)) else 0)
         return message
 
 

@@ -26,7 +26,8 @@ module                                    job
                                           watchdog of stalled transfers, the drain
 :mod:`~harts_planner.rpc.logs`            one structured record per call and per lifecycle event
 :mod:`~harts_planner.rpc.limits`          the limits and the cost model
-:mod:`~harts_planner.rpc.tls`             TLS credentials from PEM files
+:mod:`~harts_planner.rpc.tls`             TLS credentials from PEM files, the certificate checked
+:mod:`~harts_planner.rpc.connections`     the file-descriptor limit fitted to the connection cap
 this module                               the server's options, pools and entry points
 ========================================  ==================================================================
 
@@ -47,7 +48,9 @@ What the server does against hostile or careless clients (measured: ``benchmarks
   delivered, and a response the client does not read for ``--send-timeout`` seconds is cut off.
 * Responses are sent from the plan's own arrays, copied outside the GIL (:mod:`~.wire`); large ones
   through the ``*Stream`` methods in 1 MiB chunks (a unary response is at most one message).
-* Connections idle for :data:`MAX_CONNECTION_IDLE_MS` are closed; keepalive pings find dead peers.
+* Connections idle for :data:`MAX_CONNECTION_IDLE_MS` are closed; keepalive pings find dead peers;
+  :func:`serve` fits the file-descriptor limit to ``--max-connections`` before it serves
+  (:mod:`~harts_planner.rpc.connections`).
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ from grpc_reflection.v1alpha import reflection
 
 from harts_planner import checks
 from harts_planner.call_plan import set_max_plan_bytes
-from harts_planner.rpc import codec, control, tls, wire
+from harts_planner.rpc import codec, connections, control, tls, wire
 from harts_planner.rpc import limits as _limits
 from harts_planner.rpc.control import CANCEL_WAIT_SECONDS, DrainResult, RequestControl
 from harts_planner.rpc.interceptor import Guard
@@ -332,6 +335,7 @@ def serve(
     tls_cert=None,
     tls_key=None,
     tls_client_ca=None,
+    max_connections: int = connections.DEFAULT_MAX_CONNECTIONS,
 ) -> int:
     """Run a sidecar until SIGTERM or SIGINT, then drain (see :meth:`PlannerServer.drain`; a second
     signal ends the grace period at once).
@@ -345,6 +349,7 @@ def serve(
     ValueError / RuntimeError (cannot bind) before serving.
     """
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    files = connections.fit_file_limit(max_connections)  # ValueError when too few connections fit
     credentials = None
     if tls_cert is not None or tls_key is not None or tls_client_ca is not None:
         credentials = tls.server_credentials(tls_cert, tls_key, tls_client_ca)
@@ -358,10 +363,13 @@ def serve(
     configure_logging(log_format)
     from harts_planner.rpc import logs
 
-    warning = exposure_warning(host, credentials is not None, tls_client_ca is not None)
-    if warning is not None:
-        print(f"harts-planner: warning: {warning}", file=sys.stderr, flush=True)
-        logs.event("warning", level=30, message=warning)
+    for warning in (
+        exposure_warning(host, credentials is not None, tls_client_ca is not None),
+        files.warning,
+    ):
+        if warning is not None:
+            print(f"harts-planner: warning: {warning}", file=sys.stderr, flush=True)
+            logs.event("warning", level=30, message=warning)
     stop, cut = threading.Event(), threading.Event()
 
     def on_signal(signum, frame) -> None:
@@ -385,7 +393,12 @@ def serve(
             "max_queued": limits.max_queued,
             "receive_timeout_s": limits.receive_timeout,
             "send_timeout_s": limits.send_timeout,
+            "min_receive_rate_bytes_s": limits.min_receive_rate,
+            "min_send_rate_bytes_s": limits.min_send_rate,
             "planner_calls": server.guard.planner_calls,
+            "max_connections": files.connections,
+            "nofile_soft": files.soft,
+            "nofile_hard": files.hard,
         },
         grace_s=grace,
         pid=os.getpid(),

@@ -6,8 +6,10 @@ these phases, each logged in the call's record (:mod:`harts_planner.rpc.logs`):
 
 1. *receive*: the request message (unary) or chunks (``*Stream``: the first announces the size,
    checked against ``--max-request-mb`` and held against ``--max-inflight-mb`` before the rest is
-   read), each read under a receive reservation and the receive timeout
-   (:class:`~harts_planner.rpc.request_reader.GuardedReader`); a chunked request is assembled in one
+   read), each read under a receive reservation and the receive timeout, the whole request within
+   its total receive deadline (``--receive-timeout`` + its bytes / ``--min-receive-rate-mb``,
+   logged as ``receive_deadline_s``) (:class:`~harts_planner.rpc.request_reader.GuardedReader`);
+   a drain cuts it off at once; a chunked request is assembled in one
    buffer and its arrays read in place (:mod:`harts_planner.rpc.wire`);
 2. *admit* (:class:`~harts_planner.rpc.admission.Admission`): checks and cost before any planner
    thread is taken; a bad or unaffordable request is answered here (a request over
@@ -22,7 +24,9 @@ these phases, each logged in the call's record (:mod:`harts_planner.rpc.logs`):
 6. *send*: one message (unary, at most ``--max-message-mb``) or 1 MiB chunks, each copied out of
    the GIL and sent once the client has taken the previous one; the call's stop status (deadline,
    cancellation, a drain) is checked before each chunk, and the watchdog ends a call whose client
-   reads nothing for ``--send-timeout`` seconds. The plan's memory stays reserved until the response
+   reads nothing for ``--send-timeout`` seconds or reads it slower than ``--min-send-rate-mb``
+   after that (the total send deadline, ``--send-timeout`` + its bytes / the rate, logged as
+   ``send_deadline_s``). The plan's memory stays reserved until the response
    is delivered.
 
 The record says OK only for a response that was delivered (``delivered: true``); a call that ended
@@ -175,16 +179,28 @@ class PlannerServicer:
             budget.enter(ctl)
             entered = True
             reader = GuardedReader(request_iterator, ctl, budget, self.watchdog)
+            ctl.uploading = True
             data, held = self._receive(reader, stream, record)
+            ctl.uploading = False
             record["receive_ms"] = _ms(time.perf_counter() - start)
+            parsing = [0]  # bytes a parse will hold (counted before it is spent)
+
+            def reserve(size: int) -> None:
+                budget.hold(size, "request", "bytes (parsing the request)")
+                parsing[0] += size
+
             try:
-                request, which, arrays = wire.read_request(data, cls)
+                request, which, arrays = wire.read_request(data, cls, reserve)
             except (DecodeError, RecursionError) as e:
                 raise AbortRpcError(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"request: not a valid {cls.DESCRIPTOR.full_name} message ({e or type(e).__name__})",
                     "request",
                 ) from None
+            finally:
+                held += parsing[0]
+            if parsing[0]:
+                record["parse_held_bytes"] = parsing[0]
             del data
             t0 = time.perf_counter()
             ctl.phase = "admit"
@@ -222,20 +238,25 @@ class PlannerServicer:
             ctl.phase = "send"
             budget.sending(1)
             sending = True
-            ctl.touch()
-            self.watchdog.watch(ctl, "send", self.limits.send_timeout, "send-timeout")
+            ctl.begin_transfer("send")
+            deadline = self.limits.transfer_deadline(size, "send")
+            if deadline is not None:
+                record["send_deadline_s"] = round(deadline, 3)
+            limits = self.limits
+            self.watchdog.watch(ctl, "send", limits.send_timeout, "send-timeout", limits.min_send_rate)
             t0 = time.perf_counter()
             if stream:
                 for chunk in parts.chunk_messages(self.chunk_bytes):
                     ctl.check("sending the next chunk")
                     yield chunk
-                    ctl.touch()
+                    ctl.touch(len(chunk))
             else:
                 data = parts.join()
                 del parts
                 record["fill_ms"] = _ms(time.perf_counter() - t0)
                 ctl.check("sending the response")
                 yield data
+                ctl.touch(len(data))
             ctl.phase = "done"
             record["send_ms"] = _ms(time.perf_counter() - t0)
             record.update(code="OK", delivered=True)
@@ -323,6 +344,15 @@ class PlannerServicer:
                 "request",
                 f"the request is {total:,} bytes, over the server's limit of {limit:,} (--max-request-mb)",
             )
+        if total > self.limits.max_inflight_bytes:  # it could never be held, let alone parsed
+            raise exhausted(
+                "request",
+                f"the request is {total:,} bytes, over the {self.limits.max_inflight_bytes:,} bytes this "
+                "server holds for requests in all (--max-inflight-mb)",
+            )
+        deadline = self.limits.transfer_deadline(total, "receive")
+        if deadline is not None:
+            record["receive_deadline_s"] = round(deadline, 3)
         budget.hold(total)
         assembly = None
         try:

@@ -12,7 +12,10 @@ at most one message) without a long hold of the GIL. The bytes equal the protobu
 to field order (tested: they parse to the same message).
 
 In the other direction :func:`read_request` reads a request's trajectories as views of the request
-bytes instead of parsing them into a message (whose bytes fields Python would copy again), and
+bytes instead of parsing them into a message (whose bytes fields Python would copy again); its walk
+is bounded (:data:`MAX_FIELDS` fields per message level: a request of one field repeated millions of
+times is refused naming the field, not walked), fields the message does not know are skipped, and
+what any parse will hold is counted (``reserve``) before it is spent; and
 :class:`Assembly` puts a chunked request together in one buffer, placed so that its largest array
 (the tokens) is aligned.
 
@@ -212,8 +215,22 @@ def step_response(plan, call_plans, debug: bool) -> Parts:
 
 
 # ------------------------------------------------------------------------------------ requests
+#: Fields one message of a request may hold at the top level of its walk (a request has at most nine
+#: distinct ones, a chunk two): protobuf lets a field repeat any number of times (the last value
+#: wins), and a 64 MiB request of one repeated scalar is 32 million fields. More are refused, naming
+#: the field, before anything is built for them.
+MAX_FIELDS = 64
+#: Bytes the server holds to parse a request the usual way (protobuf's own copy of its fields, and
+#: Python's copy of the arrays read from it), per byte of the request, counted before parsing.
+PARSE_COPIES = 2
+
+
 class _UnusualError(Exception):
     """The bytes are valid protobuf the fast reader does not handle: parse them the usual way."""
+
+
+class _CorruptError(Exception):
+    """The bytes are not protobuf at all (a field number 0, a wire type that does not exist)."""
 
 
 def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
@@ -229,13 +246,27 @@ def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
         shift += 7
 
 
-def _fields(buf: memoryview, start: int, end: int, *, partial: bool = False):
+def _fields(
+    buf: memoryview, start: int, end: int, *, partial: bool = False, names=None, where: str = "request"
+):
     """(number, wire type, start, end) of each field in ``buf[start:end]``; for a varint field, start
-    is its value and end its end. With ``partial``, a length-delimited field may run past ``end``."""
-    pos = start
+    is its value and end its end. With ``partial``, a length-delimited field may run past ``end``.
+    At most :data:`MAX_FIELDS` fields: the next one raises InvalidArgumentError naming it (``names``:
+    field number -> name; ``where`` the message's path)."""
+    pos, count = start, 0
     while pos < end:
         key, pos = _read_varint(buf, pos, end)
         number, kind = key >> 3, key & 7
+        if number == 0 or kind in (3, 4, 6, 7):  # no field 0; no groups in a proto3 request
+            raise _CorruptError
+        count += 1
+        if count > MAX_FIELDS:
+            name = (names or {}).get(number, f"field {number}")
+            raise invalid(
+                f"{where}.{name}" if where != "request" else name,
+                f"the {where} holds more than {MAX_FIELDS} fields at its top level ({name} repeats), "
+                f"over the server's limit of {MAX_FIELDS} (wire.MAX_FIELDS): send each field once",
+            )
         if kind == 0:
             value, pos = _read_varint(buf, pos, end)
             yield number, kind, value, pos
@@ -262,11 +293,19 @@ _SOURCES = {
     1: ("packed", {1: "tokens", 2: "offsets"}),
     2: ("tree", {1: "parent", 2: "length", 3: "trajectory_end"}),
 }
+_TRAJECTORY_NAMES = {f.number: f.name for f in pb.Trajectories.DESCRIPTOR.fields}
 
 
 def _trajectories(buf: memoryview, start: int, end: int) -> tuple[str | None, dict]:
     which, arrays, seen = None, {}, set()
-    for number, kind, a, b in _fields(buf, start, end):
+    # Each level is walked whole first (at most MAX_FIELDS fields), so that a bomb is refused before
+    # a repeated field sends the bytes to protobuf's parser.
+    fields = list(_fields(buf, start, end, names=_TRAJECTORY_NAMES, where="trajectories"))
+    for number, kind, a, b in fields:
+        if number in (1, 2) and kind == 2:
+            names = _SOURCES[number][1]
+            list(_fields(buf, a, b, names=names, where=f"trajectories.{_SOURCES[number][0]}"))
+    for number, kind, a, b in fields:
         if kind != 2 or number in seen or number not in (1, 2, 3):
             raise _UnusualError  # repeated / unknown fields: protobuf's merge rules, not ours
         seen.add(number)
@@ -277,7 +316,8 @@ def _trajectories(buf: memoryview, start: int, end: int) -> tuple[str | None, di
             raise _UnusualError  # both oneof members
         which, names = _SOURCES[number]
         inner = set()
-        for n2, k2, c, d in _fields(buf, a, b):
+        where = f"trajectories.{which}"
+        for n2, k2, c, d in _fields(buf, a, b, names=names, where=where):
             if k2 != 2 or n2 in inner or n2 not in names:
                 raise _UnusualError
             inner.add(n2)
@@ -285,7 +325,15 @@ def _trajectories(buf: memoryview, start: int, end: int) -> tuple[str | None, di
     return which, arrays
 
 
-def read_request(data, cls):
+def _decode_error(cls) -> Exception:
+    from google.protobuf.message import DecodeError
+
+    return DecodeError(
+        f"Error parsing message with type '{cls.DESCRIPTOR.full_name}': Wire format was corrupt"
+    )
+
+
+def read_request(data, cls, reserve=None):
     """A request message without its trajectories, and the trajectories as views of ``data``.
 
     Returns ``(message, which, arrays)``: ``message`` a ``cls`` parsed from every field but the
@@ -293,22 +341,38 @@ def read_request(data, cls):
     ``arrays`` memoryviews of ``data`` by field name (``tokens``, ``offsets``, ``parent``, ...,
     ``tree_ids``). Bytes the reader does not handle (repeated or unknown fields inside the
     trajectories) are parsed by protobuf instead, with the same result (copying their arrays).
+    Fields ``cls`` does not know are skipped (they cost nothing).
+
+    Nothing unbounded is built: each message level may hold at most :data:`MAX_FIELDS` fields (more
+    raise InvalidArgumentError naming the repeated field, before any parsing), and the memory a
+    parse needs is passed to ``reserve(bytes)`` before it is spent (the other fields' copies; for
+    the usual parse, :data:`PARSE_COPIES` times the request), which may refuse it by raising.
     Raises ``google.protobuf.message.DecodeError`` for bytes that are not a ``cls``.
     """
     buf = memoryview(data).cast("B")
+    known = {f.number: f.name for f in cls.DESCRIPTOR.fields}
+    reserve = reserve or (lambda size: None)
     try:
+        fields = list(_fields(buf, 0, len(buf), names=known, partial=True))
+        _check_messages(cls, fields)
         rest, traj = [], None
-        for number, kind, a, b in _fields(buf, 0, len(buf)):
+        for number, kind, a, b in _fields(buf, 0, len(buf), names=known):
             if number == 1 and kind == 2:
                 if traj is not None:
                     raise _UnusualError
                 traj = (a, b)
-            else:
+            elif number in known:
                 rest.append((number, kind, a, b))
+        head_bytes = sum(b - a for n, k, a, b in rest if k == 2)
+        if head_bytes:
+            reserve(PARSE_COPIES * head_bytes)
         head = _head(buf, cls, rest)
         which, arrays = (None, {}) if traj is None else _trajectories(buf, *traj)
         return head, which, arrays
+    except _CorruptError:
+        raise _decode_error(cls) from None
     except _UnusualError:
+        reserve(PARSE_COPIES * len(buf))
         msg = cls.FromString(bytes(buf))
         traj = msg.trajectories
         which = traj.WhichOneof("source") if msg.HasField("trajectories") else None
@@ -320,6 +384,25 @@ def read_request(data, cls):
             arrays["tree_ids"] = memoryview(traj.tree_ids)
         msg.ClearField("trajectories")
         return msg, which, arrays
+
+
+#: Largest message-typed field of a request besides its trajectories (``options``: a dozen scalars,
+#: under 200 bytes): a bigger one could only be a field repeated many times inside it.
+MAX_OPTION_BYTES = 4096
+
+
+def _check_messages(cls, fields) -> None:
+    """Refuse a message-typed field (``options``) over :data:`MAX_OPTION_BYTES`, naming it."""
+    for f in cls.DESCRIPTOR.fields:
+        if f.number == 1 or f.message_type is None:
+            continue
+        size = sum(b - a for number, kind, a, b in fields if number == f.number and kind == 2)
+        if size > MAX_OPTION_BYTES:
+            raise invalid(
+                f.name,
+                f"{size:,} bytes, over the server's limit of {MAX_OPTION_BYTES:,} for {f.message_type.name} "
+                "(wire.MAX_OPTION_BYTES: a dozen scalars, each sent once)",
+            )
 
 
 def _head(buf: memoryview, cls, fields) -> object:
@@ -353,18 +436,21 @@ def array(view: memoryview, dtype, field: str) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------ chunked requests
+_CHUNK_NAMES = {f.number: f.name for f in pb.PlanChunk.DESCRIPTOR.fields}
+
+
 def read_chunk(data) -> tuple[memoryview, int]:
     """The ``data`` (a view) and ``total_bytes`` (0 when unset) of a serialized ``PlanChunk``.
     Raises InvalidArgumentError on field ``request`` for bytes that are not one."""
     buf = memoryview(data).cast("B")
     view, total = buf[0:0], 0
     try:
-        for number, kind, a, b in _fields(buf, 0, len(buf)):
+        for number, kind, a, b in _fields(buf, 0, len(buf), names=_CHUNK_NAMES, where="request"):
             if number == 1 and kind == 2:
                 view = buf[a:b]
             elif number == 2 and kind == 0:
                 total = a if a < 1 << 63 else a - (1 << 64)
-    except _UnusualError:
+    except (_UnusualError, _CorruptError):
         raise invalid("request", "not a valid harts.planner.v1.PlanChunk message") from None
     return view, total
 
@@ -381,7 +467,7 @@ def _big_field_offset(first: bytes) -> int | None:
                         for _, k3, e, _ in _fields(buf, c, min(d, len(buf)), partial=True):
                             return e if k3 == 2 else None
                 return None
-    except _UnusualError:
+    except (_UnusualError, _CorruptError, ValueError):  # ValueError: over MAX_FIELDS (read_chunk says so)
         return None
     return None
 
@@ -430,6 +516,9 @@ class Assembly:
 
 __all__ = [
     "CHUNK_BYTES",
+    "MAX_FIELDS",
+    "MAX_OPTION_BYTES",
+    "PARSE_COPIES",
     "Assembly",
     "Parts",
     "array",
