@@ -88,7 +88,7 @@ def _framework(tmp: Path) -> dict:
         input_ids[i, : len(r)], attention_mask[i, : len(r)] = r, 1
     shape = input_ids.shape
     return {
-        "mesh": None,
+        "dims": None,
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "adv": torch.randn(shape, generator=g),
@@ -117,7 +117,7 @@ SETUP: dict[str, Setup] = {
         },
         needs=("torch", "safetensors"),
     ),
-    "engine = HartsEngine.from_pretrained(": Setup(
+    "engine = HartsEngine.build(": Setup(
         make=_framework, needs=("torch", "safetensors")
     ),  # Qwen3.5
 }
