@@ -86,6 +86,8 @@ sys.path.append(str(ROOT / "python_client"))
 
 from readme_blocks import update_readme  # noqa: E402
 
+from harts_planner import DEFAULT_CAPACITY  # noqa: E402
+
 CASES = ("kda", "kda_compact", "gdn", "attention", "moe")
 TOP_KEYS = (
     "kda_fwdbwd_vs_fla",
@@ -1107,7 +1109,7 @@ def main(argv=None) -> int:
         help="comma-separated attention backends of the attention case (default: every available one)",
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--rows", type=int, default=65_536, help="packed rows / microbatch capacity T")
+    ap.add_argument("--rows", type=int, default=DEFAULT_CAPACITY, help="packed rows / microbatch capacity T")
     ap.add_argument("--preset", default="swe-like", help="synthetic preset of the compact microbatch")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=540.0, help="skip cases that would start after this")

@@ -242,6 +242,8 @@ def section_offload(args, dev) -> dict:
 
 
 def main(argv=None) -> int:
+    from harts_planner import DEFAULT_CAPACITY
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("section", choices=("overhead", "offload"))
     ap.add_argument("--out", required=True)
@@ -249,7 +251,7 @@ def main(argv=None) -> int:
     ap.add_argument("--flavor", default=None, help="default: ling-tiny (overhead), qwen3.5-35b-a3b (offload)")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--preset", default="swe-like")
-    ap.add_argument("--capacity", type=int, default=65_536)
+    ap.add_argument("--capacity", type=int, default=DEFAULT_CAPACITY)
     ap.add_argument("--max-len", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", default="attention,linear_attention", help="kept regions (overhead)")

@@ -43,7 +43,7 @@ sys.path.insert(0, str(HERE))
 from baselines import dta_balancer, ortools_baseline, prefix_unaware
 from readme_blocks import update_readme
 
-from harts_planner import RolloutBatch, plan_step, synth
+from harts_planner import DEFAULT_CAPACITY, RolloutBatch, plan_step, synth
 from harts_planner.step_plan import schedule_metrics, verify_schedule
 
 METHODS = ["harts", "harts-paper", "or-tools", "or-tools-per-tree", "areal-dta", "prefix-unaware"]
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="swe-like")
     p.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
     p.add_argument("--dp", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--capacity", type=int, default=65536)
+    p.add_argument("--capacity", type=int, default=DEFAULT_CAPACITY)
     p.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     p.add_argument("--ortools-time-limit", type=float, default=ortools_baseline.DEFAULT_TIME_LIMIT_S)
     p.add_argument("--repeats", type=int, default=3, help="HARTS runs per step (best time kept)")

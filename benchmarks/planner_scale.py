@@ -242,11 +242,13 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> int:
+    from harts_planner import DEFAULT_CAPACITY
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="swe-like", choices=["swe-like", *TREE_PRESETS])
     p.add_argument("--sizes", type=int, nargs="+", default=None, help="copies of the preset")
     p.add_argument("--dp", type=int, default=4)
-    p.add_argument("--capacity", type=int, default=65536)
+    p.add_argument("--capacity", type=int, default=DEFAULT_CAPACITY)
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(

@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from sidecar_fixtures import memory  # noqa: E402  (the /proc reader service_attacks.py and the tests use)
 
-from harts_planner import Planner, RolloutBatch, SegmentTree, bench, synth  # noqa: E402
+from harts_planner import DEFAULT_CAPACITY, Planner, RolloutBatch, SegmentTree, bench, synth  # noqa: E402
 from harts_planner.rpc.server import SidecarProcess  # noqa: E402
 
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="swe-like")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dp", type=int, default=2)
-    p.add_argument("--capacity", type=int, default=65536)
+    p.add_argument("--capacity", type=int, default=DEFAULT_CAPACITY)
     p.add_argument("--requests", type=int, default=40, help="timed sequential requests per tree row")
     p.add_argument("--token-requests", type=int, default=15, help="timed sequential requests per tokens row")
     p.add_argument("--warmup", type=int, default=2)

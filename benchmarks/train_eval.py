@@ -1269,7 +1269,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--preset", default="swe-like")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--capacity", type=int, default=65_536, help="T")
+    ap.add_argument("--capacity", type=int, default=hp.DEFAULT_CAPACITY, help="T")
     ap.add_argument(
         "--slice-microbatches",
         type=int,

@@ -172,7 +172,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--capacity", type=int, default=65_536)
+    ap.add_argument("--capacity", type=int, default=hp.DEFAULT_CAPACITY)
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--out", default=str(HERE / "results" / "verl_balance.json"))
     args = ap.parse_args(argv)

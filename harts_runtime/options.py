@@ -19,6 +19,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from harts_planner.step_plan import DEFAULT_CAPACITY
 from harts_runtime.errors import InvalidInputError
 
 __all__ = [
@@ -32,8 +33,6 @@ __all__ = [
     "option_fields",
 ]
 
-DEFAULT_CAPACITY = 65_536
-"""T: compact rows per microbatch unless told otherwise (the paper's setting on an H200)."""
 MODES = ("compact", "trajectory")
 """``compact``: HARTS; ``trajectory``: the trajectory-wise baseline (the same model and loss)."""
 KEEPABLE = ("attention", "linear_attention")
@@ -85,7 +84,9 @@ class ExecutionOptions:
     """How a step executes: planning, rows per microbatch, recomputation, FSDP2 dtypes, offload.
     None of them changes the training math (compact equals trajectory-wise)."""
 
-    capacity: int = _opt(DEFAULT_CAPACITY, "T: compact rows per microbatch (the planner's capacity)", metavar="T")
+    capacity: int = _opt(
+        DEFAULT_CAPACITY, "T: compact rows per microbatch (the planner's capacity)", metavar="T"
+    )
     microbatch_cost: int = _opt(
         0,
         "the planner's fixed cost of a microbatch in compact tokens, in [0, capacity] (0: the paper's "
@@ -123,7 +124,9 @@ class ExecutionOptions:
         _integer(self.microbatch_cost, "microbatch_cost", 0, self.capacity)
         _choice(self.mode, "mode", MODES)
         if self.planner is not None and (not isinstance(self.planner, str) or not self.planner.strip()):
-            raise InvalidInputError("planner", f"must be host:port of a sidecar or None, got {self.planner!r}")
+            raise InvalidInputError(
+                "planner", f"must be host:port of a sidecar or None, got {self.planner!r}"
+            )
         _boolean(self.recompute, "recompute")
         keep = (self.keep,) if isinstance(self.keep, str) else tuple(self.keep or ())
         bad = sorted(set(keep) - set(KEEPABLE))

@@ -29,6 +29,7 @@ from harts_planner.errors import (
 )
 from harts_planner.planner import Planner
 from harts_planner.step_plan import (
+    DEFAULT_CAPACITY,
     CostLimits,
     PlanCost,
     StepPlan,
@@ -50,6 +51,7 @@ __all__ = [
     "plan_calls",
     "StepPlan",
     "plan_step",
+    "DEFAULT_CAPACITY",
     "CancelToken",
     "PlanCancelledError",
     "estimate_cost",

@@ -40,6 +40,7 @@ from harts_planner.plan_cost import (
 )
 
 __all__ = [
+    "DEFAULT_CAPACITY",
     "MAX_MESSAGE_BYTES",
     "CostLimits",
     "PlanCost",
@@ -107,6 +108,10 @@ SCALAR_FIELDS: tuple[str, ...] = (
 #: ==================  =======  =========================================================================
 #:
 #: ``planner.proto`` states the same defaults in its ``StepOptions`` comments (a test checks both).
+DEFAULT_CAPACITY = 65_536
+"""T: compact tokens per microbatch unless told otherwise (the paper's setting on an H200); the one
+default of every door (``harts-planner``, ``harts-train``, the engine, the verl backend)."""
+
 DEFAULT_OPTIONS: dict[str, object] = _native.default_step_options()
 
 

@@ -23,6 +23,7 @@ from harts_planner.commands.arg_types import (
 from harts_planner.commands.planning import cmd_plan, cmd_show
 from harts_planner.commands.sidecar import cmd_bench, cmd_serve
 from harts_planner.commands.synthetic import cmd_demo, cmd_synth
+from harts_planner.step_plan import DEFAULT_CAPACITY
 
 #: ``harts-planner --help``'s description: the subcommands.
 DESCRIPTION = """`harts-planner`: command-line entry point.
@@ -56,7 +57,10 @@ def _step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", type=input_batch, help="a batch file (.hrb or .jsonl, see `harts-planner synth`)")
     p.add_argument("--dp", type=int_arg(1), default=1, help="DP degree D (default 1)")
     p.add_argument(
-        "--capacity", type=int_arg(1), default=65536, help="compact tokens per microbatch T (default 65536)"
+        "--capacity",
+        type=int_arg(1),
+        default=DEFAULT_CAPACITY,
+        help=f"compact tokens per microbatch T (default {DEFAULT_CAPACITY})",
     )
     p.add_argument(
         "--chunk-size",
@@ -99,7 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--quiet", action="store_true", help="no progress bars")
     d.add_argument("--dp", type=int_arg(1), default=2, help="DP degree D of the step plan (default 2)")
     d.add_argument(
-        "--capacity", type=int_arg(1), default=65_536, help="microbatch capacity T in compact tokens"
+        "--capacity",
+        type=int_arg(1),
+        default=DEFAULT_CAPACITY,
+        help="microbatch capacity T in compact tokens",
     )
     d.add_argument("--chunk-size", type=int_arg(1, 1 << 20), default=64, help="KDA chunk size B")
     d.add_argument(
@@ -262,7 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int_arg(0), default=0, help="generator seed >= 0 (default 0)")
     b.add_argument("--batch", type=input_batch, help="plan this batch file instead of a synthetic one")
     b.add_argument("--dp", type=int_arg(1), default=2, help="DP degree D (default 2)")
-    b.add_argument("--capacity", type=int_arg(1), default=65536, help="T (default 65536)")
+    b.add_argument(
+        "--capacity", type=int_arg(1), default=DEFAULT_CAPACITY, help=f"T (default {DEFAULT_CAPACITY})"
+    )
     b.add_argument(
         "--request",
         choices=("tokens", "tree", "both"),
