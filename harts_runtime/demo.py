@@ -123,7 +123,7 @@ def train_modes(
             mode=mode,
             capacity=capacity,
             recompute=recompute,
-            keep=tuple(keep) if recompute else (),
+            keep=tuple(keep),
             lr=lr,
             weight_decay=0.01,
             max_grad_norm=None,
