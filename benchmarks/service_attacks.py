@@ -26,6 +26,16 @@ each one's ``sizes``):
   (the issue: logged OK, the client got UNAVAILABLE, 6 of 6 runs).
 * ``estimate``: a packed-tokens request: the server's estimate (request held + plan memory) against
   its measured peak (the issue: 5.32 GB estimated, 8.56 GB peak for 1.06 GB of tokens).
+* ``field_bombs`` (issue 38): legal (a 9-token tree and ``chunk_size`` repeated) and zero-byte
+  requests, 64 MiB streamed and 8 MiB unary, one client then four at once (the issue: 4.1 GB and
+  6.4 GB peaks, ``std::bad_alloc``).
+* ``trickled``: four streams announcing 493 MiB that send an empty chunk every 0.2 s (the issue:
+  every planner call refused for 120 s).
+* ``slow_readers``: four clients reading 30 MB responses at 20 KB/s (the issue: plan memory held
+  indefinitely).
+* ``shutdown_uploads``: SIGTERM (grace 300 s) with two trickling uploads (the issue: 300 s).
+* ``connections``: 1,100 idle connections against a server started at 1,024 descriptors (the issue:
+  new clients, health included, locked out).
 
 ``--launcher SCRIPT`` runs another ``harts-planner`` (a script that imports an older checkout's
 ``harts_planner.cli``): the figures before the change come from the commit before it. Flags the older
@@ -49,8 +59,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "rpc"))
 
-from attacks import Probe, never_read, partial_uploads, records, stalled_streams  # noqa: E402
-from sidecar_fixtures import Raw, calls_request, copies_tree, memory, one_segment  # noqa: E402
+from attacks import Probe, Trickle, never_read, partial_uploads, records, stalled_streams  # noqa: E402
+from h2_client import PREFACE, SETTINGS, frame  # noqa: E402
+from sidecar_fixtures import TREE, Raw, calls_request, copies_tree, memory, one_segment  # noqa: E402
 
 from harts_planner import PackedTokens, RolloutBatch, bench, estimate_cost, synth  # noqa: E402
 from harts_planner.rpc import codec, limits  # noqa: E402
@@ -63,14 +74,28 @@ class Server:
     """A ``serve`` process: the new one, or ``--launcher``'s (``old``)."""
 
     def __init__(
-        self, args, log_dir: str, name: str, flags=(), new_flags=(), workers: int = 2, grace: float = 30.0
+        self,
+        args,
+        log_dir: str,
+        name: str,
+        flags=(),
+        new_flags=(),
+        workers: int = 2,
+        grace: float = 30.0,
+        preexec_fn=None,
     ):
         self.old = args.launcher is not None
         command = [sys.executable, args.launcher] if self.old else None
         self.log = os.path.join(log_dir, f"{name}.log")
         extra = list(flags) + ([] if self.old else list(new_flags))
         self.proc = SidecarProcess(
-            workers=workers, grace=grace, log_path=self.log, extra_args=extra, command=command, env=_env()
+            workers=workers,
+            grace=grace,
+            log_path=self.log,
+            extra_args=extra,
+            command=command,
+            env=_env(),
+            preexec_fn=preexec_fn,
         )
         self.address = self.proc.address
         self.idle = memory(self.proc.pid)
@@ -419,6 +444,177 @@ def estimate(args, log_dir, swe) -> dict:
     return {"runs": runs}
 
 
+def _bomb(size: int, number: int = 3) -> bytes:
+    """A legal request: a 9-token tree and varint field ``number`` (chunk_size) repeated to ``size``."""
+    base = calls_request(TREE)
+    one = codec.varint(number << 3) + codec.varint(64)
+    return base + one * ((size - len(base)) // len(one))
+
+
+def field_bombs(args, log_dir, swe) -> dict:
+    """Legal and zero-byte bombs, unary and streamed, one client then ``--bomb-clients`` at once."""
+    srv = Server(args, log_dir, "field_bombs")
+    try:
+        cases = {
+            "legal_stream": (srv.stream("PLAN_CALLS"), _bomb(args.bomb_mb * MiB)),
+            "zeros_stream": (srv.stream("PLAN_CALLS"), bytes(args.bomb_mb * MiB)),
+            "legal_unary": ("PLAN_CALLS", _bomb(8 * MiB - 64, 4)),
+            "zeros_unary": ("PLAN_CALLS", bytes(8 * MiB - 64)),
+        }
+        out: dict = {"sizes": {"stream_mb": args.bomb_mb, "unary_mb": 8, "clients": args.bomb_clients}}
+        with Raw(srv.address) as raw:
+            probe = Probe(srv.address, args.probe_seconds)
+            for name, (method, data) in cases.items():
+                t0 = time.perf_counter()
+                code, details = raw.code(method, data, timeout=120)
+                out[name] = {
+                    "code": code.name,
+                    "details": details[:100],
+                    "s": round(time.perf_counter() - t0, 2),
+                }
+            method, data = cases["legal_stream"]
+            threads, codes = _in_threads(
+                args.bomb_clients, lambda: raw.code(method, data, timeout=120)[0].name
+            )
+            for t in threads:
+                t.join(300)
+            out["many_clients_codes"] = {c: codes.count(c) for c in set(codes)}
+            out["probe"] = probe.result()
+        out["idle_mb"] = round(srv.idle["VmRSS"] / MiB, 1)
+        out["peak_mb"] = srv.peak_mb()
+        return out
+    finally:
+        srv.close()
+
+
+def trickled(args, log_dir, swe) -> dict:
+    """Four streams announcing 493 MiB that send an empty chunk every 0.2 s (the issue: every planner
+    call refused for 120 s)."""
+    srv = Server(args, log_dir, "trickled")
+    try:
+        t0 = time.monotonic()
+        trickle = Trickle(srv.address, 4, 493 * MiB)
+        probe = Probe(srv.address, args.probe_seconds).result()
+        alive_after_probe = trickle.alive()
+        while trickle.alive() and time.monotonic() - t0 < 150:
+            time.sleep(0.1)
+        lived = round(time.monotonic() - t0, 1)
+        trickle.close()
+        return {
+            "sizes": {"streams": 4, "claimed_mb": 493, "every_s": 0.2},
+            "probe": probe,
+            "alive_after_probe": alive_after_probe,
+            "tricklers_gone_after_s": lived,
+            "peak_mb": srv.peak_mb(),
+            "logged_codes": _codes(srv.log),
+        }
+    finally:
+        srv.close()
+
+
+def slow_readers(args, log_dir, swe) -> dict:
+    """Clients reading a large response at ``--slow-rate`` KB/s (the issue: 17-25 KB/s held plan
+    memory indefinitely)."""
+    srv = Server(args, log_dir, "slow_readers", new_flags=["--send-timeout", str(args.send_timeout)])
+    try:
+        request_ = _big_calls(1_000_000)
+        path = codec.PLAN_CALLS if srv.old else codec.PLAN_CALLS_STREAM
+        t0 = time.monotonic()
+        held = never_read(srv.address, [request_] * 4, path=path, read_rate=args.slow_rate * 1024)
+        probe = Probe(srv.address, args.probe_seconds).result()
+        for conn, sid in held:
+            conn.wait(lambda c, sid=sid: c.finished(sid), max(1.0, 90 - (time.monotonic() - t0)))
+        done = [conn.finished(sid) for conn, sid in held]
+        lived = round(time.monotonic() - t0, 1)
+        for conn, _ in held:
+            conn.close()
+        return {
+            "sizes": {
+                "clients": 4,
+                "read_kb_s": args.slow_rate,
+                "response_mb": round(_response_mb(1_000_000), 1),
+            },
+            "probe": probe,
+            "ended": done,
+            "ended_within_s": lived,
+            "peak_mb": srv.peak_mb(),
+            "logged": [{k: r.get(k) for k in ("code", "delivered", "error")} for r in records(srv.log)],
+        }
+    finally:
+        srv.close()
+
+
+def shutdown_uploads(args, log_dir, swe) -> dict:
+    """SIGTERM (grace 300 s) with two trickling uploads (the issue: the drain waited the whole 300 s)."""
+    srv = Server(args, log_dir, "shutdown_uploads", grace=300.0, new_flags=["--receive-timeout", "60"])
+    trickle = Trickle(srv.address, 2, 200 * MiB)
+    try:
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        srv.proc.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = srv.proc.proc.wait(args.shutdown_wait)
+        except Exception:
+            rc = None
+        return {
+            "sizes": {"uploads": 2, "grace_s": 300},
+            "exit_code": rc,
+            "exit_after_s": round(time.monotonic() - t0, 2) if rc is not None else f">{args.shutdown_wait}",
+            "logged_codes": _codes(srv.log),
+        }
+    finally:
+        trickle.close()
+        srv.close()
+
+
+def _nofile(soft: int):
+    def limit() -> None:
+        import resource
+
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    return limit
+
+
+def connections(args, log_dir, swe) -> dict:
+    """``--connections`` idle HTTP/2 connections against a server started at a soft limit of 1,024
+    descriptors (the issue: new clients, health included, locked out)."""
+    import resource
+    import socket
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, args.connections + 512), hard))
+    srv = Server(args, log_dir, "connections", preexec_fn=_nofile(1024))
+    socks = []
+    try:
+        host, _, port = srv.address.rpartition(":")
+        hello = PREFACE + frame(SETTINGS, 0, 0)
+        refused = 0
+        for _ in range(args.connections):
+            try:
+                s = socket.create_connection((host, int(port)), timeout=5)
+                s.sendall(hello)
+                socks.append(s)
+            except OSError:
+                refused += 1
+        time.sleep(1.0)
+        try:
+            probe = Probe(srv.address, args.probe_seconds).result()
+        except Exception as e:  # the prober could not connect
+            probe = {"error": f"{type(e).__name__}: {e}"}
+        return {
+            "sizes": {"connections": args.connections, "server_soft_nofile": 1024},
+            "refused": refused,
+            "probe": probe,
+        }
+    finally:
+        for s in socks:
+            s.close()
+        srv.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 SECTIONS = {
     "stalled": stalled,
     "queued": queued,
@@ -428,6 +624,11 @@ SECTIONS = {
     "deadline": deadline,
     "drain": drain,
     "estimate": estimate,
+    "field_bombs": field_bombs,
+    "trickled": trickled,
+    "slow_readers": slow_readers,
+    "shutdown_uploads": shutdown_uploads,
+    "connections": connections,
 }
 
 
@@ -460,6 +661,11 @@ def main(argv=None) -> int:
     )
     p.add_argument("--drain-after", type=float, default=3.0)
     p.add_argument("--drain-rate", type=float, default=40.0, help="MB/s the drain's clients read at")
+    p.add_argument("--bomb-mb", type=int, default=64, help="streamed field bombs' size (MiB)")
+    p.add_argument("--bomb-clients", type=int, default=4, help="clients sending a streamed bomb at once")
+    p.add_argument("--slow-rate", type=float, default=20.0, help="KB/s the slow readers read at")
+    p.add_argument("--shutdown-wait", type=float, default=60.0, help="seconds to wait for the exit")
+    p.add_argument("--connections", type=int, default=1100, help="idle connections")
     args = p.parse_args(argv)
     syn = synth.generate("swe-like", seed=0)
     swe = RolloutBatch.from_arrays(syn.tokens, syn.offsets, syn.tree_ids).segment_tree()

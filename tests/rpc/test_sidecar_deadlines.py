@@ -124,3 +124,35 @@ def test_sigterm_cuts_uploads_at_once(tmp_path):
     assert all("before the request arrived" in r["error"] for r in cut)
     (drain,) = records(log, "drain")
     assert drain["uploads_cut"] == 2
+
+
+def test_a_cancel_after_the_last_chunk_is_not_logged_delivered(tmp_path):
+    """Clients that reset their stream once they hold 80-99% of a 3-chunk response (the issue: 7
+    of 36 that cancelled after 25-30 of 31 chunks were logged ``OK delivered: true``): no record
+    says OK unless its client got the whole response."""
+    from harts_planner import estimate_cost
+
+    log = tmp_path / "serve.log"
+    tokens = 80_000
+    size = estimate_cost(one_segment(tokens)).response_bytes
+    got = []
+    with _serve(tmp_path) as sidecar:
+        for share in (0.8, 0.9, 0.95, 0.99):
+            ((conn, sid),) = never_read(
+                sidecar.address, [calls_request(one_segment(tokens))], read_rate=8 * MiB
+            )
+            try:
+                assert conn.wait(
+                    lambda c, s=sid, x=share: c.streams[s].received >= x * size or c.finished(s), 30
+                )
+                if not conn.finished(sid):
+                    conn.reset(sid)
+                time.sleep(0.2)
+                got.append(conn.streams[sid].received >= 0.999 * size and not conn.streams[sid].reset)
+            finally:
+                conn.close()
+        assert wait_for(lambda: len(records(log)) >= 4, 10)
+    logged = records(log)
+    assert len(logged) == 4
+    ok = [r for r in logged if r["code"] == "OK"]
+    assert all(r["delivered"] is True for r in ok) and len(ok) <= sum(got), (logged, got)

@@ -122,6 +122,7 @@ class RequestControl:
         self.moved = 0
         self.uploading = False  # reading its request (a drain cuts it off at once)
         self.terminated = threading.Event()  # gRPC ended the RPC
+        self.client_cancelled = False  # it ended cancelled (RST_STREAM), whatever the handler had sent
         self._done = False
         self._on_terminated: list = []
         remaining = context.time_remaining() if context is not None else None
@@ -137,6 +138,10 @@ class RequestControl:
     def _terminated(self) -> None:
         """gRPC's callback: the RPC ended (completed, cancelled by the client, or past its deadline;
         gRPC's clock may run a little ahead of ours, hence the margin)."""
+        # grpcio's own record of how the call closed (no public accessor): "cancelled" when the
+        # client reset the stream before the status went out, even after the handler's last message.
+        state = getattr(self.context, "_state", None)
+        self.client_cancelled = getattr(state, "client", None) == "cancelled"
         if not self._done:
             remaining = self.remaining()
             self.cancel("deadline" if remaining is not None and remaining < 0.05 else "client")
