@@ -60,12 +60,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.rows import RowLayout
-from harts_runtime.modules.swiglu import SwiGLU
+from harts_runtime.modules.swiglu import SwiGLU, swiglu
 from harts_runtime.ops.dispatch import combine_rows, dispatch_rows, sort_assignments
 from harts_runtime.ops.grouped_gemm import gate_up_mm, grouped_mm
 from harts_runtime.ops.router import router_logits
@@ -112,6 +111,11 @@ class MoEConfig:
     shared_expert_gate: bool = False
     """Qwen's sigmoid gate on the shared output (``shared_expert_gate``, a [1, D] linear):
     ``routed + sigmoid(shared_expert_gate(x)) * shared_experts(x)``."""
+    swiglu_limit: float = 0.0
+    """Clipped SwiGLU of the routed experts (Ling-3.0's per-layer ``expert_swiglu_limit``): with
+    L > 0 each expert computes ``min(silu(x W_gate), L) * clamp(x W_up, -L, L)``; 0: plain."""
+    shared_swiglu_limit: float = 0.0
+    """The same clipping of the shared experts (Ling-3.0's ``share_expert_swiglu_limit``)."""
     grouped: bool = True
     """Grouped-matmul expert path (True) or the per-expert loop reference (False)."""
     backend: str = "auto"
@@ -294,7 +298,7 @@ class CompactMoE(nn.Module):
         self.register_buffer("local_tokens_per_expert", torch.zeros(c.num_experts))
         if c.num_shared_experts > 0:
             width = c.shared_intermediate_size or c.num_shared_experts * c.intermediate_size
-            self.shared_experts = SwiGLU(c.hidden_size, width)
+            self.shared_experts = SwiGLU(c.hidden_size, width, limit=c.shared_swiglu_limit)
             if c.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
         self.reset_parameters()
@@ -374,7 +378,7 @@ class CompactMoE(nn.Module):
         return s
 
     def _ffn(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        return (F.silu(x @ self.w_gate[e]) * (x @ self.w_up[e])) @ self.w_down[e]
+        return swiglu(x @ self.w_gate[e], x @ self.w_up[e], self.config.swiglu_limit) @ self.w_down[e]
 
     def _experts_loop(self, x, topk_idx, weight):
         """Reference: for each expert, its rows, its FFN, weighted ``index_add`` into the rows."""
@@ -404,7 +408,7 @@ class CompactMoE(nn.Module):
         xs = dispatch_rows(x, rows, inverse, k, be)  # [N*k, D] expert-sorted
         ws = permute_rows(weight.reshape(-1), order, inverse)  # [N*k] slot weights, expert-sorted
         gu = gate_up_mm(xs, self.w_gate, self.w_up, counts, offs=offs)  # [N*k, 2I]
-        h = swiglu_rows(gu, ws, be)  # [N*k, I], weighted
+        h = swiglu_rows(gu, ws, be, self.config.swiglu_limit)  # [N*k, I], weighted
         ys = grouped_mm(h, self.w_down, counts, offs=offs)  # [N*k, D] expert-sorted, weighted
         return combine_rows(ys, rows, inverse, k, be, base)
 

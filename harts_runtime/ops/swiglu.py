@@ -15,14 +15,17 @@ importable, else the reference. A tensor without rows takes the reference. Neith
 synchronises with the host. (fla's ``swiglu_fwd`` / ``swiglu_fwdbwd`` were used before: with the
 weight product, its gradient and the ``cat`` around them they took seven passes where these take
 two; :mod:`harts_kernels.moe.swiglu` has the figures.)
+
+``limit`` L > 0 (None or 0: off) is the clipped SwiGLU ``min(silu(a), L) * clamp(b, -L, L)``
+(Ling-3.0's ``expert_swiglu_limit``), in both paths.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from harts_runtime.modules.fused import use_fla
+from harts_runtime.modules.swiglu import swiglu
 
 __all__ = ["swiglu_rows"]
 
@@ -37,28 +40,32 @@ class _FusedSwiGLU(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, gu, w):
+    def forward(ctx, gu, w, limit):
         from harts_kernels.moe import swiglu_weighted
 
         ctx.save_for_backward(gu, w)
-        return swiglu_weighted(gu, w)
+        ctx.limit = limit
+        return swiglu_weighted(gu, w, limit)
 
     @staticmethod
     def backward(ctx, g):
         from harts_kernels.moe import swiglu_weighted_bwd
 
         gu, w = ctx.saved_tensors
-        dgu, dw = swiglu_weighted_bwd(gu, w, g)
-        return dgu, (dw if ctx.needs_input_grad[1] else None)
+        dgu, dw = swiglu_weighted_bwd(gu, w, g, ctx.limit)
+        return dgu, (dw if ctx.needs_input_grad[1] else None), None
 
 
-def swiglu_rows(gu: torch.Tensor, w: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
-    """``silu(a) * b``, each row scaled by ``w`` [M] if given, for ``gu = [a | b]`` [M, 2I] -> [M, I].
+def swiglu_rows(
+    gu: torch.Tensor, w: torch.Tensor | None = None, backend: str = "auto", limit: float | None = None
+) -> torch.Tensor:
+    """``silu(a) * b``, each row scaled by ``w`` [M] if given, for ``gu = [a | b]`` [M, 2I] -> [M, I]
+    (``limit``: the clipped SwiGLU, module docstring).
 
     ``backend`` as :func:`harts_runtime.modules.fused.use_fla`: the fused kernels
     (:class:`_FusedSwiGLU`) or the PyTorch reference ``F.silu(a) * b`` (then ``* w``)."""
     if use_fla(gu, backend):
-        return _FusedSwiGLU.apply(gu, w)
+        return _FusedSwiGLU.apply(gu, w, limit or None)
     a, b = gu.chunk(2, dim=-1)
-    h = F.silu(a) * b
+    h = swiglu(a, b, limit)
     return h if w is None else h * w[:, None]

@@ -136,3 +136,55 @@ def test_kernels_match_the_references_on_cuda_with_one_compile_per_width():
         swiglu_weighted_bwd(gu, w, torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16))
     after = [variants(kern) for kern in (gather_sum_kernel, swiglu_fwd_kernel, swiglu_bwd_kernel)]
     assert all(a - b <= 1 for a, b in zip(after, before)), (before, after)
+
+
+def test_clipped_reference_backward_is_autograds():
+    """The clipped SwiGLU reference (``limit``) against autograd of ``min(silu(a), L) * clamp(b,
+    -L, L) * w``, with values on both sides of the limits (and the limits hit exactly)."""
+    gen = torch.Generator().manual_seed(1)
+    lim = 0.7
+    for weighted in (True, False):
+        gu = (3 * torch.randn(9, 14, generator=gen, dtype=torch.float64)).requires_grad_()
+        with torch.no_grad():
+            gu[0, 7] = lim  # b exactly at the limit: the gradient passes (torch's clamp)
+        w = torch.rand(9, generator=gen, dtype=torch.float64, requires_grad=True) if weighted else None
+        g = torch.randn(9, 7, generator=gen, dtype=torch.float64)
+        a, b = gu.chunk(2, -1)
+        h = F.silu(a).clamp(max=lim) * b.clamp(-lim, lim) * (w[:, None] if weighted else 1)
+        torch.testing.assert_close(naive_swiglu_weighted(gu, w, lim), h)
+        h.backward(g)
+        dgu, dw = naive_swiglu_weighted_bwd(gu.detach(), None if w is None else w.detach(), g, lim)
+        torch.testing.assert_close(dgu, gu.grad)
+        if weighted:
+            torch.testing.assert_close(dw, w.grad)
+
+
+CLIPPED = textwrap.dedent(
+    """
+    import torch
+    from harts_kernels.moe import *
+    torch.manual_seed(0)
+    for m, i in ((1, 3), (17, 20), (40, 70)):
+        for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+            gu = (3 * torch.randn(m, 2 * i)).to(dt)
+            g = torch.randn(m, i).to(dt)
+            for w in (torch.rand(m).to(dt), None):
+                for lim in (0.5, 7.0, None):
+                    close = lambda x, y: torch.testing.assert_close(x.float(), y.float(), atol=tol, rtol=tol)
+                    close(swiglu_weighted(gu, w, lim), naive_swiglu_weighted(gu, w, lim))
+                    dgu, dw = swiglu_weighted_bwd(gu, w, g, lim)
+                    rgu, rw = naive_swiglu_weighted_bwd(gu, w, g, lim)
+                    close(dgu, rgu)
+                    if w is not None:
+                        close(dw, rw)
+    print("OK")
+    """
+)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_clipped_swiglu_kernels_match_the_reference_under_the_interpreter():
+    """The weighted SwiGLU kernels with a limit (Ling-3.0's clipped experts), forward and
+    backward, on small shapes under ``TRITON_INTERPRET=1``."""
+    r = _interpret(CLIPPED)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

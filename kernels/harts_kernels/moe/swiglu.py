@@ -6,6 +6,10 @@ Contract: ``gu = [a | b]`` [M, 2I] (contiguous), ``w`` [M] or None.
 ``d a = g w b s (1 + a (1 - s))``, ``d b = g w silu(a)`` (``s = sigmoid(a)``) and
 ``d w = sum_I g silu(a) b``. All math in float32, one rounding per output.
 
+Clipped SwiGLU (Ling-3.0's ``expert_swiglu_limit``): with ``limit`` L > 0 (None or 0: off),
+``h = min(silu(a), L) * clamp(b, -L, L) * w``; the backward passes each clamp's gradient where
+its input lies inside the closed interval (torch's ``clamp`` convention), zero outside.
+
 Why: the grouped MoE folds each slot's routing weight into its I-wide SwiGLU row
 (:mod:`harts_runtime.ops.swiglu`). On fla's SwiGLU kernels that took the SwiGLU, a separate
 ``h *= w``, in the backward ``g * w``, the SwiGLU backward recomputing ``h``, ``(g * h).sum(-1)``
@@ -41,8 +45,11 @@ def _check(gu: torch.Tensor, w: torch.Tensor | None):
         raise ValueError(f"w: shape {tuple(w.shape)}, expected [{gu.shape[0]}]")
 
 
-def swiglu_weighted(gu: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(a) * b * w[:, None]`` for ``gu = [a | b]`` [M, 2I] (module docstring)."""
+def swiglu_weighted(
+    gu: torch.Tensor, w: torch.Tensor | None = None, limit: float | None = None
+) -> torch.Tensor:
+    """``silu(a) * b * w[:, None]`` for ``gu = [a | b]`` [M, 2I] (module docstring); with a
+    ``limit`` (> 0) the clipped SwiGLU ``min(silu(a), limit) * clamp(b, -limit, limit) * w``."""
     import triton
 
     from harts_kernels.moe.triton_kernels import swiglu_fwd_kernel
@@ -56,13 +63,26 @@ def swiglu_weighted(gu: torch.Tensor, w: torch.Tensor | None = None) -> torch.Te
     bm, bi = launch_blocks(i)
     with on_device(gu):
         swiglu_fwd_kernel[(triton.cdiv(m, bm), triton.cdiv(i, bi))](
-            gu, w if w is not None else gu, h, m, i, HAS_W=w is not None, BM=bm, BI=bi, num_warps=4
+            gu,
+            w if w is not None else gu,
+            h,
+            m,
+            i,
+            float(limit or 0.0),
+            HAS_W=w is not None,
+            HAS_LIMIT=bool(limit),
+            BM=bm,
+            BI=bi,
+            num_warps=4,
         )
     return h
 
 
-def swiglu_weighted_bwd(gu: torch.Tensor, w: torch.Tensor | None, g: torch.Tensor):
-    """``(d gu [M, 2I], d w [M] or None)`` of :func:`swiglu_weighted` for the output gradient ``g``."""
+def swiglu_weighted_bwd(
+    gu: torch.Tensor, w: torch.Tensor | None, g: torch.Tensor, limit: float | None = None
+):
+    """``(d gu [M, 2I], d w [M] or None)`` of :func:`swiglu_weighted` (with the same ``limit``)
+    for the output gradient ``g``."""
     import triton
 
     from harts_kernels.moe.triton_kernels import swiglu_bwd_kernel
@@ -88,7 +108,9 @@ def swiglu_weighted_bwd(gu: torch.Tensor, w: torch.Tensor | None, g: torch.Tenso
             dw if dw is not None else gu,
             m,
             i,
+            float(limit or 0.0),
             HAS_W=w is not None,
+            HAS_LIMIT=bool(limit),
             BM=bm,
             BI=bi,
             num_warps=4,

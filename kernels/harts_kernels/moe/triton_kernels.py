@@ -30,25 +30,47 @@ def gather_sum_kernel(y, index, base, out, N, D, K: tl.constexpr, HAS_BASE: tl.c
     tl.store(out + n * D + cols, acc.to(out.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M"])
-def swiglu_fwd_kernel(gu, w, h, M, W, HAS_W: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr):
-    """Program (r, c): rows ``r BM ..``, columns ``c BI ..`` of ``h = silu(a) * b (* w)``."""
+@triton.jit(do_not_specialize=["M", "LIMIT"])
+def swiglu_fwd_kernel(
+    gu, w, h, M, W, LIMIT, HAS_W: tl.constexpr, HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr
+):
+    """Program (r, c): rows ``r BM ..``, columns ``c BI ..`` of ``h = silu(a) * b (* w)``; with
+    ``HAS_LIMIT`` ``min(silu(a), LIMIT) * clamp(b, -LIMIT, LIMIT) (* w)``."""
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BI + tl.arange(0, BI)
     mask = (rows < M)[:, None] & (cols < W)[None, :]
     p = gu + rows[:, None] * (2 * W) + cols[None, :]
     a = tl.load(p, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(p + W, mask=mask, other=0.0).to(tl.float32)
-    out = a * tl.sigmoid(a) * b
+    silu = a * tl.sigmoid(a)
+    if HAS_LIMIT:
+        silu = tl.minimum(silu, LIMIT)
+        b = tl.minimum(tl.maximum(b, -LIMIT), LIMIT)
+    out = silu * b
     if HAS_W:
         out *= tl.load(w + rows, mask=rows < M, other=0.0).to(tl.float32)[:, None]
     tl.store(h + rows[:, None] * W + cols[None, :], out.to(h.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M"])
-def swiglu_bwd_kernel(gu, w, g, dgu, dw, M, W, HAS_W: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "LIMIT"])
+def swiglu_bwd_kernel(
+    gu,
+    w,
+    g,
+    dgu,
+    dw,
+    M,
+    W,
+    LIMIT,
+    HAS_W: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    BM: tl.constexpr,
+    BI: tl.constexpr,
+):
     """Program r: rows ``r BM ..``, all W columns in blocks of BI: ``d a``, ``d b`` into ``dgu``
-    and, with weights, ``dw = sum_I g * silu(a) * b`` (float32, one rounding)."""
+    and, with weights, ``dw = sum_I g * silu(a) * b`` (float32, one rounding). With
+    ``HAS_LIMIT`` the clipped SwiGLU's gradients: a clamp passes the gradient where its input lies
+    inside the closed interval (torch's ``clamp`` convention) and blocks it outside."""
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     rmask = rows < M
     if HAS_W:
@@ -63,13 +85,21 @@ def swiglu_bwd_kernel(gu, w, g, dgu, dw, M, W, HAS_W: tl.constexpr, BM: tl.const
         go = tl.load(g + rows[:, None] * W + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         s = tl.sigmoid(a)
         silu = a * s
+        dsilu = s * (1.0 + a * (1.0 - s))
+        if HAS_LIMIT:
+            dsilu = tl.where(silu <= LIMIT, dsilu, 0.0)
+            silu = tl.minimum(silu, LIMIT)
+            bpass = (b >= -LIMIT) & (b <= LIMIT)
+            b = tl.minimum(tl.maximum(b, -LIMIT), LIMIT)
         if HAS_W:
             acc += tl.sum(go * silu * b, 1)
             dh = go * wr[:, None]
         else:
             dh = go
-        da = dh * b * s * (1.0 + a * (1.0 - s))
+        da = dh * b * dsilu
         db = dh * silu
+        if HAS_LIMIT:
+            db = tl.where(bpass, db, 0.0)
         q = dgu + rows[:, None] * (2 * W) + cols[None, :]
         tl.store(q, da.to(dgu.dtype.element_ty), mask=mask)
         tl.store(q + W, db.to(dgu.dtype.element_ty), mask=mask)
