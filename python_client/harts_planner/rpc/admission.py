@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from harts_planner import estimate_call_plans, estimate_cost
 from harts_planner.errors import HartsError
 from harts_planner.rpc import codec
 from harts_planner.rpc import limits as _limits
 from harts_planner.rpc.codec import PackedTokens, SegmentTree
 from harts_planner.rpc.ledger import Budget
+from harts_planner.step_plan import estimate_call_plans, estimate_cost
 
 #: A plan whose planner memory is at most this (a few hundred trajectories) is made at once on the
 #: call's own thread, without waiting for a planner thread behind long plans.

@@ -46,7 +46,7 @@ from concurrent import futures
 import grpc
 from google.protobuf.message import DecodeError, EncodeError
 
-from harts_planner import plan_calls, plan_step
+from harts_planner.call_plan import plan_calls
 from harts_planner.errors import HartsError, PlanCancelledError
 from harts_planner.rpc import codec, control, logs, wire
 from harts_planner.rpc import limits as _limits
@@ -55,6 +55,7 @@ from harts_planner.rpc.admission import Admission
 from harts_planner.rpc.control import AbortRpcError, RequestControl, exhausted
 from harts_planner.rpc.ledger import Budget
 from harts_planner.rpc.request_reader import GuardedReader
+from harts_planner.step_plan import plan_step
 
 #: The four methods: (name, request message class, streamed, step).
 METHODS = (
