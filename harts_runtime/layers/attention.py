@@ -67,13 +67,18 @@ class CompactAttentionBase(nn.Module):
         o = compact_attention(
             q, k, v, layout.need("views"), backend=backend or self.backend, scale=self.scale
         )
-        return self.o_proj(o.flatten(1))
+        return self.out_project(o, hidden)
 
     def forward_trajectory(self, hidden: torch.Tensor) -> torch.Tensor:
         """Trajectory-wise reference: hidden [L, D] of one trajectory -> [L, D], plain causal."""
         positions = torch.arange(hidden.shape[0], device=hidden.device)
         q, k, v = self.project(hidden, positions)
         o = trajectory_attention(q, k, v, self.scale)
+        return self.out_project(o, hidden)
+
+    def out_project(self, o: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Core output o [N, H, Dv] of the rows ``hidden`` [N, D] -> [N, D]: ``o_proj`` (a layer
+        with an output gate on ``hidden`` overrides it)."""
         return self.o_proj(o.flatten(1))
 
 

@@ -14,12 +14,26 @@ name                               shape                 role
 ``f_proj.0``, ``f_proj.1``         [V, D], [H K, V]      low-rank decay projection
 ``b_proj``                         [H, D]                beta (sigmoid) projection
 ``A_log``                          [H]                   decay rate: ``g = -exp(A_log) softplus(f + dt_bias)``
+                                                         (bounded gate: ``lb sigmoid(exp(A_log) (f + dt_bias))``)
 ``dt_bias``                        [H K]
 ``g_proj.0``, ``g_proj.1``         [V, D], [H V, V] (+ bias [H V])  output-gate projection (bias:
                                                          ``KDAConfig.output_gate_bias``, fla's default)
 ``o_norm``                         ``.weight`` [V]       sigmoid-gated RMS norm per head
 ``o_proj``                         [D, H V]              output projection
 =================================  ====================  =========================================
+
+Ling-3.0's KDA (transformers ``BailingHybridDeltaAttention``) is two options away:
+
+* ``KDAConfig.gate_lower_bound`` = ``kda_lower_bound`` (-5; ``kda_safe_gate``): the bounded
+  forget gate ``g = lb * sigmoid(exp(A_log) * (f + dt_bias))`` in ``[lb, 0)`` instead of
+  ``-exp(A_log) * softplus(f + dt_bias)`` (the reference path in PyTorch, autograd's backward; the
+  fused path through fla's ``fused_kda_gate(..., lower_bound=lb)``, forward and backward);
+* ``KDAConfig.low_rank_gates=False``: ``f_proj`` and ``g_proj`` are one full projection each
+  (``f_proj.0`` [H K, D], ``g_proj.0`` [H V, D]) instead of fla's low-rank pairs through V.
+
+Its q/k/v projections are separate as here; its one depthwise ``conv1d`` over ``[q | k | v]`` is
+our three short convolutions stacked (a depthwise convolution acts per channel), split by the
+state-dict adapter.
 
 What runs where (the glossary of rounds, sequences and state slots is in
 :mod:`harts_runtime.layout.kda_plan`):
@@ -79,7 +93,7 @@ from harts_runtime.modules.norms import GatedRMSNorm, l2_norm
 from harts_runtime.ops.keep import kept, saves_are_transient
 from harts_runtime.ops.rows import gather_packed, scatter_own
 
-__all__ = ["KDAConfig", "KDALayer", "checked_plan", "run_kda_schedule"]
+__all__ = ["KDAConfig", "KDALayer", "checked_plan", "kda_gate", "run_kda_schedule"]
 
 
 @dataclass(kw_only=True)
@@ -106,6 +120,38 @@ class KDAConfig:
     output_gate_bias: bool = True
     """Whether the output-gate up-projection ``g_proj.1`` has a bias: fla's ``KimiDeltaAttention``
     has one, transformers' Kimi-Linear (``g_b_proj``) has none (its ``from_hf_config`` sets False)."""
+    gate_lower_bound: float | None = None
+    """None: the decay gate ``-exp(A_log) softplus(f + dt_bias)`` (fla, Kimi-Linear); a negative
+    number ``lb``: the bounded gate ``lb * sigmoid(exp(A_log) (f + dt_bias))`` (Ling-3.0's
+    ``kda_safe_gate`` with ``kda_lower_bound``, -5)."""
+    low_rank_gates: bool = True
+    """True: the decay and output-gate projections are low-rank through V (``f_proj.0`` [V, D],
+    ``f_proj.1`` [H K, V]; ``g_proj.0`` [V, D], ``g_proj.1`` [H V, V]), as fla and Kimi-Linear;
+    False: one full projection each (``f_proj.0`` [H K, D]; ``g_proj.0`` [H V, D], with the bias
+    of ``output_gate_bias``), as Ling-3.0."""
+
+    def __post_init__(self):
+        lb = self.gate_lower_bound
+        if lb is not None and not (lb < 0 and math.isfinite(lb)):
+            raise InvalidInputError("gate_lower_bound", f"must be a finite negative number or None, got {lb}")
+
+
+def kda_gate(
+    f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None = None
+) -> torch.Tensor:
+    """The KDA decay gate, the PyTorch reference (float32 math): ``f`` [R, H, K] (the decay
+    projection's output), ``A_log`` [H], ``dt_bias`` [H K] -> log decay [R, H, K] float32, ``<= 0``:
+
+    * ``lower_bound`` None: ``-exp(A_log) * softplus(f + dt_bias)`` (fla's ``naive_kda_gate``);
+    * ``lower_bound`` lb < 0: ``lb * sigmoid(exp(A_log) * (f + dt_bias))`` in ``[lb, 0)`` (fla's
+      ``naive_kda_lowerbound_gate``, transformers' ``BailingHybridForgetGate`` with ``safe_gate``).
+    """
+    H, K = f.shape[-2], f.shape[-1]
+    z = f.float() + dt_bias.float().view(H, K)
+    rate = A_log.float().exp().view(H, 1)
+    if lower_bound is None:
+        return -rate * F.softplus(z)
+    return lower_bound * torch.sigmoid(rate * z)
 
 
 def checked_plan(layout: RowLayout, x: torch.Tensor, chunk_size: int | None, conv: tuple[str, int]):
@@ -211,16 +257,22 @@ class KDALayer(nn.Module):
         self.q_conv1d = ShortConvolution(H * K, w, backend=c.backend)
         self.k_conv1d = ShortConvolution(H * K, w, backend=c.backend)
         self.v_conv1d = ShortConvolution(H * Vd, w, backend=c.backend)
-        self.f_proj = nn.Sequential(nn.Linear(D, Vd, bias=False), nn.Linear(Vd, H * K, bias=False))
+        if c.low_rank_gates:
+            self.f_proj = nn.Sequential(nn.Linear(D, Vd, bias=False), nn.Linear(Vd, H * K, bias=False))
+        else:
+            self.f_proj = nn.Sequential(nn.Linear(D, H * K, bias=False))
         self.b_proj = nn.Linear(D, H, bias=False)
         self.A_log = nn.Parameter(torch.log(torch.empty(H).uniform_(1, 16)))
         dt = torch.exp(torch.rand(H * K) * (math.log(0.1) - math.log(0.001)) + math.log(0.001)).clamp(
             min=1e-4
         )
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
-        self.g_proj = nn.Sequential(
-            nn.Linear(D, Vd, bias=False), nn.Linear(Vd, H * Vd, bias=c.output_gate_bias)
-        )
+        if c.low_rank_gates:
+            self.g_proj = nn.Sequential(
+                nn.Linear(D, Vd, bias=False), nn.Linear(Vd, H * Vd, bias=c.output_gate_bias)
+            )
+        else:
+            self.g_proj = nn.Sequential(nn.Linear(D, H * Vd, bias=c.output_gate_bias))
         self.o_norm = GatedRMSNorm(Vd, eps=c.norm_eps, backend=c.backend)
         self.o_proj = nn.Linear(H * Vd, D, bias=False)
 
@@ -236,8 +288,7 @@ class KDALayer(nn.Module):
         q = l2_norm(self.q_conv1d(self.q_proj(x), windows).view(R, H, K))
         k = l2_norm(self.k_conv1d(self.k_proj(x), windows).view(R, H, K))
         v = self.v_conv1d(self.v_proj(x), windows).view(R, H, Vd)
-        f = self.f_proj(x).view(R, H, K).float() + self.dt_bias.view(H, K).float()
-        g = -self.A_log.float().exp().view(H, 1) * F.softplus(f)  # <= 0
+        g = kda_gate(self.f_proj(x).view(R, H, K), self.A_log, self.dt_bias, c.gate_lower_bound)  # <= 0
         beta = torch.sigmoid(self.b_proj(x).float()).to(x.dtype)
         out_gate = self.g_proj(x).view(R, H, Vd)
         return q, k, v, g, beta, out_gate
@@ -257,10 +308,15 @@ class KDALayer(nn.Module):
         k = l2norm(conv(self.k_proj, self.k_conv1d).view(R, H, K))
         v = conv(self.v_proj, self.v_conv1d)
         w_low = torch.cat([self.f_proj[0].weight, self.g_proj[0].weight, self.b_proj.weight])
-        f_low, g_low, b = torch.split(F.linear(x, w_low), [Vd, Vd, H], dim=1)
-        g = fused_kda_gate(self.f_proj[1](f_low).view(R, H, K), self.A_log, self.dt_bias)
+        widths = [self.f_proj[0].weight.shape[0], self.g_proj[0].weight.shape[0], H]
+        f_low, g_low, b = torch.split(F.linear(x, w_low), widths, dim=1)
+        if c.low_rank_gates:
+            f_low, g_low = self.f_proj[1](f_low), self.g_proj[1](g_low)
+        elif self.g_proj[0].bias is not None:
+            g_low = g_low + self.g_proj[0].bias
+        g = fused_kda_gate(f_low.view(R, H, K), self.A_log, self.dt_bias, lower_bound=c.gate_lower_bound)
         beta = torch.sigmoid(b.float()).to(x.dtype)
-        out_gate = self.g_proj[1](g_low).view(R, H, Vd)
+        out_gate = g_low.view(R, H, Vd)
         return q, k, v.reshape(R, H, Vd), g, beta, out_gate
 
     def _output(self, o: torch.Tensor, out_gate: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,11 @@ is shared by all heads; RMSNorm on the latents; no YaRN / mscale; the rotate-hal
 dropout. The attention core sees ``Dqk = qk_nope + qk_rope`` against ``Dv = v_head_dim``, exactly
 the asymmetric case the backends must support.
 
+Ling-3.0's MLA (transformers ``BailingHybridAttention``): ``rope_interleave=True`` rotates the
+interleaved pairs (:func:`~harts_runtime.modules.rope.apply_rope_interleaved`, DeepSeek-V3's
+layout) and ``output_gate=True`` adds ``g_proj`` [H, D], a sigmoid gate per row and head on the
+core output before ``o_proj``: ``o_proj(o * sigmoid(g_proj(x))[:, :, None])``.
+
 ``use_rope=False`` is Kimi-Linear's MLA (NoPE): the same projections and split, the
 ``qk_rope_head_dim`` part of the queries and of the shared key is used as projected, unrotated.
 
@@ -23,7 +28,7 @@ import torch
 from torch import nn
 
 from harts_runtime.layers.attention import CompactAttentionBase
-from harts_runtime.modules.rope import apply_rope, rope_cos_sin
+from harts_runtime.modules.rope import apply_rope, apply_rope_interleaved, rope_cos_sin
 
 __all__ = ["CompactMLA", "MLAConfig"]
 
@@ -50,6 +55,10 @@ class MLAConfig:
     """RoPE base."""
     use_rope: bool = True
     """Rotate the ``qk_rope_head_dim`` parts (False: NoPE, as Kimi-Linear; positions unused)."""
+    rope_interleave: bool = False
+    """Rotate interleaved pairs (DeepSeek-V3, Ling-3.0) instead of halves."""
+    output_gate: bool = False
+    """Ling-3.0's head-wise sigmoid output gate ``g_proj`` [H, D]."""
     norm_eps: float = 1e-6
     """RMSNorm epsilon on the latents."""
     backend: str = "reference"
@@ -76,6 +85,8 @@ class CompactMLA(CompactAttentionBase):
             c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False
         )
         self.o_proj = nn.Linear(c.num_heads * c.v_head_dim, c.hidden_size, bias=False)
+        if c.output_gate:
+            self.g_proj = nn.Linear(c.hidden_size, c.num_heads, bias=False)
         self.scale = dqk**-0.5
         self.head_dims = (dqk, c.v_head_dim)
 
@@ -88,7 +99,8 @@ class CompactMLA(CompactAttentionBase):
         h = self.kv_b_proj.weight.shape[0] // (nope + c.v_head_dim)
         if c.use_rope:
             cos, sin = rope_cos_sin(positions, rope, c.rope_theta)
-            rotate = lambda t: apply_rope(t, cos, sin)
+            turn = apply_rope_interleaved if c.rope_interleave else apply_rope
+            rotate = lambda t: turn(t, cos, sin)
         else:
             rotate = lambda t: t
         if c.q_lora_rank is None:
@@ -103,3 +115,11 @@ class CompactMLA(CompactAttentionBase):
         k = torch.cat([kv[..., :nope], k_rope.expand(n, h, rope)], dim=-1)  # [N, H, Dqk]
         v = kv[..., nope:]  # [N, H, Dv]
         return q, k, v
+
+    def out_project(self, o: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """o [N, H, Dv] -> [N, D]: ``o_proj``, after the head-wise gate ``sigmoid(g_proj(hidden))``
+        (float32 sigmoid, as transformers) when ``output_gate``."""
+        if self.config.output_gate:
+            gate = torch.sigmoid(self.g_proj(hidden).float()).to(o.dtype)
+            o = o * gate[:, :, None]
+        return self.o_proj(o.flatten(1))

@@ -8,8 +8,13 @@ no per-view position bookkeeping is needed.
 
 Convention: "rotate half" (GPT-NeoX / Llama / Megatron non-interleaved): the rotary dimension is
 split into two halves ``x = [x1, x2]`` and rotated as ``[x1 cos - x2 sin, x2 cos + x1 sin]`` with
-frequency ``theta ** (-2i / dim)`` for pair ``i``. DeepSeek checkpoints store the rotary part of MLA
-interleaved; loading one needs a fixed permutation of those weight rows (not done here).
+frequency ``theta ** (-2i / dim)`` for pair ``i``.
+
+Interleaved (:func:`apply_rope_interleaved`, DeepSeek-V3 / Ling-3.0 MLA): pair ``i`` is
+``(x[2i], x[2i+1])``, rotated by the same frequency; the result is laid out de-interleaved,
+``[x_even cos - x_odd sin, x_odd cos + x_even sin]`` (transformers'
+``apply_rotary_pos_emb_interleave``). Queries and keys get the same layout, so their dot products
+are those of the interleaved rotation.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 
 from harts_runtime.errors import InvalidInputError
 
-__all__ = ["apply_rope", "rope_cos_sin"]
+__all__ = ["apply_rope", "apply_rope_interleaved", "rope_cos_sin"]
 
 
 def rope_cos_sin(
@@ -59,3 +64,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     rotated = torch.cat([-x2, x1], dim=-1)
     cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
     return x * cos + rotated * sin
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the interleaved pairs ``(x[2i], x[2i+1])`` of ``x`` [N, H, dim] by the tables of
+    :func:`rope_cos_sin` (their first half holds pair ``i``'s angle); returns [N, H, dim] of
+    ``x.dtype``, laid out ``[evens rotated | odds rotated]`` (module docstring)."""
+    half = x.shape[-1] // 2
+    cos, sin = cos[:, None, :half].to(x.dtype), sin[:, None, :half].to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
