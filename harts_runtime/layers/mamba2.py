@@ -1,0 +1,265 @@
+"""Mamba2 (SSD) mixer on compact rows (Nemotron-H), executed over the same minimum-call plan as
+:class:`~harts_runtime.layers.kda.KDALayer` (Sections 3.3, 3.4, 4.2).
+
+The parameters are transformers' ``NemotronHMamba2Mixer`` under the same names and shapes, so its
+state dict loads with ``strict=True`` and no key map (``H`` = ``mamba_num_heads``, ``P`` =
+``mamba_head_dim``, ``N`` = ``ssm_state_size``, ``G`` = ``n_groups``, ``I = H P``, ``E = I + 2 G N``
+the convolved channels):
+
+=================================  =======================  ======================================
+name                               shape                    role
+=================================  =======================  ======================================
+``in_proj``                        [I + E + H, D] (+ bias)  per row: [z (I), x (I), B (G N), C (G N), dt (H)]
+``conv1d``                         ``.weight`` [E, 1, w]    causal convolution of [x, B, C] (SiLU after
+                                   (``.bias`` [E])          the bias; window from the row's true ancestors)
+``dt_bias``, ``A_log``, ``D``      [H], [H], [H]            ``dt = clamp(softplus(dt + dt_bias), limits)``,
+                                                            ``A = -exp(A_log)``, ``D`` the skip
+``norm``                           ``.weight`` [I]          ``rmsnorm_group(y * silu(z)) * weight``
+                                                            (groups of ``I / G`` channels)
+``out_proj``                       [D, I] (+ bias)          output projection
+=================================  =======================  ======================================
+
+Math per row: the SSD recurrence is chunkwise linear attention with one scalar decay per head,
+``S_t = exp(dt_t A) S_{t-1} + B_t (dt_t x_t)^T``, ``y_t = S_t^T C_t + D x_t`` (state [N, P] per
+head; B and C shared by the ``H / G`` heads of a group), i.e. the ChunkLA operator
+:func:`harts_kernels.ssd.chunk_ssd_with_states` with ``q = C``, ``k = B``, ``v = dt x``,
+``g = dt A`` and scale 1. Its rounds, replay rows (trajectory-wise chunk partitions kept),
+differentiable boundary-state handoffs across forks and the causal convolution's context are
+the KDA plan's (:func:`run_ssd_schedule`, the KDA schedule runner with the SSD core); the core
+runs in fp32 as transformers' torch path (``mamba2_chunk_scan``) does. Recomputation is
+block-level as for KDA; the schedule is the kept region ``"linear_attention"``.
+
+:meth:`Mamba2Mixer.forward_trajectories` is the slow reference: every trajectory through the
+same layer, unshared. Tensor parallelism of this layer is not provided (head counts are the
+config's).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.profiler import record_function
+
+from harts_kernels.ssd import chunk_ssd_with_states
+from harts_runtime.errors import InvalidInputError
+from harts_runtime.layers.kda import checked_plan
+from harts_runtime.layout.conv import ConvWindows
+from harts_runtime.layout.kda_plan import KDASchedule
+from harts_runtime.layout.rows import RowLayout
+from harts_runtime.modules.convolution import varlen_causal_conv
+from harts_runtime.ops.keep import kept, saves_are_transient
+from harts_runtime.ops.rows import gather_packed, scatter_own
+
+__all__ = ["Mamba2Config", "Mamba2GatedRMSNorm", "Mamba2Mixer", "run_ssd_schedule"]
+
+
+@dataclass(kw_only=True)
+class Mamba2Config:
+    """Shape and execution options of a :class:`Mamba2Mixer` (transformers' names in brackets)."""
+
+    hidden_size: int
+    """D, model width."""
+    num_heads: int
+    """H (``mamba_num_heads``)."""
+    head_dim: int
+    """P (``mamba_head_dim``); the state is N x P per head."""
+    state_size: int
+    """N (``ssm_state_size``)."""
+    n_groups: int = 1
+    """G (``n_groups``): B and C are shared by the H / G heads of a group; H % G == 0."""
+    conv_kernel_size: int = 4
+    """w (``conv_kernel``); must match the plan's convolution width."""
+    use_conv_bias: bool = True
+    """``conv1d`` has a bias (``use_conv_bias``)."""
+    use_bias: bool = False
+    """``in_proj`` and ``out_proj`` have biases (``use_bias``)."""
+    norm_eps: float = 1e-5
+    """epsilon of the gated group RMS norm (``layer_norm_epsilon``)."""
+    time_step_limit: tuple = (0.0, float("inf"))
+    """clamp of dt after the softplus (``time_step_limit``)."""
+    chunk_size: int | None = None
+    """B of the core. None: the plan's chunk size in :meth:`~Mamba2Mixer.forward` and 64 in
+    :meth:`~Mamba2Mixer.forward_trajectories`; an int must match the plan's."""
+    backend: str = "auto"
+    """core: "auto" (fla's Triton simple-GLA kernel on CUDA, the PyTorch reference on CPU),
+    "triton" or "naive"."""
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_heads", "head_dim", "state_size", "n_groups", "conv_kernel_size"):
+            if getattr(self, name) < 1:
+                raise InvalidInputError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.n_groups:
+            raise InvalidInputError("n_groups", f"{self.n_groups} does not divide num_heads {self.num_heads}")
+        lo, hi = (float(t) for t in self.time_step_limit)
+        if not 0.0 <= lo <= hi:
+            raise InvalidInputError("time_step_limit", f"needs 0 <= min <= max, got {self.time_step_limit}")
+        self.time_step_limit = (lo, hi)
+
+
+def run_ssd_schedule(
+    sched: KDASchedule, q, k, v, g, *, chunk_size: int, backend: str = "auto"
+) -> torch.Tensor:
+    """Execute a KDA plan's schedule with the SSD core over per-row inputs (q, k [C, H, K]; v
+    [C, H, V]; g [C, H] fp32 log decay): the packed rows of all rounds gathered once, one packed
+    :func:`~harts_kernels.ssd.chunk_ssd_with_states` call per round with initial states from
+    earlier rounds' boundary states, outputs scattered to physical order. Returns [C, H, V].
+    The kept region ``"linear_attention"`` (:mod:`harts_runtime.ops.keep`)."""
+    return kept("linear_attention", _run_rounds, sched, q, k, v, g, chunk_size, backend)
+
+
+def _run_rounds(sched: KDASchedule, q, k, v, g, chunk_size: int, backend: str) -> torch.Tensor:
+    """The body of :func:`run_ssd_schedule` (the KDA runner's, without beta)."""
+    H, K, Vd = q.shape[1], q.shape[2], v.shape[2]
+    transient = saves_are_transient()
+    slots: list[torch.Tensor | None] = [None] * sched.num_slots
+    zero = None
+    with record_function("harts.ssd.gather"):
+        packed = [gather_packed(x, sched) for x in (q, k, v, g)]
+        sizes = [hi - lo for lo, hi in zip(sched.bounds[:-1], sched.bounds[1:])]
+        per_round = list(zip(*(torch.split(x, sizes) for x in packed))) if len(sizes) > 1 else [packed]
+    outs = []
+    for rd, parts in zip(sched.rounds, per_round):
+        if parts[0].shape[0] == 0:
+            continue
+        init = None
+        if any(s >= 0 for s in rd.init_slots):
+            if zero is None:
+                zero = q.new_zeros(H, K, Vd, dtype=torch.float32)
+            missing = [s for s in rd.init_slots if s >= 0 and slots[s] is None]
+            if missing:
+                raise InvalidInputError(
+                    "layout.kda", f"a round reads state slot {missing[0]} before it is produced"
+                )
+            init = torch.stack([slots[s] if s >= 0 else zero for s in rd.init_slots])
+        with record_function("harts.ssd.core"):
+            o, final, bstates = chunk_ssd_with_states(
+                *(x.unsqueeze(0) for x in parts),
+                initial_state=init,
+                cu_seqlens=rd.cu_seqlens,
+                chunk_size=chunk_size,
+                request_seq=rd.request_seq,
+                request_chunk=rd.request_chunk,
+                output_final_state=any(s >= 0 for s in rd.final_slots),
+                backend=backend,
+                save_intermediates=transient,
+            )
+        for j, s in enumerate(rd.request_slot):
+            slots[s] = bstates[j]
+        for j, s in enumerate(rd.final_slots):
+            if s >= 0:
+                slots[s] = final[j]
+        outs.append(o.squeeze(0))
+    if not outs:
+        return v.new_zeros(0, H, Vd)
+    o = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return scatter_own(o, sched)
+
+
+class Mamba2GatedRMSNorm(nn.Module):
+    """``weight * rmsnorm_groups(x * silu(gate))`` over groups of ``group_size`` channels of the
+    last dim (gate before the norm), float32 inside, as transformers' ``NemotronHRMSNormGated``."""
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-5):
+        super().__init__()
+        if hidden_size % group_size:
+            raise InvalidInputError("group_size", f"{group_size} does not divide {hidden_size}")
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.group_size, self.eps = group_size, eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float() * F.silu(gate.float())
+        hg = h.view(*h.shape[:-1], -1, self.group_size)
+        hg = hg * torch.rsqrt(hg.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * hg.view_as(h).to(dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    """Mamba2 mixer (transformers' ``NemotronHMamba2Mixer`` parameters) on compact rows."""
+
+    def __init__(self, config: Mamba2Config):
+        super().__init__()
+        c = self.config = config
+        H, P, N, G = c.num_heads, c.head_dim, c.state_size, c.n_groups
+        self.intermediate_size = I = H * P  # noqa: E741
+        self.conv_dim = I + 2 * G * N
+        self.in_proj = nn.Linear(c.hidden_size, I + self.conv_dim + H, bias=c.use_bias)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            c.conv_kernel_size,
+            groups=self.conv_dim,
+            padding=c.conv_kernel_size - 1,
+            bias=c.use_conv_bias,
+        )
+        self.dt_bias = nn.Parameter(torch.ones(H))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, H + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(H))
+        self.norm = Mamba2GatedRMSNorm(I, I // G, eps=c.norm_eps)
+        self.out_proj = nn.Linear(I, c.hidden_size, bias=c.use_bias)
+
+    # ---------------------------------------------------------------- token-wise parts
+    def _features(self, x: torch.Tensor, windows: ConvWindows):
+        """Per-row core inputs. x [R, D] -> q (C), k (B) [R, H, N] fp32; v (dt x) [R, H, P] fp32;
+        g (dt A) [R, H] fp32; xs [R, H, P] (the skip's input); z [R, I] (the gate)."""
+        c = self.config
+        R, H, P, N, G = x.shape[0], c.num_heads, c.head_dim, c.state_size, c.n_groups
+        I = self.intermediate_size  # noqa: E741
+        z, xbc, dt = torch.split(self.in_proj(x), [I, self.conv_dim, H], dim=1)
+        xbc = varlen_causal_conv(xbc, self.conv1d.weight[:, 0, :], windows, None, c.backend)
+        if self.conv1d.bias is not None:
+            xbc = xbc + self.conv1d.bias
+        xbc = F.silu(xbc)
+        xs, b, cm = torch.split(xbc, [I, G * N, G * N], dim=1)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        lo, hi = c.time_step_limit
+        dt = dt.clamp(min=lo, max=hi if math.isfinite(hi) else None)
+        A = -torch.exp(self.A_log.float())
+        xs = xs.view(R, H, P)
+        v = xs.float() * dt[..., None]
+        k, q = (t.float().view(R, G, N).repeat_interleave(H // G, dim=1) for t in (b, cm))
+        return q, k, v, dt * A, xs, z
+
+    def _output(self, o: torch.Tensor, xs: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The ``D`` skip, the gated group norm and the output projection. o [R, H, P] -> [R, D]."""
+        y = o + self.D.float()[:, None] * xs.float()
+        y = self.norm(y.flatten(1), z)
+        return self.out_proj(y.to(z.dtype))
+
+    # ---------------------------------------------------------------- execution
+    def forward(self, x: torch.Tensor, layout: RowLayout) -> torch.Tensor:
+        """x: [C, D] compact hidden states in physical order -> [C, D] layer output.
+
+        Reads ``layout.kda`` (its replay schedule, or its no-replay schedule when
+        ``layout.no_replay``). Raises :class:`InvalidInputError` when the plan's convolution width
+        (or a configured chunk size) is not the layer's, or ``x`` has not the plan's row count."""
+        c = self.config
+        plan = checked_plan(layout, x, c.chunk_size, ("conv_kernel_size", c.conv_kernel_size))
+        q, k, v, g, xs, z = self._features(x, plan.conv)
+        sched = plan.no_replay if layout.no_replay else plan.replay
+        o = run_ssd_schedule(sched, q, k, v, g, chunk_size=plan.chunk_size, backend=c.backend)
+        return self._output(o, xs, z)
+
+    def forward_trajectories(
+        self, x: torch.Tensor, offsets, *, chunk_size: int | None = None
+    ) -> torch.Tensor:
+        """Reference: every trajectory unshared. x: [S, D] semantic rows, trajectories at
+        ``[offsets[j], offsets[j+1])`` -> [S, D]. One packed call from zero states with chunk size
+        ``chunk_size`` (default: the config's, else 64)."""
+        c = self.config
+        offsets = np.asarray(offsets, dtype=np.int64)
+        windows = ConvWindows.trajectories(offsets, c.conv_kernel_size, x.device)
+        q, k, v, g, xs, z = self._features(x, windows)
+        o, _, _ = chunk_ssd_with_states(
+            *(t.unsqueeze(0) for t in (q, k, v, g)),
+            cu_seqlens=offsets.tolist(),
+            chunk_size=chunk_size or c.chunk_size or 64,
+            output_final_state=False,
+            backend=c.backend,
+        )
+        return self._output(o.squeeze(0), xs, z)
