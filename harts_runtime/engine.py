@@ -477,16 +477,24 @@ class HartsEngine:
         return StepReport(self.step, norm, lr)
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, path) -> None:
+    def save(self, path, *, files: dict | None = None) -> None:
         """Model, optimizer, schedule position, step and each rank's RNG state under ``path`` (DCP;
-        every rank calls it). Loadable by :meth:`load` under another parallel configuration."""
+        every rank calls it), with ``files`` (``{name: str | bytes}``, e.g. a trainer's record)
+        written by rank 0 into the same folder. Written whole or not at all: staged beside ``path``
+        and renamed into place when complete, with a manifest of SHA-256 checksums
+        (:func:`harts_runtime.parallel.checkpoint.save_checkpoint`), so a kill at any point leaves
+        the previous checkpoint or the new one; a full disk raises :class:`InvalidInputError`
+        naming the file and leaves ``path`` as it was. Loadable by :meth:`load` under another
+        parallel configuration."""
+        import io
+
         from harts_runtime.parallel.checkpoint import save_checkpoint
 
         extra = {"engine_step": self.step, "config": self.config.to_dict()}
-        save_checkpoint(path, self.model, self.optimizer, extra=extra)
-        rank = _rank()
-        torch.save(_rng_state(), Path(path) / f"rng-{rank}.pt")
-        _barrier()
+        rng = io.BytesIO()
+        torch.save(_rng_state(), rng)
+        rank_files = {f"rng-{_rank()}.pt": rng.getvalue()}
+        save_checkpoint(path, self.model, self.optimizer, extra=extra, files=files, rank_files=rank_files)
 
     def load(self, path) -> dict:
         """Restore what :meth:`save` wrote (under any parallel configuration); returns the extra
@@ -503,10 +511,17 @@ class HartsEngine:
             self.scheduler.last_epoch = self.step
             for g, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
                 g["lr"] = base * self.config.lr_factor(self.step)
-        own = Path(path) / f"rng-{_rank()}.pt"
-        rng = own if own.exists() else Path(path) / "rng-0.pt"
+        from harts_runtime.parallel.checkpoint_folder import loadable_folder
+
+        folder = loadable_folder(path)
+        own = folder / f"rng-{_rank()}.pt"
+        rng = own if own.exists() else folder / "rng-0.pt"
         if rng.exists():
-            _set_rng_state(torch.load(rng, weights_only=False))
+            try:
+                state = torch.load(rng, weights_only=False)
+            except Exception as e:  # verified by the manifest; an old folder may still be damaged
+                raise InvalidInputError(rng.name, f"{rng} is unreadable ({type(e).__name__})") from None
+            _set_rng_state(state)
         return extra
 
     def save_pretrained(self, path, model_type: str | None = None) -> None:

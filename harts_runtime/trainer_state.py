@@ -22,6 +22,7 @@ __all__ = [
     "read_trainer_state",
     "resolve_checkpoint",
     "step_folder",
+    "trainer_state_text",
     "write_trainer_state",
 ]
 
@@ -79,9 +80,15 @@ def read_trainer_state(folder) -> dict:
     return state
 
 
+def trainer_state_text(state: dict) -> str:
+    """The text of ``trainer.json`` for ``state`` (passed to ``HartsEngine.save(files=...)``, which
+    writes it into the staged checkpoint folder)."""
+    return json.dumps(dict(state, format=FORMAT), indent=2, sort_keys=True) + "\n"
+
+
 def write_trainer_state(folder, state: dict) -> None:
     """Write ``trainer.json`` atomically (a temporary file renamed over it)."""
     f = Path(folder) / STATE_NAME
     tmp = f.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(dict(state, format=FORMAT), indent=2, sort_keys=True) + "\n")
+    tmp.write_text(trainer_state_text(state))
     os.replace(tmp, f)

@@ -215,7 +215,9 @@ def _checkpoint_flags(g) -> None:
         metavar="DIR",
         default=None,
         help="save DIR/step-N (model, optimizer, schedule, RNG, data position) every --save-every steps "
-        "and at the end",
+        "and at the end; each checkpoint is written whole or not at all (staged beside it, renamed "
+        "into place; SHA-256 checksums verified on --resume). A resumed run without --save saves "
+        "beside the checkpoint it resumed from (copy/step-2 goes on to copy/step-3)",
     )
     g.add_argument(
         "--save-every",
@@ -229,7 +231,9 @@ def _checkpoint_flags(g) -> None:
         metavar="PATH",
         default=None,
         help="continue from a checkpoint folder, or the latest DIR/step-N of a --save DIR: its weights, "
-        "optimizer, step counter, schedule and data position, and its settings unless given again",
+        "optimizer, step counter, schedule and data position, and its settings unless given again "
+        "(its --save, --metrics, --tensorboard and --export only when the checkpoint is still in its "
+        "run's --save DIR; a copied checkpoint saves beside itself)",
     )
     g.add_argument(
         "--export",

@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 from pathlib import Path
 
 from harts_runtime.cli.parser import build_parser
 from harts_runtime.errors import UsageError
 
-__all__ = ["NOT_CONFIG", "NOT_INHERITED", "load_config", "resolve_settings"]
+__all__ = ["NOT_CONFIG", "NOT_INHERITED", "RUN_OUTPUTS", "load_config", "resolve_settings"]
 
 NOT_CONFIG = ("config", "help")
 """Flags a config file cannot set."""
@@ -131,12 +132,31 @@ def _config_value(action: argparse.Action, value, where: str):
     return value
 
 
+RUN_OUTPUTS = ("save", "metrics", "tensorboard", "export")
+"""Where a run writes: inherited by a resumed run only from a checkpoint in the run's own ``--save``
+folder (:func:`resolve_settings`)."""
+
+
+def _own_run(folder, saved_save) -> bool:
+    """Whether the checkpoint ``folder`` lies in the ``--save`` folder of the run that saved it
+    (not a copy or a moved folder)."""
+    if not isinstance(saved_save, str):
+        return False
+    return os.path.realpath(Path(folder).parent) == os.path.realpath(saved_save)
+
+
 def resolve_settings(argv) -> tuple[argparse.Namespace, dict, dict | None]:
     """``(settings, given, saved)``: the flag defaults, overridden by a resumed checkpoint's saved
     settings, then by ``--config``, then by the command line. ``given`` maps each setting the config
     file or the command line set to where: the config file's name, or None for the command line
     (errors name the file and key for the first). ``saved`` is the resumed checkpoint's
-    ``trainer.json`` record (or None), with its ``folder``."""
+    ``trainer.json`` record (or None), with its ``folder``.
+
+    A resumed run never writes into another run's folders unless told to: it inherits the saved
+    ``--save``, ``--metrics``, ``--tensorboard`` and ``--export`` only when the checkpoint is in its
+    run's own ``--save`` folder (the run going on). A checkpoint anywhere else (copied or moved)
+    saves beside itself (``--save`` = the folder holding it: ``copy/step-2`` goes on to
+    ``copy/step-3``) and writes no metrics, TensorBoard or export unless given again."""
     parser = build_parser()
     args = parser.parse_args(argv)
     explicit = build_parser()
@@ -153,9 +173,12 @@ def resolve_settings(argv) -> tuple[argparse.Namespace, dict, dict | None]:
         folder = resolve_checkpoint(resume)
         saved = read_trainer_state(folder)
         saved["folder"] = str(folder)
-        for k, v in saved.get("args", {}).items():
+        inherited = saved.get("args", {}) if isinstance(saved.get("args"), dict) else {}
+        for k, v in inherited.items():
             if k in settings and k not in NOT_INHERITED:
                 settings[k] = v
+        if not _own_run(folder, inherited.get("save")):
+            settings.update(dict.fromkeys(RUN_OUTPUTS), save=str(Path(folder).absolute().parent))
     settings.update(config)
     settings.update(given_cli)
     settings["resume"] = resume

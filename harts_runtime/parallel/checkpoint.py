@@ -10,12 +10,15 @@ configuration and world size, or into an unparallelized model in one process (no
 needed). A small JSON-able ``extra`` dict (step counter, data position, ...) is stored alongside
 in ``harts.json``, which rank 0 writes.
 
-The folder holds DCP's ``.metadata`` and ``__<rank>_<i>.distcp`` files and ``harts.json``. Before
-any tensor is read, :func:`load_checkpoint` compares DCP's metadata with the model: a missing
-folder, a tensor the checkpoint lacks or has with another shape (another model config), a tensor
-of the checkpoint the model lacks, or an optimizer to restore from a checkpoint without optimizer
-state raise :class:`~harts_runtime.errors.InvalidInputError` whose ``.field`` names the path, the
-tensor or ``optimizer``, identically on every rank.
+The folder holds DCP's ``.metadata`` and ``__<rank>_<i>.distcp`` files, ``harts.json``, any small
+files the caller adds, and ``manifest.json`` (every file's size and SHA-256). It is written whole or
+not at all (:mod:`harts_runtime.parallel.checkpoint_folder`: staged beside the target, renamed into
+place when complete). Before any tensor is read, :func:`load_checkpoint` verifies the files against
+the manifest and compares DCP's metadata with the model: a missing folder, a missing, truncated or
+altered file, a tensor the checkpoint lacks or has with another shape (another model config), a
+tensor of the checkpoint the model lacks, or an optimizer to restore from a checkpoint without
+optimizer state raise :class:`~harts_runtime.errors.InvalidInputError` whose ``.field`` names the
+path, the file, the tensor or ``optimizer``, identically on every rank.
 
 Hugging Face folders (read shard by shard, written collectively) are :mod:`harts_runtime.hf`; it
 uses :func:`local_box` (this rank's block of a DTensor) from here, and nothing here imports it.
@@ -33,6 +36,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from harts_runtime.errors import InvalidInputError
+from harts_runtime.parallel.checkpoint_folder import (
+    MANIFEST_NAME,
+    as_input_error,
+    loadable_folder,
+    staged_folder,
+    verify_folder,
+)
 
 __all__ = ["EXTRA_NAME", "load_checkpoint", "local_box", "save_checkpoint"]
 
@@ -66,14 +76,33 @@ def _state(model, optimizer):
     return {"model": model_sd, "optim": optim_sd}
 
 
-def save_checkpoint(path, model, optimizer=None, *, extra: dict | None = None) -> None:
+def _file_names(files, what: str) -> dict:
+    files = dict(files or {})
+    for n, v in files.items():
+        if not isinstance(n, str) or "/" in n or n in ("", ".", "..", EXTRA_NAME, MANIFEST_NAME, ".metadata"):
+            raise InvalidInputError(what, f"{n!r} is not a file name a checkpoint can hold")
+        if n.endswith(".distcp"):
+            raise InvalidInputError(what, f"{n!r}: .distcp names are DCP's")
+        if not isinstance(v, (str, bytes)):
+            raise InvalidInputError(what, f"{n!r}: expected str or bytes, got {type(v).__name__}")
+    return files
+
+
+def save_checkpoint(
+    path, model, optimizer=None, *, extra: dict | None = None, files=None, rank_files=None
+) -> None:
     """Save ``model``'s state dict (and ``optimizer``'s) to the folder ``path`` with DCP.
 
     Collective when torch.distributed is initialised: every rank calls it with its shards; rank 0
-    also writes ``extra`` (a JSON-serialisable dict, e.g. ``{"step": 100}``) to ``harts.json``.
-    Returns once the whole checkpoint is on disk. Loadable by :func:`load_checkpoint` under any
-    parallel configuration. Raises :class:`InvalidInputError` (``extra``) for a value JSON cannot
-    store, before anything is written.
+    also writes ``extra`` (a JSON-serialisable dict, e.g. ``{"step": 100}``) to ``harts.json`` and
+    the small ``files`` (``{name: str | bytes}``), every rank its own ``rank_files``. Written whole
+    or not at all (:func:`harts_runtime.parallel.checkpoint_folder.staged_folder`: a staging folder
+    renamed into place, a manifest of every file's SHA-256): a kill at any point leaves ``path`` the
+    previous checkpoint or the new one, a full disk raises :class:`InvalidInputError` naming the
+    file and leaves nothing behind. Returns once the whole checkpoint is on disk. Loadable by
+    :func:`load_checkpoint` under any parallel configuration. Raises :class:`InvalidInputError`
+    (``extra``, ``files``, ``path``) for a value JSON cannot store, a bad file name, or a ``path``
+    that is a file or a non-empty folder other than a checkpoint, before anything is written.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -82,32 +111,89 @@ def save_checkpoint(path, model, optimizer=None, *, extra: dict | None = None) -
         raise InvalidInputError("extra", f"must be a dict, got {type(extra).__name__}")
     try:
         record = json.dumps(
-            {"format": _FORMAT, "optimizer": optimizer is not None, "extra": extra}, indent=2, sort_keys=True
+            {
+                "format": _FORMAT,
+                "optimizer": optimizer is not None,
+                "extra": extra,
+                "manifest": MANIFEST_NAME,
+            },
+            indent=2,
+            sort_keys=True,
         )
     except (TypeError, ValueError) as e:
         raise InvalidInputError("extra", f"is not JSON-serialisable ({e})") from None
+    files = _file_names(files, "files")
+    rank_files = _file_names(rank_files, "rank_files")
     distributed = _distributed()
-    with _single_process_quiet():
-        dcp.save(_state(model, optimizer), checkpoint_id=str(path), no_dist=not distributed)
-    if not distributed or dist.get_rank() == 0:
-        (Path(path) / EXTRA_NAME).write_text(record + "\n")
-    if distributed:
-        dist.barrier()
+    lead = not distributed or dist.get_rank() == 0
+    state = _state(model, optimizer)
+    with staged_folder(path) as staging:
+        with _single_process_quiet():
+            dcp.save(state, checkpoint_id=str(staging), no_dist=not distributed)
+        own = dict(rank_files)
+        if lead:
+            own[EXTRA_NAME] = record + "\n"
+            own.update(files)
+        for n, v in own.items():
+            (staging / n).write_bytes(v.encode() if isinstance(v, str) else v)
+
+
+def _one_line(e, limit: int = 300) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _read_record(path: Path) -> dict:
+    f = path / EXTRA_NAME
+    if not f.is_file():
+        return {}
+    try:
+        record = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise InvalidInputError(EXTRA_NAME, f"{f} is unreadable or damaged ({e})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("extra", {}), dict):
+        raise InvalidInputError(EXTRA_NAME, f"{f} is not a checkpoint record")
+    return record
+
+
+def _check_storage(path: Path, metadata) -> None:
+    """Every DCP data file the metadata names exists and holds the bytes it points at."""
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is None:
+            continue
+        ends[rel] = max(ends.get(rel, 0), int(info.offset) + int(info.length))
+    for rel in sorted(ends):
+        f = path / rel
+        if not f.is_file():
+            raise InvalidInputError(rel, f"missing from the checkpoint {path} (named in its .metadata)")
+        size = f.stat().st_size
+        if size < ends[rel]:
+            raise InvalidInputError(rel, f"{f} is truncated: {size} bytes, the checkpoint needs {ends[rel]}")
 
 
 def _check_checkpoint(path: Path, model_sd: dict, optimizer: bool) -> dict:
-    """Compare DCP's metadata of ``path`` with the model's state dict (global shapes); returns the
-    ``harts.json`` record."""
+    """Verify the files of ``path`` (its manifest, when it has one: sizes and SHA-256) and compare
+    DCP's metadata with the model's state dict (global shapes); returns the ``harts.json`` record."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if not (path / ".metadata").is_file():
         what = "does not exist" if not path.exists() else "is not a DCP checkpoint (no .metadata)"
+        if path.is_dir() and (path / MANIFEST_NAME).is_file():
+            raise InvalidInputError(".metadata", f"missing from the checkpoint {path}")
         raise InvalidInputError("path", f"{path} {what}")
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    record = {}
-    if (path / EXTRA_NAME).is_file():
-        record = json.loads((path / EXTRA_NAME).read_text())
+    record = _read_record(path)
+    verify_folder(path, required=bool(record.get("manifest")))
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a damaged pickle: anything
+        raise InvalidInputError(
+            ".metadata", f"{path / '.metadata'} is unreadable ({type(e).__name__})"
+        ) from None
+    _check_storage(path, metadata)
+    saved = metadata.state_dict_metadata
     if optimizer and not any(k.startswith("optim.") for k in saved):
         raise InvalidInputError("optimizer", f"the checkpoint {path} has no optimizer state")
     for k, v in model_sd.items():
@@ -137,8 +223,11 @@ def load_checkpoint(path, model, optimizer=None) -> dict:
 
     ``model`` may be parallelized in any configuration (collective then: every rank calls it) or
     a plain model in one process; ``optimizer`` must be of the saved kind over ``model``'s
-    parameters (its hyperparameters are restored too). Raises :class:`InvalidInputError` naming the
-    path, tensor or ``optimizer`` (module docstring) before anything is loaded.
+    parameters (its hyperparameters are restored too). Before anything is loaded, every file of the
+    checkpoint's manifest is verified (size and SHA-256) and every data file DCP's metadata names
+    must hold its bytes; a bad file, tensor or ``optimizer`` raises :class:`InvalidInputError`
+    naming it (module docstring), and so does a read that fails anyway (torch's
+    ``CheckpointException`` never escapes).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -147,11 +236,23 @@ def load_checkpoint(path, model, optimizer=None) -> dict:
         set_state_dict,
     )
 
-    path = Path(path)
+    path = loadable_folder(path)
     record = _check_checkpoint(path, get_model_state_dict(model), optimizer is not None)
     state = _state(model, optimizer)
-    with _single_process_quiet():
-        dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+        err = as_input_error(e, path, f"loading the checkpoint {path}")
+        if err is None:
+            root = getattr(e, "failures", None) and next(iter(e.failures.values()))
+            root = root[0] if isinstance(root, tuple) else (root or e)
+            err = InvalidInputError(
+                "path", f"cannot load the checkpoint {path}: {type(root).__name__}: {_one_line(root)}"
+            )
+        raise err from None
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:

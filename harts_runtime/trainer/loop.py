@@ -2,8 +2,9 @@
 :meth:`~harts_runtime.engine.HartsEngine.forward_backward` and an
 :meth:`~harts_runtime.engine.HartsEngine.optimizer_step` on the data's next step, its record
 (:func:`step_record`) printed, appended to ``--metrics`` and written to ``--tensorboard``, and
-checkpoints (``--save DIR``: ``DIR/step-N`` every ``--save-every`` steps and at the end, then
-``trainer.json``) and ``--export`` at the end.
+checkpoints (``--save DIR``: ``DIR/step-N`` every ``--save-every`` steps and at the end, with its
+``trainer.json``, written whole or not at all by :meth:`~harts_runtime.engine.HartsEngine.save`)
+and ``--export`` at the end.
 
 Only rank 0 prints and writes metrics and ``trainer.json``; every rank saves and exports its shards
 (both are collective). Step ``k`` (1-based) trains on the data's step ``position % K`` (``K`` steps);
@@ -17,10 +18,8 @@ import math
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-
 from harts_runtime.trainer.progress import PROG, Progress, step_line
-from harts_runtime.trainer_state import STATE_NAME, step_folder, write_trainer_state
+from harts_runtime.trainer_state import STATE_NAME, step_folder, trainer_state_text
 
 __all__ = ["finite", "run_loop", "step_record", "trim_metrics"]
 
@@ -103,24 +102,16 @@ def run_loop(engine, data, args, steps, done, position, record_args, world, lead
     def save(k: int) -> None:
         nonlocal last_saved
         folder = step_folder(args.save, k)
-        if lead:
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / STATE_NAME).unlink(missing_ok=True)  # complete again only once trainer.json is back
-        if dist.is_initialized():
-            dist.barrier()
-        engine.save(folder)
-        if lead:
-            state = {
-                "steps_done": k,
-                "engine_step": engine.step,
-                "data": dict(data.fingerprint, position=position),
-                "args": record_args,
-                "world_size": world,
-                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            }
-            write_trainer_state(folder, state)
-        if dist.is_initialized():
-            dist.barrier()
+        state = {
+            "steps_done": k,
+            "engine_step": engine.step,
+            "data": dict(data.fingerprint, position=position),
+            "args": record_args,
+            "world_size": world,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        # trainer.json goes into the staged folder: the checkpoint appears whole, with it, or not at all
+        engine.save(folder, files={STATE_NAME: trainer_state_text(state)})
         last_saved = k
         if lead:
             print(f"saved {folder}", file=err, flush=True)
