@@ -40,6 +40,7 @@ __all__ = [
     "available_bytes",
     "check_finite",
     "human_bytes",
+    "kept_tensors",
     "model_bytes",
     "open_folder",
     "read_config",
@@ -337,6 +338,24 @@ def scan_headers(files: list[Path], adapter, stack: contextlib.ExitStack) -> dic
     if missing:
         raise InvalidInputError(missing[0], f"missing from the checkpoint ({len(missing)} tensors missing)")
     return where
+
+
+def kept_tensors(files: list[Path], adapter) -> dict:
+    """The checkpoint tensors the adapter keeps aside without running them (``adapter.kept(name)``:
+    Ling-3.0's MTP layers), name -> tensor as stored, each checked finite; written back by
+    :func:`harts_runtime.hf.save_pretrained`. Empty for adapters that keep none."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in files:
+        with reading(f):
+            with safe_open(str(f), framework="pt", device="cpu") as fh:
+                for name in fh.keys():
+                    if adapter.kept(name):
+                        with reading(f, name):
+                            out[name] = fh.get_tensor(name)
+                        check_finite(name, out[name], f)
+    return out
 
 
 def check_finite(name: str, tensor: torch.Tensor, file: Path) -> None:

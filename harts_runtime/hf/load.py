@@ -19,7 +19,14 @@ import contextlib
 import torch
 
 from harts_runtime.errors import InvalidInputError
-from harts_runtime.hf.folder import check_finite, open_folder, reading, scan_headers, weight_files
+from harts_runtime.hf.folder import (
+    check_finite,
+    kept_tensors,
+    open_folder,
+    reading,
+    scan_headers,
+    weight_files,
+)
 
 __all__ = ["load_pretrained"]
 
@@ -82,4 +89,5 @@ def load_pretrained(path, dtype=None, device=None, *, mesh=None, parallelize=Non
         if None not in w and len(w) != t.shape[0]:
             raise InvalidInputError(k, "not written by any checkpoint tensor")
     model.hf_config = hf_config
+    model.hf_kept = kept_tensors(files, adapter)  # not run (MTP layers); save_pretrained writes them back
     return model

@@ -118,6 +118,11 @@ class HFStateDictAdapter:
         """HF tensors outside the model (skipped on load); none by default."""
         return False
 
+    def kept(self, name: str) -> bool:
+        """HF tensors skipped on load but kept aside and written back on save (``model.hf_kept``;
+        Ling-3.0's MTP layers); none by default. Each is also :meth:`ignored`."""
+        return False
+
     # ------------------------------------------------------------------ pieces
     def _canonical(self, name: str) -> str:
         """``name`` as the tables spell it (families with several accepted prefixes override)."""
