@@ -161,10 +161,13 @@ def test_the_logged_estimates_are_the_plans_sizes(records, debug):
     tree = fork_tree(3000, 6, 700)
     batch = RolloutBatch.from_segment_tree(tree)
     with _server() as srv, Raw(srv.address) as raw:
-        for chunk, microbatch in ((1, None), (16, [5, 0, 2]), (64, None)):
+        for n, (chunk, microbatch) in enumerate(((1, None), (16, [5, 0, 2]), (64, None)), 1):
             response = raw.call("PLAN_CALLS", calls_request(tree, microbatch, chunk, 3, debug))
             plan = hp.plan_calls(batch, chunk, microbatch, conv_width=3)
-            record = records.rpcs(code="OK")[-1]
+            # logged once gRPC ended the call, a moment after the client has the response
+            logged = records.wait_for(n, timeout=10, code="OK")
+            assert len(logged) == n
+            record = logged[-1]
             assert record["response_bytes"] <= record["estimate"]["response_bytes"]
             assert record["estimate"]["rows"] == plan.compact_tokens + plan.replay_tokens
             assert len(response) == record["response_bytes"]

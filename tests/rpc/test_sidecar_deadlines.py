@@ -156,3 +156,41 @@ def test_a_cancel_after_the_last_chunk_is_not_logged_delivered(tmp_path):
     assert len(logged) == 4
     ok = [r for r in logged if r["code"] == "OK"]
     assert all(r["delivered"] is True for r in ok) and len(ok) <= sum(got), (logged, got)
+
+
+def test_a_unary_call_cancelled_before_its_reply_is_not_logged_delivered(records):
+    """PlanCalls (unary) with a 2.5 MB reply: the handler hands it to gRPC, whose buffers take it
+    while the client reads none of it (or part); the client then resets the call. The record is
+    written once gRPC ended the call: CANCELLED, ``delivered: false``, naming both causes grpcio
+    cannot tell apart, never ``OK delivered: true`` (it was, when unary calls were logged as their
+    handler returned)."""
+    from harts_planner import estimate_cost
+    from harts_planner.rpc import codec
+    from harts_planner.rpc.server import create_server
+
+    tokens = 80_000
+    size = estimate_cost(one_segment(tokens)).response_bytes
+    server = create_server("127.0.0.1:0", workers=1, limits=limits.Limits(send_timeout=30.0))
+    with server as srv:
+        for n, read_rate in enumerate((None, 4 * MiB), 1):  # reads nothing / reads 80%, then resets
+            ((conn, sid),) = never_read(
+                srv.address, [calls_request(one_segment(tokens))], path=codec.PLAN_CALLS, read_rate=read_rate
+            )
+            try:
+                assert wait_for(lambda: srv.servicer.counts()["sending"] == 1, 10)
+                if read_rate is None:
+                    time.sleep(0.3)  # the handler waits on gRPC; the client reads nothing
+                else:
+                    assert conn.wait(
+                        lambda c, s=sid: c.streams[s].received >= 0.8 * size or c.finished(s), 10
+                    )
+                got_all = conn.streams[sid].received >= 0.999 * size
+                conn.reset(sid)
+                logged = records.wait_for(n, timeout=10)
+                assert len(logged) == n
+            finally:
+                conn.close()
+            r = logged[-1]
+            assert r["method"] == "PlanCalls" and not got_all
+            assert r["code"] == "CANCELLED" and r["delivered"] is False, r
+            assert "client cancelled or message refused by gRPC for size" in r["error"]

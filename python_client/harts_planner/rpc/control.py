@@ -65,6 +65,14 @@ def exhausted(field: str, message: str) -> AbortRpcError:
     return AbortRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{field}: {message}", field)
 
 
+#: What a call ended CANCELLED by its client's side may have been: grpcio reports a message gRPC
+#: refused for its size (a request over the server's ``--max-message-mb``, a response over the
+#: client's receive limit) exactly as a client's cancellation (a cancelled call, no status or cause),
+#: so the log names both.
+CLIENT_GONE = "client cancelled or message refused by gRPC for size: over --max-message-mb"
+#: The same for a response the handler sent whole (the size is the client's receive limit's).
+CLIENT_GONE_RESPONSE = "client cancelled or message refused by gRPC for size: over the client's receive limit"
+
 #: Why a call was stopped -> (status code, message, field). "client" and "deadline" come from gRPC.
 _REASONS = {
     "deadline": (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded", "deadline"),
@@ -86,7 +94,7 @@ _REASONS = {
     ),
     "receive-rate": (grpc.StatusCode.CANCELLED, "request: the request arrived too slowly", "request"),
     "send-rate": (grpc.StatusCode.CANCELLED, "response: the client read the response too slowly", "response"),
-    "client": (grpc.StatusCode.CANCELLED, "the client cancelled the request", None),
+    "client": (grpc.StatusCode.CANCELLED, f"the client cancelled the request ({CLIENT_GONE})", None),
 }
 #: The flags of the two minimum rates, by phase.
 _RATE_FLAGS = {
@@ -217,6 +225,8 @@ class RequestControl:
         if reason is None:
             return None
         code, message, field = _REASONS.get(reason, _REASONS["client"])
+        if message == _REASONS["client"][1] and self.phase in ("send", "done"):  # a response's size
+            message = f"the client cancelled the request ({CLIENT_GONE_RESPONSE})"
         if reason == "shutdown":
             what = "its response was delivered" if self.phase == "send" else "the plan finished"
             if self.uploading:
@@ -390,6 +400,8 @@ def drain(server, grace: float, *, cut: threading.Event | None = None) -> DrainR
 __all__ = [
     "AbortRpcError",
     "CANCEL_WAIT_SECONDS",
+    "CLIENT_GONE",
+    "CLIENT_GONE_RESPONSE",
     "DrainResult",
     "RequestControl",
     "Watchdog",

@@ -10,9 +10,15 @@ Records (``event``):
 * ``rpc``: one per PlanStep / PlanCalls call (or its ``*Stream`` form), written when the call ended:
   method, peer, status ``code`` (and ``field`` / ``error`` when not OK), input kind, sizes, the cost
   estimate, and the milliseconds spent receiving, admitting, queued, planning, encoding and sending.
-  ``delivered`` says whether the whole response reached the client's transport: a response the
-  client never read (cut off by ``--send-timeout``, its deadline, its cancellation or a drain) is
-  logged with the status it ended with and ``delivered: false``, never OK.
+  A call whose handler sent its whole response (unary or streamed) is logged once gRPC ended the
+  call, not when the handler returned (a log reader may see it a moment after the client has its
+  answer): OK with ``delivered: true`` when the response and its OK status went out without the
+  client resetting the call, else CANCELLED with ``delivered: false``. A response the client never
+  read (cut off by ``--send-timeout`` or ``--min-send-rate-mb``, its deadline, its cancellation or
+  a drain) is logged with the status it ended with and ``delivered: false``, never OK. grpcio
+  reports a message it refused for size as a cancelled call, so a client's CANCELLED says
+  ``client cancelled or message refused by gRPC for size`` (a request over ``--max-message-mb``, a
+  response over the client's receive limit).
 * ``serving``, ``drain``, ``stopped``: the server's address and limits; a drain's start; its end.
 * ``warning``: a configuration to look at (a non-loopback ``--host`` without mutual TLS).
 """

@@ -29,10 +29,12 @@ these phases, each logged in the call's record (:mod:`harts_planner.rpc.logs`):
    ``send_deadline_s``). The plan's memory stays reserved until the response
    is delivered.
 
-The record says OK only for a response that was delivered (``delivered: true``): a ``*Stream`` call
-whose handler sent every chunk is logged once gRPC ended it, CANCELLED when the client reset it before its
-status went out (it cancelled after the last chunk left the handler but before it had it all); a
-call that ended any other way is logged with the status it ended with.
+The record says OK only for a response that was delivered (``delivered: true``): a call whose
+handler sent its whole response (the one message of PlanStep / PlanCalls, every chunk of a
+``*Stream``) is logged once gRPC ended it, not when the handler returned (gRPC's buffers take
+several MiB that the client may never read), and CANCELLED when the client reset it before its
+status went out (it cancelled after the last message left the handler but before it had it all);
+a call that ended any other way is logged with the status it ended with.
 """
 
 from __future__ import annotations
@@ -305,7 +307,7 @@ class PlannerServicer:
                     delivered=False,
                 )
             record["total_ms"] = _ms(time.perf_counter() - start)
-            if stream and record.get("code") == "OK":  # logged once gRPC ended the call: was it taken?
+            if record.get("code") == "OK":  # logged once gRPC ended the call: was it taken?
                 ctl.on_terminated(lambda record=record, ctl=ctl: self._log_delivered(record, ctl))
             else:
                 logs.rpc(record, self.logger)
@@ -315,12 +317,14 @@ class PlannerServicer:
     def _log_delivered(self, record: dict, ctl: RequestControl) -> None:
         """Log a call whose handler sent its whole response, once gRPC ended the call: OK and
         ``delivered: true`` only when the call was not cancelled before the status went out (the
-        handler's last message is taken by gRPC's buffers, not yet by the client)."""
+        handler's last message is taken by gRPC's buffers, not yet by the client); else CANCELLED
+        naming both causes grpcio cannot tell apart (:data:`control.CLIENT_GONE_RESPONSE`)."""
         if ctl.client_cancelled:
             record.update(
                 code="CANCELLED",
                 field=None,
-                error="the client cancelled before the whole response and its status reached it",
+                error="the client cancelled before the whole response and its status reached it "
+                f"({control.CLIENT_GONE_RESPONSE})",
                 delivered=False,
             )
         logs.rpc(record, self.logger)
