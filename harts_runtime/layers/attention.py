@@ -39,6 +39,8 @@ class AttentionConfig:
     """Per-head dim (None: ``hidden_size // num_heads``)."""
     rope_theta: float = 10_000.0
     """RoPE base."""
+    use_rope: bool = True
+    """Rotate q and k (False: no positional encoding in the layer, as Nemotron-H's attention)."""
     backend: str = "reference"
     """Default key of :data:`harts_runtime.ops.attention.BACKENDS`."""
 
@@ -83,7 +85,7 @@ class CompactAttentionBase(nn.Module):
 
 
 class CompactAttention(CompactAttentionBase):
-    """MHA / GQA self-attention on compact rows (no bias; rotate-half RoPE on all head dims)."""
+    """MHA / GQA self-attention on compact rows (no bias; rotate-half RoPE on all head dims, or none)."""
 
     def __init__(self, config: AttentionConfig):
         super().__init__()
@@ -102,8 +104,9 @@ class CompactAttention(CompactAttentionBase):
         Hq and Hkv are the weights' (a tensor-parallel rank's local heads), not the config's."""
         c, n, dh = self.config, hidden.shape[0], self.config.head_dim
         hq, hkv = self.q_proj.weight.shape[0] // dh, self.k_proj.weight.shape[0] // dh
-        cos, sin = rope_cos_sin(positions, dh, c.rope_theta)
-        q = apply_rope(self.q_proj(hidden).view(n, hq, dh), cos, sin)
-        k = apply_rope(self.k_proj(hidden).view(n, hkv, dh), cos, sin)
+        q, k = self.q_proj(hidden).view(n, hq, dh), self.k_proj(hidden).view(n, hkv, dh)
+        if c.use_rope:
+            cos, sin = rope_cos_sin(positions, dh, c.rope_theta)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(hidden).view(n, hkv, dh)
         return q, k, v

@@ -63,6 +63,7 @@ import torch
 from torch import nn
 
 from harts_runtime.errors import InvalidInputError
+from harts_runtime.layers.relu2_mlp import Relu2MLP, relu2
 from harts_runtime.layout.rows import RowLayout
 from harts_runtime.modules.swiglu import SwiGLU, swiglu
 from harts_runtime.ops.dispatch import combine_rows, dispatch_rows, sort_assignments
@@ -116,6 +117,10 @@ class MoEConfig:
     L > 0 each expert computes ``min(silu(x W_gate), L) * clamp(x W_up, -L, L)``; 0: plain."""
     shared_swiglu_limit: float = 0.0
     """The same clipping of the shared experts (Ling-3.0's ``share_expert_swiglu_limit``)."""
+    activation: str = "swiglu"
+    """Expert FFN: ``"swiglu"`` (gated: ``w_gate``, ``w_up``, ``w_down``) or ``"relu2"`` (Nemotron-H's
+    non-gated ``relu(x W_up) ** 2 W_down``: no ``w_gate``; the shared experts a
+    :class:`~harts_runtime.layers.relu2_mlp.Relu2MLP`)."""
     grouped: bool = True
     """Grouped-matmul expert path (True) or the per-expert loop reference (False)."""
     backend: str = "auto"
@@ -268,7 +273,8 @@ def router_losses(
 class CompactMoE(nn.Module):
     """Routed SwiGLU experts on compact rows.
 
-    Parameters: ``router`` [E, D]; ``w_gate``, ``w_up`` [E, D, I]; ``w_down`` [E, I, D]; with
+    Parameters: ``router`` [E, D]; ``w_gate`` (not with ``activation="relu2"``), ``w_up`` [E, D, I];
+    ``w_down`` [E, I, D]; with
     shared experts also ``shared_experts`` (a :class:`~harts_runtime.modules.swiglu.SwiGLU`:
     ``gate``/``up`` [I_s, D], ``down`` [D, I_s]). Buffers:
     ``expert_bias`` [E] (selection only) and ``local_tokens_per_expert`` [E] (float32, weighted
@@ -290,15 +296,21 @@ class CompactMoE(nn.Module):
     def __init__(self, config: MoEConfig):
         super().__init__()
         c = self.config = config
+        if c.activation not in ("swiglu", "relu2"):
+            raise InvalidInputError("activation", f"choose 'swiglu' or 'relu2', got {c.activation!r}")
         self.router = nn.Parameter(torch.empty(c.num_experts, c.hidden_size))
-        self.w_gate = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, c.intermediate_size))
+        if c.activation == "swiglu":
+            self.w_gate = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, c.intermediate_size))
         self.w_up = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, c.intermediate_size))
         self.w_down = nn.Parameter(torch.empty(c.num_experts, c.intermediate_size, c.hidden_size))
         self.register_buffer("expert_bias", torch.zeros(c.num_experts))
         self.register_buffer("local_tokens_per_expert", torch.zeros(c.num_experts))
         if c.num_shared_experts > 0:
             width = c.shared_intermediate_size or c.num_shared_experts * c.intermediate_size
-            self.shared_experts = SwiGLU(c.hidden_size, width, limit=c.shared_swiglu_limit)
+            if c.activation == "relu2":
+                self.shared_experts = Relu2MLP(c.hidden_size, width)
+            else:
+                self.shared_experts = SwiGLU(c.hidden_size, width, limit=c.shared_swiglu_limit)
             if c.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
         self.reset_parameters()
@@ -306,11 +318,12 @@ class CompactMoE(nn.Module):
     def reset_parameters(self) -> None:
         for w, fan_in in (
             (self.router, self.config.hidden_size),
-            (self.w_gate, self.config.hidden_size),
+            (getattr(self, "w_gate", None), self.config.hidden_size),
             (self.w_up, self.config.hidden_size),
             (self.w_down, self.config.intermediate_size),
         ):
-            nn.init.normal_(w, std=fan_in**-0.5)
+            if w is not None:
+                nn.init.normal_(w, std=fan_in**-0.5)
 
     def forward(self, hidden: torch.Tensor, layout: RowLayout | None = None) -> MoEOutput:
         """Route and run experts once per row.
@@ -378,6 +391,8 @@ class CompactMoE(nn.Module):
         return s
 
     def _ffn(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        if self.config.activation == "relu2":
+            return relu2(x @ self.w_up[e]) @ self.w_down[e]
         return swiglu(x @ self.w_gate[e], x @ self.w_up[e], self.config.swiglu_limit) @ self.w_down[e]
 
     def _experts_loop(self, x, topk_idx, weight):
@@ -407,8 +422,11 @@ class CompactMoE(nn.Module):
         be = self.config.backend
         xs = dispatch_rows(x, rows, inverse, k, be)  # [N*k, D] expert-sorted
         ws = permute_rows(weight.reshape(-1), order, inverse)  # [N*k] slot weights, expert-sorted
-        gu = gate_up_mm(xs, self.w_gate, self.w_up, counts, offs=offs)  # [N*k, 2I]
-        h = swiglu_rows(gu, ws, be, self.config.swiglu_limit)  # [N*k, I], weighted
+        if self.config.activation == "relu2":  # non-gated: one grouped matmul, relu2 in PyTorch
+            h = relu2(grouped_mm(xs, self.w_up, counts, offs=offs)) * ws[:, None]  # [N*k, I], weighted
+        else:
+            gu = gate_up_mm(xs, self.w_gate, self.w_up, counts, offs=offs)  # [N*k, 2I]
+            h = swiglu_rows(gu, ws, be, self.config.swiglu_limit)  # [N*k, I], weighted
         ys = grouped_mm(h, self.w_down, counts, offs=offs)  # [N*k, D] expert-sorted, weighted
         return combine_rows(ys, rows, inverse, k, be, base)
 
