@@ -322,3 +322,36 @@ def test_clipped_swiglu_matches_transformers_mlp():
         x = torch.randn(30, D)
         with torch.no_grad():
             assert rel(ours(x), hf(x)) <= TOL
+
+
+@pytest.mark.gpu
+def test_fused_kda_features_with_the_bounded_gate_match_the_reference_on_cuda():
+    """The fused token-wise path (fla's ``fused_kda_gate`` with ``lower_bound``, the one-GEMM
+    full-rank gate projections) against the reference path, forward and backward (not run in CI:
+    needs CUDA)."""
+    from harts_runtime.layout.conv import ConvWindows
+
+    torch.manual_seed(0)
+    layer = perturbed(ling_kda()).cuda()
+    layer.A_log.data.uniform_(-1, 2)
+    offsets = np.array([0, 37, 100, 129])
+    windows = ConvWindows.trajectories(offsets, 4, torch.device("cuda"))
+    x = torch.randn(int(offsets[-1]), D, device="cuda", requires_grad=True)
+    outs = {}
+    for backend in ("naive", "triton"):
+        for m in layer.modules():
+            if hasattr(m, "backend"):
+                m.backend = backend
+        layer.config.backend = backend
+        layer.zero_grad()
+        x.grad = None
+        feats = layer._features(x, windows)
+        w = [
+            torch.randn_like(f, generator=torch.Generator("cuda").manual_seed(i)) for i, f in enumerate(feats)
+        ]
+        sum((f.float() * g.float()).sum() for f, g in zip(feats, w)).backward()
+        outs[backend] = (
+            [f.detach() for f in feats] + [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+        )
+    for a, b in zip(outs["naive"], outs["triton"]):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
