@@ -346,9 +346,8 @@ def test_fused_kda_features_with_the_bounded_gate_match_the_reference_on_cuda():
         layer.zero_grad()
         x.grad = None
         feats = layer._features(x, windows)
-        w = [
-            torch.randn_like(f, generator=torch.Generator("cuda").manual_seed(i)) for i, f in enumerate(feats)
-        ]
+        gen = torch.Generator("cuda").manual_seed(1)
+        w = [torch.randn(f.shape, device="cuda", generator=gen) for f in feats]
         sum((f.float() * g.float()).sum() for f, g in zip(feats, w)).backward()
         outs[backend] = (
             [f.detach() for f in feats] + [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
