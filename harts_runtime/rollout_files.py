@@ -47,6 +47,7 @@ import torch
 
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.rollouts import Rollouts
+from harts_runtime.token_range import TOKEN_LIMIT
 
 __all__ = ["FORMATS", "OPTIONAL", "REQUIRED", "RolloutFile", "RolloutFileError", "read_rollout_file"]
 
@@ -120,13 +121,27 @@ def _is_number(x) -> bool:
 
 
 def _show(x) -> str:
+    """``x`` for a one-line message: short whatever its size (a 10 MB binary value is "binary
+    data (10,000,000 bytes)")."""
     if x is None:
         return "null"
-    if isinstance(x, bool):
+    if isinstance(x, (bool, np.bool_)):
         return "true" if x else "false"
-    if isinstance(x, (list, dict)):
-        return type(x).__name__
-    return repr(x)
+    if isinstance(x, (list, tuple, dict, np.ndarray)):
+        return type(x).__name__ if not isinstance(x, tuple) else "list"
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return f"binary data ({len(x):,} bytes)"
+    text = repr(x)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text):,} characters)"
+
+
+def _array(v, dtype=None):
+    """``np.asarray(v)``, or None where numpy cannot hold ``v`` as one array (nested lists of
+    uneven lengths, integers beyond 64 bits): the caller then checks element by element."""
+    try:
+        return np.asarray(v, dtype=dtype) if not isinstance(v, np.ndarray) else v
+    except (ValueError, TypeError, OverflowError):
+        return None
 
 
 class _Row:
@@ -145,25 +160,24 @@ class _Row:
             self.err("tokens", f"expected a list of token ids, got {_show(v)}")
         if len(v) == 0:
             self.err("tokens", "is empty (a trajectory has at least one token)")
-        a = np.asarray(v) if not isinstance(v, np.ndarray) else v
-        if a.ndim != 1 or a.dtype.kind not in "iu":
+        a = _array(v)
+        if a is None or a.ndim != 1 or a.dtype.kind not in "iu":
             for j, x in enumerate(v):
                 if not _is_int(x):
                     self.err(f"tokens[{j}]", f"expected an integer token id, got {_show(x)}")
             a = None  # integers numpy could not hold: range-checked below
-        limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        top = vocab_size if vocab_size is not None else TOKEN_LIMIT
+        limit = f"[0, {vocab_size})" if vocab_size is not None else "[0, 2^31) (token ids are int32)"
         if a is None:
             for j, x in enumerate(v):
-                if x < 0 or (vocab_size is not None and x >= vocab_size):
-                    self.err(f"tokens[{j}]", f"token id {x} is outside {limit}")
-        a = a.astype(np.int64, copy=False)
-        bad = a < 0
-        if vocab_size is not None:
-            bad |= a >= vocab_size
+                if x < 0 or x >= top:
+                    self.err(f"tokens[{j}]", f"token id {_show(x)} is outside {limit}")
+            a = np.asarray(v, dtype=np.int64)
+        bad = (a < 0) | (a >= top)  # before the cast: a uint64 id would wrap
         if bad.any():
             j = int(np.argmax(bad))
             self.err(f"tokens[{j}]", f"token id {int(a[j])} is outside {limit}")
-        return a
+        return a.astype(np.int64, copy=False)
 
     def values(self, v, n: int, name: str) -> np.ndarray:
         """The ``n - 1`` per-target values of field ``name`` (float32, or bool for the mask)."""
@@ -184,10 +198,10 @@ class _Row:
             what = "0 / 1 or true / false" if mask else "a number"
             self.err(name, f"expected {what} or a list of them, got {_show(v)}")
         at = (lambda j: name) if scalar else (lambda j: f"{name}[{j + base}]")
-        a = np.asarray(kept)
+        a = _array(kept)
         ok_kinds = "biuf" if mask else "iuf"
-        if a.ndim != 1 or a.dtype.kind not in ok_kinds:
-            if a.size == 0 and a.ndim == 1:
+        if a is None or a.ndim != 1 or a.dtype.kind not in ok_kinds:
+            if a is not None and a.size == 0 and a.ndim == 1:
                 a = np.zeros(0, dtype=bool if mask else np.float64)
             else:
                 for j, x in enumerate(kept):
@@ -336,6 +350,9 @@ def _read_jsonl(path: str, b: _Builder) -> str:
                 ) from None
             except RecursionError:
                 raise RolloutFileError(path, where, None, "JSON nested too deeply") from None
+            except ValueError as e:  # an integer of more than 4,300 digits
+                said = str(e).split(";")[0]
+                raise RolloutFileError(path, where, None, f"not usable JSON: {said}") from None
             if not isinstance(rec, dict):
                 raise RolloutFileError(
                     path,
@@ -388,6 +405,8 @@ def read_rollout_file(path, vocab_size: int | None = None, fmt: str | None = Non
         raise InvalidInputError("data", f"{path!r}: no such file")
     if os.path.isdir(path):
         raise InvalidInputError("data", f"{path!r} is a directory, not a rollout file")
+    if not os.path.isfile(path):  # a FIFO would block the reader forever; a device never ends
+        raise InvalidInputError("data", f"{path!r} is not a regular file (a FIFO, socket or device)")
     b = _Builder(path, vocab_size)
     try:
         sha = _read_jsonl(path, b) if fmt == "jsonl" else _read_parquet(path, b)

@@ -33,6 +33,7 @@ loss mask that is not boolean (or 0 / 1), shapes that do not match.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -136,26 +137,26 @@ class Rollouts:
             if name == "loss_mask":
                 setattr(self, name, _check_mask(t, name))
                 continue
-            if not t.is_floating_point():
-                t = t.float()
-            bad = ~torch.isfinite(t)
+            if t.is_complex() or t.dtype == torch.bool:
+                raise InvalidInputError(name, f"must be real numbers, got dtype {t.dtype}")
+            f = t.float()  # what the step computes in: a float64 1e39 is inf there
+            bad = ~torch.isfinite(f)
             if name != "advantages":
-                bad = bad | (t > 0)
+                bad = bad | (f > 0)
             if bool(bad.any()):
                 k = int(bad.nonzero()[0, 0])
                 i = int(np.searchsorted(self.target_offsets, k, side="right") - 1)
                 what = "a log-prob is finite and <= 0" if name != "advantages" else "advantages are finite"
-                raise InvalidInputError(
-                    f"{name}[{i}][{k - int(self.target_offsets[i])}]", f"{what}, got {float(t[k])}"
+                x = float(t[k])
+                extra = (
+                    " (not finite in float32)" if math.isfinite(x) and not math.isfinite(float(f[k])) else ""
                 )
-            setattr(self, name, t.float())
+                raise InvalidInputError(
+                    f"{name}[{i}][{k - int(self.target_offsets[i])}]", f"{what}, got {x}{extra}"
+                )
+            setattr(self, name, f)
         if self.group_ids is not None:
-            g = torch.as_tensor(self.group_ids)
-            if g.dim() != 1 or g.numel() != self.num_trajectories:
-                raise InvalidInputError(
-                    "group_ids", f"expected {self.num_trajectories} entries, got {tuple(g.shape)}"
-                )
-            self.group_ids = g.long()
+            self.group_ids = _group_ids(self.group_ids, self.num_trajectories)
         return self
 
     # ------------------------------------------------------------------ in
@@ -191,7 +192,10 @@ class Rollouts:
                 raise InvalidInputError(name, f"expected {len(lengths)} trajectories, got {len(values)}")
             parts = []
             for i, (v, n) in enumerate(zip(values, lengths)):
-                a = np.asarray(v, dtype=np.float64 if name != "loss_mask" else None)
+                try:
+                    a = np.asarray(v, dtype=np.float64 if name != "loss_mask" else None)
+                except (TypeError, ValueError):  # complex numbers, strings, ragged lists
+                    raise InvalidInputError(f"{name}[{i}]", "expected real numbers") from None
                 if a.ndim == 0:
                     a = np.full(max(n - 1, 0), a.item())
                 elif len(a) == n and n > 0:
@@ -203,8 +207,7 @@ class Rollouts:
                     )
                 parts.append(a)
             fields[name] = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0))
-        gid = None if group_ids is None else torch.as_tensor(np.asarray(group_ids, dtype=np.int64))
-        return cls(tokens, offsets, group_ids=gid, **fields).check(vocab_size)
+        return cls(tokens, offsets, group_ids=group_ids, **fields).check(vocab_size)
 
     @classmethod
     def from_padded(
@@ -291,8 +294,7 @@ class Rollouts:
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         tokens = np.concatenate([_int_tokens(r, f"input_ids[{i}]") for i, r in enumerate(rows)])
         flat = {k: torch.cat([torch.as_tensor(x).reshape(-1) for x in v]) for k, v in fields.items()}
-        gid = None if group_ids is None else torch.as_tensor(group_ids).long()
-        return cls(tokens, offsets, group_ids=gid, **flat).check(vocab_size)
+        return cls(tokens, offsets, group_ids=group_ids, **flat).check(vocab_size)
 
     # ------------------------------------------------------------------ out
     def _per_target(self, values: torch.Tensor, field: str) -> torch.Tensor:
@@ -339,9 +341,12 @@ class Rollouts:
 
     # ------------------------------------------------------------------ HARTS
     def batch(self):
-        """The ``harts_planner.RolloutBatch`` of the token ids (HARTS's ingestion finds the trees)."""
+        """The ``harts_planner.RolloutBatch`` of the token ids (HARTS's ingestion finds the trees).
+        Token ids are int32 there: one at or above 2^31 (or below 0) raises
+        :class:`InvalidInputError` naming it (it used to wrap: 2^32 + 5 became 5)."""
         import harts_planner as hp
 
+        check_token_range(np.asarray(self.tokens), np.asarray(self.offsets), None, "tokens")
         return hp.RolloutBatch.from_arrays(self.tokens.astype(np.int32), self.offsets)
 
     def step_inputs(self, objective: str = "grpo", loss_config=None, batch=None):
@@ -361,6 +366,29 @@ class Rollouts:
             objective,
             loss_config,
         )
+
+
+def _group_ids(values, n: int) -> torch.Tensor:
+    """``values`` as int64 group ids ``[n]``; InvalidInputError (``group_ids``) for another size or
+    a value that is not an integer (NaN, 1.5, a string, a complex number)."""
+    try:
+        g = (
+            torch.as_tensor(values)
+            if isinstance(values, torch.Tensor)
+            else torch.as_tensor(np.asarray(values))
+        )
+    except (TypeError, ValueError, RuntimeError):
+        raise InvalidInputError("group_ids", "expected integers") from None
+    if g.dim() != 1 or g.numel() != n:
+        raise InvalidInputError("group_ids", f"expected {n} entries, got {tuple(g.shape)}")
+    if g.is_complex() or g.dtype == torch.bool:
+        raise InvalidInputError("group_ids", f"expected integers, got dtype {g.dtype}")
+    if g.is_floating_point():
+        bad = ~torch.isfinite(g) | (g != torch.round(g)) | (g.abs() >= 2.0**63)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise InvalidInputError(f"group_ids[{i}]", f"expected an integer, got {float(g[i])}")
+    return g.long()
 
 
 def _unbind(values, field: str) -> list[torch.Tensor]:

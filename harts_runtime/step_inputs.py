@@ -9,6 +9,7 @@ contributions add up to the whole-step loss (see :mod:`harts_runtime.train`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -101,7 +102,8 @@ class StepInputs:
         and position): a field that is not a 1-D tensor of ``P = S - N`` entries (``advantages``,
         ``loss_mask``, ``old_logprobs`` required; ``ref_logprobs`` optional), a non-finite
         advantage, a log-prob that is not finite or above 0 (one NaN advantage turned every
-        parameter NaN after one step; old log-probs of -inf gave a loss of 3.7e7), a loss mask that
+        parameter NaN after one step; old log-probs of -inf gave a loss of 3.7e7), a float64 value
+        beyond float32's range (the step computes in float32: 1e39 is inf), a loss mask that
         is not boolean or 0 / 1. O(P) elementwise work and one host read per field (a device sync
         when the fields live on a GPU). A field replaced or edited in place since the last check
         also drops what was derived from it (:attr:`weights`, the device copies)."""
@@ -124,6 +126,9 @@ class StepInputs:
             if not t.is_floating_point():
                 raise InvalidInputError(name, f"must be a floating-point tensor, got {t.dtype}")
             bad = ~torch.isfinite(t)
+            wide = torch.finfo(t.dtype).max > torch.finfo(torch.float32).max
+            if wide:  # float64: the step computes in float32, where 1e39 is inf
+                bad |= t.abs() > torch.finfo(torch.float32).max
             if name != "advantages":
                 bad |= t > 0
             if bool(bad.any()):
@@ -135,7 +140,10 @@ class StepInputs:
                     if name == "advantages"
                     else "log-probs must be finite and <= 0"
                 )
-                raise InvalidInputError(f"{name}[{i}][{k - int(cu[i])}]", f"{what}, got {float(t[k])}")
+                x = float(t[k])
+                f32 = torch.finfo(torch.float32).max
+                extra = " (not finite in float32)" if wide and math.isfinite(x) and abs(x) > f32 else ""
+                raise InvalidInputError(f"{name}[{i}][{k - int(cu[i])}]", f"{what}, got {x}{extra}")
         m = self.loss_mask
         if m.dtype != torch.bool:
             if m.is_complex() or not bool(((m == 0) | (m == 1)).all()):

@@ -77,6 +77,10 @@ def _read_json(file: Path) -> dict:
         raise InvalidInputError(
             file.name, f"{file} is not JSON (line {e.lineno} column {e.colno}: {e.msg})"
         ) from None
+    except RecursionError:
+        raise InvalidInputError(file.name, f"{file} is JSON nested too deeply") from None
+    except ValueError as e:  # an integer of more than 4,300 digits
+        raise InvalidInputError(file.name, f"{file} is not usable JSON ({str(e).split(';')[0]})") from None
     if not isinstance(value, dict):
         raise InvalidInputError(file.name, f"{file} holds a JSON {type(value).__name__}, not an object")
     return value
@@ -151,6 +155,19 @@ _PLAUSIBLE = {
     "intermediate_size": 1_000_000,
     "moe_intermediate_size": 1_000_000,
 }
+
+
+def _check_finite_numbers(hf_config: dict, file: Path) -> None:
+    """Every number of ``hf_config`` (and of a ``text_config`` in it) finite: Python's JSON reads
+    ``NaN`` and ``Infinity`` (``rms_norm_eps: NaN`` turned every activation NaN)."""
+    for where, cfg in (("", hf_config), ("text_config.", hf_config.get("text_config"))):
+        if not isinstance(cfg, dict):
+            continue
+        for name, v in cfg.items():
+            values = v if isinstance(v, list) else [v]
+            for x in values:
+                if isinstance(x, float) and not math.isfinite(x):
+                    raise InvalidInputError(where + str(name), f"{x!r} in {file} is not a finite number")
 
 
 def _check_sizes(hf_config: dict, file: Path) -> None:
@@ -259,7 +276,8 @@ def read_config(path, dtype, overrides) -> tuple[Path, dict, str, object]:
     if not isinstance(model_type, str) or model_type not in supported:
         raise InvalidInputError("model_type", f"{model_type!r} in {file}; supported: {', '.join(supported)}")
     family = get_family(model_type)
-    _check_sizes(hf_config, file)
+    _check_sizes(hf_config, file)  # a size field first: "not a positive integer" says more
+    _check_finite_numbers(hf_config, file)
     try:
         cfg = family.from_hf_config(hf_config, dtype=_dtype_name(dtype), **overrides)
     except InvalidInputError as e:

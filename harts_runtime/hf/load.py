@@ -31,6 +31,26 @@ from harts_runtime.hf.folder import (
 __all__ = ["load_pretrained"]
 
 
+def _check_device(device) -> torch.device:
+    """``device`` as a ``torch.device`` that this process can allocate on; InvalidInputError
+    (``device``) for a malformed name or a CUDA device without CUDA (torch raises an
+    ``AssertionError`` only once the first tensor is allocated)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidInputError(
+            "device", f"{device!r} is not a device name (cpu, cuda, cuda:1, ...)"
+        ) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidInputError("device", f"{device!r}: CUDA is not available in this process")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise InvalidInputError(
+                "device", f"{device!r}: this process sees {torch.cuda.device_count()} CUDA device(s)"
+            )
+    return dev
+
+
 def load_pretrained(path, dtype=None, device=None, *, mesh=None, parallelize=None, **overrides):
     """A :class:`HybridModel` with the weights of the checkpoint folder ``path``.
 
@@ -47,7 +67,8 @@ def load_pretrained(path, dtype=None, device=None, *, mesh=None, parallelize=Non
     every rank calls it.
 
     Raises :class:`InvalidInputError` naming the config field, tensor or file, and the file
-    (:mod:`harts_runtime.hf.folder`): a folder that is not a readable checkpoint, unsupported
+    (:mod:`harts_runtime.hf.folder`), or ``device`` (malformed, or CUDA without CUDA): a folder
+    that is not a readable checkpoint (JSON nested too deeply, a non-finite number), unsupported
     options, a model that does not fit the device (checked before anything is allocated), unknown,
     missing, misshapen, non-floating-point or non-finite tensors.
     """
@@ -61,7 +82,7 @@ def load_pretrained(path, dtype=None, device=None, *, mesh=None, parallelize=Non
         raise InvalidInputError("parallelize", "needs a mesh")
     from harts_runtime.models.hybrid.model import HybridModel
 
-    device = "cpu" if device is None else device
+    device = _check_device("cpu" if device is None else device)
     path, hf_config, _, cfg, adapter = open_folder(path, dtype, overrides, device=device)
     files = weight_files(path)
     with contextlib.ExitStack() as stack:
