@@ -122,27 +122,32 @@ def tiny_config(cfg):
         vocab_size=512,
         hidden_size=32,
         num_heads=2,
-        kda_head_dim=8,
-        kda_num_heads=None,
+        kda=dict(num_heads=None, head_k_dim=8, head_v_dim=8),
         chunk_size=8,
-        kv_lora_rank=16,
-        q_lora_rank=None if cfg.q_lora_rank is None else 16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=8,
+        mla=dict(
+            kv_lora_rank=16,
+            q_lora_rank=None if cfg.mla.q_lora_rank is None else 16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+        ),
         num_kv_heads=1 if gqa else None,
-        head_dim=None if cfg.head_dim is None else 16,
-        gdn_num_k_heads=2,
-        gdn_num_v_heads=4 if cfg.gdn_num_v_heads > cfg.gdn_num_k_heads else 2,
-        gdn_head_k_dim=8,
-        gdn_head_v_dim=8,
+        gated_attention=dict(head_dim=None if cfg.gated_attention.head_dim is None else 16),
+        gdn=dict(
+            num_k_heads=2,
+            num_v_heads=4 if cfg.gdn.num_v_heads > cfg.gdn.num_k_heads else 2,
+            head_k_dim=8,
+            head_v_dim=8,
+        ),
         dense_intermediate=64,
-        num_experts=8,
-        top_k=2,
-        expert_intermediate=16,
-        shared_expert_intermediate=None if cfg.shared_expert_intermediate is None else 16,
-        num_expert_groups=2 if cfg.num_expert_groups > 1 else 1,
-        topk_groups=1,
+        moe=dict(
+            num_experts=8,
+            top_k=2,
+            intermediate_size=16,
+            shared_intermediate_size=None if cfg.moe.shared_intermediate_size is None else 16,
+            num_expert_groups=2 if cfg.moe.num_expert_groups > 1 else 1,
+            topk_groups=1,
+        ),
         dtype="float32",
         lm_head_rows=16,
     )
@@ -942,13 +947,13 @@ def _profile_microbatch(args, model, dev, step, traj, plan, plan_s):
 
 
 def _state_bytes(cfg) -> int:
-    """fp32 bytes of one boundary state of the model's linear-attention layers (KDA: H K K; GDN:
+    """fp32 bytes of one boundary state of the model's linear-attention layers (KDA: H K V; GDN:
     Hv K V; the largest when both occur)."""
     sizes = [0]
     if "kda" in cfg.mixers:
-        sizes.append((cfg.kda_num_heads or cfg.num_heads) * cfg.kda_head_dim**2)
+        sizes.append((cfg.kda.num_heads or cfg.num_heads) * cfg.kda.head_k_dim * cfg.kda.head_v_dim)
     if "gdn" in cfg.mixers:
-        sizes.append(cfg.gdn_num_v_heads * cfg.gdn_head_k_dim * cfg.gdn_head_v_dim)
+        sizes.append(cfg.gdn.num_v_heads * cfg.gdn.head_k_dim * cfg.gdn.head_v_dim)
     return max(sizes) * 4
 
 

@@ -38,10 +38,11 @@ def layer_costs(cfg: ModelConfig) -> dict:
     it, fla's default: the WY factors and the state scan; outside the 3 x forward count), plus
     a breakdown."""
     d, h = cfg.hidden_size, cfg.num_heads
-    k = v = cfg.kda_head_dim
+    kda_args, mla_args, moe_args, gdn_args = cfg.kda, cfg.mla, cfg.moe, cfg.gdn
+    k, v = kda_args.head_k_dim, kda_args.head_v_dim
     mm = lambda i, o: 2 * i * o
     core = lambda heads, kk, vv: heads * (4 * cfg.chunk_size * kk + 2 * cfg.chunk_size * vv + 6 * kk * vv)
-    hk = cfg.kda_num_heads or h
+    hk = kda_args.num_heads or h
     kda = (
         mm(d, hk * k) * 2
         + mm(d, hk * v)
@@ -56,8 +57,8 @@ def layer_costs(cfg: ModelConfig) -> dict:
     )
     # Gated DeltaNet: q, k (Hk heads of K), v, z (Hv heads of V), beta and decay inputs (Hv each),
     # the convolution over q, k, v, the KDA-form core per value head, the output projection.
-    gk, gv = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads
-    gkd, gvd = cfg.gdn_head_k_dim, cfg.gdn_head_v_dim
+    gk, gv = gdn_args.num_k_heads, gdn_args.num_v_heads
+    gkd, gvd = gdn_args.head_k_dim, gdn_args.head_v_dim
     gdn = (
         mm(d, 2 * gk * gkd + 2 * gv * gvd)
         + mm(d, 2 * gv)
@@ -65,32 +66,32 @@ def layer_costs(cfg: ModelConfig) -> dict:
         + core(gv, gkd, gvd)
         + mm(gv * gvd, d)
     )
-    dqk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    if cfg.q_lora_rank is None:
+    dqk = mla_args.qk_nope_head_dim + mla_args.qk_rope_head_dim
+    if mla_args.q_lora_rank is None:
         mla_q = mm(d, h * dqk)
     else:
-        mla_q = mm(d, cfg.q_lora_rank) + mm(cfg.q_lora_rank, h * dqk)
+        mla_q = mm(d, mla_args.q_lora_rank) + mm(mla_args.q_lora_rank, h * dqk)
     mla = (
         mla_q
-        + mm(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        + mm(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
-        + mm(h * cfg.v_head_dim, d)
+        + mm(d, mla_args.kv_lora_rank + mla_args.qk_rope_head_dim)
+        + mm(mla_args.kv_lora_rank, h * (mla_args.qk_nope_head_dim + mla_args.v_head_dim))
+        + mm(h * mla_args.v_head_dim, d)
     )
-    mla_key = 2 * h * (dqk + cfg.v_head_dim)
+    mla_key = 2 * h * (dqk + mla_args.v_head_dim)
     hkv = cfg.num_kv_heads or h
     hd = d // h  # MHA / GQA heads split the width
     gqa = mm(d, h * hd) + 2 * mm(d, hkv * hd) + mm(h * hd, d)
     gqa_key = 2 * h * (2 * hd)
-    ghd = cfg.head_dim or hd  # gated attention: its own head dim; q_proj also yields the gate
+    ghd = cfg.gated_attention.head_dim or hd  # gated attention: its own head dim; q_proj also yields the gate
     gated = 2 * mm(d, h * ghd) + 2 * mm(d, hkv * ghd) + mm(h * ghd, d)
     gated_key = 2 * h * (2 * ghd)
     dense = 3 * mm(d, cfg.dense_intermediate)
-    shared = cfg.shared_expert_intermediate or cfg.num_shared_experts * cfg.expert_intermediate
+    shared = moe_args.shared_intermediate_size or moe_args.num_shared_experts * moe_args.intermediate_size
     moe = (
-        mm(d, cfg.num_experts)
-        + cfg.top_k * 3 * mm(d, cfg.expert_intermediate)
+        mm(d, moe_args.num_experts)
+        + moe_args.top_k * 3 * mm(d, moe_args.intermediate_size)
         + 3 * mm(d, shared)
-        + (mm(d, 1) if cfg.shared_expert_gate and shared else 0)
+        + (mm(d, 1) if moe_args.shared_expert_gate and shared else 0)
     )
     mixer = {"kda": kda, "gdn": gdn, "mla": mla, "gqa": gqa, "gated_attention": gated}
     key = {"kda": 0, "gdn": 0, "mla": mla_key, "gqa": gqa_key, "gated_attention": gated_key}

@@ -32,7 +32,7 @@ def freeze_family_constants(model, *, strict: bool = True) -> list[str]:
     since every ``zero_only`` tensor is an ``extra_ours`` one (no checkpoint tensor, loaded as
     zero, saved only while zero). The buffers among ``extra_ours`` (expert-load counts, a Qwen
     expert bias) are not trained and are left alone; a config that would change the Qwen expert
-    bias (``use_expert_bias``) is one the family cannot express, refused below.
+    bias (``moe.use_expert_bias``) is one the family cannot express, refused below.
 
     ``strict``: True raises :class:`InvalidInputError` naming the :class:`ModelConfig` field that
     the family cannot express at all (a Kimi-Linear model with a GQA layer or zero-centred norms, a

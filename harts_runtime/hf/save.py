@@ -60,8 +60,8 @@ def save_setup(model, model_type: str | None = None) -> tuple[dict, object]:
                 "model_type", f"{model_type} is read, not written; use {family.model_type}"
             )
     if family.name == "kimi_linear":  # Qwen-only options Kimi-Linear's config cannot carry
-        for name in ("zero_centered_norms", "shared_expert_gate"):
-            if getattr(cfg, name):
+        for name in ("zero_centered_norms", "moe.shared_expert_gate"):
+            if cfg.field_value(name):
                 raise InvalidInputError(name, "True has no Kimi-Linear equivalent")
     return family.to_hf_config(cfg, base=base), family.make_adapter(cfg, model_type)
 

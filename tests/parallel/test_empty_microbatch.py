@@ -19,21 +19,15 @@ def _tiny(flavor):
     from harts_runtime import model_config
 
     if flavor == "debug":
-        return model_config("debug", use_expert_bias=True)
+        return model_config("debug", moe={"use_expert_bias": True})
     return model_config(flavor, 2).replace(
         vocab_size=128,
         hidden_size=32,
         num_heads=4,
         num_kv_heads=2,
-        head_dim=8,
-        gdn_num_k_heads=2,
-        gdn_num_v_heads=4,
-        gdn_head_k_dim=8,
-        gdn_head_v_dim=8,
-        num_experts=4,
-        top_k=2,
-        expert_intermediate=16,
-        shared_expert_intermediate=16,
+        gated_attention={"head_dim": 8},
+        gdn={"num_k_heads": 2, "num_v_heads": 4, "head_k_dim": 8, "head_v_dim": 8},
+        moe={"num_experts": 4, "top_k": 2, "intermediate_size": 16, "shared_intermediate_size": 16},
         dtype="float32",
         chunk_size=8,
     )

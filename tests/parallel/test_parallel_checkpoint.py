@@ -102,7 +102,7 @@ def _parallel_step(model, optimizer, mesh, step, plan) -> float:
 def _debug_model(seed):
     from harts_runtime import HybridModel, model_config
 
-    cfg = model_config("debug", use_expert_bias=True, dtype="float32")
+    cfg = model_config("debug", moe={"use_expert_bias": True}, dtype="float32")
     torch.manual_seed(seed)
     return HybridModel(cfg)
 
@@ -340,7 +340,7 @@ def _check_hf_case(results, folder, dims_kw, name, out_dir):
     assert got_index == want_index
     _assert_same(got, want, f"{name}: save_pretrained")
     assert (out_dir / name / "config.json").read_text() == (single / "config.json").read_text()
-    experts = ref.config.num_experts
+    experts = ref.config.moe.num_experts
     for r in results:
         res = r[name]
         _assert_same(res["state"], ref_state, f"{name}: load_pretrained")

@@ -24,7 +24,7 @@ def _setup():
     from harts_runtime import HybridModel, StepInputs, model_config
     from harts_runtime.testing import random_batch
 
-    cfg = model_config("debug", dtype="float32", use_expert_bias=True)
+    cfg = model_config("debug", dtype="float32", moe={"use_expert_bias": True})
     torch.manual_seed(0)
     model = HybridModel(cfg)
     batch = random_batch(3, num=16, vocab=cfg.vocab_size, max_new=10)

@@ -60,7 +60,7 @@ def _build(name, path, dp, plan_kind="planner"):
 
     if name == "debug":
         torch.manual_seed(0)
-        model = HybridModel(model_config("debug", use_expert_bias=True, dtype="float32"))
+        model = HybridModel(model_config("debug", moe={"use_expert_bias": True}, dtype="float32"))
     else:
         model = load_pretrained(path, dtype="float32")
     cfg = model.config
@@ -288,8 +288,8 @@ def _bad_config_worker(rank, world, case):
     except ParallelConfigError as e:
         errors["world"] = (e.field, str(e))
     cfgs = {
-        "heads": dict(num_heads=3, kda_num_heads=3),  # tp=2 does not divide 3 heads
-        "experts": dict(num_experts=3, top_k=1),  # ep=2 does not divide 3 experts
+        "heads": dict(num_heads=3, kda={"num_heads": 3}),  # tp=2 does not divide 3 heads
+        "experts": dict(moe={"num_experts": 3, "top_k": 1}),  # ep=2 does not divide 3 experts
     }
     dims = {"heads": dict(tp=2), "experts": dict(dp_shard=2, ep=2)}
     for name in ("heads", "experts"):

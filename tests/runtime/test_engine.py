@@ -21,7 +21,9 @@ TOL = dict(rtol=2e-5, atol=1e-6)  # float32: compact vs trajectory-wise executio
 
 def _model(seed=0, **overrides):
     torch.manual_seed(seed)
-    return HybridModel(model_config("debug", dtype="float32", use_expert_bias=True, **overrides))
+    return HybridModel(
+        model_config("debug", dtype="float32", moe={"use_expert_bias": True}).replace(**overrides)
+    )
 
 
 def _step(seed=1):
@@ -57,7 +59,7 @@ def test_any_loss_function_compact_equals_trajectory():
     outs, grads = {}, {}
     for mode in ("compact", "trajectory"):  # without the router losses, which depend on the packing
         engine = HartsEngine(
-            _model(aux_loss_coef=0.0, z_loss_coef=0.0), EngineConfig(capacity=CAP, mode=mode)
+            _model(moe={"aux_loss_coef": 0.0, "z_loss_coef": 0.0}), EngineConfig(capacity=CAP, mode=mode)
         )
         outs[mode] = engine.forward_backward(step, _nll)
         grads[mode] = {n: p.grad for n, p in engine.model.named_parameters() if p.grad is not None}

@@ -13,13 +13,13 @@ from harts_runtime.models import HybridModel, model_config  # noqa: E402
 CASES = {  # name -> (flavor, overrides, family written, parameters frozen (suffixes))
     "kimi_linear with a KDA output-gate bias": (
         "kimi-linear-tiny",
-        {"kda_output_gate_bias": True},
+        {"kda": {"output_gate_bias": True}},
         "kimi_linear",
         ("mixer.g_proj.1.bias",),
     ),
     "kimi_linear": ("kimi-linear-tiny", {}, "kimi_linear", ()),
     "qwen3_5_moe_text": ("qwen3.5-tiny", {}, "qwen3_5_moe_text", ()),
-    "qwen3_next": ("qwen3.5-tiny", {"gdn_projection": "fused"}, "qwen3_next", ()),
+    "qwen3_next": ("qwen3.5-tiny", {"gdn": {"projection": "fused"}}, "qwen3_next", ()),
 }
 
 
@@ -58,7 +58,7 @@ def test_a_trained_model_with_its_constants_frozen_still_saves(tmp_path):
     """Every trainable parameter moved by a step (the frozen ones receive no update) and the model
     saves; the same step without freezing leaves the family and is refused naming the tensor."""
     for freeze in (True, False):
-        model = _model("kimi-linear-tiny", {"kda_output_gate_bias": True})
+        model = _model("kimi-linear-tiny", {"kda": {"output_gate_bias": True}})
         frozen = freeze_family_constants(model) if freeze else []
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.SGD(trainable, lr=0.1)
@@ -81,7 +81,7 @@ def test_what_the_family_cannot_express_is_raised_or_skipped():
     model = _model("debug", {})
     with pytest.raises(InvalidInputError) as e:
         freeze_family_constants(model)
-    assert e.value.field == "mla_rope"
+    assert e.value.field == "mla.use_rope"
     assert all(p.requires_grad for p in model.parameters())
     assert freeze_family_constants(model, strict=False) == []
     assert all(p.requires_grad for p in model.parameters())

@@ -220,7 +220,7 @@ def test_missing_unknown_and_misshapen_tensors_are_named(checkpoint):
     # A Kimi-Linear model has exactly Kimi-Linear's tensors: no KDA output-gate bias (fla's layer
     # has one). A model built with it exports while the bias is zero, and refuses a non-zero one.
     assert not any(k.endswith("g_proj.1.bias") for k in ours)
-    biased = from_hf_config(hf.config, kda_output_gate_bias=True)
+    biased = from_hf_config(hf.config, kda={"output_gate_bias": True})
     ours = from_hf(sd, biased)
     ours["blocks.0.mixer.g_proj.1.bias"] = torch.ones_like(ours["blocks.0.mixer.g_proj.1.bias"])
     with pytest.raises(InvalidInputError) as e:
@@ -239,7 +239,7 @@ def test_missing_unknown_and_misshapen_tensors_are_named(checkpoint):
         ({"moe_router_activation_func": "softmax"}, "moe_router_activation_func"),
         ({"mla_use_nope": False}, "mla_use_nope"),
         ({"layer_types": ["linear_attention", "sliding_attention"]}, "layer_types[1]"),
-        ({"n_group": 3}, "num_expert_groups"),
+        ({"n_group": 3}, "moe.num_expert_groups"),
         ({"use_grouped_topk": False}, "use_grouped_topk"),
     ],
 )
@@ -254,8 +254,8 @@ def test_unsupported_model_fields_are_named_on_save(tmp_path):
     cfg = from_hf_config(hf_config())
     for changes, field in (
         ({"mixers": ("kda", "gqa", "kda", "mla")}, "mixers"),
-        ({"mla_rope": True}, "mla_rope"),
-        ({"score_func": "softmax"}, "score_func"),
+        ({"mla": {"use_rope": True}}, "mla.use_rope"),
+        ({"moe": {"score_func": "softmax"}}, "moe.score_func"),
     ):
         with pytest.raises(InvalidInputError) as e:
             save_pretrained(HybridModel(cfg.replace(**changes)), tmp_path / "x")
@@ -301,13 +301,23 @@ def test_original_checkpoint_config_json(tmp_path):
     cfg = from_hf_config(d)
     assert cfg.mixers == ("kda", "kda", "mla", "kda", "kda", "mla")
     assert cfg.ffns == ("dense", "dense", "moe", "moe", "moe", "moe")
-    assert (cfg.num_experts, cfg.top_k, cfg.num_shared_experts, cfg.shared_expert_intermediate) == (
+    assert (
+        cfg.moe.num_experts,
+        cfg.moe.top_k,
+        cfg.moe.num_shared_experts,
+        cfg.moe.shared_intermediate_size,
+    ) == (
         8,
         2,
         2,
         32,
     )
-    assert (cfg.num_expert_groups, cfg.topk_groups, cfg.kda_num_heads, cfg.dtype) == (2, 1, 4, "bfloat16")
+    assert (cfg.moe.num_expert_groups, cfg.moe.topk_groups, cfg.kda.num_heads, cfg.dtype) == (
+        2,
+        1,
+        4,
+        "bfloat16",
+    )
     hf = transformers.KimiLinearConfig(**to_hf_config(cfg))  # what we write, transformers reads the same
     assert from_hf_config(hf) == cfg
     ref = transformers.KimiLinearConfig(**{k: v for k, v in d.items() if k != "model_type"})

@@ -1,6 +1,7 @@
 """Hybrid model: flavors and config errors, the chunked LM-head log-probs against materialised
 logits, MoE expert-load counts under recomputation, and the FLOP model against brute force."""
 
+import dataclasses
 import importlib.util
 import textwrap
 
@@ -29,14 +30,19 @@ def test_ling_tiny_matches_table_1():
     assert c.mixers == (("kda",) * 3 + ("mla",)) * 6  # 6 x (3 KDA + 1 MLA)
     assert c.ffns == ("dense",) + ("moe",) * 23  # layer 1 dense, 2-24 MoE
     assert (c.hidden_size, c.num_heads, c.dense_intermediate) == (1536, 16, 4608)
-    assert (c.num_experts, c.top_k, c.expert_intermediate, c.num_shared_experts) == (128, 8, 512, 1)
+    assert (c.moe.num_experts, c.moe.top_k, c.moe.intermediate_size, c.moe.num_shared_experts) == (
+        128,
+        8,
+        512,
+        1,
+    )
     # Ling-3.0-tiny's public sizes: 7.9B parameters, 1.3B active (meta device: no memory)
     m = HybridModel(c, device="meta")
     total = sum(p.numel() for p in m.parameters())
     routed = sum(
         p.numel() for n, p in m.named_parameters() if n.split(".")[-1] in ("w_gate", "w_up", "w_down")
     )
-    active = total - routed + routed * c.top_k // c.num_experts
+    active = total - routed + routed * c.moe.top_k // c.moe.num_experts
     assert abs(total / 7.9e9 - 1) < 0.02 and abs(active / 1.3e9 - 1) < 0.02, (total, active)
     assert (c.conv_size, c.chunk_size, c.vocab_size, c.dtype) == (4, 64, 157_184, "bfloat16")
     r = model_config("ling-tiny", num_layers=8)
@@ -46,15 +52,21 @@ def test_ling_tiny_matches_table_1():
 def test_qwen35_flavor_has_the_public_shape():
     c = model_config("qwen3.5-35b-a3b")
     assert c.num_layers == 40 and c.mixers == (("gdn",) * 3 + ("gated_attention",)) * 10
-    assert (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (2048, 16, 2, 256)
-    assert (c.gdn_num_k_heads, c.gdn_num_v_heads, c.gdn_head_k_dim, c.gdn_head_v_dim) == (16, 32, 128, 128)
-    assert (c.num_experts, c.top_k, c.expert_intermediate, c.num_shared_experts) == (256, 8, 512, 1)
+    assert (c.hidden_size, c.num_heads, c.num_kv_heads, c.gated_attention.head_dim) == (2048, 16, 2, 256)
+    g = c.gdn
+    assert (g.num_k_heads, g.num_v_heads, g.head_k_dim, g.head_v_dim) == (16, 32, 128, 128)
+    assert (c.moe.num_experts, c.moe.top_k, c.moe.intermediate_size, c.moe.num_shared_experts) == (
+        256,
+        8,
+        512,
+        1,
+    )
     m = HybridModel(c, device="meta")  # 35B parameters, about 3B active (embeddings included)
     total = sum(p.numel() for p in m.parameters())
     routed = sum(
         p.numel() for n, p in m.named_parameters() if n.split(".")[-1] in ("w_gate", "w_up", "w_down")
     )
-    active = total - routed + routed * c.top_k // c.num_experts
+    active = total - routed + routed * c.moe.top_k // c.moe.num_experts
     assert abs(total / 35e9 - 1) < 0.03 and 3e9 < active < 3.6e9, (total, active)
     assert model_config("qwen3.5-35b-a3b", num_layers=8).mixers == (("gdn",) * 3 + ("gated_attention",)) * 2
 
@@ -66,7 +78,11 @@ def test_qwen35_flavor_has_the_public_shape():
         ({"flavor": "ling-tiny", "num_layers": 25}, "num_layers"),
         ({"flavor": "debug", "mixers": ("kda", "rnn", "kda", "mla")}, "mixers[1]"),
         ({"flavor": "debug", "ffns": ("dense",)}, "ffns"),
-        ({"flavor": "debug", "top_k": 9}, "top_k"),
+        ({"flavor": "debug", "moe": {"top_k": 9}}, "moe.top_k"),
+        ({"flavor": "debug", "moe": {"num_expertz": 8}}, "moe.num_expertz"),
+        ({"flavor": "debug", "moe": 8}, "moe"),
+        ({"flavor": "debug", "gdn": {"num_k_heads": 3, "num_v_heads": 4}}, "gdn.num_v_heads"),
+        ({"flavor": "debug", "kda": {"head_k_dim": 0}}, "kda.head_k_dim"),
         ({"flavor": "debug", "dtype": "float16"}, "dtype"),
         ({"flavor": "debug", "bogus": 1}, "bogus"),
     ],
@@ -92,6 +108,27 @@ def test_any_layer_pattern_builds_and_runs():
     batch = hp.RolloutBatch.from_token_lists(random_trajectories(np.random.default_rng(0), num=5, max_new=12))
     lp = step_logprobs(model, StepInputs.synthetic(batch, 0), "compact")
     assert lp.shape == (batch.semantic_tokens - batch.num_trajectories,) and bool((lp < 0).all())
+
+
+def test_option_groups_nest_merge_and_pass_through_to_the_layers():
+    """Each mixer / FFN kind's options are one group of the config: set as the dataclass or a dict
+    (a dict over the flavor's group keeps its other fields), copied per config, and passed through
+    to the layer's own config by the model's builders."""
+    from harts_runtime.layers.moe import MoEConfig
+    from harts_runtime.models import ModelConfig
+    from harts_runtime.models.hybrid.args import KDAArgs, MoEArgs
+
+    c = model_config("ling-tiny", 2, moe={"num_experts": 64})
+    assert (c.moe.num_experts, c.moe.top_k, c.moe.score_func) == (64, 8, "sigmoid")
+    assert ModelConfig(moe={"num_experts": 8}).moe == MoEArgs(num_experts=8)
+    d = model_config("debug", kda=KDAArgs(num_heads=3, head_k_dim=4, head_v_dim=6))
+    assert d.replace(vocab_size=100).kda is not d.kda  # configs never share a group
+    model = HybridModel(d.replace(moe={"num_shared_experts": 1}))
+    kda = model.blocks[0].mixer.config
+    assert (kda.num_heads, kda.head_k_dim, kda.head_v_dim, kda.chunk_size) == (3, 4, 6, d.chunk_size)
+    moe = model.moe_layers()[0].config
+    want = MoEConfig(hidden_size=d.hidden_size, accumulate_counts=False, **vars(d.moe))
+    assert moe == dataclasses.replace(want, num_shared_experts=1)
 
 
 def _importable(name: str) -> bool:
@@ -247,17 +284,23 @@ def test_attended_keys_equals_brute_force_tree_mask():
 def test_mixer_flops_count_every_projection_of_the_module(mixer):
     """Per-row matmul FLOPs of each mixer = 2 x the weights of its linear layers (from the built
     module); the convolution and the linear-attention core are added by formula."""
-    cfg = model_config("debug", mixers=(mixer,) * 2, ffns=("dense",) * 2, kda_num_heads=3, head_dim=8)
+    cfg = model_config(
+        "debug",
+        mixers=(mixer,) * 2,
+        ffns=("dense",) * 2,
+        kda={"num_heads": 3},
+        gated_attention={"head_dim": 8},
+    )
     model = HybridModel(cfg)
     mod = model.blocks[0].mixer
     linear = sum(m.weight.numel() for m in mod.modules() if isinstance(m, torch.nn.Linear))
     b = cfg.chunk_size
     extra = 0
     if mixer == "kda":
-        h, k = cfg.kda_num_heads, cfg.kda_head_dim
+        h, k = cfg.kda.num_heads, cfg.kda.head_k_dim
         extra = 2 * cfg.conv_size * 3 * h * k + h * (4 * b * k + 2 * b * k + 6 * k * k)
     elif mixer == "gdn":
-        hk, hv, k, v = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_head_k_dim, cfg.gdn_head_v_dim
+        hk, hv, k, v = cfg.gdn.num_k_heads, cfg.gdn.num_v_heads, cfg.gdn.head_k_dim, cfg.gdn.head_v_dim
         extra = 2 * cfg.conv_size * (2 * hk * k + hv * v) + hv * (4 * b * k + 2 * b * v + 6 * k * v)
     assert layer_costs(cfg)["per_layer"][mixer] == 2 * linear + extra
     assert layer_costs(cfg)["row"] > 0

@@ -309,10 +309,10 @@ def test_unsupported_model_fields_are_named_on_save(tmp_path):
     cfg = qwen3_next.from_hf_config(hf_config("qwen3_next"))
     for changes, field, family in (
         ({"mixers": ("gdn", "gqa", "gdn")}, "mixers", None),
-        ({"score_func": "sigmoid"}, "score_func", None),
+        ({"moe": {"score_func": "sigmoid"}}, "moe.score_func", None),
         ({"zero_centered_norms": False}, "zero_centered_norms", None),
-        ({"gdn_projection": "split"}, "ffns", "qwen3_5_moe_text"),  # a dense layer
-        ({"ffns": ("moe",) * 3}, "gdn_projection", "qwen3_5_moe_text"),  # fused projections
+        ({"gdn": {"projection": "split"}}, "ffns", "qwen3_5_moe_text"),  # a dense layer
+        ({"ffns": ("moe",) * 3}, "gdn.projection", "qwen3_5_moe_text"),  # fused projections
     ):
         with pytest.raises(InvalidInputError) as e:
             save_pretrained(HybridModel(cfg.replace(**changes)), tmp_path / "x", model_type=family)
@@ -328,7 +328,7 @@ def test_dense_layer_pattern_and_defaults():
     d = hf_config("qwen3_next", ["full_attention"] * 6, mlp_only_layers=[4], decoder_sparse_step=2).to_dict()
     cfg = qwen3_next.from_hf_config(d)
     assert cfg.ffns == ("dense", "moe", "dense", "moe", "dense", "moe")
-    assert cfg.zero_centered_norms and cfg.shared_expert_gate and cfg.score_func == "softmax"
+    assert cfg.zero_centered_norms and cfg.moe.shared_expert_gate and cfg.moe.score_func == "softmax"
     back = transformers.Qwen3NextConfig(**qwen3_next.to_hf_config(cfg))
     assert qwen3_next.from_hf_config(back) == cfg
     no_experts = qwen3_next.from_hf_config({**d, "num_experts": 0})
@@ -349,9 +349,12 @@ def test_kimi_linear_refuses_qwen_options(tmp_path):
             kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
         )
     )  # fmt: skip
-    for field in ("zero_centered_norms", "shared_expert_gate"):
+    for changes, field in (
+        ({"zero_centered_norms": True}, "zero_centered_norms"),
+        ({"moe": {"shared_expert_gate": True}}, "moe.shared_expert_gate"),
+    ):
         with pytest.raises(InvalidInputError) as e:
-            save_pretrained(HybridModel(cfg.replace(**{field: True})), tmp_path / "x")
+            save_pretrained(HybridModel(cfg.replace(**changes)), tmp_path / "x")
         assert e.value.field == field
 
 
@@ -383,7 +386,7 @@ def test_bfloat16_load_and_gdn_head_check(tmp_path):
     d = {**hf_config("qwen3_next").to_dict(), "linear_num_key_heads": 3}
     with pytest.raises(InvalidInputError) as e:
         qwen3_next.from_hf_config(d)
-    assert e.value.field == "gdn_num_v_heads"
+    assert e.value.field == "gdn.num_v_heads"
 
 
 def test_hub_style_config_json():
@@ -418,7 +421,7 @@ def test_hub_style_config_json():
     }
     cfg = qwen3_next.from_hf_config(d)
     assert cfg.mixers == ("gdn", "gdn", "gdn", "gated_attention") * 2
-    assert (cfg.rope_theta, cfg.partial_rotary_factor, cfg.dtype, cfg.ffns) == (
+    assert (cfg.rope_theta, cfg.gated_attention.partial_rotary_factor, cfg.dtype, cfg.ffns) == (
         1e7,
         0.25,
         "bfloat16",

@@ -65,11 +65,14 @@ def test_unknown_model_type_names_the_supported_ones(bad):
     "changes, name",
     [
         (dict(mixers=("kda", "mla"), ffns=("dense", "moe")), "kimi_linear"),
-        (dict(mixers=("gdn", "mla"), ffns=("moe", "moe"), gdn_projection="split"), "kimi_linear"),
+        (dict(mixers=("gdn", "mla"), ffns=("moe", "moe"), gdn={"projection": "split"}), "kimi_linear"),
         (dict(mixers=("gdn", "gated_attention"), ffns=("moe", "moe")), "qwen3_next"),
-        (dict(mixers=("gdn", "gated_attention"), ffns=("moe", "moe"), gdn_projection="split"), "qwen3_5_moe"),
+        (
+            dict(mixers=("gdn", "gated_attention"), ffns=("moe", "moe"), gdn={"projection": "split"}),
+            "qwen3_5_moe",
+        ),
         (dict(mixers=("gqa",), ffns=("dense",)), "qwen3_next"),
-        (dict(mixers=("gated_attention",), ffns=("moe",), gdn_projection="split"), "qwen3_next"),
+        (dict(mixers=("gated_attention",), ffns=("moe",), gdn={"projection": "split"}), "qwen3_next"),
     ],
 )
 def test_family_of_follows_the_mixers(changes, name):

@@ -259,7 +259,7 @@ def test_kept_regions_free_a_graph_dropped_without_backward():
 def test_train_step_over_different_microbatchings_agrees():
     """Whole steps: compact microbatches from plan_step at T=48 vs the baseline's first-fit packing
     at T=48 (different groupings; aux loss off since it is per microbatch by definition)."""
-    model, step = make(many_trees(2), aux_loss_coef=0.0)
+    model, step = make(many_trees(2), moe={"aux_loss_coef": 0.0})
     res = {}
     for mode in ("compact", "trajectory"):
         for recompute in (False, True):
@@ -278,7 +278,7 @@ def test_train_step_over_different_microbatchings_agrees():
 
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_microbatch_contributions_sum_to_the_unchanged_step_objective(mode):
-    model, step = make(many_trees(3), aux_loss_coef=0.0, z_loss_coef=0.0)
+    model, step = make(many_trees(3), moe={"aux_loss_coef": 0.0, "z_loss_coef": 0.0})
     step.loss_config = PolicyLossConfig(kl_coef=0.01, loss_agg_mode=mode, clip_ratio_c=3.0)
     n = step.batch.num_trajectories
     parts = [np.arange(0, n, 3), np.arange(1, n, 3), np.arange(2, n, 3)]
@@ -297,7 +297,7 @@ def test_microbatch_contributions_sum_to_the_unchanged_step_objective(mode):
 
 
 def test_z_loss_is_grouping_invariant():
-    model, step = make(many_trees(4), aux_loss_coef=0.0, z_loss_coef=1.0)
+    model, step = make(many_trees(4), moe={"aux_loss_coef": 0.0, "z_loss_coef": 1.0})
     n = step.batch.num_trajectories
     whole = run_microbatch(model, step, np.arange(n), "compact", backward=False)[1]["router_loss"]
     split = sum(

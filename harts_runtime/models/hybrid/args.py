@@ -10,21 +10,45 @@ package brings its own): ``ling-tiny`` (Table 1; the table does not
 give head dims or the MLA ranks, so KDA uses 16 heads of 128 and MLA follows DeepSeek-V2-Lite:
 KV rank 512, 128 + 64 query/key dims, 128 value dims; sigmoid routing with an expert bias as in
 Ling 2.0) and ``debug`` (tiny, fp32, CPU). ``model_config("ling-tiny", num_layers=8)`` keeps the
-first 8 layers of the pattern (2 x (3 KDA + 1 MLA), layer 1 dense) for a smaller GPU run.
+first 8 layers of the pattern (2 x (3 KDA + 1 MLA), layer 1 dense) for a smaller GPU run;
+``model_config("debug", moe={"num_experts": 8})`` changes one field of an option group.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from harts_runtime.errors import InvalidInputError
+from harts_runtime.models.hybrid.layer_options import (
+    GROUPS,
+    GatedAttentionArgs,
+    GDNArgs,
+    KDAArgs,
+    MLAArgs,
+    MoEArgs,
+    group_from,
+)
 from harts_runtime.models.registry import family_flavors
 
-__all__ = ["FFNS", "FLAVORS", "HYBRID_FLAVORS", "MIXERS", "ModelConfig", "ffn_pattern", "model_config"]
+__all__ = [
+    "FFNS",
+    "FLAVORS",
+    "HYBRID_FLAVORS",
+    "MIXERS",
+    "GDNArgs",
+    "GatedAttentionArgs",
+    "KDAArgs",
+    "MLAArgs",
+    "MoEArgs",
+    "ModelConfig",
+    "ffn_pattern",
+    "model_config",
+]
 
 MIXERS = ("kda", "mla", "gqa", "gated_attention", "gdn")
 """Token-mixer names of :attr:`ModelConfig.mixers` (the model's builder table has one entry each)."""
@@ -34,7 +58,17 @@ FFNS = ("dense", "moe")
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """Shape, layer pattern and execution options of a :class:`HybridModel`."""
+    """Shape, layer pattern and execution options of a :class:`HybridModel`.
+
+    Flat: the model-wide fields (read by several layer kinds, the norms, the LM head or the
+    plan). Nested: one option group per mixer / FFN kind with the options only that kind reads
+    (:mod:`harts_runtime.models.hybrid.layer_options`): ``kda``, ``mla``, ``gated_attention``,
+    ``gdn``, ``moe``; each is passed through to its layer's config. A group can be given as its
+    dataclass (``moe=MoEArgs(num_experts=8)``) or as a dict of its fields (a YAML / JSON config):
+    on construction a dict is applied over the group's defaults, in :meth:`replace` (and so in
+    :func:`model_config` and the families' ``from_hf_config`` overrides) over this config's group.
+    An unknown key raises :class:`~harts_runtime.errors.InvalidInputError` naming ``moe.<key>``.
+    """
 
     vocab_size: int = 64
     """V."""
@@ -46,86 +80,27 @@ class ModelConfig:
     ffns: tuple = ("dense", "moe")
     """FFN of each layer: ``dense`` (SwiGLU) or ``moe`` (routed SwiGLU experts)."""
     num_heads: int = 2
-    """Attention heads (MLA/GQA query heads and KDA heads)."""
-    # KDA
-    kda_head_dim: int = 8
-    """KDA key and value head dim (the state is K x V per head)."""
-    kda_num_heads: int | None = None
-    """KDA heads (None: ``num_heads``)."""
-    kda_norm_eps: float = 1e-5
-    """Epsilon of KDA's gated output RMSNorm."""
-    kda_output_gate_bias: bool = True
-    """Whether KDA's output-gate up-projection has a bias (fla's layer: yes; Kimi-Linear: no)."""
-    conv_size: int = 4
-    """KDA causal convolution width w."""
-    chunk_size: int = 8
-    """KDA chunk size B (32 or 64 on the Triton path)."""
-    # MLA
-    kv_lora_rank: int = 16
-    """MLA KV latent width."""
-    q_lora_rank: int | None = None
-    """MLA query latent width (None: direct query projection)."""
-    qk_nope_head_dim: int = 8
-    """MLA per-head query/key dims without RoPE."""
-    qk_rope_head_dim: int = 4
-    """MLA per-head query/key dims with RoPE."""
-    v_head_dim: int = 8
-    """MLA per-head value dim."""
-    mla_rope: bool = True
-    """Rotate MLA's ``qk_rope_head_dim`` parts (False: NoPE, as Kimi-Linear)."""
-    # GQA
+    """Attention heads (MLA / GQA / gated-attention query heads, and KDA's unless ``kda.num_heads``)."""
     num_kv_heads: int | None = None
-    """GQA KV heads (None: MHA)."""
+    """GQA and gated-attention KV heads (None: MHA)."""
     rope_theta: float = 10_000.0
-    """RoPE base."""
-    head_dim: int | None = None
-    """Gated-attention head dim (None: ``hidden_size // num_heads``)."""
-    partial_rotary_factor: float = 0.25
-    """Fraction of each gated-attention head's dims that RoPE rotates."""
-    # GDN (Qwen3-Next / Qwen3.5 gated delta net)
-    gdn_num_k_heads: int = 2
-    """GDN query/key heads."""
-    gdn_num_v_heads: int = 2
-    """GDN value heads (a multiple of ``gdn_num_k_heads``)."""
-    gdn_head_k_dim: int = 8
-    """GDN query/key head dim."""
-    gdn_head_v_dim: int = 8
-    """GDN value head dim."""
-    gdn_projection: str = "fused"
-    """GDN input projections: ``fused`` (Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba``) or ``split``
-    (Qwen3.5's ``in_proj_qkv`` (ours ``in_proj_q`` / ``in_proj_k`` / ``in_proj_v``) / ``in_proj_z`` /
-    ``in_proj_b`` / ``in_proj_a``)."""
-    # FFN
+    """RoPE base (MLA, GQA, gated attention)."""
+    conv_size: int = 4
+    """Causal convolution width w of the KDA and GDN layers (the plan's)."""
+    chunk_size: int = 8
+    """KDA chunk size B (32 or 64 on the Triton path; the plan's)."""
     dense_intermediate: int = 64
     """Dense SwiGLU width."""
-    num_experts: int = 4
-    """E."""
-    top_k: int = 2
-    """Experts per row."""
-    expert_intermediate: int = 16
-    """Expert SwiGLU width."""
-    score_func: str = "softmax"
-    """Router scores: ``softmax`` or ``sigmoid``."""
-    norm_topk_prob: bool = False
-    """Renormalise the k selected scores."""
-    use_expert_bias: bool = False
-    """Aux-loss-free balancing bias (selection only)."""
-    routed_scaling_factor: float = 1.0
-    """Multiplier on the routed experts' combine weights."""
-    num_expert_groups: int = 1
-    """Expert groups of group-limited routing (1: plain top-k)."""
-    topk_groups: int = 1
-    """Groups a row may route to (with ``num_expert_groups > 1``)."""
-    num_shared_experts: int = 0
-    """Always-on shared experts per MoE layer (0: none)."""
-    shared_expert_intermediate: int | None = None
-    """Width of the shared-expert SwiGLU (None: ``num_shared_experts * expert_intermediate``)."""
-    shared_expert_gate: bool = False
-    """Qwen's sigmoid gate on the shared experts: ``routed + sigmoid(shared_expert_gate(x)) * shared(x)``."""
-    aux_loss_coef: float = 1e-2
-    """Load-balancing loss weight."""
-    z_loss_coef: float = 1e-3
-    """Router z-loss weight."""
+    kda: KDAArgs = field(default_factory=KDAArgs)
+    """KDA options (:class:`~harts_runtime.models.hybrid.layer_options.KDAArgs`)."""
+    mla: MLAArgs = field(default_factory=MLAArgs)
+    """MLA options (:class:`~harts_runtime.models.hybrid.layer_options.MLAArgs`)."""
+    gated_attention: GatedAttentionArgs = field(default_factory=GatedAttentionArgs)
+    """Gated-attention options (:class:`~harts_runtime.models.hybrid.layer_options.GatedAttentionArgs`)."""
+    gdn: GDNArgs = field(default_factory=GDNArgs)
+    """Gated delta net options (:class:`~harts_runtime.models.hybrid.layer_options.GDNArgs`)."""
+    moe: MoEArgs = field(default_factory=MoEArgs)
+    """Routed-expert FFN options (:class:`~harts_runtime.models.hybrid.layer_options.MoEArgs`)."""
     norm_eps: float = 1e-6
     """RMSNorm epsilon."""
     zero_centered_norms: bool = False
@@ -164,49 +139,22 @@ class ModelConfig:
                 raise InvalidInputError(f"ffns[{i}]", f"unknown {f!r}; choose one of {FFNS}")
         if self.dtype not in ("float32", "bfloat16", "float64"):
             raise InvalidInputError("dtype", f"choose float32, bfloat16 or float64, got {self.dtype!r}")
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_heads",
-            "kda_head_dim",
-            "conv_size",
-            "chunk_size",
-            "lm_head_rows",
-        ):
+        for name in ("vocab_size", "hidden_size", "num_heads", "conv_size", "chunk_size", "lm_head_rows"):
             if getattr(self, name) < 1:
                 raise InvalidInputError(name, f"must be >= 1, got {getattr(self, name)}")
-        if "moe" in self.ffns and not 1 <= self.top_k <= self.num_experts:
+        for name in GROUPS:
+            setattr(self, name, group_from(name, getattr(self, name)))
+        moe = self.moe
+        if "moe" in self.ffns and not 1 <= moe.top_k <= moe.num_experts:
             raise InvalidInputError(
-                "top_k", f"must be in [1, num_experts={self.num_experts}], got {self.top_k}"
+                "moe.top_k", f"must be in [1, moe.num_experts={moe.num_experts}], got {moe.top_k}"
             )
-        if "gdn" in self.mixers:
-            for name in ("gdn_num_k_heads", "gdn_num_v_heads", "gdn_head_k_dim", "gdn_head_v_dim"):
-                if getattr(self, name) < 1:
-                    raise InvalidInputError(name, f"must be >= 1, got {getattr(self, name)}")
-            if self.gdn_num_v_heads % self.gdn_num_k_heads:
-                raise InvalidInputError(
-                    "gdn_num_v_heads",
-                    f"{self.gdn_num_v_heads} is not a multiple of gdn_num_k_heads={self.gdn_num_k_heads}",
-                )
-        if self.gdn_projection not in ("fused", "split"):
-            raise InvalidInputError("gdn_projection", f"choose fused or split, got {self.gdn_projection!r}")
-        if self.kda_num_heads is not None and self.kda_num_heads < 1:
-            raise InvalidInputError("kda_num_heads", f"must be >= 1, got {self.kda_num_heads}")
-        if self.num_shared_experts < 0:
-            raise InvalidInputError("num_shared_experts", f"must be >= 0, got {self.num_shared_experts}")
-        g = self.num_expert_groups
-        if g < 1 or self.num_experts % g:
+        g = moe.num_expert_groups
+        if g > 1 and "moe" in self.ffns and moe.top_k > moe.topk_groups * (moe.num_experts // g):
             raise InvalidInputError(
-                "num_expert_groups", f"must be >= 1 and divide num_experts={self.num_experts}, got {g}"
+                "moe.top_k",
+                f"{moe.top_k} > the {moe.topk_groups} x {moe.num_experts // g} selectable experts",
             )
-        if g > 1:
-            if not 1 <= self.topk_groups <= g:
-                raise InvalidInputError("topk_groups", f"must be in [1, {g}], got {self.topk_groups}")
-            if "moe" in self.ffns and self.top_k > self.topk_groups * (self.num_experts // g):
-                raise InvalidInputError(
-                    "top_k",
-                    f"{self.top_k} > the {self.topk_groups} x {self.num_experts // g} selectable experts",
-                )
 
     @property
     def num_layers(self) -> int:
@@ -217,7 +165,15 @@ class ModelConfig:
         return getattr(torch, self.dtype)
 
     def replace(self, **changes) -> ModelConfig:
+        """A copy with ``changes``; an option group given as a dict (``moe={"top_k": 4}``) changes
+        those fields of this config's group and keeps the others."""
+        for name in GROUPS.keys() & changes.keys():
+            changes[name] = group_from(name, changes[name], getattr(self, name))
         return dataclasses.replace(self, **changes)
+
+    def field_value(self, name: str):
+        """The value of ``name``: a field (``hidden_size``) or a group's (``moe.top_k``)."""
+        return functools.reduce(getattr, name.split("."), self)
 
 
 def ffn_pattern(num_layers: int, first_k_dense: int = 0, moe_layer_freq: int = 1) -> tuple:
@@ -242,24 +198,24 @@ def _ling_tiny(num_layers: int | None = None, **overrides) -> ModelConfig:
         mixers=mixers[:n],
         ffns=(("dense",) + ("moe",) * 23)[:n],
         num_heads=16,
-        kda_head_dim=128,
+        kda=KDAArgs(head_k_dim=128, head_v_dim=128),
         conv_size=4,
         chunk_size=64,
-        kv_lora_rank=512,
-        q_lora_rank=None,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
+        mla=MLAArgs(
+            kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
+        ),
         dense_intermediate=4608,
-        num_experts=128,
-        top_k=8,
-        expert_intermediate=512,
-        num_shared_experts=1,  # Ling-3.0-tiny: 128 routed experts top-8 plus 1 shared
-        score_func="sigmoid",
-        norm_topk_prob=True,
-        use_expert_bias=True,
-        aux_loss_coef=0.0,
-        z_loss_coef=1e-6,
+        moe=MoEArgs(
+            num_experts=128,
+            top_k=8,
+            intermediate_size=512,
+            num_shared_experts=1,  # Ling-3.0-tiny: 128 routed experts top-8 plus 1 shared
+            score_func="sigmoid",
+            norm_topk_prob=True,
+            use_expert_bias=True,
+            aux_loss_coef=0.0,
+            z_loss_coef=1e-6,
+        ),
         dtype="bfloat16",
         lm_head_rows=2048,
     )
@@ -322,8 +278,11 @@ def model_config(flavor: str, num_layers: int | None = None, **overrides) -> Mod
     """The config of a named flavor (:data:`FLAVORS`), optionally cut to its first ``num_layers``
     layers.
 
+    ``overrides``: :class:`ModelConfig` fields; an option group as a dict changes only the fields
+    it names (``moe={"num_experts": 8}``, as :meth:`ModelConfig.replace`).
+
     Raises :class:`~harts_runtime.errors.InvalidInputError` (alias ``ConfigError``) naming
-    ``flavor``, ``num_layers`` or an override field.
+    ``flavor``, ``num_layers`` or an override field (``moe.num_expertz`` for a group's).
     """
     flavors = dict(FLAVORS)
     if flavor not in flavors:

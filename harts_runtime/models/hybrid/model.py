@@ -11,7 +11,9 @@ One model, two executions over the same rows abstraction (:class:`~harts_runtime
 Block ``i`` (pre-norm): ``x += mixer_i(norm(x), layout); x += ffn_i(norm(x), layout)`` with
 ``mixer_i`` in ``{"kda", "mla", "gqa", "gated_attention", "gdn"}`` and ``ffn_i`` in ``{"dense", "moe"}``, built from the
 tables :data:`MIXER_BUILDERS` and :data:`FFN_BUILDERS` (name -> builder of the layer from the
-:class:`~harts_runtime.models.hybrid.args.ModelConfig`); any order. Recomputation is block-level
+:class:`~harts_runtime.models.hybrid.args.ModelConfig`: each passes its kind's option group,
+``config.kda`` / ``.mla`` / ``.gated_attention`` / ``.gdn`` / ``.moe``, through to the layer's
+config with the model-wide values added); any order. Recomputation is block-level
 (:func:`harts_runtime.recompute.apply_recompute`); the MoE expert-load counts are accumulated once
 per forward, in :meth:`HybridModel.forward_hidden`, outside any checkpoint.
 
@@ -23,6 +25,7 @@ log-probs of Equation 17 a row chunk at a time and recomputes each chunk's logit
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict
 
 import torch
 from torch import nn
@@ -44,82 +47,41 @@ __all__ = ["FFN_BUILDERS", "MIXER_BUILDERS", "Block", "HybridModel"]
 
 
 def _kda(cfg: ModelConfig, attn_backend: str) -> nn.Module:
-    return KDALayer(
-        KDAConfig(
-            hidden_size=cfg.hidden_size,
-            num_heads=cfg.kda_num_heads or cfg.num_heads,
-            head_k_dim=cfg.kda_head_dim,
-            head_v_dim=cfg.kda_head_dim,
-            conv_size=cfg.conv_size,
-            chunk_size=cfg.chunk_size,
-            norm_eps=cfg.kda_norm_eps,
-            backend=cfg.kda_backend,
-            output_gate_bias=cfg.kda_output_gate_bias,
-        )
-    )
+    args = asdict(cfg.kda) | {"num_heads": cfg.kda.num_heads or cfg.num_heads}
+    model_wide = dict(conv_size=cfg.conv_size, chunk_size=cfg.chunk_size, backend=cfg.kda_backend)
+    return KDALayer(KDAConfig(hidden_size=cfg.hidden_size, **model_wide, **args))
 
 
 def _mla(cfg: ModelConfig, attn_backend: str) -> nn.Module:
-    return CompactMLA(
-        MLAConfig(
-            hidden_size=cfg.hidden_size,
-            num_heads=cfg.num_heads,
-            kv_lora_rank=cfg.kv_lora_rank,
-            qk_nope_head_dim=cfg.qk_nope_head_dim,
-            qk_rope_head_dim=cfg.qk_rope_head_dim,
-            v_head_dim=cfg.v_head_dim,
-            q_lora_rank=cfg.q_lora_rank,
-            rope_theta=cfg.rope_theta,
-            use_rope=cfg.mla_rope,
-            backend=attn_backend,
-        )
-    )
+    model_wide = dict(num_heads=cfg.num_heads, rope_theta=cfg.rope_theta, backend=attn_backend)
+    return CompactMLA(MLAConfig(hidden_size=cfg.hidden_size, **model_wide, **asdict(cfg.mla)))
 
 
 def _gqa(cfg: ModelConfig, attn_backend: str) -> nn.Module:
-    return CompactAttention(
-        AttentionConfig(
-            hidden_size=cfg.hidden_size,
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            rope_theta=cfg.rope_theta,
-            backend=attn_backend,
-        )
-    )
+    model_wide = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, rope_theta=cfg.rope_theta)
+    return CompactAttention(AttentionConfig(hidden_size=cfg.hidden_size, backend=attn_backend, **model_wide))
 
 
 def _gated_attention(cfg: ModelConfig, attn_backend: str) -> nn.Module:
     from harts_runtime.layers.gated_attention import CompactGatedAttention, GatedAttentionConfig
 
-    return CompactGatedAttention(
-        GatedAttentionConfig(
-            hidden_size=cfg.hidden_size,
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            rope_theta=cfg.rope_theta,
-            partial_rotary_factor=cfg.partial_rotary_factor,
-            rms_norm_eps=cfg.norm_eps,
-            backend=attn_backend,
-        )
+    model_wide = dict(
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.norm_eps,
+        backend=attn_backend,
     )
+    args = asdict(cfg.gated_attention)
+    return CompactGatedAttention(GatedAttentionConfig(hidden_size=cfg.hidden_size, **model_wide, **args))
 
 
 def _gdn(cfg: ModelConfig, attn_backend: str) -> nn.Module:
     from harts_runtime.layers.gdn import CompactGatedDeltaNet, GatedDeltaNetConfig  # lazy: optional layer
 
+    model_wide = dict(conv_kernel_size=cfg.conv_size, norm_eps=cfg.norm_eps, backend=cfg.kda_backend)
     return CompactGatedDeltaNet(
-        GatedDeltaNetConfig(
-            hidden_size=cfg.hidden_size,
-            num_k_heads=cfg.gdn_num_k_heads,
-            num_v_heads=cfg.gdn_num_v_heads,
-            head_k_dim=cfg.gdn_head_k_dim,
-            head_v_dim=cfg.gdn_head_v_dim,
-            conv_kernel_size=cfg.conv_size,
-            norm_eps=cfg.norm_eps,
-            projection=cfg.gdn_projection,
-            backend=cfg.kda_backend,
-        )
+        GatedDeltaNetConfig(hidden_size=cfg.hidden_size, **model_wide, **asdict(cfg.gdn))
     )
 
 
@@ -128,26 +90,8 @@ def _dense(cfg: ModelConfig) -> nn.Module:
 
 
 def _moe(cfg: ModelConfig) -> nn.Module:
-    return CompactMoE(
-        MoEConfig(
-            hidden_size=cfg.hidden_size,
-            num_experts=cfg.num_experts,
-            top_k=cfg.top_k,
-            intermediate_size=cfg.expert_intermediate,
-            score_func=cfg.score_func,
-            norm_topk_prob=cfg.norm_topk_prob,
-            routed_scaling_factor=cfg.routed_scaling_factor,
-            use_expert_bias=cfg.use_expert_bias,
-            num_expert_groups=cfg.num_expert_groups,
-            topk_groups=cfg.topk_groups,
-            num_shared_experts=cfg.num_shared_experts,
-            shared_intermediate_size=cfg.shared_expert_intermediate,
-            shared_expert_gate=cfg.shared_expert_gate,
-            aux_loss_coef=cfg.aux_loss_coef,
-            z_loss_coef=cfg.z_loss_coef,
-            accumulate_counts=False,  # HybridModel.forward_hidden counts once, outside recomputation
-        )
-    )
+    # counts: HybridModel.forward_hidden counts once, outside recomputation
+    return CompactMoE(MoEConfig(hidden_size=cfg.hidden_size, accumulate_counts=False, **asdict(cfg.moe)))
 
 
 MIXER_BUILDERS: dict[str, Callable[[ModelConfig, str], nn.Module]] = {

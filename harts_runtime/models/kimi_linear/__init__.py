@@ -7,7 +7,7 @@ checked); ``flavors``: ``kimi-linear-tiny``. The family registers itself (:data:
 :mod:`harts_runtime.models.registry`). Loading and saving checkpoint folders is :mod:`harts_runtime.hf`.
 
 Kimi-Linear is the hybrid family with KDA linear-attention layers (``linear_attention``), MLA
-full-attention layers without positional encoding (``full_attention``; ``mla_rope=False``), a
+full-attention layers without positional encoding (``full_attention``; ``mla.use_rope=False``), a
 dense SwiGLU in the first ``first_k_dense_replace`` layers and elsewhere a sigmoid-routed MoE with
 ``e_score_correction_bias`` (our ``expert_bias``), group-limited top-k, renormalised top-k weights,
 ``routed_scaling_factor`` and shared experts.

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from harts_runtime.errors import InvalidInputError
-from harts_runtime.models.hybrid.args import ModelConfig, ffn_pattern
+from harts_runtime.models.hybrid.args import KDAArgs, MLAArgs, ModelConfig, MoEArgs, ffn_pattern
 
 __all__ = ["FP32_PARAMS", "from_hf_config", "to_hf_config"]
 
@@ -120,10 +120,11 @@ def from_hf_config(cfg, *, dtype: str | None = None, chunk_size: int = 64, **ove
     ``dtype``: ``float32``, ``bfloat16`` or ``float64`` (None: the config's ``dtype`` /
     ``torch_dtype`` when it is one of these, else ``float32``). ``chunk_size``: our KDA chunk
     size (does not change the math). ``overrides``: further :class:`ModelConfig` fields
-    (execution options such as ``attn_backend``, ``kda_backend``, ``lm_head_rows``).
+    (execution options such as ``attn_backend``, ``kda_backend``, ``lm_head_rows``; an option
+    group as a dict changes only the fields it names, as :meth:`ModelConfig.replace`).
 
     The model has exactly Kimi-Linear's parameters: in particular its KDA output-gate
-    up-projection has no bias (``kda_output_gate_bias=False``, unlike fla's layer).
+    up-projection has no bias (``kda.output_gate_bias=False``, unlike fla's layer).
 
     Raises :class:`InvalidInputError` naming the field for options HybridModel cannot reproduce:
     ``hidden_act`` other than silu, ``tie_word_embeddings``, ``attention_bias``,
@@ -162,45 +163,52 @@ def from_hf_config(cfg, *, dtype: str | None = None, chunk_size: int = 64, **ove
         dtype = str(d.get("dtype") or d.get("torch_dtype") or "float32").removeprefix("torch.")
         dtype = dtype if dtype in ("float32", "bfloat16", "float64") else "float32"
     experts_i = int(_get(d, "moe_intermediate_size"))
+    kda_head_dim = int(lin.get("head_dim") or _get(d, "linear_head_dim"))
     fields = dict(
         vocab_size=int(_get(d, "vocab_size")),
         hidden_size=int(_get(d, "hidden_size")),
         mixers=tuple(_layer_types(d, n)),
         ffns=_mlp_types(d, n),
         num_heads=heads,
-        kda_head_dim=int(lin.get("head_dim") or _get(d, "linear_head_dim")),
-        kda_num_heads=int(lin.get("num_heads") or _get(d, "linear_num_heads")),
-        kda_norm_eps=float(_get(d, "rms_norm_eps")),
-        kda_output_gate_bias=False,  # g_b_proj has no bias
+        kda=KDAArgs(
+            num_heads=int(lin.get("num_heads") or _get(d, "linear_num_heads")),
+            head_k_dim=kda_head_dim,
+            head_v_dim=kda_head_dim,
+            norm_eps=float(_get(d, "rms_norm_eps")),
+            output_gate_bias=False,  # g_b_proj has no bias
+        ),
         conv_size=int(lin.get("short_conv_kernel_size") or _get(d, "linear_conv_kernel_dim")),
         chunk_size=chunk_size,
-        kv_lora_rank=int(_get(d, "kv_lora_rank")),
-        q_lora_rank=None if _get(d, "q_lora_rank") is None else int(_get(d, "q_lora_rank")),
-        qk_nope_head_dim=int(_get(d, "qk_nope_head_dim")),
-        qk_rope_head_dim=int(_get(d, "qk_rope_head_dim")),
-        v_head_dim=int(_get(d, "v_head_dim")),
-        mla_rope=False,
+        mla=MLAArgs(
+            kv_lora_rank=int(_get(d, "kv_lora_rank")),
+            q_lora_rank=None if _get(d, "q_lora_rank") is None else int(_get(d, "q_lora_rank")),
+            qk_nope_head_dim=int(_get(d, "qk_nope_head_dim")),
+            qk_rope_head_dim=int(_get(d, "qk_rope_head_dim")),
+            v_head_dim=int(_get(d, "v_head_dim")),
+            use_rope=False,
+        ),
         dense_intermediate=int(_get(d, "intermediate_size")),
-        num_experts=int(_get(d, "num_local_experts")),
-        top_k=int(_get(d, "num_experts_per_tok")),
-        expert_intermediate=experts_i,
-        score_func="sigmoid",
-        norm_topk_prob=bool(_get(d, "norm_topk_prob")),
-        use_expert_bias=True,
-        routed_scaling_factor=float(_get(d, "routed_scaling_factor")),
-        num_expert_groups=groups,
-        topk_groups=int(_get(d, "topk_group")) if groups > 1 else 1,
-        num_shared_experts=shared,
-        shared_expert_intermediate=shared * experts_i,
-        aux_loss_coef=0.0,
-        z_loss_coef=0.0,
+        moe=MoEArgs(
+            num_experts=int(_get(d, "num_local_experts")),
+            top_k=int(_get(d, "num_experts_per_tok")),
+            intermediate_size=experts_i,
+            score_func="sigmoid",
+            norm_topk_prob=bool(_get(d, "norm_topk_prob")),
+            use_expert_bias=True,
+            routed_scaling_factor=float(_get(d, "routed_scaling_factor")),
+            num_expert_groups=groups,
+            topk_groups=int(_get(d, "topk_group")) if groups > 1 else 1,
+            num_shared_experts=shared,
+            shared_intermediate_size=shared * experts_i,
+            aux_loss_coef=0.0,
+            z_loss_coef=0.0,
+        ),
         norm_eps=float(_get(d, "rms_norm_eps")),
         init_std=float(_get(d, "initializer_range")),
         dtype=dtype,
         fp32_params=FP32_PARAMS,
     )
-    fields.update(overrides)
-    return ModelConfig(**fields)
+    return ModelConfig(**fields).replace(**overrides)
 
 
 def to_hf_config(cfg: ModelConfig, base: Mapping | None = None) -> dict:
@@ -212,23 +220,27 @@ def to_hf_config(cfg: ModelConfig, base: Mapping | None = None) -> dict:
     """
 
     def need(name, ok, what):
-        if not ok(getattr(cfg, name)):
-            raise InvalidInputError(
-                name, f"{getattr(cfg, name)!r} has no Kimi-Linear equivalent; needs {what}"
-            )
+        value = cfg.field_value(name)
+        if not ok(value):
+            raise InvalidInputError(name, f"{value!r} has no Kimi-Linear equivalent; needs {what}")
 
+    kda, mla, moe = cfg.kda, cfg.mla, cfg.moe
     need("mixers", lambda v: all(m in ("kda", "mla") for m in v), "only kda and mla layers")
-    need("mla_rope", lambda v: not v, "False (Kimi-Linear's MLA has no RoPE)")
-    moe = "moe" in cfg.ffns
-    if moe:
-        need("score_func", lambda v: v == "sigmoid", "sigmoid")
-        need("num_shared_experts", lambda v: v >= 1, ">= 1")
+    need("mla.use_rope", lambda v: not v, "False (Kimi-Linear's MLA has no RoPE)")
+    if "moe" in cfg.ffns:
+        need("moe.score_func", lambda v: v == "sigmoid", "sigmoid")
+        need("moe.num_shared_experts", lambda v: v >= 1, ">= 1")
         need(
-            "shared_expert_intermediate",
-            lambda v: v in (None, cfg.num_shared_experts * cfg.expert_intermediate),
-            "num_shared_experts * expert_intermediate",
+            "moe.shared_intermediate_size",
+            lambda v: v in (None, moe.num_shared_experts * moe.intermediate_size),
+            "moe.num_shared_experts * moe.intermediate_size",
         )
-    need("kda_norm_eps", lambda v: v == cfg.norm_eps, "kda_norm_eps == norm_eps (one rms_norm_eps)")
+    need("kda.norm_eps", lambda v: v == cfg.norm_eps, "kda.norm_eps == norm_eps (one rms_norm_eps)")
+    need(
+        "kda.head_v_dim",
+        lambda v: v == kda.head_k_dim,
+        "kda.head_v_dim == kda.head_k_dim (one linear_head_dim)",
+    )
     out = dict(base or {})
     for key in (
         "linear_attn_config",
@@ -244,31 +256,31 @@ def to_hf_config(cfg: ModelConfig, base: Mapping | None = None) -> dict:
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.dense_intermediate,
-        moe_intermediate_size=cfg.expert_intermediate,
+        moe_intermediate_size=moe.intermediate_size,
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_heads,
-        n_shared_experts=max(cfg.num_shared_experts, 1),
-        routed_scaling_factor=cfg.routed_scaling_factor,
-        kv_lora_rank=cfg.kv_lora_rank,
-        q_lora_rank=cfg.q_lora_rank,
-        qk_rope_head_dim=cfg.qk_rope_head_dim,
-        v_head_dim=cfg.v_head_dim,
-        qk_nope_head_dim=cfg.qk_nope_head_dim,
-        n_group=cfg.num_expert_groups,
-        topk_group=cfg.topk_groups,
-        num_experts_per_tok=cfg.top_k,
-        norm_topk_prob=cfg.norm_topk_prob,
+        n_shared_experts=max(moe.num_shared_experts, 1),
+        routed_scaling_factor=moe.routed_scaling_factor,
+        kv_lora_rank=mla.kv_lora_rank,
+        q_lora_rank=mla.q_lora_rank,
+        qk_rope_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim,
+        qk_nope_head_dim=mla.qk_nope_head_dim,
+        n_group=moe.num_expert_groups,
+        topk_group=moe.topk_groups,
+        num_experts_per_tok=moe.top_k,
+        norm_topk_prob=moe.norm_topk_prob,
         hidden_act="silu",
         initializer_range=cfg.init_std,
         rms_norm_eps=cfg.norm_eps,
         tie_word_embeddings=False,
         attention_bias=False,
-        num_local_experts=cfg.num_experts,
+        num_local_experts=moe.num_experts,
         layer_types=["linear_attention" if m == "kda" else "full_attention" for m in cfg.mixers],
         mlp_layer_types=["sparse" if f == "moe" else "dense" for f in cfg.ffns],
-        linear_head_dim=cfg.kda_head_dim,
-        linear_num_heads=cfg.kda_num_heads or cfg.num_heads,
+        linear_head_dim=kda.head_k_dim,
+        linear_num_heads=kda.num_heads or cfg.num_heads,
         linear_conv_kernel_dim=cfg.conv_size,
         dtype=cfg.dtype,
     )

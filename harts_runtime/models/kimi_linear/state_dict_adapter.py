@@ -13,7 +13,7 @@ KDA ``self_attn.conv1d.weight`` [3 H K, 1, w]           ``mixer.{q,k,v}_conv1d.w
 KDA ``forget_gate.f_a_proj``, ``f_b_proj``              ``mixer.f_proj.0``, ``mixer.f_proj.1``
 KDA ``forget_gate.dt_bias``, ``forget_gate.A_log``      ``mixer.dt_bias``, ``mixer.A_log`` ([1,1,H,1] <-> [H])
 KDA ``g_a_proj``, ``g_b_proj``                          ``mixer.g_proj.0``, ``mixer.g_proj.1`` (no bias:
-                                                        ``from_hf_config`` sets ``kda_output_gate_bias``
+                                                        ``from_hf_config`` sets ``kda.output_gate_bias``
                                                         False; a model built with fla's bias exports
                                                         only while the bias is zero)
 MLA ``q_proj`` / ``q_a_proj``, ``q_a_layernorm``,       ``mixer.q_proj`` / ``q_a_proj``, ``q_a_norm``,
@@ -159,7 +159,7 @@ class KimiLinearStateDictAdapter(HFStateDictAdapter):
                 if kind == "same":
                     yield ck + tag, kind, ours[0], None, self.hf_shapes[name]
                     continue
-                e = c.num_experts
+                e = c.moe.num_experts
                 base = ck.rsplit(".", 1)[0]  # ...experts
                 pairs = (("w1", ours[0]), ("w3", ours[1])) if kind == "gate_up" else (("w2", ours[0]),)
                 for w, our in pairs:
@@ -194,7 +194,7 @@ class KimiLinearStateDictAdapter(HFStateDictAdapter):
 
     def extra_ours(self) -> dict[str, torch.Tensor]:
         """Our tensors with no HF counterpart: zero expert-load counts, and zero KDA output-gate
-        biases when the config has them (``kda_output_gate_bias``; a Kimi-Linear config does not)."""
+        biases when the config has them (``kda.output_gate_bias``; a Kimi-Linear config does not)."""
         ends = (".local_tokens_per_expert", "mixer.g_proj.1.bias")
         return {k: torch.zeros(s) for k, s in self.our_shapes.items() if k.endswith(ends)}
 

@@ -4,7 +4,7 @@ the text part of ``qwen3_5_moe`` checkpoints) as a :class:`~harts_runtime.models
 The formats are Qwen3-Next's (:mod:`harts_runtime.models.qwen3_next`, whose code this shares) but
 for: the gated delta net's split input projections (``in_proj_qkv``, ours ``in_proj_q`` /
 ``in_proj_k`` / ``in_proj_v``; ``in_proj_z``, ``in_proj_b``, ``in_proj_a``;
-``gdn_projection="split"``), every layer sparse, top-k always renormalised, and the
+``gdn.projection="split"``), every layer sparse, top-k always renormalised, and the
 ``model.language_model.`` prefix of the vision-language checkpoints (the vision tower and the MTP
 head are skipped). Saving writes a ``qwen3_5_moe_text`` folder. Flavors (:mod:`.flavors`):
 ``qwen3.5-35b-a3b``, ``qwen3.5-tiny``; the family registers itself (:data:`FAMILY`).
@@ -70,7 +70,7 @@ def owns(cfg) -> bool:
     """A model with split-projection GDN layers and no KDA / MLA layer is a Qwen3.5-MoE model."""
     if any(m in ("kda", "mla") for m in cfg.mixers):
         return False
-    return "gdn" in cfg.mixers and cfg.gdn_projection == "split"
+    return "gdn" in cfg.mixers and cfg.gdn.projection == "split"
 
 
 FAMILY = register_family(

@@ -8,7 +8,7 @@ transformers loads.
 
 from __future__ import annotations
 
-from harts_runtime.models.hybrid.args import ModelConfig
+from harts_runtime.models.hybrid.args import GatedAttentionArgs, GDNArgs, ModelConfig, MoEArgs
 from harts_runtime.models.qwen3_next import args as _args
 
 __all__ = ["FLAVORS", "qwen35_35b_a3b", "qwen35_tiny"]
@@ -26,25 +26,22 @@ def qwen35_35b_a3b(num_layers: int | None = None, **overrides) -> ModelConfig:
         ffns=("moe",) * n,
         num_heads=16,
         num_kv_heads=2,
-        head_dim=256,
-        partial_rotary_factor=0.25,
+        gated_attention=GatedAttentionArgs(head_dim=256, partial_rotary_factor=0.25),
         rope_theta=1e7,
         conv_size=4,
         chunk_size=64,
-        gdn_num_k_heads=16,
-        gdn_num_v_heads=32,
-        gdn_head_k_dim=128,
-        gdn_head_v_dim=128,
-        gdn_projection="split",
-        num_experts=256,
-        top_k=8,
-        expert_intermediate=512,
-        norm_topk_prob=True,
-        num_shared_experts=1,
-        shared_expert_intermediate=512,
-        shared_expert_gate=True,
-        aux_loss_coef=0.0,
-        z_loss_coef=0.0,
+        gdn=GDNArgs(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128, projection="split"),
+        moe=MoEArgs(
+            num_experts=256,
+            top_k=8,
+            intermediate_size=512,
+            norm_topk_prob=True,
+            num_shared_experts=1,
+            shared_intermediate_size=512,
+            shared_expert_gate=True,
+            aux_loss_coef=0.0,
+            z_loss_coef=0.0,
+        ),
         zero_centered_norms=True,
         dtype="bfloat16",
         lm_head_rows=2048,

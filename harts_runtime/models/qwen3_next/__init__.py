@@ -24,7 +24,7 @@ def owns(cfg) -> bool:
     cannot write)."""
     if any(m in ("kda", "mla") for m in cfg.mixers):
         return False
-    return not ("gdn" in cfg.mixers and cfg.gdn_projection == "split")
+    return not ("gdn" in cfg.mixers and cfg.gdn.projection == "split")
 
 
 FAMILY = register_family(

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from harts_runtime.errors import InvalidInputError
-from harts_runtime.models.hybrid.args import ModelConfig
+from harts_runtime.models.hybrid.args import GatedAttentionArgs, GDNArgs, ModelConfig, MoEArgs
 
 __all__ = ["FAMILIES", "from_hf_config", "to_hf_config"]
 
@@ -103,13 +103,14 @@ def from_hf_config(
 
     ``dtype``: ``float32``, ``bfloat16`` or ``float64`` (None: the config's when it is one of these,
     else ``float32``). ``chunk_size``: our GDN chunk size (does not change the math; 64 on the
-    Triton path). ``overrides``: further :class:`ModelConfig` fields (execution options).
+    Triton path). ``overrides``: further :class:`ModelConfig` fields (execution options; an
+    option group as a dict changes only the fields it names, as :meth:`ModelConfig.replace`).
 
     Raises :class:`InvalidInputError` naming the field for options HybridModel cannot reproduce:
     ``hidden_act`` other than silu, ``tie_word_embeddings``, ``attention_bias``, a non-zero
     ``attention_dropout``, ``use_sliding_window``, ``attn_output_gate`` false, a RoPE type other
     than ``default``, unknown layer types, a wrong-length ``layer_types``, ``decoder_sparse_step``
-    < 1, value heads not a multiple of key heads (``gdn_num_v_heads``).
+    < 1, value heads not a multiple of key heads (``gdn.num_v_heads``).
     """
     d = text_config(_as_dict(cfg))
     if family is None:
@@ -174,34 +175,38 @@ def from_hf_config(
         ffns=ffns,
         num_heads=heads,
         num_kv_heads=int(get("num_key_value_heads")),
-        head_dim=int(get("head_dim")),
         rope_theta=float(theta),
-        partial_rotary_factor=float(partial),
-        gdn_num_k_heads=int(get("linear_num_key_heads")),
-        gdn_num_v_heads=int(get("linear_num_value_heads")),
-        gdn_head_k_dim=int(get("linear_key_head_dim")),
-        gdn_head_v_dim=int(get("linear_value_head_dim")),
-        gdn_projection=projection,
+        gated_attention=GatedAttentionArgs(
+            head_dim=int(get("head_dim")), partial_rotary_factor=float(partial)
+        ),
+        gdn=GDNArgs(
+            num_k_heads=int(get("linear_num_key_heads")),
+            num_v_heads=int(get("linear_num_value_heads")),
+            head_k_dim=int(get("linear_key_head_dim")),
+            head_v_dim=int(get("linear_value_head_dim")),
+            projection=projection,
+        ),
         conv_size=int(get("linear_conv_kernel_dim")),
         chunk_size=chunk_size,
         dense_intermediate=int(get("intermediate_size")) if has_dense else 1,
-        num_experts=max(experts, 1),
-        top_k=int(get("num_experts_per_tok")),
-        expert_intermediate=int(get("moe_intermediate_size")),
-        score_func="softmax",
-        norm_topk_prob=norm_topk,
-        num_shared_experts=1,
-        shared_expert_intermediate=int(get("shared_expert_intermediate_size")),
-        shared_expert_gate=True,
-        aux_loss_coef=0.0,
-        z_loss_coef=0.0,
+        moe=MoEArgs(
+            num_experts=max(experts, 1),
+            top_k=int(get("num_experts_per_tok")),
+            intermediate_size=int(get("moe_intermediate_size")),
+            score_func="softmax",
+            norm_topk_prob=norm_topk,
+            num_shared_experts=1,
+            shared_intermediate_size=int(get("shared_expert_intermediate_size")),
+            shared_expert_gate=True,
+            aux_loss_coef=0.0,
+            z_loss_coef=0.0,
+        ),
         norm_eps=float(get("rms_norm_eps")),
         zero_centered_norms=True,
         init_std=float(get("initializer_range")),
         dtype=dtype,
     )
-    fields.update(overrides)
-    return ModelConfig(**fields)
+    return ModelConfig(**fields).replace(**overrides)
 
 
 def to_hf_config(cfg: ModelConfig, base: Mapping | None = None, family: str = "qwen3_next") -> dict:
@@ -216,31 +221,34 @@ def to_hf_config(cfg: ModelConfig, base: Mapping | None = None, family: str = "q
     arch, projection, has_dense = FAMILIES[family]
 
     def need(name, ok, what):
-        if not ok(getattr(cfg, name)):
-            raise InvalidInputError(name, f"{getattr(cfg, name)!r} has no {family} equivalent; needs {what}")
+        value = cfg.field_value(name)
+        if not ok(value):
+            raise InvalidInputError(name, f"{value!r} has no {family} equivalent; needs {what}")
+
+    gdn, moe = cfg.gdn, cfg.moe
 
     need("mixers", lambda v: all(m in ("gdn", "gated_attention") for m in v), "only gdn and gated_attention")
     need("zero_centered_norms", bool, "True")
     if "gdn" in cfg.mixers:
-        need("gdn_projection", lambda v: v == projection, projection)
+        need("gdn.projection", lambda v: v == projection, projection)
     if not has_dense:
         need("ffns", lambda v: all(f == "moe" for f in v), "every layer moe")
     if "moe" in cfg.ffns:
-        need("score_func", lambda v: v == "softmax", "softmax")
-        need("use_expert_bias", lambda v: not v, "False")
-        need("routed_scaling_factor", lambda v: v == 1.0, "1.0")
-        need("num_expert_groups", lambda v: v == 1, "1")
-        need("num_shared_experts", lambda v: v == 1, "1")
-        need("shared_expert_gate", bool, "True")
+        need("moe.score_func", lambda v: v == "softmax", "softmax")
+        need("moe.use_expert_bias", lambda v: not v, "False")
+        need("moe.routed_scaling_factor", lambda v: v == 1.0, "1.0")
+        need("moe.num_expert_groups", lambda v: v == 1, "1")
+        need("moe.num_shared_experts", lambda v: v == 1, "1")
+        need("moe.shared_expert_gate", bool, "True")
         if not has_dense:
-            need("norm_topk_prob", bool, "True")
+            need("moe.norm_topk_prob", bool, "True")
     out = dict(text_config(dict(base or {})))
     for key in ("auto_map", "rope_scaling", "rope_theta", "partial_rotary_factor", "full_attention_interval"):
         out.pop(key, None)
     rope = {
         "rope_type": "default",
         "rope_theta": cfg.rope_theta,
-        "partial_rotary_factor": cfg.partial_rotary_factor,
+        "partial_rotary_factor": cfg.gated_attention.partial_rotary_factor,
     }
     old = out.get("rope_parameters") or {}
     for key in ("mrope_section", "mrope_interleaved"):  # Qwen3.5's; text positions make them a no-op
@@ -254,7 +262,7 @@ def to_hf_config(cfg: ModelConfig, base: Mapping | None = None, family: str = "q
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
-        head_dim=cfg.head_dim or cfg.hidden_size // cfg.num_heads,
+        head_dim=cfg.gated_attention.head_dim or cfg.hidden_size // cfg.num_heads,
         hidden_act="silu",
         initializer_range=cfg.init_std,
         rms_norm_eps=cfg.norm_eps,
@@ -263,14 +271,14 @@ def to_hf_config(cfg: ModelConfig, base: Mapping | None = None, family: str = "q
         attention_dropout=0.0,
         rope_parameters=rope,
         linear_conv_kernel_dim=cfg.conv_size,
-        linear_key_head_dim=cfg.gdn_head_k_dim,
-        linear_value_head_dim=cfg.gdn_head_v_dim,
-        linear_num_key_heads=cfg.gdn_num_k_heads,
-        linear_num_value_heads=cfg.gdn_num_v_heads,
-        moe_intermediate_size=cfg.expert_intermediate,
-        shared_expert_intermediate_size=cfg.shared_expert_intermediate or cfg.expert_intermediate,
-        num_experts_per_tok=cfg.top_k,
-        num_experts=cfg.num_experts if "moe" in cfg.ffns else 0,
+        linear_key_head_dim=gdn.head_k_dim,
+        linear_value_head_dim=gdn.head_v_dim,
+        linear_num_key_heads=gdn.num_k_heads,
+        linear_num_value_heads=gdn.num_v_heads,
+        moe_intermediate_size=moe.intermediate_size,
+        shared_expert_intermediate_size=moe.shared_intermediate_size or moe.intermediate_size,
+        num_experts_per_tok=moe.top_k,
+        num_experts=moe.num_experts if "moe" in cfg.ffns else 0,
         layer_types=["linear_attention" if m == "gdn" else "full_attention" for m in cfg.mixers],
         dtype=cfg.dtype,
     )
@@ -279,7 +287,7 @@ def to_hf_config(cfg: ModelConfig, base: Mapping | None = None, family: str = "q
             intermediate_size=cfg.dense_intermediate,
             decoder_sparse_step=1,
             mlp_only_layers=[i for i, f in enumerate(cfg.ffns) if f == "dense"],
-            norm_topk_prob=cfg.norm_topk_prob,
+            norm_topk_prob=moe.norm_topk_prob,
         )
     else:
         for key in ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"):
