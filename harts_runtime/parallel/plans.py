@@ -104,6 +104,8 @@ def _mla(m: CompactMLA, tp: int) -> LayerPlan:
     ``[k_nope, v]``), ``o_proj`` by columns; the latent down-projections and their norms (and the
     shared rotary key part) replicated."""
     p = {"kv_a_proj.weight": REP, "kv_a_norm.weight": REP, "kv_b_proj.weight": COL, "o_proj.weight": ROW}
+    if m.config.output_gate:  # Ling-3.0's head-wise gate: one row per head
+        p["g_proj.weight"] = COL
     if m.config.q_lora_rank is None:
         p["q_proj.weight"] = COL
     else:
@@ -116,7 +118,8 @@ def _kda(m: KDALayer, tp: int) -> LayerPlan:
     bias when the layer has one: ``KDAConfig.output_gate_bias``) projections by rows, the three short
     convolutions by channels, ``A_log`` and ``dt_bias`` by head, ``o_proj`` by columns; the low-rank
     down-projections ``f_proj.0`` / ``g_proj.0`` and the per-channel ``o_norm`` replicated (fla's
-    parameter names)."""
+    parameter names). Full-rank gate projections (``KDAConfig.low_rank_gates=False``, Ling-3.0):
+    ``f_proj.0`` / ``g_proj.0`` (and its bias) by rows."""
     p = {
         name: COL
         for name in (
@@ -126,16 +129,18 @@ def _kda(m: KDALayer, tp: int) -> LayerPlan:
             "q_conv1d.weight",
             "k_conv1d.weight",
             "v_conv1d.weight",
-            "f_proj.1.weight",
             "b_proj.weight",
-            "g_proj.1.weight",
             "A_log",
             "dt_bias",
         )
     }
-    if m.g_proj[1].bias is not None:
-        p["g_proj.1.bias"] = COL
-    p.update({"f_proj.0.weight": REP, "g_proj.0.weight": REP, "o_norm.weight": REP, "o_proj.weight": ROW})
+    up = len(m.g_proj) - 1  # the projection with one row per head channel: 1 (low rank) or 0
+    p.update({f"f_proj.{up}.weight": COL, f"g_proj.{up}.weight": COL})
+    if m.g_proj[up].bias is not None:
+        p[f"g_proj.{up}.bias"] = COL
+    if up:
+        p.update({"f_proj.0.weight": REP, "g_proj.0.weight": REP})
+    p.update({"o_norm.weight": REP, "o_proj.weight": ROW})
     return LayerPlan(p, (("num_heads", m.config.num_heads),))
 
 

@@ -354,3 +354,28 @@ def test_fused_kda_features_with_the_bounded_gate_match_the_reference_on_cuda():
         )
     for a, b in zip(outs["naive"], outs["triton"]):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
+def test_tensor_parallel_plans_cover_the_ling_layers():
+    """The TP plans of the Ling KDA (full-rank gates sharded by head rows) and the gated MLA
+    (``g_proj`` by head rows) name every parameter and split by heads."""
+    from harts_runtime.parallel.plans import COL, tp_plan
+
+    kda = tp_plan(ling_kda(), 2, "kda")
+    assert kda.placements["f_proj.0.weight"] == COL and kda.placements["g_proj.0.weight"] == COL
+    assert set(kda.placements) == {n for n, _ in ling_kda().named_parameters()}
+    mla = CompactMLA(
+        MLAConfig(
+            hidden_size=D,
+            num_heads=H,
+            kv_lora_rank=12,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+            rope_interleave=True,
+            output_gate=True,
+        )
+    )
+    plan = tp_plan(mla, 2, "mla")
+    assert plan.placements["g_proj.weight"] == COL
+    assert set(plan.placements) == {n for n, _ in mla.named_parameters()}
