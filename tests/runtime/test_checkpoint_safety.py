@@ -327,3 +327,26 @@ def test_a_resumed_copy_saves_beside_itself_not_into_the_original_run(tmp_path, 
     assert main(argv) == 0
     assert sorted(os.listdir(tmp_path / "run")) == ["step-1", "step-2", "step-3"]
     capsys.readouterr()
+
+
+@pytest.mark.slow
+def test_harts_train_killed_while_saving_over_its_checkpoints_leaves_them_loadable(tmp_path, capsys):
+    """A run that saves every step over an earlier run's ``step-N`` folders (same ``--save``) is
+    SIGKILLed at random points, three times: every ``step-N`` folder then loads (the earlier
+    run's or the new one, each with its ``trainer.json``), and ``--resume`` goes on from them."""
+    run = tmp_path / "run"
+    argv = ["--flavor", "debug", "--device", "cpu", "--progress", "off", "--data", str(_data(tmp_path))]
+    argv += ["--steps", "3", "--save-every", "1", "--save", str(run)]
+    assert main(argv) == 0
+    rnd = random.Random(38)
+    for _ in range(3):
+        _in_child(lambda: os._exit(main(argv)), kill_after=rnd.uniform(0.3, 4.0))
+        steps = sorted(d for d in os.listdir(run) if d.startswith("step-"))
+        assert steps == ["step-1", "step-2", "step-3"], steps
+        for d in steps:
+            e = HartsEngine(HybridModel(model_config("debug")), EngineConfig(lr=1e-3))
+            e.load(run / d)
+            assert json.loads((run / d / "trainer.json").read_text())["steps_done"] == int(d[5:])
+    assert main(["--resume", str(run), "--steps", "4"]) == 0
+    assert (run / "step-4" / "manifest.json").is_file() and _leftovers(run, "step-4") == []
+    capsys.readouterr()
