@@ -39,7 +39,12 @@ each one's ``sizes``):
 
 ``--launcher SCRIPT`` runs another ``harts-planner`` (a script that imports an older checkout's
 ``harts_planner.cli``): the figures before the change come from the commit before it. Flags the older
-server lacks are left out; it gets the unary methods (it has no ``*Stream`` ones).
+server lacks are left out; it gets the unary methods (it has no ``*Stream`` ones). With
+``--launcher-streams`` the older server is one that has the ``*Stream`` methods and the timeouts
+(issue 35 on, e.g. the round-3 "before" at 0f58c33): it gets both, and only the flags of issue 38
+are left out. A launcher may cap the old server's memory (``RLIMIT_AS``) so that an attack that
+would exhaust the machine fails it instead; a server that died is reported (``server_exit``), its
+peak the last one sampled.
 
     python benchmarks/service_attacks.py --out benchmarks/results/service_attacks.json
 """
@@ -85,9 +90,10 @@ class Server:
         preexec_fn=None,
     ):
         self.old = args.launcher is not None
+        self.streams = not self.old or args.launcher_streams  # has the *Stream methods
         command = [sys.executable, args.launcher] if self.old else None
         self.log = os.path.join(log_dir, f"{name}.log")
-        extra = list(flags) + ([] if self.old else list(new_flags))
+        extra = list(flags) + (list(new_flags) if self.streams else [])
         self.proc = SidecarProcess(
             workers=workers,
             grace=grace,
@@ -99,13 +105,29 @@ class Server:
         )
         self.address = self.proc.address
         self.idle = memory(self.proc.pid)
+        self._hwm = self.idle["VmHWM"]  # sampled, so that a server that died still has a peak
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while self.proc.proc.poll() is None:
+            try:
+                self._hwm = max(self._hwm, memory(self.proc.pid)["VmHWM"])
+            except (OSError, KeyError):
+                return
+            time.sleep(0.05)
 
     def stream(self, method: str) -> str:
-        """The method to plan big responses with: the streamed one (unary on the old server)."""
-        return method if self.old else method + "_STREAM"
+        """The method to plan big responses with: the streamed one (unary on an old server without)."""
+        return method + "_STREAM" if self.streams else method
+
+    def exit_code(self) -> int | None:
+        """None while the server runs; else how it ended (negative: the signal that killed it)."""
+        return self.proc.proc.poll()
 
     def peak_mb(self) -> float:
-        return round((memory(self.proc.pid)["VmHWM"]) / MiB, 1)
+        if self.exit_code() is None:
+            self._hwm = max(self._hwm, memory(self.proc.pid)["VmHWM"])
+        return round(self._hwm / MiB, 1)
 
     def rss_mb(self) -> float:
         return round(memory(self.proc.pid)["VmRSS"] / MiB, 1)
@@ -212,7 +234,7 @@ def partial(args, log_dir, swe) -> dict:
                     args.partial,
                     1 << 30,
                     args.partial_mb * MiB,
-                    stream_method=not srv.old,
+                    stream_method=srv.streams,
                     timeout=5,
                 ),
             )
@@ -249,7 +271,7 @@ def never_read_attack(args, log_dir, swe) -> dict:
     srv = Server(args, log_dir, "never_read", new_flags=["--send-timeout", str(args.send_timeout)])
     try:
         request_ = _big_calls(args.big_tokens)
-        path = codec.PLAN_CALLS if srv.old else codec.PLAN_CALLS_STREAM
+        path = codec.PLAN_CALLS_STREAM if srv.streams else codec.PLAN_CALLS
         held = never_read(srv.address, [request_] * args.never_read, path=path)
         probe = Probe(srv.address, args.probe_seconds)
         time.sleep(1.0)
@@ -267,7 +289,7 @@ def never_read_attack(args, log_dir, swe) -> dict:
                 "clients": args.never_read,
                 "request_bytes": len(request_),
                 "response_mb": round(_response_mb(args.big_tokens), 1),
-                "send_timeout_s": None if srv.old else args.send_timeout,
+                "send_timeout_s": args.send_timeout if srv.streams else None,
             },
             "idle_mb": round(srv.idle["VmRSS"] / MiB, 1),
             "during_mb": during,
@@ -351,7 +373,7 @@ def drain(args, log_dir, swe) -> dict:
     size = estimate_cost(one_segment(args.big_tokens)).response_bytes
     for grace in (60.0, 0.5):
         srv = Server(args, log_dir, f"drain_{grace}", grace=grace)
-        path = codec.PLAN_CALLS if srv.old else codec.PLAN_CALLS_STREAM
+        path = codec.PLAN_CALLS_STREAM if srv.streams else codec.PLAN_CALLS
         held = never_read(
             srv.address, [request_] * args.drain_clients, path=path, read_rate=args.drain_rate * MiB
         )
@@ -482,6 +504,7 @@ def field_bombs(args, log_dir, swe) -> dict:
             out["probe"] = probe.result()
         out["idle_mb"] = round(srv.idle["VmRSS"] / MiB, 1)
         out["peak_mb"] = srv.peak_mb()
+        out["server_exit"] = srv.exit_code()
         return out
     finally:
         srv.close()
@@ -506,6 +529,7 @@ def trickled(args, log_dir, swe) -> dict:
             "alive_after_probe": alive_after_probe,
             "tricklers_gone_after_s": lived,
             "peak_mb": srv.peak_mb(),
+            "server_exit": srv.exit_code(),
             "logged_codes": _codes(srv.log),
         }
     finally:
@@ -518,7 +542,7 @@ def slow_readers(args, log_dir, swe) -> dict:
     srv = Server(args, log_dir, "slow_readers", new_flags=["--send-timeout", str(args.send_timeout)])
     try:
         request_ = _big_calls(1_000_000)
-        path = codec.PLAN_CALLS if srv.old else codec.PLAN_CALLS_STREAM
+        path = codec.PLAN_CALLS_STREAM if srv.streams else codec.PLAN_CALLS
         t0 = time.monotonic()
         held = never_read(srv.address, [request_] * 4, path=path, read_rate=args.slow_rate * 1024)
         probe = Probe(srv.address, args.probe_seconds).result()
@@ -538,6 +562,7 @@ def slow_readers(args, log_dir, swe) -> dict:
             "ended": done,
             "ended_within_s": lived,
             "peak_mb": srv.peak_mb(),
+            "server_exit": srv.exit_code(),
             "logged": [{k: r.get(k) for k in ("code", "delivered", "error")} for r in records(srv.log)],
         }
     finally:
@@ -560,6 +585,7 @@ def shutdown_uploads(args, log_dir, swe) -> dict:
             "sizes": {"uploads": 2, "grace_s": 300},
             "exit_code": rc,
             "exit_after_s": round(time.monotonic() - t0, 2) if rc is not None else f">{args.shutdown_wait}",
+            "peak_mb": srv.peak_mb(),
             "logged_codes": _codes(srv.log),
         }
     finally:
@@ -607,6 +633,8 @@ def connections(args, log_dir, swe) -> dict:
             "sizes": {"connections": args.connections, "server_soft_nofile": 1024},
             "refused": refused,
             "probe": probe,
+            "peak_mb": srv.peak_mb(),
+            "server_exit": srv.exit_code(),
         }
     finally:
         for s in socks:
@@ -639,6 +667,11 @@ def main(argv=None) -> int:
     )
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--launcher", default=None, help="a script running an older harts-planner CLI")
+    p.add_argument(
+        "--launcher-streams",
+        action="store_true",
+        help="the --launcher server has the *Stream methods and the timeouts (issue 35 on)",
+    )
     p.add_argument("--probe-seconds", type=float, default=8.0)
     p.add_argument("--stalled", type=int, default=180, help="stalled planner streams")
     p.add_argument("--queued", type=int, default=16)
