@@ -43,14 +43,15 @@ def layer_costs(cfg: ModelConfig) -> dict:
     mm = lambda i, o: 2 * i * o
     core = lambda heads, kk, vv: heads * (4 * cfg.chunk_size * kk + 2 * cfg.chunk_size * vv + 6 * kk * vv)
     hk = kda_args.num_heads or h
+    if kda_args.low_rank_gates:  # decay and output-gate projections low-rank through V (fla, Kimi)
+        kda_gates = mm(d, v) + mm(v, hk * k) + mm(d, v) + mm(v, hk * v)
+    else:  # one full projection each (Ling-3.0)
+        kda_gates = mm(d, hk * k) + mm(d, hk * v)
     kda = (
         mm(d, hk * k) * 2
         + mm(d, hk * v)
-        + mm(d, v)
-        + mm(v, hk * k)
         + mm(d, hk)
-        + mm(d, v)
-        + mm(v, hk * v)
+        + kda_gates
         + mm(hk * v, d)
         + 2 * cfg.conv_size * (2 * hk * k + hk * v)
         + core(hk, k, v)
@@ -76,6 +77,7 @@ def layer_costs(cfg: ModelConfig) -> dict:
         + mm(d, mla_args.kv_lora_rank + mla_args.qk_rope_head_dim)
         + mm(mla_args.kv_lora_rank, h * (mla_args.qk_nope_head_dim + mla_args.v_head_dim))
         + mm(h * mla_args.v_head_dim, d)
+        + (mm(d, h) if mla_args.output_gate else 0)  # Ling-3.0's head-wise output gate
     )
     mla_key = 2 * h * (dqk + mla_args.v_head_dim)
     hkv = cfg.num_kv_heads or h

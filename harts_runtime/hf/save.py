@@ -247,6 +247,9 @@ def save_pretrained(
         if writer is not None:
             writer.add(name, tensor)
     if writer is not None:
+        for name, tensor in getattr(model, "hf_kept", {}).items():
+            if adapter.kept(name):  # not run (Ling-3.0's MTP layers): written back as loaded
+                writer.add(name, tensor)
         writer.close()
         (path / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     if sharded:

@@ -17,7 +17,11 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("safetensors") is None, reason="needs the hf extra"),
 ]
 
-FAMILIES = {"kimi-linear-tiny": "kimi_linear", "qwen3.5-tiny": "qwen3_5_moe_text"}
+FAMILIES = {
+    "kimi-linear-tiny": "kimi_linear",
+    "qwen3.5-tiny": "qwen3_5_moe_text",
+    "ling3-tiny": "bailing_hybrid",
+}
 
 
 @pytest.mark.parametrize("flavor", sorted(FAMILIES))

@@ -10,7 +10,9 @@ backends, ``chunk_size``, ``conv_size``, ``norm_eps``) themselves:
 * :class:`GatedAttentionArgs` (``ModelConfig.gated_attention``) ->
   :class:`~harts_runtime.layers.gated_attention.GatedAttentionConfig`;
 * :class:`GDNArgs` (``ModelConfig.gdn``) -> :class:`~harts_runtime.layers.gdn.GatedDeltaNetConfig`;
-* :class:`MoEArgs` (``ModelConfig.moe``) -> :class:`~harts_runtime.layers.moe.MoEConfig`.
+* :class:`MoEArgs` (``ModelConfig.moe``) -> :class:`~harts_runtime.layers.moe.MoEConfig`; its
+  per-layer tuples ``swiglu_limits`` / ``shared_swiglu_limits`` (Ling-3.0) give each MoE layer its
+  entry as ``swiglu_limit`` / ``shared_swiglu_limit``.
 
 (GQA reads only shared options: ``num_heads``, ``num_kv_heads``, ``rope_theta``; the dense FFN
 only ``dense_intermediate``.) Each group validates itself on construction and raises
@@ -54,9 +56,20 @@ class KDAArgs:
     """Epsilon of the gated output RMSNorm."""
     output_gate_bias: bool = True
     """Whether the output-gate up-projection has a bias (fla's layer: yes; Kimi-Linear: no)."""
+    gate_lower_bound: float | None = None
+    """None: the softplus decay gate (fla, Kimi-Linear); a negative number: Ling-3.0's bounded gate
+    ``lb * sigmoid(exp(A_log) (f + dt_bias))`` (``kda_lower_bound``)."""
+    low_rank_gates: bool = True
+    """Low-rank decay / output-gate projections through V (fla, Kimi-Linear); False: one full
+    projection each (Ling-3.0)."""
 
     def __post_init__(self):
         _at_least(self, ("num_heads", "head_k_dim", "head_v_dim"), 1)
+        lb = self.gate_lower_bound
+        if lb is not None and not -float("inf") < lb < 0:
+            raise InvalidInputError(
+                "kda.gate_lower_bound", f"must be a finite negative number or None, got {lb}"
+            )
 
 
 @dataclass(kw_only=True)
@@ -77,6 +90,10 @@ class MLAArgs:
     """Per-head value dim."""
     use_rope: bool = True
     """Rotate the ``qk_rope_head_dim`` parts (False: NoPE, as Kimi-Linear)."""
+    rope_interleave: bool = False
+    """Rotate interleaved pairs (DeepSeek-V3, Ling-3.0) instead of halves."""
+    output_gate: bool = False
+    """Ling-3.0's head-wise sigmoid output gate ``g_proj`` [H, D]."""
 
     def __post_init__(self):
         _at_least(self, ("kv_lora_rank", "q_lora_rank", "v_head_dim"), 1)
@@ -167,8 +184,20 @@ class MoEArgs:
     """Load-balancing loss weight."""
     z_loss_coef: float = 1e-3
     """Router z-loss weight."""
+    swiglu_limits: tuple = ()
+    """Clipped SwiGLU of the routed experts, one limit per layer of the model (Ling-3.0's
+    ``expert_swiglu_limit_list``; 0: plain SwiGLU; empty: none clipped); layer ``i``'s MoE gets
+    ``swiglu_limits[i]`` as :attr:`~harts_runtime.layers.moe.MoEConfig.swiglu_limit`."""
+    shared_swiglu_limits: tuple = ()
+    """The same for the shared experts (``share_expert_swiglu_limit_list``)."""
 
     def __post_init__(self):
+        self.swiglu_limits = tuple(float(v) for v in self.swiglu_limits)
+        self.shared_swiglu_limits = tuple(float(v) for v in self.shared_swiglu_limits)
+        for name in ("swiglu_limits", "shared_swiglu_limits"):
+            for i, v in enumerate(getattr(self, name)):
+                if not v >= 0:
+                    raise InvalidInputError(f"moe.{name}[{i}]", f"must be >= 0 (0: no clipping), got {v}")
         _at_least(self, ("num_experts",), 1)
         _at_least(self, ("num_shared_experts",), 0)
         g = self.num_expert_groups

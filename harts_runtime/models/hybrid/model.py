@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from harts_runtime.errors import InvalidInputError
 from harts_runtime.layers.attention import AttentionConfig, CompactAttention
 from harts_runtime.layers.ffn import DenseFFN
 from harts_runtime.layers.kda import KDAConfig, KDALayer
@@ -85,13 +86,29 @@ def _gdn(cfg: ModelConfig, attn_backend: str) -> nn.Module:
     )
 
 
-def _dense(cfg: ModelConfig) -> nn.Module:
+def _dense(cfg: ModelConfig, layer: int) -> nn.Module:
     return DenseFFN(cfg.hidden_size, cfg.dense_intermediate)
 
 
-def _moe(cfg: ModelConfig) -> nn.Module:
+def _per_layer(cfg: ModelConfig, name: str, layer: int) -> float:
+    """Layer ``layer``'s entry of the per-layer MoE option ``name`` (none given: 0)."""
+    values = getattr(cfg.moe, name)
+    if not values:
+        return 0.0
+    if layer >= len(values):
+        raise InvalidInputError(f"moe.{name}", f"has {len(values)} entries, none for layer {layer}")
+    return values[layer]
+
+
+def _moe(cfg: ModelConfig, layer: int) -> nn.Module:
+    args = asdict(cfg.moe)
+    del args["swiglu_limits"], args["shared_swiglu_limits"]  # per layer: this layer's
+    args.update(
+        swiglu_limit=_per_layer(cfg, "swiglu_limits", layer),
+        shared_swiglu_limit=_per_layer(cfg, "shared_swiglu_limits", layer),
+    )
     # counts: HybridModel.forward_hidden counts once, outside recomputation
-    return CompactMoE(MoEConfig(hidden_size=cfg.hidden_size, accumulate_counts=False, **asdict(cfg.moe)))
+    return CompactMoE(MoEConfig(hidden_size=cfg.hidden_size, accumulate_counts=False, **args))
 
 
 MIXER_BUILDERS: dict[str, Callable[[ModelConfig, str], nn.Module]] = {
@@ -102,21 +119,22 @@ MIXER_BUILDERS: dict[str, Callable[[ModelConfig, str], nn.Module]] = {
     "gdn": _gdn,
 }
 """Mixer name -> ``builder(config, attention_backend)`` (one entry per name of ``args.MIXERS``)."""
-FFN_BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {"dense": _dense, "moe": _moe}
-"""FFN name -> ``builder(config)`` (one entry per name of ``args.FFNS``)."""
+FFN_BUILDERS: dict[str, Callable[[ModelConfig, int], nn.Module]] = {"dense": _dense, "moe": _moe}
+"""FFN name -> ``builder(config, layer index)`` (one entry per name of ``args.FFNS``; the index
+picks per-layer options such as ``moe.swiglu_limits``)."""
 
 
 class Block(nn.Module):
     """Pre-norm block: mixer then FFN, each with a residual."""
 
-    def __init__(self, cfg: ModelConfig, mixer: str, ffn: str, attn_backend: str):
+    def __init__(self, cfg: ModelConfig, mixer: str, ffn: str, attn_backend: str, layer: int = 0):
         super().__init__()
         self.mixer_kind, self.ffn_kind = mixer, ffn  # names, for profiler ranges and reports
         zc = cfg.zero_centered_norms
         self.norm1 = RMSNorm(cfg.hidden_size, cfg.norm_eps, zero_centered=zc)
         self.norm2 = RMSNorm(cfg.hidden_size, cfg.norm_eps, zero_centered=zc)
         self.mixer = MIXER_BUILDERS[mixer](cfg, attn_backend)
-        self.ffn = FFN_BUILDERS[ffn](cfg)
+        self.ffn = FFN_BUILDERS[ffn](cfg, layer)
 
     def forward(self, x: torch.Tensor, layout: RowLayout):
         """x [N, D] -> (x [N, D], router_loss scalar fp32, tokens_per_expert [E] or empty)."""
@@ -141,7 +159,9 @@ class HybridModel(nn.Module):
         backend = c.attn_backend  # (ops.attention.compact_attention: this device, the layer's head dims)
         with dev:  # build and initialise on the target device
             self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
-            self.blocks = nn.ModuleList(Block(c, m, f, backend) for m, f in zip(c.mixers, c.ffns))
+            self.blocks = nn.ModuleList(
+                Block(c, m, f, backend, i) for i, (m, f) in enumerate(zip(c.mixers, c.ffns))
+            )
             self.norm = RMSNorm(c.hidden_size, c.norm_eps, zero_centered=c.zero_centered_norms)
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
             self._init_weights()

@@ -30,8 +30,12 @@ __all__ = [
 
 
 def owns(cfg) -> bool:
-    """A model with any KDA or MLA layer is a Kimi-Linear model."""
-    return any(m in ("kda", "mla") for m in cfg.mixers)
+    """A model with any KDA or MLA layer is a Kimi-Linear model, unless it has Ling-3.0's options
+    (full-rank KDA gates, an MLA output gate: :mod:`harts_runtime.models.ling3`)."""
+    ling = ("kda" in cfg.mixers and not cfg.kda.low_rank_gates) or (
+        "mla" in cfg.mixers and cfg.mla.output_gate
+    )
+    return any(m in ("kda", "mla") for m in cfg.mixers) and not ling
 
 
 FAMILY = register_family(
