@@ -1,0 +1,87 @@
+"""Checkpoint tensor names -> transformers' in-memory names (:func:`to_transformers_names`).
+
+:func:`~harts_runtime.hf.export_weights` yields the tensors in the spelling of a checkpoint folder
+(what :func:`~harts_runtime.hf.save_pretrained` writes and vLLM / SGLang ``load_weights`` read).
+transformers 5 converts some of them while loading a folder, so a model built in memory names and
+shapes them differently (``load_state_dict`` of the checkpoint spelling loads only part of it):
+
+=======================================================  ================================================
+checkpoint (export_weights)                              in memory (transformers 5)
+=======================================================  ================================================
+``layers.N.block_sparse_moe.X``                          ``layers.N.mlp.X`` (Kimi-Linear)
+``self_attn.{f_a_proj,f_b_proj}.weight``,                ``self_attn.forget_gate.X`` (Kimi-Linear KDA)
+``self_attn.dt_bias``, ``self_attn.A_log``
+``self_attn.{q,k,v}_conv1d.weight`` ``[C, 1, K]`` each   ``self_attn.conv1d.weight`` ``[3C, 1, K]`` (q, k, v)
+``mlp.experts.E.{w1|gate_proj}.weight`` ``[I, H]`` and   ``mlp.experts.gate_up_proj`` ``[E, 2I, H]``
+``mlp.experts.E.{w3|up_proj}.weight``                    (gate rows first, then up)
+``mlp.experts.E.{w2|down_proj}.weight`` ``[H, I]``       ``mlp.experts.down_proj`` ``[E, H, I]``
+=======================================================  ================================================
+
+Every other name is the same in both. The map is by name pattern, so it holds for every family
+whose checkpoints use these spellings (Kimi-Linear, Qwen3-Next, Qwen3.5-MoE). Streaming: a fused
+tensor is yielded once all of its parts have arrived (experts are counted from the stream itself:
+the parts of one layer arrive together, as :func:`export_weights` yields them).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+
+__all__ = ["to_transformers_names"]
+
+_KDA_GATE = re.compile(r"^(.*\.self_attn)\.(f_a_proj\.weight|f_b_proj\.weight|dt_bias|A_log)$")
+_CONV = re.compile(r"^(.*\.self_attn)\.([qkv])_conv1d\.weight$")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_ROLE = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+
+
+def _rename(name: str) -> str:
+    name = re.sub(r"(\.layers\.\d+)\.block_sparse_moe\.", r"\1.mlp.", name)
+    m = _KDA_GATE.match(name)
+    return f"{m.group(1)}.forget_gate.{m.group(2)}" if m else name
+
+
+def to_transformers_names(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs in checkpoint spelling -> the same weights under transformers' in-memory
+    names and shapes (module docstring), ready for ``model.load_state_dict(dict(...), strict=True)``.
+    Tensors pass through unchanged but for the fused ones (new tensors)."""
+    convs: dict[str, dict[str, torch.Tensor]] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+
+    def flush_experts(prefix: str):
+        parts = experts.pop(prefix)
+        order = sorted(parts)
+        if order != list(range(len(order))) or any(len(parts[e]) != 3 for e in order):
+            missing = [e for e in range(max(order) + 1) if e not in parts or len(parts[e]) != 3]
+            raise ValueError(f"{prefix}: expert tensors incomplete (experts {missing})")
+        gate_up = torch.stack([torch.cat([parts[e]["gate"], parts[e]["up"]], 0) for e in order])
+        down = torch.stack([parts[e]["down"] for e in order])
+        yield f"{prefix}.gate_up_proj", gate_up
+        yield f"{prefix}.down_proj", down
+
+    for name, tensor in pairs:
+        name = _rename(name)
+        m = _CONV.match(name)
+        if m:
+            got = convs.setdefault(m.group(1), {})
+            got[m.group(2)] = tensor
+            if len(got) == 3:
+                del convs[m.group(1)]
+                yield f"{m.group(1)}.conv1d.weight", torch.cat([got["q"], got["k"], got["v"]], 0)
+            continue
+        m = _EXPERT.match(name)
+        if m:
+            for prefix in [p for p in experts if p != m.group(1)]:  # the previous layer is complete
+                yield from flush_experts(prefix)
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[_ROLE[m.group(3)]] = tensor
+            continue
+        for prefix in list(experts):
+            yield from flush_experts(prefix)
+        yield name, tensor
+    for prefix in list(experts):
+        yield from flush_experts(prefix)
+    if convs:
+        raise ValueError(f"{sorted(convs)[0]}: q / k / v conv1d weights incomplete")

@@ -1,0 +1,250 @@
+"""The RL loop (:class:`RLRun`): sample -> reward -> advantages -> ``forward_backward`` /
+``optimizer_step`` -> weight sync (checked) -> metrics -> checkpoint.
+
+A run lives in one folder ``DIR``: ``run.json`` (the :class:`~harts_runtime.rl.config.RLConfig`,
+the engine's options and objective), ``metrics.jsonl`` (:mod:`harts_runtime.rl.metrics`) and
+``checkpoints/step-N/``: the engine (:meth:`HartsEngine.save <harts_runtime.engine.HartsEngine.save>`:
+weights, optimizer, schedule, torch RNG), ``rl.pt`` (the sampler's ``torch.Generator`` and the
+environment's numpy RNG states, the step) and last ``done.json`` (a folder without it is incomplete
+and never resumed). :meth:`RLRun.resume` continues the run exactly: the later steps' rewards and
+losses equal the uninterrupted run's.
+
+One step, timed in four parts (``generate`` / ``logprobs`` / ``train`` / ``sync`` seconds in each
+record): the tree sampler's leaves from the rollout engine; their old log-probs recomputed by the
+trainer (a forward-only step, unless ``recompute_logprobs`` is off: the sampler's then); the built-in
+GRPO objective (no KL term) over every leaf with the estimator's per-token advantages; one optimizer
+step; the weights pushed to the rollout engine and :func:`~harts_runtime.rl.rollout_engine.check_sync`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from harts_runtime.errors import InvalidInputError
+from harts_runtime.loss.objectives import PolicyLossConfig
+from harts_runtime.rl.advantages import advantages
+from harts_runtime.rl.config import RLConfig
+from harts_runtime.rl.metrics import MetricsWriter
+from harts_runtime.rl.rollout_engine import check_sync
+from harts_runtime.rl.sampler import Leaf, TreeSampler
+from harts_runtime.rl.tasks import make_task
+
+__all__ = ["RUN_NAME", "RLRun", "latest_checkpoint"]
+
+RUN_NAME = "run.json"
+
+
+def latest_checkpoint(out_dir) -> Path | None:
+    """The newest complete ``DIR/checkpoints/step-N`` (with its ``done.json``), or None."""
+    root = Path(out_dir) / "checkpoints"
+    best = None
+    for p in root.glob("step-*") if root.is_dir() else ():
+        try:
+            n = int(p.name.split("-", 1)[1])
+        except ValueError:
+            continue
+        if (p / "done.json").is_file() and (best is None or n > best[0]):
+            best = (n, p)
+    return None if best is None else best[1]
+
+
+def _engine_config(options: dict):
+    from harts_runtime.engine import EngineConfig
+
+    options = dict(options)
+    loss = PolicyLossConfig(**options.pop("loss_config"))
+    objective = options.pop("objective")
+    return EngineConfig(objective=objective, loss_config=loss, **options)
+
+
+class RLRun:
+    """One RL run in ``out_dir``. ``engine_options``: flat :class:`EngineConfig` options (``lr``,
+    ``capacity``, ``mode``, ...); the objective is GRPO without a KL term unless ``loss_config``
+    (a dict of :class:`PolicyLossConfig` fields) says otherwise. ``task``: a
+    :class:`~harts_runtime.rl.environment.Task` instead of the config's built-in one.
+    ``rollout_factory(engine)``: the rollout engine (default: the transformers backend)."""
+
+    def __init__(
+        self, config: RLConfig, engine_options: dict, out_dir, *, task=None, rollout_factory=None, log=None
+    ):
+        from harts_runtime.engine import HartsEngine
+
+        self.config, self.dir, self.log = config, Path(out_dir), log or (lambda s: None)
+        opts = dict(engine_options)
+        opts.setdefault("objective", "grpo")
+        opts.setdefault("loss_config", {"kl_coef": 0.0, "loss_agg_mode": "token-mean"})
+        self.engine_options = opts
+        torch.manual_seed(config.seed)
+        overrides = {} if config.chunk_size is None else {"chunk_size": config.chunk_size}
+        source = config.model if config.model is not None else config.flavor
+        self.engine = HartsEngine.build(source, _engine_config(opts), device=config.device, **overrides)
+        self.task = task or make_task(config.task, **config.task_args)
+        self.forks = dict(config.forks if config.forks is not None else self.task.default_forks)
+        self.sampler = TreeSampler(self.task, self.forks, config.prompts, config.temperature, config.seed)
+        if rollout_factory is None:
+            from harts_runtime.rl.transformers_backend import TransformersRollout
+
+            rollout_factory = TransformersRollout.from_engine
+        self.rollout = rollout_factory(self.engine)
+        self.step = 0
+        self.last_leaves: list[Leaf] = []
+
+    # ------------------------------------------------------------------ run folder
+    def write_run(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        record = {"rl": self.config.to_dict(), "engine": self.engine_options}
+        (self.dir / RUN_NAME).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def resume(cls, out_dir, *, steps: int | None = None, task=None, rollout_factory=None, log=None) -> RLRun:
+        """The run of ``out_dir`` at its newest complete checkpoint (``steps``: a new total)."""
+        path = Path(out_dir) / RUN_NAME
+        if not path.is_file():
+            raise InvalidInputError("resume", f"{out_dir} holds no {RUN_NAME} (not a harts-rl run folder)")
+        record = json.loads(path.read_text())
+        rl = record["rl"]
+        if steps is not None:
+            rl["steps"] = steps
+        run = cls(
+            RLConfig(**rl), record["engine"], out_dir, task=task, rollout_factory=rollout_factory, log=log
+        )
+        ckpt = latest_checkpoint(out_dir)
+        if ckpt is not None:
+            run.load(ckpt)
+        return run
+
+    def save(self) -> Path:
+        folder = self.dir / "checkpoints" / f"step-{self.step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "done.json").unlink(missing_ok=True)
+        self.engine.save(folder / "engine")
+        torch.save({"step": self.step, "sampler": self.sampler.state_dict()}, folder / "rl.pt")
+        (folder / "done.json").write_text(json.dumps({"step": self.step}) + "\n")
+        return folder
+
+    def load(self, folder) -> None:
+        folder = Path(folder)
+        self.engine.load(folder / "engine")
+        state = torch.load(folder / "rl.pt", weights_only=False)
+        self.step = int(state["step"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.rollout.load_weights(self.engine.export_weights(names="transformers"))
+
+    # ------------------------------------------------------------------ one step
+    def rollouts(self, leaves: list[Leaf], old_logprobs=None):
+        """The :class:`~harts_runtime.rollouts.Rollouts` of ``leaves``: per-token advantages of the
+        config's estimator, loss mask on the action tokens, old log-probs (``old_logprobs`` [P], or
+        the sampler's)."""
+        from harts_runtime.rollouts import Rollouts
+
+        adv = advantages(self.config.advantage, leaves, self.forks)
+        kw = dict(
+            advantages=[lf.per_token(a) for lf, a in zip(leaves, adv)],
+            loss_mask=[lf.loss_mask() for lf in leaves],
+            vocab_size=self.engine.vocab_size,
+        )
+        if old_logprobs is None:
+            kw["old_logprobs"] = [np.minimum(lf.per_token(), 0.0) for lf in leaves]
+        ro = Rollouts.from_lists([lf.tokens for lf in leaves], **kw)
+        if old_logprobs is not None:
+            ro.old_logprobs = torch.where(
+                ro.loss_mask, old_logprobs.float(), torch.zeros_like(old_logprobs.float())
+            )
+            ro.check(self.engine.vocab_size)
+        return ro
+
+    def run_step(self) -> dict:
+        """One step; returns its record (also kept as the run's state: :attr:`step` advanced)."""
+        from harts_runtime.rollouts import Rollouts
+
+        t0 = time.perf_counter()
+        leaves = self.sampler.sample(self.rollout)
+        t1 = time.perf_counter()
+        old = None
+        if self.config.recompute_logprobs:
+            old = self.engine.logprobs(Rollouts.from_lists([lf.tokens for lf in leaves]))
+        t2 = time.perf_counter()
+        ro = self.rollouts(leaves, old)
+        out = self.engine.forward_backward(ro)
+        rep = self.engine.optimizer_step()
+        t3 = time.perf_counter()
+        self.rollout.load_weights(self.engine.export_weights(names="transformers"))
+        diff = 0.0
+        if self.config.sync_sequences:
+            seqs = [lf.tokens for lf in leaves[:: max(1, len(leaves) // self.config.sync_sequences)]]
+            diff = check_sync(
+                self.engine, self.rollout, seqs[: self.config.sync_sequences], self.config.sync_atol
+            )
+        t4 = time.perf_counter()
+        self.step += 1
+        self.last_leaves, self.last_output = leaves, out
+        rewards = np.array([lf.reward for lf in leaves])
+        m = out.metrics
+        mask = ro.loss_mask
+        sample_lp = torch.tensor([v for lf in leaves for v in lf.action_logprobs], dtype=torch.float64)
+        rec = {
+            "step": self.step,
+            "reward_mean": float(rewards.mean()),
+            "reward_min": float(rewards.min()),
+            "reward_max": float(rewards.max()),
+            "loss": float(out.loss),
+            "grad_norm": float(rep.grad_norm),
+            "lr": float(rep.lr),
+            "skipped": bool(rep.skipped),
+            "leaves": len(leaves),
+            "tokens": int(sum(len(lf.tokens) for lf in leaves)),
+            "semantic_tokens": int(m["semantic_tokens"]),
+            "rows": int(m["rows"]),
+            "replay_rows": int(m["replay_tokens"]),
+            "compression": float(m["compression"]),
+            "compression_with_replay": int(m["semantic_tokens"])
+            / max(1, int(m["rows"]) + int(m["replay_tokens"])),
+            "sampler_drift": float((out.logprobs[mask].double() - sample_lp).abs().max())
+            if len(sample_lp)
+            else 0.0,
+            "sync_diff": diff,
+            "generate_seconds": t1 - t0,
+            "logprobs_seconds": t2 - t1,
+            "train_seconds": t3 - t2,
+            "sync_seconds": t4 - t3,
+            "step_seconds": t4 - t0,
+        }
+        return rec
+
+    def run(self, progress=None) -> list[dict]:
+        """Steps until ``config.steps`` (a total), checkpointing every ``save_every`` steps and at the
+        end; returns the records written. ``progress(line)``: one plain line per step."""
+        self.write_run()
+        writer = MetricsWriter(self.dir, self.step)
+        records = []
+        try:
+            while self.step < self.config.steps:
+                rec = self.run_step()
+                writer.write(rec)
+                records.append(rec)
+                if progress is not None:
+                    progress(_line(rec, self.config.steps))
+                every = self.config.save_every
+                if every and self.step % every == 0:
+                    self.save()
+            if self.step and (
+                latest_checkpoint(self.dir) is None or latest_checkpoint(self.dir).name != f"step-{self.step}"
+            ):
+                self.save()
+        finally:
+            writer.close()
+        return records
+
+
+def _line(rec: dict, steps: int) -> str:
+    return (
+        f"step {rec['step']}/{steps} reward {rec['reward_mean']:.3f} loss {rec['loss']:+.4f} "
+        f"rows {rec['rows']} (replay {rec['replay_rows']}, semantic {rec['semantic_tokens']}) "
+        f"gen {rec['generate_seconds']:.2f}s logprobs {rec['logprobs_seconds']:.2f}s "
+        f"train {rec['train_seconds']:.2f}s sync {rec['sync_seconds']:.2f}s"
+    )

@@ -1,0 +1,89 @@
+"""The rollout engine's interface (:class:`RolloutEngine`, :class:`Frontier`) and the weight-sync
+check (:func:`check_sync`).
+
+A rollout engine samples the policy's actions and takes the trainer's weights after each optimizer
+step. It holds live *branches* (token sequences being extended) in a :class:`Frontier`: the sampler
+appends sampled action tokens (:meth:`Frontier.sample`), appends observation tokens the environment
+returns (:meth:`Frontier.extend`), and forks branches (:meth:`Frontier.fork`: a branch repeated ``k``
+times shares its prefix, and its prefix state, with its copies). The built-in backend is
+:class:`harts_runtime.rl.transformers_backend.TransformersRollout` (CPU or GPU). A vLLM backend
+implements the same four methods: ``load_weights`` through vLLM's own weight-update API (the
+checkpoint-spelled pairs of :meth:`HartsEngine.export_weights`), ``logprobs`` with
+``prompt_logprobs``, and a frontier over vLLM requests whose prefix cache sees the forks' sharing.
+
+After each sync, :func:`check_sync` compares the rollout engine's log-probs of a few sampled
+sequences with the trainer's (:meth:`HartsEngine.logprobs`): a sync that left a weight out, or
+loaded it under the wrong name, raises :class:`SyncError` instead of training on a stale policy.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+
+import torch
+
+__all__ = ["Frontier", "RolloutEngine", "SyncError", "check_sync"]
+
+
+class SyncError(RuntimeError):
+    """The rollout engine's log-probs differ from the trainer's after a weight sync."""
+
+
+class Frontier(ABC):
+    """Live branches of a rollout engine; ``tokens[i]`` is branch ``i``'s sequence so far."""
+
+    tokens: list[list[int]]
+
+    @abstractmethod
+    def sample(self, n: int, generator: torch.Generator, temperature: float = 1.0) -> torch.Tensor:
+        """Sample ``n`` tokens on every branch (appended to :attr:`tokens`); returns their log-probs
+        under the sampling distribution, float32 ``[branches, n]``."""
+
+    @abstractmethod
+    def extend(self, rows: Sequence[Sequence[int]]) -> None:
+        """Append ``rows[i]`` (observation tokens; possibly empty) to branch ``i``."""
+
+    @abstractmethod
+    def fork(self, index: Sequence[int]) -> None:
+        """Keep branches ``index`` in that order (repeats fork a branch: its copies share its prefix)."""
+
+
+class RolloutEngine(ABC):
+    """Samples the policy and takes its weights in memory."""
+
+    vocab_size: int
+
+    @abstractmethod
+    def load_weights(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take the trainer's weights (``(name, tensor)`` pairs, every weight once)."""
+
+    @abstractmethod
+    def logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Per sequence, the float64 log-probs of tokens ``1 .. L-1`` given the tokens before them."""
+
+    @abstractmethod
+    def open(self, prompts: Sequence[Sequence[int]]) -> Frontier:
+        """A frontier of one branch per prompt."""
+
+
+def check_sync(
+    engine, rollout: RolloutEngine, sequences: Sequence[Sequence[int]], atol: float = 2e-3
+) -> float:
+    """Compare ``rollout``'s log-probs of ``sequences`` with the trainer ``engine``'s; returns the
+    largest absolute difference, or raises :class:`SyncError` when it exceeds ``atol`` (float32 on
+    both sides agrees to ~1e-6 on the tiny flavors; a weight left out moves it by orders more)."""
+    from harts_runtime.rollouts import Rollouts
+
+    seqs = [list(s) for s in sequences if len(s) > 1]
+    if not seqs:
+        return 0.0
+    ours = engine.logprobs(Rollouts.from_lists(seqs)).double()
+    theirs = torch.cat(rollout.logprobs(seqs)).double()
+    diff = float((ours - theirs).abs().max())
+    if not diff <= atol:
+        raise SyncError(
+            f"weight sync: the rollout engine's log-probs differ from the trainer's by {diff:.3g} "
+            f"(> {atol:g}) on {len(seqs)} sampled sequences: a weight was not synced"
+        )
+    return diff

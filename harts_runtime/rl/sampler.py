@@ -1,0 +1,119 @@
+"""The tree sampler (:class:`TreeSampler`): a step's episodes as prefix-sharing trees.
+
+For each of ``prompts`` prompts (drawn with the environment's RNG), one branch opens on the rollout
+engine; before turn ``t``, every live branch forks ``forks[t]`` ways (when ``t`` is named); the
+policy samples the turn's action tokens on every branch (with the sampler's ``torch.Generator``);
+the task's observation follows (every turn but the last). Each leaf is a :class:`Leaf`: its tokens,
+per-token loss mask (action tokens only) and sampling log-probs, its prompt, its *path* (the child
+taken at each fork, root first) and, per turn, where its action tokens lie. The leaves of a prompt
+share every token up to the fork that separates them, which HARTS's ingestion finds again from the
+token ids alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from harts_runtime.rl.environment import Task, check_observation, check_reward
+
+__all__ = ["Leaf", "TreeSampler"]
+
+
+@dataclass
+class Leaf:
+    """One trajectory of a step (a leaf of its prompt's tree)."""
+
+    prompt: int
+    tokens: list[int]
+    path: tuple[int, ...]
+    """The child index taken at each fork, root first (its length: the forks above the leaf)."""
+    segments: list[tuple[int, int, int]]
+    """``(turn, start, end)``: the positions of each turn's action tokens in :attr:`tokens`."""
+    action_logprobs: list[float] = field(default_factory=list)
+    """The sampling log-prob of each action token, in order."""
+    reward: float = 0.0
+
+    def actions(self) -> list[list[int]]:
+        return [self.tokens[a:b] for _, a, b in self.segments]
+
+    def per_token(self, values_per_action: list[float] | None = None, fill: float = 0.0) -> list[float]:
+        """A token-aligned list: ``values_per_action`` (default: the sampling log-probs) at the action
+        tokens, ``fill`` elsewhere."""
+        values = self.action_logprobs if values_per_action is None else values_per_action
+        out = [fill] * len(self.tokens)
+        k = 0
+        for _, a, b in self.segments:
+            for p in range(a, b):
+                out[p] = values[k]
+                k += 1
+        return out
+
+    def loss_mask(self) -> list[bool]:
+        out = [False] * len(self.tokens)
+        for _, a, b in self.segments:
+            out[a:b] = [True] * (b - a)
+        return out
+
+
+class TreeSampler:
+    """Samples a step's leaves. ``forks``: turn -> ``k`` (fork every live branch ``k`` ways before
+    that turn); ``prompts``: prompts per step; ``temperature``: sampling temperature. Its RNG
+    (``generator``, a ``torch.Generator``) and the environment's (``env_rng``, a numpy Generator)
+    are what a checkpoint saves (:meth:`state_dict`)."""
+
+    def __init__(self, task: Task, forks: dict[int, int], prompts: int, temperature: float, seed: int):
+        self.task, self.forks, self.prompts, self.temperature = task, dict(forks), prompts, temperature
+        self.generator = torch.Generator().manual_seed(seed)
+        self.env_rng = np.random.default_rng(seed + 1)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state(), "env_rng": self.env_rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.env_rng.bit_generator.state = state["env_rng"]
+
+    def sample(self, rollout) -> list[Leaf]:
+        """The step's leaves, rewards filled in (checked: observations in the vocabulary, rewards
+        finite)."""
+        task = self.task
+        drawn = [task.prompt(self.env_rng) for _ in range(self.prompts)]
+        frontier = rollout.open([p for p, _ in drawn])
+        owner = list(range(self.prompts))
+        paths: list[tuple[int, ...]] = [() for _ in range(self.prompts)]
+        segments: list[list[tuple[int, int, int]]] = [[] for _ in range(self.prompts)]
+        logps: list[list[float]] = [[] for _ in range(self.prompts)]
+        for turn in range(task.turns):
+            k = int(self.forks.get(turn, 1))
+            if k > 1:
+                index = [i for i in range(len(owner)) for _ in range(k)]
+                frontier.fork(index)
+                owner = [owner[i] for i in index]
+                paths = [paths[i] + (j % k,) for j, i in enumerate(index)]
+                segments = [list(segments[i]) for i in index]
+                logps = [list(logps[i]) for i in index]
+            n = task.action_tokens(turn)
+            start = len(frontier.tokens[0])
+            lp = frontier.sample(n, self.generator, self.temperature)
+            for b in range(len(owner)):
+                segments[b].append((turn, start, start + n))
+                logps[b].extend(lp[b].tolist())
+            if turn + 1 < task.turns:
+                rows = [
+                    task.observe(drawn[owner[b]][1], turn, frontier.tokens[b], frontier.tokens[b][start:])
+                    for b in range(len(owner))
+                ]
+                check_observation(rows, rollout.vocab_size)
+                frontier.extend([[int(t) for t in r] for r in rows])
+        leaves = [
+            Leaf(owner[b], list(frontier.tokens[b]), paths[b], segments[b], logps[b])
+            for b in range(len(owner))
+        ]
+        rewards = [task.reward(drawn[lf.prompt][1], lf.tokens, lf.actions()) for lf in leaves]
+        check_reward(rewards)
+        for lf, r in zip(leaves, rewards):
+            lf.reward = float(r)
+        return leaves

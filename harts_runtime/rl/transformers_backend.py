@@ -1,0 +1,151 @@
+"""The transformers rollout engine (:class:`TransformersRollout`): the embedded default backend,
+CPU or GPU.
+
+It holds a transformers model of the policy's family (Kimi-Linear, Qwen3-Next, Qwen3.5-MoE), built
+from the trainer's model config (:func:`harts_runtime.hf.save_setup`), and takes the weights in
+memory from :meth:`HartsEngine.export_weights(names="transformers") <harts_runtime.engine.HartsEngine.export_weights>`
+with ``load_state_dict(strict=True)``: a missing or unexpected name raises. Sampling runs the model
+incrementally on its own cache (a transformers ``Cache``); a fork repeats cache rows
+(``Cache.reorder_cache``), so forked branches share their prefix state as a prefix cache would.
+
+The branches of a frontier advance in lockstep: every branch gets the same number of sampled
+tokens, and the observation rows of one :meth:`~_Frontier.extend` must have one length (the
+built-in tasks' observations do). A ragged frontier is refused naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from harts_runtime.errors import InvalidInputError
+from harts_runtime.rl.rollout_engine import Frontier, RolloutEngine
+
+__all__ = ["TransformersRollout"]
+
+
+def _quiet_transformers() -> None:
+    import logging
+
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+class TransformersRollout(RolloutEngine):
+    """A transformers causal LM of the trainer's family, synced in memory.
+
+    :meth:`from_engine` builds it from a :class:`~harts_runtime.engine.HartsEngine` (its model must
+    have a transformers family: not the ``debug`` flavor) and loads the engine's weights."""
+
+    def __init__(self, model, vocab_size: int):
+        self.model = model.eval()
+        self.vocab_size = int(vocab_size)
+        self.device = next(model.parameters()).device
+
+    @classmethod
+    def from_engine(cls, engine, device=None) -> TransformersRollout:
+        import transformers
+
+        from harts_runtime.hf import save_setup
+
+        _quiet_transformers()
+        hf_config, _ = save_setup(engine.model)
+        hf_config = dict(hf_config)
+        model_type = hf_config.pop("model_type")
+        config = transformers.AutoConfig.for_model(model_type, **hf_config)
+        dtype = next(engine.model.parameters()).dtype
+        with torch.device(device or "cpu"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        rollout = cls(model, engine.vocab_size)
+        rollout.load_weights(engine.export_weights(names="transformers"))
+        return rollout
+
+    def load_weights(self, pairs: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
+        """``load_state_dict`` of the pairs (transformers' in-memory names); ``strict``: a missing or
+        unexpected name raises."""
+        state = {n: t.detach().to(self.device) for n, t in pairs}
+        self.model.load_state_dict(state, strict=strict)
+
+    @torch.no_grad()
+    def _logits(self, ids: torch.Tensor, cache=None):
+        out = self.model(input_ids=ids.to(self.device), past_key_values=cache, use_cache=cache is not None)
+        return out.logits.double(), out.past_key_values
+
+    @torch.no_grad()
+    def logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(sequences)
+        by_len: dict[int, list[int]] = {}
+        for i, s in enumerate(sequences):
+            by_len.setdefault(len(s), []).append(i)
+        for _, rows in sorted(by_len.items()):
+            ids = torch.tensor([list(sequences[i]) for i in rows], dtype=torch.long)
+            logits, _ = self._logits(ids)
+            lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None].to(self.device))[..., 0]
+            for j, i in enumerate(rows):
+                out[i] = lp[j].cpu()
+        return out
+
+    def open(self, prompts: Sequence[Sequence[int]]) -> Frontier:
+        return _Frontier(self, prompts)
+
+
+class _Frontier(Frontier):
+    """Branches advancing in lockstep on one transformers cache; :attr:`_next` holds the log-softmax
+    of each branch's next token."""
+
+    def __init__(self, rollout: TransformersRollout, prompts: Sequence[Sequence[int]]):
+        from transformers import DynamicCache
+
+        lengths = {len(p) for p in prompts}
+        if len(lengths) != 1 or 0 in lengths:
+            raise InvalidInputError(
+                "prompts", f"a frontier needs prompts of one non-zero length, got {sorted(lengths)}"
+            )
+        self.rollout = rollout
+        self.tokens = [list(p) for p in prompts]
+        self._cache = DynamicCache(config=rollout.model.config)
+        logits, self._cache = rollout._logits(torch.tensor(self.tokens, dtype=torch.long), self._cache)
+        self._next = logits[:, -1]
+
+    def _feed(self, ids: torch.Tensor) -> None:
+        logits, self._cache = self.rollout._logits(ids, self._cache)
+        self._next = logits[:, -1]
+
+    def sample(self, n: int, generator: torch.Generator, temperature: float = 1.0) -> torch.Tensor:
+        out_lp = []
+        for _ in range(n):
+            logp = torch.log_softmax(self._next / temperature, -1).cpu()
+            tok = torch.multinomial(logp.exp(), 1, generator=generator)  # [B, 1]
+            out_lp.append(logp.gather(-1, tok)[:, 0])
+            for row, t in zip(self.tokens, tok[:, 0].tolist()):
+                row.append(t)
+            self._feed(tok)
+        return torch.stack(out_lp, 1).float() if out_lp else torch.zeros(len(self.tokens), 0)
+
+    def extend(self, rows: Sequence[Sequence[int]]) -> None:
+        if len(rows) != len(self.tokens):
+            raise InvalidInputError("observations", f"expected {len(self.tokens)} rows, got {len(rows)}")
+        lengths = {len(r) for r in rows}
+        if len(lengths) != 1:
+            raise InvalidInputError(
+                "observations",
+                f"the transformers frontier needs one observation length per turn, got {sorted(lengths)}",
+            )
+        if 0 in lengths:
+            return
+        for row, r in zip(self.tokens, rows):
+            row.extend(int(t) for t in r)
+        self._feed(torch.tensor([list(r) for r in rows], dtype=torch.long))
+
+    def fork(self, index: Sequence[int]) -> None:
+        idx = torch.as_tensor(list(index), dtype=torch.long)
+        self._cache.reorder_cache(idx.to(self.rollout.device))
+        self._next = self._next[idx.to(self._next.device)]
+        self.tokens = [list(self.tokens[i]) for i in idx.tolist()]
