@@ -271,3 +271,18 @@ def test_registered_as_bailing_hybrid_and_listed_in_the_refusal():
         get_family("mamba")
     assert e.value.field == "model_type" and "bailing_hybrid" in str(e.value)
     assert HybridModel(model_config("ling3-tiny", 2)).config.moe.swiglu_limits == (0.0, 0.5)
+
+
+def test_ling_flash_shapes_match_transformers_on_the_meta_device():
+    """Ling-3.0-Flash's default config (6 of its 42 layers: KDA x 5, MLA, the first two dense),
+    built by transformers and by us on the meta device: the adapter names every tensor of
+    transformers' model with its shape, and nothing else."""
+    cfg = transformers.BailingHybridConfig(num_hidden_layers=6)
+    with torch.device("meta"):
+        hf = transformers.BailingHybridForCausalLM(cfg)
+    ours = from_hf_config(cfg)
+    assert ours.mixers == ("kda",) * 5 + ("mla",) and ours.ffns == ("dense",) * 2 + ("moe",) * 4
+    assert (ours.kda.head_k_dim, ours.mla.qk_rope_head_dim, ours.moe.num_experts) == (128, 64, 512)
+    adapter = Ling3StateDictAdapter(ours)
+    want = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    assert adapter.hf_shapes == want
