@@ -97,15 +97,22 @@ def _one_line(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _root(exc: BaseException) -> BaseException:
-    """The exception inside torch's ``CheckpointException`` (the first failing rank's)."""
+def _failing(exc: BaseException) -> tuple[int | None, BaseException]:
+    """``(rank, exception)`` inside torch's ``CheckpointException`` (the first failing rank's);
+    ``(None, exc)`` for any other exception."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
-        inner = next(iter(failures.values()))
+        rank, inner = next(iter(sorted(failures.items(), key=lambda kv: kv[0])))
         inner = inner[0] if isinstance(inner, tuple) else inner
         if isinstance(inner, BaseException):
-            return _root(inner)
-    return exc
+            deeper, root = _failing(inner)
+            return (rank if deeper is None else deeper), root
+    return None, exc
+
+
+def _root(exc: BaseException) -> BaseException:
+    """The exception inside torch's ``CheckpointException`` (the first failing rank's)."""
+    return _failing(exc)[1]
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -121,11 +128,14 @@ def _cause(exc: BaseException) -> BaseException:
     return exc
 
 
-def _newest_file(folder: Path) -> Path | None:
+def _newest_file(folder: Path, rank: int | None = None) -> Path | None:
+    """The file of ``folder`` written last (of DCP's ``__<rank>_*`` files when ``rank`` is known)."""
     try:
         files = [p for p in folder.iterdir() if p.is_file()]
     except OSError:
         return None
+    if rank is not None:
+        files = [p for p in files if p.name.startswith(f"__{rank}_")] or files
     return max(files, key=lambda p: p.stat().st_mtime_ns, default=None)
 
 
@@ -133,7 +143,8 @@ def as_input_error(exc: BaseException, folder, doing: str) -> InvalidInputError 
     """``exc`` (raised while ``doing`` something with ``folder``; torch's ``CheckpointException``
     unwrapped) as one :class:`InvalidInputError` naming the file: for an ``OSError`` (a full disk
     or file-size limit said as such) or an ``InvalidInputError``; None for anything else."""
-    exc = _cause(_root(exc))
+    rank, exc = _failing(exc)
+    exc = _cause(exc)
     if isinstance(exc, InvalidInputError):
         return exc
     if not isinstance(exc, OSError):
@@ -142,7 +153,7 @@ def as_input_error(exc: BaseException, folder, doing: str) -> InvalidInputError 
     if exc.filename:
         file = Path(exc.filename)
     else:  # the writer does not say which file: the one written last
-        file = _newest_file(folder) or folder
+        file = _newest_file(folder, rank) or folder
     name = file.name or str(file)
     if exc.errno in _NO_SPACE:
         what = {errno.EFBIG: "the file-size limit was reached", errno.EDQUOT: "the disk quota is full"}.get(
