@@ -18,7 +18,12 @@ with the same per-row cost model on both sides:
 Matmul FLOPs are ``2 * in * out``. The KDA core is estimated per row and head as
 ``4 B K + 2 B V + 6 K V`` (intra-chunk Q K^T and K K^T blocks, intra-chunk output, state read,
 WY state correction and state update), independent of position; the Gated DeltaNet core the same
-per value head (it runs on the KDA core). Shared experts count as a dense SwiGLU on every row.
+per value head (it runs on the KDA core). The Mamba2 (SSD) core per row and head as
+``2 B N + 2 B P + 4 N P`` (intra-chunk C B^T block and its product with the values, state read and
+state update; N the state size, P the head dim); its layer adds the input projection (z, x, B, C,
+dt), the convolution over x, B and C, and the output projection. Shared experts count as a dense
+SwiGLU (relu2 experts and MLPs: two matmuls instead of three) on every row; a ``none`` half of a
+block costs nothing.
 """
 
 from __future__ import annotations
@@ -81,28 +86,66 @@ def layer_costs(cfg: ModelConfig) -> dict:
     )
     mla_key = 2 * h * (dqk + mla_args.v_head_dim)
     hkv = cfg.num_kv_heads or h
-    hd = d // h  # MHA / GQA heads split the width
+    hd = cfg.gqa.head_dim or d // h  # MHA / GQA heads split the width unless given
     gqa = mm(d, h * hd) + 2 * mm(d, hkv * hd) + mm(h * hd, d)
     gqa_key = 2 * h * (2 * hd)
     ghd = cfg.gated_attention.head_dim or hd  # gated attention: its own head dim; q_proj also yields the gate
     gated = 2 * mm(d, h * ghd) + 2 * mm(d, hkv * ghd) + mm(h * ghd, d)
     gated_key = 2 * h * (2 * ghd)
     dense = 3 * mm(d, cfg.dense_intermediate)
+    relu2 = 2 * mm(d, cfg.dense_intermediate)  # non-gated: up and down
+    # Mamba2: in_proj to z, x (H P), B, C (G N each) and dt (H); the convolution over x, B, C; the
+    # SSD core per head; out_proj
+    m2 = cfg.mamba2
+    m2_i, m2_conv = m2.num_heads * m2.head_dim, m2.num_heads * m2.head_dim + 2 * m2.n_groups * m2.state_size
+    ssd = lambda heads, n, p: heads * (2 * cfg.chunk_size * (n + p) + 4 * n * p)  # noqa: E731
+    mamba2 = (
+        mm(d, m2_i + m2_conv + m2.num_heads)
+        + 2 * cfg.conv_size * m2_conv
+        + ssd(m2.num_heads, m2.state_size, m2.head_dim)
+        + mm(m2_i, d)
+    )
+    n_mm = 2 if moe_args.activation == "relu2" else 3  # matmuls per expert row
     shared = moe_args.shared_intermediate_size or moe_args.num_shared_experts * moe_args.intermediate_size
     moe = (
         mm(d, moe_args.num_experts)
-        + moe_args.top_k * 3 * mm(d, moe_args.intermediate_size)
-        + 3 * mm(d, shared)
+        + moe_args.top_k * n_mm * mm(d, moe_args.intermediate_size)
+        + n_mm * mm(d, shared)
         + (mm(d, 1) if moe_args.shared_expert_gate and shared else 0)
     )
-    mixer = {"kda": kda, "gdn": gdn, "mla": mla, "gqa": gqa, "gated_attention": gated}
-    key = {"kda": 0, "gdn": 0, "mla": mla_key, "gqa": gqa_key, "gated_attention": gated_key}
-    ffn = {"dense": dense, "moe": moe}
+    mixer = {
+        "kda": kda,
+        "gdn": gdn,
+        "mla": mla,
+        "gqa": gqa,
+        "gated_attention": gated,
+        "mamba2": mamba2,
+        "none": 0,
+    }
+    key = {
+        "kda": 0,
+        "gdn": 0,
+        "mla": mla_key,
+        "gqa": gqa_key,
+        "gated_attention": gated_key,
+        "mamba2": 0,
+        "none": 0,
+    }
+    ffn = {"dense": dense, "moe": moe, "relu2": relu2, "none": 0}
     row = sum(mixer[m] + ffn[f] for m, f in zip(cfg.mixers, cfg.ffns)) + mm(d, cfg.vocab_size)
-    linear = {"kda": core(hk, k, v), "gdn": core(gv, gkd, gvd)}
+    linear = {
+        "kda": core(hk, k, v),
+        "gdn": core(gv, gkd, gvd),
+        "mamba2": ssd(m2.num_heads, m2.state_size, m2.head_dim),
+    }
     # w, u = A (beta k exp(g)), A (beta v): 2 B (K + V); the scan's u - w S and S + k^T v_new: 4 K V
     redo = lambda heads, kk, vv: heads * (2 * cfg.chunk_size * (kk + vv) + 4 * kk * vv)  # noqa: E731
-    linear_redo = {"kda": redo(hk, k, v), "gdn": redo(gv, gkd, gvd)}
+    # SSD (fla's simple GLA): the backward recomputes the chunk states, 2 N P per row and head
+    linear_redo = {
+        "kda": redo(hk, k, v),
+        "gdn": redo(gv, gkd, gvd),
+        "mamba2": m2.num_heads * 2 * m2.state_size * m2.head_dim,
+    }
     return {
         "row": row,
         "attn_per_key": sum(key[m] for m in cfg.mixers),
@@ -116,6 +159,8 @@ def layer_costs(cfg: ModelConfig) -> dict:
             "gated_attention": gated,
             "dense": dense,
             "moe": moe,
+            "mamba2": mamba2,
+            "relu2": relu2,
             "mla_per_key": mla_key,
             "gqa_per_key": gqa_key,
             "gated_attention_per_key": gated_key,

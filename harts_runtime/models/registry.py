@@ -39,6 +39,7 @@ BUILTIN_FAMILIES = {
     "kimi_linear": "harts_runtime.models.kimi_linear",
     "qwen3_next": "harts_runtime.models.qwen3_next",
     "qwen3_5_moe": "harts_runtime.models.qwen3_5_moe",
+    "nemotron_h": "harts_runtime.models.nemotron_h",
     "ling3": "harts_runtime.models.ling3",
 }
 """Built-in family name -> its package, imported on the first lookup (it registers the family).

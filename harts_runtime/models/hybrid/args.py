@@ -28,7 +28,9 @@ from harts_runtime.models.hybrid.layer_options import (
     GROUPS,
     GatedAttentionArgs,
     GDNArgs,
+    GQAArgs,
     KDAArgs,
+    Mamba2Args,
     MLAArgs,
     MoEArgs,
     group_from,
@@ -41,18 +43,20 @@ __all__ = [
     "HYBRID_FLAVORS",
     "MIXERS",
     "GDNArgs",
+    "GQAArgs",
     "GatedAttentionArgs",
     "KDAArgs",
     "MLAArgs",
+    "Mamba2Args",
     "MoEArgs",
     "ModelConfig",
     "ffn_pattern",
     "model_config",
 ]
 
-MIXERS = ("kda", "mla", "gqa", "gated_attention", "gdn")
+MIXERS = ("kda", "mla", "gqa", "gated_attention", "gdn", "mamba2", "none")
 """Token-mixer names of :attr:`ModelConfig.mixers` (the model's builder table has one entry each)."""
-FFNS = ("dense", "moe")
+FFNS = ("dense", "moe", "relu2", "none")
 """FFN names of :attr:`ModelConfig.ffns`."""
 
 
@@ -101,6 +105,10 @@ class ModelConfig:
     """Gated delta net options (:class:`~harts_runtime.models.hybrid.layer_options.GDNArgs`)."""
     moe: MoEArgs = field(default_factory=MoEArgs)
     """Routed-expert FFN options (:class:`~harts_runtime.models.hybrid.layer_options.MoEArgs`)."""
+    gqa: GQAArgs = field(default_factory=GQAArgs)
+    """MHA / GQA options (:class:`~harts_runtime.models.hybrid.layer_options.GQAArgs`)."""
+    mamba2: Mamba2Args = field(default_factory=Mamba2Args)
+    """Mamba2 options (:class:`~harts_runtime.models.hybrid.layer_options.Mamba2Args`)."""
     norm_eps: float = 1e-6
     """RMSNorm epsilon."""
     zero_centered_norms: bool = False
@@ -137,6 +145,8 @@ class ModelConfig:
         for i, f in enumerate(self.ffns):
             if f not in FFNS:
                 raise InvalidInputError(f"ffns[{i}]", f"unknown {f!r}; choose one of {FFNS}")
+            if f == "none" and self.mixers[i] == "none":
+                raise InvalidInputError(f"ffns[{i}]", "a layer needs a mixer or an FFN (both are 'none')")
         if self.dtype not in ("float32", "bfloat16", "float64"):
             raise InvalidInputError("dtype", f"choose float32, bfloat16 or float64, got {self.dtype!r}")
         for name in ("vocab_size", "hidden_size", "num_heads", "conv_size", "chunk_size", "lm_head_rows"):

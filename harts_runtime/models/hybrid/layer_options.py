@@ -30,7 +30,17 @@ from typing import ClassVar
 
 from harts_runtime.errors import InvalidInputError
 
-__all__ = ["GROUPS", "GDNArgs", "GatedAttentionArgs", "KDAArgs", "MLAArgs", "MoEArgs", "group_from"]
+__all__ = [
+    "GROUPS",
+    "GDNArgs",
+    "GQAArgs",
+    "GatedAttentionArgs",
+    "KDAArgs",
+    "MLAArgs",
+    "Mamba2Args",
+    "MoEArgs",
+    "group_from",
+]
 
 
 def _at_least(group, names, low: int) -> None:
@@ -184,6 +194,9 @@ class MoEArgs:
     """Load-balancing loss weight."""
     z_loss_coef: float = 1e-3
     """Router z-loss weight."""
+    activation: str = "swiglu"
+    """Expert FFN: ``swiglu`` (gated) or ``relu2`` (Nemotron-H's non-gated squared ReLU; the shared
+    experts too)."""
     swiglu_limits: tuple = ()
     """Clipped SwiGLU of the routed experts, one limit per layer of the model (Ling-3.0's
     ``expert_swiglu_limit_list``; 0: plain SwiGLU; empty: none clipped); layer ``i``'s MoE gets
@@ -209,12 +222,60 @@ class MoEArgs:
             raise InvalidInputError("moe.topk_groups", f"must be in [1, {g}], got {self.topk_groups}")
 
 
+@dataclass(kw_only=True)
+class GQAArgs:
+    """MHA / GQA options; ``hidden_size``, ``num_heads``, ``num_kv_heads``, ``rope_theta`` and the
+    backend (``attn_backend``) are the model's."""
+
+    GROUP: ClassVar[str] = "gqa"
+    head_dim: int | None = None
+    """Head dim (None: ``hidden_size // num_heads``)."""
+    use_rope: bool = True
+    """Rotate q and k (False: no positional encoding, as Nemotron-H's attention)."""
+
+    def __post_init__(self):
+        _at_least(self, ("head_dim",), 1)
+
+
+@dataclass(kw_only=True)
+class Mamba2Args:
+    """Mamba2 (SSD) mixer options (:class:`~harts_runtime.layers.mamba2.Mamba2Config`);
+    ``hidden_size``, ``conv_size`` (its ``conv_kernel_size``), ``chunk_size``, ``norm_eps`` and the
+    backend (``kda_backend``) are the model's."""
+
+    GROUP: ClassVar[str] = "mamba2"
+    num_heads: int = 2
+    """H (``mamba_num_heads``)."""
+    head_dim: int = 8
+    """P (``mamba_head_dim``)."""
+    state_size: int = 8
+    """N (``ssm_state_size``)."""
+    n_groups: int = 1
+    """Groups sharing B and C (``n_groups``); divides ``num_heads``."""
+    use_conv_bias: bool = True
+    """The convolution has a bias (``use_conv_bias``)."""
+    use_bias: bool = False
+    """``in_proj`` / ``out_proj`` have biases (``use_bias``)."""
+    time_step_limit: tuple = (0.0, float("inf"))
+    """Clamp of dt after the softplus (``time_step_limit``)."""
+
+    def __post_init__(self):
+        _at_least(self, ("num_heads", "head_dim", "state_size", "n_groups"), 1)
+        if self.num_heads % self.n_groups:
+            raise InvalidInputError(
+                "mamba2.n_groups", f"{self.n_groups} does not divide mamba2.num_heads={self.num_heads}"
+            )
+        self.time_step_limit = tuple(float(t) for t in self.time_step_limit)
+
+
 GROUPS: dict[str, type] = {
     "kda": KDAArgs,
     "mla": MLAArgs,
     "gated_attention": GatedAttentionArgs,
     "gdn": GDNArgs,
     "moe": MoEArgs,
+    "gqa": GQAArgs,
+    "mamba2": Mamba2Args,
 }
 """``ModelConfig`` field -> its option group's class."""
 

@@ -9,7 +9,8 @@ One model, two executions over the same rows abstraction (:class:`~harts_runtime
   KDA runs one packed call from zero states, attention views have no ancestors, multiplicities are 1.
 
 Block ``i`` (pre-norm): ``x += mixer_i(norm(x), layout); x += ffn_i(norm(x), layout)`` with
-``mixer_i`` in ``{"kda", "mla", "gqa", "gated_attention", "gdn"}`` and ``ffn_i`` in ``{"dense", "moe"}``, built from the
+``mixer_i`` in ``{"kda", "mla", "gqa", "gated_attention", "gdn", "mamba2"}`` and ``ffn_i`` in
+``{"dense", "moe", "relu2"}``, either half ``"none"`` (skipped: Nemotron-H's one-sublayer layers), built from the
 tables :data:`MIXER_BUILDERS` and :data:`FFN_BUILDERS` (name -> builder of the layer from the
 :class:`~harts_runtime.models.hybrid.args.ModelConfig`: each passes its kind's option group,
 ``config.kda`` / ``.mla`` / ``.gated_attention`` / ``.gdn`` / ``.moe``, through to the layer's
@@ -37,6 +38,7 @@ from harts_runtime.layers.ffn import DenseFFN
 from harts_runtime.layers.kda import KDAConfig, KDALayer
 from harts_runtime.layers.mla import CompactMLA, MLAConfig
 from harts_runtime.layers.moe import CompactMoE, MoEConfig, MoEOutput
+from harts_runtime.layers.relu2_mlp import Relu2MLP
 from harts_runtime.layout.rows import RowLayout, lm_chunks
 from harts_runtime.loss.logprobs import lm_head_logprobs
 from harts_runtime.models.hybrid.args import ModelConfig
@@ -58,9 +60,24 @@ def _mla(cfg: ModelConfig, attn_backend: str) -> nn.Module:
     return CompactMLA(MLAConfig(hidden_size=cfg.hidden_size, **model_wide, **asdict(cfg.mla)))
 
 
+def _none(cfg: ModelConfig, *_) -> None:
+    """The absent half of a one-sublayer block (Nemotron-H): no module."""
+    return None
+
+
+def _mamba2(cfg: ModelConfig, attn_backend: str) -> nn.Module:
+    from harts_runtime.layers.mamba2 import Mamba2Config, Mamba2Mixer  # lazy: optional layer
+
+    model_wide = dict(conv_kernel_size=cfg.conv_size, norm_eps=cfg.norm_eps, backend=cfg.kda_backend)
+    return Mamba2Mixer(Mamba2Config(hidden_size=cfg.hidden_size, **model_wide, **asdict(cfg.mamba2)))
+
+
 def _gqa(cfg: ModelConfig, attn_backend: str) -> nn.Module:
     model_wide = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, rope_theta=cfg.rope_theta)
-    return CompactAttention(AttentionConfig(hidden_size=cfg.hidden_size, backend=attn_backend, **model_wide))
+    args = asdict(cfg.gqa)
+    return CompactAttention(
+        AttentionConfig(hidden_size=cfg.hidden_size, backend=attn_backend, **model_wide, **args)
+    )
 
 
 def _gated_attention(cfg: ModelConfig, attn_backend: str) -> nn.Module:
@@ -117,29 +134,48 @@ MIXER_BUILDERS: dict[str, Callable[[ModelConfig, str], nn.Module]] = {
     "gqa": _gqa,
     "gated_attention": _gated_attention,
     "gdn": _gdn,
+    "mamba2": _mamba2,
+    "none": _none,
 }
 """Mixer name -> ``builder(config, attention_backend)`` (one entry per name of ``args.MIXERS``)."""
-FFN_BUILDERS: dict[str, Callable[[ModelConfig, int], nn.Module]] = {"dense": _dense, "moe": _moe}
+
+
+def _relu2(cfg: ModelConfig, layer: int) -> nn.Module:
+    return Relu2MLP(cfg.hidden_size, cfg.dense_intermediate)
+
+
+FFN_BUILDERS: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
+    "dense": _dense,
+    "moe": _moe,
+    "relu2": _relu2,
+    "none": _none,
+}
 """FFN name -> ``builder(config, layer index)`` (one entry per name of ``args.FFNS``; the index
 picks per-layer options such as ``moe.swiglu_limits``)."""
 
 
 class Block(nn.Module):
-    """Pre-norm block: mixer then FFN, each with a residual."""
+    """Pre-norm block: mixer then FFN, each with a residual. A half of kind ``"none"`` (Nemotron-H's
+    one-sublayer layers) has no norm and no module (``mixer`` / ``ffn`` None) and is skipped."""
 
     def __init__(self, cfg: ModelConfig, mixer: str, ffn: str, attn_backend: str, layer: int = 0):
         super().__init__()
         self.mixer_kind, self.ffn_kind = mixer, ffn  # names, for profiler ranges and reports
         zc = cfg.zero_centered_norms
-        self.norm1 = RMSNorm(cfg.hidden_size, cfg.norm_eps, zero_centered=zc)
-        self.norm2 = RMSNorm(cfg.hidden_size, cfg.norm_eps, zero_centered=zc)
+        self.norm1, self.norm2 = (
+            None if kind == "none" else RMSNorm(cfg.hidden_size, cfg.norm_eps, zero_centered=zc)
+            for kind in (mixer, ffn)
+        )
         self.mixer = MIXER_BUILDERS[mixer](cfg, attn_backend)
         self.ffn = FFN_BUILDERS[ffn](cfg, layer)
 
     def forward(self, x: torch.Tensor, layout: RowLayout):
         """x [N, D] -> (x [N, D], router_loss scalar fp32, tokens_per_expert [E] or empty)."""
-        with record_function(f"harts.mixer.{self.mixer_kind}"):
-            x = x + self.mixer(self.norm1(x), layout)
+        if self.mixer is not None:
+            with record_function(f"harts.mixer.{self.mixer_kind}"):
+                x = x + self.mixer(self.norm1(x), layout)
+        if self.ffn is None:
+            return x, x.new_zeros((), dtype=torch.float32), x.new_zeros(0, dtype=torch.float32)
         h = self.norm2(x)
         with record_function(f"harts.ffn.{self.ffn_kind}"):
             out = self.ffn(h, layout)

@@ -22,7 +22,7 @@ def owns(cfg) -> bool:
     """A model without KDA / MLA layers and without split-projection GDN layers (Qwen3.5-MoE's) is
     a Qwen3-Next model (the family a model of other mixers is offered to, which then names what it
     cannot write)."""
-    if any(m in ("kda", "mla") for m in cfg.mixers):
+    if any(m in ("kda", "mla", "mamba2") for m in cfg.mixers):
         return False
     return not ("gdn" in cfg.mixers and cfg.gdn.projection == "split")
 
