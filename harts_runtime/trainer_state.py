@@ -1,6 +1,7 @@
 """``harts-train``'s record in a checkpoint folder (``trainer.json``), beside what
 :meth:`harts_runtime.engine.HartsEngine.save` writes there: the steps done, the data position and
-the run's settings. Written last, so a folder with it is a complete checkpoint. No torch here
+the run's settings. Written into the staged folder with the rest (``HartsEngine.save(files=...)``),
+so a folder with it is a complete checkpoint. No torch here
 (``harts-train`` reads it while resolving its settings).
 
 ``--save DIR`` writes ``DIR/step-N`` after N steps; ``--resume PATH`` takes a checkpoint folder, or
