@@ -84,7 +84,10 @@ def _barrier() -> None:
 
 def _agree(local: InvalidInputError | None) -> InvalidInputError | None:
     """The first rank's error, on every rank (None when no rank has one)."""
-    payload = None if local is None else (local.field, str(local)[len(local.field) + 2 :])
+    payload = None
+    if local is not None:
+        text = str(local)
+        payload = (local.field, text[len(local.field) + 2 :] if text.startswith(f"{local.field}: ") else text)
     for p in _gather(payload):
         if p is not None:
             return local if local is not None and payload == p else InvalidInputError(*p)
@@ -238,7 +241,7 @@ def _put_in_place(staging: Path, target: Path) -> None:
 
 def _check_target(target: Path) -> None:
     """Refuse a target a save would destroy: a file, or a non-empty folder that is no checkpoint."""
-    if target.is_symlink() or (target.exists() and not target.is_dir()):
+    if target.exists() and not target.is_dir():
         raise InvalidInputError("path", f"{target} exists and is not a folder: refusing to replace it")
     if target.is_dir():
         try:
@@ -259,7 +262,7 @@ def staged_folder(path):
     staging folder every rank writes its files into; on a clean exit the files are checksummed, the
     manifest written and the folder put in place; on an error the staging folder is removed and an
     :class:`InvalidInputError` naming the file raised on every rank."""
-    target = Path(os.path.abspath(path))
+    target = Path(os.path.realpath(path))  # through a link: staged and replaced where it points
     staging = target.parent / f".{target.name}.saving"
     rank, world = _rank_world()
     _check_target(target)
@@ -291,7 +294,7 @@ def staged_folder(path):
     err = _agree(err)
     if err is None:  # every rank wrote its files: checksum them (a share each), manifest, rename
         _barrier()
-        names = sorted(n for n in os.listdir(staging) if n != MANIFEST_NAME)
+        names = sorted(n for n in os.listdir(staging) if n != MANIFEST_NAME and (staging / n).is_file())
         sums, local = {}, None
         try:
             for n in names[rank::world]:

@@ -131,6 +131,17 @@ def test_a_save_never_replaces_what_is_not_a_checkpoint(tmp_path):
     assert (tmp_path / "empty" / "manifest.json").is_file()
 
 
+def test_a_link_to_a_checkpoint_folder_is_saved_through(tmp_path):
+    """``ckpt -> /big/disk/ckpt``: staged and replaced where the link points; the link stays."""
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    e = _engine(0)
+    e.save(tmp_path / "link")
+    e.save(tmp_path / "link")
+    assert os.path.islink(tmp_path / "link") and (tmp_path / "real" / "manifest.json").is_file()
+    assert _same(_loaded(tmp_path / "link"), _weights(e))
+
+
 # ------------------------------------------------------------------------------------ kills
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
 def test_a_kill_at_any_point_of_a_save_leaves_a_loadable_checkpoint(tmp_path, exchange, monkeypatch):
