@@ -171,18 +171,20 @@ def naive_chunk_ssd_with_states(
 
     S = initial_state.to(cdt) if initial_state is not None else q.new_zeros(N, H, K, V)
     boundary = [None] * req.num_requests
-    starts_S = [None] * NC
-    finals = []
-    for i in range(N):  # the inter-chunk scan, per sequence
-        s = S[i]
-        for c, cid in enumerate(chunk_of[i]):
-            starts_S[cid] = s
-            s = a[cid] * s + dS[cid]
-            for r in wanted.get((i, c + 1), ()):
-                boundary[r] = s
-        finals.append(s)
-    o = o_intra + qg @ torch.stack(starts_S)  # [NC, H, BT, V]
+    cids, starts_S = [], []
+    for j in range(max(req.num_chunks)):  # the inter-chunk scan: chunk j of every sequence at once
+        act = [i for i in range(N) if req.num_chunks[i] > j]
+        full = len(act) == N
+        ai = torch.tensor(act, device=dev)
+        cid = torch.tensor([chunk_of[i][j] for i in act], device=dev)
+        S_a = S if full else S[ai]
+        starts_S.append(S_a)
+        cids.append(cid)
+        S_a = a[cid] * S_a + dS[cid]
+        S = S_a if full else S.index_copy(0, ai, S_a)
+        for r_i, i in enumerate(act):
+            for r in wanted.get((i, j + 1), ()):
+                boundary[r] = S_a[r_i]
+    o = o_intra + qg @ torch.cat(starts_S)[torch.argsort(torch.cat(cids))]  # [NC, H, BT, V]
     o = o.transpose(1, 2).reshape(NC * BT, H, V)[valid.reshape(-1)]
-    return _finish(
-        o, torch.stack(finals), boundary, H, K, V, cdt, dev, in_dtype, batch_shape, output_final_state
-    )
+    return _finish(o, S, boundary, H, K, V, cdt, dev, in_dtype, batch_shape, output_final_state)
