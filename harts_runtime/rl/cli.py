@@ -92,7 +92,10 @@ def _load_config(path) -> dict:
         if p.suffix == ".json":
             data = json.loads(text)
         else:
-            import tomllib
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                import tomli as tomllib
 
             data = tomllib.loads(text)
     except Exception as e:  # tomllib.TOMLDecodeError, json.JSONDecodeError
@@ -139,7 +142,6 @@ def _run(argv, err) -> int:
     def say(line: str) -> None:
         print(line, file=err, flush=True)
 
-    import torch
 
     from harts_runtime.rl.loop import RLRun
     from harts_runtime.rl.metrics import plot_rewards
@@ -159,7 +161,6 @@ def _run(argv, err) -> int:
         options.setdefault("lr", 1e-6 if cfg.model else 1e-2)
         if options.get("lr_schedule", "constant") in ("linear", "cosine"):
             options.setdefault("total_steps", cfg.steps)
-        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
         run = RLRun(cfg, options, out)
         say(
             f"{PROG}: task {cfg.task}, {cfg.flavor or cfg.model}, {cfg.steps} steps, forks {run.forks}, out {out}"
