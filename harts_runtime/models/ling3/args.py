@@ -30,10 +30,11 @@ from harts_runtime.models.hybrid.args import KDAArgs, MLAArgs, ModelConfig, MoEA
 __all__ = ["FP32_PARAMS", "MODEL_TYPE", "from_hf_config", "to_hf_config"]
 
 MODEL_TYPE = "bailing_hybrid"
-FP32_PARAMS = ("ffn.router", "mixer.dt_bias", "mixer.A_log", "conv1d.weight")
+FP32_PARAMS = ("ffn.router", "mixer.dt_bias", "mixer.A_log")
 """Parameters kept in float32 in any dtype, as transformers' ``_keep_in_fp32_modules_strict``
-(``gate.weight``, ``dt_bias``, ``A_log``, ``conv1d``; ``e_score_correction_bias`` is our
-always-fp32 ``expert_bias``)."""
+(``gate.weight``, ``dt_bias``, ``A_log``; ``e_score_correction_bias`` is our always-fp32
+``expert_bias``). transformers also keeps the KDA ``conv1d`` in float32; ours follow the model
+dtype, as Kimi-Linear's (fla's varlen convolution takes one dtype)."""
 
 _ALIASES = {  # transformers name -> the checkpoint's name (BailingHybridConfig.attribute_map)
     "norm_topk_prob": "moe_renormalize",
