@@ -24,7 +24,14 @@ import torch
 import torch.distributed as dist
 
 from harts_runtime.errors import InvalidInputError
-from harts_runtime.hf.folder import check_finite, open_folder, reading, scan_headers, weight_files
+from harts_runtime.hf.folder import (
+    check_finite,
+    kept_tensors,
+    open_folder,
+    reading,
+    scan_headers,
+    weight_files,
+)
 
 __all__ = ["load_pretrained_sharded"]
 
@@ -85,6 +92,7 @@ def load_pretrained_sharded(path, mesh, *, dtype=None, device=None, parallelize=
         _agree(failure, target, path)
     model.config = cfg
     model.hf_config = hf_config
+    model.hf_kept = kept_tensors(files, adapter)  # not run (MTP layers); save_pretrained writes them back
     return model
 
 
