@@ -272,14 +272,17 @@ class HartsEngine:
         return self._planner
 
     # ------------------------------------------------------------------ inputs
-    def step_inputs(self, rollouts) -> StepInputs:
+    def step_inputs(self, rollouts, *, objective: bool = True) -> StepInputs:
         """A :class:`StepInputs` of ``rollouts`` (a :class:`Rollouts` or a :class:`StepInputs`), its
-        token ids checked against the model's vocabulary."""
+        token ids checked against the model's vocabulary. ``objective=False`` (a forward-only step
+        without a loss): the rollouts need none of the objective's fields (no ``ref_logprobs``
+        under a KL penalty)."""
         if isinstance(rollouts, StepInputs):
             step = rollouts
         elif isinstance(rollouts, Rollouts):
             rollouts.check(self.vocab_size)
-            step = rollouts.step_inputs(self.config.objective, self.config.loss_config)
+            loss_config = self.config.loss_config if objective else PolicyLossConfig()
+            step = rollouts.step_inputs(self.config.objective, loss_config)
         else:
             raise InvalidInputError(
                 "rollouts", f"expected Rollouts or StepInputs, got {type(rollouts).__name__}"
@@ -333,10 +336,13 @@ class HartsEngine:
         detached) with ``row_index`` (the row of each target), ``target_index`` and ``logprobs``
         (e.g. the verl backend's entropy). ``progress(done, total)``: called after each slot.
         ``plan``: a step plan made beforehand (compact mode; the call plans are still made here).
+        A forward-only step runs the model in eval mode (its MoE expert-load counts are not added
+        to those the next :meth:`optimizer_step` uses) and leaves the train / eval mode as it was;
+        without a ``loss_fn`` it needs none of the objective's fields (no ``ref_logprobs``).
         A step's values are checked when it runs (an in-place NaN in its advantages is refused)."""
         from harts_runtime.parallel.data import run_replica_step
 
-        step = self.step_inputs(rollouts)
+        step = self.step_inputs(rollouts, objective=not (forward_only and loss_fn is None))
         if hasattr(step, "check_values"):
             step.check_values()
         plan, calls, plan_s = self.plan(step, plan)
@@ -380,8 +386,14 @@ class HartsEngine:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        with torch.set_grad_enabled(not forward_only):
-            result = run_replica_step(plan, self.mesh, microbatch)
+        was_training = self.model.training
+        if forward_only:  # no MoE expert-load counts for the next optimizer_step's bias update
+            self.model.eval()
+        try:
+            with torch.set_grad_enabled(not forward_only):
+                result = run_replica_step(plan, self.mesh, microbatch)
+        finally:
+            self.model.train(was_training)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         fbg_s = time.perf_counter() - t0
@@ -531,12 +543,22 @@ class HartsEngine:
 
         save_pretrained(self.model, path, model_type=model_type)
 
-    def export_weights(self, model_type: str | None = None):
-        """``(transformers name, tensor)`` pairs, one tensor at a time (:func:`harts_runtime.hf.export_weights`;
-        every rank iterates under a mesh)."""
+    def export_weights(self, model_type: str | None = None, *, names: str = "checkpoint"):
+        """``(name, tensor)`` pairs, one tensor at a time (:func:`harts_runtime.hf.export_weights`;
+        every rank iterates under a mesh). ``names="checkpoint"``: a checkpoint folder's spelling
+        (vLLM / SGLang ``load_weights``); ``names="transformers"``: a transformers model's in-memory
+        names and fused shapes (:func:`harts_runtime.hf.memory_names.to_transformers_names`), for
+        ``model.load_state_dict(dict(pairs), strict=True)``."""
         from harts_runtime.hf import export_weights
 
-        return export_weights(self.model, model_type)
+        if names not in ("checkpoint", "transformers"):
+            raise InvalidInputError("names", f"choose 'checkpoint' or 'transformers', got {names!r}")
+        pairs = export_weights(self.model, model_type)
+        if names == "transformers":
+            from harts_runtime.hf.memory_names import to_transformers_names
+
+            return to_transformers_names(pairs)
+        return pairs
 
 
 def _no_loss(logprobs, inputs):

@@ -22,8 +22,11 @@ __all__ = ["NOT_CONFIG", "NOT_INHERITED", "RUN_OUTPUTS", "load_config", "resolve
 
 NOT_CONFIG = ("config", "help")
 """Flags a config file cannot set."""
-NOT_INHERITED = ("config", "resume", "steps")
-"""Settings a resumed run does not take from the checkpoint (``steps``: the trainer decides)."""
+NOT_INHERITED = ("config", "resume", "steps", "export")
+"""Settings a resumed run does not take from the checkpoint (``steps``: the trainer decides).
+The rule for outputs: a log continues (``--metrics`` and ``--tensorboard`` are inherited; their
+records past the resumed step are dropped, then the run appends), a result is per run (``--export``
+is not inherited: a resumed run exports only when told, so it never overwrites the earlier export)."""
 
 
 def _parse(raw: bytes, ext: str, where: str):

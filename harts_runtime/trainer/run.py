@@ -58,6 +58,21 @@ def _steps(args, given, saved, data, same: bool) -> int:
     return 3
 
 
+def _check_schedule(args, done: int, steps: int, total_steps: int) -> None:
+    """A decaying schedule whose end is behind the run would train the steps past it at
+    ``--min-lr-ratio x --lr`` (at lr = 0 by default): refused, naming ``--total-steps``. Without
+    ``--total-steps`` the decay ends at ``--steps`` (a resumed run's new total), so this needs an
+    explicit ``--total-steps`` (given now or saved with the run) below the steps still to train."""
+    if args.lr_schedule not in ("linear", "cosine") or steps <= done or args.min_lr_ratio:
+        return
+    if total_steps <= done:
+        raise UsageError(
+            f"--total-steps: the {args.lr_schedule} schedule ended at step {total_steps}, so steps "
+            f"{done + 1}..{steps} would train at lr 0; give a larger --total-steps (or --min-lr-ratio)",
+            "--total-steps",
+        )
+
+
 def _record_args(args, model_name: str, data, **resolved) -> dict:
     """The settings saved in ``trainer.json`` (a resumed run inherits them): paths absolute (so a
     run resumes from elsewhere), the values decided at run time filled in."""
@@ -109,6 +124,7 @@ def train(args, given, saved: dict | None, out=None, err=None) -> int:
     position = int(saved["data"].get("position", done)) if same else 0
     steps = _steps(args, given, saved, data, same)
     total_steps = args.total_steps if args.total_steps is not None else max(1, steps)
+    _check_schedule(args, done, steps, total_steps)
     lr = args.lr if args.lr is not None else (1e-6 if args.model else 1e-3)
     optimizer = run_options(OptimizerOptions, args, lr=lr, total_steps=total_steps)
     longest, where = data.longest()
@@ -123,8 +139,9 @@ def train(args, given, saved: dict | None, out=None, err=None) -> int:
     ecfg = EngineConfig(
         execution=execution, optimizer=optimizer, objective=args.objective, loss_config=loss_cfg
     )
+    # total_steps recorded as given (None: it follows --steps, also in a resumed run that goes on)
     record_args = _record_args(
-        args, model_name, data, steps=steps, total_steps=total_steps, lr=lr, capacity=capacity
+        args, model_name, data, steps=steps, total_steps=args.total_steps, lr=lr, capacity=capacity
     )
     note(data.describe())
 
