@@ -154,6 +154,34 @@ def test_compact_logprobs_match_transformers_and_trajectory_wise(checkpoint):
     torch.testing.assert_close(lp, traj, atol=1e-5, rtol=1e-5)
 
 
+def test_gradients_match_transformers(checkpoint):
+    """Every parameter's gradient of a logits functional, ours mapped through the adapter, against
+    transformers' (the bounded gate, the MLA output gate and the clipped experts included)."""
+    hf, path = checkpoint
+    hf = random_hf_model()  # a fresh copy: the fixture's model is shared
+    ours = load_pretrained(path, chunk_size=16)
+    ours.train()
+    hf.train()  # no dropout in this config; train mode only enables autograd paths
+    trajs = random_trajs(3, lengths=(17, 26))
+    w = torch.randn(sum(map(len, trajs)), V, generator=torch.Generator().manual_seed(0))
+    (ours_logits(ours, trajs, grad=True) * w).sum().backward()
+    off = 0
+    for t in trajs:
+        (hf(torch.tensor([t])).logits[0] * w[off : off + len(t)]).sum().backward()
+        off += len(t)
+    adapter = Ling3StateDictAdapter(ours.config)
+    grads = {k: torch.zeros(s) for k, s in adapter.our_shapes.items()}
+    grads.update({k: p.grad for k, p in ours.named_parameters()})
+    ours_hf = dict(adapter._to_hf_items(grads, check=False))
+    worst = 0.0
+    for name, p in hf.named_parameters():
+        assert p.grad is not None, name
+        e = rel_err(ours_hf[name], p.grad)
+        assert e <= 1e-4, (name, e)
+        worst = max(worst, e)
+    print(f"Ling-3.0: max relative gradient error {worst:.2e}")
+
+
 # ------------------------------------------------------------------------------ round trip
 def test_adamw_step_save_reload_is_bit_equal_and_transformers_loads_it(checkpoint, tmp_path):
     from safetensors import safe_open
