@@ -211,6 +211,20 @@ def test_compact_equals_trajectory(checkpoint):
         assert torch.allclose(gc[k], gt[k], rtol=rtol, atol=atol), k
 
 
+@pytest.mark.parametrize("keep", [(), ("linear_attention",)], ids=["full", "keep_linear_attention"])
+def test_recomputed_blocks_give_the_same_gradients(checkpoint, keep):
+    """Block recomputation (the Mamba2 rounds re-run in backward, or kept) changes no gradient."""
+    from harts_runtime.recompute import apply_recompute
+
+    _, path = checkpoint
+    plain = compact_and_trajectory_grads(load_pretrained(path, chunk_size=8).train(), V)["compact"]
+    model = apply_recompute(load_pretrained(path, chunk_size=8).train(), keep=keep)
+    again = compact_and_trajectory_grads(model, V)["compact"]
+    assert torch.equal(plain[0], again[0])
+    for k, g in plain[1].items():
+        assert torch.allclose(again[1][k], g, rtol=1e-6, atol=1e-7), k
+
+
 # ------------------------------------------------------------------------------ round trips
 def test_state_dict_adapter_round_trip_is_exact(checkpoint, tmp_path):
     hf, path = checkpoint
