@@ -142,7 +142,6 @@ def _run(argv, err) -> int:
     def say(line: str) -> None:
         print(line, file=err, flush=True)
 
-
     from harts_runtime.rl.loop import RLRun
     from harts_runtime.rl.metrics import plot_rewards
 

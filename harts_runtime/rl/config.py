@@ -42,7 +42,8 @@ class RLConfig:
     save_every: int = 0
     """Checkpoint every this many steps (0: only at the end)."""
     chunk_size: int | None = None
-    """The model's KDA / GDN chunk size (None: the flavor's)."""
+    """The model's KDA / GDN chunk size (None: chosen for the task's trees,
+    :func:`harts_runtime.rl.loop.tree_chunk_size`, so that short trees replay few rows)."""
     device: str = "cpu"
 
     def __post_init__(self):
