@@ -13,7 +13,8 @@ requested boundary states out, all differentiable).
   boundary state (same grid, so the same floating-point state as the full sequence computes;
   extra work = the requested prefixes' rows; its outputs are discarded). A dedicated state scan
   that writes boundary states from the one pass (as :mod:`harts_kernels.kda.state_scan` does
-  for KDA) would remove that overhead.
+  for KDA) would remove that overhead. fla takes power-of-2 chunk sizes only (the plans' 32 or 64);
+  another raises its ValueError.
 
 fla and triton are imported only inside the GPU path, so this module imports with torch alone.
 """
