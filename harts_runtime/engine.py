@@ -413,6 +413,9 @@ class HartsEngine:
             "rows": int(sums["rows"]),
             "compression": step.batch.semantic_tokens / max(1, sums["rows"]),
             "replay_tokens": int(sums["replay_tokens"]),
+            # the rows KDA executes: compact rows plus the replay rows its forks re-read
+            "compression_with_replay": step.batch.semantic_tokens
+            / max(1, sums["rows"] + sums["replay_tokens"]),
             "kda_calls": int(sums["num_calls"]),
             "microbatches": int(sums["microbatches"]),
             "plan_seconds": plan_s,

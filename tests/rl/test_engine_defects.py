@@ -28,6 +28,8 @@ def test_logprobs_need_no_ref_logprobs_under_the_default_kl():
     engine = HartsEngine.build("kimi-linear-tiny", EngineConfig())  # grpo: kl_coef 0.001
     lp = engine.logprobs(Rollouts.from_lists(TRAJ))
     assert lp.shape == (sum(len(t) - 1 for t in TRAJ),) and bool((lp < 0).all())
+    m = engine.forward_backward(Rollouts.from_lists(TRAJ), forward_only=True).metrics
+    assert m["compression_with_replay"] == m["semantic_tokens"] / (m["rows"] + m["replay_tokens"])
     with pytest.raises(InvalidInputError, match="ref_logprobs"):  # a training step still needs them
         engine.forward_backward(Rollouts.from_lists(TRAJ, advantages=[1.0, -1.0, 0.5]))
 
