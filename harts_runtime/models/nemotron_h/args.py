@@ -199,6 +199,7 @@ def from_hf_config(cfg, *, dtype: str | None = None, chunk_size: int = 64, **ove
         norm_eps=float(get("layer_norm_epsilon")),
         init_std=float(get("initializer_range")),
         dtype=dtype,
+        fp32_params=("ffn.router",),  # transformers keeps gate.weight in float32
     )
     return ModelConfig().replace(**fields).replace(**overrides)
 
