@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--flavor", default=None, help="flavor with random weights (kimi-linear-tiny, qwen3.5-tiny)"
     )
     g.add_argument("--model", metavar="PATH", default=None, help="a transformers checkpoint folder")
+    g.add_argument("--layers", metavar="N", type=int_type(1), default=None, help="a flavor's first N layers")
     g.add_argument("--steps", metavar="N", type=int_type(0), default=None, help="steps in all (default: 30)")
     g.add_argument("--out", metavar="DIR", default=None, help="the run folder (metrics, checkpoints)")
     g.add_argument(

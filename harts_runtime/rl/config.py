@@ -25,6 +25,8 @@ class RLConfig:
     """A flavor with a transformers family (``kimi-linear-tiny``, ``qwen3.5-tiny``): random weights."""
     model: str | None = None
     """A transformers checkpoint folder instead of a flavor."""
+    layers: int | None = None
+    """A flavor's first N layers (None: all)."""
     steps: int = 30
     seed: int = 0
     prompts: int = 4
@@ -53,6 +55,8 @@ class RLConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise InvalidInputError(name, f"must be an integer >= {lo}, got {v!r}")
+        if self.layers is not None and (not isinstance(self.layers, int) or self.layers < 1):
+            raise InvalidInputError("layers", f"must be a positive integer, got {self.layers!r}")
         if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size < 1):
             raise InvalidInputError("chunk_size", f"must be a positive integer, got {self.chunk_size!r}")
         if not (

@@ -100,8 +100,9 @@ class RLRun:
         self.task = task or make_task(config.task, **config.task_args)
         self.chunk_size = config.chunk_size or tree_chunk_size(self.task)
         source = config.model if config.model is not None else config.flavor
+        layers = {} if config.layers is None else {"num_layers": config.layers}
         self.engine = HartsEngine.build(
-            source, _engine_config(opts), device=config.device, chunk_size=self.chunk_size
+            source, _engine_config(opts), device=config.device, chunk_size=self.chunk_size, **layers
         )
         self.forks = dict(config.forks if config.forks is not None else self.task.default_forks)
         self.sampler = TreeSampler(self.task, self.forks, config.prompts, config.temperature, config.seed)
