@@ -212,7 +212,8 @@ def save_pretrained(
     """Write ``config.json`` and the safetensors weights of a :class:`HybridModel` to ``path``
     (created if needed), loadable by ``transformers.AutoModelForCausalLM.from_pretrained``.
 
-    ``model_type``: the family to write (``kimi_linear``, ``qwen3_next`` or ``qwen3_5_moe_text``;
+    ``model_type``: the family to write (``kimi_linear``, ``qwen3_next``, ``qwen3_5_moe_text`` or
+    ``bailing_hybrid``;
     None: the loaded checkpoint's, a ``qwen3_5_moe`` one written as its text model, else the one
     the mixers imply: KDA/MLA Kimi-Linear, split-projection GDN Qwen3.5-MoE, else Qwen3-Next).
 
@@ -225,6 +226,9 @@ def save_pretrained(
     A parallelized model (parameters DTensors, :func:`harts_runtime.parallel.parallelize`) is
     saved collectively: every rank must call this with the same arguments; each parameter is
     gathered (``full_tensor()``) in the same order on every rank and rank 0 writes the folder.
+
+    Checkpoint tensors loaded but not run (``model.hf_kept``: Ling-3.0's MTP layers) are written
+    back unchanged when the family written keeps them.
 
     Raises :class:`InvalidInputError` naming the :class:`ModelConfig` field or tensor that the
     family cannot express (Kimi-Linear: GQA layers, MLA with RoPE, softmax routing, a non-zero KDA

@@ -4,7 +4,8 @@
 :mod:`~harts_runtime.models.hybrid`: the model (KDA / MLA / GQA / gated-attention / GDN mixers,
 dense / MoE FFNs), :class:`ModelConfig` and the hybrid flavors ``ling-tiny`` and ``debug``.
 The checkpoint families :mod:`~harts_runtime.models.kimi_linear`,
-:mod:`~harts_runtime.models.qwen3_next` and :mod:`~harts_runtime.models.qwen3_5_moe` (config maps,
+:mod:`~harts_runtime.models.qwen3_next`, :mod:`~harts_runtime.models.qwen3_5_moe` and
+:mod:`~harts_runtime.models.ling3` (Ling-3.0, ``bailing_hybrid``) (config maps,
 state-dict adapters, their own flavors) register themselves in
 :mod:`~harts_runtime.models.registry` (:func:`get_family`, :func:`family_of`, :func:`families`);
 :data:`FLAVORS` / :func:`model_config` look every flavor up through it.
