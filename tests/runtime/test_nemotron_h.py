@@ -335,3 +335,21 @@ def test_flop_model_counts_every_nemotron_h_layer():
     assert c["row"] == want
     assert c["linear_core"] == cfg.mixers.count("mamba2") * core
     assert c["attn_per_key"] == cfg.mixers.count("gqa") * 2 * h * 2 * hd
+
+
+def test_legacy_config_spellings_read_the_same():
+    """Released configs' names (``mamba_n_groups``, ``mamba_d_conv``, ``mamba_conv_bias``,
+    ``mamba_dt_limit``, ``hybrid_override_pattern``, legacy ``mamba`` / ``attention`` layer names)
+    give the same model as transformers' current ones."""
+    d = hf_config().to_dict()
+    modern = from_hf_config(d, chunk_size=B)
+    legacy = {
+        k: v for k, v in d.items() if k not in ("n_groups", "conv_kernel", "use_conv_bias", "time_step_limit")
+    }
+    legacy.update(mamba_n_groups=2, mamba_d_conv=4, mamba_conv_bias=True, mamba_dt_limit=[0.0, float("inf")])
+    legacy.pop("layers_block_type")
+    assert from_hf_config({**legacy, "hybrid_override_pattern": PATTERN}, chunk_size=B) == modern
+    names = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+    assert (
+        from_hf_config({**legacy, "layers_block_type": [names[c] for c in PATTERN]}, chunk_size=B) == modern
+    )
