@@ -67,7 +67,7 @@ class ModelConfig:
     Flat: the model-wide fields (read by several layer kinds, the norms, the LM head or the
     plan). Nested: one option group per mixer / FFN kind with the options only that kind reads
     (:mod:`harts_runtime.models.hybrid.layer_options`): ``kda``, ``mla``, ``gated_attention``,
-    ``gdn``, ``moe``; each is passed through to its layer's config. A group can be given as its
+    ``gdn``, ``moe``, ``gqa``, ``mamba2``; each is passed through to its layer's config. A group can be given as its
     dataclass (``moe=MoEArgs(num_experts=8)``) or as a dict of its fields (a YAML / JSON config):
     on construction a dict is applied over the group's defaults, in :meth:`replace` (and so in
     :func:`model_config` and the families' ``from_hf_config`` overrides) over this config's group.
@@ -79,10 +79,12 @@ class ModelConfig:
     hidden_size: int = 32
     """D."""
     mixers: tuple = ("kda", "mla")
-    """Token mixer of each layer: ``kda`` or ``gdn`` (linear), ``mla``, ``gqa`` or ``gated_attention``
-    (full attention; ``gated_attention`` is Qwen3-Next / Qwen3.5's, ``gdn`` their gated delta net)."""
+    """Token mixer of each layer: ``kda``, ``gdn`` or ``mamba2`` (linear), ``mla``, ``gqa`` or
+    ``gated_attention`` (full attention; ``gated_attention`` is Qwen3-Next / Qwen3.5's, ``gdn`` their
+    gated delta net, ``mamba2`` Nemotron-H's), or ``none`` (a layer that is only its FFN)."""
     ffns: tuple = ("dense", "moe")
-    """FFN of each layer: ``dense`` (SwiGLU) or ``moe`` (routed SwiGLU experts)."""
+    """FFN of each layer: ``dense`` (SwiGLU), ``relu2`` (Nemotron-H's non-gated MLP), ``moe``
+    (routed experts, ``moe.activation``) or ``none`` (a layer that is only its mixer)."""
     num_heads: int = 2
     """Attention heads (MLA / GQA / gated-attention query heads, and KDA's unless ``kda.num_heads``)."""
     num_kv_heads: int | None = None

@@ -12,10 +12,12 @@ backends, ``chunk_size``, ``conv_size``, ``norm_eps``) themselves:
 * :class:`GDNArgs` (``ModelConfig.gdn``) -> :class:`~harts_runtime.layers.gdn.GatedDeltaNetConfig`;
 * :class:`MoEArgs` (``ModelConfig.moe``) -> :class:`~harts_runtime.layers.moe.MoEConfig`; its
   per-layer tuples ``swiglu_limits`` / ``shared_swiglu_limits`` (Ling-3.0) give each MoE layer its
-  entry as ``swiglu_limit`` / ``shared_swiglu_limit``.
+  entry as ``swiglu_limit`` / ``shared_swiglu_limit``;
+* :class:`GQAArgs` (``ModelConfig.gqa``) -> :class:`~harts_runtime.layers.attention.AttentionConfig`
+  (with the shared ``num_heads``, ``num_kv_heads``, ``rope_theta``);
+* :class:`Mamba2Args` (``ModelConfig.mamba2``) -> :class:`~harts_runtime.layers.mamba2.Mamba2Config`.
 
-(GQA reads only shared options: ``num_heads``, ``num_kv_heads``, ``rope_theta``; the dense FFN
-only ``dense_intermediate``.) Each group validates itself on construction and raises
+(The dense FFNs, SwiGLU and relu2, read only ``dense_intermediate``.) Each group validates itself on construction and raises
 :class:`~harts_runtime.errors.InvalidInputError` naming the field as ``<group>.<field>``
 (``moe.top_k``); checks that need model-wide values stay in ``ModelConfig``.
 :func:`group_from` builds a group from a dict (a YAML / JSON config), naming an unknown key.
