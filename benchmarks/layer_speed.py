@@ -773,7 +773,7 @@ def case_moe(ctx: Context) -> dict:
     if a.tiny:
         mcfg = train_eval.tiny_config(mcfg)
     torch.manual_seed(a.seed)
-    moe = FFN_BUILDERS["moe"](mcfg).to(dev, dt)
+    moe = FFN_BUILDERS["moe"](mcfg, 0).to(dev, dt)
     for buf in ("expert_bias", "local_tokens_per_expert"):  # fp32 as in HybridModel
         getattr(moe, buf).data = getattr(moe, buf).data.float()
     cfg = moe.config
