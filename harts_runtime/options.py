@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from harts_planner.step_plan import DEFAULT_CAPACITY
 from harts_runtime.errors import InvalidInputError
+from harts_runtime.regions import KEEPABLE
 
 __all__ = [
     "DEFAULT_CAPACITY",
@@ -35,8 +36,6 @@ __all__ = [
 
 MODES = ("compact", "trajectory")
 """``compact``: HARTS; ``trajectory``: the trajectory-wise baseline (the same model and loss)."""
-KEEPABLE = ("attention", "linear_attention")
-"""Regions whose activations recomputation can keep (:mod:`harts_runtime.ops.keep`)."""
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("constant", "linear", "cosine", "external")
 """LR schedules after warm-up; ``external``: the caller sets the learning rate (verl's scheduler)."""

@@ -30,12 +30,12 @@ from contextvars import ContextVar
 
 import torch
 
-from harts_runtime import options
+from harts_runtime import regions
 from harts_runtime.errors import InvalidInputError
 
 __all__ = ["KEEPABLE", "KeptRegions", "checked_keep", "kept", "recomputed", "saves_are_transient"]
 
-KEEPABLE = frozenset(options.KEEPABLE)
+KEEPABLE = frozenset(regions.KEEPABLE)
 """Names that :func:`kept` is called with somewhere in the runtime: ``"attention"`` (every
 full-attention core, :func:`~harts_runtime.ops.attention.compact_attention`) and
 ``"linear_attention"`` (every chunkwise linear-attention schedule, KDA and Gated DeltaNet:
