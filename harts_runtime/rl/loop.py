@@ -55,15 +55,13 @@ def latest_checkpoint(out_dir) -> Path | None:
 
 def tree_chunk_size(task) -> int:
     """The KDA / GDN chunk size for a task's trees: the power of two at most half its shortest
-    segment between forks (the prompt, each turn's action), in [8, 64]. A fork inside a chunk
+    segment between forks (each turn's action tokens), in [8, 64]. A fork inside a chunk
     replays the chunk's rows before it, so short trees want short chunks: on kimi-linear-tiny,
     token-set's trees (4 x (5 + 8 x 4 + 8 x 2) tokens, 672 trajectory rows) ran 404 compact + 268
     replay rows at chunk 16 to 64 (no gain over trajectory-wise) and 404 + 140 at chunk 8; 16
     leaves of 67 tokens ran 642 + 430 at chunk 64 and 642 + 46 at chunk 16 (4.6x faster on a CPU);
     long trees (8 x (64 + 64 x 4 + 64 x 2)) run no replay and were 2.5x slower at chunk 8 than 16."""
-    shortest = min(
-        [len(task.prompt(np.random.default_rng(0))[0])] + [task.action_tokens(t) for t in range(task.turns)]
-    )
+    shortest = min(task.action_tokens(t) for t in range(task.turns))
     c = 8
     while c * 2 <= min(64, shortest // 2):
         c *= 2

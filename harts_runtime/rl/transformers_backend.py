@@ -48,6 +48,7 @@ class TransformersRollout(RolloutEngine):
         self.model = model.eval()
         self.vocab_size = int(vocab_size)
         self.device = next(model.parameters()).device
+        self._cache_kw: str | None = None
 
     @classmethod
     def from_engine(cls, engine, device=None) -> TransformersRollout:
@@ -75,8 +76,18 @@ class TransformersRollout(RolloutEngine):
 
     @torch.no_grad()
     def _logits(self, ids: torch.Tensor, cache=None):
-        out = self.model(input_ids=ids.to(self.device), past_key_values=cache, use_cache=cache is not None)
-        return out.logits.double(), out.past_key_values
+        """float64 logits of ``ids`` (``[B, L]``), extending ``cache`` in place when given (the
+        keyword is ``cache`` in newer transformers, ``past_key_values`` before)."""
+        kw = {}
+        if cache is not None:
+            if self._cache_kw is None:
+                import inspect
+
+                params = inspect.signature(self.model.forward).parameters
+                self._cache_kw = "cache" if "cache" in params else "past_key_values"
+            kw = {self._cache_kw: cache, "use_cache": True}
+        out = self.model(input_ids=ids.to(self.device), **kw)
+        return out.logits.double(), cache
 
     @torch.no_grad()
     def logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
