@@ -38,9 +38,7 @@ struct LegalCut {
 // lives on an earlier rank.
 struct Entry {
   int32_t rank, pred, pred_segment, row;
-  bool operator<(const Entry& o) const {
-    return std::tie(rank, pred, row) < std::tie(o.rank, o.pred, o.row);
-  }
+  bool operator<(const Entry& o) const { return std::tie(rank, pred, row) < std::tie(o.rank, o.pred, o.row); }
 };
 
 // Cost of the rows at positions [s, p) of one path: linear_cost (p - s) + attention_cost sum (q + 1).
@@ -63,9 +61,10 @@ std::vector<LegalCut> LegalCuts(const SegmentForest& f, const CpSplitOptions& o,
     }
     before += RunCost(o, s, e);
     if (before > kMaxTotalCost)
-      throw ResourceExhausted("attention_cost", "the microbatch's rows cost more than 2^62 under linear_cost = " +
-                                                    std::to_string(o.linear_cost) + " and attention_cost = " +
-                                                    std::to_string(o.attention_cost) + "; lower them");
+      throw ResourceExhausted(
+          "attention_cost",
+          "the microbatch's rows cost more than 2^62 under linear_cost = " + std::to_string(o.linear_cost) +
+              " and attention_cost = " + std::to_string(o.attention_cost) + "; lower them");
   }
   cuts.push_back({f.num_rows, static_cast<int64_t>(before), -1, false});
   return cuts;
@@ -154,8 +153,8 @@ CpSplit SplitForest(const SegmentForest& f, const CpSplitOptions& o, CancelToken
   for (int64_t r = 1; r < c; ++r) {
     const LegalCut& cut = cuts[cut_index[r]];
     if (offsets[r] < offsets[r + 1] && cut.mid)
-      entries.push_back({static_cast<int32_t>(r), static_cast<int32_t>(cut.row - 1), cut.segment,
-                         static_cast<int32_t>(cut.row)});
+      entries.push_back(
+          {static_cast<int32_t>(r), static_cast<int32_t>(cut.row - 1), cut.segment, static_cast<int32_t>(cut.row)});
   }
   std::sort(entries.begin(), entries.end());
 

@@ -84,14 +84,14 @@ void ValidatePlannerOptions(const PlannerOptions& o) {
   RequireAtLeast(o.repair_window, 0, "repair_window");
   RequireAtLeast(o.repair_iterations, 0, "repair_iterations");
   RequireAtLeast(o.microbatch_cost, 0, "microbatch_cost");
+  if (o.microbatch_cost > o.capacity)
+    throw InvalidArgument("microbatch_cost", "must be <= capacity T = " + std::to_string(o.capacity) + ", got " +
+                                                 std::to_string(o.microbatch_cost));
   RequireInRange(o.cp_size, 1, kMaxCpSize, "cp_size");
   if (o.capacity > kMaxCpRows / o.cp_size)
     throw InvalidArgument("cp_size", "capacity x cp_size = " + std::to_string(o.capacity) + " x " +
                                          std::to_string(o.cp_size) + " exceeds the limit of " +
                                          std::to_string(kMaxCpRows) + " compact rows per microbatch");
-  if (o.microbatch_cost > o.capacity)
-    throw InvalidArgument("microbatch_cost", "must be <= capacity T = " + std::to_string(o.capacity) + ", got " +
-                                                 std::to_string(o.microbatch_cost));
   if (o.search != "auto" && o.search != "exact" && o.search != "heuristic")
     throw InvalidArgument("search", "must be \"auto\", \"exact\" or \"heuristic\", got \"" + o.search + "\"");
 }
@@ -140,12 +140,11 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o, CancelToke
   plan.k_max = range.k_max;
   plan.compact_tokens = g_total;
   if (range.k_min > d * (n / d))
-    throw FailedPrecondition("capacity", "the batch needs at least K_min = " + std::to_string(range.k_min) +
-                                             " microbatches (G = " + std::to_string(g_total) +
-                                             " compact tokens at " + cap_text +
-                                             ", D = " + std::to_string(d) + ") but its " + std::to_string(n) +
-                                             " trajectories fill at most " + std::to_string(d * (n / d)) +
-                                             " non-empty microbatches with K a multiple of D");
+    throw FailedPrecondition(
+        "capacity", "the batch needs at least K_min = " + std::to_string(range.k_min) + " microbatches (G = " +
+                        std::to_string(g_total) + " compact tokens at " + cap_text + ", D = " + std::to_string(d) +
+                        ") but its " + std::to_string(n) + " trajectories fill at most " + std::to_string(d * (n / d)) +
+                        " non-empty microbatches with K a multiple of D");
   plan.phase_seconds.push_back({"natural_partition", Since(phase)});
   Check(cancel);
   phase = Clock::now();

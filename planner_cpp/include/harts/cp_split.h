@@ -81,7 +81,7 @@ inline constexpr int64_t kMaxCpCost = int64_t{1} << 20;
 inline constexpr int64_t kMaxCpRows = int64_t{1} << 62;
 
 struct CpSplitOptions {
-  int64_t cp_size = 1;     // C
+  int64_t cp_size = 1;      // C
   int64_t chunk_size = 64;  // B
   int64_t conv_width = 4;   // w
   int64_t linear_cost = 8192;
@@ -107,9 +107,9 @@ struct CpSplit {
 
   // Per receive i (rank receive_rank[i] enters rows below predecessor row receive_row[i]).
   std::vector<int32_t> receive_rank;
-  std::vector<int32_t> receive_row;            // u, on an earlier rank
-  std::vector<int32_t> receive_anchor;         // a = a(pos(u) + 1)
-  std::vector<int32_t> receive_state;          // the state S_a, -1 for the zero state (a = 0)
+  std::vector<int32_t> receive_row;             // u, on an earlier rank
+  std::vector<int32_t> receive_anchor;          // a = a(pos(u) + 1)
+  std::vector<int32_t> receive_state;           // the state S_a, -1 for the zero state (a = 0)
   std::vector<int32_t> receive_replay_offsets;  // [R + 1] CSR into replay_rows
   std::vector<int32_t> replay_rows;             // rows at positions [a, pos(u) + 1), in order
   std::vector<int32_t> receive_conv_context;    // [R * (w - 1)] positions [a - w + 1, a), -1 below 0
@@ -117,9 +117,9 @@ struct CpSplit {
   std::vector<int32_t> entry_rows;              // rows of the rank whose predecessor is u, ascending
 
   // Per state k (states in increasing state row, hence by producing rank).
-  std::vector<int32_t> state_row;       // the row after which S_position holds
-  std::vector<int32_t> state_position;  // a multiple of B, >= B
-  std::vector<int32_t> state_rank;      // the producing rank (holds state_row)
+  std::vector<int32_t> state_row;               // the row after which S_position holds
+  std::vector<int32_t> state_position;          // a multiple of B, >= B
+  std::vector<int32_t> state_rank;              // the producing rank (holds state_row)
   std::vector<int32_t> state_consumer_offsets;  // [P + 1] CSR into state_consumer_rank
   std::vector<int32_t> state_consumer_rank;     // ranks receiving the state, ascending
 
