@@ -55,16 +55,17 @@ std::vector<LegalCut> LegalCuts(const SegmentForest& f, const CpSplitOptions& o,
   for (int32_t v = 0; v < f.size(); ++v) {
     Poll(cancel);
     const int64_t s = f.start[v], e = f.end[v], rb = f.row_begin[v];
-    for (int64_t p = (s + b - 1) / b * b; p < e; p += b) {
-      if ((p / b) % kPollBlock == 0) Poll(cancel);
-      cuts.push_back({rb + (p - s), static_cast<int64_t>(before + RunCost(o, s, p)), v, p > s});
-    }
-    before += RunCost(o, s, e);
-    if (before > kMaxTotalCost)
+    const Wide after = before + RunCost(o, s, e);  // checked first: every prefix below fits int64
+    if (after > kMaxTotalCost)
       throw ResourceExhausted(
           "attention_cost",
           "the microbatch's rows cost more than 2^62 under linear_cost = " + std::to_string(o.linear_cost) +
               " and attention_cost = " + std::to_string(o.attention_cost) + "; lower them");
+    for (int64_t p = (s + b - 1) / b * b; p < e; p += b) {
+      if ((p / b) % kPollBlock == 0) Poll(cancel);
+      cuts.push_back({rb + (p - s), static_cast<int64_t>(before + RunCost(o, s, p)), v, p > s});
+    }
+    before = after;
   }
   cuts.push_back({f.num_rows, static_cast<int64_t>(before), -1, false});
   return cuts;

@@ -12,6 +12,7 @@
 
 #include "check.h"
 #include "harts/errors.h"
+#include "harts/segment_tree.h"
 #include "harts/step_plan.h"
 #include "planner_test_util.h"
 
@@ -315,6 +316,17 @@ void TestErrors() {
   o = CpSplitOptions{};
   o.attention_cost = kMaxCpCost + 1;
   ExpectError<InvalidArgument>(split(o), "attention_cost");
+  // A total cost over 2^62: one path of 2^22 rows at attention_cost 2^20 (a bare forest, no tokens).
+  const int32_t parent[] = {-1}, start[] = {0}, end[] = {1 << 22};
+  const SegmentForest path = SegmentForestFromArrays({parent, 1, start, 1, end, 1});
+  o = CpSplitOptions{};
+  o.attention_cost = kMaxCpCost;
+  ExpectError<ResourceExhausted>([&] { SplitForest(path, o); }, "attention_cost");
+  o.attention_cost = 1;
+  o.cp_size = 4;
+  const CpSplit quarter = SplitForest(path, o);  // one path: cuts on the 64-row grid only
+  for (int64_t x : quarter.rank_row_offsets) CHECK_EQ(x % 64, 0);
+  CHECK_EQ(quarter.num_states(), 3);
   const int32_t bad[] = {5};
   ExpectError<InvalidArgument>([&] { PlanCpSplit(*batch, bad, 1, CpSplitOptions{}); }, "trajectories[0]");
 }
