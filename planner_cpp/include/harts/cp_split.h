@@ -60,9 +60,11 @@
 // conv rows live on earlier ranks too (their ranks follow from the cuts).
 //
 // Complexity: O(V + C_M / B + k log k) beyond ingestion for k trajectories of V segments,
-// plus O(log(total cost) C log(C_M / B)) for the search and O(B + w) per receive. Nothing of
-// size O(C_M) is allocated. Cancellation: the functions poll `cancel` (cancel.h; may be null)
-// once per segment, legal cut and receive and throw Cancelled when it fires.
+// plus O(log(total cost) C log(C_M / B)) for the search and O(B + w) per receive; memory
+// O(V + C_M / B) (the legal cuts) plus the output, no per-row array (the microbatch of a 1M-token
+// path at B = 64 has 16k legal cuts). Cancellation: the functions poll `cancel` (cancel.h; may
+// be null) once per segment, block of legal cuts, search step and receive, and throw Cancelled
+// when it fires.
 #ifndef HARTS_CP_SPLIT_H_
 #define HARTS_CP_SPLIT_H_
 
