@@ -14,6 +14,7 @@ namespace py = pybind11;
 void DefineMinCall(py::module_& m);   // min_call_bindings.cc
 void DefineStepPlan(py::module_& m);  // step_plan_bindings.cc
 void DefineCost(py::module_& m);      // cost_bindings.cc
+void DefineCpSplit(py::module_& m);   // cp_split_bindings.cc
 using harts::CancelToken;
 using harts::RolloutBatch;
 using harts::py_glue::RequireArray;
@@ -176,4 +177,5 @@ PYBIND11_MODULE(_native, m) {
       "True once the batch's per-row arrays exist (a batch from a segment tree builds them on first use).");
   DefineMinCall(m);
   DefineCost(m);
+  DefineCpSplit(m);
 }

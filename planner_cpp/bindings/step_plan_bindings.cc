@@ -10,6 +10,7 @@
 #include "harts/call_layout.h"
 #include "harts/cancel.h"
 #include "harts/contiguous_dp.h"
+#include "harts/cp_split.h"
 #include "harts/errors.h"
 #include "harts/microbatch.h"
 #include "harts/min_call.h"
@@ -43,6 +44,7 @@ py::dict DefaultStepOptions() {
   d["search"] = kDefaults.search;
   d["contiguous_optimum"] = kDefaults.contiguous_optimum;
   d["microbatch_cost"] = kDefaults.microbatch_cost;
+  d["cp_size"] = kDefaults.cp_size;
   return d;
 }
 
@@ -55,6 +57,7 @@ py::dict PlannerLimits() {
   d["MAX_CHUNK_SIZE"] = harts::kMaxChunkSize;
   d["MAX_CONV_WIDTH"] = harts::kMaxConvWidth;
   d["MAX_EXACT_CELLS"] = harts::kMaxExactCells;
+  d["MAX_CP_SIZE"] = harts::kMaxCpSize;
   return d;
 }
 
@@ -70,7 +73,8 @@ auto PlanView(Member member) {
 StepPlan Plan(const RolloutBatch& batch, int64_t dp_size, int64_t capacity, harts::CancelToken* cancel,
               int64_t exact_threshold, int64_t max_sampled_k, int64_t refine_window, int64_t refine_sweeps,
               int64_t max_anchors, int64_t repair_window, int64_t repair_iterations, bool greedy, bool refine,
-              bool component_greedy, bool contiguous_optimum, const std::string& search, int64_t microbatch_cost) {
+              bool component_greedy, bool contiguous_optimum, const std::string& search, int64_t microbatch_cost,
+              int64_t cp_size) {
   harts::PlannerOptions o;
   o.dp_size = dp_size;
   o.capacity = capacity;
@@ -87,6 +91,7 @@ StepPlan Plan(const RolloutBatch& batch, int64_t dp_size, int64_t capacity, hart
   o.contiguous_optimum = contiguous_optimum;
   o.search = search;
   o.microbatch_cost = microbatch_cost;
+  o.cp_size = cp_size;
   py::gil_scoped_release release;
   return harts::PlanStep(batch, o, cancel);
 }
@@ -127,6 +132,7 @@ void DefineStepPlan(py::module_& m) {
   py::class_<StepPlan>(m, "StepPlan")
       .def_readonly("dp_size", &StepPlan::dp_size)
       .def_readonly("capacity", &StepPlan::capacity)
+      .def_readonly("cp_size", &StepPlan::cp_size)
       .def_readonly("num_trajectories", &StepPlan::num_trajectories)
       .def_property_readonly("num_microbatches", &StepPlan::num_microbatches)
       .def_property_readonly("member_offsets", PlanView(&StepPlan::member_offsets))
@@ -170,7 +176,7 @@ void DefineStepPlan(py::module_& m) {
         py::arg("repair_iterations") = kDefaults.repair_iterations, py::arg("greedy") = kDefaults.greedy,
         py::arg("refine") = kDefaults.refine, py::arg("component_greedy") = kDefaults.component_greedy,
         py::arg("contiguous_optimum") = kDefaults.contiguous_optimum, py::arg("search") = kDefaults.search,
-        py::arg("microbatch_cost") = kDefaults.microbatch_cost,
+        py::arg("microbatch_cost") = kDefaults.microbatch_cost, py::arg("cp_size") = kDefaults.cp_size,
         "Plan one step (harts/step_plan.h; cancel: a CancelToken or None); releases the GIL.");
   m.def("default_step_options", &DefaultStepOptions,
         "A new dict: every search option of plan_step and its default (harts::PlannerOptions).");

@@ -9,6 +9,7 @@
 #include "harts/candidate_range.h"
 #include "harts/contiguous_dp.h"
 #include "harts/contiguous_optimum.h"
+#include "harts/cp_split.h"
 #include "harts/errors.h"
 #include "harts/evolution.h"
 #include "harts/greedy.h"
@@ -56,6 +57,13 @@ bool Better(const Candidate& a, const Candidate& b, int64_t cost, int64_t dp_siz
   return a.size() < b.size();
 }
 
+// The capacity as the errors name it: "T = t" (C = 1, as before CP) or "C x T = c x t = c t".
+std::string CapacityText(int64_t capacity, int64_t cp_size) {
+  if (cp_size == 1) return "T = " + std::to_string(capacity);
+  return "C x T = " + std::to_string(cp_size) + " x " + std::to_string(capacity) + " = " +
+         std::to_string(cp_size * capacity);
+}
+
 Candidate Contiguous(const PlanContext& ctx, std::string source, std::vector<int32_t> cuts) {
   Candidate c{std::move(source), std::nullopt, {}, {}};
   for (size_t i = 0; i + 1 < cuts.size(); ++i) c.grouping.work.push_back(ctx.Work(cuts[i], cuts[i + 1]));
@@ -79,16 +87,23 @@ void ValidatePlannerOptions(const PlannerOptions& o) {
   if (o.microbatch_cost > o.capacity)
     throw InvalidArgument("microbatch_cost", "must be <= capacity T = " + std::to_string(o.capacity) + ", got " +
                                                  std::to_string(o.microbatch_cost));
+  RequireInRange(o.cp_size, 1, kMaxCpSize, "cp_size");
+  if (o.capacity > kMaxCpRows / o.cp_size)
+    throw InvalidArgument("cp_size", "capacity x cp_size = " + std::to_string(o.capacity) + " x " +
+                                         std::to_string(o.cp_size) + " exceeds the limit of " +
+                                         std::to_string(kMaxCpRows) + " compact rows per microbatch");
   if (o.search != "auto" && o.search != "exact" && o.search != "heuristic")
     throw InvalidArgument("search", "must be \"auto\", \"exact\" or \"heuristic\", got \"" + o.search + "\"");
 }
 
-void CheckTrajectoriesFit(const RolloutBatch& batch, int64_t capacity) {
+void CheckTrajectoriesFit(const RolloutBatch& batch, int64_t capacity, int64_t cp_size) {
+  const int64_t limit = capacity * cp_size;
   for (int64_t i = 0; i < batch.num_trajectories(); ++i)
-    if (batch.lengths()[i] > capacity)
+    if (batch.lengths()[i] > limit)
       throw InvalidArgument(Indexed("trajectories", i),
                             "trajectory " + std::to_string(i) + " has " + std::to_string(batch.lengths()[i]) +
-                                " tokens, more than the microbatch capacity T = " + std::to_string(capacity) +
+                                " tokens, more than the microbatch capacity " + CapacityText(capacity, cp_size) +
+                                (cp_size == 1 ? "" : " (cp_size x capacity)") +
                                 "; a trajectory cannot be split between microbatches");
 }
 
@@ -98,8 +113,9 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o, CancelToke
   Check(cancel);
   const int64_t n = batch.num_trajectories();
   const int64_t d = o.dp_size;
-  const int64_t cap = o.capacity;
-  CheckTrajectoriesFit(batch, cap);
+  const int64_t cap = o.capacity * o.cp_size;  // C x T: every step below packs to this
+  const std::string cap_text = CapacityText(o.capacity, o.cp_size);
+  CheckTrajectoriesFit(batch, o.capacity, o.cp_size);
   if (n < d)
     throw FailedPrecondition("dp_size", "the batch has " + std::to_string(n) +
                                             " trajectories but D = " + std::to_string(d) +
@@ -108,7 +124,8 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o, CancelToke
 
   StepPlan plan;
   plan.dp_size = d;
-  plan.capacity = cap;
+  plan.capacity = o.capacity;
+  plan.cp_size = o.cp_size;
   plan.num_trajectories = n;
   const PlanContext ctx(batch, cap);
   Clock::time_point phase = Clock::now();
@@ -123,12 +140,11 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o, CancelToke
   plan.k_max = range.k_max;
   plan.compact_tokens = g_total;
   if (range.k_min > d * (n / d))
-    throw FailedPrecondition("capacity", "the batch needs at least K_min = " + std::to_string(range.k_min) +
-                                             " microbatches (G = " + std::to_string(g_total) +
-                                             " compact tokens at T = " + std::to_string(cap) +
-                                             ", D = " + std::to_string(d) + ") but its " + std::to_string(n) +
-                                             " trajectories fill at most " + std::to_string(d * (n / d)) +
-                                             " non-empty microbatches with K a multiple of D");
+    throw FailedPrecondition(
+        "capacity", "the batch needs at least K_min = " + std::to_string(range.k_min) + " microbatches (G = " +
+                        std::to_string(g_total) + " compact tokens at " + cap_text + ", D = " + std::to_string(d) +
+                        ") but its " + std::to_string(n) + " trajectories fill at most " + std::to_string(d * (n / d)) +
+                        " non-empty microbatches with K a multiple of D");
   plan.phase_seconds.push_back({"natural_partition", Since(phase)});
   Check(cancel);
   phase = Clock::now();
@@ -267,7 +283,7 @@ StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& o, CancelToke
                         " microbatches, the candidate range is K in [" + std::to_string(range.k_min) + ", " +
                         std::to_string(range.k_max) + "] and N = " + std::to_string(n) +
                         " trajectories allow at most K = " + std::to_string(d * (n / d)) +
-                        "; merging enough trajectories to reach a multiple of D exceeds T = " + std::to_string(cap));
+                        "; merging enough trajectories to reach a multiple of D exceeds " + cap_text);
   }
   int64_t best = -1;
   for (size_t i = 0; i < cands.size(); ++i) {

@@ -19,6 +19,7 @@ from harts_planner.call_plan import (
     plan_calls,
     set_max_plan_bytes,
 )
+from harts_planner.cp_split import CpSplit, plan_cp
 from harts_planner.errors import (
     CancelToken,
     HartsError,
@@ -52,6 +53,8 @@ __all__ = [
     "StepPlan",
     "plan_step",
     "DEFAULT_CAPACITY",
+    "CpSplit",
+    "plan_cp",
     "CancelToken",
     "PlanCancelledError",
     "estimate_cost",

@@ -38,6 +38,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _LIMITS = _native.planner_limits()
 MAX_CHUNK_SIZE: int = _LIMITS["MAX_CHUNK_SIZE"]
 MAX_CONV_WIDTH: int = _LIMITS["MAX_CONV_WIDTH"]
+MAX_CP_SIZE: int = _LIMITS["MAX_CP_SIZE"]
 
 
 def _range_text(lo: int | None, hi: int | None) -> str:
@@ -159,6 +160,7 @@ __all__ = [
     "INT64_MIN",
     "MAX_CHUNK_SIZE",
     "MAX_CONV_WIDTH",
+    "MAX_CP_SIZE",
     "boolean",
     "chunk_size",
     "conv_width",

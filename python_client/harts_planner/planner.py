@@ -144,6 +144,7 @@ class Planner:
         conv_width: int = DEFAULT_CONV_WIDTH,
         debug: bool = True,
         timeout: float | None = None,
+        cp_size: int = 1,
         **options,
     ) -> StepPlan:
         """Plan one training step (see :func:`harts_planner.plan_step` for the arguments and options).
@@ -166,6 +167,11 @@ class Planner:
             the layouts alone (a sidecar leaves the debug arrays out of the response: ``omit_debug``).
         timeout : float, optional
             Sidecar deadline for this call (default: the Planner's).
+        cp_size : int, default 1
+            C, the context-parallel degree: microbatches of up to ``C x capacity`` compact rows
+            (the ``cp_size`` option; a sidecar receives it as ``StepOptions.cp_size``). Split each
+            between the C ranks with :meth:`StepPlan.cp_split` (in-process) or
+            :func:`harts_planner.plan_cp`.
         **options
             Search options (``harts_planner.step_plan.DEFAULT_OPTIONS``).
 
@@ -183,6 +189,8 @@ class Planner:
         source = as_source(trajectories)
         chunk_size, conv_width = checks.chunk_size(chunk_size), checks.conv_width(conv_width)
         call_plans, debug = checks.boolean(call_plans, "call_plans"), checks.boolean(debug, "debug")
+        if isinstance(cp_size, bool) or cp_size != 1:  # 1 is the default: the request stays as without CP
+            options = {**options, "cp_size": cp_size}
         if self._client is None:
             start = time.perf_counter()
             batch = source if isinstance(source, RolloutBatch) else ingest(source)

@@ -27,6 +27,7 @@ import numpy as np
 from harts_planner import _native, checks
 from harts_planner.batch import RolloutBatch
 from harts_planner.call_plan import DEFAULT_CHUNK_SIZE, DEFAULT_CONV_WIDTH, plan_calls
+from harts_planner.cp_split import CpSplit, plan_cp
 from harts_planner.errors import cancel_token, invalid
 from harts_planner.fields import NativeField
 
@@ -105,6 +106,10 @@ SCALAR_FIELDS: tuple[str, ...] = (
 #: microbatch_cost     0        extension, not in the paper: a fixed cost of every microbatch in compact
 #:                              tokens, in [0, capacity]; candidates are compared with it added to each
 #:                              microbatch's work (the plan still reports J)
+#: cp_size             1        context-parallel degree C in [1, MAX_CP_SIZE]: microbatches of up to
+#:                              C x capacity compact rows, each split between C ranks by
+#:                              :meth:`StepPlan.cp_split` (``harts/cp_split.h``); 1 = no CP (the
+#:                              plans of a planner without it, byte for byte)
 #: ==================  =======  =========================================================================
 #:
 #: ``planner.proto`` states the same defaults in its ``StepOptions`` comments (a test checks both).
@@ -165,7 +170,9 @@ def plan_step(
         every microbatch's work counted that many compact tokens more, for a per-microbatch fixed
         time (``benchmarks/train_eval.py``'s ``microbatches`` section fits it: the fixed seconds
         over the seconds per compact token); candidates with equal J (or J with that cost) go to
-        the fewer microbatches.
+        the fewer microbatches. ``cp_size`` (1): the context-parallel degree C; microbatches hold up
+        to ``C x capacity`` compact rows (``capacity`` stays T, the rows of one rank) and
+        :meth:`StepPlan.cp_split` splits each between the C ranks.
 
     Returns
     -------
@@ -174,8 +181,8 @@ def plan_step(
     Raises
     ------
     InvalidArgumentError
-        A bad argument or option (``.field`` names it), or a trajectory longer than ``capacity``
-        (``.field == "trajectories[i]"``).
+        A bad argument or option (``.field`` names it), or a trajectory longer than
+        ``cp_size x capacity`` (``.field == "trajectories[i]"``; the message names T and C).
     InfeasibleError
         No valid plan: fewer trajectories than replicas, more microbatches needed than there are
         trajectories, or no candidate reached a feasible grouping; the message says why.
@@ -396,7 +403,18 @@ class StepPlan:
         return self._call_plans is not None
 
     dp_size = NativeField("D.")
-    capacity = NativeField("T.")
+    capacity = NativeField("T: compact rows of one rank (of the whole microbatch without CP).")
+
+    @property
+    def cp_size(self) -> int:
+        """C, the context-parallel degree (the ``cp_size`` option; 1 without CP)."""
+        return int(self.options.get("cp_size", 1))
+
+    @property
+    def microbatch_capacity(self) -> int:
+        """``cp_size x capacity``: the most compact rows one microbatch holds."""
+        return self.cp_size * self.capacity
+
     num_microbatches = NativeField("K (a multiple of D).")
 
     @property
@@ -406,7 +424,7 @@ class StepPlan:
 
     replica = NativeField("int32 [K]: DP replica of each microbatch, in ``[0, D)``.")
     slot = NativeField("int32 [K]: slot of each microbatch, in ``[0, K / D)``.")
-    work = NativeField("int64 [K]: compact work ``w(M) <= T`` of each microbatch.")
+    work = NativeField("int64 [K]: compact work ``w(M) <= C x T`` of each microbatch.")
 
     def microbatch_at(self, replica: int, slot: int) -> np.ndarray:
         """Trajectory indices of ``M_{replica, slot}``, ``0 <= replica < D``, ``0 <= slot < K / D``
@@ -509,6 +527,25 @@ class StepPlan:
                     progress(len(plans), len(self.microbatches))
             self._call_plans = plans
         return self._call_plans
+
+    # ------------------------------------------------------------------ context parallelism
+    def cp_split(self, m: int, cancel=None, **costs) -> CpSplit:
+        """The split of microbatch ``m`` between the plan's ``cp_size`` ranks
+        (:func:`harts_planner.cp_split.plan_cp` at the plan's chunk size and ``conv_width``;
+        ``costs``: ``linear_cost``, ``attention_cost``). Needs the plan's batch (InvalidArgumentError
+        naming ``batch`` for a plan received from a sidecar: call ``plan_cp`` with the batch)."""
+        if self._batch is None:
+            raise invalid("batch", "this plan came from a sidecar; call harts_planner.plan_cp(batch, ...)")
+        m = checks.index(m, "m", self.num_microbatches)
+        return plan_cp(
+            self._batch,
+            self.microbatches[m],
+            self.cp_size,
+            self.chunk_size,
+            conv_width=self._conv_width,
+            cancel=cancel,
+            **costs,
+        )
 
     # ------------------------------------------------------------------ export
     def to_dict(self) -> dict:

@@ -1,9 +1,10 @@
 // The step planner: microbatch membership, DP-replica assignment and slot schedule for
 // one training step (Section 3.2 of the paper, all of it).
 //
-// Inputs: an ingested RolloutBatch, the DP degree D and the microbatch capacity T in
-// compact tokens. Output: a StepPlan in which every trajectory belongs to exactly one
-// non-empty microbatch of at most T compact tokens, K mod D = 0, each replica runs
+// Inputs: an ingested RolloutBatch, the DP degree D, the microbatch capacity T in compact
+// tokens per rank and the context-parallel degree C (cp_size, default 1). Output: a StepPlan in
+// which every trajectory belongs to exactly one non-empty microbatch of at most C x T compact
+// tokens (T when C = 1), K mod D = 0, each replica runs
 // exactly K / D microbatches, one per slot, and the plan is the best candidate found
 // under J of Equation (4) (see replica_assignment.h).
 //
@@ -48,9 +49,19 @@
 //      section fits both).
 // The plan is deterministic: no randomness, every tie broken by a fixed rule.
 //
+// Context parallelism (cp_size = C > 1, issue 35): a microbatch is run by C ranks together, each
+// holding a contiguous range of about T of its compact rows (cp_split.h splits it). The planner
+// then packs exactly as above with the capacity C x T in place of T (every step of the search,
+// the K range of Eq. (7)-(8) included); StepPlan.capacity stays T and StepPlan.cp_size is C. A
+// rollout tree larger than C x T is split between microbatches as any tree larger than T is
+// (its shared prefix computed once per microbatch); a single trajectory (a path) longer than
+// C x T is refused. C = 1 gives exactly the plans (and errors) of a planner without CP.
+//
 // Errors:
-//   InvalidArgument     dp_size < 1, capacity < 1, a bad option (field = its name), or a
-//                       trajectory longer than T (field "trajectories[i]", i its index).
+//   InvalidArgument     dp_size < 1, capacity < 1, a bad option (field = its name: cp_size
+//                       outside [1, kMaxCpSize] of cp_split.h, or capacity x cp_size over
+//                       2^62, field "cp_size"), or a trajectory longer than C x T (field
+//                       "trajectories[i]", i its index; the message names T and C).
 //   FailedPrecondition  N < D (field "dp_size"); K_min > D * floor(N / D), i.e. the batch
 //                       needs more microbatches than it has trajectories (field
 //                       "capacity"); or no candidate reached a feasible grouping with K a
@@ -105,6 +116,8 @@ struct PlannerOptions {
   // Extension: a fixed cost of every microbatch in compact-token units, in [0, capacity]; see
   // step 5 above. 0 = the paper's selection (with the tie rule).
   int64_t microbatch_cost = 0;
+  // Context-parallel degree C in [1, kMaxCpSize]: microbatches of up to C x capacity compact rows.
+  int64_t cp_size = 1;
 };
 
 struct CandidateSummary {
@@ -115,7 +128,8 @@ struct CandidateSummary {
 
 struct StepPlan {
   int64_t dp_size = 0;
-  int64_t capacity = 0;
+  int64_t capacity = 0;  // T per rank: a microbatch holds at most cp_size x capacity compact rows
+  int64_t cp_size = 1;   // C
   int64_t num_trajectories = 0;
   // Microbatch m, ordered by (slot, replica): members are the trajectory indices
   // members[member_offsets[m], member_offsets[m + 1]) in lexicographic order.
@@ -142,8 +156,9 @@ struct StepPlan {
 void ValidatePlannerOptions(const PlannerOptions& options);
 
 // Throws InvalidArgument("trajectories[i]", ...) for the first trajectory i longer than
-// `capacity`. O(N).
-void CheckTrajectoriesFit(const RolloutBatch& batch, int64_t capacity);
+// cp_size x capacity (the message names T, and C when C > 1). Precondition: capacity >= 1,
+// 1 <= cp_size and capacity x cp_size fits int64 (ValidatePlannerOptions). O(N).
+void CheckTrajectoriesFit(const RolloutBatch& batch, int64_t capacity, int64_t cp_size = 1);
 
 StepPlan PlanStep(const RolloutBatch& batch, const PlannerOptions& options, CancelToken* cancel = nullptr);
 

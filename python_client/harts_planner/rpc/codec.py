@@ -212,6 +212,10 @@ def validate_packed(source: PackedTokens) -> None:
             raise invalid(f"{f_ids}[{i}]", f"must be >= 0, got {int(tree_ids[i])}")
 
 
+#: Context-parallel limits (``harts/cp_split.h``): C in ``[1, MAX_CP_SIZE]``, C x T <= MAX_CP_ROWS.
+MAX_CP_SIZE: int = checks.MAX_CP_SIZE
+MAX_CP_ROWS: int = 2**62
+
 #: Least value of each integer option (``ValidatePlannerOptions`` of ``harts/step_plan.h``).
 OPTION_MINIMUMS = {
     "exact_threshold": 0,
@@ -226,9 +230,9 @@ OPTION_MINIMUMS = {
 
 
 def check_step(lengths: np.ndarray, dp_size: int, capacity: int, options: dict) -> None:
-    """The checks ``PlanStep`` starts with (``ValidatePlannerOptions``, ``CheckTrajectoriesFit`` and
-    N >= D in ``harts/step_plan.h``), in the same order, with the same errors and fields
-    (``max_sampled_k``, ``trajectories[i]``, ``dp_size``), from the trajectory lengths alone: O(N),
+    """The checks ``PlanStep`` starts with (``ValidatePlannerOptions``, ``CheckTrajectoriesFit`` against
+    ``cp_size x capacity`` and N >= D in ``harts/step_plan.h``), in the same order, with the same errors and
+    fields (``max_sampled_k``, ``cp_size``, ``trajectories[i]``, ``dp_size``), from the trajectory lengths alone: O(N),
     so that the sidecar answers them before a planner thread is taken (tested against the planner)."""
     from harts_planner.errors import InfeasibleError
 
@@ -241,14 +245,27 @@ def check_step(lengths: np.ndarray, dp_size: int, capacity: int, options: dict) 
             raise invalid(name, f"must be >= {lo}, got {merged[name]}")
         if name == "microbatch_cost" and merged[name] > capacity:
             raise invalid(name, f"must be <= capacity T = {capacity}, got {merged[name]}")
+    cp_size = merged["cp_size"]
+    if not 1 <= cp_size <= MAX_CP_SIZE:
+        raise invalid("cp_size", f"must be in [1, {MAX_CP_SIZE}], got {cp_size}")
+    if capacity > MAX_CP_ROWS // cp_size:
+        raise invalid(
+            "cp_size",
+            f"capacity x cp_size = {capacity} x {cp_size} exceeds the limit of {MAX_CP_ROWS} compact rows "
+            "per microbatch",
+        )
     if merged["search"] not in _SEARCH_TO_WIRE:
         raise invalid("search", f'must be "auto", "exact" or "heuristic", got "{merged["search"]}"')
-    over = np.flatnonzero(lengths > capacity)
+    over = np.flatnonzero(lengths > capacity * cp_size)
     if len(over):
         i = int(over[0])
+        if cp_size == 1:
+            limit = f"T = {capacity}"
+        else:
+            limit = f"C x T = {cp_size} x {capacity} = {cp_size * capacity} (cp_size x capacity)"
         raise invalid(
             f"trajectories[{i}]",
-            f"trajectory {i} has {int(lengths[i])} tokens, more than the microbatch capacity T = {capacity}; "
+            f"trajectory {i} has {int(lengths[i])} tokens, more than the microbatch capacity {limit}; "
             "a trajectory cannot be split between microbatches",
         )
     n = len(lengths)
