@@ -53,16 +53,17 @@ def latest_checkpoint(out_dir) -> Path | None:
     return None if best is None else best[1]
 
 
-def tree_chunk_size(task) -> int:
+def tree_chunk_size(task, device="cpu") -> int:
     """The KDA / GDN chunk size for a task's trees: the power of two at most half its shortest
     segment between forks (each turn's action tokens), in [8, 64]. A fork inside a chunk
     replays the chunk's rows before it, so short trees want short chunks: on kimi-linear-tiny,
     token-set's trees (4 x (5 + 8 x 4 + 8 x 2) tokens, 672 trajectory rows) ran 404 compact + 268
     replay rows at chunk 16 to 64 (no gain over trajectory-wise) and 404 + 140 at chunk 8; 16
     leaves of 67 tokens ran 642 + 430 at chunk 64 and 642 + 46 at chunk 16 (4.6x faster on a CPU);
-    long trees (8 x (64 + 64 x 4 + 64 x 2)) run no replay and were 2.5x slower at chunk 8 than 16."""
+    long trees (8 x (64 + 64 x 4 + 64 x 2)) run no replay and were 2.5x slower at chunk 8 than 16.
+    On CUDA the floor is 32 (the Triton KDA kernels take 32 or 64)."""
     shortest = min(task.action_tokens(t) for t in range(task.turns))
-    c = 8
+    c = 8 if torch.device(device).type == "cpu" else 32  # the Triton KDA path takes 32 or 64
     while c * 2 <= min(64, shortest // 2):
         c *= 2
     return c
@@ -96,7 +97,7 @@ class RLRun:
         self.engine_options = opts
         torch.manual_seed(config.seed)
         self.task = task or make_task(config.task, **config.task_args)
-        self.chunk_size = config.chunk_size or tree_chunk_size(self.task)
+        self.chunk_size = config.chunk_size or tree_chunk_size(self.task, config.device)
         source = config.model if config.model is not None else config.flavor
         layers = {} if config.layers is None else {"num_layers": config.layers}
         self.engine = HartsEngine.build(

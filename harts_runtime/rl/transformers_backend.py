@@ -62,7 +62,7 @@ class TransformersRollout(RolloutEngine):
         model_type = hf_config.pop("model_type")
         config = transformers.AutoConfig.for_model(model_type, **hf_config)
         dtype = next(engine.model.parameters()).dtype
-        with torch.device(device or "cpu"):
+        with torch.device(device if device is not None else next(engine.model.parameters()).device):
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
         rollout = cls(model, engine.vocab_size)
         rollout.load_weights(engine.export_weights(names="transformers"))
