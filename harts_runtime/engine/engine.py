@@ -1,132 +1,28 @@
-"""A training engine RL frameworks can call (:class:`HartsEngine`): framework-neutral, one object
-that owns the model, its optimizer, LR schedule and gradient clipping, and the planner.
-
-::
-
-    engine = HartsEngine.from_pretrained("Qwen3.5-...", EngineConfig(lr=1e-6), mesh=mesh)
-    rollouts = Rollouts.from_padded(input_ids, attention_mask, advantages=adv, loss_mask=mask,
-                                    old_logprobs=old, vocab_size=engine.vocab_size)
-    out = engine.forward_backward(rollouts, loss_fn)   # loss_fn(logprobs, inputs) -> loss
-    report = engine.optimizer_step()                   # grad norm; a non-finite step is skipped
-    lp = rollouts.to_padded(engine.logprobs(rollouts), attention_mask)
-    engine.save("ckpt/step-10"); engine.load("ckpt/step-10")
-    for name, tensor in engine.export_weights(): ...   # vLLM / SGLang weight sync
-
-A step is every trajectory of the step on every rank (as a step plan needs): HARTS's ingestion finds
-the prefix trees, :func:`harts_planner.plan_step` packs them into microbatches and, with a mesh,
-assigns them to DP replicas and slots (no tree is ever split across ranks); each rank runs its
-replica's microbatches (:func:`harts_runtime.parallel.run_replica_step`) and the log-probs come back
-in the caller's per-target order on every rank. ``loss_fn`` sees the log-probs of one microbatch and
-its per-target fields (:mod:`harts_runtime.loss.functions`); it must use step-level denominators
-(``inputs.weights``), which makes the sum over microbatches the step loss in any grouping.
-"""
+"""The training engine: :class:`HartsEngine` (build, the step loop, the optimizer step, checkpoints)
+and what its methods return (:class:`EngineOutput`, :class:`StepReport`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
+from harts_runtime.engine import process_state
+from harts_runtime.engine.config import EngineConfig
+from harts_runtime.engine.trajectory_plan import TrajectoryPlan
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.loss.functions import LossFn
 from harts_runtime.loss.objectives import PolicyLossConfig
 from harts_runtime.microbatch import make_microbatch, run_microbatch
-from harts_runtime.options import ExecutionOptions, OptimizerOptions
 from harts_runtime.rollouts import Rollouts
 from harts_runtime.step_inputs import StepInputs
 
-__all__ = ["EngineConfig", "EngineOutput", "HartsEngine", "StepReport"]
-
-
-class EngineConfig:
-    """What a :class:`HartsEngine` runs: its execution options, its optimizer options and its
-    objective. Every option is declared once, in :mod:`harts_runtime.options`; this class composes
-    them. Flat keywords are routed to the options class that declares them (``EngineConfig(lr=1e-3,
-    capacity=4096)``), with the same checks; reading ``config.lr`` or ``config.capacity`` reads
-    through. An unknown keyword raises :class:`InvalidInputError` naming it."""
-
-    __slots__ = ("execution", "optimizer", "objective", "loss_config")
-
-    def __init__(
-        self,
-        *,
-        execution: ExecutionOptions | None = None,
-        optimizer: OptimizerOptions | None = None,
-        objective: str = "grpo",
-        loss_config: PolicyLossConfig | None = None,
-        **options,
-    ):
-        routed: dict[type, dict] = {ExecutionOptions: {}, OptimizerOptions: {}}
-        for name, value in options.items():
-            owner = _OWNER.get(name)
-            if owner is None:
-                raise InvalidInputError(
-                    name, f"not an engine option; choose from {sorted(_OWNER) + ['objective', 'loss_config']}"
-                )
-            routed[owner][name] = value
-        base = {ExecutionOptions: execution, OptimizerOptions: optimizer}
-        for cls, given in routed.items():
-            if base[cls] is None:
-                base[cls] = cls(**given)
-            elif given:
-                base[cls] = dataclasses.replace(base[cls], **given)
-        self.execution: ExecutionOptions = base[ExecutionOptions]
-        self.optimizer: OptimizerOptions = base[OptimizerOptions]
-        if objective not in ("grpo", "ppo"):
-            raise InvalidInputError("objective", f"choose grpo or ppo, got {objective!r}")
-        self.objective = objective
-        self.loss_config = loss_config
-
-    def __getattr__(self, name):
-        owner = _OWNER.get(name)
-        if owner is ExecutionOptions:
-            return getattr(object.__getattribute__(self, "execution"), name)
-        if owner is OptimizerOptions or name == "lr_factor":
-            return getattr(object.__getattribute__(self, "optimizer"), name)
-        raise AttributeError(name)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, EngineConfig) and self.to_dict() == other.to_dict()
-
-    def __repr__(self) -> str:
-        return (
-            f"EngineConfig(execution={self.execution!r}, optimizer={self.optimizer!r}, "
-            f"objective={self.objective!r}, loss_config={self.loss_config!r})"
-        )
-
-    def replace(self, **changes) -> EngineConfig:
-        """A copy with ``changes`` (flat option names, or ``execution`` / ``optimizer`` / ...)."""
-        kw = dict(
-            execution=self.execution,
-            optimizer=self.optimizer,
-            objective=self.objective,
-            loss_config=self.loss_config,
-        )
-        kw.update({k: changes.pop(k) for k in list(changes) if k in kw})
-        return EngineConfig(**kw, **changes)
-
-    def parallelize_options(self) -> dict:
-        """The ``parallelize`` keywords the execution options ask for."""
-        return self.execution.parallelize_options()
-
-    def to_dict(self) -> dict:
-        """A JSON-able record (saved with checkpoints)."""
-        out = {"objective": self.objective}
-        for part in (self.execution, self.optimizer):
-            out.update(
-                {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(part).items()}
-            )
-        return out
-
-
-_OWNER = {f.name: cls for cls in (ExecutionOptions, OptimizerOptions) for f in dataclasses.fields(cls)}
+__all__ = ["EngineOutput", "HartsEngine", "StepReport"]
 
 
 @dataclass
@@ -310,7 +206,7 @@ class HartsEngine:
                     step.batch, cfg.chunk_size, microbatch=traj, conv_width=cfg.conv_size
                 )
         else:
-            plan = _TrajectoryPlan(step, ex.capacity, self.dp)
+            plan = TrajectoryPlan(step, ex.capacity, self.dp)
         return plan, calls, time.perf_counter() - t0
 
     # ------------------------------------------------------------------ step
@@ -507,8 +403,8 @@ class HartsEngine:
 
         extra = {"engine_step": self.step, "config": self.config.to_dict()}
         rng = io.BytesIO()
-        torch.save(_rng_state(), rng)
-        rank_files = {f"rng-{_rank()}.pt": rng.getvalue()}
+        torch.save(process_state.rng_state(), rng)
+        rank_files = {f"rng-{process_state.rank()}.pt": rng.getvalue()}
         save_checkpoint(path, self.model, self.optimizer, extra=extra, files=files, rank_files=rank_files)
 
     def load(self, path) -> dict:
@@ -529,14 +425,14 @@ class HartsEngine:
         from harts_runtime.parallel.checkpoint_folder import loadable_folder
 
         folder = loadable_folder(path)
-        own = folder / f"rng-{_rank()}.pt"
+        own = folder / f"rng-{process_state.rank()}.pt"
         rng = own if own.exists() else folder / "rng-0.pt"
         if rng.exists():
             try:
                 state = torch.load(rng, weights_only=False)
             except Exception as e:  # verified by the manifest; an old folder may still be damaged
                 raise InvalidInputError(rng.name, f"{rng} is unreadable ({type(e).__name__})") from None
-            _set_rng_state(state)
+            process_state.set_rng_state(state)
         return extra
 
     def save_pretrained(self, path, model_type: str | None = None) -> None:
@@ -573,45 +469,3 @@ def _slot_count(plan, mesh) -> int:
     from harts_runtime.parallel.data import step_slots
 
     return step_slots(plan) if mesh is not None else sum(1 for m in plan.microbatches if len(m))
-
-
-class _TrajectoryPlan:
-    """The trajectory-wise baseline as a plan-like object: first-fit-decreasing packs of expanded
-    trajectories at the capacity, dealt to replicas round-robin by size."""
-
-    def __init__(self, step: StepInputs, capacity: int, dp: int):
-        from harts_runtime.layout.rows import pack_trajectories
-
-        lengths = np.asarray(step.batch.lengths, dtype=np.int64)
-        packs = sorted(pack_trajectories(lengths, capacity), key=lambda p: -int(lengths[p].sum()))
-        self.microbatches = packs
-        self.dp_size = dp
-        self.replica = np.arange(len(packs)) % dp
-        self.slot = np.arange(len(packs)) // dp
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _rng_state() -> dict:
-    out = {"torch": torch.get_rng_state(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    return out
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
