@@ -6,8 +6,8 @@ real width, random weights, one process.
     python benchmarks/rl_loop.py --flavor qwen3.5-35b-a3b --layers 4 --device cuda --steps 4
 
 prints one JSON line per step (the loop's record) and a summary of the mean seconds of each part
-over the steps after the first (warm-up). The sync check's tolerance is loosened for bf16 weights
-(``--sync-atol``): transformers' kernels and HARTS's agree to bf16 rounding there, not float32's.
+over the steps after the first (warm-up). The sync check's tolerance defaults to the weights' dtype
+(``--sync-atol`` overrides it: 1.0 for bf16, where the kernels agree to bf16 rounding).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--capacity", type=int, default=65_536)
-    ap.add_argument("--sync-atol", type=float, default=0.5)
+    ap.add_argument("--sync-atol", type=float, default=None)
     args = ap.parse_args()
     cfg = RLConfig(
         flavor=args.flavor,

@@ -177,6 +177,11 @@ class RLRun:
             ro.check(self.engine.vocab_size)
         return ro
 
+    def _sync_atol(self) -> float:
+        if self.config.sync_atol is not None:
+            return self.config.sync_atol
+        return 2e-3 if next(self.engine.model.parameters()).dtype in (torch.float32, torch.float64) else 1.0
+
     def run_step(self) -> dict:
         """One step; returns its record (also kept as the run's state: :attr:`step` advanced)."""
         from harts_runtime.rollouts import Rollouts
@@ -197,7 +202,7 @@ class RLRun:
         if self.config.sync_sequences:
             seqs = [lf.tokens for lf in leaves[:: max(1, len(leaves) // self.config.sync_sequences)]]
             diff = check_sync(
-                self.engine, self.rollout, seqs[: self.config.sync_sequences], self.config.sync_atol
+                self.engine, self.rollout, seqs[: self.config.sync_sequences], self._sync_atol()
             )
         t4 = time.perf_counter()
         self.step += 1
