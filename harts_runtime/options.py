@@ -110,6 +110,12 @@ class ExecutionOptions:
         metavar="REGIONS",
     )
     no_replay: bool = _opt(False, "KDA without replay rows (the paper's Section 5.4 ablation schedule)")
+    compact_always: bool = _opt(
+        False,
+        "run every microbatch compact, even one whose compact rows plus replay rows are no fewer than its "
+        "trajectories' rows (default: such a microbatch, of short trees that share little, runs "
+        "trajectory-wise: the same math on fewer rows)",
+    )
     param_dtype: str | None = _opt(
         None, "FSDP2 compute dtype under a mesh (default: the weights')", choices=DTYPES
     )
@@ -135,6 +141,7 @@ class ExecutionOptions:
             raise InvalidInputError("keep", "needs recompute (it names what recomputation keeps)")
         object.__setattr__(self, "keep", tuple(sorted(set(keep))))
         _boolean(self.no_replay, "no_replay")
+        _boolean(self.compact_always, "compact_always")
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) is not None:
                 _choice(getattr(self, name), name, DTYPES)

@@ -92,7 +92,12 @@ def _engine(model, optimizer, mode: str, capacity: int, no_replay: bool) -> Hart
         raise InvalidInputError("mode", f"unknown {mode!r}; choose one of {MODES}")
     training = model.training
     cfg = EngineConfig(
-        mode=mode, capacity=capacity, no_replay=no_replay, max_grad_norm=None, lr_schedule="external"
+        mode=mode,
+        capacity=capacity,
+        no_replay=no_replay,
+        compact_always=True,  # the mode asked for, on every microbatch
+        max_grad_norm=None,
+        lr_schedule="external",
     )
     engine = HartsEngine(model, cfg, optimizer=optimizer if optimizer is not None else _NoOptimizer())
     model.train(training)

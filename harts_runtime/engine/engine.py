@@ -9,6 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -247,18 +248,23 @@ class HartsEngine:
         lp_dtype = torch.float64 if self.model.config.dtype == "float64" else torch.float32
         lp_all = torch.zeros(step.num_targets, dtype=lp_dtype, device=dev)
         sums = defaultdict(float)
+        sums["trajectory_fallbacks"] = 0.0  # every rank sums the same names over DP
         metric_sums = defaultdict(float)
         loss_fn = _no_loss if (forward_only and loss_fn is None) else loss_fn
         slots = _slot_count(plan, self.mesh)
 
         def microbatch(slot, traj):
             call_plan = calls.get(int(traj[0])) if len(traj) else None
-            mb = make_microbatch(self.model, step, traj, ex.mode, call_plan)
+            mode = ex.mode
+            if call_plan is not None and not ex.compact_always and _no_fewer_rows(call_plan, step, traj, ex):
+                mode, call_plan = "trajectory", None  # short trees: the same math on fewer rows
+                sums["trajectory_fallbacks"] += 1
+            mb = make_microbatch(self.model, step, traj, mode, call_plan)
             with torch.set_grad_enabled(not forward_only):
                 loss, st = run_microbatch(
                     self.model,
                     step,
-                    mode=ex.mode,
+                    mode=mode,
                     microbatch=mb,
                     loss_fn=loss_fn,
                     backward=not forward_only,
@@ -314,6 +320,7 @@ class HartsEngine:
             / max(1, sums["rows"] + sums["replay_tokens"]),
             "kda_calls": int(sums["num_calls"]),
             "microbatches": int(sums["microbatches"]),
+            "trajectory_fallbacks": int(sums["trajectory_fallbacks"]),
             "plan_seconds": plan_s,
             "fbg_seconds": fbg_s,
             "slot_seconds": list(result.slot_seconds),
@@ -463,6 +470,14 @@ class HartsEngine:
 def _no_loss(logprobs, inputs):
     """A forward-only step's objective: none (its log-probs are what is wanted)."""
     return logprobs.sum() * 0.0
+
+
+def _no_fewer_rows(call_plan, step: StepInputs, traj, ex) -> bool:
+    """Whether a compact microbatch would execute at least as many rows (its compact rows plus the
+    linear-attention replay rows) as its trajectories expanded: short trees that share little."""
+    compact = int(call_plan.compact_tokens) + (0 if ex.no_replay else int(call_plan.replay_tokens))
+    expanded = int(np.asarray(step.batch.lengths, dtype=np.int64)[np.asarray(traj, dtype=np.int64)].sum())
+    return compact >= expanded
 
 
 def _slot_count(plan, mesh) -> int:

@@ -34,7 +34,7 @@ def _step(seed=1):
 
 def test_forward_backward_is_the_train_step():
     step = _step()
-    engine = HartsEngine(_model(), EngineConfig(capacity=CAP))
+    engine = HartsEngine(_model(), EngineConfig(capacity=CAP, compact_always=True))  # as train_step
     ref = _model()
     out = engine.forward_backward(step)
     r = train_step(ref, None, step, capacity=CAP)
@@ -247,3 +247,31 @@ def test_microbatch_cost_reaches_the_planner(monkeypatch):
     ]
     assert seen == [0, CAP]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def test_short_trees_run_trajectory_wise_when_compact_would_execute_more_rows():
+    """Trees that share one token: compact rows plus KDA replay are no fewer than the expanded rows,
+    so the engine runs that microbatch trajectory-wise (never more rows than trajectory-wise); the
+    step's loss and log-probs equal the forced-compact and the trajectory-wise runs."""
+    import harts_planner as hp
+
+    cfg = model_config("debug")
+    rng = np.random.default_rng(0)
+    tails = [rng.integers(1, cfg.vocab_size, size=9).tolist() for _ in range(4)]
+    batch = hp.RolloutBatch.from_token_lists([[3] + t for t in tails])  # forks at position 1
+    step = StepInputs.synthetic(batch, seed=3, vocab_size=cfg.vocab_size)
+    expanded = int(np.asarray(batch.lengths).sum())
+    outs = {}
+    for name, kw in (
+        ("auto", {}),
+        ("compact", dict(compact_always=True)),
+        ("trajectory", dict(mode="trajectory")),
+    ):
+        outs[name] = HartsEngine(_model(), EngineConfig(capacity=64, **kw)).forward_backward(step)
+    auto, forced = outs["auto"].metrics, outs["compact"].metrics
+    assert auto["trajectory_fallbacks"] == 1 and forced["trajectory_fallbacks"] == 0
+    assert forced["rows"] + forced["replay_tokens"] >= expanded  # what the guard saw
+    assert auto["rows"] == expanded and auto["replay_tokens"] == 0
+    for other in ("compact", "trajectory"):
+        assert outs["auto"].loss == pytest.approx(outs[other].loss, rel=2e-5)
+        torch.testing.assert_close(outs["auto"].logprobs, outs[other].logprobs, **TOL)
