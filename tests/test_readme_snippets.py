@@ -117,9 +117,7 @@ SETUP: dict[str, Setup] = {
         },
         needs=("torch", "safetensors"),
     ),
-    "engine = HartsEngine.build(": Setup(
-        make=_framework, needs=("torch", "safetensors")
-    ),  # Qwen3.5
+    "engine = HartsEngine.build(": Setup(make=_framework, needs=("torch", "safetensors")),  # Qwen3.5
 }
 
 
