@@ -461,9 +461,10 @@ class HartsEngine:
             raise InvalidInputError("names", f"choose 'checkpoint' or 'transformers', got {names!r}")
         pairs = export_weights(self.model, model_type)
         if names == "transformers":
+            from harts_runtime.hf import save_setup
             from harts_runtime.hf.memory_names import to_transformers_names
 
-            return to_transformers_names(pairs)
+            return to_transformers_names(pairs, save_setup(self.model, model_type)[1])
         return pairs
 
 

@@ -17,10 +17,17 @@ checkpoint (export_weights)                              in memory (transformers
 ``mlp.experts.E.{w2|down_proj}.weight`` ``[H, I]``       ``mlp.experts.down_proj`` ``[E, H, I]``
 =======================================================  ================================================
 
-Every other name is the same in both. The map is by name pattern, so it holds for every family
-whose checkpoints use these spellings (Kimi-Linear, Qwen3-Next, Qwen3.5-MoE). Streaming: a fused
-tensor is yielded once all of its parts have arrived (experts are counted from the stream itself:
-the parts of one layer arrive together, as :func:`export_weights` yields them).
+A family whose checkpoints spell more names differently gives its renames as its state-dict
+adapter's optional ``memory_renames``: ``(pattern, replacement)`` pairs of :func:`re.sub`, applied in
+order to each checkpoint name before the rules above (Ling-3.0: ``model.word_embeddings`` ->
+``model.embed_tokens``, ``attention.`` -> ``self_attn.`` and so on; Nemotron-H: ``backbone.`` ->
+``model.``). Experts live under ``mlp.experts`` or ``mixer.experts`` (Nemotron-H); a family whose
+experts have no gate projection (only ``up_proj`` / ``down_proj``) fuses them to
+``experts.up_proj`` ``[E, I, H]`` and ``experts.down_proj`` ``[E, H, I]``.
+
+Every other name is the same in both. Streaming: a fused tensor is yielded once all of its parts
+have arrived (experts are counted from the stream itself: the parts of one layer arrive together,
+as :func:`export_weights` yields them).
 """
 
 from __future__ import annotations
@@ -34,36 +41,46 @@ __all__ = ["to_transformers_names"]
 
 _KDA_GATE = re.compile(r"^(.*\.self_attn)\.(f_a_proj\.weight|f_b_proj\.weight|dt_bias|A_log)$")
 _CONV = re.compile(r"^(.*\.self_attn)\.([qkv])_conv1d\.weight$")
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(.*\.(?:mlp|mixer)\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _ROLE = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
-def _rename(name: str) -> str:
+def _rename(name: str, renames: tuple[tuple[str, str], ...] = ()) -> str:
+    for pattern, replacement in renames:
+        name = re.sub(pattern, replacement, name)
     name = re.sub(r"(\.layers\.\d+)\.block_sparse_moe\.", r"\1.mlp.", name)
     m = _KDA_GATE.match(name)
     return f"{m.group(1)}.forget_gate.{m.group(2)}" if m else name
 
 
-def to_transformers_names(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def to_transformers_names(
+    pairs: Iterable[tuple[str, torch.Tensor]], adapter=None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` pairs in checkpoint spelling -> the same weights under transformers' in-memory
     names and shapes (module docstring), ready for ``model.load_state_dict(dict(...), strict=True)``.
-    Tensors pass through unchanged but for the fused ones (new tensors)."""
+    ``adapter``: the family's state-dict adapter, whose optional ``memory_renames`` apply first
+    (None: the Kimi-Linear / Qwen rules only). Tensors pass through unchanged but for the fused ones
+    (new tensors)."""
+    renames = tuple(getattr(adapter, "memory_renames", ()) or ())
     convs: dict[str, dict[str, torch.Tensor]] = {}
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
 
     def flush_experts(prefix: str):
         parts = experts.pop(prefix)
         order = sorted(parts)
-        if order != list(range(len(order))) or any(len(parts[e]) != 3 for e in order):
-            missing = [e for e in range(max(order) + 1) if e not in parts or len(parts[e]) != 3]
+        roles = {"gate", "up", "down"} if any("gate" in parts[e] for e in order) else {"up", "down"}
+        if order != list(range(len(order))) or any(set(parts[e]) != roles for e in order):
+            missing = [e for e in range(max(order) + 1) if e not in parts or set(parts[e]) != roles]
             raise ValueError(f"{prefix}: expert tensors incomplete (experts {missing})")
-        gate_up = torch.stack([torch.cat([parts[e]["gate"], parts[e]["up"]], 0) for e in order])
-        down = torch.stack([parts[e]["down"] for e in order])
-        yield f"{prefix}.gate_up_proj", gate_up
-        yield f"{prefix}.down_proj", down
+        if "gate" in roles:
+            gate_up = torch.stack([torch.cat([parts[e]["gate"], parts[e]["up"]], 0) for e in order])
+            yield f"{prefix}.gate_up_proj", gate_up
+        else:
+            yield f"{prefix}.up_proj", torch.stack([parts[e]["up"] for e in order])
+        yield f"{prefix}.down_proj", torch.stack([parts[e]["down"] for e in order])
 
     for name, tensor in pairs:
-        name = _rename(name)
+        name = _rename(name, renames)
         m = _CONV.match(name)
         if m:
             got = convs.setdefault(m.group(1), {})

@@ -1,7 +1,7 @@
 """The transformers rollout engine (:class:`TransformersRollout`): the embedded default backend,
 CPU or GPU.
 
-It holds a transformers model of the policy's family (Kimi-Linear, Qwen3-Next, Qwen3.5-MoE), built
+It holds a transformers model of the policy's family (Kimi-Linear, Qwen3-Next, Qwen3.5-MoE, Ling-3.0, Nemotron-H), built
 from the trainer's model config (:func:`harts_runtime.hf.save_setup`), and takes the weights in
 memory from :meth:`HartsEngine.export_weights(names="transformers") <harts_runtime.engine.HartsEngine.export_weights>`
 with ``load_state_dict(strict=True)``: a missing or unexpected name raises. Sampling runs the model
@@ -38,6 +38,19 @@ def _quiet_transformers() -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
+def _decode_numbers(value):
+    """``value`` (a config.json value) with transformers' spelling of a non-finite number,
+    ``{"__float__": "Infinity"}``, read as the float (``AutoConfig.for_model`` takes keywords, not
+    JSON, and refuses the mapping); lists and mappings are decoded throughout."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"}:
+            return float(value["__float__"])
+        return {k: _decode_numbers(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_decode_numbers(v) for v in value)
+    return value
+
+
 class TransformersRollout(RolloutEngine):
     """A transformers causal LM of the trainer's family, synced in memory.
 
@@ -58,7 +71,7 @@ class TransformersRollout(RolloutEngine):
 
         _quiet_transformers()
         hf_config, _ = save_setup(engine.model)
-        hf_config = dict(hf_config)
+        hf_config = _decode_numbers(dict(hf_config))
         model_type = hf_config.pop("model_type")
         config = transformers.AutoConfig.for_model(model_type, **hf_config)
         dtype = next(engine.model.parameters()).dtype
