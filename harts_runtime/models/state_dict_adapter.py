@@ -87,6 +87,8 @@ class HFStateDictAdapter:
     written)."""
 
     zero_only: tuple[tuple[str, str], ...] = ()
+    family = "model"
+    """The family's name in error messages."""
 
     # ------------------------------------------------------------------ conversions
     def _memory_to_ours(self, rule, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -113,6 +115,24 @@ class HFStateDictAdapter:
         if kind == "a_log":
             return tensor.reshape(-1)
         return tensor
+
+    def convert_slots(self, name: str, tensor: torch.Tensor) -> list[tuple[str, int | None, torch.Tensor]]:
+        """One HF tensor (either spelling) -> (our name, expert slot or None, tensor) triples
+        (views where possible); checks the name and shape."""
+        key = self._canonical(name)
+        rule = self._rules.get(key)
+        if rule is not None:
+            want = self.hf_shapes[key]
+            if tuple(tensor.shape) != want:
+                raise InvalidInputError(name, f"shape {tuple(tensor.shape)} != {want} of this config")
+            return [(k, None, v) for k, v in self._memory_to_ours(rule, tensor)]
+        ck = self._ckpt.get(key) or self._ckpt.get(key + "#alt")
+        if ck is None:
+            raise InvalidInputError(name, f"not a tensor of this {self.family} config")
+        kind, ours, slot, want = ck
+        if tuple(tensor.shape) != tuple(want):
+            raise InvalidInputError(name, f"shape {tuple(tensor.shape)} != {tuple(want)} of this config")
+        return [(ours, slot, self._checkpoint_to_ours(kind, tensor))]
 
     def ignored(self, name: str) -> bool:
         """HF tensors outside the model (skipped on load); none by default."""

@@ -74,6 +74,8 @@ class KimiLinearStateDictAdapter(HFStateDictAdapter):
     prefix). :meth:`to_hf` writes the in-memory spelling, :meth:`to_checkpoint` the checkpoint one.
     """
 
+    family = "Kimi-Linear"
+
     def __init__(self, config: ModelConfig):
         from harts_runtime.models.hybrid.model import HybridModel
 
@@ -167,29 +169,11 @@ class KimiLinearStateDictAdapter(HFStateDictAdapter):
                     for j in range(e):
                         yield f"{base}.{j}.{w}.weight" + tag, "t", our, j, (cols, rows)
 
-    # ------------------------------------------------------------------ hf -> ours
-    def convert_slots(self, name: str, tensor: torch.Tensor) -> list[tuple[str, int | None, torch.Tensor]]:
-        """One HF tensor (either spelling) -> (our name, expert slot or None, tensor) triples
-        (views where possible); checks the name and shape."""
-        rule = self._rules.get(name)
-        if rule is not None:
-            want = self.hf_shapes[name]
-            if tuple(tensor.shape) != want:
-                raise InvalidInputError(name, f"shape {tuple(tensor.shape)} != {want} of this config")
-            return [(k, None, v) for k, v in self._memory_to_ours(rule, tensor)]
-        ck = self._ckpt.get(name) or self._ckpt.get(name + "#alt")
-        if ck is None:
-            raise InvalidInputError(name, "not a tensor of this Kimi-Linear config")
-        kind, ours, slot, want = ck
-        if tuple(tensor.shape) != tuple(want):
-            raise InvalidInputError(name, f"shape {tuple(tensor.shape)} != {tuple(want)} of this config")
-        return [(ours, slot, self._checkpoint_to_ours(kind, tensor))]
-
     def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """In-memory spelling only: one HF tensor -> its (our name, tensor) pairs."""
         rule = self._rules.get(name)
         if rule is None:
-            raise InvalidInputError(name, "not a tensor of this Kimi-Linear config (in-memory spelling)")
+            raise InvalidInputError(name, f"not a tensor of this {self.family} config (in-memory spelling)")
         return [(k, v) for k, _, v in self.convert_slots(name, tensor)]
 
     def extra_ours(self) -> dict[str, torch.Tensor]:

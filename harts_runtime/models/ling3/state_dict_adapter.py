@@ -92,6 +92,8 @@ class Ling3StateDictAdapter(HFStateDictAdapter):
     applied in order (:func:`harts_runtime.hf.memory_names.to_transformers_names` fuses the conv1d
     and expert tensors after them)."""
 
+    family = "Ling-3.0"
+
     memory_renames: tuple[tuple[str, str], ...] = (
         (r"^model\.word_embeddings\.", "model.embed_tokens."),
         (r"(\.layers\.\d+)\.attention\.dense\.", r"\1.self_attn.o_proj."),
@@ -172,28 +174,10 @@ class Ling3StateDictAdapter(HFStateDictAdapter):
 
     ignored = kept  # skipped by the loader's table checks (the loader keeps them aside)
 
-    # ------------------------------------------------------------------ hf -> ours
-    def convert_slots(self, name: str, tensor: torch.Tensor) -> list[tuple[str, int | None, torch.Tensor]]:
-        """One HF tensor (either spelling) -> (our name, expert slot or None, tensor) triples
-        (views where possible); checks the name and shape."""
-        rule = self._rules.get(name)
-        if rule is not None:
-            want = self.hf_shapes[name]
-            if tuple(tensor.shape) != want:
-                raise InvalidInputError(name, f"shape {tuple(tensor.shape)} != {want} of this config")
-            return [(k, None, v) for k, v in self._memory_to_ours(rule, tensor)]
-        ck = self._ckpt.get(name)
-        if ck is None:
-            raise InvalidInputError(name, "not a tensor of this Ling-3.0 config")
-        kind, ours, slot, want = ck
-        if tuple(tensor.shape) != tuple(want):
-            raise InvalidInputError(name, f"shape {tuple(tensor.shape)} != {tuple(want)} of this config")
-        return [(ours, slot, self._checkpoint_to_ours(kind, tensor))]
-
     def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """In-memory spelling only: one HF tensor -> its (our name, tensor) pairs."""
         if name not in self._rules:
-            raise InvalidInputError(name, "not a tensor of this Ling-3.0 config (in-memory spelling)")
+            raise InvalidInputError(name, f"not a tensor of this {self.family} config (in-memory spelling)")
         return [(k, v) for k, _, v in self.convert_slots(name, tensor)]
 
     def extra_ours(self) -> dict[str, torch.Tensor]:

@@ -133,24 +133,6 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
         """MTP tensors: skipped on load."""
         return name.startswith("mtp.")
 
-    def convert_slots(self, name: str, tensor: torch.Tensor) -> list[tuple[str, int | None, torch.Tensor]]:
-        """One HF tensor (either spelling) -> (our name, expert slot or None, tensor) triples;
-        checks the name and shape."""
-        key = self._canonical(name)
-        rule = self._rules.get(key)
-        if rule is not None:
-            want = self.hf_shapes[key]
-            if tuple(tensor.shape) != want:
-                raise InvalidInputError(name, f"shape {tuple(tensor.shape)} != {want} of this config")
-            return [(k, None, v) for k, v in self._memory_to_ours(rule, tensor)]
-        ck = self._ckpt.get(key)
-        if ck is None:
-            raise InvalidInputError(name, f"not a tensor of this {self.family} config")
-        kind, ours, slot, want = ck
-        if tuple(tensor.shape) != tuple(want):
-            raise InvalidInputError(name, f"shape {tuple(tensor.shape)} != {tuple(want)} of this config")
-        return [(ours, slot, self._checkpoint_to_ours(kind, tensor))]
-
     def extra_ours(self) -> dict[str, torch.Tensor]:
         """Our tensors with no HF counterpart: zero expert-load counts."""
         return {
