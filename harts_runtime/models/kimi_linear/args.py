@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from harts_runtime.errors import InvalidInputError
+from harts_runtime.models.hf_config import as_dict, config_value
 from harts_runtime.models.hybrid.args import KDAArgs, MLAArgs, ModelConfig, MoEArgs, ffn_pattern
 
 __all__ = ["FP32_PARAMS", "from_hf_config", "to_hf_config"]
@@ -62,18 +63,11 @@ _DEFAULTS = {  # KimiLinearConfig's defaults, for config.json files that leave a
 
 
 def _as_dict(cfg) -> dict:
-    if isinstance(cfg, Mapping):
-        return dict(cfg)
-    if hasattr(cfg, "to_dict"):
-        return cfg.to_dict()
-    raise InvalidInputError("config", f"expected a KimiLinearConfig or a dict, got {type(cfg).__name__}")
+    return as_dict(cfg, "a KimiLinearConfig")
 
 
 def _get(d: dict, name: str):
-    for key in (name, _ALIASES.get(name)):
-        if key is not None and d.get(key) is not None:
-            return d[key]
-    return _DEFAULTS.get(name)
+    return config_value(d, name, _ALIASES, _DEFAULTS)
 
 
 def _layer_types(d: dict, n: int) -> list:

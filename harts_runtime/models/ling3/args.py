@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from harts_runtime.errors import InvalidInputError
+from harts_runtime.models.hf_config import as_dict, config_value
 from harts_runtime.models.hybrid.args import KDAArgs, MLAArgs, ModelConfig, MoEArgs
 
 __all__ = ["FP32_PARAMS", "MODEL_TYPE", "from_hf_config", "to_hf_config"]
@@ -80,18 +81,11 @@ _DEFAULTS = {  # BailingHybridConfig's defaults, for config.json files that leav
 
 
 def _as_dict(cfg) -> dict:
-    if isinstance(cfg, Mapping):
-        return dict(cfg)
-    if hasattr(cfg, "to_dict"):
-        return cfg.to_dict()
-    raise InvalidInputError("config", f"expected a BailingHybridConfig or a dict, got {type(cfg).__name__}")
+    return as_dict(cfg, "a BailingHybridConfig")
 
 
 def _get(d: dict, name: str):
-    for key in (name, _ALIASES.get(name)):
-        if key is not None and d.get(key) is not None:
-            return d[key]
-    return _DEFAULTS.get(name)
+    return config_value(d, name, _ALIASES, _DEFAULTS)
 
 
 def _require(d: dict, name: str, ok, what: str):

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from harts_runtime.errors import InvalidInputError
+from harts_runtime.models.hf_config import as_dict
 from harts_runtime.models.hybrid.args import ModelConfig
 
 __all__ = ["LAYER_KINDS", "from_hf_config", "to_hf_config"]
@@ -72,11 +73,7 @@ _ALIASES = {  # legacy config.json names -> NemotronHConfig's
 
 
 def _as_dict(cfg) -> dict:
-    if isinstance(cfg, Mapping):
-        return dict(cfg)
-    if hasattr(cfg, "to_dict"):
-        return cfg.to_dict()
-    raise InvalidInputError("config", f"expected a transformers config or a dict, got {type(cfg).__name__}")
+    return as_dict(cfg, "a transformers config")
 
 
 def layer_types(d: Mapping) -> list[str]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from harts_runtime.errors import InvalidInputError
+from harts_runtime.models.hf_config import as_dict
 from harts_runtime.models.hybrid.args import GatedAttentionArgs, GDNArgs, ModelConfig, MoEArgs
 
 __all__ = ["FAMILIES", "from_hf_config", "to_hf_config"]
@@ -70,11 +71,7 @@ _DEFAULTS_35 = {
 
 
 def _as_dict(cfg) -> dict:
-    if isinstance(cfg, Mapping):
-        return dict(cfg)
-    if hasattr(cfg, "to_dict"):
-        return cfg.to_dict()
-    raise InvalidInputError("config", f"expected a transformers config or a dict, got {type(cfg).__name__}")
+    return as_dict(cfg, "a transformers config")
 
 
 def text_config(d: dict) -> dict:
