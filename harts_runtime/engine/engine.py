@@ -17,7 +17,7 @@ from harts_runtime.engine import process_state
 from harts_runtime.engine.config import EngineConfig
 from harts_runtime.engine.trajectory_plan import TrajectoryPlan
 from harts_runtime.errors import InvalidInputError
-from harts_runtime.loss.functions import LossFn
+from harts_runtime.loss.functions import LossFn, zero_loss_fn
 from harts_runtime.loss.objectives import PolicyLossConfig
 from harts_runtime.microbatch import make_microbatch, run_microbatch
 from harts_runtime.rollouts import Rollouts
@@ -250,7 +250,7 @@ class HartsEngine:
         sums = defaultdict(float)
         sums["trajectory_fallbacks"] = 0.0  # every rank sums the same names over DP
         metric_sums = defaultdict(float)
-        loss_fn = _no_loss if (forward_only and loss_fn is None) else loss_fn
+        loss_fn = zero_loss_fn if (forward_only and loss_fn is None) else loss_fn
         slots = _slot_count(plan, self.mesh)
 
         def microbatch(slot, traj):
@@ -466,11 +466,6 @@ class HartsEngine:
 
             return to_transformers_names(pairs, save_setup(self.model, model_type)[1])
         return pairs
-
-
-def _no_loss(logprobs, inputs):
-    """A forward-only step's objective: none (its log-probs are what is wanted)."""
-    return logprobs.sum() * 0.0
 
 
 def _no_fewer_rows(call_plan, step: StepInputs, traj, ex) -> bool:

@@ -31,6 +31,7 @@ __all__ = [
     "make_policy_loss_fn",
     "policy_loss_fn",
     "ppo_loss_fn",
+    "zero_loss_fn",
 ]
 
 
@@ -99,6 +100,13 @@ def make_policy_loss_fn(config: PolicyLossConfig | None = None) -> LossFn:
 
 policy_loss_fn: LossFn = make_policy_loss_fn()
 """The step's own objective (GRPO or PPO with their defaults, or ``StepInputs.loss_config``)."""
+
+
+def zero_loss_fn(logprobs, inputs):
+    """No objective: a zero loss that keeps the graph (forward-only scoring, where the log-probs are
+    what is wanted)."""
+    return logprobs.sum() * 0.0
+
 
 grpo_loss_fn: LossFn = make_policy_loss_fn(PolicyLossConfig(kl_coef=0.001))
 """GRPO: the clipped surrogate (0.2) plus a k3 KL-to-reference penalty of 0.001 (needs

@@ -75,7 +75,8 @@ from harts_runtime.engine import EngineConfig, EngineOutput, HartsEngine
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.integrations.verl.config import HartsEngineConfig
 from harts_runtime.integrations.verl.data import gather_rows, harts_logprobs_to_verl, rollouts_of
-from harts_runtime.integrations.verl.loss import VerlLoss, full_weight, no_loss, row_entropy
+from harts_runtime.integrations.verl.loss import VerlLoss, full_weight, row_entropy
+from harts_runtime.loss.functions import zero_loss_fn
 from harts_runtime.loss.objectives import PolicyLossConfig
 from harts_runtime.options import OptimizerOptions
 from harts_runtime.rollouts import Rollouts
@@ -221,7 +222,7 @@ class VerlHartsEngine(BaseEngine):
         if loss_function is not None:
             loss_fn = VerlLoss(loss_function, step, dp_group=group)
         else:
-            loss_fn = no_loss
+            loss_fn = zero_loss_fn  # no objective (verl scoring): zero, log-probs kept
         ctx = torch.no_grad() if forward_only else nullcontext()
         with ctx:
             if entropy:

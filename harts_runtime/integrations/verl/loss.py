@@ -17,7 +17,7 @@ from verl.utils.metric import AggregationType, Metric
 from harts_runtime.integrations.verl.data import harts_logprobs_to_verl, step_denominators
 from harts_runtime.loss.functions import MicrobatchInputs
 
-__all__ = ["VerlLoss", "full_weight", "no_loss", "row_entropy"]
+__all__ = ["VerlLoss", "full_weight", "row_entropy"]
 
 
 class VerlLoss:
@@ -112,8 +112,3 @@ def row_entropy(hidden: torch.Tensor, weight: torch.Tensor, rows: int = 2048) ->
         lse = torch.logsumexp(z, -1)
         out[a : a + rows] = lse - (torch.softmax(z, -1) * z).sum(-1)
     return out
-
-
-def no_loss(logprobs, inputs):
-    """The loss of a call without verl's loss function (forward-only scoring): zero."""
-    return logprobs.sum() * 0.0
