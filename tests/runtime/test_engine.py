@@ -275,3 +275,48 @@ def test_short_trees_run_trajectory_wise_when_compact_would_execute_more_rows():
     for other in ("compact", "trajectory"):
         assert outs["auto"].loss == pytest.approx(outs[other].loss, rel=2e-5)
         torch.testing.assert_close(outs["auto"].logprobs, outs[other].logprobs, **TOL)
+
+
+def test_engine_config_routes_each_option_to_its_one_declaration():
+    """Flat keywords land in the options class that declares them and are checked there; an
+    unknown one is refused naming it; ``replace`` keeps the rest; an external schedule leaves the
+    learning rate to the caller."""
+    from harts_runtime.options import ExecutionOptions, OptimizerOptions
+
+    cfg = EngineConfig(lr=1e-3, capacity=64, recompute=True, keep=("attention",))
+    assert cfg.execution == ExecutionOptions(capacity=64, recompute=True, keep=("attention",))
+    assert cfg.optimizer == OptimizerOptions(lr=1e-3) and (cfg.lr, cfg.capacity) == (1e-3, 64)
+    assert cfg.replace(capacity=32).capacity == 32 and cfg.replace(capacity=32).lr == 1e-3
+    for kw, field in (
+        (dict(capcity=64), "capcity"),
+        (dict(keep=("attention",)), "keep"),  # keep without recompute
+        (dict(keep=("mlp",), recompute=True), "keep"),
+        (dict(capacity=64, microbatch_cost=65), "microbatch_cost"),
+        (dict(lr_schedule="cosine"), "total_steps"),
+    ):
+        with pytest.raises(InvalidInputError) as e:
+            EngineConfig(**kw)
+        assert e.value.field == field
+    engine = HartsEngine(_model(), EngineConfig(capacity=CAP, lr=1e-2, lr_schedule="external"))
+    assert engine.scheduler is None
+    engine.forward_backward(_step())
+    engine.optimizer.param_groups[0]["lr"] = 5e-3  # the caller's schedule
+    engine.optimizer_step()
+    assert engine.optimizer.param_groups[0]["lr"] == 5e-3
+
+
+def test_a_sidecar_planner_gives_the_in_process_step():
+    """``planner="host:port"``: the step is planned on a harts-planner sidecar, and its loss and
+    log-probs equal the in-process planner's."""
+    pytest.importorskip("grpc")
+    from harts_planner.rpc.server import SidecarProcess
+
+    step = _step()
+    local = HartsEngine(_model(), EngineConfig(capacity=CAP)).forward_backward(step)
+    with SidecarProcess(workers=1) as sidecar:
+        engine = HartsEngine(_model(), EngineConfig(capacity=CAP, planner=sidecar.address))
+        assert engine.planner.is_remote
+        remote = engine.forward_backward(step)
+        engine.planner.close()
+    assert remote.loss == local.loss and remote.metrics["rows"] == local.metrics["rows"]
+    torch.testing.assert_close(remote.logprobs, local.logprobs, rtol=0, atol=0)
