@@ -154,14 +154,16 @@ def _device(group) -> torch.device:
 @torch.no_grad()
 def sync_expert_load(model: torch.nn.Module, mesh) -> None:
     """Sum every MoE layer's multiplicity-weighted expert-load counts (``local_tokens_per_expert``)
-    over the ranks that routed different rows: the DP group, and the TP group under sequence
-    parallelism (each TP rank routed its row block). Call once per step, before
+    over the ranks that routed different rows: the DP group, the CP group (each CP rank routed its
+    row block) and the TP group under sequence parallelism (each TP rank routed its row block). Call once per step, before
     ``model.update_expert_bias()``; afterwards every rank holds the step's counts, exactly those of
     one process running the whole step (Section 3.5)."""
     dims = mesh.dims
     groups = []
     if dims.dp > 1:
         groups.append(mesh.dp.get_group())
+    if dims.cp > 1:
+        groups.append(mesh.cp.get_group())
     if dims.sequence_parallel:
         groups.append(mesh.tp.get_group())
     if not groups:

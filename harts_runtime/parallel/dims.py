@@ -14,17 +14,22 @@ Glossary
   experts and exchanges compact rows with its group (all-to-all). EP groups are ``ep``
   consecutive ``dp_shard`` ranks at one TP rank (``ep`` divides ``dp_shard``); the routed experts
   are FSDP-sharded over the rest, ``efsdp = dp_shard / ep``, as torchtitan does for MoE.
+* ``cp``: context-parallel degree C; the ranks of a CP group jointly execute one microbatch of
+  one replica (up to ``C x T`` compact rows): each holds a block of its rows for everything
+  row-local and runs the mixers on ``1 / C`` of their heads over all rows
+  (:mod:`harts_runtime.parallel.context`). Parameters are FSDP-sharded over ``dp_shard x cp``.
 * ``pp``: pipeline stages; must be 1 for now (``docs/parallel.md`` says how it will fit).
 
 Meshes (:meth:`ParallelDims.build_mesh`), TP fastest, as torchtitan and Megatron order them::
 
-    dense  ("dp_replicate", "dp_shard", "tp")             rank = (r * dp_shard + s) * tp + t
-    expert ("dp_replicate", "efsdp", "ep", "tp")           s = f * ep + e
+    dense  ("dp_replicate", "dp_shard", "cp", "tp")        rank = ((r * dp_shard + s) * cp + c) * tp + t
+    expert ("dp_replicate", "efsdp", "cp", "ep", "tp")     s = f * ep + e
 
-Both meshes cover the same ranks in the same order, so the ``tp`` ranks of a replica are adjacent
-(one NVLink island) and an EP group is a block of a replica group. Pipeline and context
-parallelism add outer (``pp``) and inner (``cp``, next to ``tp``) dimensions to both without
-changing the others.
+Both meshes cover the same ranks, so the ``tp`` ranks of a replica are adjacent (one NVLink
+island), then its ``cp`` ranks; an EP group is ``ep`` ranks of one ``(cp, tp)`` coordinate. The
+dense mesh also has the flattened ``"dp"`` (``dp_replicate x dp_shard``) and ``"dp_shard_cp"``
+(what FSDP2 shards over), the expert mesh ``"efsdp_cp"``. Pipeline parallelism will add an outer
+``pp`` dimension without changing the others.
 """
 
 from __future__ import annotations
@@ -37,21 +42,24 @@ from harts_runtime.errors import ParallelConfigError
 
 __all__ = ["ParallelConfigError", "ParallelDims", "ParallelMesh"]
 
-_DEGREES = ("dp_replicate", "dp_shard", "tp", "ep", "pp", "world_size")
+_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "ep", "pp", "world_size")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
     """Degrees of each parallelism; validates itself on construction (every error names its field).
 
-    ``world_size`` must equal ``dp_replicate * dp_shard * tp * pp``; EP borrows ``dp_shard`` ranks,
-    it does not multiply the world.
+    ``world_size`` must equal ``dp_replicate * dp_shard * cp * tp * pp``; EP borrows ``dp_shard``
+    ranks, it does not multiply the world.
     """
 
     dp_replicate: int = 1
     """HSDP replica groups: parameters are replicated over this dimension."""
     dp_shard: int = 1
     """FSDP degree: parameters, gradients and optimizer state are sharded over this dimension."""
+    cp: int = 1
+    """Context-parallel degree C: one microbatch of up to ``C x T`` rows runs on C ranks (rows split
+    between them, mixer heads split between them)."""
     tp: int = 1
     """Tensor-parallel degree (heads, FFN width, vocabulary; rows under sequence parallelism)."""
     ep: int = 1
@@ -76,12 +84,12 @@ class ParallelDims:
                 f"pipeline parallelism is not implemented yet (got pp={self.pp}); "
                 "see docs/parallel.md for how it will fit",
             )
-        want = self.dp_replicate * self.dp_shard * self.tp * self.pp
+        want = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
         if want != self.world_size:
             raise ParallelConfigError(
-                "world_size",
-                f"{self.world_size} != dp_replicate * dp_shard * tp * pp = "
-                f"{self.dp_replicate} * {self.dp_shard} * {self.tp} * {self.pp} = {want}",
+                "cp" if self.cp > 1 and self.world_size % self.cp else "world_size",
+                f"world_size {self.world_size} != dp_replicate * dp_shard * cp * tp * pp = "
+                f"{self.dp_replicate} * {self.dp_shard} * {self.cp} * {self.tp} * {self.pp} = {want}",
             )
         if self.dp_shard % self.ep:
             raise ParallelConfigError(
@@ -104,18 +112,25 @@ class ParallelDims:
         return self.dp_shard // self.ep
 
     @classmethod
-    def from_world(cls, world_size: int, *, tp: int = 1, ep: int = 1, dp_replicate: int = 1, **kw):
-        """The dims with ``dp_shard`` filled in from the world size (``world / (dp_replicate * tp)``)."""
-        for name, v in (("world_size", world_size), ("tp", tp), ("dp_replicate", dp_replicate)):
+    def from_world(
+        cls, world_size: int, *, tp: int = 1, ep: int = 1, dp_replicate: int = 1, cp: int = 1, **kw
+    ):
+        """The dims with ``dp_shard`` filled in from the world size (``world / (dp_replicate * cp *
+        tp)``)."""
+        for name, v in (("world_size", world_size), ("tp", tp), ("dp_replicate", dp_replicate), ("cp", cp)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ParallelConfigError(name, f"must be an integer >= 1, got {v!r}")
-        if world_size % (dp_replicate * tp):
+        if world_size % cp:
+            raise ParallelConfigError("cp", f"{cp} does not divide the world size {world_size}")
+        if world_size % (dp_replicate * cp * tp):
             raise ParallelConfigError(
-                "world_size", f"{world_size} is not divisible by dp_replicate * tp = {dp_replicate * tp}"
+                "world_size",
+                f"{world_size} is not divisible by dp_replicate * cp * tp = {dp_replicate * cp * tp}",
             )
         return cls(
             dp_replicate=dp_replicate,
-            dp_shard=world_size // (dp_replicate * tp),
+            dp_shard=world_size // (dp_replicate * cp * tp),
+            cp=cp,
             tp=tp,
             ep=ep,
             world_size=world_size,
@@ -124,14 +139,16 @@ class ParallelDims:
 
     # ------------------------------------------------------------------ coordinates
     def coords(self, rank: int) -> dict[str, int]:
-        """Mesh coordinates of ``rank``: ``dp_replicate``, ``dp_shard``, ``tp``, ``efsdp``, ``ep``
-        and ``replica`` (the DP replica index, ``dp_replicate * dp_shard + dp_shard``)."""
+        """Mesh coordinates of ``rank``: ``dp_replicate``, ``dp_shard``, ``tp``, ``efsdp``, ``ep``,
+        ``replica`` (the DP replica index, ``dp_replicate * dp_shard + dp_shard``) and, with
+        ``cp > 1``, ``cp``."""
         if not 0 <= rank < self.world_size:
             raise ParallelConfigError("rank", f"{rank} is outside [0, {self.world_size})")
         t = rank % self.tp
-        s = (rank // self.tp) % self.dp_shard
-        r = rank // (self.tp * self.dp_shard)
-        return {
+        c = (rank // self.tp) % self.cp
+        s = (rank // (self.tp * self.cp)) % self.dp_shard
+        r = rank // (self.tp * self.cp * self.dp_shard)
+        out = {
             "dp_replicate": r,
             "dp_shard": s,
             "tp": t,
@@ -139,6 +156,9 @@ class ParallelDims:
             "ep": s % self.ep,
             "replica": r * self.dp_shard + s,
         }
+        if self.cp > 1:
+            out["cp"] = c
+        return out
 
     def build_mesh(self, device_type: str | None = None) -> ParallelMesh:
         """Create the dense and (with ``ep > 1``) expert device meshes. Collective: every rank calls
@@ -155,15 +175,22 @@ class ParallelDims:
             )
         if device_type is None:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        names = ("dp_replicate", "dp_shard", "tp")
+        names = ("dp_replicate", "dp_shard", "cp", "tp")
         dense = init_device_mesh(
-            device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=names
+            device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp), mesh_dim_names=names
         )
         dense[("dp_replicate", "dp_shard")]._flatten("dp")
+        dense[("dp_shard", "cp")]._flatten("dp_shard_cp")
         expert = None
         if self.ep > 1:
-            ranks = torch.arange(self.world_size).view(self.dp_replicate, self.efsdp, self.ep, self.tp)
-            expert = DeviceMesh(device_type, ranks, mesh_dim_names=("dp_replicate", "efsdp", "ep", "tp"))
+            ranks = torch.arange(self.world_size).view(
+                self.dp_replicate, self.efsdp, self.ep, self.cp, self.tp
+            )
+            ranks = ranks.permute(0, 1, 3, 2, 4).contiguous()  # (r, f, c, e, t): efsdp next to cp
+            expert = DeviceMesh(
+                device_type, ranks, mesh_dim_names=("dp_replicate", "efsdp", "cp", "ep", "tp")
+            )
+            expert[("efsdp", "cp")]._flatten("efsdp_cp")
         return ParallelMesh(self, dense, expert)
 
 
@@ -173,9 +200,11 @@ class ParallelMesh:
 
     dims: ParallelDims
     dense: object
-    """DeviceMesh ``("dp_replicate", "dp_shard", "tp")`` (with the flattened ``"dp"``)."""
+    """DeviceMesh ``("dp_replicate", "dp_shard", "cp", "tp")`` (with the flattened ``"dp"`` and
+    ``"dp_shard_cp"``)."""
     expert: object | None = None
-    """DeviceMesh ``("dp_replicate", "efsdp", "ep", "tp")``, or None without EP."""
+    """DeviceMesh ``("dp_replicate", "efsdp", "cp", "ep", "tp")`` (with ``"efsdp_cp"``), or None
+    without EP."""
 
     @property
     def rank(self) -> int:
@@ -196,23 +225,32 @@ class ParallelMesh:
         return self.dense["tp"]
 
     @property
+    def cp(self):
+        """The CP submesh (1-D): the ranks that run one microbatch together."""
+        return self.dense["cp"]
+
+    @property
     def dp(self):
         """All DP ranks at this rank's TP coordinate (1-D, flattened ``dp_replicate`` x ``dp_shard``):
         the group over which replicas' losses and expert-load counts are summed."""
         return self.dense["dp"]
 
     def fsdp(self):
-        """The mesh FSDP2 shards dense parameters over: ``dp_shard``, or ``(dp_replicate,
-        dp_shard)`` (HSDP)."""
+        """The mesh FSDP2 shards dense parameters over: ``dp_shard`` (``dp_shard x cp`` flattened
+        under CP: each CP rank's gradients are partial), or with ``dp_replicate`` that and
+        ``dp_replicate`` (HSDP)."""
+        shard = "dp_shard_cp" if self.dims.cp > 1 else "dp_shard"
         if self.dims.dp_replicate > 1:
-            return self.dense[("dp_replicate", "dp_shard")]
-        return self.dense["dp_shard"]
+            return self.dense[("dp_replicate", shard)]
+        return self.dense[shard]
 
     def expert_fsdp(self):
-        """The mesh FSDP2 shards the MoE layers over under EP: ``efsdp`` (HSDP with ``dp_replicate``)."""
+        """The mesh FSDP2 shards the MoE layers over under EP: ``efsdp`` (``efsdp x cp`` under CP;
+        HSDP with ``dp_replicate``)."""
+        shard = "efsdp_cp" if self.dims.cp > 1 else "efsdp"
         if self.dims.dp_replicate > 1:
-            return self.expert[("dp_replicate", "efsdp")]
-        return self.expert["efsdp"]
+            return self.expert[("dp_replicate", shard)]
+        return self.expert[shard]
 
     def expert_spmd(self):
         """The mesh the MoE parameters are DTensors on under EP: ``ep`` (``(ep, tp)`` with TP)."""

@@ -3,6 +3,9 @@
 
 :func:`parallelize` applies, in this order:
 
+0. :func:`~harts_runtime.parallel.context.apply_cp_rows` (with ``cp > 1``): every mixer
+   head-parallel over the CP group (rows all-gathered in, partial rows reduce-scattered out), the
+   embedding on this rank's row block (:mod:`harts_runtime.parallel.context`);
 1. :func:`apply_tp`: every mixer and dense FFN a TP region from its plan
    (:mod:`harts_runtime.parallel.plans`, applied by :class:`~harts_runtime.parallel.tensor.TensorParallelRegion`),
    the embedding torch's ``RowwiseParallel`` over the vocabulary, the LM head a
@@ -15,8 +18,9 @@
 3. :func:`apply_ac`: block recomputation (:func:`harts_runtime.recompute.apply_recompute`, the
    runtime's one switch; kept regions included);
 4. :func:`apply_fsdp`: FSDP2 ``fully_shard`` on the embedding, every block, and the root (the final
-   norm and the LM head), over ``dp_shard`` (HSDP over ``(dp_replicate, dp_shard)``); under EP the
-   MoE layers over their own mesh (``efsdp``), as torchtitan does for MoE. Gradients are summed, not
+   norm and the LM head), over ``dp_shard`` (``dp_shard x cp`` under CP; HSDP with
+   ``dp_replicate``); under EP the MoE layers over their own mesh (``efsdp``, ``efsdp x cp``), as
+   torchtitan does for MoE. Gradients are summed, not
    averaged (``set_gradient_divide_factor(1.0)``): every loss of the runtime is already normalised
    by step-level denominators (``harts_runtime.train``), so the sum over ranks is the step's gradient.
 
@@ -44,6 +48,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
 from harts_runtime.layers.moe import CompactMoE
+from harts_runtime.parallel.context import apply_cp_head, apply_cp_rows
 from harts_runtime.parallel.dims import ParallelConfigError, ParallelMesh
 from harts_runtime.parallel.expert import ExpertDispatch
 from harts_runtime.parallel.plans import tp_plan
@@ -55,7 +60,7 @@ from harts_runtime.parallel.tensor import (
 )
 from harts_runtime.recompute import apply_recompute
 
-__all__ = ["apply_ac", "apply_ep", "apply_fsdp", "apply_tp", "parallelize"]
+__all__ = ["apply_ac", "apply_cp_head", "apply_cp_rows", "apply_ep", "apply_fsdp", "apply_tp", "parallelize"]
 
 _EXPERTS = ("w_gate", "w_up", "w_down")
 
@@ -82,6 +87,7 @@ def apply_tp(model: nn.Module, mesh: ParallelMesh) -> None:
     """
     dims = mesh.dims
     sp, tp_mesh = dims.sequence_parallel, mesh.tp
+    cp_mesh = mesh.cp if dims.cp > 1 else None
     blocks = _blocks(model)
     ep = dims.ep > 1
     styles: dict[str, object] = {}
@@ -91,7 +97,7 @@ def apply_tp(model: nn.Module, mesh: ParallelMesh) -> None:
             raise ParallelConfigError(
                 f"blocks[{i}].mixer", f"no tensor-parallel plan for {type(block.mixer).__name__}"
             )
-        styles[f"blocks.{i}.mixer"] = TensorParallelRegion(plan, sp)
+        styles[f"blocks.{i}.mixer"] = TensorParallelRegion(plan, sp, cp_mesh)
         for norm in ("norm1", "norm2"):
             styles[f"blocks.{i}.{norm}"] = ReplicatedParameters(partial_grad=sp)
         moe = _moe(block)
@@ -106,7 +112,7 @@ def apply_tp(model: nn.Module, mesh: ParallelMesh) -> None:
             raise ParallelConfigError(
                 f"blocks[{i}].ffn", f"no tensor-parallel plan for {type(block.ffn).__name__}"
             )
-        styles[f"blocks.{i}.ffn"] = TensorParallelRegion(plan, sp)
+        styles[f"blocks.{i}.ffn"] = TensorParallelRegion(plan, sp, cp_mesh)
     if not isinstance(model.embed, nn.Embedding) or not isinstance(model.lm_head, nn.Linear):
         raise ParallelConfigError(
             "model", "tensor parallelism needs an nn.Embedding .embed and an nn.Linear .lm_head"
@@ -236,8 +242,12 @@ def parallelize(
         raise ParallelConfigError("model", "is already parallelized")
     dims = mesh.dims
     _blocks(model)
+    if dims.cp > 1:
+        apply_cp_rows(model, mesh)
     if dims.tp > 1:
         apply_tp(model, mesh)
+    if dims.cp > 1:
+        apply_cp_head(model, mesh, getattr(getattr(model, "config", None), "kda_backend", "auto"))
     if dims.ep > 1:
         apply_ep(model, mesh)
     if recompute:

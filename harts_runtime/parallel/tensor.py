@@ -131,15 +131,16 @@ class TensorParallelRegion(ParallelStyle):
     same rows as ``x``.
     """
 
-    def __init__(self, plan: LayerPlan, sequence_parallel: bool = False):
+    def __init__(self, plan: LayerPlan, sequence_parallel: bool = False, cp_mesh=None):
         super().__init__()
         self.plan, self.sequence_parallel = plan, bool(sequence_parallel)
+        self.cp_mesh = cp_mesh  # under context parallelism the replica's rows are this CP block
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         names = list(self.plan.placements)
         placements = [(self.plan.placements[n],) for n in names]
         distribute_parameters(module, device_mesh, dict(zip(names, placements)))
-        sp = self.sequence_parallel
+        sp, cp_mesh = self.sequence_parallel, self.cp_mesh
 
         def body(orig, layout, x, *local):
             with local_parameters(module, names, list(local)):
@@ -150,6 +151,9 @@ class TensorParallelRegion(ParallelStyle):
             d = x.shape[-1]
             if sp:
                 n = layout.num_rows
+                if cp_mesh is not None:  # the rows of this rank's CP block (parallel.context)
+                    start, end = row_block(n, cp_mesh.size(), cp_mesh.get_local_rank())
+                    n = end - start
                 xd = DTensor.from_local(x, mesh, [Shard(0)], run_check=False, shape=(n, d), stride=(d, 1))
                 xd = xd.redistribute(mesh, [Replicate()])
             else:

@@ -1,0 +1,285 @@
+"""Context parallelism over rollout trees: one microbatch of up to ``C x T`` compact rows on the C
+ranks of a CP group (issue 35; ``docs/parallel.md``, "Context parallelism").
+
+Design: rows split for the row-local work, heads split for the mixers (head-parallel CP, the
+Ulysses family; ``docs/parallel.md`` says why it was chosen over state passing):
+
+=====================  ========================================================================
+part                   under ``cp = C`` (rank ``c`` of the CP group)
+=====================  ========================================================================
+embedding              the input ids of this rank's *row block* only (:func:`cp_rows`:
+                       ``row_block(N, C, c)``, contiguous physical rows, ``ceil(N / C)`` each)
+norms, dense FFN, MoE  this rank's row block (MoE: its rows' multiplicities; the router
+                       statistics summed over CP, :class:`ContextParallelRows`)
+mixers                 a :class:`ContextParallelMixer`: the normed input rows all-gathered over
+                       CP to all N rows, the *unchanged* one-process mixer on ``1 / C`` of its
+                       heads (its weights sliced by head, :func:`cp_plan`) with the microbatch's
+                       full call plan (KDA / GDN rounds, replay, fork states, short convolutions,
+                       attention's ancestor views: every head sees every row of its trees), the
+                       output's partial sums reduce-scattered back to the row blocks
+LM head                the log-probs of the targets whose rows this rank holds, summed over CP
+                       into the microbatch's ``[P]`` (every CP rank then evaluates the same loss)
+=====================  ========================================================================
+
+Exactness: every head of every mixer computes exactly what one process computes (same rows, same
+call plan, same chunk partition); every row-local op runs once, on the rank holding the row. The
+gradients of a rank's parameters are partial (its rows, its heads), and FSDP2 sums them over
+``dp_shard x cp`` (:meth:`~harts_runtime.parallel.dims.ParallelMesh.fsdp`). The per-microbatch loss
+is replicated over CP (log-probs and router statistics are summed forward, their backward is the
+identity), so the step loss is summed over DP only.
+
+Collectives per mixer layer and microbatch (forward; the backward mirrors them, block recomputation
+repeats the forward's): an all-gather of ``[N, D]`` rows and a reduce-scatter of ``[N, D]``
+partial rows over CP (DTensor ``Shard(0) -> Replicate`` and ``Partial -> Shard(0)`` on the CP
+submesh). Per microbatch: an all-reduce of the ``P`` log-probs; per MoE layer: one of ``2E + 2``
+router statistics. The degree is capped by the head count: C (times ``tp``) must divide every
+mixer's heads (key heads for the gated delta net); a GQA layer with fewer KV heads than ranks gives
+each rank the KV head of its query heads.
+
+Composition: under TP the CP mixer runs inside the TP region on the TP rank's local heads (the CP
+slices are slices of those); under sequence parallelism each TP rank holds a :func:`row_block` of
+its CP block. EP exchanges rows between the EP ranks of one CP coordinate.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from harts_runtime.errors import ParallelConfigError
+from harts_runtime.layers.attention import CompactAttention
+from harts_runtime.layers.gated_attention import CompactGatedAttention
+from harts_runtime.parallel.plans import COL, REP, ROW, TP_PLANS
+from harts_runtime.parallel.tensor import local_parameters, row_block
+
+__all__ = [
+    "ContextParallelRows",
+    "apply_cp_head",
+    "apply_cp_rows",
+    "cp_plan",
+    "cp_rows",
+    "gather_rows",
+    "scatter_rows",
+    "sum_replicas",
+]
+
+GROUP = "group"
+"""A CP slice of a GQA layer's key/value projection when the ranks outnumber its (local) KV heads:
+each rank takes the one KV head its query heads read."""
+
+
+def cp_rows(n: int, cp_mesh) -> tuple[int, int]:
+    """``[start, end)``: this rank's block of a microbatch's ``n`` physical rows."""
+    return row_block(n, cp_mesh.size(), cp_mesh.get_local_rank())
+
+
+def gather_rows(x: torch.Tensor, cp_mesh, n: int) -> torch.Tensor:
+    """All ``n`` rows from each CP rank's block ``x`` (all-gather; backward: reduce-scatter of the
+    partial row gradients)."""
+    shape = (n, *x.shape[1:])
+    d = DTensor.from_local(
+        x,
+        cp_mesh,
+        [Shard(0)],
+        run_check=False,
+        shape=shape,
+        stride=torch.empty(shape, device="meta").stride(),
+    )
+    return d.redistribute(cp_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+
+def scatter_rows(y: torch.Tensor, cp_mesh) -> torch.Tensor:
+    """This rank's row block of the sum over CP of the partial rows ``y`` (reduce-scatter; backward:
+    all-gather)."""
+    return (
+        DTensor.from_local(y, cp_mesh, [Partial()], run_check=False)
+        .redistribute(cp_mesh, [Shard(0)])
+        .to_local()
+    )
+
+
+def sum_replicas(t: torch.Tensor, cp_mesh) -> torch.Tensor:
+    """The sum over CP of the partial ``t`` (all-reduce), replicated; backward: the identity (every CP
+    rank evaluates the same function of the sum)."""
+    return (
+        DTensor.from_local(t, cp_mesh, [Partial()], run_check=False)
+        .redistribute(cp_mesh, [Replicate()])
+        .to_local()
+    )
+
+
+# ---------------------------------------------------------------------------------- head slices
+def cp_plan(layer: nn.Module, tp: int, cp: int, where: str = "") -> dict[str, object]:
+    """How each parameter of mixer ``layer`` is sliced between the CP ranks: name -> ``COL`` (a block
+    of rows / channels / per-head entries), ``ROW`` (a block of input columns of the output
+    projection), ``REP`` (whole) or :data:`GROUP`. Read from the layer's TP plan
+    (:mod:`harts_runtime.parallel.plans`), whose head blocks are the same; the TP plan is checked at
+    ``tp``. Raises :class:`ParallelConfigError` naming the field when ``tp * cp`` does not divide
+    the heads, or the layer has no head-parallel plan."""
+    fn = TP_PLANS.get(type(layer))
+    if fn is None:
+        raise ParallelConfigError(
+            "cp",
+            f"{type(layer).__name__}{where} has no head-parallel plan; context parallelism splits "
+            "every mixer's heads between the CP ranks",
+        )
+    plan = fn(layer, tp)
+    plan.check(layer, tp, where)
+    for field, value in plan.divides:
+        if value % (tp * cp):
+            raise ParallelConfigError(
+                field,
+                f"{value} is not divisible by tp * cp = {tp} * {cp}{where} (context parallelism splits "
+                "each mixer's heads between the CP ranks: C is capped by the head count)",
+            )
+    out = dict(plan.placements)
+    if isinstance(layer, (CompactAttention, CompactGatedAttention)):
+        kv = layer.config.num_kv_heads
+        local_kv = kv // tp if kv % tp == 0 else kv  # a replicated single KV head under TP
+        if out.get("k_proj.weight") == COL or local_kv == 1:
+            if local_kv % cp:
+                if cp % local_kv:
+                    raise ParallelConfigError(
+                        "num_kv_heads",
+                        f"{kv} KV heads over tp * cp = {tp} * {cp}{where}: the CP degree must divide "
+                        "the local KV heads or be a multiple of them",
+                    )
+                for name in list(out):
+                    if name.split(".")[0] in ("k_proj", "v_proj"):
+                        out[name] = GROUP
+    return out
+
+
+def _slice(t: torch.Tensor, how, rank: int, cp: int, head_dim: int) -> torch.Tensor:
+    if how is REP or cp == 1:
+        return t
+    if how == GROUP:  # the one KV head of this rank's query heads
+        kv = t.shape[0] // head_dim
+        h = rank * kv // cp
+        return t[h * head_dim : (h + 1) * head_dim]
+    dim = 0 if how == COL else 1
+    if how not in (COL, ROW):
+        raise ParallelConfigError("cp", f"no CP slice for placement {how!r}")
+    return t.chunk(cp, dim)[rank].contiguous()
+
+
+class ContextParallelMixer:
+    """Installs the CP forward on a mixer (see the module docstring): ``forward(x, layout)`` takes
+    this rank's row block ``x`` ``[n_c, D]`` (or under SP inside a TP region, the rows of this CP
+    block) and returns the same rows of the mixer output."""
+
+    def __init__(self, slices: dict[str, object], cp_mesh):
+        self.slices, self.mesh = slices, cp_mesh
+
+    def apply(self, module: nn.Module) -> nn.Module:
+        names = list(self.slices)
+        mesh, slices = self.mesh, self.slices
+        rank, size = mesh.get_local_rank(), mesh.size()
+        head_dim = getattr(module.config, "head_dim", None) or 0
+        orig = module.forward
+
+        def forward(x, layout=None):
+            full = gather_rows(x, mesh, layout.num_rows)
+            params = [_param(module, n) for n in names]
+            local = [_slice(p, slices[n], rank, size, head_dim) for n, p in zip(names, params)]
+            with local_parameters(module, names, local):
+                y = orig(full, layout)
+            return scatter_rows(y, mesh)
+
+        module.forward = functools.update_wrapper(forward, orig)
+        module._harts_cp = {"slices": slices, "cp": size}
+        return module
+
+
+def _param(module: nn.Module, name: str) -> torch.Tensor:
+    sub, _, leaf = name.rpartition(".")
+    return (module.get_submodule(sub) if sub else module)._parameters[leaf]
+
+
+# ---------------------------------------------------------------------------------- rows
+class ContextParallelRows:
+    """The ``row_shard`` of a :class:`~harts_runtime.layers.moe.CompactMoE` under CP: each CP rank
+    routes its row block, so :meth:`select` slices the layout's multiplicities ``q`` to it (then to
+    the TP rank's block under SP, ``inner``), and :meth:`reduce` sums the partial router statistics
+    over TP (``inner``) and CP (forward all-reduce, backward identity)."""
+
+    def __init__(self, cp_mesh, inner=None):
+        self.mesh, self.inner = cp_mesh, inner
+
+    def select(self, multiplicity: torch.Tensor, n: int) -> torch.Tensor:
+        start, end = cp_rows(multiplicity.shape[0], self.mesh)
+        q = multiplicity[start:end]
+        if self.inner is not None:
+            return self.inner.select(q, n)
+        if q.shape[0] != n:
+            raise ParallelConfigError(
+                "multiplicity",
+                f"{multiplicity.shape[0]} rows split over cp={self.mesh.size()} give rank "
+                f"{self.mesh.get_local_rank()} {q.shape[0]} rows, but the MoE input has {n}",
+            )
+        return q
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        if self.inner is not None:
+            partial = self.inner.reduce(partial)
+        return sum_replicas(partial, self.mesh)
+
+
+def _select_ids(cp_mesh):
+    def hook(module, args):
+        ids = args[0]
+        start, end = cp_rows(ids.shape[0], cp_mesh)
+        return (ids[start:end], *args[1:])
+
+    return hook
+
+
+def apply_cp_rows(model: nn.Module, mesh) -> None:
+    """The first half of CP, applied before TP: every mixer a :class:`ContextParallelMixer` (heads
+    sliced per :func:`cp_plan`), the embedding reading its row block's ids. Raises
+    :class:`ParallelConfigError` naming the field for a mixer CP cannot split."""
+    dims, cp_mesh = mesh.dims, mesh.cp
+    model.embed.register_forward_pre_hook(_select_ids(cp_mesh))
+    for i, block in enumerate(model.blocks):
+        if block.mixer is None:
+            continue
+        slices = cp_plan(block.mixer, dims.tp, dims.cp, f" (blocks[{i}].mixer)")
+        ContextParallelMixer(slices, cp_mesh).apply(block.mixer)
+
+
+def apply_cp_head(model: nn.Module, mesh, backend: str = "auto") -> None:
+    """The second half of CP, applied after TP: the LM head's log-probs of this rank's rows summed
+    over CP (around the vocabulary-parallel head's under TP), and every MoE's rows and statistics
+    (:class:`ContextParallelRows`, around sequence parallelism's)."""
+    from harts_runtime.layout.rows import lm_chunks
+    from harts_runtime.loss.logprobs import lm_head_logprobs
+    from harts_runtime.modules.fused import use_fla
+
+    cp_mesh = mesh.cp
+    head = model.lm_head
+    inner = getattr(head, "mapped_logprobs", None)
+
+    def mapped_logprobs(hidden, row_index, labels, chunks, rows, num_rows=None):
+        if num_rows is None:
+            raise ParallelConfigError("num_rows", "context parallelism needs the microbatch's row count")
+        start, end = cp_rows(int(num_rows), cp_mesh)
+        mine = torch.nonzero((row_index >= start) & (row_index < end)).flatten()
+        r_local, l_local = row_index.index_select(0, mine) - start, labels.index_select(0, mine)
+        if inner is not None:
+            lp = inner(hidden, r_local, l_local, None, rows, end - start)
+        else:
+            w = head.weight
+            local_chunks = lm_chunks(r_local.cpu().numpy(), end - start, rows)
+            lp = lm_head_logprobs(
+                hidden, w, r_local, l_local, local_chunks, rows, fla_kernels=use_fla(hidden, backend)
+            )
+        out = lp.new_zeros(row_index.shape[0]).index_copy(0, mine, lp)
+        return sum_replicas(out, cp_mesh)
+
+    head.mapped_logprobs = mapped_logprobs
+    for block in model.blocks:
+        if hasattr(block.ffn, "row_shard"):
+            block.ffn.row_shard = ContextParallelRows(cp_mesh, block.ffn.row_shard)

@@ -1,0 +1,172 @@
+"""Context parallelism (gloo, 2 or 4 processes) against one process holding the whole microbatch.
+
+Trees whose trajectories are longer than the per-rank capacity T fork on both sides of the CP
+ranks' row blocks; the step plan packs microbatches of up to ``C x T`` rows
+(``plan_step(..., cp_size=C)``), and one process runs the same plan (capacity ``C x T``). Compared
+as in ``test_parallel_step``: both step losses, every log-prob, every gradient (full tensors), the
+MoE expert-load counts and every weight after two AdamW steps. Models: the ``debug`` hybrid (KDA +
+MLA + GQA + MoE; at 4 heads so that ``cp = 4`` splits them) and tiny Kimi-Linear and Qwen3.5-MoE
+checkpoints. Configurations: ``cp = 2``, ``cp = 4``, ``cp = 2`` with ``dp_shard = 2``, with
+``tp = 2`` + SP, and with ``ep = 2``.
+"""
+
+import numpy as np
+import pytest
+import torch
+from test_parallel_step import EPS, LR, _check, _full, _tiny_checkpoint
+
+from harts_runtime.parallel import ParallelConfigError, ParallelDims, run_distributed
+
+T = {2: 32, 4: 16}  # per-rank capacity at C = 2 / 4: microbatches of up to 64 rows either way
+
+
+def _batch(vocab: int):
+    from harts_runtime.testing import synthetic_tree_batch
+
+    # a 20-token prompt, 3 turns of 6-12 tokens forking in two: trajectories of 38 to 56 tokens (> T)
+    return synthetic_tree_batch(5, prompt=20, turns=3, turn_len=(6, 12), fork_prob=0.7, fanout=2, vocab=vocab)
+
+
+def _build(name, path, dp, cp):
+    import harts_planner as hp
+    from harts_runtime import HybridModel, StepInputs, load_pretrained, model_config
+
+    if name == "debug":
+        torch.manual_seed(0)
+        cfg = model_config("debug", num_heads=4, moe={"use_expert_bias": True}, dtype="float32")
+        model = HybridModel(cfg)
+    else:
+        model = load_pretrained(path, dtype="float32")
+    cfg = model.config
+    batch = _batch(cfg.vocab_size)
+    lengths = np.asarray(batch.lengths)
+    assert lengths.max() > T[cp] and lengths.max() <= cp * T[cp], lengths
+    step = StepInputs.synthetic(batch, seed=1, vocab_size=cfg.vocab_size)
+    plan = hp.plan_step(batch, dp, T[cp], cfg.chunk_size, cp_size=cp)
+    assert plan.cp_size == cp and plan.microbatch_capacity == cp * T[cp]
+    return model, step, plan
+
+
+def _worker(rank, world, name, path, dims_kw, keep):
+    from harts_runtime import run_microbatch
+    from harts_runtime.parallel import parallelize, run_replica_step, sync_expert_load
+
+    dims = ParallelDims(world_size=world, **dims_kw)
+    mesh = dims.build_mesh()
+    model, step, plan = _build(name, path, dims.dp, dims.cp)
+    parallelize(model, mesh, recompute=keep is not None, keep=tuple(keep or ()))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    out = {"losses": [], "logprobs": {}, "coords": mesh.coords}
+    for it in range(2):
+        opt.zero_grad(set_to_none=True)
+
+        def microbatch(slot, traj, it=it):
+            loss, stats = run_microbatch(model, step, traj, "compact")
+            if it == 0:
+                for i, lp in zip(stats["target_index"].tolist(), stats["logprobs"].tolist()):
+                    out["logprobs"][i] = lp
+            return loss
+
+        res = run_replica_step(plan, mesh, microbatch)
+        out["losses"].append(res.loss)
+        sync_expert_load(model, mesh)
+        if it == 0:
+            out["grads"] = {n: _full(p.grad) for n, p in model.named_parameters()}
+            out["counts"] = {
+                n: b.clone() for n, b in model.named_buffers() if n.endswith("tokens_per_expert")
+            }
+        opt.step()
+        model.update_expert_bias()
+    out["params"] = {n: _full(p.detach()) for n, p in model.named_parameters()}
+    return out
+
+
+def _reference(name, path, dp, cp, keep):
+    from harts_runtime import apply_recompute, run_microbatch
+
+    model, step, plan = _build(name, path, dp, cp)
+    apply_recompute(model, keep is not None, keep=tuple(keep or ()))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    out = {"losses": [], "logprobs": {}}
+    for it in range(2):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for mb in plan.microbatches:
+            loss, stats = run_microbatch(model, step, np.asarray(mb, dtype=np.int64), "compact")
+            total += float(loss)
+            if it == 0:
+                out["logprobs"].update(zip(stats["target_index"].tolist(), stats["logprobs"].tolist()))
+        out["losses"].append(total)
+        if it == 0:
+            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            out["counts"] = {
+                n: b.clone() for n, b in model.named_buffers() if n.endswith("tokens_per_expert")
+            }
+        opt.step()
+        model.update_expert_bias()
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {f: _tiny_checkpoint(tmp_path_factory, f) for f in ("kimi_linear", "qwen3_5_moe_text")}
+
+
+BOTH = ("attention", "linear_attention")
+CASES = {
+    # name: (model, world, dims, keep (None: no recomputation))
+    "debug-cp2": ("debug", 2, dict(cp=2), None),
+    "debug-cp4-recompute": ("debug", 4, dict(cp=4), ()),
+    "debug-cp2-dp_shard2": ("debug", 4, dict(cp=2, dp_shard=2), None),
+    "debug-cp2-tp2-sp-kept": ("debug", 4, dict(cp=2, tp=2, sequence_parallel=True), BOTH),
+    "debug-cp2-ep2": ("debug", 4, dict(cp=2, dp_shard=2, ep=2), None),
+    "kimi-cp2": ("kimi_linear", 2, dict(cp=2), None),
+    "qwen35-cp2-kept": ("qwen3_5_moe_text", 2, dict(cp=2), BOTH),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_cp_step_matches_one_process(case, checkpoints):
+    name, world, dims_kw, keep = CASES[case]
+    path = checkpoints.get(name)
+    results = run_distributed(_worker, world, name, path, dims_kw, keep, timeout=300)
+    dims = ParallelDims(world_size=world, **dims_kw)
+    _check(results, _reference(name, path, dims.dp, dims.cp, keep))
+
+
+def test_cp_dims_errors_name_the_field():
+    with pytest.raises(ParallelConfigError) as e:
+        ParallelDims(cp=3, world_size=4)
+    assert e.value.field == "cp" and "\n" not in str(e.value)
+    with pytest.raises(ParallelConfigError) as e:
+        ParallelDims.from_world(6, cp=4)
+    assert e.value.field == "cp"
+    dims = ParallelDims(dp_shard=2, cp=2, tp=2, world_size=8)
+    assert dims.coords(5) == {
+        "dp_replicate": 0,
+        "dp_shard": 1,
+        "tp": 1,
+        "efsdp": 1,
+        "ep": 0,
+        "replica": 1,
+        "cp": 0,
+    }
+    assert ParallelDims.from_world(8, cp=2, tp=2).dp_shard == 2
+
+
+def test_cp_plan_caps_the_degree_by_the_heads():
+    from harts_runtime import HybridModel, model_config
+    from harts_runtime.parallel.context import GROUP, cp_plan
+
+    model = HybridModel(model_config("debug", num_heads=4, dtype="float32"))
+    kda, mla, gqa = model.blocks[0].mixer, model.blocks[1].mixer, model.blocks[3].mixer
+    assert cp_plan(kda, 1, 4)["q_proj.weight"] == cp_plan(kda, 1, 2)["q_proj.weight"]
+    assert cp_plan(gqa, 1, 4)["k_proj.weight"] == GROUP  # one KV head: every rank reads it
+    for layer, field in ((kda, "num_heads"), (mla, "num_heads")):
+        with pytest.raises(ParallelConfigError) as e:
+            cp_plan(layer, 1, 8, " (blocks[0].mixer)")
+        assert e.value.field == field and "cp = 1 * 8" in str(e.value) and "\n" not in str(e.value)
