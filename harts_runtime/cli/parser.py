@@ -203,6 +203,14 @@ def _objective_flags(g) -> None:
 def _parallel_flags(g) -> None:
     g.add_argument("--tp", metavar="N", type=int_type(1), default=1, help="tensor-parallel degree")
     g.add_argument(
+        "--cp",
+        metavar="C",
+        type=int_type(1),
+        default=1,
+        help="context-parallel degree: microbatches of up to C x --capacity rows, each run by C ranks "
+        "(trajectories longer than one rank's capacity; C divides every mixer's heads)",
+    )
+    g.add_argument(
         "--ep", metavar="N", type=int_type(1), default=1, help="expert-parallel degree (divides dp_shard)"
     )
     g.add_argument("--dp-replicate", metavar="N", type=int_type(1), default=1, help="HSDP replica groups")

@@ -160,6 +160,11 @@ class HartsEngine:
         return 1 if self.mesh is None else self.mesh.dims.dp
 
     @property
+    def cp(self) -> int:
+        """C, the context-parallel degree: a microbatch holds up to ``C x capacity`` rows."""
+        return 1 if self.mesh is None else self.mesh.dims.cp
+
+    @property
     def planner(self):
         """The :class:`harts_planner.Planner` of ``config.planner``: in-process, or a sidecar."""
         if self._planner is None:
@@ -200,14 +205,19 @@ class HartsEngine:
         calls = {}
         if ex.mode == "compact":
             plan = step_plan or self.planner.plan_step(
-                step.batch, self.dp, ex.capacity, cfg.chunk_size, microbatch_cost=ex.microbatch_cost
+                step.batch,
+                self.dp,
+                ex.capacity,
+                cfg.chunk_size,
+                microbatch_cost=ex.microbatch_cost,
+                cp_size=self.cp,
             )
             for traj in rank_schedule(plan, self.mesh):
                 calls[int(traj[0])] = self.planner.plan_calls(
                     step.batch, cfg.chunk_size, microbatch=traj, conv_width=cfg.conv_size
                 )
         else:
-            plan = TrajectoryPlan(step, ex.capacity, self.dp)
+            plan = TrajectoryPlan(step, ex.capacity * self.cp, self.dp)
         return plan, calls, time.perf_counter() - t0
 
     # ------------------------------------------------------------------ step
@@ -280,6 +290,10 @@ class HartsEngine:
                 metric_sums[k] += float(v)
             sums["microbatches"] += bool(len(traj))
             if keep_hidden is not None and len(traj):
+                if self.cp > 1:  # every row's hidden state, not only this CP rank's block
+                    from harts_runtime.parallel.context import gather_rows
+
+                    st["hidden"] = gather_rows(st["hidden"], self.mesh.cp, mb.layout.num_rows)
                 keep_hidden(st)
             if progress is not None:
                 progress(slot + 1, slots)

@@ -39,6 +39,7 @@ LOSS_FLAGS = (
 """Settings that override the objective's default :class:`PolicyLossConfig` fields."""
 _DIM_FLAGS = {
     "tp": "--tp",
+    "cp": "--cp",
     "ep": "--ep",
     "dp_replicate": "--dp-replicate",
     "sequence_parallel": "--sp",
@@ -89,13 +90,13 @@ def training_device(name, world: int, local_rank: int) -> torch.device:
 
 
 def parallel_dims(args, world: int):
-    """The :class:`~harts_runtime.parallel.ParallelDims` of ``--tp`` / ``--ep`` /
+    """The :class:`~harts_runtime.parallel.ParallelDims` of ``--tp`` / ``--cp`` / ``--ep`` /
     ``--dp-replicate`` / ``--sp`` over ``world`` processes; None for one process (where those flags
     and the FSDP2 ones are refused)."""
     from harts_runtime.parallel.dims import ParallelDims
 
     if world == 1:
-        for dest in ("tp", "ep", "dp_replicate"):
+        for dest in ("tp", "cp", "ep", "dp_replicate"):
             v = getattr(args, dest)
             if v > 1:
                 flag = _DIM_FLAGS[dest]
@@ -114,15 +115,22 @@ def parallel_dims(args, world: int):
                     flag,
                 )
         return None
-    if world % (args.tp * args.dp_replicate):
+    if world % args.cp:
+        raise UsageError(f"--cp {args.cp}: does not divide the world size {world}", "--cp")
+    if world % (args.tp * args.cp * args.dp_replicate):
         raise UsageError(
-            f"--tp {args.tp} x --dp-replicate {args.dp_replicate} = {args.tp * args.dp_replicate} "
-            f"does not divide the world size {world}",
+            f"--tp {args.tp} x --cp {args.cp} x --dp-replicate {args.dp_replicate} = "
+            f"{args.tp * args.cp * args.dp_replicate} does not divide the world size {world}",
             "--tp",
         )
     try:
         return ParallelDims.from_world(
-            world, tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate, sequence_parallel=args.sp
+            world,
+            tp=args.tp,
+            cp=args.cp,
+            ep=args.ep,
+            dp_replicate=args.dp_replicate,
+            sequence_parallel=args.sp,
         )
     except InvalidInputError as e:
         flag = _DIM_FLAGS.get(e.field, e.field)
@@ -132,7 +140,7 @@ def parallel_dims(args, world: int):
 def dims_text(dims) -> list[tuple[str, object]]:
     """The degrees of ``dims`` worth saying (dp_shard, and those above 1)."""
     out = [("dp_shard", dims.dp_shard)]
-    for k in ("dp_replicate", "tp", "ep"):
+    for k in ("dp_replicate", "cp", "tp", "ep"):
         if getattr(dims, k) > 1:
             out.append((k, getattr(dims, k)))
     if dims.sequence_parallel:

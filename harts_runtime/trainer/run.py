@@ -128,11 +128,19 @@ def train(args, given, saved: dict | None, out=None, err=None) -> int:
     lr = args.lr if args.lr is not None else (1e-6 if args.model else 1e-3)
     optimizer = run_options(OptimizerOptions, args, lr=lr, total_steps=total_steps)
     longest, where = data.longest()
-    if longest > capacity:  # the planner would refuse it at the first step, after the model is built
+    cp = 1 if dims is None else dims.cp
+    if longest > capacity * cp:  # the planner would refuse it at the first step, after the model is built
+        if cp == 1:
+            raise UsageError(
+                f"--capacity: T = {capacity} rows per microbatch is below the longest trajectory "
+                f"({longest} tokens, {where}); a trajectory is never split between microbatches "
+                "(--cp C runs microbatches of C x T rows on C ranks)",
+                "--capacity",
+            )
         raise UsageError(
-            f"--capacity: T = {capacity} rows per microbatch is below the longest trajectory "
-            f"({longest} tokens, {where}); a trajectory is never split between microbatches",
-            "--capacity",
+            f"--cp: C x T = {cp} x {capacity} = {cp * capacity} rows per microbatch is below the "
+            f"longest trajectory ({longest} tokens, {where})",
+            "--cp",
         )
     from harts_runtime.engine import EngineConfig, HartsEngine
 

@@ -170,3 +170,81 @@ def test_cp_plan_caps_the_degree_by_the_heads():
         with pytest.raises(ParallelConfigError) as e:
             cp_plan(layer, 1, 8, " (blocks[0].mixer)")
         assert e.value.field == field and "cp = 1 * 8" in str(e.value) and "\n" not in str(e.value)
+
+
+def _engine_config(capacity):
+    from harts_runtime.engine import EngineConfig
+
+    return EngineConfig(lr=1e-3, eps=1e-6, capacity=capacity, max_grad_norm=0.05, warmup_steps=1)
+
+
+def _engine_steps(engine, step, n):
+    out = []
+    for _ in range(n):
+        o = engine.forward_backward(step)
+        r = engine.optimizer_step()
+        out.append((o.loss, o.logprobs, r.grad_norm, o.metrics["microbatches"]))
+    return out
+
+
+def _engine_worker(rank, world, ckpt):
+    from harts_runtime import StepInputs
+    from harts_runtime.engine import HartsEngine
+
+    torch.manual_seed(0)
+    dims = ParallelDims(world_size=world, cp=2)
+    engine = HartsEngine.build("debug", _engine_config(T[2]), dims, dtype="float32", num_heads=4)
+    batch = _batch(engine.vocab_size)
+    step = StepInputs.synthetic(batch, seed=1, vocab_size=engine.vocab_size)
+    first = _engine_steps(engine, step, 1)
+    engine.save(ckpt)
+    rest = _engine_steps(engine, step, 1)
+    return {
+        "steps": first + rest,
+        "params": {n: _full(p).clone() for n, p in engine.model.named_parameters()},
+    }
+
+
+def _engine_single(ckpt=None):
+    from harts_runtime import StepInputs
+    from harts_runtime.engine import HartsEngine
+
+    torch.manual_seed(0)
+    engine = HartsEngine.build("debug", _engine_config(2 * T[2]), None, dtype="float32", num_heads=4)
+    step = StepInputs.synthetic(_batch(engine.vocab_size), seed=1, vocab_size=engine.vocab_size)
+    if ckpt is not None:
+        engine.load(ckpt)
+    steps = _engine_steps(engine, step, 1 if ckpt else 2)
+    return {"steps": steps, "params": {n: p.detach().clone() for n, p in engine.model.named_parameters()}}
+
+
+@pytest.mark.slow
+def test_engine_with_cp_trains_trajectories_longer_than_capacity_and_resumes_in_one_process(tmp_path):
+    """``HartsEngine.build(..., ParallelDims(cp=2))`` at capacity T runs trajectories longer than T
+    (microbatches of up to 2T rows) like one process at capacity 2T, and its checkpoint resumes in
+    one process."""
+    ckpt = str(tmp_path / "ckpt")
+    results = run_distributed(_engine_worker, 2, ckpt, timeout=300)
+    ref = _engine_single()
+    for r in results:
+        for (loss, lp, norm, mbs), (rl, rlp, rn, rmbs) in zip(r["steps"], ref["steps"]):
+            assert mbs == rmbs
+            assert abs(loss - rl) <= 1e-5 * max(1.0, abs(rl))
+            torch.testing.assert_close(lp, rlp, rtol=0, atol=2e-5)
+            assert norm == pytest.approx(rn, rel=1e-4)
+        for n, p in ref["params"].items():
+            torch.testing.assert_close(r["params"][n], p, rtol=0, atol=5e-6, msg=lambda m, n=n: f"{n}: {m}")
+    resumed = _engine_single(ckpt)
+    loss, lp, _, _ = resumed["steps"][0]
+    assert abs(loss - ref["steps"][1][0]) <= 1e-5 * max(1.0, abs(loss))
+    torch.testing.assert_close(lp, ref["steps"][1][1], rtol=0, atol=2e-5)
+
+
+def test_a_tree_longer_than_c_times_t_is_one_line():
+    import harts_planner as hp
+
+    batch = hp.RolloutBatch.from_token_lists([list(range(1, 101))])
+    with pytest.raises(ValueError) as e:
+        hp.plan_step(batch, 1, 16, 8, cp_size=4)
+    msg = str(e.value)
+    assert "\n" not in msg and "64" in msg and "100" in msg, msg

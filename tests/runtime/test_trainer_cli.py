@@ -193,6 +193,50 @@ def test_resume_under_two_gloo_processes(tmp_path, capsys):
             torch.testing.assert_close(got[k], want[k], atol=3e-3, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def _cp_rows():
+    """One step of two trajectories of 40 tokens sharing a 24-token prompt (longer than T = 32)."""
+    r = random.Random(5)
+    prompt = [r.randrange(V) for _ in range(24)]
+    out = []
+    for g in range(2):
+        toks = prompt + [r.randrange(V) for _ in range(16)]
+        n = len(toks) - 1
+        out.append(
+            {
+                "tokens": toks,
+                "advantages": 1.0 if g else -0.5,
+                "loss_mask": [0] * (len(prompt) - 1) + [1] * (n - len(prompt) + 1),
+                "old_logprobs": [-6.2] * n,
+                "ref_logprobs": [-6.1] * n,
+                "group_id": "q0",
+                "step": 0,
+            }
+        )
+    return out
+
+
+@pytest.mark.slow
+def test_cp_runs_trajectories_longer_than_the_capacity(tmp_path, capsys):
+    """``--cp 2`` under two gloo processes trains trajectories longer than ``--capacity`` (one
+    microbatch of up to 2 x 32 rows on both ranks), with the one-process loss at capacity 64; one
+    process at capacity 32 refuses them naming --capacity and --cp."""
+    from harts_runtime.parallel.launch import run_distributed
+
+    data = _jsonl(tmp_path / "r.jsonl", _cp_rows())
+    base = [*BASE, "--data", data, "--steps", "1"]
+    assert main([*base, "--capacity", "32"]) == 2
+    assert "--capacity: T = 32 rows per microbatch is below the longest trajectory (40 tokens" in (
+        capsys.readouterr().err
+    )
+    assert main([*base, "--capacity", "64", "--json"]) == 0
+    want = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    argv = [*base, "--capacity", "32", "--cp", "2", "--metrics", str(tmp_path / "cp.jsonl")]
+    assert run_distributed(_resume_worker, 2, argv, timeout=240) == [0, 0]
+    (rec,) = _records(tmp_path / "cp.jsonl")
+    assert rec["microbatches"] == 1
+    assert rec["loss"] == pytest.approx(want["loss"], rel=1e-5)
+
+
 def test_config_file_keys_and_flags_override(tmp_path, capsys):
     data = _jsonl(tmp_path / "r.jsonl", _rows(steps=1))
     toml = tmp_path / "run.toml"
@@ -454,6 +498,7 @@ def test_bad_config_files_are_one_line(tmp_path, capsys, config, fragment):
         (["--data", "nowhere.jsonl"], "data: 'nowhere.jsonl': no such file"),
         (["--data", "r.csv"], "unknown rollout file type '.csv'"),
         (["--tp", "2"], "--tp 2: needs several processes: run under torchrun"),
+        (["--cp", "2"], "--cp 2: needs several processes: run under torchrun"),
         (["--sp"], "--sp: needs --tp > 1"),
         (
             ["--data", "r.jsonl", "--capacity", "8"],

@@ -67,6 +67,8 @@ class HartsEngineConfig(VerlEngineConfig):
     chunk_size: int = 64
     """KDA / GDN chunk size (does not change the math)."""
     tp: int = 1
+    cp: int = 1
+    """Context-parallel degree: microbatches of up to ``cp x capacity`` rows, each run by ``cp`` ranks."""
     ep: int = 1
     dp_replicate: int = 1
     sequence_parallel: bool = False

@@ -147,6 +147,7 @@ class VerlHartsEngine(BaseEngine):
             dims = ParallelDims.from_world(
                 dist.get_world_size(),
                 tp=ec.tp,
+                cp=ec.cp,
                 ep=ec.ep,
                 dp_replicate=ec.dp_replicate,
                 sequence_parallel=ec.sequence_parallel,
