@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         ap.add_argument_group("optimizer (AdamW; harts_runtime.options.OptimizerOptions)"), OptimizerOptions
     )
     _parallel_flags(
-        ap.add_argument_group("parallelism (under torchrun; dp_shard = world / (dp_replicate * tp))")
+        ap.add_argument_group("parallelism (under torchrun; dp_shard = world / (dp_replicate * cp * tp))")
     )
     _checkpoint_flags(ap.add_argument_group("checkpoints"))
     _output_flags(ap.add_argument_group("output"))

@@ -248,3 +248,11 @@ def test_a_tree_longer_than_c_times_t_is_one_line():
         hp.plan_step(batch, 1, 16, 8, cp_size=4)
     msg = str(e.value)
     assert "\n" not in msg and "64" in msg and "100" in msg, msg
+
+
+def test_a_mixer_without_a_head_plan_is_refused_under_cp():
+    from harts_runtime.parallel.context import cp_plan
+
+    with pytest.raises(ParallelConfigError) as e:
+        cp_plan(torch.nn.Linear(4, 4), 1, 2, " (blocks[0].mixer)")
+    assert e.value.field == "cp" and "no head-parallel plan" in str(e.value)
