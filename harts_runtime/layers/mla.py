@@ -90,31 +90,46 @@ class CompactMLA(CompactAttentionBase):
         self.scale = dqk**-0.5
         self.head_dims = (dqk, c.v_head_dim)
 
-    def project(self, hidden: torch.Tensor, positions: torch.Tensor):
-        """hidden [N, D], positions [N] -> q [N, H, Dqk], k [N, H, Dqk], v [N, H, Dv].
+    def _rotate(self, positions: torch.Tensor):
+        c = self.config
+        if not c.use_rope:
+            return lambda t: t
+        cos, sin = rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta)
+        turn = apply_rope_interleaved if c.rope_interleave else apply_rope
+        return lambda t: turn(t, cos, sin)
 
-        H is the weights' (a tensor-parallel rank's local heads), not the config's."""
+    def queries(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """hidden [N, D], positions [N] -> q [N, H, Dqk] (the RoPE part rotated). H is the query
+        weights' (a tensor-parallel rank's local heads)."""
         c, n = self.config, hidden.shape[0]
         nope, rope = c.qk_nope_head_dim, c.qk_rope_head_dim
-        h = self.kv_b_proj.weight.shape[0] // (nope + c.v_head_dim)
-        if c.use_rope:
-            cos, sin = rope_cos_sin(positions, rope, c.rope_theta)
-            turn = apply_rope_interleaved if c.rope_interleave else apply_rope
-            rotate = lambda t: turn(t, cos, sin)
-        else:
-            rotate = lambda t: t
         if c.q_lora_rank is None:
             q = self.q_proj(hidden)
         else:
             q = self.q_b_proj(self.q_a_norm(self.q_a_proj(hidden)))
-        q = q.view(n, h, nope + rope)
-        q = torch.cat([q[..., :nope], rotate(q[..., nope:])], dim=-1)
-        kv_a = self.kv_a_proj(hidden)  # [N, r_kv + rope]
-        k_rope = rotate(kv_a[:, None, c.kv_lora_rank :])  # [N, 1, rope]
+        q = q.view(n, -1, nope + rope)
+        return torch.cat([q[..., :nope], self._rotate(positions)(q[..., nope:])], dim=-1)
+
+    def latent(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, D] -> the compressed KV latent and the shared rotary key, [N, r_kv + rope]
+        (what context parallelism gathers instead of K / V)."""
+        return self.kv_a_proj(hidden)
+
+    def keys_values(self, kv_a: torch.Tensor, positions: torch.Tensor):
+        """The latent rows ``kv_a`` [N, r_kv + rope] (:meth:`latent`), positions [N] -> k [N, H,
+        Dqk], v [N, H, Dv]. H is ``kv_b_proj``'s rows' (local heads under TP or CP)."""
+        c, n = self.config, kv_a.shape[0]
+        nope, rope = c.qk_nope_head_dim, c.qk_rope_head_dim
+        h = self.kv_b_proj.weight.shape[0] // (nope + c.v_head_dim)
+        k_rope = self._rotate(positions)(kv_a[:, None, c.kv_lora_rank :])  # [N, 1, rope]
         kv = self.kv_b_proj(self.kv_a_norm(kv_a[:, : c.kv_lora_rank])).view(n, h, nope + c.v_head_dim)
         k = torch.cat([kv[..., :nope], k_rope.expand(n, h, rope)], dim=-1)  # [N, H, Dqk]
-        v = kv[..., nope:]  # [N, H, Dv]
-        return q, k, v
+        return k, kv[..., nope:]
+
+    def project(self, hidden: torch.Tensor, positions: torch.Tensor):
+        """hidden [N, D], positions [N] -> q [N, H, Dqk], k [N, H, Dqk], v [N, H, Dv]
+        (:meth:`queries`, :meth:`keys_values` of :meth:`latent`)."""
+        return self.queries(hidden, positions), *self.keys_values(self.latent(hidden), positions)
 
     def out_project(self, o: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """o [N, H, Dv] -> [N, D]: ``o_proj``, after the head-wise gate ``sigmoid(g_proj(hidden))``

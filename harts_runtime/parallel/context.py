@@ -17,6 +17,11 @@ mixers                 a :class:`ContextParallelMixer`: the normed input rows al
                        full call plan (KDA / GDN rounds, replay, fork states, short convolutions,
                        attention's ancestor views: every head sees every row of its trees), the
                        output's partial sums reduce-scattered back to the row blocks
+MLA                    the latent, not K/V, nor the input: each rank projects its rows' KV latent
+                       (``r_kv + rope`` = 576 values per row in DeepSeek / Ling) and queries; the
+                       latent is all-gathered, the queries go rows -> heads (all-to-all), the
+                       core runs on its heads over all rows, its output goes heads -> rows
+                       (all-to-all) into ``o_proj`` on the rank's rows
 LM head                the log-probs of the targets whose rows this rank holds, summed over CP
                        into the microbatch's ``[P]`` (every CP rank then evaluates the same loss)
 =====================  ========================================================================
@@ -31,7 +36,8 @@ identity), so the step loss is summed over DP only.
 Collectives per mixer layer and microbatch (forward; the backward mirrors them, block recomputation
 repeats the forward's): an all-gather of ``[N, D]`` rows and a reduce-scatter of ``[N, D]``
 partial rows over CP (DTensor ``Shard(0) -> Replicate`` and ``Partial -> Shard(0)`` on the CP
-submesh). Per microbatch: an all-reduce of the ``P`` log-probs; per MoE layer: one of ``2E + 2``
+submesh); for MLA an all-gather of the ``[N, r_kv + rope]`` latent and two all-to-alls of
+``[N / C, H, Dqk]`` queries and ``[N / C, H, Dv]`` outputs. Per microbatch: an all-reduce of the ``P`` log-probs; per MoE layer: one of ``2E + 2``
 router statistics. The degree is capped by the head count: C (times ``tp``) must divide every
 mixer's heads (key heads for the gated delta net); a GQA layer with fewer KV heads than ranks gives
 each rank the KV head of its query heads.
@@ -47,11 +53,14 @@ import functools
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from harts_runtime.errors import ParallelConfigError
 from harts_runtime.layers.attention import CompactAttention
 from harts_runtime.layers.gated_attention import CompactGatedAttention
+from harts_runtime.layers.mla import CompactMLA
+from harts_runtime.ops.attention import compact_attention
 from harts_runtime.parallel.plans import COL, REP, ROW, TP_PLANS
 from harts_runtime.parallel.tensor import local_parameters, row_block
 
@@ -99,6 +108,33 @@ def scatter_rows(y: torch.Tensor, cp_mesh) -> torch.Tensor:
         .redistribute(cp_mesh, [Shard(0)])
         .to_local()
     )
+
+
+def _blocks(n: int, cp_mesh) -> list[int]:
+    size = cp_mesh.size()
+    return [row_block(n, size, r)[1] - row_block(n, size, r)[0] for r in range(size)]
+
+
+def rows_to_heads(x: torch.Tensor, cp_mesh, n: int) -> torch.Tensor:
+    """This rank's row block ``x`` ``[n_c, H, d]`` of all heads -> all ``n`` rows of its head block
+    ``[n, H / C, d]`` (an all-to-all; backward: the reverse all-to-all)."""
+    size, (rows, h, d) = cp_mesh.size(), x.shape
+    hc = h // size
+    send = x.reshape(rows, size, hc * d).transpose(0, 1).reshape(size * rows, hc * d)
+    out = all_to_all_single_autograd(send, _blocks(n, cp_mesh), [rows] * size, cp_mesh.get_group())
+    return out.view(n, hc, d)
+
+
+def heads_to_rows(x: torch.Tensor, cp_mesh) -> torch.Tensor:
+    """All rows of this rank's head block ``[n, H / C, d]`` -> its row block of all heads ``[n_c, H,
+    d]`` (the inverse of :func:`rows_to_heads`)."""
+    size, (n, hc, d) = cp_mesh.size(), x.shape
+    start, end = cp_rows(n, cp_mesh)
+    rows = end - start
+    out = all_to_all_single_autograd(
+        x.reshape(n, hc * d), [rows] * size, _blocks(n, cp_mesh), cp_mesh.get_group()
+    )
+    return out.view(size, rows, hc, d).transpose(0, 1).reshape(rows, size * hc, d)
 
 
 def sum_replicas(t: torch.Tensor, cp_mesh) -> torch.Tensor:
@@ -189,7 +225,23 @@ class ContextParallelMixer:
                 y = orig(full, layout)
             return scatter_rows(y, mesh)
 
-        module.forward = functools.update_wrapper(forward, orig)
+        def forward_mla(x, layout=None):
+            # the latent, not K/V: each rank projects its rows' latent and queries, gathers the
+            # latent [N, r_kv + rope] and exchanges queries rows -> heads, runs the core on its
+            # heads over all rows, and brings the outputs back heads -> rows for o_proj
+            n = layout.num_rows
+            start, end = cp_rows(n, mesh)
+            positions = layout.need("positions")
+            kv_a = gather_rows(module.latent(x), mesh, n)
+            q = rows_to_heads(module.queries(x, positions[start:end]), mesh, n)
+            w = _param(module, "kv_b_proj.weight")
+            with local_parameters(module, ["kv_b_proj.weight"], [_slice(w, COL, rank, size, 0)]):
+                k, v = module.keys_values(kv_a, positions)
+            o = compact_attention(q, k, v, layout.need("views"), backend=module.backend, scale=module.scale)
+            return module.out_project(heads_to_rows(o, mesh), x)
+
+        chosen = forward_mla if isinstance(module, CompactMLA) else forward
+        module.forward = functools.update_wrapper(chosen, orig)
         module._harts_cp = {"slices": slices, "cp": size}
         return module
 
