@@ -145,7 +145,7 @@ def _reference(name, path, dp, keep, plan_kind):
     return out
 
 
-def _check(results, ref):
+def _check(results, ref, tol_logprob=TOL_LOGPROB):
     for r in results:
         where = f"rank {r['coords']}"
         for got, want in zip(r["losses"], ref["losses"]):
@@ -157,7 +157,7 @@ def _check(results, ref):
     assert sorted(merged) == sorted(ref["logprobs"]), "the replicas together must score every target once"
     lp = np.array([merged[i] for i in sorted(merged)])
     want = np.array([ref["logprobs"][i] for i in sorted(merged)])
-    np.testing.assert_allclose(lp, want, rtol=0, atol=TOL_LOGPROB)
+    np.testing.assert_allclose(lp, want, rtol=0, atol=tol_logprob)
     for r in results:
         where = f"rank {r['coords']}"
         for n, c in ref["counts"].items():
