@@ -107,7 +107,7 @@ class CompactMLA(CompactAttentionBase):
             q = self.q_proj(hidden)
         else:
             q = self.q_b_proj(self.q_a_norm(self.q_a_proj(hidden)))
-        q = q.view(n, -1, nope + rope)
+        q = q.view(n, q.shape[-1] // (nope + rope), nope + rope)
         return torch.cat([q[..., :nope], self._rotate(positions)(q[..., nope:])], dim=-1)
 
     def latent(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -329,7 +329,7 @@ def apply_cp_head(model: nn.Module, mesh, backend: str = "auto") -> None:
                 hidden, w, r_local, l_local, local_chunks, rows, fla_kernels=use_fla(hidden, backend)
             )
         out = lp.new_zeros(row_index.shape[0]).index_copy(0, mine, lp)
-        return sum_replicas(out, cp_mesh)
+        return sum_replicas(out, cp_mesh).clone()  # not a view: FSDP2 hooks the root's outputs
 
     head.mapped_logprobs = mapped_logprobs
     for block in model.blocks:

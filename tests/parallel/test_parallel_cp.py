@@ -290,3 +290,42 @@ def test_a_mixer_without_a_head_plan_is_refused_under_cp():
     with pytest.raises(ParallelConfigError) as e:
         cp_plan(torch.nn.Linear(4, 4), 1, 2, " (blocks[0].mixer)")
     assert e.value.field == "cp" and "no head-parallel plan" in str(e.value)
+
+
+def _edge_runs(mesh=None):
+    """A 3-row microbatch (fewer rows than cp = 4 ranks: one holds none), the empty microbatch (DP
+    padding) and a 2-trajectory one, each forward and backward with recomputation."""
+    import harts_planner as hp
+    from harts_runtime import HybridModel, StepInputs, apply_recompute, model_config, run_microbatch
+    from harts_runtime.parallel import parallelize
+
+    torch.manual_seed(0)
+    model = HybridModel(model_config("debug", num_heads=4, dtype="float32"))
+    if mesh is None:
+        apply_recompute(model, True)
+    else:
+        parallelize(model, mesh, recompute=True)
+    batch = hp.RolloutBatch.from_token_lists([[1, 2, 3], [5, 6, 7, 8, 9]])
+    step = StepInputs.synthetic(batch, seed=1, vocab_size=model.config.vocab_size)
+    out = []
+    for traj in (np.array([0]), np.zeros(0, dtype=np.int64), np.array([0, 1])):
+        loss, st = run_microbatch(model, step, traj, "compact")
+        out.append((float(loss), st["logprobs"].tolist()))
+    grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def _edge_worker(rank, world):
+    return _edge_runs(ParallelDims(world_size=world, cp=4).build_mesh())
+
+
+@pytest.mark.slow
+def test_cp_microbatches_with_fewer_rows_than_ranks_and_empty_ones():
+    results = run_distributed(_edge_worker, 4, timeout=200)
+    want, want_grads = _edge_runs()
+    for got, grads in results:
+        for (loss, lp), (wl, wlp) in zip(got, want):
+            assert abs(loss - wl) <= 1e-6 and np.allclose(lp, wlp, rtol=0, atol=TOL_LOGPROB_CP)
+        for n, g in want_grads.items():
+            err = float((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30))
+            assert err <= 1e-4, f"d{n}: {err:.2e}"
