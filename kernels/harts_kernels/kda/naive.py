@@ -22,6 +22,10 @@ Chunk form on the sequence's own grid of ``B = chunk_size`` tokens (``G`` = in-c
 
 Every exponent is <= 0 after masking, so the reference is stable for any decay. The chunked
 reference supports any ``chunk_size >= 1`` (the GPU path only 32 or 64).
+
+State passing (context parallelism, :mod:`harts_kernels.kda.cp`): :func:`naive_piece_summary` (the
+affine summary ``S_out = A S_in + b`` of a piece, token by token) and :func:`naive_fold_states` (the
+fold of the summaries in piece order), plain-loop references.
 """
 
 from __future__ import annotations
@@ -211,3 +215,42 @@ def naive_chunk_kda_with_states(
     o = torch.cat(outs)[torch.argsort(torch.cat(cids))]  # [NC, H, BT, V]
     o = o.transpose(1, 2).reshape(NC * BT, H, V)[valid.reshape(-1)]  # [T, H, V]
     return _finish(o, S, boundary, req, H, K, V, cdt, dev, in_dtype, batch_shape, output_final_state)
+
+
+def naive_piece_summary(q, k, v, g, beta, *, chunk_size: int = 64, backend: str = "auto", scale=None):
+    """fp32 reference of :func:`harts_kernels.kda.cp.piece_summary`: ``(A [H, K, K], b [H, K, V])``
+    with ``S_out = A S_in + b`` over the piece ``[1, T, H, ...]``.
+
+    Token by token: ``M_t = (I - beta_t k_t k_t^T) Diag(exp g_t)``, ``A = M_T ... M_1`` by explicit
+    matrix products and ``b_t = M_t b_{t-1} + beta_t k_t v_t^T`` from ``b_0 = 0``. float32 (float64
+    for float64 inputs). ``chunk_size``, ``backend`` and ``scale`` are taken for the signature and
+    unused (the recurrence has no grid; q and the scale do not enter a summary).
+    """
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise ValueError(f"q: expected one piece [1, T, H, K], got shape {tuple(q.shape)}")
+    _, T, H, K = q.shape
+    cdt = _compute_dtype(q)
+    k, v, g, beta = (x[0].to(cdt) for x in (k, v, g, beta))  # [T, H, *]
+    V = v.shape[-1]
+    eye = torch.eye(K, dtype=cdt, device=q.device)
+    A = eye.expand(H, K, K).clone()
+    b = torch.zeros(H, K, V, dtype=cdt, device=q.device)
+    for t in range(T):
+        kt = k[t]  # [H, K]
+        M = (eye - beta[t][:, None, None] * kt[:, :, None] * kt[:, None, :]) * g[t].exp()[:, None, :]
+        A = M @ A
+        b = M @ b + beta[t][:, None, None] * kt[:, :, None] * v[t][:, None, :]
+    return A, b
+
+
+def naive_fold_states(A: torch.Tensor, b: torch.Tensor, initial: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-loop reference of :func:`harts_kernels.kda.cp.fold_states`: ``S_in [C, H, K, V]`` with
+    ``S_in[0] = initial`` (zeros when None) and ``S_in[r + 1] = A[r] S_in[r] + b[r]``, one piece
+    and head at a time."""
+    C, H, K, V = b.shape
+    S = [initial[h].clone() if initial is not None else b.new_zeros(K, V) for h in range(H)]
+    out = []
+    for r in range(C):
+        out.append(torch.stack(S, 0))
+        S = [A[r, h] @ S[h] + b[r, h] for h in range(H)]
+    return torch.stack(out, 0)
