@@ -182,10 +182,12 @@ class _Model:
         self.path = self.local_path = path
 
 
-def backend(path, mode="compact", capacity=CAPACITY, clip=None) -> VerlHartsEngine:
+def backend(path, mode="compact", capacity=CAPACITY, clip=None, **harts) -> VerlHartsEngine:
     eng = VerlHartsEngine(
         model_config=_Model(path),
-        engine_config=HartsEngineConfig(capacity=capacity, mode=mode, dtype="float32", chunk_size=CHUNK),
+        engine_config=HartsEngineConfig(
+            capacity=capacity, mode=mode, dtype="float32", chunk_size=CHUNK, **harts
+        ),
         optimizer_config=FSDPOptimizerConfig(lr=LR, weight_decay=0.0, clip_grad=clip or 0.0),
         checkpoint_config=None,
     )
@@ -452,6 +454,56 @@ def test_two_gloo_processes_equal_one(path):
     want = verl_rows(backend(path).infer_batch(full)["model_output"]["entropy"])
     got = [r for res in results for r in res["entropy"]]
     torch.testing.assert_close(torch.cat(got), torch.cat(want), rtol=0, atol=1e-5)
+
+
+def _cp_worker(rank, world, path):
+    from harts_runtime.integrations.verl import VerlHartsEngine  # noqa: F401 (registers the backend)
+
+    torch.set_num_threads(1)
+    td = verl_batch(trajectories(0))
+    eng = backend(path, capacity=CP_T, clip=1e6, cp=2)
+    assert eng.get_data_parallel_size() == 1 and eng.get_data_parallel_rank() == 0  # one replica
+    assert eng.is_mp_src_rank_with_outputs() == (rank == 0)
+    with eng.train_mode():
+        res = eng.forward_backward_batch(td, partial(ppo_loss, config=actor_config()))
+        g = grads(eng.engine.model)
+    tu.assign_non_tensor(td, calculate_entropy=True)
+    with eng.eval_mode():
+        ent = eng.infer_batch(td)["model_output"]["entropy"]
+    return {
+        "loss": res["loss"][0],
+        "logprobs": [r.clone() for r in verl_rows(res["model_output"]["log_probs"])],
+        "grads": g,
+        "entropy": [r.clone() for r in verl_rows(ent)],
+    }
+
+
+CP_T = 16  # per-rank capacity under harts.cp = 2: the batch's trajectories run up to 30 tokens
+
+
+def test_context_parallel_pair_equals_one_process(path):
+    """``harts.cp = 2``: two ranks run each microbatch of up to 2 x T rows together (trajectories
+    longer than T); log-probs, loss, gradients and entropies equal one process's per-trajectory
+    verl computation."""
+    from harts_runtime.parallel import run_distributed
+
+    td = verl_batch(trajectories(0))
+    assert 2 * CP_T >= max(map(len, trajectories(0))) > CP_T
+    results = run_distributed(_cp_worker, 2, path, timeout=240)
+    ref_loss, ref_lp, ref_grads, rollouts = reference(path, td, actor_config())
+    want_ent = verl_rows(backend(path).infer_batch(_with_entropy(td))["model_output"]["entropy"])
+    for rank, res in enumerate(results):
+        assert abs(res["loss"] - ref_loss) <= TOL_LOSS * max(1.0, abs(ref_loss)), rank
+        for got, want in zip(res["logprobs"], rollouts.to_lists(ref_lp)):
+            torch.testing.assert_close(got, torch.tensor(want), rtol=0, atol=TOL_LOGPROB)
+        check_grads(res["grads"], ref_grads, f"rank {rank}")
+        torch.testing.assert_close(torch.cat(res["entropy"]), torch.cat(want_ent), rtol=0, atol=1e-5)
+
+
+def _with_entropy(td):
+    td = td.clone()
+    tu.assign_non_tensor(td, calculate_entropy=True)
+    return td
 
 
 # ------------------------------------------------------------------------------ registry and errors

@@ -104,8 +104,9 @@ class VerlHartsEngine(BaseEngine):
     ``EngineRegistry.new(model_type, backend="harts", model_config=..., engine_config=...,
     optimizer_config=..., checkpoint_config=...)``; :meth:`initialize` builds it from the checkpoint
     (``model_config.local_path`` or ``path``) with :meth:`HartsEngine.build`, over a FSDP2 mesh of
-    the whole world when ``torch.distributed`` is initialised (``harts.tp``, ``harts.ep``,
-    ``harts.dp_replicate``; the rest is ``dp_shard``)."""
+    the whole world when ``torch.distributed`` is initialised (``harts.tp``, ``harts.cp``,
+    ``harts.ep``, ``harts.dp_replicate``; the rest is ``dp_shard``). Under ``harts.cp`` the ranks of
+    a CP group are one DP rank to verl (the same data, the same rows back)."""
 
     def __init__(self, model_config, engine_config, optimizer_config=None, checkpoint_config=None, **_):
         self.model_config = model_config
@@ -184,7 +185,8 @@ class VerlHartsEngine(BaseEngine):
         return None if self.mesh is None else self.mesh.dp.get_group()
 
     def is_mp_src_rank_with_outputs(self):
-        return self.mesh is None or self.mesh.coords["tp"] == 0
+        coords = None if self.mesh is None else self.mesh.coords
+        return coords is None or (coords["tp"] == 0 and coords.get("cp", 0) == 0)
 
     # ------------------------------------------------------------------ step
     def forward_backward_batch(
