@@ -13,17 +13,18 @@ from harts_kernels.kda.cp import chunk_kda_cp_reference, piece_summary
 
 pytestmark = pytest.mark.gpu
 
-TOL_REL = {  # max |got - want| / max |want|
-    "A": 2e-2,
-    "b": 2e-2,
-    "o": 2e-2,
-    "final": 2e-2,
-    "grad": 3e-2,
+TOL_REL = {  # max |got - want| / max |want|; measured on one H200 (Triton 3.6) in brackets
+    "A": 5e-3,  # vs the fp64 recurrence [1.1e-3]
+    "b": 5e-3,  # [1.3e-3]
+    "o": 1e-3,  # four pieces vs one call [1.8e-4]
+    "final": 1e-4,  # [8.4e-6]
+    "grad": 1e-3,  # dq [2.3e-4], dk dv dg dbeta dh0 [<= 7.1e-5]
 }
 
 
 def _rel(got, want) -> float:
-    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+    got, want = got.detach().float(), want.detach().float()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
 def _make(T, H, K, V, seed, gdn=False):

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from harts_kernels.ssd import (
     chunk_ssd_with_states,
+    fla_gated_backward_refused,
     naive_chunk_ssd_with_states,
     naive_recurrent_ssd_with_states,
 )
@@ -79,6 +80,21 @@ def test_triton_path_matches_reference_on_cuda(chunk):
         request_seq=[0, 0, 1, 3],
         request_chunk=[1, 3, 1, 1],
     )
+    if fla_gated_backward_refused() is not None:  # fla #640 (Hopper, Triton < 3.7.1): forward only
+        with torch.no_grad():
+            fwd = [
+                chunk_ssd_with_states(q, k, v, g, initial_state=h0, backend=b, **kw)
+                for b in ("triton", "naive")
+            ]
+        for name, a, b in zip(["o", "final", "bstates"], *fwd):
+            err = ((a.double() - b.double()).norm() / b.double().norm()).item()
+            assert err < 2e-3, (name, err)
+        inputs = [t.clone().requires_grad_(True) for t in (q, k, v, g, h0)]
+        with pytest.raises(ValueError, match="^backend: 'triton' cannot be differentiated here"):
+            chunk_ssd_with_states(*inputs[:4], initial_state=inputs[4], backend="triton", **kw)
+        with pytest.warns(UserWarning, match="chunked PyTorch reference"):
+            chunk_ssd_with_states(*inputs[:4], initial_state=inputs[4], backend="auto", **kw)
+        return
     res = {}
     for backend in ("triton", "naive"):
         inputs = [t.clone().requires_grad_(True) for t in (q, k, v, g, h0)]

@@ -9,7 +9,12 @@ chunk-boundary states, differentiably.
 Importing this package needs only torch; fla and triton load on the first GPU call.
 """
 
-from harts_kernels.ssd.chunk import chunk_ssd_with_states
+from harts_kernels.ssd.chunk import chunk_ssd_with_states, fla_gated_backward_refused
 from harts_kernels.ssd.naive import naive_chunk_ssd_with_states, naive_recurrent_ssd_with_states
 
-__all__ = ["chunk_ssd_with_states", "naive_chunk_ssd_with_states", "naive_recurrent_ssd_with_states"]
+__all__ = [
+    "chunk_ssd_with_states",
+    "fla_gated_backward_refused",
+    "naive_chunk_ssd_with_states",
+    "naive_recurrent_ssd_with_states",
+]

@@ -16,10 +16,22 @@ requested boundary states out, all differentiable).
   for KDA) would remove that overhead. fla takes power-of-2 chunk sizes only (the plans' 32 or 64);
   another raises its ValueError.
 
+fla 0.6.0 refuses the *backward* of its gated chunk kernels on Hopper GPUs with Triton in [3.4.0,
+3.7.1) (fla issue #640: wrong gradients; its ``chunk_bwd_dqkwg`` raises unless tilelang is
+installed), which is the lent H200's Triton 3.6. There (:func:`fla_gated_backward_refused`) a call
+that will be differentiated runs the chunked PyTorch reference on the GPU with ``"auto"`` (the same
+math, slower; a warning says so once), and is refused naming ``backend`` with ``"triton"``;
+forward-only calls keep fla's kernel.
+
 fla and triton are imported only inside the GPU path, so this module imports with torch alone.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+import warnings
 
 import torch
 
@@ -32,7 +44,7 @@ from harts_kernels.kda.utils import (
 )
 from harts_kernels.ssd.naive import check_ssd_inputs, naive_chunk_ssd_with_states
 
-__all__ = ["chunk_ssd_with_states"]
+__all__ = ["chunk_ssd_with_states", "fla_gated_backward_refused"]
 
 _BACKENDS = ("auto", "triton", "naive")
 
@@ -60,6 +72,13 @@ def chunk_ssd_with_states(
     if backend not in _BACKENDS:
         raise ValueError(f"backend: choose one of {_BACKENDS}, got {backend!r}")
     use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
+    if use_triton and _differentiated(q, k, v, g, initial_state):
+        reason = fla_gated_backward_refused()
+        if reason is not None:
+            if backend == "triton":
+                raise ValueError(f"backend: 'triton' cannot be differentiated here: {reason}; use 'auto'")
+            _warn_fallback(reason)
+            use_triton = False
     args = dict(
         scale=scale,
         initial_state=initial_state,
@@ -72,6 +91,39 @@ def chunk_ssd_with_states(
     if not use_triton:
         return naive_chunk_ssd_with_states(q, k, v, g, **args)
     return _fla_chunk(q, k, v, g, **args)
+
+
+def _differentiated(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+@functools.cache
+def fla_gated_backward_refused() -> str | None:
+    """Why fla 0.6.0's gated chunk backward cannot run on this GPU, or None: a Hopper GPU with Triton
+    in [3.4.0, 3.7.1) and no tilelang (fla #640)."""
+    if not torch.cuda.is_available():
+        return None
+    import triton
+
+    v = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:3])
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    if not hopper or not (3, 4, 0) <= v < (3, 7, 1):
+        return None
+    if importlib.util.find_spec("tilelang") is not None:
+        return None
+    return (
+        f"fla refuses its gated chunk backward on Hopper GPUs with Triton {triton.__version__} "
+        "(>= 3.4.0 and < 3.7.1, fla #640: wrong gradients) without tilelang"
+    )
+
+
+@functools.cache
+def _warn_fallback(reason: str) -> None:
+    warnings.warn(
+        f"harts_kernels.ssd: {reason}; differentiated SSD calls run the chunked PyTorch reference "
+        "on the GPU (same math, slower). Upgrade Triton to >= 3.7.1 or install tilelang for fla's kernel.",
+        stacklevel=3,
+    )
 
 
 def _fla_chunk(
