@@ -13,7 +13,7 @@ checkpoints. Configurations: ``cp = 2``, ``cp = 4``, ``cp = 2`` with ``dp_shard 
 import numpy as np
 import pytest
 import torch
-from test_parallel_step import EPS, LR, _check, _full, _tiny_checkpoint
+from test_parallel_step import _check, _full, _tiny_checkpoint, train_parallel, train_single
 
 from harts_runtime.parallel import ParallelConfigError, ParallelDims, run_distributed
 
@@ -52,66 +52,14 @@ def _build(name, path, dp, cp):
 
 
 def _worker(rank, world, name, path, dims_kw, keep):
-    from harts_runtime import run_microbatch
-    from harts_runtime.parallel import parallelize, run_replica_step, sync_expert_load
-
     dims = ParallelDims(world_size=world, **dims_kw)
     mesh = dims.build_mesh()
     model, step, plan = _build(name, path, dims.dp, dims.cp)
-    parallelize(model, mesh, recompute=keep is not None, keep=tuple(keep or ()))
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    out = {"losses": [], "logprobs": {}, "coords": mesh.coords}
-    for it in range(2):
-        opt.zero_grad(set_to_none=True)
-
-        def microbatch(slot, traj, it=it):
-            loss, stats = run_microbatch(model, step, traj, "compact")
-            if it == 0:
-                for i, lp in zip(stats["target_index"].tolist(), stats["logprobs"].tolist()):
-                    out["logprobs"][i] = lp
-            return loss
-
-        res = run_replica_step(plan, mesh, microbatch)
-        out["losses"].append(res.loss)
-        sync_expert_load(model, mesh)
-        if it == 0:
-            out["grads"] = {n: _full(p.grad) for n, p in model.named_parameters()}
-            out["counts"] = {
-                n: b.clone() for n, b in model.named_buffers() if n.endswith("tokens_per_expert")
-            }
-        opt.step()
-        model.update_expert_bias()
-    out["params"] = {n: _full(p.detach()) for n, p in model.named_parameters()}
-    return out
+    return train_parallel(model, step, plan, mesh, keep)
 
 
 def _reference(name, path, dp, cp, keep):
-    from harts_runtime import apply_recompute, run_microbatch
-
-    model, step, plan = _build(name, path, dp, cp)
-    apply_recompute(model, keep is not None, keep=tuple(keep or ()))
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    out = {"losses": [], "logprobs": {}}
-    for it in range(2):
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for mb in plan.microbatches:
-            loss, stats = run_microbatch(model, step, np.asarray(mb, dtype=np.int64), "compact")
-            total += float(loss)
-            if it == 0:
-                out["logprobs"].update(zip(stats["target_index"].tolist(), stats["logprobs"].tolist()))
-        out["losses"].append(total)
-        if it == 0:
-            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
-            out["counts"] = {
-                n: b.clone() for n, b in model.named_buffers() if n.endswith("tokens_per_expert")
-            }
-        opt.step()
-        model.update_expert_bias()
-    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return out
+    return train_single(*_build(name, path, dp, cp), keep)
 
 
 def _four_head_checkpoint(tmp_path_factory, family):

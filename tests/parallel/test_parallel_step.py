@@ -81,12 +81,19 @@ def _full(t):
 
 
 def _worker(rank, world, name, path, dims_kw, keep, plan_kind):
-    from harts_runtime import recompute_enabled, run_microbatch
-    from harts_runtime.parallel import parallelize, run_replica_step, sync_expert_load
-
     dims = ParallelDims(world_size=world, **dims_kw)
     mesh = dims.build_mesh()
     model, step, plan = _build(name, path, dims.dp, plan_kind)
+    return train_parallel(model, step, plan, mesh, keep)
+
+
+def train_parallel(model, step, plan, mesh, keep):
+    """Two AdamW steps of ``model`` parallelized over ``mesh`` (recomputation with ``keep`` unless
+    None): the losses, this rank's log-probs of the first step, its gradients (full tensors), the
+    expert-load counts and the weights after the second step."""
+    from harts_runtime import recompute_enabled, run_microbatch
+    from harts_runtime.parallel import parallelize, run_replica_step, sync_expert_load
+
     parallelize(model, mesh, recompute=keep is not None, keep=tuple(keep or ()))
     assert recompute_enabled(model) == (keep is not None)
     model.train()
@@ -118,9 +125,14 @@ def _worker(rank, world, name, path, dims_kw, keep, plan_kind):
 
 
 def _reference(name, path, dp, keep, plan_kind):
+    model, step, plan = _build(name, path, dp, plan_kind)
+    return train_single(model, step, plan, keep)
+
+
+def train_single(model, step, plan, keep):
+    """:func:`train_parallel`'s two steps in one process, every microbatch of ``plan``."""
     from harts_runtime import apply_recompute, run_microbatch
 
-    model, step, plan = _build(name, path, dp, plan_kind)
     apply_recompute(model, keep is not None, keep=tuple(keep or ()))
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
