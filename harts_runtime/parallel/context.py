@@ -190,7 +190,7 @@ def cp_plan(layer: nn.Module, tp: int, cp: int, where: str = "") -> dict[str, ob
 
 
 def _slice(t: torch.Tensor, how, rank: int, cp: int, head_dim: int) -> torch.Tensor:
-    if how is REP or cp == 1:
+    if how == REP or cp == 1:
         return t
     if how == GROUP:  # the one KV head of this rank's query heads
         kv = t.shape[0] // head_dim
