@@ -7,7 +7,7 @@ as in ``test_parallel_step``: both step losses, every log-prob, every gradient (
 MoE expert-load counts and every weight after two AdamW steps. Models: the ``debug`` hybrid (KDA +
 MLA + GQA + MoE; at 4 heads so that ``cp = 4`` splits them) and tiny Kimi-Linear and Qwen3.5-MoE
 checkpoints. Configurations: ``cp = 2``, ``cp = 4``, ``cp = 2`` with ``dp_shard = 2``, with
-``tp = 2`` + SP, and with ``ep = 2``.
+``tp = 2`` (with and without SP), with ``ep = 2`` and with ``dp_replicate = 2`` (HSDP).
 """
 
 import numpy as np
@@ -103,6 +103,8 @@ CASES = {
     "debug-cp2-dp_shard2": ("debug", 4, dict(cp=2, dp_shard=2), None),
     "debug-cp2-tp2-sp-kept": ("debug", 4, dict(cp=2, tp=2, sequence_parallel=True), BOTH),
     "debug-cp2-ep2": ("debug", 4, dict(cp=2, dp_shard=2, ep=2), None),
+    "debug-cp2-tp2": ("debug", 4, dict(cp=2, tp=2), None),
+    "debug-cp2-hsdp": ("debug", 4, dict(cp=2, dp_replicate=2), None),
     "kimi-cp2": ("kimi_linear", 2, dict(cp=2), None),
     "qwen35-cp2-kept": ("qwen3_5_moe_text", 2, dict(cp=2), BOTH),
     "kimi-cp4": ("kimi_linear@4", 4, dict(cp=4), None),
