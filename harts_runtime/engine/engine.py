@@ -291,7 +291,7 @@ class HartsEngine:
             sums["microbatches"] += bool(len(traj))
             if keep_hidden is not None and len(traj):
                 if self.cp > 1:  # every row's hidden state, not only this CP rank's block
-                    from harts_runtime.parallel.context import gather_rows
+                    from harts_runtime.parallel.tensor import gather_rows
 
                     st["hidden"] = gather_rows(st["hidden"], self.mesh.cp, mb.layout.num_rows)
                 keep_hidden(st)

@@ -54,15 +54,15 @@ import functools
 import torch
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 from harts_runtime.errors import ParallelConfigError
 from harts_runtime.layers.attention import CompactAttention
 from harts_runtime.layers.gated_attention import CompactGatedAttention
 from harts_runtime.layers.mla import CompactMLA
 from harts_runtime.ops.attention import compact_attention
-from harts_runtime.parallel.plans import COL, REP, ROW, TP_PLANS
-from harts_runtime.parallel.tensor import local_parameters, row_block
+from harts_runtime.parallel.plans import COL, REP, ROW, tp_plan
+from harts_runtime.parallel.tensor import _params, gather_rows, local_parameters, row_block, sum_partials
 
 __all__ = [
     "ContextParallelRows",
@@ -70,9 +70,7 @@ __all__ = [
     "apply_cp_rows",
     "cp_plan",
     "cp_rows",
-    "gather_rows",
     "scatter_rows",
-    "sum_replicas",
 ]
 
 GROUP = "group"
@@ -83,21 +81,6 @@ each rank takes the one KV head its query heads read."""
 def cp_rows(n: int, cp_mesh) -> tuple[int, int]:
     """``[start, end)``: this rank's block of a microbatch's ``n`` physical rows."""
     return row_block(n, cp_mesh.size(), cp_mesh.get_local_rank())
-
-
-def gather_rows(x: torch.Tensor, cp_mesh, n: int) -> torch.Tensor:
-    """All ``n`` rows from each CP rank's block ``x`` (all-gather; backward: reduce-scatter of the
-    partial row gradients)."""
-    shape = (n, *x.shape[1:])
-    d = DTensor.from_local(
-        x,
-        cp_mesh,
-        [Shard(0)],
-        run_check=False,
-        shape=shape,
-        stride=torch.empty(shape, device="meta").stride(),
-    )
-    return d.redistribute(cp_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
 
 
 def scatter_rows(y: torch.Tensor, cp_mesh) -> torch.Tensor:
@@ -112,7 +95,7 @@ def scatter_rows(y: torch.Tensor, cp_mesh) -> torch.Tensor:
 
 def _blocks(n: int, cp_mesh) -> list[int]:
     size = cp_mesh.size()
-    return [row_block(n, size, r)[1] - row_block(n, size, r)[0] for r in range(size)]
+    return [end - start for start, end in (row_block(n, size, r) for r in range(size))]
 
 
 def rows_to_heads(x: torch.Tensor, cp_mesh, n: int) -> torch.Tensor:
@@ -137,16 +120,6 @@ def heads_to_rows(x: torch.Tensor, cp_mesh) -> torch.Tensor:
     return out.view(size, rows, hc, d).transpose(0, 1).reshape(rows, size * hc, d)
 
 
-def sum_replicas(t: torch.Tensor, cp_mesh) -> torch.Tensor:
-    """The sum over CP of the partial ``t`` (all-reduce), replicated; backward: the identity (every CP
-    rank evaluates the same function of the sum)."""
-    return (
-        DTensor.from_local(t, cp_mesh, [Partial()], run_check=False)
-        .redistribute(cp_mesh, [Replicate()])
-        .to_local()
-    )
-
-
 # ---------------------------------------------------------------------------------- head slices
 def cp_plan(layer: nn.Module, tp: int, cp: int, where: str = "") -> dict[str, object]:
     """How each parameter of mixer ``layer`` is sliced between the CP ranks: name -> ``COL`` (a block
@@ -155,15 +128,13 @@ def cp_plan(layer: nn.Module, tp: int, cp: int, where: str = "") -> dict[str, ob
     (:mod:`harts_runtime.parallel.plans`), whose head blocks are the same; the TP plan is checked at
     ``tp``. Raises :class:`ParallelConfigError` naming the field when ``tp * cp`` does not divide
     the heads, or the layer has no head-parallel plan."""
-    fn = TP_PLANS.get(type(layer))
-    if fn is None:
+    plan = tp_plan(layer, tp, where)
+    if plan is None:
         raise ParallelConfigError(
             "cp",
             f"{type(layer).__name__}{where} has no head-parallel plan; context parallelism splits "
             "every mixer's heads between the CP ranks",
         )
-    plan = fn(layer, tp)
-    plan.check(layer, tp, where)
     for field, value in plan.divides:
         if value % (tp * cp):
             raise ParallelConfigError(
@@ -219,7 +190,7 @@ class ContextParallelMixer:
 
         def forward(x, layout=None):
             full = gather_rows(x, mesh, layout.num_rows)
-            params = [_param(module, n) for n in names]
+            params = _params(module, names)
             local = [_slice(p, slices[n], rank, size, head_dim) for n, p in zip(names, params)]
             with local_parameters(module, names, local):
                 y = orig(full, layout)
@@ -234,7 +205,7 @@ class ContextParallelMixer:
             positions = layout.need("positions")
             kv_a = gather_rows(module.latent(x), mesh, n)
             q = rows_to_heads(module.queries(x, positions[start:end]), mesh, n)
-            w = _param(module, "kv_b_proj.weight")
+            (w,) = _params(module, ["kv_b_proj.weight"])
             with local_parameters(module, ["kv_b_proj.weight"], [_slice(w, COL, rank, size, 0)]):
                 k, v = module.keys_values(kv_a, positions)
             o = compact_attention(q, k, v, layout.need("views"), backend=module.backend, scale=module.scale)
@@ -244,11 +215,6 @@ class ContextParallelMixer:
         module.forward = functools.update_wrapper(chosen, orig)
         module._harts_cp = {"slices": slices, "cp": size}
         return module
-
-
-def _param(module: nn.Module, name: str) -> torch.Tensor:
-    sub, _, leaf = name.rpartition(".")
-    return (module.get_submodule(sub) if sub else module)._parameters[leaf]
 
 
 # ---------------------------------------------------------------------------------- rows
@@ -277,7 +243,7 @@ class ContextParallelRows:
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         if self.inner is not None:
             partial = self.inner.reduce(partial)
-        return sum_replicas(partial, self.mesh)
+        return sum_partials(partial, self.mesh)
 
 
 def _select_ids(cp_mesh):
@@ -329,7 +295,7 @@ def apply_cp_head(model: nn.Module, mesh, backend: str = "auto") -> None:
                 hidden, w, r_local, l_local, local_chunks, rows, fla_kernels=use_fla(hidden, backend)
             )
         out = lp.new_zeros(row_index.shape[0]).index_copy(0, mine, lp)
-        return sum_replicas(out, cp_mesh).clone()  # not a view: FSDP2 hooks the root's outputs
+        return sum_partials(out, cp_mesh).clone()  # not a view: FSDP2 hooks the root's outputs
 
     head.mapped_logprobs = mapped_logprobs
     for block in model.blocks:

@@ -61,8 +61,10 @@ __all__ = [
     "TensorParallelRegion",
     "VocabParallelHead",
     "distribute_parameters",
+    "gather_rows",
     "local_parameters",
     "row_block",
+    "sum_partials",
 ]
 
 
@@ -72,6 +74,22 @@ def row_block(n: int, world: int, rank: int) -> tuple[int, int]:
     per = -(-n // world) if n else 0
     start = min(n, rank * per)
     return start, min(n, start + per)
+
+
+def gather_rows(x: torch.Tensor, mesh, n: int) -> torch.Tensor:
+    """All ``n`` rows from each rank's ``Shard(0)`` block ``x`` over the 1-D ``mesh`` (all-gather;
+    backward: reduce-scatter of the partial row gradients). Blocks as :func:`row_block`."""
+    shape = (n, *x.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    d = DTensor.from_local(x, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+    return d.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+
+def sum_partials(t: torch.Tensor, mesh) -> torch.Tensor:
+    """The sum over the 1-D ``mesh`` of each rank's partial ``t`` (all-reduce), replicated; backward:
+    the identity (every rank evaluates the same function of the sum)."""
+    d = DTensor.from_local(t, mesh, [Partial()], run_check=False)
+    return d.redistribute(mesh, [Replicate()]).to_local()
 
 
 def _resolve(module: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -246,16 +264,12 @@ class VocabParallelHead(ParallelStyle):
             return row_block(v, w, r)[0]
 
         def mapped_logprobs(hidden, row_index, labels, chunks, rows, num_rows=None):
-            d = hidden.shape[-1]
             if sp:
                 total = _sp_rows(hidden.shape[0], group) if num_rows is None else int(num_rows)
-                h = DTensor.from_local(
-                    hidden, mesh, [Shard(0)], run_check=False, shape=(total, d), stride=(d, 1)
-                )
-                h = h.redistribute(mesh, [Replicate()])
+                h = gather_rows(hidden, mesh, total)
             else:
                 h = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
-            h = h.to_local(grad_placements=[Partial()])
+                h = h.to_local(grad_placements=[Partial()])
             w = module.weight
             w = w.to_local() if isinstance(w, DTensor) else w
             if chunks is None:
@@ -325,5 +339,4 @@ class SequenceParallelRows:
         return multiplicity[start:end]
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        d = DTensor.from_local(partial, self.mesh, [Partial()], run_check=False)
-        return d.redistribute(self.mesh, [Replicate()]).to_local()
+        return sum_partials(partial, self.mesh)
