@@ -145,12 +145,17 @@ def run_microbatch(
     ``router_loss`` (contributions), ``rows``, ``semantic_tokens``, ``replay_tokens``,
     ``num_calls``, ``logprobs`` (detached [P_mb]), ``target_index`` ([P_mb], into the step's
     per-token tensors) and ``metrics`` (the loss function's). Raises :class:`InvalidInputError`
-    (``field="mode"``) for an unknown mode.
+    (``field="mode"``) for an unknown mode, and naming the field (``advantages[i][j]``) for a
+    non-finite advantage or log-prob the loss would read
+    (:meth:`~harts_runtime.step_inputs.StepInputs.check_microbatch`: it also sees values written
+    through ``.numpy()`` after the step was checked), before the loss and backward.
     """
     _check_mode(mode)
     mb = microbatch if microbatch is not None else make_microbatch(model, step, traj_indices, mode, call_plan)
     hidden, lp, router = forward_microbatch(model, mb, no_replay=no_replay)
-    out = (loss_fn or policy_loss_fn)(lp, microbatch_inputs(step, mb, lp.device))
+    inputs = microbatch_inputs(step, mb, lp.device)
+    step.check_microbatch(inputs)
+    out = (loss_fn or policy_loss_fn)(lp, inputs)
     pol, metrics = out if isinstance(out, tuple) else (out, {})
     rl = router * (mb.semantic_tokens / step.batch.semantic_tokens)
     loss = pol + rl
