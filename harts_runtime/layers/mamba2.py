@@ -1,23 +1,39 @@
 """Mamba2 (SSD) mixer on compact rows (Nemotron-H), executed over the same minimum-call plan as
 :class:`~harts_runtime.layers.kda.KDALayer` (Sections 3.3, 3.4, 4.2).
 
-The parameters are transformers' ``NemotronHMamba2Mixer`` under the same names and shapes, so its
-state dict loads with ``strict=True`` and no key map (``H`` = ``mamba_num_heads``, ``P`` =
+The parameters are transformers' ``NemotronHMamba2Mixer`` under the same names and shapes but for
+its fused ``in_proj`` and ``conv1d``, whose row blocks are separate tensors here (as the Gated
+DeltaNet layer keeps Qwen's ``in_proj_qkv`` apart), so that every tensor is a contiguous block of
+heads (or of groups) and a tensor- or context-parallel rank holds one block
+(:mod:`harts_runtime.parallel.plans`). A load-state-dict pre-hook splits those transformers
+tensors, so an HF mixer's state dict still loads with ``strict=True`` and no key map;
+:meth:`Mamba2Mixer.as_hf` maps ours (or their gradients) back (``H`` = ``mamba_num_heads``, ``P`` =
 ``mamba_head_dim``, ``N`` = ``ssm_state_size``, ``G`` = ``n_groups``, ``I = H P``, ``E = I + 2 G N``
 the convolved channels):
 
 =================================  =======================  ======================================
 name                               shape                    role
 =================================  =======================  ======================================
-``in_proj``                        [I + E + H, D] (+ bias)  per row: [z (I), x (I), B (G N), C (G N), dt (H)]
-``conv1d``                         ``.weight`` [E, 1, w]    causal convolution of [x, B, C] (SiLU after
-                                   (``.bias`` [E])          the bias; window from the row's true ancestors)
+``in_proj_z``, ``in_proj_x``       [I, D], [I, D]           gate z and input x (+ bias each)
+``in_proj_B``, ``in_proj_C``       [G N, D], [G N, D]       B and C, one block of N rows per group
+``in_proj_dt``                     [H, D]                   dt (transformers' ``in_proj`` is the
+                                                            concatenation [z, x, B, C, dt])
+``x_conv1d``, ``B_conv1d``,        ``.weight`` [I | G N,    causal convolutions of x, B, C (SiLU
+``C_conv1d``                       1, w] (``.bias``)        after the bias; window from the row's
+                                                            true ancestors; transformers'
+                                                            ``conv1d``, concatenated)
 ``dt_bias``, ``A_log``, ``D``      [H], [H], [H]            ``dt = clamp(softplus(dt + dt_bias), limits)``,
                                                             ``A = -exp(A_log)``, ``D`` the skip
 ``norm``                           ``.weight`` [I]          ``rmsnorm_group(y * silu(z)) * weight``
                                                             (groups of ``I / G`` channels)
 ``out_proj``                       [D, I] (+ bias)          output projection
 =================================  =======================  ======================================
+
+The forward still runs one GEMM over the five projection weights and one convolution over the
+three convolution weights (concatenated), as transformers' fused tensors do. Head and group counts
+are read from the weights at forward time (``H`` from ``A_log``, ``G`` from ``in_proj_B``), never
+from the config, so a parallel rank runs the same forward on its local blocks (whole groups: the
+gated norm's groups then stay on one rank).
 
 Math per row: the SSD recurrence is chunkwise linear attention with one scalar decay per head,
 ``S_t = exp(dt_t A) S_{t-1} + B_t (dt_t x_t)^T``, ``y_t = S_t^T C_t + D x_t`` (state [N, P] per
@@ -30,13 +46,13 @@ runs in fp32 as transformers' torch path (``mamba2_chunk_scan``) does. Recomputa
 block-level as for KDA; the schedule is the kept region ``"linear_attention"``.
 
 :meth:`Mamba2Mixer.forward_trajectories` is the slow reference: every trajectory through the
-same layer, unshared. Tensor parallelism of this layer is not provided (head counts are the
-config's).
+same layer, unshared.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,7 +71,7 @@ from harts_runtime.modules.convolution import varlen_causal_conv
 from harts_runtime.ops.keep import kept, saves_are_transient
 from harts_runtime.ops.rows import gather_packed, scatter_own
 
-__all__ = ["Mamba2Config", "Mamba2GatedRMSNorm", "Mamba2Mixer", "run_ssd_schedule"]
+__all__ = ["HF_CONCATENATED", "Mamba2Config", "Mamba2GatedRMSNorm", "Mamba2Mixer", "run_ssd_schedule"]
 
 
 @dataclass(kw_only=True)
@@ -160,6 +176,11 @@ def _run_rounds(sched: KDASchedule, q, k, v, g, chunk_size: int, backend: str) -
     return scatter_own(o, sched)
 
 
+def _has(module: nn.Module, name: str) -> bool:
+    sub, _, leaf = name.rpartition(".")
+    return getattr(module.get_submodule(sub), leaf, None) is not None
+
+
 class Mamba2GatedRMSNorm(nn.Module):
     """``weight * rmsnorm_groups(x * silu(gate))`` over groups of ``group_size`` channels of the
     last dim (gate before the norm), float32 inside, as transformers' ``NemotronHRMSNormGated``."""
@@ -179,41 +200,93 @@ class Mamba2GatedRMSNorm(nn.Module):
         return self.weight * hg.view_as(h).to(dtype)
 
 
+_PROJ = ("in_proj_z", "in_proj_x", "in_proj_B", "in_proj_C", "in_proj_dt")
+_CONV = ("x_conv1d", "B_conv1d", "C_conv1d")
+
+HF_CONCATENATED = {
+    "in_proj.weight": tuple(f"{n}.weight" for n in _PROJ),
+    "in_proj.bias": tuple(f"{n}.bias" for n in _PROJ),
+    "conv1d.weight": tuple(f"{n}.weight" for n in _CONV),
+    "conv1d.bias": tuple(f"{n}.bias" for n in _CONV),
+}
+"""transformers' tensors that concatenate ours on dim 0: name -> our names, its row blocks in order
+(the biases only where the config has them: ``use_bias``, ``use_conv_bias``)."""
+
+
 class Mamba2Mixer(nn.Module):
-    """Mamba2 mixer (transformers' ``NemotronHMamba2Mixer`` parameters) on compact rows."""
+    """Mamba2 mixer (transformers' ``NemotronHMamba2Mixer`` parameters, its fused ``in_proj`` and
+    ``conv1d`` split by block) on compact rows."""
 
     def __init__(self, config: Mamba2Config):
         super().__init__()
         c = self.config = config
-        H, P, N, G = c.num_heads, c.head_dim, c.state_size, c.n_groups
+        H, P, N, G, D = c.num_heads, c.head_dim, c.state_size, c.n_groups, c.hidden_size
         self.intermediate_size = I = H * P  # noqa: E741
         self.conv_dim = I + 2 * G * N
-        self.in_proj = nn.Linear(c.hidden_size, I + self.conv_dim + H, bias=c.use_bias)
-        self.conv1d = nn.Conv1d(
-            self.conv_dim,
-            self.conv_dim,
-            c.conv_kernel_size,
-            groups=self.conv_dim,
-            padding=c.conv_kernel_size - 1,
-            bias=c.use_conv_bias,
-        )
+        for name, rows in zip(_PROJ, (I, I, G * N, G * N, H)):
+            setattr(self, name, nn.Linear(D, rows, bias=c.use_bias))
+        for name, ch in zip(_CONV, (I, G * N, G * N)):
+            conv = nn.Conv1d(ch, ch, c.conv_kernel_size, groups=ch, padding=c.conv_kernel_size - 1)
+            if not c.use_conv_bias:
+                conv.bias = None
+            setattr(self, name, conv)
         self.dt_bias = nn.Parameter(torch.ones(H))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, H + 1, dtype=torch.float32)))
         self.D = nn.Parameter(torch.ones(H))
         self.norm = Mamba2GatedRMSNorm(I, I // G, eps=c.norm_eps)
-        self.out_proj = nn.Linear(I, c.hidden_size, bias=c.use_bias)
+        self.out_proj = nn.Linear(I, D, bias=c.use_bias)
+        self.register_load_state_dict_pre_hook(Mamba2Mixer._split_hf_tensors)
+
+    # ---------------------------------------------------------------- transformers' names
+    @staticmethod
+    def _split_hf_tensors(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        """Load-state-dict pre-hook: transformers' fused ``in_proj`` / ``conv1d`` tensors under
+        ``prefix`` -> our blocks (views; the config's sizes)."""
+        for hf, ours in HF_CONCATENATED.items():
+            t = state_dict.get(prefix + hf)
+            if t is None:
+                continue
+            sizes = [module.get_parameter(n).shape[0] for n in ours if _has(module, n)]
+            if len(sizes) != len(ours) or t.dim() == 0 or t.shape[0] != sum(sizes):
+                errors.append(f"{prefix}{hf}: {tuple(t.shape)} has not this layer's {sum(sizes)} rows")
+                continue
+            del state_dict[prefix + hf]
+            for name, part in zip(ours, torch.split(t, sizes)):
+                state_dict[prefix + name] = part
+
+    @staticmethod
+    def as_hf(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Tensors keyed by our names (a state dict, gradients) -> keyed by transformers' (our blocks
+        concatenated into ``in_proj`` / ``conv1d``); other names as they are. A ``prefix.`` before
+        the names is kept."""
+        out = dict(tensors)
+        for hf, ours in HF_CONCATENATED.items():
+            for key in tensors:
+                if key == ours[0] or key.endswith("." + ours[0]):
+                    pre = key[: len(key) - len(ours[0])]
+                    out[pre + hf] = torch.cat([out.pop(pre + n) for n in ours])
+        return out
 
     # ---------------------------------------------------------------- token-wise parts
+    def _local(self) -> tuple[int, int, int]:
+        """(H, G, I) of the weights this forward runs with (a parallel rank's local blocks)."""
+        H = self.A_log.shape[0]
+        return H, self.in_proj_B.weight.shape[0] // self.config.state_size, H * self.config.head_dim
+
     def _features(self, x: torch.Tensor, windows: ConvWindows):
         """Per-row core inputs. x [R, D] -> q (C), k (B) [R, H, N] fp32; v (dt x) [R, H, P] fp32;
         g (dt A) [R, H] fp32; xs [R, H, P] (the skip's input); z [R, I] (the gate)."""
         c = self.config
-        R, H, P, N, G = x.shape[0], c.num_heads, c.head_dim, c.state_size, c.n_groups
-        I = self.intermediate_size  # noqa: E741
-        z, xbc, dt = torch.split(self.in_proj(x), [I, self.conv_dim, H], dim=1)
-        xbc = varlen_causal_conv(xbc, self.conv1d.weight[:, 0, :], windows, None, c.backend)
-        if self.conv1d.bias is not None:
-            xbc = xbc + self.conv1d.bias
+        (H, G, I), R, P, N = self._local(), x.shape[0], c.head_dim, c.state_size  # noqa: E741
+        projs = [getattr(self, n) for n in _PROJ]
+        bias = torch.cat([m.bias for m in projs]) if c.use_bias else None
+        # one GEMM over the five blocks and one convolution over x, B, C, as transformers' fused tensors
+        zxbcdt = F.linear(x, torch.cat([m.weight for m in projs]), bias)
+        z, xbc, dt = torch.split(zxbcdt, [I, I + 2 * G * N, H], dim=1)
+        convs = [getattr(self, n) for n in _CONV]
+        xbc = varlen_causal_conv(xbc, torch.cat([m.weight[:, 0, :] for m in convs]), windows, None, c.backend)
+        if c.use_conv_bias:
+            xbc = xbc + torch.cat([m.bias for m in convs])
         xbc = F.silu(xbc)
         xs, b, cm = torch.split(xbc, [I, G * N, G * N], dim=1)
         dt = F.softplus(dt.float() + self.dt_bias.float())

@@ -9,7 +9,9 @@ transformers                                           ours
 ``model.embeddings.weight``, ``model.norm_f.weight``,  ``embed.weight``, ``norm.weight``,
 ``lm_head.weight``                                     ``lm_head.weight``
 ``norm.weight`` of a mixer / an FFN layer              ``norm1.weight`` / ``norm2.weight``
-Mamba2 ``mixer.*``                                     ``mixer.*`` (same names and shapes)
+Mamba2 ``mixer.in_proj.{weight,bias}``                 ``mixer.in_proj_{z,x,B,C,dt}.*`` (its row blocks)
+Mamba2 ``mixer.conv1d.{weight,bias}``                  ``mixer.{x,B,C}_conv1d.*`` (its channel blocks)
+Mamba2 ``mixer.*`` (other)                             ``mixer.*`` (same names and shapes)
 attention ``mixer.{q,k,v,o}_proj.weight``              ``mixer.{q,k,v,o}_proj.weight``
 MLP ``mixer.{up,down}_proj.weight``                    ``ffn.{up,down}_proj.weight``
 MoE ``mixer.gate.weight``, ``e_score_correction_bias`` ``ffn.router``, ``ffn.expert_bias``
@@ -32,6 +34,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from harts_runtime.errors import InvalidInputError
+from harts_runtime.layers.mamba2 import HF_CONCATENATED as MAMBA2_CONCATENATED
 from harts_runtime.models.hybrid.args import ModelConfig
 from harts_runtime.models.state_dict_adapter import HFStateDictAdapter
 
@@ -65,8 +68,8 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
         self._ckpt = {}  # checkpoint name -> (kind, our name, expert slot, shape)
         for name, (kind, ours) in self._rules.items():
             ck = _CKPT_PREFIX + name[len(prefix) :] if name.startswith(prefix) else name
-            if kind == "same":
-                self._ckpt[ck] = ("same", ours[0], None, self.hf_shapes[name])
+            if kind in ("same", "cat"):  # checkpoints store both as in memory
+                self._ckpt[ck] = (kind, ours if kind == "cat" else ours[0], None, self.hf_shapes[name])
                 continue
             base, w = ck.rsplit(".", 1)  # ...mixer.experts, up_proj / down_proj
             e, rows, cols = self.our_shapes[ours[0]]
@@ -88,9 +91,16 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
             if mixer in ("mamba2", "gqa"):
                 yield h + "norm.weight", ("same", (o + "norm1.weight",))
                 m = o + "mixer."
+                cat = MAMBA2_CONCATENATED if mixer == "mamba2" else {}
+                parts = {our: hf for hf, ours in cat.items() for our in ours}  # our suffix -> HF name
                 for k in self.our_shapes:
-                    if k.startswith(m):
-                        yield h + "mixer." + k[len(m) :], ("same", (k,))
+                    if not k.startswith(m):
+                        continue
+                    name = k[len(m) :]
+                    if name not in parts:
+                        yield h + "mixer." + name, ("same", (k,))
+                    elif name == cat[parts[name]][0]:  # the first block of a fused tensor: all of them
+                        yield h + "mixer." + parts[name], ("cat", tuple(m + n for n in cat[parts[name]]))
             elif mixer != "none":
                 raise InvalidInputError(f"mixers[{i}]", f"{mixer!r} has no {self.family} equivalent")
             if ffn == "none":
