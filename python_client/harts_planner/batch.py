@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from harts_planner import _native, checks
-from harts_planner.errors import cancel_token, invalid
+from harts_planner.errors import cancel_token, invalid, resource_limit
 from harts_planner.fields import NativeField
 
 
@@ -114,8 +114,10 @@ class RolloutBatch:
     """A batch of trajectories and its compact trie, LCP/RMQ index and segment forest.
 
     Build one with :meth:`from_arrays`, :meth:`from_token_lists`, :meth:`from_segment_tree` or
-    :meth:`load`. All array properties are read-only numpy views of memory owned by the C++ core
-    (no copies). A batch built from a segment tree has no tokens (:attr:`tokens` is None).
+    :meth:`load`. All array properties are read-only numpy views: of memory owned by the C++ core,
+    and for :attr:`tokens`, :attr:`offsets` and the input tree ids of arrays only the batch holds
+    (writing to the caller's arrays after ingestion cannot change a batch). A batch built from a
+    segment tree has no tokens (:attr:`tokens` is None).
     """
 
     def __init__(
@@ -138,13 +140,18 @@ class RolloutBatch:
         Parameters
         ----------
         tokens : array_like of int, shape [S]
-            All trajectories concatenated; ids >= 0. Passed zero-copy when already int32.
+            All trajectories concatenated; ids >= 0.
         offsets : array_like of int, shape [N + 1]
-            ``offsets[0] = 0``, strictly increasing, ``offsets[N] = S``. Zero-copy when int64.
+            ``offsets[0] = 0``, strictly increasing, ``offsets[N] = S``.
         tree_ids : array_like of int, shape [N], optional
             Rollout-tree id of each trajectory (metadata; sharing follows actual tokens).
         cancel : CancelToken, optional
             Stops the ingestion within milliseconds once cancelled or past its deadline.
+
+        The batch keeps read-only copies of the arrays (one copy, fused with the dtype conversion
+        when there is one), so the caller may refill or free its buffers at once. An array nothing
+        can write to any more is kept without a copy: a read-only array over ``bytes`` (such as
+        ``np.frombuffer(data, np.int32)``), through any chain of read-only views.
 
         Raises
         ------
@@ -158,11 +165,17 @@ class RolloutBatch:
 
         The GIL is released while ingesting.
         """
+        return cls._ingest(tokens, offsets, tree_ids, cancel, take=False)
+
+    @classmethod
+    def _ingest(cls, tokens, offsets, tree_ids, cancel, *, take: bool) -> RolloutBatch:
+        """:meth:`from_arrays`; with ``take`` the caller hands its arrays over (it made them and
+        writes to them no more): they are marked read-only and kept without a copy."""
         cancel = cancel_token(cancel)
-        tokens = checks.int_array(tokens, np.int32, "tokens")
-        offsets = checks.int_array(offsets, np.int64, "offsets")
+        tokens = _held(tokens, np.int32, "tokens", take)
+        offsets = _held(offsets, np.int64, "offsets", take)
         if tree_ids is not None:
-            tree_ids = checks.int_array(tree_ids, np.int64, "tree_ids")
+            tree_ids = _held(tree_ids, np.int64, "tree_ids", take)
         native = _native.ingest(tokens, offsets, tree_ids, cancel)
         return cls(native, tokens, offsets, tree_ids)
 
@@ -198,7 +211,7 @@ class RolloutBatch:
             pieces.append(piece)
         offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
         np.cumsum([len(p) for p in pieces], out=offsets[1:])
-        return cls.from_arrays(np.concatenate(pieces), offsets, tree_ids, cancel)
+        return cls._ingest(np.concatenate(pieces), offsets, tree_ids, cancel, take=True)
 
     @classmethod
     def from_segment_tree(cls, tree: SegmentTree, cancel=None) -> RolloutBatch:
@@ -255,7 +268,7 @@ class RolloutBatch:
         from harts_planner.batch_io import load_batch
 
         tokens, offsets, tree_ids = load_batch(path)
-        return cls.from_arrays(tokens, offsets, tree_ids)
+        return cls._ingest(tokens, offsets, tree_ids, None, take=True)
 
     def save(self, path: str | os.PathLike) -> None:
         """Save the input trajectories (format from the extension: ``.hrb`` or ``.jsonl``)."""
@@ -410,12 +423,48 @@ def _index(value, field: str, size: int, what: str) -> int:
     return value
 
 
-def ingest(source: PackedTokens | SegmentTree, cancel=None) -> RolloutBatch:
+def _immutable(arr: np.ndarray) -> bool:
+    """Whether nothing can write to ``arr``'s memory: read-only views all the way down to a
+    ``bytes`` object (a writable base, a ``bytearray``, an ``mmap`` or any other owner: False)."""
+    base = arr
+    while isinstance(base, np.ndarray):
+        if base.flags.writeable:
+            return False
+        base = base.base
+    while isinstance(base, memoryview):
+        if not base.readonly:
+            return False
+        base = base.obj
+    return type(base) is bytes
+
+
+def _held(values, dtype, field: str, take: bool) -> np.ndarray:
+    """``values`` as the read-only C-contiguous ``dtype`` array a batch keeps (checked as
+    :func:`checks.int_array` does): ``values`` itself when it is immutable (or handed over with
+    ``take``), a copy otherwise."""
+    arr = checks.int_array(values, dtype, field)
+    # numpy allocated ``arr`` here (a conversion, or a list's values): nobody else holds it
+    fresh = arr is not values and arr.flags.owndata and isinstance(values, (np.ndarray, list, tuple))
+    if not (fresh or take or _immutable(arr)):
+        try:
+            arr = arr.copy()
+        except MemoryError:
+            raise resource_limit(
+                field,
+                f"no memory for the batch's copy of its {arr.nbytes} bytes (an array over immutable "
+                "bytes, np.frombuffer(data), is kept without one)",
+            ) from None
+    arr.flags.writeable = False
+    return arr
+
+
+def ingest(source: PackedTokens | SegmentTree, cancel=None, *, take: bool = False) -> RolloutBatch:
     """The batch of packed tokens (:meth:`RolloutBatch.from_arrays`) or of a compacted tree
     (:meth:`RolloutBatch.from_segment_tree`); raises as those do, with their field names.
-    ``cancel`` (a :class:`CancelToken`) as there."""
+    ``cancel`` (a :class:`CancelToken`) as there. With ``take`` the caller hands the packed arrays
+    over (nothing writes to them any more): they are kept read-only without a copy."""
     if isinstance(source, SegmentTree):
         return RolloutBatch.from_segment_tree(source, cancel)
     if isinstance(source, PackedTokens):
-        return RolloutBatch.from_arrays(source.tokens, source.offsets, source.tree_ids, cancel)
+        return RolloutBatch._ingest(source.tokens, source.offsets, source.tree_ids, cancel, take=take)
     raise invalid("trajectories", f"must be PackedTokens or SegmentTree, got {type(source).__name__}")

@@ -212,12 +212,13 @@ def test_deadline_stops_a_long_plan_calls():
 @pytest.mark.slow
 def test_cancel_from_another_thread_stops_a_long_ingestion():
     # 2^24 identical trajectories of 8 tokens: sorting them takes seconds and the index (sparse
-    # table, per-row arrays) needs GBs more than the address space allows.
+    # table, per-row arrays) needs GBs more than the address space allows. Arrays over bytes, which
+    # the batch keeps without copying them.
     out = _run(
         f"""
         n, length = 2**24, 8
-        tokens = np.zeros(n * length, np.int32)
-        offsets = np.arange(0, n * length + 1, length, dtype=np.int64)
+        tokens = np.frombuffer(bytes(4 * n * length), np.int32)
+        offsets = np.frombuffer(np.arange(0, n * length + 1, length, dtype=np.int64).tobytes(), np.int64)
         cap_address_space({GIB} // 2)
         out = run(lambda t: hp.RolloutBatch.from_arrays(tokens, offsets, cancel=t), hp.CancelToken(), cancel_after=0.3)
         print(json.dumps(out))

@@ -148,9 +148,11 @@ def trajectories_of(which: str | None, arrays: dict, read=None) -> PackedTokens 
 
 def ingest(source: PackedTokens | SegmentTree, *, wire: bool = False, cancel=None) -> RolloutBatch:
     """The batch of packed tokens or of a compacted tree. With ``wire``, error fields are
-    request paths (``trajectories.tree.parent[4]``). ``cancel``: a CancelToken the ingestion polls."""
+    request paths (``trajectories.tree.parent[4]``). ``cancel``: a CancelToken the ingestion polls.
+    With ``wire`` the arrays are views of a request's bytes, which nothing writes to: the batch
+    keeps them without a copy."""
     try:
-        return _batch.ingest(source, cancel=cancel)
+        return _batch.ingest(source, cancel=cancel, take=wire)
     except HartsError as e:
         if not wire:
             raise
