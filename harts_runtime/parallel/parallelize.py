@@ -92,14 +92,18 @@ def apply_tp(model: nn.Module, mesh: ParallelMesh) -> None:
     ep = dims.ep > 1
     styles: dict[str, object] = {}
     for i, block in enumerate(blocks):
-        plan = tp_plan(block.mixer, dims.tp, f" (blocks[{i}].mixer)")
-        if plan is None:
-            raise ParallelConfigError(
-                f"blocks[{i}].mixer", f"no tensor-parallel plan for {type(block.mixer).__name__}"
-            )
-        styles[f"blocks.{i}.mixer"] = TensorParallelRegion(plan, sp, cp_mesh)
+        if block.mixer is not None:  # None: a one-sublayer block (Nemotron-H's FFN layers)
+            plan = tp_plan(block.mixer, dims.tp, f" (blocks[{i}].mixer)")
+            if plan is None:
+                raise ParallelConfigError(
+                    f"blocks[{i}].mixer", f"no tensor-parallel plan for {type(block.mixer).__name__}"
+                )
+            styles[f"blocks.{i}.mixer"] = TensorParallelRegion(plan, sp, cp_mesh)
         for norm in ("norm1", "norm2"):
-            styles[f"blocks.{i}.{norm}"] = ReplicatedParameters(partial_grad=sp)
+            if getattr(block, norm, None) is not None:
+                styles[f"blocks.{i}.{norm}"] = ReplicatedParameters(partial_grad=sp)
+        if block.ffn is None:
+            continue
         moe = _moe(block)
         if moe is not None:
             if sp:

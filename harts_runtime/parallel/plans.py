@@ -2,8 +2,9 @@
 parameters over the TP mesh (paper Section 4.3).
 
 A *TP region* is a layer whose inner computation is split by heads (attention, gated attention,
-MLA, KDA, Gated DeltaNet) or by the intermediate width (dense SwiGLU FFN). Its plan maps every
-parameter, by its name inside the layer, to one DTensor placement over the TP mesh:
+MLA, KDA, Gated DeltaNet, Mamba2 by groups of heads) or by the intermediate width (dense SwiGLU
+and relu2 FFNs). Its plan maps every parameter, by its name inside the layer, to one DTensor
+placement over the TP mesh:
 
 ==============  =================================================================================
 placement       meaning
@@ -17,14 +18,16 @@ placement       meaning
                 only sees its own heads downstream) and is summed over TP
 ==============  =================================================================================
 
-Each plan also names the config field whose value the TP degree must divide (``heads``): the
-heads of a plan are contiguous row blocks only in multiples of that field. Layers infer their head
+Each plan also names the config fields whose values the TP degree must divide (``divides``): the
+heads of a plan are contiguous row blocks only in multiples of those (Mamba2: ``n_groups``). Layers infer their head
 counts from the local weights they are given, so a plan never rewrites a layer's config.
 
 :data:`TP_PLANS` maps a layer class to its plan function ``plan(layer, tp) -> LayerPlan``; a plan
 depends on the layer only where the model does (MLA with or without a query latent, MQA versus
-GQA, fused versus split Gated DeltaNet projections). :mod:`harts_runtime.parallel.tensor` applies
-them.
+GQA, fused versus split Gated DeltaNet projections, Mamba2's optional biases).
+:mod:`harts_runtime.parallel.tensor` applies them. A layer whose fused projection is no single
+placement keeps its blocks as separate parameters (Gated DeltaNet's q, k, v; Mamba2's ``in_proj``
+blocks), and its state-dict adapter maps transformers' fused tensor both ways.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ from harts_runtime.layers.ffn import DenseFFN
 from harts_runtime.layers.gated_attention import CompactGatedAttention
 from harts_runtime.layers.gdn import CompactGatedDeltaNet
 from harts_runtime.layers.kda import KDALayer
+from harts_runtime.layers.mamba2 import Mamba2Mixer
 from harts_runtime.layers.mla import CompactMLA
+from harts_runtime.layers.relu2_mlp import Relu2MLP
 
 __all__ = ["TP_PLANS", "LayerPlan", "tp_plan"]
 
@@ -160,6 +165,31 @@ def _swiglu(m: DenseFFN, tp: int) -> LayerPlan:
     return LayerPlan(p, (("intermediate_size", m.gate.weight.shape[0]),))
 
 
+def _mamba2(m: Mamba2Mixer, tp: int) -> LayerPlan:
+    """By groups of heads, each rank whole groups (B and C shared by a group's heads, the gated
+    norm over a group's channels): the five input projections ``in_proj_{z,x,B,C,dt}`` (transformers'
+    fused ``in_proj`` kept as its row blocks, :mod:`harts_runtime.layers.mamba2`) by rows, the
+    ``x`` / ``B`` / ``C`` convolutions by channels, ``dt_bias`` / ``A_log`` / ``D`` by head, the
+    per-channel ``norm`` by channels, ``out_proj`` by columns. ``tp`` must divide ``n_groups``
+    (which divides the heads); a biased ``out_proj`` (``use_bias``) is rejected (the bias would be
+    summed ``tp`` times)."""
+    c = m.config
+    if m.out_proj.bias is not None:
+        raise ParallelConfigError("use_bias", "a row-parallel Mamba2 out_proj with a bias is not supported")
+    p = {n: COL for n, _ in m.named_parameters() if n != "out_proj.weight"}
+    p["out_proj.weight"] = ROW
+    return LayerPlan(p, (("num_heads", c.num_heads), ("n_groups", c.n_groups)))
+
+
+def _relu2(m: Relu2MLP, tp: int) -> LayerPlan:
+    """Nemotron-H's MLP: ``up_proj`` by rows, ``down_proj`` by columns (bias-free)."""
+    if m.down_proj.bias is not None:
+        raise ParallelConfigError("mlp_bias", "a row-parallel down_proj with a bias is not supported")
+    p = {n: COL for n, _ in m.named_parameters() if n.startswith("up_proj")}
+    p["down_proj.weight"] = ROW
+    return LayerPlan(p, (("intermediate_size", m.up_proj.weight.shape[0]),))
+
+
 TP_PLANS: dict[type, Callable[[nn.Module, int], LayerPlan]] = {
     CompactAttention: _attention,
     CompactGatedAttention: _attention,
@@ -167,6 +197,8 @@ TP_PLANS: dict[type, Callable[[nn.Module, int], LayerPlan]] = {
     KDALayer: _kda,
     CompactGatedDeltaNet: _gdn,
     DenseFFN: _swiglu,
+    Mamba2Mixer: _mamba2,
+    Relu2MLP: _relu2,
 }
 """Layer class -> ``plan(layer, tp)``: the TP regions of a hybrid model."""
 
