@@ -467,19 +467,13 @@ class HartsEngine:
         """``(name, tensor)`` pairs, one tensor at a time (:func:`harts_runtime.hf.export_weights`;
         every rank iterates under a mesh). ``names="checkpoint"``: a checkpoint folder's spelling
         (vLLM / SGLang ``load_weights``); ``names="transformers"``: a transformers model's in-memory
-        names and fused shapes (:func:`harts_runtime.hf.memory_names.to_transformers_names`), for
+        names and fused shapes (the adapter's in-memory table, assembled from our tensors), for
         ``model.load_state_dict(dict(pairs), strict=True)``."""
         from harts_runtime.hf import export_weights
 
         if names not in ("checkpoint", "transformers"):
             raise InvalidInputError("names", f"choose 'checkpoint' or 'transformers', got {names!r}")
-        pairs = export_weights(self.model, model_type)
-        if names == "transformers":
-            from harts_runtime.hf import save_setup
-            from harts_runtime.hf.memory_names import to_transformers_names
-
-            return to_transformers_names(pairs, save_setup(self.model, model_type)[1])
-        return pairs
+        return export_weights(self.model, model_type, memory=names == "transformers")
 
 
 def _no_fewer_rows(call_plan, step: StepInputs, traj, ex) -> bool:

@@ -53,6 +53,20 @@ def _rename(name: str, renames: tuple[tuple[str, str], ...] = ()) -> str:
     return f"{m.group(1)}.forget_gate.{m.group(2)}" if m else name
 
 
+def _fuse(blocks: list[list[torch.Tensor]]) -> torch.Tensor:
+    """``[E, sum of rows, cols]`` from each expert's row blocks, written once into one new tensor
+    (a stack of concatenations would copy every expert twice and launch 2E + 1 kernels)."""
+    first = blocks[0][0]
+    rows = sum(t.shape[0] for t in blocks[0])
+    out = torch.empty((len(blocks), rows, first.shape[1]), dtype=first.dtype, device=first.device)
+    for e, parts in enumerate(blocks):
+        lo = 0
+        for t in parts:
+            out[e, lo : lo + t.shape[0]].copy_(t)
+            lo += t.shape[0]
+    return out
+
+
 def to_transformers_names(
     pairs: Iterable[tuple[str, torch.Tensor]], adapter=None
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -73,11 +87,10 @@ def to_transformers_names(
             missing = [e for e in range(max(order) + 1) if e not in parts or set(parts[e]) != roles]
             raise ValueError(f"{prefix}: expert tensors incomplete (experts {missing})")
         if "gate" in roles:
-            gate_up = torch.stack([torch.cat([parts[e]["gate"], parts[e]["up"]], 0) for e in order])
-            yield f"{prefix}.gate_up_proj", gate_up
+            yield f"{prefix}.gate_up_proj", _fuse([[parts[e]["gate"], parts[e]["up"]] for e in order])
         else:
-            yield f"{prefix}.up_proj", torch.stack([parts[e]["up"] for e in order])
-        yield f"{prefix}.down_proj", torch.stack([parts[e]["down"] for e in order])
+            yield f"{prefix}.up_proj", _fuse([[parts[e]["up"]] for e in order])
+        yield f"{prefix}.down_proj", _fuse([[parts[e]["down"]] for e in order])
 
     for name, tensor in pairs:
         name = _rename(name, renames)

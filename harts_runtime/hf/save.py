@@ -165,17 +165,18 @@ def _sharded(model) -> bool:
     return sharded
 
 
-def _hf_tensors(model, adapter):
-    """``(HF name, full tensor)`` of every checkpoint tensor of ``model``, one at a time, in the
+def _hf_tensors(model, adapter, memory: bool = False):
+    """``(HF name, full tensor)`` of every checkpoint tensor of ``model`` (``memory``: every tensor
+    of a transformers model's ``state_dict()``, the adapter's in-memory table), one at a time, in the
     adapter's order, on every rank (a sharded parameter is gathered with ``full_tensor()``, a
     collective in the same order everywhere, and dropped after its last HF tensor)."""
     state = {k: v.detach() for k, v in model.state_dict().items()}
     _check_state(adapter, state, _sharded(model))  # before the first tensor: an error writes nothing
-    return _hf_stream(adapter, state)
+    names = list(adapter.memory_names if memory else adapter.checkpoint_names)
+    return _hf_stream(adapter, state, names)
 
 
-def _hf_stream(adapter, state: dict):
-    names = list(adapter.checkpoint_names)
+def _hf_stream(adapter, state: dict, names: list[str]):
     pieces = {n: adapter.pieces(n) for n in names}
     last_use = {p.ours: i for i, n in enumerate(names) for p in pieces[n]}
     full: dict[str, torch.Tensor] = {}
@@ -196,14 +197,16 @@ def _hf_stream(adapter, state: dict):
                     full.pop(p.ours, None)
 
 
-def export_weights(model, model_type: str | None = None):
+def export_weights(model, model_type: str | None = None, *, memory: bool = False):
     """Stream ``(transformers name, tensor)`` pairs of ``model``'s weights, one tensor at a time, in
     the checkpoint spelling :func:`save_pretrained` writes (for a rollout engine's weight sync:
-    vLLM / SGLang ``load_weights``). A parallelized model's tensors are gathered collectively:
-    every rank iterates the whole stream (each gets the full tensors). ``model_type`` as for
-    :func:`save_pretrained`."""
+    vLLM / SGLang ``load_weights``), or with ``memory=True`` in a transformers model's in-memory
+    names and fused shapes (its ``state_dict()``: experts as ``[E, 2I, D]`` / ``[E, D, I]``, each
+    assembled from ours at once, never split per expert and stacked again). A parallelized model's
+    tensors are gathered collectively: every rank iterates the whole stream (each gets the full
+    tensors). ``model_type`` as for :func:`save_pretrained`."""
     _, adapter = save_setup(model, model_type)
-    return _hf_tensors(model, adapter)
+    return _hf_tensors(model, adapter, memory=memory)
 
 
 def save_pretrained(

@@ -19,7 +19,7 @@ same windows (:meth:`ConvWindows.index` is the table of the other).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -50,6 +50,7 @@ class ConvWindows:
     context: torch.Tensor | None
     context_cpu: np.ndarray | None = None
     _index: torch.Tensor | None = None
+    _padded: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def index(self) -> torch.Tensor:
@@ -113,6 +114,26 @@ class ConvWindows:
             _TRAJECTORY_WINDOWS[key] = win
             while len(_TRAJECTORY_WINDOWS) > 16:
                 _TRAJECTORY_WINDOWS.pop(next(iter(_TRAJECTORY_WINDOWS)))
+        return win
+
+    def padded(self, bucket: int) -> ConvWindows:
+        """These windows over ``ceil(num_rows / bucket) * bucket`` rows: the rows past
+        ``num_rows`` form one extra sequence without context (itself when nothing is added).
+        Cached per bucket: every layer of a microbatch pads alike."""
+        pad = -self.num_rows % bucket
+        if pad == 0 or self.num_rows == 0:
+            return self
+        win = self._padded.get(bucket)
+        if win is None:
+            n = self.num_rows + pad
+            cu_cpu = torch.cat([self.cu_seqlens_cpu, torch.tensor([n], dtype=self.cu_seqlens_cpu.dtype)])
+            ctx, ctx_cpu = self.context, self.context_cpu
+            if ctx is not None:
+                none = np.full((1, self.width - 1), -1, dtype=np.int64)
+                ctx_cpu = np.concatenate([ctx_cpu, none])
+                ctx = torch.cat([ctx, torch.from_numpy(none).to(ctx.device)])
+            win = ConvWindows(self.width, n, cu_cpu.to(self.cu_seqlens.device), cu_cpu, ctx, ctx_cpu)
+            self._padded[bucket] = win
         return win
 
     def to(self, device) -> ConvWindows:

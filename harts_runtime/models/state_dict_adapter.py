@@ -267,6 +267,11 @@ class HFStateDictAdapter:
             else:
                 raise AssertionError(kind)
 
+    @property
+    def memory_names(self) -> list[str]:
+        """The transformers model's ``state_dict()`` names (the in-memory table), in order."""
+        return list(self._rules)
+
     def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Our state dict -> the transformers model's ``state_dict()`` (in-memory spelling)."""
         return {k: v.contiguous() for k, v in self._to_hf_items(state_dict)}

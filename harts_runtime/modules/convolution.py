@@ -31,7 +31,12 @@ from harts_runtime.modules.fused import device_guard, use_fla
 # ``windows`` below is a :class:`harts_runtime.layout.conv.ConvWindows` (read by attribute: modules
 # import no other room of the runtime).
 
-__all__ = ["ShortConvolution", "causal_conv", "naive_varlen_causal_conv", "varlen_causal_conv"]
+__all__ = ["ROW_BUCKET", "ShortConvolution", "causal_conv", "naive_varlen_causal_conv", "varlen_causal_conv"]
+
+ROW_BUCKET = 16
+"""fla's convolution kernels leave the row count to Triton's integer specialization (a multiple of
+16 or not), so a process compiled two variants of each: the fused path pads its rows to a multiple
+of ``ROW_BUCKET`` (one extra zero sequence, cut off the output) and compiles one."""
 
 
 def causal_conv(
@@ -79,18 +84,24 @@ def varlen_causal_conv(
         )
     if not use_fla(x, backend):
         return naive_varlen_causal_conv(x, weight, windows, activation)
+    n = x.shape[0]
+    pad = -n % ROW_BUCKET
+    if pad:  # one compiled variant for every row count (see ROW_BUCKET)
+        x, windows = F.pad(x, (0, 0, 0, pad)), windows.padded(ROW_BUCKET)
     if windows.context is not None:
-        return _ContextConv.apply(x, weight, windows, activation)
-    from fla.modules.causal_conv1d import causal_conv1d
+        y = _ContextConv.apply(x, weight, windows, activation)
+    else:
+        from fla.modules.causal_conv1d import causal_conv1d
 
-    y, _ = causal_conv1d(
-        x.unsqueeze(0),
-        weight,
-        activation=activation,
-        cu_seqlens=windows.cu_seqlens,
-        cu_seqlens_cpu=windows.cu_seqlens_cpu,
-    )
-    return y.squeeze(0)
+        y, _ = causal_conv1d(
+            x.unsqueeze(0),
+            weight,
+            activation=activation,
+            cu_seqlens=windows.cu_seqlens,
+            cu_seqlens_cpu=windows.cu_seqlens_cpu,
+        )
+        y = y.squeeze(0)
+    return y[:n] if pad else y
 
 
 class _ContextConv(torch.autograd.Function):

@@ -4,7 +4,7 @@ CPU or GPU.
 It holds a transformers model of the policy's family (Kimi-Linear, Qwen3-Next, Qwen3.5-MoE, Ling-3.0, Nemotron-H), built
 from the trainer's model config (:func:`harts_runtime.hf.save_setup`), and takes the weights in
 memory from :meth:`HartsEngine.export_weights(names="transformers") <harts_runtime.engine.HartsEngine.export_weights>`
-with ``load_state_dict(strict=True)``: a missing or unexpected name raises. Sampling runs the model
+copied into its tensors in place as they stream in: a missing, unexpected or misshapen tensor raises. Sampling runs the model
 incrementally on its own cache (a transformers ``Cache``); a fork repeats cache rows
 (``Cache.reorder_cache``), so forked branches share their prefix state as a prefix cache would.
 
@@ -81,11 +81,31 @@ class TransformersRollout(RolloutEngine):
         rollout.load_weights(engine.export_weights(names="transformers"))
         return rollout
 
+    @torch.no_grad()
     def load_weights(self, pairs: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
-        """``load_state_dict`` of the pairs (transformers' in-memory names); ``strict``: a missing or
-        unexpected name raises."""
-        state = {n: t.detach().to(self.device) for n, t in pairs}
-        self.model.load_state_dict(state, strict=strict)
+        """Copy the pairs (transformers' in-memory names) into the model's tensors in place, one
+        at a time as they stream in (no state dict of them all is built, nothing is reallocated).
+        An unknown name or a wrong shape raises :class:`InvalidInputError` naming the tensor;
+        ``strict``: so does a tensor of the model that the stream left out."""
+        own = self.model.state_dict(keep_vars=True)
+        seen: set[str] = set()
+        for name, tensor in pairs:
+            dst = own.get(name)
+            if dst is None:
+                if strict:
+                    raise InvalidInputError(name, "not a tensor of the rollout engine's model")
+                continue
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise InvalidInputError(
+                    name, f"shape {tuple(tensor.shape)} != the rollout model's {tuple(dst.shape)}"
+                )
+            dst.data.copy_(tensor.detach())
+            seen.add(name)
+        missing = [n for n in own if n not in seen]
+        if strict and missing:
+            raise InvalidInputError(
+                missing[0], f"not synced: {len(missing)} tensors of the rollout model missing"
+            )
 
     @torch.no_grad()
     def _logits(self, ids: torch.Tensor, cache=None):

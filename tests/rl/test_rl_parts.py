@@ -103,11 +103,32 @@ def test_sync_check_fails_when_a_weight_is_left_out():
     pairs = [
         (n, t) for n, t in engine.export_weights(names="transformers") if not n.endswith("lm_head.weight")
     ]
-    with pytest.raises(RuntimeError, match="lm_head"):  # a strict load names what is missing
+    with pytest.raises(InvalidInputError, match="lm_head"):  # a strict load names what is missing
         bad.load_weights(pairs)
     bad.load_weights(pairs, strict=False)
     with pytest.raises(SyncError, match="not synced"):
         check_sync(engine, bad, seqs)
+
+
+def test_streamed_sync_names_a_bad_tensor_and_equals_a_state_dict_load():
+    """The in-place streamed load equals ``load_state_dict`` of the same pairs; an unknown name or a
+    wrong shape is an InvalidInputError naming the tensor."""
+    from harts_runtime.engine import HartsEngine
+    from harts_runtime.rl.transformers_backend import TransformersRollout
+
+    torch.manual_seed(1)
+    engine = HartsEngine.build(FLAVOR)
+    ro = TransformersRollout.from_engine(engine)
+    pairs = list(engine.export_weights(names="transformers"))
+    want = {n: t.clone() for n, t in pairs}
+    assert set(want) == set(ro.model.state_dict())
+    for n, t in ro.model.state_dict().items():
+        assert torch.equal(t, want[n]), n
+    name, t = pairs[0]
+    with pytest.raises(InvalidInputError, match="model.nope"):
+        ro.load_weights([("model.nope", t)])
+    with pytest.raises(InvalidInputError, match=name.replace(".", r"\.")):
+        ro.load_weights([(name, t[..., :-1])], strict=False)
 
 
 class _BadTask(TokenSetTask):

@@ -49,6 +49,26 @@ def test_conv_windows_forms_agree():
     assert traj.context is None and traj.cu_seqlens_cpu.tolist() == [0, 5, 9]
 
 
+def test_padded_conv_windows_keep_every_window():
+    """The fused path's row bucket: the padded windows give the first C rows the same windows and
+    the added rows one sequence of their own (reading nothing before it)."""
+    for ranges, context, c in (
+        (RANGES, CONTEXT, C),
+        ([[0, 7]], [[-1, -1, -1]], 7),
+        ([[0, 16]], [[-1] * 3], 16),
+    ):
+        win = ConvWindows.from_sequences(ranges, context, c, W)
+        pad = win.padded(16)
+        n = -(-c // 16) * 16
+        assert pad.num_rows == n and pad.padded(16) is pad and win.padded(16) is pad
+        assert torch.equal(pad.index[:c], win.index)
+        lo = torch.arange(c, n)
+        for j, row in enumerate(lo.tolist()):
+            want = [-1] * max(0, W - 1 - j) + list(range(max(c, row - W + 1), row + 1))
+            assert pad.index[row].tolist() == want
+        assert int(pad.cu_seqlens_cpu[-1]) == n and torch.equal(pad.cu_seqlens, pad.cu_seqlens_cpu)
+
+
 def test_conv_windows_reject_ranges_that_do_not_tile():
     with pytest.raises(InvalidInputError, match="tile"):
         ConvWindows.from_sequences([[0, 5], [6, 9]], [[-1] * 3] * 2, 9, W)
