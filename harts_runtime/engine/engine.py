@@ -409,28 +409,40 @@ class HartsEngine:
         return StepReport(self.step, norm, lr)
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, path, *, files: dict | None = None) -> None:
+    def save(self, path, *, files: dict | None = None, extra: dict | None = None) -> None:
         """Model, optimizer, schedule position, step and each rank's RNG state under ``path`` (DCP;
         every rank calls it), with ``files`` (``{name: str | bytes}``, e.g. a trainer's record)
-        written by rank 0 into the same folder. Written whole or not at all: staged beside ``path``
-        and renamed into place when complete, with a manifest of SHA-256 checksums
+        written by rank 0 into the same folder and ``extra`` (JSON-able; e.g. the caller's own step
+        counter) added to the record :meth:`load` returns. Written whole or not at all: staged beside
+        ``path`` and renamed into place when complete, with a manifest of SHA-256 checksums
         (:func:`harts_runtime.parallel.checkpoint.save_checkpoint`), so a kill at any point leaves
         the previous checkpoint or the new one; a full disk raises :class:`InvalidInputError`
-        naming the file and leaves ``path`` as it was. Loadable by :meth:`load` under another
-        parallel configuration."""
+        naming the file and leaves ``path`` as it was. An existing ``path`` is replaced only when it
+        is a HARTS checkpoint (by its manifest's content); any other non-empty folder or a file is
+        refused, naming it, before anything is written. Loadable by :meth:`load` under another
+        parallel configuration. Each rank's RNG state is ``rng-<rank>.pt``: tensors and numbers
+        only, read back with ``torch.load(weights_only=True)``."""
         import io
 
         from harts_runtime.parallel.checkpoint import save_checkpoint
 
-        extra = {"engine_step": self.step, "config": self.config.to_dict()}
+        if not isinstance(extra, (dict, type(None))):
+            raise InvalidInputError("extra", f"must be a dict, got {type(extra).__name__}")
+        record = dict(extra or {})
+        for k in ("engine_step", "config"):
+            if k in record:
+                raise InvalidInputError(f"extra.{k}", "is the engine's own key")
+        record.update(engine_step=self.step, config=self.config.to_dict())
         rng = io.BytesIO()
-        torch.save(process_state.rng_state(), rng)
+        torch.save(_rng_record(process_state.rng_state()), rng)
         rank_files = {f"rng-{process_state.rank()}.pt": rng.getvalue()}
-        save_checkpoint(path, self.model, self.optimizer, extra=extra, files=files, rank_files=rank_files)
+        save_checkpoint(path, self.model, self.optimizer, extra=record, files=files, rank_files=rank_files)
 
     def load(self, path) -> dict:
         """Restore what :meth:`save` wrote (under any parallel configuration); returns the extra
-        record. A rank without its own saved RNG state takes rank 0's."""
+        record. A rank without its own saved RNG state takes rank 0's. Nothing read runs code
+        (DCP's metadata through a restricted unpickler, the RNG state with ``weights_only=True``;
+        :mod:`harts_runtime.parallel.safe_load`)."""
         from harts_runtime.parallel.checkpoint import load_checkpoint
 
         extra = load_checkpoint(path, self.model, self.optimizer)
@@ -449,11 +461,7 @@ class HartsEngine:
         own = folder / f"rng-{process_state.rank()}.pt"
         rng = own if own.exists() else folder / "rng-0.pt"
         if rng.exists():
-            try:
-                state = torch.load(rng, weights_only=False)
-            except Exception as e:  # verified by the manifest; an old folder may still be damaged
-                raise InvalidInputError(rng.name, f"{rng} is unreadable ({type(e).__name__})") from None
-            process_state.set_rng_state(state)
+            process_state.set_rng_state(_read_rng(rng))
         return extra
 
     def save_pretrained(self, path, model_type: str | None = None) -> None:
@@ -474,6 +482,50 @@ class HartsEngine:
         if names not in ("checkpoint", "transformers"):
             raise InvalidInputError("names", f"choose 'checkpoint' or 'transformers', got {names!r}")
         return export_weights(self.model, model_type, memory=names == "transformers")
+
+
+def _rng_record(state: dict) -> dict:
+    """An RNG state (:func:`process_state.rng_state`) as tensors and numbers only (numpy's legacy
+    ``(name, keys, pos, has_gauss, cached_gaussian)`` with its keys as an int64 tensor), so that
+    ``torch.load(weights_only=True)`` reads it back."""
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    out = {
+        "format": "harts-rng-1",
+        "torch": state["torch"],
+        "numpy": {
+            "name": str(name),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+    }
+    if "cuda" in state:
+        out["cuda"] = list(state["cuda"])
+    return out
+
+
+def _read_rng(file) -> dict:
+    """The RNG state in ``file`` (``rng-N.pt``; one written before it held tensors only has numpy
+    arrays, admitted as arrays of numbers), checked; :class:`InvalidInputError` naming the file."""
+    from harts_runtime.parallel.safe_load import load_weights_only, numpy_array_globals
+
+    rec = load_weights_only(file, allow=numpy_array_globals())
+    try:
+        state = {"torch": rec["torch"]}
+        npy = rec["numpy"]
+        if isinstance(npy, dict):
+            keys = npy["keys"].numpy() if torch.is_tensor(npy["keys"]) else np.asarray(npy["keys"])
+            npy = (npy["name"], keys.astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+        if not torch.is_tensor(state["torch"]) or state["torch"].dtype != torch.uint8:
+            raise TypeError("torch: not a uint8 tensor")
+        state["numpy"] = tuple(npy)
+        if "cuda" in rec:
+            state["cuda"] = list(rec["cuda"])
+        np.random.RandomState().set_state(state["numpy"])  # checks it before it is applied
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        raise InvalidInputError(file.name, f"{file} is not an RNG state ({type(e).__name__}: {e})") from None
+    return state
 
 
 def _no_fewer_rows(call_plan, step: StepInputs, traj, ex) -> bool:

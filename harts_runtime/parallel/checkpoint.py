@@ -18,7 +18,10 @@ the manifest and compares DCP's metadata with the model: a missing folder, a mis
 altered file, a tensor the checkpoint lacks or has with another shape (another model config), a
 tensor of the checkpoint the model lacks, or an optimizer to restore from a checkpoint without
 optimizer state raise :class:`~harts_runtime.errors.InvalidInputError` whose ``.field`` names the
-path, the file, the tensor or ``optimizer``, identically on every rank.
+path, the file, the tensor or ``optimizer``, identically on every rank. Nothing read runs code:
+DCP's ``.metadata`` pickle goes through an unpickler that admits only DCP's metadata types, and its
+non-tensor items are read with ``weights_only=True`` (:mod:`harts_runtime.parallel.safe_load`); a
+crafted file is refused naming it.
 
 Hugging Face folders (read shard by shard, written collectively) are :mod:`harts_runtime.hf`; it
 uses :func:`local_box` (this rank's block of a DTensor) from here, and nothing here imports it.
@@ -43,6 +46,7 @@ from harts_runtime.parallel.checkpoint_folder import (
     staged_folder,
     verify_folder,
 )
+from harts_runtime.parallel.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 
 __all__ = ["EXTRA_NAME", "load_checkpoint", "local_box", "save_checkpoint"]
 
@@ -176,7 +180,6 @@ def _check_storage(path: Path, metadata) -> None:
 def _check_checkpoint(path: Path, model_sd: dict, optimizer: bool) -> dict:
     """Verify the files of ``path`` (its manifest, when it has one: sizes and SHA-256) and compare
     DCP's metadata with the model's state dict (global shapes); returns the ``harts.json`` record."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if not (path / ".metadata").is_file():
@@ -186,12 +189,7 @@ def _check_checkpoint(path: Path, model_sd: dict, optimizer: bool) -> dict:
         raise InvalidInputError("path", f"{path} {what}")
     record = _read_record(path)
     verify_folder(path, required=bool(record.get("manifest")))
-    try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # a damaged pickle: anything
-        raise InvalidInputError(
-            ".metadata", f"{path / '.metadata'} is unreadable ({type(e).__name__})"
-        ) from None
+    metadata = read_dcp_metadata(path)
     _check_storage(path, metadata)
     saved = metadata.state_dict_metadata
     if optimizer and not any(k.startswith("optim.") for k in saved):
@@ -241,7 +239,12 @@ def load_checkpoint(path, model, optimizer=None) -> dict:
     state = _state(model, optimizer)
     try:
         with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+            dcp.load(
+                state,
+                storage_reader=SafeFileSystemReader(str(path)),
+                planner=SafeLoadPlanner(),
+                no_dist=not _distributed(),
+            )
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException

@@ -14,8 +14,18 @@ cannot exchange two folders, the previous checkpoint is first renamed to ``.<nam
 A failed write (a full disk, a file-size limit, a permission) removes the staging folder, leaves
 the target untouched and raises one :class:`~harts_runtime.errors.InvalidInputError` naming the
 file being written, on every rank alike; torch's ``CheckpointException`` (a ``BaseException``)
-never escapes. A target that exists but is a file, or a non-empty folder that is no checkpoint, is
-refused before anything is written (a save never deletes what it did not write).
+never escapes.
+
+A save never deletes what it did not write. A target that exists is replaced only when it is a
+HARTS checkpoint by its content (:func:`not_a_checkpoint`): its ``manifest.json`` is a HARTS
+manifest (``"format": "harts-manifest-1"``) that lists exactly the folder's other files, each at
+its listed size (or, saved before manifests, a ``harts.json`` of HARTS's format beside DCP's
+``.metadata`` and plain files only); an empty folder is fine. Anything else (a file, a folder
+holding a ``README.md`` and ``src/`` beside a file that happens to be named ``manifest.json``,
+``.metadata`` or ``harts.json``) is refused before anything is written, naming the path and what
+is there. A stale ``.<name>.saving`` or ``.<name>.replaced`` beside it is removed only when it is
+a save's own (the staging folder holds a marker file from its creation until its manifest is
+written; a complete one is a checkpoint by content).
 
 :func:`verify_folder` checks a folder against its manifest before anything is loaded: a missing,
 truncated, extended or altered file (one flipped bit is enough) is one :class:`InvalidInputError`
@@ -39,14 +49,18 @@ __all__ = [
     "MANIFEST_NAME",
     "as_input_error",
     "loadable_folder",
+    "not_a_checkpoint",
+    "read_manifest",
     "staged_folder",
+    "verify_files",
     "verify_folder",
 ]
 
 MANIFEST_NAME = "manifest.json"
 """The file of a checkpoint listing every other file with its size and SHA-256."""
 _MANIFEST_FORMAT = "harts-manifest-1"
-_MARKERS = (".metadata", MANIFEST_NAME, "harts.json")  # any one: the folder is a checkpoint
+_LEGACY_RECORD, _LEGACY_FORMAT = "harts.json", "harts-dcp-1"  # a checkpoint saved before manifests
+_STAGING_MARK = ".harts-saving"  # in a staging folder from its creation until its manifest is written
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _CHUNK = 8 << 20
 
@@ -191,8 +205,23 @@ def _sync_dir(path: Path) -> None:
 
 
 def _remove(path: Path) -> None:
+    """Remove a save's own folder (or file). The marker goes in first and out last, so a kill
+    part-way leaves a folder the next save still recognises as its own."""
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
+        mark = path / _STAGING_MARK
+        try:
+            mark.touch()
+            for child in os.listdir(path):
+                if child != _STAGING_MARK:
+                    c = path / child
+                    if c.is_dir() and not c.is_symlink():
+                        shutil.rmtree(c, ignore_errors=True)
+                    else:
+                        c.unlink(missing_ok=True)
+            mark.unlink(missing_ok=True)
+            path.rmdir()
+        except OSError:
+            shutil.rmtree(path, ignore_errors=True)
     elif path.exists() or path.is_symlink():
         path.unlink(missing_ok=True)
 
@@ -239,21 +268,87 @@ def _put_in_place(staging: Path, target: Path) -> None:
     _sync_dir(target.parent)
 
 
+def _listing(folder: Path, names: list[str], limit: int = 6) -> str:
+    shown = [
+        n + ("/" if (folder / n).is_dir() and not (folder / n).is_symlink() else "") for n in names[:limit]
+    ]
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(shown) + more
+
+
+def not_a_checkpoint(folder) -> str | None:
+    """Why the existing folder ``folder`` is not a HARTS checkpoint a save may replace; None when it
+    is one (or is empty). Recognised by content, not by file names (module docstring)."""
+    folder = Path(folder)
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError as e:
+        return f"it cannot be listed ({e.strerror or e})"
+    if not names:
+        return None
+    holds = f"it holds {_listing(folder, names)}"
+    if MANIFEST_NAME in names:
+        try:
+            files = read_manifest(folder)
+        except InvalidInputError:
+            return f"{holds}, and its {MANIFEST_NAME} is not a HARTS manifest"
+        unlisted = [n for n in names if n != MANIFEST_NAME and n not in files]
+        if unlisted:
+            return f"{holds}; its {MANIFEST_NAME} does not list {_listing(folder, unlisted)}"
+        for n in sorted(files):
+            f = folder / n
+            if f.is_symlink() or not f.is_file():
+                return f"{holds}; its {MANIFEST_NAME} lists {n}, which is not a file there"
+            if f.stat().st_size != files[n]["bytes"]:
+                return f"{holds}; {n} is not of the size its {MANIFEST_NAME} lists"
+        return None
+    if _LEGACY_RECORD in names and ".metadata" in names:
+        try:
+            record = json.loads((folder / _LEGACY_RECORD).read_text())
+        except (OSError, UnicodeDecodeError, ValueError):
+            record = None
+        plain = all((folder / n).is_file() and not (folder / n).is_symlink() for n in names)
+        if isinstance(record, dict) and record.get("format") == _LEGACY_FORMAT and plain:
+            return None
+    return f"{holds}, and no HARTS manifest"
+
+
+def _own_leftover(folder: Path) -> bool:
+    """Whether ``folder`` (a ``.<name>.saving`` or ``.<name>.replaced``) is a save's own."""
+    try:
+        if _STAGING_MARK in os.listdir(folder):
+            return True
+    except OSError:
+        return False
+    return not_a_checkpoint(folder) is None
+
+
 def _check_target(target: Path) -> None:
-    """Refuse a target a save would destroy: a file, or a non-empty folder that is no checkpoint."""
+    """Refuse a target a save would destroy: a file, or a folder that is no HARTS checkpoint; and a
+    stale staging or backup folder beside it that is not a save's own."""
     if target.exists() and not target.is_dir():
         raise InvalidInputError("path", f"{target} exists and is not a folder: refusing to replace it")
     if target.is_dir():
-        try:
-            names = os.listdir(target)
-        except OSError as e:
-            raise InvalidInputError("path", f"{target} cannot be listed ({e.strerror})") from None
-        if names and not any(m in names for m in _MARKERS):
+        why = not_a_checkpoint(target)
+        if why is not None:
             raise InvalidInputError(
                 "path",
-                f"{target} is a non-empty folder that is not a checkpoint: refusing to replace it "
-                "(give a new or empty folder, or a checkpoint to overwrite)",
+                f"{target} is not a HARTS checkpoint ({why}): refusing to replace it "
+                "(give a new or empty folder, or a HARTS checkpoint to overwrite)",
             )
+    for leftover in (_staging(target), _backup(target)):
+        if (leftover.exists() or leftover.is_symlink()) and (
+            leftover.is_symlink() or not leftover.is_dir() or not _own_leftover(leftover)
+        ):
+            raise InvalidInputError(
+                "path",
+                f"{leftover} is in the way of the save to {target} and is not a save's own folder: "
+                "refusing to remove it (move it away)",
+            )
+
+
+def _staging(target: Path) -> Path:
+    return target.parent / f".{target.name}.saving"
 
 
 @contextlib.contextmanager
@@ -263,15 +358,22 @@ def staged_folder(path):
     manifest written and the folder put in place; on an error the staging folder is removed and an
     :class:`InvalidInputError` naming the file raised on every rank."""
     target = Path(os.path.realpath(path))  # through a link: staged and replaced where it points
-    staging = target.parent / f".{target.name}.saving"
+    staging = _staging(target)
     rank, world = _rank_world()
-    _check_target(target)
     err = None
+    try:
+        _check_target(target)
+    except InvalidInputError as e:
+        err = e
+    err = _agree(err)
+    if err is not None:
+        raise err
     if rank == 0:
         try:
-            _remove(staging)  # a save killed before
+            _remove(staging)  # a save killed before (checked to be a save's own)
             target.parent.mkdir(parents=True, exist_ok=True)
             staging.mkdir()
+            (staging / _STAGING_MARK).write_bytes(b"")
         except OSError as e:
             err = as_input_error(e, target.parent, f"creating {staging}")
     err = _agree(err)
@@ -294,7 +396,11 @@ def staged_folder(path):
     err = _agree(err)
     if err is None:  # every rank wrote its files: checksum them (a share each), manifest, rename
         _barrier()
-        names = sorted(n for n in os.listdir(staging) if n != MANIFEST_NAME and (staging / n).is_file())
+        names = sorted(
+            n
+            for n in os.listdir(staging)
+            if n not in (MANIFEST_NAME, _STAGING_MARK) and (staging / n).is_file()
+        )
         sums, local = {}, None
         try:
             for n in names[rank::world]:
@@ -314,6 +420,7 @@ def staged_folder(path):
                         f.write(json.dumps(record, indent=1, sort_keys=True) + "\n")
                         f.flush()
                         os.fsync(f.fileno())
+                    (staging / _STAGING_MARK).unlink()
                     _sync_dir(staging)
                     _put_in_place(staging, target)
                 except OSError as e:
@@ -361,6 +468,40 @@ def read_manifest(folder: Path) -> dict | None:
     return files
 
 
+def _check_file(folder: Path, n: str, entry: dict) -> InvalidInputError | None:
+    f = folder / n
+    if not f.is_file():
+        return InvalidInputError(n, f"missing from the checkpoint {folder} (listed in {MANIFEST_NAME})")
+    size = f.stat().st_size
+    if size != entry["bytes"]:
+        return InvalidInputError(
+            n, f"{f} has {size} bytes, {entry['bytes']} were saved (truncated or damaged)"
+        )
+    return None
+
+
+def verify_files(folder, names) -> None:
+    """Check the files ``names`` of ``folder`` against its manifest (each listed, of its size and
+    SHA-256; one process, not collective): for a small file read before the whole folder is
+    verified. Raises :class:`InvalidInputError` naming the first bad file or the missing manifest."""
+    folder = Path(folder)
+    files = read_manifest(folder)
+    if files is None:
+        raise InvalidInputError(MANIFEST_NAME, f"missing from the checkpoint {folder}")
+    for n in names:
+        if n not in files:
+            raise InvalidInputError(n, f"{folder / n} is not listed in the checkpoint's {MANIFEST_NAME}")
+        err = _check_file(folder, n, files[n])
+        if err is not None:
+            raise err
+        try:
+            got = _digest(folder / n)["sha256"]
+        except OSError as e:
+            raise as_input_error(e, folder, f"verifying the checkpoint {folder}") from None
+        if got != files[n]["sha256"]:
+            raise InvalidInputError(n, f"{folder / n} is damaged: its SHA-256 differs from the saved one")
+
+
 def verify_folder(folder, required: bool = False) -> None:
     """Check every file of ``folder``'s manifest: present, of its size, of its SHA-256 (each rank
     a share of the files; collective under torch.distributed, the same error on every rank).
@@ -373,14 +514,9 @@ def verify_folder(folder, required: bool = False) -> None:
             raise InvalidInputError(MANIFEST_NAME, f"missing from the checkpoint {folder}")
         return
     for n in sorted(files):
-        f = folder / n
-        if not f.is_file():
-            raise InvalidInputError(n, f"missing from the checkpoint {folder} (listed in {MANIFEST_NAME})")
-        size = f.stat().st_size
-        if size != files[n]["bytes"]:
-            raise InvalidInputError(
-                n, f"{f} has {size} bytes, {files[n]['bytes']} were saved (truncated or damaged)"
-            )
+        err = _check_file(folder, n, files[n])
+        if err is not None:
+            raise err
     rank, world = _rank_world()
     local = None
     for n in sorted(files)[rank::world]:

@@ -361,3 +361,163 @@ def test_harts_train_killed_while_saving_over_its_checkpoints_leaves_them_loadab
     assert main(["--resume", str(run), "--steps", "4"]) == 0
     assert (run / "step-4" / "manifest.json").is_file() and _leftovers(run, "step-4") == []
     capsys.readouterr()
+
+
+# ------------------------------------------------------------------------------------ issue 47: a save deletes nothing it did not write
+def _tree(root) -> dict:
+    """Every file under ``root`` with its bytes (folders as ``name/``)."""
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        for d in dirs:
+            out[os.path.join(rel, d) + "/"] = None
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                out[os.path.join(rel, f)] = fh.read()
+    return out
+
+
+def _user_folder(path, name, content: bytes):
+    path.mkdir()
+    (path / "README.md").write_text("# my web app\n")
+    (path / "src").mkdir()
+    (path / "src" / "main.py").write_text("print('hello')\n")
+    (path / name).write_bytes(content)
+    return path
+
+
+@pytest.mark.parametrize("name", ["manifest.json", ".metadata", "harts.json"])
+def test_a_user_folder_with_a_checkpoint_file_name_survives_a_save(saved, tmp_path, name):
+    """A web app or IDE workspace holding a file named like a checkpoint's (here even a real HARTS
+    checkpoint's copy of it) is refused, naming the path and what it holds, and left untouched."""
+    target = _user_folder(tmp_path / "app", name, (saved / name).read_bytes())
+    before = _tree(target)
+    with pytest.raises(InvalidInputError) as err:
+        _engine(0).save(target)
+    text = str(err.value)
+    assert err.value.field == "path" and "\n" not in text
+    assert str(target) in text and "README.md" in text and "src/" in text and "refusing to replace" in text
+    assert _tree(target) == before
+    assert _leftovers(tmp_path, "app") == []
+
+
+def test_a_checkpoint_a_user_added_a_file_to_is_not_replaced(saved, tmp_path):
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved, path)
+    (path / "notes.txt").write_text("do not lose")
+    with pytest.raises(InvalidInputError) as err:
+        _engine(0).save(path)
+    assert err.value.field == "path" and "notes.txt" in str(err.value)
+    assert (path / "notes.txt").read_text() == "do not lose"
+
+
+def test_a_checkpoint_without_a_manifest_is_still_replaced(saved, tmp_path):
+    """A checkpoint saved before manifests (its ``harts.json`` of HARTS's format beside DCP's
+    ``.metadata``) is recognised by that content and overwritten."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved, path)
+    (path / "manifest.json").unlink()
+    e = _engine(3)
+    e.save(path)
+    assert (path / "manifest.json").is_file() and _same(_loaded(path), _weights(e))
+
+
+def test_a_foreign_folder_in_the_staging_place_is_not_removed(tmp_path):
+    stale = tmp_path / ".ckpt.saving"
+    stale.mkdir()
+    (stale / "mine.txt").write_text("x")
+    with pytest.raises(InvalidInputError) as err:
+        _engine(0).save(tmp_path / "ckpt")
+    assert str(stale) in str(err.value) and (stale / "mine.txt").read_text() == "x"
+    assert not (tmp_path / "ckpt").exists()
+
+
+# ------------------------------------------------------------------------------------ issue 47: no code runs on load
+class _Plant:
+    """A pickle that creates ``path`` when it is read (a crafted checkpoint's payload)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _rewrite_manifest(folder):
+    """The manifest made consistent again (what a checkpoint's author can do)."""
+    m = json.loads((folder / "manifest.json").read_text())
+    for n in m["files"]:
+        m["files"][n] = checkpoint_folder._digest(folder / n)
+    (folder / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("manifest", [True, False], ids=["consistent-manifest", "no-manifest"])
+def test_a_crafted_metadata_pickle_is_refused_and_runs_nothing(saved, tmp_path, manifest):
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    marker = tmp_path / "ran"
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved, path)
+    (path / ".metadata").write_bytes(pickle.dumps(_Plant(marker)))
+    if manifest:
+        _rewrite_manifest(path)
+    else:
+        (path / "manifest.json").unlink()
+        rec = json.loads((path / "harts.json").read_text())
+        rec.pop("manifest")
+        (path / "harts.json").write_text(json.dumps(rec))
+    text = _refused(path, ".metadata", str(path / ".metadata"), "open, which is not a DCP metadata type")
+    assert not marker.exists(), text
+    dcp.FileSystemReader(str(path)).read_metadata()  # DCP's own reader would have run it
+    assert marker.exists()
+
+
+def test_a_crafted_rng_state_is_refused_and_runs_nothing(saved, tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved, path)
+    torch.save({"torch": _Plant(marker)}, path / "rng-0.pt")
+    _rewrite_manifest(path)
+    _refused(path, "rng-0.pt", str(path / "rng-0.pt"), "refused")
+    assert not marker.exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_crafted_non_tensor_item_of_a_dcp_file_runs_nothing(tmp_path):
+    """DCP stores non-tensor items (the optimizer's param groups) as ``torch.save`` pickles and
+    reads them with ``weights_only=False``; HARTS's planner reads them with ``weights_only=True``."""
+    import torch.distributed.checkpoint as dcp
+
+    from harts_runtime.parallel.safe_load import SafeFileSystemReader, SafeLoadPlanner
+
+    marker = tmp_path / "ran"
+    dcp.save({"w": torch.ones(2), "lr": _Plant(marker)}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    assert not marker.exists()  # pickling calls __reduce__, not what it returns
+    state = {"w": torch.zeros(2), "lr": 0.0}
+    reader, planner = SafeFileSystemReader(str(tmp_path / "c")), SafeLoadPlanner()
+    with pytest.raises(BaseException) as err:  # noqa: PT011 - DCP wraps it in CheckpointException
+        dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+    assert checkpoint_folder.as_input_error(err.value, tmp_path / "c", "loading").field == "lr"
+    assert not marker.exists()
+    dcp.load({"w": torch.zeros(2), "lr": 0.0}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    assert marker.exists()  # DCP's default planner would have run it
+
+
+def test_an_rng_state_saved_before_it_held_tensors_only_still_loads(saved, tmp_path):
+    """``rng-0.pt`` written with numpy arrays (before this format) loads with ``weights_only=True``
+    (numpy arrays of numbers admitted) and restores the same numpy and torch streams."""
+    import numpy as np
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved, path)
+    torch.manual_seed(11)
+    np.random.seed(12)
+    old = {"torch": torch.get_rng_state(), "numpy": np.random.get_state()}
+    want = (torch.rand(3), np.random.rand(3))
+    torch.save(old, path / "rng-0.pt")
+    _rewrite_manifest(path)
+    _engine(5).load(path)
+    got = (torch.rand(3), np.random.rand(3))
+    assert torch.equal(got[0], want[0]) and np.array_equal(got[1], want[1])
