@@ -19,6 +19,10 @@ Chunk form on the sequence's own grid of ``B = chunk_size`` tokens (``G`` = in-c
     S' = exp(G_last) S + (exp(G_last - G) * K)^T V
 
 Every exponent is <= 0 after masking, so the reference is stable for any decay.
+
+State passing (context parallelism, :mod:`harts_kernels.ssd.cp`): :func:`naive_piece_summary` (the
+affine summary ``S_out = a S_in + b`` of a piece, token by token) and :func:`naive_fold_states`
+(the fold of the summaries in state order), plain-loop references.
 """
 
 from __future__ import annotations
@@ -32,7 +36,13 @@ from harts_kernels.kda.utils import (
     validate_requests,
 )
 
-__all__ = ["check_ssd_inputs", "naive_chunk_ssd_with_states", "naive_recurrent_ssd_with_states"]
+__all__ = [
+    "check_ssd_inputs",
+    "naive_chunk_ssd_with_states",
+    "naive_fold_states",
+    "naive_piece_summary",
+    "naive_recurrent_ssd_with_states",
+]
 
 
 def check_ssd_inputs(q, k, v, g, cu_seqlens):
@@ -188,3 +198,54 @@ def naive_chunk_ssd_with_states(
     o = o_intra + qg @ torch.cat(starts_S)[torch.argsort(torch.cat(cids))]  # [NC, H, BT, V]
     o = o.transpose(1, 2).reshape(NC * BT, H, V)[valid.reshape(-1)]
     return _finish(o, S, boundary, H, K, V, cdt, dev, in_dtype, batch_shape, output_final_state)
+
+
+# ---------------------------------------------------------------------------------- state passing
+def naive_piece_summary(
+    q, k, v, g, *, chunk_size: int = 64, backend: str = "auto", scale: float = 1.0, cu_seqlens=None
+):
+    """fp32 reference of :func:`harts_kernels.ssd.cp.piece_summary`: ``(a, b)`` with ``S_out = a S_in
+    + b`` per head, token by token: ``a_t = exp(g_t) a_{t-1}`` from ``a_0 = 1`` and ``b_t = exp(g_t)
+    b_{t-1} + k_t v_t^T`` from ``b_0 = 0``. One piece: ``a [H]``, ``b [H, K, V]``; with
+    ``cu_seqlens`` (P packed pieces) ``a [P, H]``, ``b [P, H, K, V]``. float32 (float64 for float64
+    inputs). ``chunk_size``, ``backend`` and ``scale`` are taken for the signature and unused."""
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise ValueError(f"q: expected pieces [1, T, H, K], got shape {tuple(q.shape)}")
+    _, T, H, K = q.shape
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    k, v, g = (x[0].to(cdt) for x in (k, v, g))
+    V = v.shape[-1]
+    cu = [0, T] if cu_seqlens is None else as_int_list(cu_seqlens, "cu_seqlens")
+    a_all, b_all = [], []
+    for i in range(len(cu) - 1):
+        a = torch.ones(H, dtype=cdt, device=q.device)
+        b = torch.zeros(H, K, V, dtype=cdt, device=q.device)
+        for t in range(cu[i], cu[i + 1]):
+            a = g[t].exp() * a
+            b = g[t].exp()[:, None, None] * b + k[t][:, :, None] * v[t][:, None, :]
+        a_all.append(a)
+        b_all.append(b)
+    if cu_seqlens is None:
+        return a_all[0], b_all[0]
+    return torch.stack(a_all), torch.stack(b_all)
+
+
+def naive_fold_states(a: torch.Tensor, b: torch.Tensor, initial: torch.Tensor | None = None, parent=None):
+    """Plain-loop reference of :func:`harts_kernels.ssd.cp.fold_states`: ``S_in [C, H, K, V]``, one
+    piece and head at a time; ``parent`` None is the chain ``r - 1``; ``initial`` ``[H, K, V]`` or
+    ``[C, H, K, V]`` (row r entering root r) or None (zeros)."""
+    C, H, K, V = b.shape
+    par = list(range(-1, C - 1)) if parent is None else [int(p) for p in parent]
+    out = []
+    for r in range(C):
+        p = par[r]
+        heads = []
+        for h in range(H):
+            if p >= 0:
+                heads.append(a[p, h] * out[p][h] + b[p, h])
+            elif initial is None:
+                heads.append(b.new_zeros(K, V))
+            else:
+                heads.append((initial[h] if initial.dim() == 3 else initial[r, h]).to(b.dtype))
+        out.append(torch.stack(heads))
+    return torch.stack(out)
