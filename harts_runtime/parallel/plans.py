@@ -19,8 +19,9 @@ placement       meaning
 ==============  =================================================================================
 
 Each plan also names the config fields whose values the TP degree must divide (``divides``): the
-heads of a plan are contiguous row blocks only in multiples of those (Mamba2: ``n_groups``). Layers infer their head
-counts from the local weights they are given, so a plan never rewrites a layer's config.
+heads of a plan are contiguous row blocks only in multiples of those (Mamba2: ``n_groups``).
+Layers infer their head counts from the local weights they are given, so a plan never rewrites a
+layer's config.
 
 :data:`TP_PLANS` maps a layer class to its plan function ``plan(layer, tp) -> LayerPlan``; a plan
 depends on the layer only where the model does (MLA with or without a query latent, MQA versus
