@@ -133,3 +133,53 @@ def test_a_plan_that_ignores_its_token_cannot_hold_the_process(tmp_path):
     assert took < 10.0, took  # grace + cancel wait, not the 15 s plan
     stopped = _records(log)[-1]
     assert stopped["event"] == "stopped" and stopped["stuck"] is True
+
+
+def test_sigterm_during_uploads_answers_the_uploaders_unavailable(tmp_path):
+    """Issue 47: SIGTERM while two clients upload (a first chunk, then nothing): each client gets
+    the UNAVAILABLE the log records ("retry on another planner"), not a bare CANCELLED."""
+    import threading
+
+    from harts_planner.rpc import codec
+
+    log = tmp_path / "serve.log"
+    sidecar = SidecarProcess(workers=1, grace=300.0, log_path=str(log))
+    stop = threading.Event()
+    first = codec.varint(2 << 3) + codec.varint(64 << 20) + codec.header(1, 16) + bytes(16)
+
+    def chunks():
+        yield first
+        stop.wait(30)  # the rest never comes (bounded: the test sets it at the end)
+
+    got: list = []
+
+    def upload() -> None:
+        with grpc.insecure_channel(sidecar.address) as channel:
+            call = channel.stream_stream(
+                codec.PLAN_CALLS_STREAM, request_serializer=lambda b: b, response_deserializer=lambda b: b
+            )
+            try:
+                list(call(chunks(), timeout=30))
+                got.append((OK, ""))
+            except grpc.RpcError as e:
+                got.append((e.code(), e.details() or ""))
+
+    threads = [threading.Thread(target=upload) for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.5)  # both first chunks in (the drain's record below counts the uploads it cut)
+        sidecar.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(20)
+        assert sidecar.proc.wait(30) == 0
+    finally:
+        stop.set()
+        if sidecar.proc.poll() is None:
+            sidecar.proc.kill()
+    assert [code for code, _ in got] == [UNAVAILABLE, UNAVAILABLE], got
+    assert all("retry on another planner" in details for _, details in got), got
+    records = _records(log)
+    assert next(r for r in records if r.get("event") == "drain")["uploads_cut"] == 2
+    rpcs = [r for r in records if r.get("event") == "rpc"]
+    assert [r["code"] for r in rpcs] == ["UNAVAILABLE", "UNAVAILABLE"], rpcs

@@ -68,3 +68,51 @@ def test_a_client_ca_without_certificates_is_named(certificates):  # noqa: F811
     with pytest.raises(hp.InvalidArgumentError) as e:
         check_server_files(d / "server.pem", d / "server.key", d / "empty-ca.pem")
     assert e.value.field == "tls_client_ca" and "empty-ca.pem" in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_pem_file_over_16_mib_is_named_with_its_flag_and_the_limit(certificates, tmp_path):  # noqa: F811
+    """Issue 47: a certificate after 16 MiB of PEM was read cut at 16 MiB and reported as "cannot
+    bind"; now refused before anything reads it whole, naming the flag and the limit."""
+    from harts_planner.rpc import tls
+
+    d = certificates
+    big = tmp_path / "big.pem"
+    pad = b"# padding\n" * ((tls.MAX_PEM_BYTES + 64) // 10)
+    big.write_bytes(pad + (d / "server.pem").read_bytes())
+    with pytest.raises(hp.InvalidArgumentError) as e:
+        server_credentials(big, d / "server.key")
+    assert (
+        e.value.field == "tls_cert"
+        and "--tls-cert" in str(e.value)
+        and f"{tls.MAX_PEM_BYTES:,}" in str(e.value)
+    )
+    with pytest.raises(hp.InvalidArgumentError) as e:
+        check_server_files(d / "server.pem", d / "server.key", big)
+    assert e.value.field == "tls_client_ca" and "16 MiB" in str(e.value)
+    out = _serve("--tls-cert", str(big), "--tls-key", str(d / "server.key"))
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "--tls-cert" in out.stderr and "over the limit" in out.stderr and "cannot bind" not in out.stderr
+    # exactly at the limit is read (and then checked as usual)
+    at_limit = tmp_path / "at-limit.pem"
+    body = (d / "server.pem").read_bytes()
+    at_limit.write_bytes(b"#" * (tls.MAX_PEM_BYTES - len(body) - 1) + b"\n" + body)
+    assert tls.read_pem(at_limit, "tls_cert", "a certificate").endswith(body)
+
+
+def test_a_fifo_is_not_read(tmp_path):
+    import os
+
+    from harts_planner.rpc import tls
+
+    fifo = tmp_path / "cert.fifo"
+    os.mkfifo(fifo)
+    fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # a writer held open: the reader's open returns
+    try:
+        with pytest.raises(hp.InvalidArgumentError) as e:
+            tls.read_pem(fifo, "tls_ca", "CA certificates")
+        assert (
+            e.value.field == "tls_ca" and "not a regular file" in str(e.value) and "--tls-ca" in str(e.value)
+        )
+    finally:
+        os.close(fd)

@@ -12,7 +12,7 @@ drain that stops them all.
   slower than the server's minimum rate (``--min-receive-rate-mb`` / ``--min-send-rate-mb``) once
   its timeout has passed: a transfer of ``n`` bytes has ``timeout + n / rate`` seconds in all (the
   total receive and send deadlines; a stream trickling empty chunks is cut off after the timeout,
-  not never). Cancelling ends the RPC in gRPC (``context.cancel()``), which frees
+  not never). Cancelling ends the RPC in gRPC with the status the log records, which frees
   whatever gRPC holds for it (its receive buffer, the unsent response) and wakes the call's thread.
 * :func:`drain`: graceful shutdown (SIGTERM): health NOT_SERVING; queued and new calls get
   UNAVAILABLE at once; calls still receiving their request are cut off at once (an upload the
@@ -103,6 +103,23 @@ _RATE_FLAGS = {
 }
 
 
+def _end_rpc(context, stop: AbortRpcError | None) -> None:
+    """End an RPC from any thread, the client seeing ``stop``'s code and message: gRPC core's
+    cancel-with-status on the server call (what grpcio's own client-side cancel calls; the sync
+    server's context exposes only a plain cancel, which the client sees as CANCELLED). A context
+    without the call object (another gRPC build) is cancelled plainly."""
+    call = getattr(getattr(context, "_rpc_event", None), "call", None)
+    if stop is not None and call is not None:
+        from grpc._cython import cygrpc
+
+        try:
+            call.cancel(cygrpc.StatusCode(stop.code.value[0]), stop.message)
+            return
+        except (TypeError, ValueError, AttributeError):
+            pass
+    context.cancel()
+
+
 class RequestControl:
     """Cancellation of one call: a deadline (the RPC's), the reason it stopped, and the
     :class:`harts_planner.CancelToken` the planner polls inside its loops.
@@ -179,12 +196,12 @@ class RequestControl:
 
     def cut_off(self, reason: str) -> None:
         """Stop the call (the watchdog, a drain). A call blocked in gRPC, receiving its request or
-        sending its response, has its RPC ended now (the client sees CANCELLED; gRPC frees what it
-        holds for the call); any other stops at its next check or poll and answers with the status
-        of ``reason``."""
+        sending its response, has its RPC ended now with the status of ``reason`` (the one the log
+        names: UNAVAILABLE for a drain, which clients may retry on another planner; gRPC frees what
+        it holds for the call); any other stops at its next check or poll and answers with it."""
         self.cancel(reason)
         if self.context is not None and self.phase in ("receive", "send"):
-            self.context.cancel()
+            _end_rpc(self.context, self.stop_status())
 
     def touch(self, moved: int = 0) -> None:
         """The transfer made progress (a request chunk arrived, a response chunk was taken):

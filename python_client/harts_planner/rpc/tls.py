@@ -20,27 +20,63 @@ SAN alone), a client CA file without a certificate: each refused naming the file
 
 from __future__ import annotations
 
+import os
 import ssl
+import stat
 import time
 
 import grpc
 
 from harts_planner.errors import invalid
 
+#: Largest PEM file read (a certificate chain is a few KiB; a CA bundle under 1 MiB).
+MAX_PEM_BYTES = 16 << 20
+
 
 def read_pem(path, field: str, what: str) -> bytes:
-    """The bytes of a PEM file; InvalidArgumentError naming ``field`` when it cannot be read or
-    holds no PEM block."""
+    """The bytes of a PEM file, read once and whole; InvalidArgumentError naming ``field`` (and its
+    flag) when it is not a regular file (a FIFO or device would block or never end), is over
+    :data:`MAX_PEM_BYTES`, cannot be read or holds no PEM block. Nothing else reads a file first
+    (gRPC gets these bytes; :func:`check_server_files` runs after)."""
     if path is None:
         raise invalid(field, f"required: a PEM file with {what}")
+    flag = "--" + field.replace("_", "-")
     try:
         with open(path, "rb") as f:
-            data = f.read(1 << 24)
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise invalid(field, f"{str(path)!r} ({flag}) is not a regular file")
+            if info.st_size > MAX_PEM_BYTES:
+                raise invalid(field, _too_big(path, flag, info.st_size))
+            data = f.read(MAX_PEM_BYTES + 1)
     except OSError as e:
-        raise invalid(field, f"cannot read {str(path)!r}: {e.strerror or e}") from None
+        raise invalid(field, f"cannot read {str(path)!r} ({flag}): {e.strerror or e}") from None
+    if len(data) > MAX_PEM_BYTES:  # grew while read
+        raise invalid(field, _too_big(path, flag, len(data)))
     if b"-----BEGIN " not in data:
         raise invalid(field, f"{str(path)!r} is not a PEM file with {what}")
     return data
+
+
+def _bounded_file(path, field: str) -> None:
+    """InvalidArgumentError naming ``field`` unless ``path`` is a regular file of at most
+    :data:`MAX_PEM_BYTES` (a missing one is left to the reader's own error)."""
+    flag = "--" + field.replace("_", "-")
+    try:
+        info = os.stat(path)
+    except OSError:
+        return
+    if not stat.S_ISREG(info.st_mode):
+        raise invalid(field, f"{str(path)!r} ({flag}) is not a regular file")
+    if info.st_size > MAX_PEM_BYTES:
+        raise invalid(field, _too_big(path, flag, info.st_size))
+
+
+def _too_big(path, flag: str, size: int) -> str:
+    return (
+        f"{str(path)!r} ({flag}) holds {size:,} bytes, over the limit of {MAX_PEM_BYTES:,} bytes "
+        f"(16 MiB, tls.MAX_PEM_BYTES) of PEM"
+    )
 
 
 def _no_password() -> bytes:
@@ -54,7 +90,11 @@ def _ssl_reason(err: Exception) -> str:
 def check_server_files(cert, key, client_ca=None, now: float | None = None) -> None:
     """Refuse a server certificate and key that no client could use (see the module docstring);
     InvalidArgumentError naming ``tls_cert`` / ``tls_key`` / ``tls_client_ca``, the file and the
-    fault. ``now``: the time to check validity at (default: now)."""
+    fault. ``now``: the time to check validity at (default: now). Each file is first checked to be
+    a regular file of at most :data:`MAX_PEM_BYTES` (the ``ssl`` loaders read files whole)."""
+    for path, field in ((cert, "tls_cert"), (key, "tls_key"), (client_ca, "tls_client_ca")):
+        if path is not None:
+            _bounded_file(path, field)
     cert_name, key_name = str(cert), str(key)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
@@ -129,4 +169,4 @@ def channel_credentials(ca=None, cert=None, key=None) -> grpc.ChannelCredentials
     )
 
 
-__all__ = ["channel_credentials", "check_server_files", "read_pem", "server_credentials"]
+__all__ = ["MAX_PEM_BYTES", "channel_credentials", "check_server_files", "read_pem", "server_credentials"]

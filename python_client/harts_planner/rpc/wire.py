@@ -14,8 +14,10 @@ to field order (tested: they parse to the same message).
 In the other direction :func:`read_request` reads a request's trajectories as views of the request
 bytes instead of parsing them into a message (whose bytes fields Python would copy again); its walk
 is bounded (:data:`MAX_FIELDS` fields per message level: a request of one field repeated millions of
-times is refused naming the field, not walked), fields the message does not know are skipped, and
-what any parse will hold is counted (``reserve``) before it is spent; and
+times is refused naming the field, not walked; so is the trajectories field or any of its arrays
+sent twice, whose merge protobuf's parser would make), fields the message does not know are
+skipped, the trajectories never reach protobuf's parser, and what the parse of the other fields
+will hold is counted (``reserve``) before it is spent; and
 :class:`Assembly` puts a chunked request together in one buffer, placed so that its largest array
 (the tokens) is aligned.
 
@@ -220,13 +222,13 @@ def step_response(plan, call_plans, debug: bool) -> Parts:
 #: wins), and a 64 MiB request of one repeated scalar is 32 million fields. More are refused, naming
 #: the field, before anything is built for them.
 MAX_FIELDS = 64
-#: Bytes the server holds to parse a request the usual way (protobuf's own copy of its fields, and
-#: Python's copy of the arrays read from it), per byte of the request, counted before parsing.
+#: Bytes the server holds to parse a request's fields other than its trajectories with protobuf
+#: (its copy of them, and Python's), per byte of those fields, counted before parsing.
 PARSE_COPIES = 2
 
 
 class _UnusualError(Exception):
-    """The bytes are valid protobuf the fast reader does not handle: parse them the usual way."""
+    """A field runs past the end of its message, or a varint over 10 bytes: not protobuf."""
 
 
 class _CorruptError(Exception):
@@ -296,31 +298,53 @@ _SOURCES = {
 _TRAJECTORY_NAMES = {f.number: f.name for f in pb.Trajectories.DESCRIPTOR.fields}
 
 
+def _once(seen: dict, number: int, name: str) -> None:
+    """Refuse a field seen before at this level, naming it: protobuf would merge the copies (the
+    last scalar wins, messages merge), which an encoder never sends and which only a bomb needs."""
+    if number in seen:
+        raise invalid(
+            name,
+            "sent more than once in its message; the server takes each field at most once "
+            "(protobuf encoders send it once), so that no request reaches protobuf's parser",
+        )
+    seen[number] = True
+
+
+def _bytes_field(kind: int, name: str) -> None:
+    if kind != 2:
+        raise invalid(name, f"must be a length-delimited bytes field, got wire type {kind}")
+
+
 def _trajectories(buf: memoryview, start: int, end: int) -> tuple[str | None, dict]:
-    which, arrays, seen = None, {}, set()
+    """The arrays of a ``Trajectories`` message: each field at most once (a repeated one, or both
+    oneof members, is refused naming it), unknown fields skipped; nothing is parsed or copied."""
+    which, arrays, seen = None, {}, {}
     # Each level is walked whole first (at most MAX_FIELDS fields), so that a bomb is refused before
-    # a repeated field sends the bytes to protobuf's parser.
+    # anything is built for it.
     fields = list(_fields(buf, start, end, names=_TRAJECTORY_NAMES, where="trajectories"))
     for number, kind, a, b in fields:
         if number in (1, 2) and kind == 2:
             names = _SOURCES[number][1]
             list(_fields(buf, a, b, names=names, where=f"trajectories.{_SOURCES[number][0]}"))
     for number, kind, a, b in fields:
-        if kind != 2 or number in seen or number not in (1, 2, 3):
-            raise _UnusualError  # repeated / unknown fields: protobuf's merge rules, not ours
-        seen.add(number)
+        if number not in (1, 2, 3):
+            continue  # a field this server does not know: skipped, as protobuf would keep it aside
+        name = f"trajectories.{_TRAJECTORY_NAMES[number]}"
+        _once(seen, number, name)
+        _bytes_field(kind, name)
         if number == 3:
             arrays["tree_ids"] = buf[a:b]
             continue
         if which is not None:
-            raise _UnusualError  # both oneof members
+            raise invalid("trajectories", "sets both packed and tree: set one of them")
         which, names = _SOURCES[number]
-        inner = set()
+        inner: dict = {}
         where = f"trajectories.{which}"
         for n2, k2, c, d in _fields(buf, a, b, names=names, where=where):
-            if k2 != 2 or n2 in inner or n2 not in names:
-                raise _UnusualError
-            inner.add(n2)
+            if n2 not in names:
+                continue
+            _once(inner, n2, f"{where}.{names[n2]}")
+            _bytes_field(k2, f"{where}.{names[n2]}")
             arrays[names[n2]] = buf[c:d]
     return which, arrays
 
@@ -339,15 +363,16 @@ def read_request(data, cls, reserve=None):
     Returns ``(message, which, arrays)``: ``message`` a ``cls`` parsed from every field but the
     trajectories (field 1); ``which`` ``"packed"``, ``"tree"`` or None (no trajectories) and
     ``arrays`` memoryviews of ``data`` by field name (``tokens``, ``offsets``, ``parent``, ...,
-    ``tree_ids``). Bytes the reader does not handle (repeated or unknown fields inside the
-    trajectories) are parsed by protobuf instead, with the same result (copying their arrays).
-    Fields ``cls`` does not know are skipped (they cost nothing).
+    ``tree_ids``). Fields ``cls`` does not know are skipped (they cost nothing), at every level.
 
-    Nothing unbounded is built: each message level may hold at most :data:`MAX_FIELDS` fields (more
-    raise InvalidArgumentError naming the repeated field, before any parsing), and the memory a
-    parse needs is passed to ``reserve(bytes)`` before it is spent (the other fields' copies; for
-    the usual parse, :data:`PARSE_COPIES` times the request), which may refuse it by raising.
-    Raises ``google.protobuf.message.DecodeError`` for bytes that are not a ``cls``.
+    Nothing unbounded is built and the trajectories never reach protobuf's parser: each message
+    level may hold at most :data:`MAX_FIELDS` fields, the trajectories and each of their arrays at
+    most once (more raise InvalidArgumentError naming the field, before any parsing: protobuf's
+    merge of repeated copies is what a bomb needs, and no encoder sends them); the memory the other
+    fields' parse needs is passed to ``reserve(bytes)`` before it is spent (:data:`PARSE_COPIES`
+    times their bytes, at most :data:`MAX_OPTION_BYTES` each), which may refuse it by raising.
+    Raises ``google.protobuf.message.DecodeError`` for bytes that are not a ``cls`` (a field running
+    past the end, a varint over 10 bytes, a field number 0, a group).
     """
     buf = memoryview(data).cast("B")
     known = {f.number: f.name for f in cls.DESCRIPTOR.fields}
@@ -359,7 +384,7 @@ def read_request(data, cls, reserve=None):
         for number, kind, a, b in _fields(buf, 0, len(buf), names=known):
             if number == 1 and kind == 2:
                 if traj is not None:
-                    raise _UnusualError
+                    _once({1: True}, 1, "trajectories")
                 traj = (a, b)
             elif number in known:
                 rest.append((number, kind, a, b))
@@ -369,21 +394,8 @@ def read_request(data, cls, reserve=None):
         head = _head(buf, cls, rest)
         which, arrays = (None, {}) if traj is None else _trajectories(buf, *traj)
         return head, which, arrays
-    except _CorruptError:
+    except (_CorruptError, _UnusualError):
         raise _decode_error(cls) from None
-    except _UnusualError:
-        reserve(PARSE_COPIES * len(buf))
-        msg = cls.FromString(bytes(buf))
-        traj = msg.trajectories
-        which = traj.WhichOneof("source") if msg.HasField("trajectories") else None
-        arrays = {}
-        if which is not None:
-            names = _SOURCES[1 if which == "packed" else 2][1].values()
-            arrays = {n: memoryview(getattr(getattr(traj, which), n)) for n in names}
-        if traj.tree_ids:
-            arrays["tree_ids"] = memoryview(traj.tree_ids)
-        msg.ClearField("trajectories")
-        return msg, which, arrays
 
 
 #: Largest message-typed field of a request besides its trajectories (``options``: a dozen scalars,
