@@ -2,8 +2,8 @@
 the layers' head counts read from their (local) weights.
 
 For every layer kind of ``TP_PLANS`` (GQA, MQA, MLA with and without a query latent, KDA with and
-without its output-gate bias, fused and split GDN with grouped value heads, gated GQA and MQA, the
-dense FFN) at tp = 2 and 4, in float64
+without its output-gate bias, fused and split GDN with grouped value heads, gated GQA and MQA,
+Mamba2 with grouped B / C (whole groups per rank), the dense and relu2 FFNs) at tp = 2 and 4, in float64
 on the CPU with the reference backends: each rank's local parameters are built from the full ones by the
 plan (``Shard(d)``: chunk ``r`` of dim ``d``; ``Replicate()``: the full tensor) and the layer's
 ordinary forward runs on them through :func:`torch.func.functional_call` (plain tensors swapped in,
@@ -29,7 +29,9 @@ from harts_runtime.layers.ffn import DenseFFN
 from harts_runtime.layers.gated_attention import CompactGatedAttention, GatedAttentionConfig
 from harts_runtime.layers.gdn import CompactGatedDeltaNet, GatedDeltaNetConfig
 from harts_runtime.layers.kda import KDAConfig, KDALayer
+from harts_runtime.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from harts_runtime.layers.mla import CompactMLA, MLAConfig
+from harts_runtime.layers.relu2_mlp import Relu2MLP
 from harts_runtime.layout import KDAExecutionPlan, RowLayout
 from harts_runtime.parallel.plans import TP_PLANS, LayerPlan, tp_plan
 from harts_runtime.testing import random_batch, views_from_batch
@@ -118,7 +120,16 @@ LAYERS = {
     "gated_gqa": (lambda: _gated(num_heads=8, num_kv_heads=4), (2, 4), TOL_F32),
     "gated_mqa": (lambda: _gated(num_heads=4, num_kv_heads=1), (2, 4), TOL_F32),
     "ffn": (lambda: DenseFFN(D, 12), (2, 4), TOL),
+    "mamba2": (lambda: _mamba2(n_groups=4), (2, 4), TOL_F32),  # 2 heads per group
+    "relu2": (lambda: Relu2MLP(D, 12), (2, 4), TOL),
 }
+
+
+def _mamba2(**kw):
+    c = Mamba2Config(
+        hidden_size=D, num_heads=8, head_dim=3, state_size=4, chunk_size=CHUNK, backend="naive", **kw
+    )
+    return Mamba2Mixer(c)
 
 
 def _gdn(projection):
@@ -195,7 +206,9 @@ def test_plan_shards_sum_to_the_full_layer(layouts, kind, tp):
     _perturb(layer)
     plan = tp_plan(layer, tp)
     assert plan is not None
-    layout = layouts["kda" if isinstance(layer, (KDALayer, CompactGatedDeltaNet)) else "attention"]
+    layout = layouts[
+        "kda" if isinstance(layer, (KDALayer, CompactGatedDeltaNet, Mamba2Mixer)) else "attention"
+    ]
     n = layout.num_rows
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, D, generator=g, dtype=torch.float64)
@@ -279,6 +292,8 @@ BAD = {
         "num_k_heads",
     ),
     "ffn_width": (lambda: DenseFFN(D, 10), 4, "intermediate_size"),
+    "mamba2_groups": (lambda: _mamba2(n_groups=2), 4, "n_groups"),  # a rank would split a group
+    "relu2_width": (lambda: Relu2MLP(D, 10), 4, "intermediate_size"),
 }
 
 
