@@ -5,12 +5,22 @@ start method, so no forked torch state), initialises ``torch.distributed`` on a 
 calls ``fn(rank, world_size, *args)`` on each, and returns the per-rank return values (anything
 ``torch.save`` can store). A rank that raises, exits, or runs past ``timeout`` fails the whole call
 with its traceback; survivors are terminated, so a broken collective never hangs a test.
+
+Each rank's result comes back through a file in a private temporary folder, signed with a key
+the parent hands to its children in memory (HMAC-SHA256): a file the parent did not get from its
+own rank is refused before it is read, and a result of tensors and plain values is read with
+``torch.load(weights_only=True)`` (others, e.g. a dataclass, only once the signature holds).
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
+import io
 import os
+import pickle
+import secrets
 import socket
 import tempfile
 import time
@@ -36,7 +46,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, backend, out_dir, fn, args, threads):
+def _sign(key: bytes, data: bytes) -> bytes:
+    return hmac.new(key, data, hashlib.sha256).digest()
+
+
+def _write_result(path: str, key: bytes, record: dict) -> None:
+    buf = io.BytesIO()
+    torch.save(record, buf)
+    data = buf.getvalue()
+    with open(path, "wb") as f:
+        f.write(data + _sign(key, data))
+
+
+def _read_result(path: str, key: bytes) -> dict:
+    with open(path, "rb") as f:
+        raw = f.read()
+    data, mac = raw[:-32], raw[-32:]
+    if len(raw) < 32 or not hmac.compare_digest(mac, _sign(key, data)):
+        return {
+            "ok": False,
+            "error": f"{path}: not the result this rank wrote (its signature differs); not read",
+        }
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError:  # a result holding other objects: signed by our own rank
+        return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _worker(rank, world_size, port, backend, out_dir, fn, args, threads, key=b""):
     torch.set_num_threads(threads)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
@@ -51,9 +88,9 @@ def _worker(rank, world_size, port, backend, out_dir, fn, args, threads):
             result = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        torch.save({"ok": True, "result": result}, path)
+        _write_result(path, key, {"ok": True, "result": result})
     except BaseException:  # noqa: BLE001 - reported to the parent
-        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+        _write_result(path, key, {"ok": False, "error": traceback.format_exc()})
 
 
 def run_distributed(
@@ -65,11 +102,14 @@ def run_distributed(
     with the first failing rank's traceback, or on timeout.
     """
     ctx = mp.get_context("spawn")
+    key = secrets.token_bytes(32)  # to the children through spawn's pipe, never on disk
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
         procs = [
             ctx.Process(
-                target=_worker, args=(r, world_size, port, backend, out_dir, fn, args, threads), daemon=True
+                target=_worker,
+                args=(r, world_size, port, backend, out_dir, fn, args, threads, key),
+                daemon=True,
             )
             for r in range(world_size)
         ]
@@ -90,7 +130,7 @@ def run_distributed(
                 if not os.path.exists(path):
                     failures.append((r, f"exited with code {procs[r].exitcode} and no result"))
                     continue
-                rec = torch.load(path, weights_only=False)
+                rec = _read_result(path, key)
                 if rec["ok"]:
                     results.append(rec["result"])
                 else:

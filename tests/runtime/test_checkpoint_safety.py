@@ -521,3 +521,17 @@ def test_an_rng_state_saved_before_it_held_tensors_only_still_loads(saved, tmp_p
     _engine(5).load(path)
     got = (torch.rand(3), np.random.rand(3))
     assert torch.equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+def test_a_distributed_result_file_is_read_only_with_its_rank_signature(tmp_path):
+    """``run_distributed`` reads a rank's result file only when it carries the signature made with
+    the key the parent gave its ranks: a planted file is refused before it is unpickled."""
+    from harts_runtime.parallel import launch
+
+    marker, path = tmp_path / "ran", str(tmp_path / "rank0.pt")
+    key = b"k" * 32
+    launch._write_result(path, key, {"ok": True, "result": {"x": torch.ones(2)}})
+    assert torch.equal(launch._read_result(path, key)["result"]["x"], torch.ones(2))
+    launch._write_result(path, b"other key".ljust(32), {"ok": True, "result": _Plant(marker)})
+    rec = launch._read_result(path, key)
+    assert rec["ok"] is False and "signature" in rec["error"] and not marker.exists()

@@ -325,7 +325,7 @@ class VerlHartsEngine(BaseEngine):
         extra = self.engine.load(local_path)
         sched = Path(local_path) / "verl_lr_scheduler.pt"
         if sched.exists():
-            self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=False))
+            self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
             for g, lr in zip(self.engine.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
                 g["lr"] = lr
         return extra
