@@ -23,13 +23,22 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
+import typing
 from pathlib import Path
 
-from harts_runtime.cli.flags import add_option_flags, float_type, int_type, option_error, option_flag
+from harts_runtime.cli.flags import (
+    add_option_flags,
+    flag_name,
+    float_type,
+    int_type,
+    option_error,
+    option_flag,
+)
 from harts_runtime.errors import InvalidInputError, UsageError
 from harts_runtime.options import ExecutionOptions, OptimizerOptions
-from harts_runtime.rl.config import RLConfig
+from harts_runtime.rl.config import DEFAULT_MAX_LEAVES, DEFAULT_MAX_STEP_TOKENS, RLConfig
 
 __all__ = ["build_parser", "main"]
 
@@ -71,6 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float_type(positive=True), default=None, help="sampling temperature")
     g.add_argument("--chunk-size", metavar="C", type=int_type(1), default=None, help="KDA / GDN chunk size")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
+    g.add_argument(
+        "--max-leaves",
+        metavar="N",
+        type=int_type(1),
+        default=None,
+        help=f"the most leaves a step may have, prompts x leaves per prompt (default: {DEFAULT_MAX_LEAVES:,})",
+    )
+    g.add_argument(
+        "--max-step-tokens",
+        metavar="N",
+        type=int_type(1),
+        default=None,
+        help=f"the most tokens a step may hold, every leaf's summed (default: {DEFAULT_MAX_STEP_TOKENS:,})",
+    )
     add_option_flags(
         ap.add_argument_group("execution (harts_runtime.options.ExecutionOptions)"), ExecutionOptions
     )
@@ -82,14 +105,60 @@ def build_parser() -> argparse.ArgumentParser:
 
 _RL_KEYS = {f.name for f in dataclasses.fields(RLConfig)}
 _OPTION_KEYS = {f.name for c in (ExecutionOptions, OptimizerOptions) for f in dataclasses.fields(c)}
+_OPTION_HINTS = {
+    k: v for c in (ExecutionOptions, OptimizerOptions) for k, v in typing.get_type_hints(c).items()
+}
+MAX_CONFIG_BYTES = 1 << 20
+"""The largest ``--config`` file read."""
+
+
+def _option_type_error(key: str, value) -> str | None:
+    """What is wrong with the type of an engine option's value from a config file (None: fine);
+    the options' own checks see the values after this (``keep = 5`` would reach ``tuple(5)``)."""
+    hint = _OPTION_HINTS[key]
+    args = typing.get_args(hint)
+    if value is None:
+        return None if type(None) in args else "must not be null"
+    if type(None) in args:
+        (hint,) = [a for a in args if a is not type(None)]
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        items = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        kind = items[0] if items else str
+        if kind is str and isinstance(value, str):
+            return None
+        if not isinstance(value, list) or len(value) > 64:
+            return f"must be a list of {kind.__name__} values, got {value!r}"
+        for v in value:
+            if _scalar_error(kind, v):
+                return f"must be a list of {kind.__name__} values, got {v!r} in it"
+        return None
+    return _scalar_error(hint, value)
+
+
+def _scalar_error(kind, value) -> str | None:
+    if kind is bool:
+        return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
+    if kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        return None if ok else f"must be an integer, got {value!r}"
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return None if ok else f"must be a number, got {value!r}"
+    if kind is str:
+        return None if isinstance(value, str) else f"must be a string, got {value!r}"
+    return None
 
 
 def _load_config(path) -> dict:
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"--config: {path!r}: no such file", "--config")
-    text = p.read_text()
+    size = p.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise UsageError(f"--config: {path}: {size:,} bytes, over the limit {MAX_CONFIG_BYTES:,}", "--config")
     try:
+        text = p.read_text()
         if p.suffix == ".json":
             data = json.loads(text)
         else:
@@ -99,27 +168,39 @@ def _load_config(path) -> dict:
                 import tomli as tomllib
 
             data = tomllib.loads(text)
-    except Exception as e:  # tomllib.TOMLDecodeError, json.JSONDecodeError
-        raise UsageError(f"{path}: not valid {p.suffix[1:].upper()}: {e}", "--config") from None
+    except (
+        Exception
+    ) as e:  # tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError, RecursionError
+        kind = p.suffix[1:].upper() or "TOML"
+        raise UsageError(f"{path}: not valid {kind}: {' '.join(str(e).split())[:200]}", "--config") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: must hold a table of keys, got {type(data).__name__}", "--config")
     out = {}
     for k, v in data.items():
         key = k.replace("-", "_")
-        if key not in _RL_KEYS and key not in _OPTION_KEYS:
+        if key not in _RL_KEYS and key not in _OPTION_KEYS or key.startswith("_"):
             raise UsageError(f"{path}: {k}: unknown key (see {PROG} --help)", "--config")
+        if key in _OPTION_KEYS:
+            bad = _option_type_error(key, v)
+            if bad:
+                raise UsageError(f"{path}: {k}: {bad}", "--config")
         out[key] = v
     return out
 
 
-def _settings(argv) -> tuple[dict, dict, str | None]:
-    """``(rl settings, engine options, resume dir)`` from the flags over the config file."""
+def _settings(argv, given: dict) -> tuple[dict, dict, str | None]:
+    """``(rl settings, engine options, resume dir)`` from the flags over the config file;
+    ``given`` is filled with each setting's source (the config file's name, or None for a flag)."""
     ap = build_parser()
     args = ap.parse_args(argv)
     explicit = build_parser()
     for a in explicit._actions:
         a.default = argparse.SUPPRESS
-    given = vars(explicit.parse_args(argv))
+    flags = vars(explicit.parse_args(argv))
     settings = _load_config(args.config) if args.config else {}
-    settings.update({k: v for k, v in given.items() if k not in ("config",)})
+    given.update({k: str(args.config) for k in settings})
+    settings.update({k: v for k, v in flags.items() if k not in ("config",)})
+    given.update({k: None for k in flags})
     resume = settings.pop("resume", None)
     out = settings.pop("out", None)
     if resume is not None and out is not None and Path(out) != Path(resume):
@@ -128,6 +209,10 @@ def _settings(argv) -> tuple[dict, dict, str | None]:
     options = {k: v for k, v in settings.items() if k in _OPTION_KEYS}
     if isinstance(options.get("keep"), str):
         options["keep"] = tuple(x for x in options["keep"].split(",") if x)
+    elif isinstance(options.get("keep"), list):
+        options["keep"] = tuple(options["keep"])
+    if isinstance(options.get("betas"), list):
+        options["betas"] = tuple(options["betas"])
     if options.get("max_grad_norm") == 0:
         options["max_grad_norm"] = None
     if resume is None:
@@ -137,18 +222,44 @@ def _settings(argv) -> tuple[dict, dict, str | None]:
     return rl, options, resume
 
 
-def _run(argv, err) -> int:
-    rl, options, resume = _settings(argv)
+def _preflight(cfg: RLConfig, options: dict) -> str:
+    """Every check that needs no model, before any work: the engine options, the task and its
+    arguments, the tree's size (:meth:`RLConfig.check_task`), and for a flavor its layers, chunk
+    size and the task against its vocabulary; returns the step's shape in words."""
+    from harts_runtime.rl.tasks import make_task
+
+    split = {
+        c: {k: v for k, v in options.items() if k in {f.name for f in dataclasses.fields(c)}}
+        for c in (
+            ExecutionOptions,
+            OptimizerOptions,
+        )
+    }
+    for c, kw in split.items():
+        c(**kw)
+    task = make_task(cfg.task, **cfg.task_args)
+    vocab = None
+    if cfg.flavor is not None:
+        from harts_runtime.models import model_config
+
+        cfg.check_task(task)  # the tree's size first: cheap, and before the models are imported
+        kw = {} if cfg.chunk_size is None else {"chunk_size": cfg.chunk_size}
+        vocab = model_config(cfg.flavor, cfg.layers, **kw).vocab_size
+    shape = cfg.check_task(task, vocab)
+    return f"{shape.leaves:,} leaves ({cfg.prompts:,} prompts x {shape.leaves_per_prompt:,}), {shape.tokens:,} tokens per step"
+
+
+def _run(argv, err, given: dict) -> int:
+    rl, options, resume = _settings(argv, given)
 
     def say(line: str) -> None:
         print(line, file=err, flush=True)
 
-    from harts_runtime.rl.loop import RLRun
-    from harts_runtime.rl.metrics import plot_rewards
-
     if resume is not None:
         if set(rl) - {"steps"} or options:
             raise UsageError("--resume: a resumed run keeps its settings; give only --steps", "--resume")
+        from harts_runtime.rl.loop import RLRun
+
         run = RLRun.resume(resume, steps=rl.get("steps"))
         say(f"resumed {resume} at step {run.step}")
         out = resume
@@ -161,29 +272,50 @@ def _run(argv, err) -> int:
         options.setdefault("lr", 1e-6 if cfg.model else 1e-2)
         if options.get("lr_schedule", "constant") in ("linear", "cosine"):
             options.setdefault("total_steps", cfg.steps)
+        shape = _preflight(cfg, options)
+        from harts_runtime.rl.loop import RLRun
+
         run = RLRun(cfg, options, out)
         say(
-            f"{PROG}: task {cfg.task}, {cfg.flavor or cfg.model}, {cfg.steps} steps, forks {run.forks}, out {out}"
+            f"{PROG}: task {cfg.task}, {cfg.flavor or cfg.model}, {cfg.steps} steps, forks {run.forks} "
+            f"({shape}), out {out}"
         )
+    from harts_runtime.rl.metrics import plot_rewards
+
     run.run(progress=say)
     say(plot_rewards(out))
     return 0
 
 
+def _usage_line(e: InvalidInputError, given: dict) -> str:
+    """``e`` as one line naming where the value came from: ``--model: ...`` for a flag,
+    ``rl.toml: prompts: ...`` for a config file's key, else ``field: ...``."""
+    if isinstance(e, UsageError):
+        return str(e)
+    if option_flag(e):
+        return str(option_error(e, given))
+    name = re.split(r"[\[.]", e.field, maxsplit=1)[0]
+    if name not in given:
+        return str(e)
+    if given[name] is not None:
+        return f"{given[name]}: {e}"
+    message = str(e)[len(e.field) + 2 :] if str(e).startswith(f"{e.field}: ") else str(e)
+    return f"{flag_name(name)}{e.field[len(name) :]}: {message}"
+
+
 def main(argv=None) -> int:
     """The ``harts-rl`` entry point; returns the exit code (0, 2 for bad input, 1 otherwise)."""
     err = sys.stderr
+    given: dict = {}
     try:
-        return _run(argv, err)
+        return _run(argv, err, given)
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
     except KeyboardInterrupt:
         print(f"{PROG}: error: interrupted", file=err)
         return 130
     except InvalidInputError as e:
-        if option_flag(e):
-            e = option_error(e)
-        print(f"{PROG}: error: {' '.join(str(e).split())}", file=err)
+        print(f"{PROG}: error: {' '.join(_usage_line(e, given).split())}", file=err)
         return 2
     except Exception as e:
         if os.environ.get("HARTS_TRACEBACK"):

@@ -8,9 +8,12 @@ the last turn, the task's tool or environment answers with observation tokens
 branch ``k`` ways before the turns its config names, so one prompt's leaves form a tree that shares
 prefixes.
 
-Every value a task returns is checked (:func:`check_observation`, :func:`check_reward`): a token id
-outside ``[0, vocab)`` or a non-finite reward raises :class:`~harts_runtime.errors.InvalidInputError`
-naming the field (``observation[3][1]``, ``reward[5]``) before the step trains.
+Every value a task returns is checked (:func:`check_observation`, :func:`check_reward`): a prompt or
+observation token id outside ``[0, vocab)``, an empty prompt, or a non-finite reward raises
+:class:`~harts_runtime.errors.InvalidInputError` naming the field (``prompt[0][2]``,
+``observation[3][1]``, ``reward[5]``) before the step trains. A task's own settings are checked
+against the model's vocabulary by :meth:`Task.check`; its turns, action tokens and the size of its
+trees by :meth:`harts_runtime.rl.config.RLConfig.check_task`.
 """
 
 from __future__ import annotations
@@ -28,11 +31,14 @@ __all__ = ["Task", "check_observation", "check_reward"]
 
 class Task(ABC):
     """A task: prompts, turns, observations and rewards. Subclasses set :attr:`name`,
-    :attr:`turns` and :attr:`default_forks` (turn -> ``k``)."""
+    :attr:`turns` and :attr:`default_forks` (turn -> ``k``), and :attr:`prompt_tokens` when known."""
 
     name: str = ""
     turns: int = 1
     default_forks: dict[int, int] = {0: 8}
+    prompt_tokens: int | None = None
+    """The length of every prompt when the task knows it ahead (the run's size check counts it
+    before any work); None: unknown (the sampler checks the prompts it draws)."""
 
     @abstractmethod
     def prompt(self, rng: np.random.Generator) -> tuple[list[int], object]:
@@ -51,6 +57,13 @@ class Task(ABC):
     @abstractmethod
     def reward(self, state, tokens: Sequence[int], actions: Sequence[Sequence[int]]) -> float:
         """The leaf's reward; ``actions``: its action tokens turn by turn."""
+
+    def check(self, vocab_size: int) -> None:
+        """Refuse settings that cannot work with a model of ``vocab_size`` token ids (raise
+        :class:`~harts_runtime.errors.InvalidInputError` naming the setting, e.g.
+        ``task_args.set_start``); called before the first step. Default: nothing to check (the
+        prompts and observations are checked token by token anyway)."""
+        return None
 
 
 def check_observation(rows: Sequence[Sequence[int]], vocab_size: int, field: str = "observation") -> None:

@@ -3,11 +3,22 @@
 
 A run lives in one folder ``DIR``: ``run.json`` (the :class:`~harts_runtime.rl.config.RLConfig`,
 the engine's options and objective), ``metrics.jsonl`` (:mod:`harts_runtime.rl.metrics`) and
-``checkpoints/step-N/``: the engine (:meth:`HartsEngine.save <harts_runtime.engine.HartsEngine.save>`:
-weights, optimizer, schedule, torch RNG), ``rl.pt`` (the sampler's ``torch.Generator`` and the
-environment's numpy RNG states, the step) and last ``done.json`` (a folder without it is incomplete
-and never resumed). :meth:`RLRun.resume` continues the run exactly: the later steps' rewards and
-losses equal the uninterrupted run's.
+``checkpoints/step-N/``: ``engine/`` (:meth:`HartsEngine.save <harts_runtime.engine.HartsEngine.save>`:
+weights, optimizer, schedule, torch RNG, with ``rl_step = N`` in its record; beside them, listed in
+its manifest, ``rl.json``, the RL state: the step, the sampler's ``torch.Generator`` and the
+environment's numpy RNG states, and ``run.json``, a copy of the run's record) and last
+``done.json`` (a folder without it is incomplete and never resumed). ``run.json`` is written to a
+temporary file, synced and renamed over the old one, so a kill at any point leaves a whole one.
+
+:meth:`RLRun.resume` continues the run exactly (the later steps' rewards and losses equal the
+uninterrupted run's) and trusts only what the checkpoint's manifest covers: every file it reads
+is checked against the manifest's size and SHA-256 (:meth:`HartsEngine.load`), and the step numbers
+must agree (the folder's ``N``, ``done.json``, ``rl.json`` and the engine record's ``rl_step``;
+the engine's optimizer steps at most ``N``), as must ``DIR/run.json`` with the copy saved in the
+checkpoint (``steps`` aside). A missing, damaged or mismatched file is one
+:class:`~harts_runtime.errors.InvalidInputError` naming it. Nothing read runs code (JSON; a run
+saved before ``rl.json`` existed has ``step-N/rl.pt``, read with ``torch.load(weights_only=True)``
+and step-checked, but not covered by a manifest).
 
 One step, timed in four parts (``generate`` / ``logprobs`` / ``train`` / ``sync`` seconds in each
 record): the tree sampler's leaves from the rollout engine; their old log-probs recomputed by the
@@ -18,7 +29,9 @@ step; the weights pushed to the rollout engine and :func:`~harts_runtime.rl.roll
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import time
 from pathlib import Path
 
@@ -34,9 +47,91 @@ from harts_runtime.rl.rollout_engine import check_sync
 from harts_runtime.rl.sampler import Leaf, TreeSampler
 from harts_runtime.rl.tasks import make_task
 
-__all__ = ["RUN_NAME", "RLRun", "latest_checkpoint", "tree_chunk_size"]
+__all__ = ["RUN_NAME", "STATE_NAME", "RLRun", "latest_checkpoint", "read_run", "tree_chunk_size"]
 
 RUN_NAME = "run.json"
+STATE_NAME = "rl.json"
+"""The RL state of a checkpoint (in ``step-N/engine/``, listed in its manifest)."""
+_STATE_FORMAT = "harts-rl-state/1"
+_OLD_STATE = "rl.pt"  # step-N/rl.pt: the RL state before rl.json
+
+
+def write_atomic(path, text: str) -> None:
+    """Write ``path`` whole or not at all: a temporary file beside it, synced, renamed over it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems cannot sync a folder
+        pass
+    finally:
+        os.close(fd)
+
+
+def _read_json(path: Path, field: str, what: str):
+    if not path.is_file():
+        raise InvalidInputError(field, f"{path} is missing ({what})")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise InvalidInputError(
+            field, f"{path} is unreadable or damaged ({' '.join(str(e).split())})"
+        ) from None
+
+
+def read_run(out_dir) -> dict:
+    """The record of ``DIR/run.json`` (``{"rl": {...}, "engine": {...}}``); one
+    :class:`InvalidInputError` naming the file when it is missing, damaged or of another shape."""
+    path = Path(out_dir) / RUN_NAME
+    record = _read_json(path, RUN_NAME, f"{out_dir} is not a harts-rl run folder")
+    if not (
+        isinstance(record, dict)
+        and isinstance(record.get("rl"), dict)
+        and isinstance(record.get("engine"), dict)
+    ):
+        raise InvalidInputError(
+            RUN_NAME, f"{path} is not a harts-rl run record (expected 'rl' and 'engine' tables)"
+        )
+    return record
+
+
+def _rl_config(rl: dict, path: Path) -> RLConfig:
+    try:
+        return RLConfig(**rl)
+    except TypeError as e:
+        raise InvalidInputError(RUN_NAME, f"{path}: {' '.join(str(e).split())}") from None
+    except InvalidInputError as e:
+        raise InvalidInputError(RUN_NAME, f"{path}: {' '.join(str(e).split())}") from None
+
+
+def _plain(obj):
+    """A numpy bit generator's state as JSON values (arrays as lists)."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return {"ndarray": obj.tolist(), "dtype": str(obj.dtype)}
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return obj
+
+
+def _unplain(obj):
+    if isinstance(obj, dict):
+        if set(obj) == {"ndarray", "dtype"}:
+            return np.asarray(obj["ndarray"], dtype=np.dtype(obj["dtype"]))
+        return {k: _unplain(v) for k, v in obj.items()}
+    return obj
 
 
 def latest_checkpoint(out_dir) -> Path | None:
@@ -97,6 +192,7 @@ class RLRun:
         self.engine_options = opts
         torch.manual_seed(config.seed)
         self.task = task or make_task(config.task, **config.task_args)
+        config.check_task(self.task)  # the tree's size, before any work
         self.chunk_size = config.chunk_size or tree_chunk_size(self.task, config.device)
         source = config.model if config.model is not None else config.flavor
         layers = {} if config.layers is None else {"num_layers": config.layers}
@@ -104,7 +200,14 @@ class RLRun:
             source, _engine_config(opts), device=config.device, chunk_size=self.chunk_size, **layers
         )
         self.forks = dict(config.forks if config.forks is not None else self.task.default_forks)
-        self.sampler = TreeSampler(self.task, self.forks, config.prompts, config.temperature, config.seed)
+        self.sampler = TreeSampler(
+            self.task,
+            self.forks,
+            config.prompts,
+            config.temperature,
+            config.seed,
+            max_step_tokens=config.max_step_tokens,
+        )
         if rollout_factory is None:
             from harts_runtime.rl.transformers_backend import TransformersRollout
 
@@ -114,24 +217,22 @@ class RLRun:
         self.last_leaves: list[Leaf] = []
 
     # ------------------------------------------------------------------ run folder
+    def _run_record(self) -> dict:
+        return {"rl": self.config.to_dict(), "engine": self.engine_options}
+
     def write_run(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        record = {"rl": self.config.to_dict(), "engine": self.engine_options}
-        (self.dir / RUN_NAME).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        write_atomic(self.dir / RUN_NAME, json.dumps(self._run_record(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def resume(cls, out_dir, *, steps: int | None = None, task=None, rollout_factory=None, log=None) -> RLRun:
         """The run of ``out_dir`` at its newest complete checkpoint (``steps``: a new total)."""
-        path = Path(out_dir) / RUN_NAME
-        if not path.is_file():
-            raise InvalidInputError("resume", f"{out_dir} holds no {RUN_NAME} (not a harts-rl run folder)")
-        record = json.loads(path.read_text())
-        rl = record["rl"]
+        record = read_run(out_dir)
+        rl = dict(record["rl"])
         if steps is not None:
             rl["steps"] = steps
-        run = cls(
-            RLConfig(**rl), record["engine"], out_dir, task=task, rollout_factory=rollout_factory, log=log
-        )
+        config = _rl_config(rl, Path(out_dir) / RUN_NAME)
+        run = cls(config, record["engine"], out_dir, task=task, rollout_factory=rollout_factory, log=log)
         ckpt = latest_checkpoint(out_dir)
         if ckpt is not None:
             run.load(ckpt)
@@ -141,18 +242,145 @@ class RLRun:
         folder = self.dir / "checkpoints" / f"step-{self.step}"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "done.json").unlink(missing_ok=True)
-        self.engine.save(folder / "engine")
-        torch.save({"step": self.step, "sampler": self.sampler.state_dict()}, folder / "rl.pt")
-        (folder / "done.json").write_text(json.dumps({"step": self.step}) + "\n")
+        sampler = self.sampler.state_dict()
+        state = {
+            "format": _STATE_FORMAT,
+            "step": self.step,
+            "sampler": {
+                "generator": base64.b64encode(sampler["generator"].numpy().tobytes()).decode("ascii"),
+                "env_rng": _plain(sampler["env_rng"]),
+            },
+        }
+        files = {
+            STATE_NAME: json.dumps(state, indent=1, sort_keys=True) + "\n",
+            RUN_NAME: json.dumps(self._run_record(), indent=2, sort_keys=True) + "\n",
+        }
+        self.engine.save(folder / "engine", files=files, extra={"rl_step": self.step})
+        (folder / _OLD_STATE).unlink(missing_ok=True)  # an older version's, for this step
+        write_atomic(folder / "done.json", json.dumps({"step": self.step}) + "\n")
         return folder
 
     def load(self, folder) -> None:
+        """Restore the checkpoint ``DIR/checkpoints/step-N`` (module docstring: what is checked)."""
+        from harts_runtime.parallel.checkpoint_folder import loadable_folder, read_manifest
+
         folder = Path(folder)
-        self.engine.load(folder / "engine")
-        state = torch.load(folder / "rl.pt", weights_only=False)
-        self.step = int(state["step"])
-        self.sampler.load_state_dict(state["sampler"])
+        try:
+            n = int(folder.name.split("-", 1)[1])
+        except (IndexError, ValueError):
+            raise InvalidInputError("resume", f"{folder} is not a step-N checkpoint folder") from None
+        done = _read_json(folder / "done.json", "done.json", "an incomplete checkpoint")
+        if not isinstance(done, dict) or done.get("step") != n:
+            got = done.get("step") if isinstance(done, dict) else done
+            raise InvalidInputError(
+                "done.json", f"{folder / 'done.json'} says step {got!r}, the folder is step-{n}"
+            )
+        engine_dir = folder / "engine"
+        extra = self.engine.load(engine_dir)  # verifies every file its manifest lists first
+        listed = read_manifest(loadable_folder(engine_dir)) or {}
+        if STATE_NAME in listed:
+            state_file = loadable_folder(engine_dir) / STATE_NAME
+            generator, env_rng, step = self._read_state(state_file)
+            if extra.get("rl_step") != step:
+                raise InvalidInputError(
+                    STATE_NAME,
+                    f"{state_file} holds step {step}, its engine checkpoint rl_step {extra.get('rl_step')!r}",
+                )
+        elif (folder / _OLD_STATE).is_file():
+            state_file = folder / _OLD_STATE
+            generator, env_rng, step = self._read_old_state(state_file)
+            self.log(f"{state_file}: saved before RL states were checksummed; read unverified")
+        else:
+            raise InvalidInputError(
+                STATE_NAME, f"{engine_dir / STATE_NAME} is missing (no RL state in the checkpoint {folder})"
+            )
+        if step != n:
+            raise InvalidInputError(
+                state_file.name,
+                f"{state_file} holds step {step}, the checkpoint is step-{n} (an RL state from another step)",
+            )
+        if not (0 <= self.engine.step <= n):
+            raise InvalidInputError(
+                "engine", f"{engine_dir} has {self.engine.step} optimizer steps, more than the RL step {n}"
+            )
+        if RUN_NAME in listed:
+            self._check_run(loadable_folder(engine_dir) / RUN_NAME)
+        try:
+            self.sampler.load_state_dict({"generator": generator, "env_rng": env_rng})
+        except (TypeError, ValueError, KeyError, RuntimeError) as e:
+            raise InvalidInputError(
+                state_file.name,
+                f"{state_file} holds no sampler state ({type(e).__name__}: {' '.join(str(e).split())})",
+            ) from None
+        self.step = n
         self.rollout.load_weights(self.engine.export_weights(names="transformers"))
+
+    @staticmethod
+    def _read_state(path: Path):
+        """``(generator state, environment RNG state, step)`` of an ``rl.json``."""
+        state = _read_json(path, STATE_NAME, "the RL state")
+        try:
+            if state["format"] != _STATE_FORMAT:
+                raise ValueError(f"format {state['format']!r}, expected {_STATE_FORMAT!r}")
+            step = state["step"]
+            if not isinstance(step, int) or isinstance(step, bool):
+                raise TypeError(f"step {step!r} is not an integer")
+            raw = base64.b64decode(state["sampler"]["generator"], validate=True)
+            generator = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            env_rng = _unplain(state["sampler"]["env_rng"])
+            if not isinstance(env_rng, dict):
+                raise TypeError("sampler.env_rng is not a table")
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidInputError(
+                STATE_NAME, f"{path} is not an RL state ({type(e).__name__}: {' '.join(str(e).split())})"
+            ) from None
+        return generator, env_rng, step
+
+    @staticmethod
+    def _read_old_state(path: Path):
+        from harts_runtime.parallel.safe_load import load_weights_only
+
+        state = load_weights_only(path)
+        try:
+            step = state["step"]
+            if not isinstance(step, int) or isinstance(step, bool):
+                raise TypeError(f"step {step!r} is not an integer")
+            return state["sampler"]["generator"], state["sampler"]["env_rng"], step
+        except (KeyError, TypeError) as e:
+            raise InvalidInputError(
+                path.name, f"{path} is not an RL state ({type(e).__name__}: {e})"
+            ) from None
+
+    def _check_run(self, saved_path: Path) -> None:
+        """``DIR/run.json`` (this run's settings) must be the one saved with the checkpoint,
+        ``steps`` aside."""
+        saved = _read_json(saved_path, RUN_NAME, "the run record saved with the checkpoint")
+        if not (
+            isinstance(saved, dict)
+            and isinstance(saved.get("rl"), dict)
+            and isinstance(saved.get("engine"), dict)
+        ):
+            raise InvalidInputError(RUN_NAME, f"{saved_path} is not a harts-rl run record")
+        want = _rl_config(saved["rl"], saved_path).to_dict()
+        have = self.config.to_dict()
+        want.pop("steps", None)
+        have.pop("steps", None)
+        ours = self.dir / RUN_NAME
+        for k in sorted(set(want) | set(have)):
+            if want.get(k) != have.get(k):
+                raise InvalidInputError(
+                    RUN_NAME,
+                    f"{ours} has {k} = {have.get(k)!r}, the checkpoint {saved_path.parent.parent} was saved "
+                    f"with {want.get(k)!r} (a run.json of another run?)",
+                )
+        a, b = json.loads(json.dumps(saved["engine"])), json.loads(json.dumps(self.engine_options))
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                raise InvalidInputError(
+                    RUN_NAME,
+                    f"{ours} has engine option {k} = {b.get(k)!r}, the checkpoint {saved_path.parent.parent} "
+                    f"was saved with {a.get(k)!r}",
+                )
 
     # ------------------------------------------------------------------ one step
     def rollouts(self, leaves: list[Leaf], old_logprobs=None):

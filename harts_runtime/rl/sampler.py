@@ -12,11 +12,14 @@ token ids alone.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from harts_runtime.errors import InvalidInputError
+from harts_runtime.rl.config import DEFAULT_MAX_STEP_TOKENS
 from harts_runtime.rl.environment import Task, check_observation, check_reward
 
 __all__ = ["Leaf", "TreeSampler"]
@@ -64,10 +67,21 @@ class TreeSampler:
     (``generator``, a ``torch.Generator``) and the environment's (``env_rng``, a numpy Generator)
     are what a checkpoint saves (:meth:`state_dict`)."""
 
-    def __init__(self, task: Task, forks: dict[int, int], prompts: int, temperature: float, seed: int):
+    def __init__(
+        self,
+        task: Task,
+        forks: dict[int, int],
+        prompts: int,
+        temperature: float,
+        seed: int,
+        *,
+        max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
+    ):
         self.task, self.forks, self.prompts, self.temperature = task, dict(forks), prompts, temperature
+        self.max_step_tokens = max_step_tokens
         self.generator = torch.Generator().manual_seed(seed)
         self.env_rng = np.random.default_rng(seed + 1)
+        self._checked_vocab: int | None = None
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state(), "env_rng": self.env_rng.bit_generator.state}
@@ -77,11 +91,34 @@ class TreeSampler:
         self.env_rng.bit_generator.state = state["env_rng"]
 
     def sample(self, rollout) -> list[Leaf]:
-        """The step's leaves, rewards filled in (checked: observations in the vocabulary, rewards
-        finite)."""
+        """The step's leaves, rewards filled in (checked: the task's settings against the rollout
+        engine's vocabulary (:meth:`Task.check`), prompts non-empty and in the vocabulary, before
+        the rollout engine sees them; observations in the vocabulary and the step, observations
+        included, at most ``max_step_tokens`` tokens; rewards finite)."""
         task = self.task
+        if self._checked_vocab != rollout.vocab_size:
+            task.check(rollout.vocab_size)
+            self._checked_vocab = rollout.vocab_size
         drawn = [task.prompt(self.env_rng) for _ in range(self.prompts)]
-        frontier = rollout.open([p for p, _ in drawn])
+        for i, (p, _) in enumerate(drawn):
+            if not isinstance(p, (list, tuple, np.ndarray)) or len(p) == 0:
+                got = "an empty one" if isinstance(p, (list, tuple, np.ndarray)) else type(p).__name__
+                raise InvalidInputError(
+                    f"prompt[{i}]", f"a prompt is a non-empty list of token ids, got {got}"
+                )
+        prompts = [list(p) for p, _ in drawn]
+        grow = [int(self.forks.get(t, 1)) for t in range(task.turns)]
+        actions = [int(task.action_tokens(t)) for t in range(task.turns)]
+        per_prompt = math.prod(grow)
+        size = per_prompt * sum(len(p) + sum(actions) for p in prompts)
+        if size > self.max_step_tokens:
+            raise InvalidInputError(
+                "prompt",
+                f"the step's prompts ({sum(map(len, prompts)):,} tokens) would make it {size:,} tokens, "
+                f"over the limit max_step_tokens = {self.max_step_tokens:,}",
+            )
+        check_observation(prompts, rollout.vocab_size, "prompt")
+        frontier = rollout.open([[int(t) for t in p] for p in prompts])
         owner = list(range(self.prompts))
         paths: list[tuple[int, ...]] = [() for _ in range(self.prompts)]
         segments: list[list[tuple[int, int, int]]] = [[] for _ in range(self.prompts)]
@@ -95,7 +132,7 @@ class TreeSampler:
                 paths = [paths[i] + (j % k,) for j, i in enumerate(index)]
                 segments = [list(segments[i]) for i in index]
                 logps = [list(logps[i]) for i in index]
-            n = task.action_tokens(turn)
+            n = actions[turn]
             start = len(frontier.tokens[0])
             lp = frontier.sample(n, self.generator, self.temperature)
             for b in range(len(owner)):
@@ -106,6 +143,23 @@ class TreeSampler:
                     task.observe(drawn[owner[b]][1], turn, frontier.tokens[b], frontier.tokens[b][start:])
                     for b in range(len(owner))
                 ]
+                for b, r in enumerate(rows):
+                    if not isinstance(r, (list, tuple, np.ndarray)):
+                        raise InvalidInputError(
+                            f"observation[{b}]",
+                            f"an observation is a list of token ids, got {type(r).__name__}",
+                        )
+                later = math.prod(grow[turn + 1 :])
+                size = later * sum(
+                    len(frontier.tokens[b]) + len(rows[b]) + sum(actions[turn + 1 :])
+                    for b in range(len(owner))
+                )
+                if size > self.max_step_tokens:
+                    raise InvalidInputError(
+                        "observation",
+                        f"turn {turn}'s observations ({sum(len(r) for r in rows):,} tokens) would make the "
+                        f"step {size:,} tokens, over the limit max_step_tokens = {self.max_step_tokens:,}",
+                    )
                 check_observation(rows, rollout.vocab_size)
                 frontier.extend([[int(t) for t in r] for r in rows])
         leaves = [

@@ -15,6 +15,7 @@ on the tiny flavors its test checks that calls, observations, forks and rewards 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 from harts_runtime.errors import InvalidInputError
@@ -23,6 +24,15 @@ from harts_runtime.rl.environment import Task
 __all__ = ["TASKS", "CalculatorTask", "TokenSetTask", "make_task"]
 
 BOS = 1
+MAX_ARG = 1 << 20
+"""The largest integer a built-in task's argument takes (the tree's tokens are bounded by the
+run's ``max_step_tokens``)."""
+
+
+def _arg(name: str, v, lo: int, hi: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise InvalidInputError(f"task_args.{name}", f"must be an integer in [{lo:,}, {hi:,}], got {v!r}")
+    return v
 
 
 class TokenSetTask(Task):
@@ -35,8 +45,21 @@ class TokenSetTask(Task):
     def __init__(
         self, prompt_len: int = 4, tokens_per_turn: int = 8, set_start: int = 32, set_size: int = 32
     ):
-        self.prompt_len, self.tokens_per_turn = prompt_len, tokens_per_turn
-        self.set_start, self.set_size = set_start, set_size
+        self.prompt_len = _arg("prompt_len", prompt_len, 1, MAX_ARG)
+        self.tokens_per_turn = _arg("tokens_per_turn", tokens_per_turn, 1, MAX_ARG)
+        self.set_start = _arg("set_start", set_start, 0, MAX_ARG)
+        self.set_size = _arg("set_size", set_size, 1, MAX_ARG)
+        self.prompt_tokens = 1 + self.prompt_len
+
+    def check(self, vocab_size: int) -> None:
+        top = 2 * (self.set_start + self.set_size) - 1
+        if top >= vocab_size:
+            raise InvalidInputError(
+                "task_args.set_start",
+                f"token-set's prompts use ids up to 2 x (set_start + set_size) - 1 = {top:,}, outside the "
+                f"vocabulary of {vocab_size:,} ids (set_start + set_size must be at most {vocab_size // 2:,}; "
+                f"got {self.set_start:,} + {self.set_size:,})",
+            )
 
     def prompt(self, rng):
         toks = rng.integers(
@@ -74,6 +97,7 @@ class CalculatorTask(Task):
     turns = 2
     default_forks = {0: 4, 1: 2}
     CALL_LEN, OBS_LEN, ANSWER_LEN = 6, 5, 4
+    prompt_tokens = 7
 
     def prompt(self, rng):
         a, b = (int(x) for x in rng.integers(0, 100, 2))
@@ -92,6 +116,12 @@ class CalculatorTask(Task):
             return None
         return x + y if action[3] == PLUS else x * y
 
+    def check(self, vocab_size: int) -> None:
+        if vocab_size <= PAD:
+            raise InvalidInputError(
+                "task", f"calculator uses token ids up to {PAD}; the model's vocabulary has {vocab_size}"
+            )
+
     def observe(self, state, turn, tokens, action):
         v = self.call_value(action)
         return [RES, *_digits(v, 4)] if v is not None else [ERR, PAD, PAD, PAD, PAD]
@@ -108,7 +138,19 @@ TASKS = {"token-set": TokenSetTask, "calculator": CalculatorTask}
 
 
 def make_task(name: str, **kwargs) -> Task:
-    """The built-in task ``name``; raises :class:`InvalidInputError` naming ``task``."""
-    if name not in TASKS:
+    """The built-in task ``name`` made with ``kwargs`` (the config's ``task_args``); raises
+    :class:`InvalidInputError` naming ``task`` (an unknown task) or ``task_args.<key>`` (a key the
+    task does not take, or a bad value)."""
+    if not isinstance(name, str) or name not in TASKS:
         raise InvalidInputError("task", f"unknown task {name!r}; choose from {sorted(TASKS)}")
-    return TASKS[name](**kwargs)
+    cls = TASKS[name]
+    params = [
+        p.name
+        for p in inspect.signature(cls).parameters.values()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    for k in kwargs:
+        if k not in params:
+            takes = f"takes {', '.join(params)}" if params else "takes no arguments"
+            raise InvalidInputError(f"task_args.{k}", f"task {name!r} {takes}")
+    return cls(**kwargs)
