@@ -79,12 +79,17 @@ def make_microbatch(
     step.check_tokens(cfg.vocab_size)
     with torch.profiler.record_function("harts.layout"):
         if mode == "trajectory" or (call_plan is None and len(traj_indices) == 0):
-            return trajectory_microbatch(step, traj_indices, cfg, model.device)
-        if call_plan is None:
-            call_plan = plan_calls(
-                step.batch, cfg.chunk_size, microbatch=np.asarray(traj_indices), conv_width=cfg.conv_size
-            )
-        return compact_microbatch(step, call_plan, cfg, model.device)
+            mb, call_plan = trajectory_microbatch(step, traj_indices, cfg, model.device), None
+        else:
+            if call_plan is None:
+                call_plan = plan_calls(
+                    step.batch, cfg.chunk_size, microbatch=np.asarray(traj_indices), conv_width=cfg.conv_size
+                )
+            mb = compact_microbatch(step, call_plan, cfg, model.device)
+        hook = getattr(model, "_harts_cp_layout", None)  # CP by state passing: the microbatch's split
+        if hook is not None:
+            hook(step, mb, call_plan)
+    return mb
 
 
 def forward_microbatch(model: HybridModel, mb: Microbatch, *, no_replay: bool = False):

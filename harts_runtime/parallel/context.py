@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
@@ -66,10 +67,13 @@ from harts_runtime.parallel.tensor import _params, gather_rows, local_parameters
 
 __all__ = [
     "ContextParallelRows",
+    "RowMap",
     "apply_cp_head",
     "apply_cp_rows",
     "cp_plan",
     "cp_rows",
+    "gather_cp",
+    "scatter_cp",
     "scatter_rows",
 ]
 
@@ -98,26 +102,106 @@ def _blocks(n: int, cp_mesh) -> list[int]:
     return [end - start for start, end in (row_block(n, size, r) for r in range(size))]
 
 
-def rows_to_heads(x: torch.Tensor, cp_mesh, n: int) -> torch.Tensor:
-    """This rank's row block ``x`` ``[n_c, H, d]`` of all heads -> all ``n`` rows of its head block
-    ``[n, H / C, d]`` (an all-to-all; backward: the reverse all-to-all)."""
-    size, (rows, h, d) = cp_mesh.size(), x.shape
+def rows_to_heads(x: torch.Tensor, cp_mesh, n: int, rows=None) -> torch.Tensor:
+    """This rank's rows ``x`` ``[n_c, H, d]`` of all heads -> all ``n`` rows (physical order) of its
+    head block ``[n, H / C, d]`` (an all-to-all; backward: the reverse all-to-all). ``rows``: the
+    microbatch's :class:`~harts_runtime.parallel.context_states.CpRows` (None: row blocks)."""
+    size, (mine, h, d) = cp_mesh.size(), x.shape
     hc = h // size
-    send = x.reshape(rows, size, hc * d).transpose(0, 1).reshape(size * rows, hc * d)
-    out = all_to_all_single_autograd(send, _blocks(n, cp_mesh), [rows] * size, cp_mesh.get_group())
-    return out.view(n, hc, d)
+    sizes = _blocks(n, cp_mesh) if rows is None else rows.sizes
+    send = x.reshape(mine, size, hc * d).transpose(0, 1).reshape(size * mine, hc * d)
+    out = all_to_all_single_autograd(send, sizes, [mine] * size, cp_mesh.get_group()).view(n, hc, d)
+    if rows is not None and not rows.identity:
+        out = out.index_select(0, rows.tensor("p2r", x.device))
+    return out
 
 
-def heads_to_rows(x: torch.Tensor, cp_mesh) -> torch.Tensor:
-    """All rows of this rank's head block ``[n, H / C, d]`` -> its row block of all heads ``[n_c, H,
-    d]`` (the inverse of :func:`rows_to_heads`)."""
+def heads_to_rows(x: torch.Tensor, cp_mesh, rows=None) -> torch.Tensor:
+    """All rows (physical order) of this rank's head block ``[n, H / C, d]`` -> its rows of all heads
+    ``[n_c, H, d]`` (the inverse of :func:`rows_to_heads`)."""
     size, (n, hc, d) = cp_mesh.size(), x.shape
-    start, end = cp_rows(n, cp_mesh)
-    rows = end - start
-    out = all_to_all_single_autograd(
-        x.reshape(n, hc * d), [rows] * size, _blocks(n, cp_mesh), cp_mesh.get_group()
-    )
-    return out.view(size, rows, hc, d).transpose(0, 1).reshape(rows, size * hc, d)
+    if rows is None:
+        start, end = cp_rows(n, cp_mesh)
+        sizes = _blocks(n, cp_mesh)
+    else:
+        (start, end), sizes = rows.block, rows.sizes
+        if not rows.identity:
+            x = x.index_select(0, rows.tensor("r2p", x.device))
+    mine = end - start
+    out = all_to_all_single_autograd(x.reshape(n, hc * d), [mine] * size, sizes, cp_mesh.get_group())
+    return out.view(size, mine, hc, d).transpose(0, 1).reshape(mine, size * hc, d)
+
+
+class RowMap:
+    """The rows each CP rank holds in the microbatch now running: the layout's
+    ``info["cp_rows"]`` (:class:`~harts_runtime.parallel.context_states.CpRows`, the split's row
+    ranges under ``cp_mode="states"``), set by a forward pre-hook on the model; without it,
+    :func:`row_block` ranges (heads mode)."""
+
+    def __init__(self, cp_mesh):
+        self.mesh, self.current, self._blocks = cp_mesh, None, {}
+
+    def set(self, layout) -> None:
+        self.current = getattr(layout, "info", {}).get("cp_rows")
+
+    def get(self, n: int):
+        from harts_runtime.parallel.context_states import CpRows
+
+        cur = self.current
+        if cur is not None:
+            if cur.num_rows != n:
+                raise ParallelConfigError(
+                    "cp_rows", f"the microbatch's split holds {cur.num_rows} rows, the layer sees {n}"
+                )
+            return cur
+        rows = self._blocks.get(n)
+        if rows is None:
+            rows = self._blocks[n] = CpRows.blocks(n, self.mesh.size(), self.mesh.get_local_rank())
+        return rows
+
+
+def _is_blocks(rows) -> bool:
+    return rows.identity and rows.offsets == [
+        row_block(rows.num_rows, len(rows.sizes), r)[0] for r in range(len(rows.sizes))
+    ] + [rows.num_rows]
+
+
+def _pad_index(rows, device) -> torch.Tensor:
+    """For every physical row, its place in the all-gather of per-rank blocks padded to the largest."""
+    key = ("pad", str(device))
+    t = (rows._dev or {}).get(key)
+    if t is None:
+        m = max(rows.sizes)
+        rank = np.searchsorted(np.asarray(rows.offsets), np.arange(rows.num_rows), side="right") - 1
+        padpos = rank * m + np.arange(rows.num_rows) - np.asarray(rows.offsets)[rank]
+        t = torch.from_numpy(padpos[rows.p2r].astype(np.int64)).to(device)
+        if rows._dev is None:
+            rows._dev = {}
+        rows._dev[key] = t
+    return t
+
+
+def gather_cp(x: torch.Tensor, cp_mesh, rows) -> torch.Tensor:
+    """All rows, in physical order, from each rank's rows ``x`` (its rows of ``rows``, in row order):
+    the all-gather of :func:`gather_rows` (blocks padded to the largest when the ranges are uneven,
+    then put in physical order)."""
+    n = rows.num_rows
+    if _is_blocks(rows):
+        return gather_rows(x, cp_mesh, n)
+    m, size = max(rows.sizes), cp_mesh.size()
+    pad = torch.cat([x, x.new_zeros(m - x.shape[0], *x.shape[1:])])
+    return gather_rows(pad, cp_mesh, size * m).index_select(0, _pad_index(rows, x.device))
+
+
+def scatter_cp(y: torch.Tensor, cp_mesh, rows) -> torch.Tensor:
+    """This rank's rows (row order) of the sum over CP of the partial rows ``y`` (physical order):
+    the reduce-scatter of :func:`scatter_rows`, padded as :func:`gather_cp`."""
+    if _is_blocks(rows):
+        return scatter_rows(y, cp_mesh)
+    m, size = max(rows.sizes), cp_mesh.size()
+    start, end = rows.block
+    pad = y.new_zeros(size * m, *y.shape[1:]).index_copy(0, _pad_index(rows, y.device), y)
+    return scatter_rows(pad, cp_mesh)[: end - start]
 
 
 # ---------------------------------------------------------------------------------- head slices
@@ -178,38 +262,42 @@ class ContextParallelMixer:
     this rank's row block ``x`` ``[n_c, D]`` (or under SP inside a TP region, the rows of this CP
     block) and returns the same rows of the mixer output."""
 
-    def __init__(self, slices: dict[str, object], cp_mesh):
+    def __init__(self, slices: dict[str, object], cp_mesh, row_map: RowMap | None = None):
         self.slices, self.mesh = slices, cp_mesh
+        self.row_map = row_map or RowMap(cp_mesh)
 
     def apply(self, module: nn.Module) -> nn.Module:
         names = list(self.slices)
-        mesh, slices = self.mesh, self.slices
+        mesh, slices, row_map = self.mesh, self.slices, self.row_map
         rank, size = mesh.get_local_rank(), mesh.size()
         head_dim = getattr(module.config, "head_dim", None) or 0
         orig = module.forward
 
         def forward(x, layout=None):
-            full = gather_rows(x, mesh, layout.num_rows)
+            rows = row_map.get(layout.num_rows)
+            full = gather_cp(x, mesh, rows)
             params = _params(module, names)
             local = [_slice(p, slices[n], rank, size, head_dim) for n, p in zip(names, params)]
             with local_parameters(module, names, local):
                 y = orig(full, layout)
-            return scatter_rows(y, mesh)
+            return scatter_cp(y, mesh, rows)
 
         def forward_mla(x, layout=None):
             # the latent, not K/V: each rank projects its rows' latent and queries, gathers the
             # latent [N, r_kv + rope] and exchanges queries rows -> heads, runs the core on its
             # heads over all rows, and brings the outputs back heads -> rows for o_proj
             n = layout.num_rows
-            start, end = cp_rows(n, mesh)
+            rows = row_map.get(n)
             positions = layout.need("positions")
-            kv_a = gather_rows(module.latent(x), mesh, n)
-            q = rows_to_heads(module.queries(x, positions[start:end]), mesh, n)
+            kv_a = gather_cp(module.latent(x), mesh, rows)
+            q = rows_to_heads(
+                module.queries(x, positions.index_select(0, rows.tensor("mine", x.device))), mesh, n, rows
+            )
             (w,) = _params(module, ["kv_b_proj.weight"])
             with local_parameters(module, ["kv_b_proj.weight"], [_slice(w, COL, rank, size, 0)]):
                 k, v = module.keys_values(kv_a, positions)
             o = compact_attention(q, k, v, layout.need("views"), backend=module.backend, scale=module.scale)
-            return module.out_project(heads_to_rows(o, mesh), x)
+            return module.out_project(heads_to_rows(o, mesh, rows), x)
 
         chosen = forward_mla if isinstance(module, CompactMLA) else forward
         module.forward = functools.update_wrapper(chosen, orig)
@@ -224,12 +312,17 @@ class ContextParallelRows:
     the TP rank's block under SP, ``inner``), and :meth:`reduce` sums the partial router statistics
     over TP (``inner``) and CP (forward all-reduce, backward identity)."""
 
-    def __init__(self, cp_mesh, inner=None):
+    def __init__(self, cp_mesh, inner=None, row_map: RowMap | None = None):
         self.mesh, self.inner = cp_mesh, inner
+        self.row_map = row_map or RowMap(cp_mesh)
 
     def select(self, multiplicity: torch.Tensor, n: int) -> torch.Tensor:
-        start, end = cp_rows(multiplicity.shape[0], self.mesh)
-        q = multiplicity[start:end]
+        rows = self.row_map.get(multiplicity.shape[0])
+        if _is_blocks(rows):
+            start, end = rows.block
+            q = multiplicity[start:end]
+        else:
+            q = multiplicity.index_select(0, rows.tensor("mine", multiplicity.device))
         if self.inner is not None:
             return self.inner.select(q, n)
         if q.shape[0] != n:
@@ -246,26 +339,50 @@ class ContextParallelRows:
         return sum_partials(partial, self.mesh)
 
 
-def _select_ids(cp_mesh):
+def _select_ids(row_map: RowMap):
     def hook(module, args):
         ids = args[0]
-        start, end = cp_rows(ids.shape[0], cp_mesh)
-        return (ids[start:end], *args[1:])
+        rows = row_map.get(ids.shape[0])
+        if _is_blocks(rows):
+            start, end = rows.block
+            return (ids[start:end], *args[1:])
+        return (ids.index_select(0, rows.tensor("mine", ids.device)), *args[1:])
 
     return hook
 
 
-def apply_cp_rows(model: nn.Module, mesh) -> None:
+def apply_cp_rows(model: nn.Module, mesh, cp_mode: str = "heads") -> list[str]:
     """The first half of CP, applied before TP: every mixer a :class:`ContextParallelMixer` (heads
-    sliced per :func:`cp_plan`), the embedding reading its row block's ids. Raises
+    sliced per :func:`cp_plan`) or, under ``cp_mode`` ``"states"`` (or ``"auto"`` choosing it), a
+    linear mixer a :class:`~harts_runtime.parallel.context_states.StatesMixer` on the split's rows;
+    the embedding reading its rows' ids. Returns every block's mode (``"heads"``, ``"states"``,
+    ``"none"``; :func:`~harts_runtime.parallel.context_states.states_layers`). Raises
     :class:`ParallelConfigError` naming the field for a mixer CP cannot split."""
+    from harts_runtime.parallel.context_states import StatesMixer, attach_cp_rows, states_layers
+
     dims, cp_mesh = mesh.dims, mesh.cp
-    model.embed.register_forward_pre_hook(_select_ids(cp_mesh))
-    for i, block in enumerate(model.blocks):
+    modes = states_layers(model, cp_mode, dims.cp)
+    states = "states" in modes
+    if states and dims.tp > 1:
+        raise ParallelConfigError(
+            "cp_mode", f"'states' does not compose with tp = {dims.tp} yet; use 'heads'"
+        )
+    row_map = RowMap(cp_mesh)
+    model._harts_cp_rows = row_map
+    model.register_forward_pre_hook(lambda mod, args: row_map.set(args[0] if args else None))
+    if states:
+        model._harts_cp_layout = functools.partial(attach_cp_rows, cp_mesh=cp_mesh)
+    model._harts_cp_modes = modes
+    model.embed.register_forward_pre_hook(_select_ids(row_map))
+    for i, (block, mode) in enumerate(zip(model.blocks, modes)):
         if block.mixer is None:
             continue
+        if mode == "states":
+            StatesMixer(cp_mesh).apply(block.mixer)
+            continue
         slices = cp_plan(block.mixer, dims.tp, dims.cp, f" (blocks[{i}].mixer)")
-        ContextParallelMixer(slices, cp_mesh).apply(block.mixer)
+        ContextParallelMixer(slices, cp_mesh, row_map).apply(block.mixer)
+    return modes
 
 
 def apply_cp_head(model: nn.Module, mesh, backend: str = "auto") -> None:
@@ -277,15 +394,20 @@ def apply_cp_head(model: nn.Module, mesh, backend: str = "auto") -> None:
     from harts_runtime.modules.fused import use_fla
 
     cp_mesh = mesh.cp
+    row_map = getattr(model, "_harts_cp_rows", None) or RowMap(cp_mesh)
     head = model.lm_head
     inner = getattr(head, "mapped_logprobs", None)
 
     def mapped_logprobs(hidden, row_index, labels, chunks, rows, num_rows=None):
         if num_rows is None:
             raise ParallelConfigError("num_rows", "context parallelism needs the microbatch's row count")
-        start, end = cp_rows(int(num_rows), cp_mesh)
-        mine = torch.nonzero((row_index >= start) & (row_index < end)).flatten()
-        r_local, l_local = row_index.index_select(0, mine) - start, labels.index_select(0, mine)
+        held = row_map.get(int(num_rows))
+        start, end = held.block
+        split_row = (
+            row_index if held.identity else held.tensor("p2r", row_index.device).index_select(0, row_index)
+        )
+        mine = torch.nonzero((split_row >= start) & (split_row < end)).flatten()
+        r_local, l_local = split_row.index_select(0, mine) - start, labels.index_select(0, mine)
         if inner is not None:
             lp = inner(hidden, r_local, l_local, None, rows, end - start)
         else:
@@ -300,4 +422,4 @@ def apply_cp_head(model: nn.Module, mesh, backend: str = "auto") -> None:
     head.mapped_logprobs = mapped_logprobs
     for block in model.blocks:
         if hasattr(block.ffn, "row_shard"):
-            block.ffn.row_shard = ContextParallelRows(cp_mesh, block.ffn.row_shard)
+            block.ffn.row_shard = ContextParallelRows(cp_mesh, block.ffn.row_shard, row_map)

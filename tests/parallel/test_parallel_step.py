@@ -87,14 +87,15 @@ def _worker(rank, world, name, path, dims_kw, keep, plan_kind):
     return train_parallel(model, step, plan, mesh, keep)
 
 
-def train_parallel(model, step, plan, mesh, keep):
+def train_parallel(model, step, plan, mesh, keep, **parallel_kw):
     """Two AdamW steps of ``model`` parallelized over ``mesh`` (recomputation with ``keep`` unless
-    None): the losses, this rank's log-probs of the first step, its gradients (full tensors), the
-    expert-load counts and the weights after the second step."""
+    None; ``parallel_kw``: more options of ``parallelize``, e.g. ``cp_mode``): the losses, this
+    rank's log-probs of the first step, its gradients (full tensors), the expert-load counts and the
+    weights after the second step."""
     from harts_runtime import recompute_enabled, run_microbatch
     from harts_runtime.parallel import parallelize, run_replica_step, sync_expert_load
 
-    parallelize(model, mesh, recompute=keep is not None, keep=tuple(keep or ()))
+    parallelize(model, mesh, recompute=keep is not None, keep=tuple(keep or ()), **parallel_kw)
     assert recompute_enabled(model) == (keep is not None)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)

@@ -1,0 +1,689 @@
+"""Context parallelism by state passing (``cp_mode="states"``; ``docs/parallel.md``, "Context
+parallelism", "States mode").
+
+Each of the C ranks of a CP group holds the rows ``[rank_row_offsets[c], rank_row_offsets[c + 1])``
+of the microbatch's split (:func:`harts_planner.plan_cp`: balanced contiguous row ranges whose
+interior cuts lie on the chunk grid) through the whole model: embedding, norms, FFN / MoE and LM
+head run on those rows only. A linear mixer (KDA, gated delta net) runs its core on them too,
+with what the rows need from earlier ranks:
+
+===========================  ====================================================================
+piece                        what rank ``c`` does
+===========================  ====================================================================
+halo rows                    the mixer input of the split's replay rows and conv-context rows of
+                             its receives (fewer than ``B + w`` rows per receive), fetched from
+                             the ranks holding them (one all-to-all; backward: the reverse)
+local call plan              :func:`local_plan`: its rows cut into *pieces* (runs of rows each
+                             the path successor of the one before); each piece is one sequence
+                             starting at its chunk anchor ``a = B floor(pos / B)`` with the
+                             path's rows ``[a, pos)`` replayed before it and the state ``S_a``
+                             as its initial state: zero, a state produced by an earlier piece of
+                             the rank (a requested chunk boundary) or an *entry state* handed
+                             over from an earlier rank (a pre-filled state slot). Rounds by
+                             dependency depth. Every chunk is the one process's chunk (the
+                             split's grid rule), so the outputs are the one process's
+summaries                    every state the rank hands on (``S_k`` of the split's sends) as an
+                             affine function of the entry state its path started from on this
+                             rank, ``S_k = A_k S_entry + b_k``: one run of the local plan with
+                             values ``[v | 0_K]`` from entry states ``[0 | I]``
+                             (:func:`harts_kernels.kda.cp.piece_summary`'s identity, on the whole
+                             local plan); a rank without entry states gets ``S_k`` directly
+fold                         the summaries all-gathered (``[H, K, K + V]`` fp32 each) and folded in
+                             state order, ``S_k = A_k S_src(k) + b_k`` (``src(k)``: the state the
+                             producing rank's path started from, or zero), on every rank, so a
+                             fork reads its parent's state wherever the parent lives, two or more
+                             ranks back included
+rerun                        the local plan from the true entry states: the rank's core outputs
+backward                     autograd through the rerun, the fold, the all-gather (backward:
+                             reduce-scatter) and the summary run: exact, and the transposed fold
+                             of :func:`harts_kernels.kda.cp.fold_states_backward` is what
+                             autograd computes for the fold
+===========================  ====================================================================
+
+Layers that do not run by state passing under ``cp_mode="states"`` (attention, until its states
+module is wired) run head-parallel on the same row ranges: the rows all-gathered to the
+microbatch's physical order and their partial outputs reduce-scattered back
+(:mod:`harts_runtime.parallel.context`, whose row map reads the split from the layout).
+
+The split's rows are numbered in the planner's row order (lexicographic DFS preorder); the
+layout's physical rows are a permutation of them (``CallPlan.row_to_physical``). Each rank's
+local tensors hold its rows in row order; :class:`CpRows` keeps both maps.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from harts_runtime.errors import ParallelConfigError
+from harts_runtime.layout.conv import ConvWindows
+from harts_runtime.layout.kda_plan import KDARound, KDASchedule
+from harts_runtime.ops.keep import saves_are_transient
+from harts_runtime.parallel.tensor import gather_rows, row_block
+
+__all__ = [
+    "CP_MODES",
+    "CpRows",
+    "LocalPlan",
+    "StatesMixer",
+    "cp_rows_plan",
+    "fold_sources",
+    "local_plan",
+    "run_local",
+    "states_layers",
+]
+
+CP_MODES = ("heads", "states", "auto")
+"""``heads``: every mixer head-parallel (rows gathered per mixer); ``states``: linear mixers by state
+passing on the split's row ranges; ``auto``: per layer (:func:`states_layers`)."""
+
+LINEAR = ("kda", "gdn")
+"""Mixer kinds that run by state passing."""
+
+
+# ---------------------------------------------------------------------------------- rows
+@dataclass
+class CpRows:
+    """Which rows each CP rank holds in one microbatch (host numpy and device index tensors).
+
+    ``offsets`` [C + 1]: rank c holds split rows ``[offsets[c], offsets[c + 1])``; ``r2p`` [N]: the
+    physical row of each split row; ``p2r`` its inverse. ``local``: this rank's
+    :class:`LocalPlan` (states mode), or None (heads mode with ``row_block`` ranges, identity maps).
+    """
+
+    offsets: list[int]
+    r2p: np.ndarray
+    p2r: np.ndarray
+    rank: int
+    local: LocalPlan | None = None
+    identity: bool = True
+    split: object = None
+    _dev: dict = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.offsets[-1]
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return self.offsets[self.rank], self.offsets[self.rank + 1]
+
+    @property
+    def sizes(self) -> list[int]:
+        return [b - a for a, b in zip(self.offsets[:-1], self.offsets[1:])]
+
+    def tensor(self, name: str, device) -> torch.Tensor:
+        """``r2p``, ``p2r`` or ``mine`` (this rank's physical rows, in row order) on ``device``."""
+        if self._dev is None:
+            self._dev = {}
+        key = (name, str(device))
+        t = self._dev.get(key)
+        if t is None:
+            start, end = self.block
+            arr = {"r2p": self.r2p, "p2r": self.p2r, "mine": self.r2p[start:end]}[name]
+            t = self._dev[key] = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64)).to(device)
+        return t
+
+    @classmethod
+    def blocks(cls, n: int, size: int, rank: int) -> CpRows:
+        """Heads mode: ``row_block`` ranges, identity maps."""
+        offsets = [row_block(n, size, r)[0] for r in range(size)] + [n]
+        ar = np.arange(n, dtype=np.int64)
+        return cls(offsets, ar, ar, rank)
+
+
+def cp_rows_plan(layout, split, rank: int, row_to_physical, linear: bool = True) -> CpRows:
+    """This rank's :class:`CpRows` of a microbatch from its split (:func:`harts_planner.plan_cp` of the
+    same trajectories as the layout's call plan), the call plan's ``row_to_physical`` and the
+    ``layout`` (positions, the global KDA conv windows); ``linear``: build the :class:`LocalPlan` of
+    the linear mixers."""
+    n = layout.num_rows
+    if int(split.num_rows) != n:
+        raise ParallelConfigError("cp_split", f"splits {int(split.num_rows)} rows, the layout has {n}")
+    r2p = np.asarray(row_to_physical, dtype=np.int64)
+    p2r = np.empty_like(r2p)
+    p2r[r2p] = np.arange(n, dtype=np.int64)
+    offsets = [int(o) for o in split.rank_row_offsets]
+    rows = CpRows(offsets, r2p, p2r, rank, identity=bool(np.array_equal(r2p, np.arange(n))), split=split)
+    if linear and layout.kda is not None and n:
+        kda = layout.kda
+        w = kda.conv_width
+        if w < 2:
+            raise ParallelConfigError(
+                "conv_size", f"cp_mode='states' needs a short convolution width >= 2, got {w}"
+            )
+        table = kda.conv.index.cpu().numpy()[r2p]  # [N, w] physical rows, in row order
+        conv = np.where(table >= 0, p2r[np.maximum(table, 0)], -1)
+        pos = layout.positions.cpu().numpy()[r2p]
+        rows.local = local_plan(split, rank, pos, conv, kda.chunk_size)
+    return rows
+
+
+# ---------------------------------------------------------------------------------- local plan
+@dataclass
+class LocalPlan:
+    """What rank ``rank`` runs for every linear mixer of one microbatch (host-built).
+
+    Local rows ``E`` = its own rows (``n_own``, row order) then its halo rows ``halo`` (split rows,
+    ascending). ``conv``: the short convolution's windows over E; ``sched``: the local rounds over E
+    (``gather`` into E, own rows written once); slots ``[0, num_entries)`` hold the entry states
+    (split states ``entries``), filled before the run. ``sends``: the slots of the split's states
+    this rank produces (``send_offsets`` order). Exchange: ``recv_sizes[s]`` halo rows come from
+    rank s; ``send_index`` (own-row indices, by destination) with ``send_sizes``. Fold (global):
+    ``sources[k]`` the state ``S_k``'s summary is relative to (-1: zero), ``max_sends`` the most
+    states one rank produces, ``send_offsets`` the split's.
+    """
+
+    rank: int
+    n_own: int
+    halo: np.ndarray
+    conv: ConvWindows
+    sched: KDASchedule
+    entries: list[int]
+    sends: list[int]
+    recv_sizes: list[int]
+    send_sizes: list[int]
+    send_index: torch.Tensor
+    sources: list[int]
+    max_sends: int
+    send_offsets: list[int]
+    num_pieces: int = 0
+
+    @property
+    def num_entries(self) -> int:
+        return len(self.entries)
+
+    @property
+    def rows(self) -> int:
+        return self.n_own + len(self.halo)
+
+    def to(self, device) -> LocalPlan:
+        out = LocalPlan(**{f: getattr(self, f) for f in self.__dataclass_fields__})
+        out.conv, out.sched = self.conv.to(device), self.sched.to(device)
+        out.send_index = self.send_index.to(device)
+        return out
+
+
+def _halo(split, r: int) -> np.ndarray:
+    parts = []
+    for i in range(int(split.receive_offsets[r]), int(split.receive_offsets[r + 1])):
+        parts.append(np.asarray(split.replay(i), dtype=np.int64))
+        ctx = np.asarray(split.conv_context(i), dtype=np.int64)
+        parts.append(ctx[ctx >= 0])
+    return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+
+
+def _run_starts(pred: np.ndarray) -> np.ndarray:
+    """For every row, the first row of its run (rows each the path successor of the one before)."""
+    n = len(pred)
+    idx = np.arange(n, dtype=np.int64)
+    brk = np.ones(n, dtype=bool)
+    if n > 1:
+        brk[1:] = pred[1:] != idx[:-1]
+    return np.maximum.accumulate(np.where(brk, idx, 0))
+
+
+def fold_sources(split, pred: np.ndarray) -> list[int]:
+    """``src(k)`` for every state of ``split``: the split state the producing rank's path started from
+    there (the state of the receive through which the path of ``state_row[k]`` enters that rank),
+    or -1 (the path starts on that rank at position 0, or from an anchor-0 receive)."""
+    offsets = np.asarray(split.rank_row_offsets, dtype=np.int64)
+    starts = _run_starts(pred)
+    recv = {
+        (int(split.receive_rank[i]), int(split.receive_row[i])): int(split.receive_state[i])
+        for i in range(split.num_receives)
+    }
+    out = []
+    for k in range(split.num_states):
+        r, z = int(split.state_rank[k]), int(split.state_row[k])
+        lo = int(offsets[r])
+        while True:
+            f = max(int(starts[z]), lo)
+            u = int(pred[f])
+            if u < lo:
+                out.append(-1 if u < 0 else recv[(r, u)])
+                break
+            z = u
+    return out
+
+
+def local_plan(split, rank: int, pos: np.ndarray, conv: np.ndarray, chunk_size: int) -> LocalPlan:
+    """Rank ``rank``'s :class:`LocalPlan` from the split, every row's position ``pos`` [N] and its
+    conv window ``conv`` [N, w] (split rows, oldest first, -1 below position 0), all in row order.
+    Raises :class:`ParallelConfigError` (``cp_split``) when the split misses a row or state the
+    local plan needs (an inconsistent split)."""
+    B = int(chunk_size)
+    n, w = conv.shape
+    C = int(split.cp_size)
+    offsets = [int(o) for o in split.rank_row_offsets]
+    lo, hi = offsets[rank], offsets[rank + 1]
+    n_own = hi - lo
+    pred = conv[:, w - 2].astype(np.int64)
+    halo = _halo(split, rank)
+    E = np.concatenate([np.arange(lo, hi, dtype=np.int64), halo])
+    emap = np.full(n, -1, dtype=np.int64)
+    emap[E] = np.arange(len(E))
+
+    def bad(what):
+        return ParallelConfigError("cp_split", f"rank {rank}: {what}")
+
+    # conv windows over E: own and replay rows must find their whole window in E
+    replay_rows = set()
+    for i in range(int(split.receive_offsets[rank]), int(split.receive_offsets[rank + 1])):
+        replay_rows.update(int(x) for x in split.replay(i))
+    win = conv[E]
+    ewin = np.where(win >= 0, emap[np.maximum(win, 0)], -1)
+    missing = (win >= 0) & (ewin < 0)
+    needed = np.zeros(len(E), dtype=bool)
+    needed[:n_own] = True
+    needed[n_own:] = [int(x) in replay_rows for x in halo]
+    if (missing.any(axis=1) & needed).any():
+        raise bad("a convolution window reaches a row neither held nor received")
+    partial = missing.any(axis=1)  # conv-context-only rows: their outputs are never read
+    ewin[partial] = -1
+    ewin[partial, w - 1] = np.arange(len(E))[partial]
+    epred = ewin[:, w - 2]
+    ie = np.arange(len(E))
+    first = np.ones(len(E), dtype=bool)
+    first[1:] = (epred[1:] != ie[:-1]) | partial[:-1]  # a run never continues a cut-off window
+    heads = np.nonzero(first)[0]
+    ranges = np.stack([heads, np.append(heads[1:], len(E))], 1) if len(E) else np.zeros((0, 2), np.int64)
+    windows = ConvWindows.from_sequences(ranges, ewin[heads, : w - 1], len(E), w)
+    windows.needed = needed  # rows whose windows are exact (own and replay rows)
+    windows.expected = ewin
+
+    # pieces over the own rows
+    piece_of = np.full(n_own, -1, dtype=np.int64)
+    pieces = []  # dict(first, end, anchor, replay [E idx], init ("zero"|"ext"|"local", ...))
+    entries: list[int] = []
+    entry_slot: dict[int, int] = {}
+    state_ids = {int(z): k for k, z in enumerate(split.state_row)}
+    x = lo
+    while x < hi:
+        end = x + 1
+        while end < hi and pred[end] == end - 1:
+            end += 1
+        p = int(pos[x])
+        a = B * (p // B)
+        rep = []
+        z = int(pred[x])
+        for _ in range(p - a):  # the path's rows at positions [a, p), newest first
+            rep.append(z)
+            z = int(pred[z])
+        rep.reverse()
+        if any(emap[r] < 0 for r in rep):
+            raise bad(f"replay rows of row {x} are neither held nor received")
+        # z is now the state row of S_a (the row at position a - 1), -1 when a == 0
+        if a == 0:
+            init = ("zero",)
+        elif z >= lo:
+            init = ("local", z)
+        else:
+            k = state_ids.get(z)
+            if k is None:
+                raise bad(f"state after row {z} (position {a}) is not in the split")
+            if k not in entry_slot:
+                entry_slot[k] = len(entries)
+                entries.append(k)
+            init = ("ext", entry_slot[k])
+        piece_of[x - lo : end - lo] = len(pieces)
+        pieces.append(
+            {"first": x, "end": end, "anchor": a, "replay": [int(emap[r]) for r in rep], "init": init}
+        )
+        x = end
+
+    # states produced here: those local pieces start from, and the split's sends
+    num_slots = len(entries)
+    slot_of_row: dict[int, int] = {}
+
+    def local_slot(zrow: int) -> int:
+        nonlocal num_slots
+        s = slot_of_row.get(zrow)
+        if s is None:
+            s = slot_of_row[zrow] = num_slots
+            num_slots += 1
+        return s
+
+    for pc in pieces:
+        if pc["init"][0] == "local":
+            pc["slot"] = local_slot(pc["init"][1])
+        elif pc["init"][0] == "ext":
+            pc["slot"] = pc["init"][1]
+        else:
+            pc["slot"] = -1
+    send_offsets = [int(o) for o in split.send_offsets]
+    sends = [local_slot(int(split.state_row[k])) for k in range(send_offsets[rank], send_offsets[rank + 1])]
+
+    # rounds by dependency depth
+    depth = []
+    for pc in pieces:
+        if pc["init"][0] == "local":
+            zrow = pc["init"][1]
+            depth.append(depth[int(piece_of[zrow - lo])] + 1)
+        else:
+            depth.append(0)
+    requests: dict[int, list[tuple[int, int]]] = {}  # piece -> [(chunk, slot)]
+    for zrow, s in slot_of_row.items():
+        j = int(piece_of[zrow - lo])
+        P = int(pos[zrow]) + 1
+        if P % B:
+            raise bad(f"state after row {zrow} is not on the chunk grid")
+        requests.setdefault(j, []).append(((P - pieces[j]["anchor"]) // B, s))
+    rounds, out_rows = [], []
+    for d in range(max(depth) + 1 if depth else 0):
+        members = [j for j in range(len(pieces)) if depth[j] == d]
+        gather, cu, init, rq_seq, rq_chunk, rq_slot, out_pos = [], [0], [], [], [], [], []
+        for qi, j in enumerate(members):
+            pc = pieces[j]
+            own = list(range(pc["first"] - lo, pc["end"] - lo))
+            base = len(gather)
+            gather.extend(pc["replay"])
+            out_pos.extend(range(len(gather), len(gather) + len(own)))
+            gather.extend(own)
+            cu.append(len(gather))
+            init.append(pc["slot"])
+            for c, s in sorted(requests.get(j, [])):
+                if not 1 <= c or c * B > len(gather) - base:
+                    raise bad(f"requested boundary {c} outside piece {j}")
+                rq_seq.append(qi)
+                rq_chunk.append(c)
+                rq_slot.append(s)
+            out_rows.append(np.asarray(own, dtype=np.int64))
+        rounds.append(
+            KDARound(
+                gather=torch.tensor(gather, dtype=torch.int64),
+                cu_seqlens=cu,
+                init_slots=init,
+                request_seq=rq_seq,
+                request_chunk=rq_chunk,
+                request_slot=rq_slot,
+                final_slots=[-1] * len(members),
+                out_pos=torch.tensor(out_pos, dtype=torch.int64),
+            )
+        )
+    rows_written = np.concatenate(out_rows) if out_rows else np.zeros(0, np.int64)
+    write_perm = torch.from_numpy(np.argsort(rows_written, kind="stable").astype(np.int64))
+    sched = KDASchedule(rounds, num_slots, write_perm)
+
+    # halo exchange
+    def owner(rows):
+        return np.searchsorted(np.asarray(offsets), rows, side="right") - 1
+
+    recv_sizes = np.bincount(owner(halo), minlength=C).tolist() if len(halo) else [0] * C
+    send_parts, send_sizes = [], []
+    for r in range(C):
+        h = _halo(split, r) if r != rank else np.zeros(0, np.int64)
+        m = h[(h >= lo) & (h < hi)] - lo
+        send_parts.append(m)
+        send_sizes.append(len(m))
+    send_index = torch.from_numpy(np.concatenate(send_parts).astype(np.int64))
+    counts = np.diff(np.asarray(send_offsets))
+    return LocalPlan(
+        rank=rank,
+        n_own=n_own,
+        halo=halo,
+        conv=windows,
+        sched=sched,
+        entries=entries,
+        sends=sends,
+        recv_sizes=[int(v) for v in recv_sizes],
+        send_sizes=send_sizes,
+        send_index=send_index,
+        sources=fold_sources(split, pred),
+        max_sends=int(counts.max()) if len(counts) else 0,
+        send_offsets=send_offsets,
+        num_pieces=len(pieces),
+    )
+
+
+def empty_plan(cp_size: int, rank: int, width: int) -> LocalPlan:
+    """The :class:`LocalPlan` of an empty microbatch (DP padding): no rows, no states; the halo
+    exchange still runs (every rank of the group takes part)."""
+    none = np.zeros(0, np.int64)
+    sched = KDASchedule([], 0, torch.zeros(0, dtype=torch.int64))
+    conv = ConvWindows.from_sequences(
+        np.zeros((0, 2), np.int64), np.zeros((0, width - 1), np.int64), 0, width
+    )
+    z = [0] * cp_size
+    return LocalPlan(
+        rank,
+        0,
+        none,
+        conv,
+        sched,
+        [],
+        [],
+        z,
+        list(z),
+        torch.zeros(0, dtype=torch.int64),
+        [],
+        0,
+        [0] * (cp_size + 1),
+    )
+
+
+# ---------------------------------------------------------------------------------- execution
+def run_local(sched: KDASchedule, q, k, v, g, beta, slots: list, *, chunk_size: int, backend: str = "auto"):
+    """The local rounds over E rows (q, k [E, H, K]; v [E, H, V']; g [E, H, K] or [E, H]; beta [E, H])
+    from pre-filled ``slots`` (entry states ``[H, K, V']`` fp32, the rest None). Returns ``(o [n_own,
+    H, V'], slots)``: the own rows' core outputs in row order and every slot the rounds filled.
+    :func:`harts_runtime.layers.kda.run_kda_schedule`'s loop with external slots and a gather that
+    reads halo rows (plain ``index_select``: E has rows no packed row owns)."""
+    from harts_kernels.kda import chunk_kda_with_states
+
+    H, K, Vd = q.shape[1], q.shape[2], v.shape[2]
+    transient = saves_are_transient()
+    slots = list(slots) + [None] * (sched.num_slots - len(slots))
+    sizes = [hi - lo for lo, hi in zip(sched.bounds[:-1], sched.bounds[1:])]
+    if not sizes:
+        return v.new_zeros(0, H, Vd), slots
+    packed = [x.index_select(0, sched.gather) for x in (q, k, v, g, beta)]
+    per_round = list(zip(*(torch.split(x, sizes) for x in packed)))
+    outs, zero = [], None
+    for rd, parts in zip(sched.rounds, per_round):
+        inputs = [x.unsqueeze(0) for x in parts]
+        if g.dim() == 2:
+            inputs[3] = inputs[3].unsqueeze(-1).expand(-1, -1, -1, K)
+        init = None
+        if any(s >= 0 for s in rd.init_slots):
+            if zero is None:
+                zero = q.new_zeros(H, K, Vd, dtype=torch.float32)
+            init = torch.stack([slots[s] if s >= 0 else zero for s in rd.init_slots])
+        o, _, bstates = chunk_kda_with_states(
+            *inputs,
+            initial_state=init,
+            cu_seqlens=rd.cu_seqlens,
+            chunk_size=chunk_size,
+            request_seq=rd.request_seq,
+            request_chunk=rd.request_chunk,
+            output_final_state=False,
+            backend=backend,
+            save_intermediates=transient,
+        )
+        for j, s in enumerate(rd.request_slot):
+            slots[s] = bstates[j]
+        outs.append(o.squeeze(0))
+    o = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return o.index_select(0, sched.own_pos), slots
+
+
+def summaries(plan: LocalPlan, q, k, v, g, beta, *, chunk_size: int, backend: str = "auto"):
+    """``[len(plan.sends), H, K, K + V]``: ``[A_k | b_k]`` of every state this rank hands on, relative
+    to the entry state its path started from here. A rank without entry states returns ``[0 |
+    S_k]`` from the true run: ``(o, packed, slots)`` with that run's output (None otherwise)."""
+    H, K, Vd = q.shape[1], q.shape[2], v.shape[2]
+    if not plan.sends:
+        return None, None
+    if plan.num_entries == 0:
+        o, slots = run_local(plan.sched, q, k, v, g, beta, [], chunk_size=chunk_size, backend=backend)
+        b = torch.stack([slots[s] for s in plan.sends])
+        return torch.cat([b.new_zeros(len(plan.sends), H, K, K), b], -1), o
+    v_wide = torch.cat([v, v.new_zeros(v.shape[0], H, K)], -1)
+    eye = torch.zeros(H, K, Vd + K, dtype=torch.float32, device=q.device)
+    eye[..., Vd:] = torch.eye(K, dtype=torch.float32, device=q.device)
+    _, slots = run_local(
+        plan.sched, q, k, v_wide, g, beta, [eye] * plan.num_entries, chunk_size=chunk_size, backend=backend
+    )
+    st = torch.stack([slots[s] for s in plan.sends])  # [n, H, K, V + K] = [b | A]
+    return torch.cat([st[..., Vd:], st[..., :Vd]], -1), None
+
+
+def fold(plan: LocalPlan, gathered: torch.Tensor, V: int) -> list[torch.Tensor]:
+    """The entry states of this rank from every rank's gathered summaries ``[C * max_sends, H, K,
+    K + V]`` (rank r's states at rows ``r * max_sends + j``), folded in state order."""
+    K = gathered.shape[2]
+    states: list[torch.Tensor] = []
+    rank_of = np.searchsorted(np.asarray(plan.send_offsets), np.arange(len(plan.sources)), side="right") - 1
+    need = max(plan.entries) + 1 if plan.entries else 0
+    for kk in range(need):
+        r = int(rank_of[kk])
+        row = gathered[r * plan.max_sends + kk - plan.send_offsets[r]]
+        A, b = row[..., :K], row[..., K:]
+        src = plan.sources[kk]
+        states.append(b if src < 0 else torch.matmul(A, states[src]) + b)
+    return [states[kk] for kk in plan.entries]
+
+
+def exchange_halo(x: torch.Tensor, plan: LocalPlan, cp_mesh) -> torch.Tensor:
+    """``[n_own + halo, D]``: this rank's rows then its halo rows, fetched from the ranks holding
+    them (all-to-all; backward: the reverse)."""
+    send = x.index_select(0, plan.send_index)
+    got = all_to_all_single_autograd(send, plan.recv_sizes, plan.send_sizes, cp_mesh.get_group())
+    return torch.cat([x, got])
+
+
+class StatesMixer:
+    """Installs the state-passing forward on a KDA or gated delta net layer: ``forward(x, layout)``
+    takes this rank's rows ``x`` ``[n_c, D]`` (row order) and returns their mixer output. Reads
+    ``layout.info["cp_rows"]`` (:class:`CpRows` with its :class:`LocalPlan`)."""
+
+    def __init__(self, cp_mesh):
+        self.mesh = cp_mesh
+
+    def apply(self, module: nn.Module) -> nn.Module:
+        mesh = self.mesh
+        orig = module.forward
+
+        def forward(x, layout=None):
+            rows = layout.info.get("cp_rows") if layout is not None else None
+            plan = getattr(rows, "local", None)
+            if plan is None:
+                raise ParallelConfigError(
+                    "cp_mode",
+                    "'states' needs the microbatch's CP split in layout.info['cp_rows'] "
+                    "(build microbatches with make_microbatch on the parallelized model)",
+                )
+            c = module.config
+            B = layout.kda.chunk_size if layout.kda is not None else c.chunk_size
+            backend = c.backend
+            plan = plan if plan.send_index.device == x.device else plan.to(x.device)
+            xe = exchange_halo(x, plan, mesh)
+            q, k, v, g, beta, gate = module._features(xe, plan.conv)
+            H, K, Vd = q.shape[1], q.shape[2], v.shape[2]
+            local, o_first = summaries(plan, q, k, v, g, beta, chunk_size=B, backend=backend)
+            m, C = plan.max_sends, mesh.size()
+            # every rank's all-gather takes part in backward, after its later ops and before the
+            # halo exchange's (autograd orders a rank's collectives by these dependencies alone)
+            anchor = xe.sum() * 0
+            gathered = None
+            if m:
+                if local is None:
+                    local = q.new_zeros(0, H, K, K + Vd, dtype=torch.float32)
+                pad = local.new_zeros(m - local.shape[0], H, K, K + Vd)
+                local = torch.cat([local, pad]) + anchor.float()
+                gathered = gather_rows(local, mesh, C * m)
+            if o_first is not None:
+                o = o_first
+            else:
+                entry = fold(plan, gathered, Vd) if plan.num_entries else []
+                o, _ = run_local(plan.sched, q, k, v, g, beta, entry, chunk_size=B, backend=backend)
+            out = module._output(o, gate[: plan.n_own])
+            if gathered is not None:
+                out = out + (gathered.sum() * 0).to(out.dtype)
+            return out
+
+        module.forward = functools.update_wrapper(forward, orig)
+        module._harts_cp = {"mode": "states", "cp": mesh.size()}
+        return module
+
+
+def states_layers(model: nn.Module, mode: str, cp: int) -> list[str]:
+    """The CP mode of every block's mixer (``"states"``, ``"heads"`` or ``"none"`` without a mixer)
+    under ``mode``. ``heads``: every mixer; ``states``: KDA / GDN by state passing, attention
+    head-parallel on the split's rows; ``auto``: ``heads`` where ``cp`` divides every mixer's heads,
+    ``states`` otherwise. Raises :class:`ParallelConfigError` naming ``cp_mode`` for an unknown
+    mode or a Mamba2 mixer under states."""
+    if mode not in CP_MODES:
+        raise ParallelConfigError("cp_mode", f"unknown {mode!r}; choose one of {CP_MODES}")
+    kinds = [getattr(b, "mixer_kind", None) if b.mixer is not None else None for b in model.blocks]
+    if mode == "heads":
+        return ["heads" if k else "none" for k in kinds]
+    if mode == "auto":
+        from harts_runtime.parallel.context import cp_plan
+
+        try:
+            for b in model.blocks:
+                if b.mixer is not None:
+                    cp_plan(b.mixer, 1, cp)
+            return ["heads" if k else "none" for k in kinds]
+        except ParallelConfigError:
+            pass
+    out = []
+    for i, k in enumerate(kinds):
+        if k is None:
+            out.append("none")
+        elif k in LINEAR:
+            out.append("states")
+        elif k == "mamba2":
+            raise ParallelConfigError(
+                "cp_mode",
+                f"blocks[{i}].mixer is Mamba2: cp_mode='states' does not run Mamba2 yet; use 'heads'",
+            )
+        else:
+            out.append("heads")
+    return out
+
+
+def attach_cp_rows(step, mb, call_plan, *, cp_mesh, capacity: int | None = None) -> None:
+    """The hook :func:`harts_runtime.microbatch.make_microbatch` calls on a model under
+    ``cp_mode="states"``: splits the microbatch (:func:`harts_planner.plan_cp`, the layout's chunk
+    size and convolution width) and puts this rank's :class:`CpRows` with its :class:`LocalPlan` in
+    ``mb.layout.info["cp_rows"]``. ``capacity``: the per-rank row capacity T, when known; a split
+    that leaves a rank more rows than T (the chunk grid allows no better cut) is refused naming
+    ``cp``."""
+    from harts_planner import plan_cp
+
+    layout = mb.layout
+    size, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    kda = layout.kda
+    if layout.num_rows == 0 or call_plan is None:
+        rows = CpRows.blocks(layout.num_rows, size, rank)
+        width = kda.conv_width if kda is not None else 2
+        rows.local = empty_plan(size, rank, max(width, 2))
+        layout.info["cp_rows"] = rows
+        return
+    split = plan_cp(
+        step.batch,
+        np.asarray(call_plan.trajectories, dtype=np.int64),
+        size,
+        kda.chunk_size,
+        conv_width=kda.conv_width,
+    )
+    held = np.diff(np.asarray(split.rank_row_offsets, dtype=np.int64))
+    if capacity is not None and int(held.max()) > capacity:
+        r = int(np.argmax(held))
+        raise ParallelConfigError(
+            "cp",
+            f"the split of a {layout.num_rows}-row microbatch over cp = {size} gives rank {r} "
+            f"{int(held[r])} rows, more than the per-rank capacity {capacity} (cuts must fall on the "
+            f"chunk grid, B = {kda.chunk_size})",
+        )
+    rows = cp_rows_plan(layout, split, rank, call_plan.row_to_physical)
+    device = layout.input_ids.device if layout.input_ids is not None else "cpu"
+    rows.local = rows.local.to(device)
+    layout.info["cp_rows"] = rows
