@@ -2,12 +2,18 @@
 step; a resumed run drops the records past its step first), TensorBoard event files in ``DIR/tb``
 when tensorboard is installed, and at the end ``DIR/reward.png`` (the reward curve) when matplotlib
 is importable (else a note says it was skipped; matplotlib is not a dependency).
+
+``metrics.jsonl`` is never rewritten in place: records are appended (flushed and synced each step),
+and when a resumed run must drop records past its step (or a line a kill cut short) the records it
+keeps are written to a temporary file, synced and renamed over it, so a kill at any point leaves
+every record of the steps it keeps.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 __all__ = ["MetricsWriter", "plot_rewards", "read_metrics"]
@@ -31,18 +37,40 @@ def read_metrics(path) -> list[dict]:
     return out
 
 
+def _kept(line: str, resumed_step: int) -> bool:
+    """Whether a resumed run at ``resumed_step`` keeps this line (a record of a step at most it)."""
+    if not resumed_step:
+        return False
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(step, int) and not isinstance(step, bool) and 0 < step <= resumed_step
+
+
+def _replace(path: Path, text: str) -> None:
+    """``path`` holding ``text``: a temporary file beside it, synced, renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class MetricsWriter:
     """Appends step records to ``DIR/metrics.jsonl`` (and TensorBoard when installed)."""
 
     def __init__(self, out_dir, resumed_step: int = 0):
         self.dir = Path(out_dir)
         self.path = self.dir / "metrics.jsonl"
-        keep = (
-            [r for r in read_metrics(self.path) if int(r.get("step", 0)) <= resumed_step]
-            if resumed_step
-            else []
-        )
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        try:
+            current = self.path.read_text() if self.path.is_file() else None
+        except (OSError, UnicodeDecodeError):
+            current = None
+        keep = "".join(line + "\n" for line in (current or "").splitlines() if _kept(line, resumed_step))
+        if current != keep:
+            _replace(self.path, keep)
         self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
         self.writer = None
         try:
@@ -57,6 +85,7 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         self._file.write(json.dumps({k: _finite(v) for k, v in record.items()}) + "\n")
         self._file.flush()
+        os.fsync(self._file.fileno())
         if self.writer is not None:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
