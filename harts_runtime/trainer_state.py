@@ -10,6 +10,7 @@ the ``step-N`` folder of ``PATH`` with the largest N that is complete.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -66,8 +67,11 @@ def resolve_checkpoint(path) -> Path:
 
 
 def read_trainer_state(folder) -> dict:
-    """The ``trainer.json`` record of a checkpoint folder."""
+    """The ``trainer.json`` record of a checkpoint folder: checked against the folder's manifest
+    (size and SHA-256) when it has one, before it is read, and its ``steps_done`` against the
+    folder's ``step-N`` name."""
     f = Path(folder) / STATE_NAME
+    _check_listed(Path(folder))
     try:
         state = json.loads(f.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -78,7 +82,32 @@ def read_trainer_state(folder) -> dict:
     for key in ("steps_done", "data", "args"):
         if key not in state:
             raise InvalidInputError("--resume", f"{str(f)!r} has no {key!r}")
+    m = _STEP.match(Path(folder).name)
+    if m and state["steps_done"] != int(m.group(1)):
+        raise InvalidInputError(
+            STATE_NAME, f"{f} says {state['steps_done']!r} steps done, the folder is {Path(folder).name}"
+        )
     return state
+
+
+def _check_listed(folder: Path) -> None:
+    """``trainer.json`` as the folder's ``manifest.json`` lists it (size and SHA-256), when the
+    folder has a manifest (the whole folder is verified again when the engine loads it)."""
+    m = folder / "manifest.json"
+    if not m.is_file():
+        return
+    f = folder / STATE_NAME
+    try:
+        entry = json.loads(m.read_text())["files"][STATE_NAME]
+        size, digest = int(entry["bytes"]), str(entry["sha256"])
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        raise InvalidInputError(STATE_NAME, f"{f} is not listed in a readable {m}") from None
+    try:
+        data = f.read_bytes()
+    except OSError as e:
+        raise InvalidInputError(STATE_NAME, f"{f} cannot be read ({e.strerror or e})") from None
+    if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
+        raise InvalidInputError(STATE_NAME, f"{f} is damaged: its size or SHA-256 differs from the saved one")
 
 
 def trainer_state_text(state: dict) -> str:

@@ -46,7 +46,6 @@ from harts_runtime.parallel.checkpoint_folder import (
     staged_folder,
     verify_folder,
 )
-from harts_runtime.parallel.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 
 __all__ = ["EXTRA_NAME", "load_checkpoint", "local_box", "save_checkpoint"]
 
@@ -182,6 +181,8 @@ def _check_checkpoint(path: Path, model_sd: dict, optimizer: bool) -> dict:
     DCP's metadata with the model's state dict (global shapes); returns the ``harts.json`` record."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from harts_runtime.parallel.safe_load import read_dcp_metadata
+
     if not (path / ".metadata").is_file():
         what = "does not exist" if not path.exists() else "is not a DCP checkpoint (no .metadata)"
         if path.is_dir() and (path / MANIFEST_NAME).is_file():
@@ -233,6 +234,8 @@ def load_checkpoint(path, model, optimizer=None) -> dict:
         set_model_state_dict,
         set_state_dict,
     )
+
+    from harts_runtime.parallel.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
     path = loadable_folder(path)
     record = _check_checkpoint(path, get_model_state_dict(model), optimizer is not None)

@@ -535,3 +535,24 @@ def test_a_distributed_result_file_is_read_only_with_its_rank_signature(tmp_path
     launch._write_result(path, b"other key".ljust(32), {"ok": True, "result": _Plant(marker)})
     rec = launch._read_result(path, key)
     assert rec["ok"] is False and "signature" in rec["error"] and not marker.exists()
+
+
+def test_harts_train_resume_checks_trainer_json_before_reading_its_settings(tmp_path, capsys):
+    """``trainer.json`` (the settings a resume inherits) is checked against the manifest before it
+    is read, and its step count against the ``step-N`` folder it is in."""
+    rows = _data(tmp_path)
+    base = ["--flavor", "debug", "--device", "cpu", "--progress", "off", "--data", str(rows)]
+    assert main([*base, "--steps", "2", "--save-every", "1", "--save", str(tmp_path / "run")]) == 0
+    two = tmp_path / "run" / "step-2"
+    rec = json.loads((two / "trainer.json").read_text())
+    (two / "trainer.json").write_text(json.dumps(dict(rec, steps_done=1)))
+    capsys.readouterr()
+    assert main(["--resume", str(two), "--steps", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("harts-train: error: trainer.json: ") and "SHA-256" in err[-1], err
+    m = json.loads((two / "manifest.json").read_text())
+    m["files"]["trainer.json"] = checkpoint_folder._digest(two / "trainer.json")
+    (two / "manifest.json").write_text(json.dumps(m))
+    assert main(["--resume", str(two), "--steps", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("harts-train: error: trainer.json: ") and "step-2" in err[-1], err
