@@ -6,8 +6,9 @@ attention without RoPE sharing one KV head, relu2 MLP; the Mamba2 per-head vecto
 weights and convolution biases perturbed so that a wrong head or group slice shows) is written with
 ``save_pretrained`` and loaded in every process at chunk size 8 (forks on and off the chunk grid,
 several rounds of boundary states). Two AdamW steps under ``tp = 2`` (with and without sequence
-parallelism, with kept regions) and ``cp = 2`` (trees whose trajectories are longer than the
-per-rank capacity T, forking on both sides of the rank blocks) equal one process in both losses,
+parallelism, with kept regions), ``cp = 2`` (trees whose trajectories are longer than the
+per-rank capacity T, forking on both sides of the rank blocks) and ``cp = 2 x tp = 2`` with SP and
+recomputation (a 2-layer checkpoint with 4 groups: one per rank) equal one process in both losses,
 every log-prob, every gradient (full tensors), the expert-load counts and every weight, within
 ``test_parallel_step``'s named tolerances (``test_parallel_cp``'s log-prob tolerance under CP).
 
@@ -20,7 +21,7 @@ import pytest
 import torch
 from test_parallel_cp import TOL_LOGPROB_CP, T
 from test_parallel_cp import _batch as tree_batch
-from test_parallel_step import CAPACITY, TOL_LOGPROB, _check, train_parallel, train_single
+from test_parallel_step import TOL_LOGPROB, _check, train_parallel, train_single
 
 from harts_runtime.parallel import ParallelConfigError, ParallelDims, run_distributed
 
@@ -29,12 +30,11 @@ TOL_LOCAL = 1e-6  # relative to the largest element: the float64 layer's SSD cor
 # (as transformers' torch path), batched over 2 heads instead of 4; measured 3e-8 absolute
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def _checkpoint(tmp_path_factory, num_layers, **overrides):
     from harts_runtime import HybridModel, model_config, save_pretrained
 
     torch.manual_seed(5)
-    model = HybridModel(model_config("nemotron-h-tiny", num_layers=4, dtype="float32"))
+    model = HybridModel(model_config("nemotron-h-tiny", num_layers=num_layers, dtype="float32", **overrides))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("dt_bias", ".D", "mixer.norm.weight", "conv1d.bias")):
@@ -44,20 +44,29 @@ def checkpoint(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return _checkpoint(tmp_path_factory, 4)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_g4(tmp_path_factory):
+    """Layers ``ME`` with 4 groups of one head each: ``tp = 2`` x ``cp = 2`` gives each rank one."""
+    return _checkpoint(tmp_path_factory, 2, mamba2={"n_groups": 4})
+
+
 def _build(path, dp, cp):
     import harts_planner as hp
     from harts_runtime import StepInputs, load_pretrained
-    from harts_runtime.testing import random_batch
 
     model = load_pretrained(path, dtype="float32", chunk_size=CHUNK)
     vocab = model.config.vocab_size
+    batch = tree_batch(vocab)  # trajectories of 38 to 56 tokens forking on and off the chunk grid
     if cp > 1:
-        batch = tree_batch(vocab)
         assert max(batch.lengths) > T[cp]
         plan = hp.plan_step(batch, dp, T[cp], CHUNK, cp_size=cp)
-    else:
-        batch = random_batch(3, num=16, vocab=vocab, max_new=10)
-        plan = hp.plan_step(batch, dp, CAPACITY, CHUNK)
+    else:  # the same microbatches as cp = 2 in one process
+        plan = hp.plan_step(batch, dp, 2 * T[2], CHUNK)
     step = StepInputs.synthetic(batch, seed=1, vocab_size=vocab)
     return model, step, plan
 
@@ -85,6 +94,15 @@ def test_nemotron_h_step_matches_one_process(case, checkpoint):
     dims = ParallelDims(world_size=2, **dims_kw)
     ref = train_single(*_build(checkpoint, dims.dp, dims.cp), keep)
     _check(results, ref, tol_logprob=TOL_LOGPROB_CP if dims.cp > 1 else TOL_LOGPROB)
+
+
+@pytest.mark.slow
+def test_nemotron_h_cp2_tp2_sp_matches_one_process(checkpoint_g4):
+    """CP slices of the TP rank's local blocks: each of the 4 ranks holds one group of Mamba2."""
+    dims_kw = dict(cp=2, tp=2, sequence_parallel=True)
+    results = run_distributed(_worker, 4, checkpoint_g4, dims_kw, (), timeout=300)
+    ref = train_single(*_build(checkpoint_g4, 1, 2), ())
+    _check(results, ref, tol_logprob=TOL_LOGPROB_CP)
 
 
 def test_mamba2_plan_places_blocks_and_names_n_groups():
@@ -145,7 +163,7 @@ def test_local_blocks_of_a_rank_equal_the_whole_layer_on_its_groups():
         with local_parameters(mixer, names, local):
             parts.append(mixer(x, layout))
     got = parts[0] + parts[1]
-    scale = float(want.abs().max())
+    scale = float(want.detach().abs().max())
     torch.testing.assert_close(got, want, rtol=0, atol=TOL_LOCAL * scale)
     (dx,) = torch.autograd.grad(got.square().sum(), x)
     torch.testing.assert_close(dx, dx_want, rtol=0, atol=TOL_LOCAL * float(dx_want.abs().max()))
