@@ -267,6 +267,14 @@ class ContextParallelMixer:
         self.row_map = row_map or RowMap(cp_mesh)
 
     def apply(self, module: nn.Module) -> nn.Module:
+        orig = module.forward
+        module.forward = self.forward_of(module)
+        module._harts_cp = {"slices": self.slices, "cp": self.mesh.size()}
+        del orig
+        return module
+
+    def forward_of(self, module: nn.Module):
+        """The CP forward of ``module`` (not installed)."""
         names = list(self.slices)
         mesh, slices, row_map = self.mesh, self.slices, self.row_map
         rank, size = mesh.get_local_rank(), mesh.size()
@@ -300,9 +308,7 @@ class ContextParallelMixer:
             return module.out_project(heads_to_rows(o, mesh, rows), x)
 
         chosen = forward_mla if isinstance(module, CompactMLA) else forward
-        module.forward = functools.update_wrapper(chosen, orig)
-        module._harts_cp = {"slices": slices, "cp": size}
-        return module
+        return functools.update_wrapper(chosen, orig)
 
 
 # ---------------------------------------------------------------------------------- rows
@@ -351,38 +357,52 @@ def _select_ids(row_map: RowMap):
     return hook
 
 
-def apply_cp_rows(model: nn.Module, mesh, cp_mode: str = "heads") -> list[str]:
-    """The first half of CP, applied before TP: every mixer a :class:`ContextParallelMixer` (heads
-    sliced per :func:`cp_plan`) or, under ``cp_mode`` ``"states"`` (or ``"auto"`` choosing it), a
-    linear mixer a :class:`~harts_runtime.parallel.context_states.StatesMixer` on the split's rows;
-    the embedding reading its rows' ids. Returns every block's mode (``"heads"``, ``"states"``,
-    ``"none"``; :func:`~harts_runtime.parallel.context_states.states_layers`). Raises
-    :class:`ParallelConfigError` naming the field for a mixer CP cannot split."""
-    from harts_runtime.parallel.context_states import StatesMixer, attach_cp_rows, states_layers
+def apply_cp_rows(model: nn.Module, mesh, cp_mode: str = "heads", *, recompute: bool = False) -> list[str]:
+    """The first half of CP, applied before TP: every mixer gets its CP forward and the embedding
+    reads its rank's rows' ids. ``cp_mode`` ``"heads"``: every mixer a :class:`ContextParallelMixer`
+    (heads sliced per :func:`cp_plan`) on ``row_block`` rows; ``"states"`` or ``"auto"``: each
+    microbatch is split by the planner (``make_microbatch`` calls
+    :func:`~harts_runtime.parallel.context_states.attach_cp_rows`), and each mixer runs the mode the
+    microbatch's plan gives it (:class:`~harts_runtime.parallel.context_states.CpChooser`: every
+    mixer by state passing, or per layer from the counted-bytes model). Returns every block's
+    possible modes (``model._harts_cp_modes``). Raises :class:`ParallelConfigError` naming the field
+    for a mixer CP cannot split, ``cp_mode`` for an unknown mode or one that cannot run a layer."""
+    from harts_runtime.parallel.context_states import CpChooser, attach_cp_rows, states_forward
 
     dims, cp_mesh = mesh.dims, mesh.cp
-    modes = states_layers(model, cp_mode, dims.cp)
-    states = "states" in modes
-    if states and dims.tp > 1:
-        raise ParallelConfigError(
-            "cp_mode", f"'states' does not compose with tp = {dims.tp} yet; use 'heads'"
-        )
+    chooser = CpChooser.of(model, cp_mode, dims.cp, dims.tp, recompute)
     row_map = RowMap(cp_mesh)
     model._harts_cp_rows = row_map
+    model._harts_cp_modes = chooser.possible
     model.register_forward_pre_hook(lambda mod, args: row_map.set(args[0] if args else None))
-    if states:
-        model._harts_cp_layout = functools.partial(attach_cp_rows, cp_mesh=cp_mesh)
-    model._harts_cp_modes = modes
+    if cp_mode != "heads":
+        model._harts_cp_layout = functools.partial(attach_cp_rows, cp_mesh=cp_mesh, chooser=chooser)
     model.embed.register_forward_pre_hook(_select_ids(row_map))
-    for i, (block, mode) in enumerate(zip(model.blocks, modes)):
+    for i, (block, possible) in enumerate(zip(model.blocks, chooser.possible)):
         if block.mixer is None:
             continue
-        if mode == "states":
-            StatesMixer(cp_mesh).apply(block.mixer)
+        module, forwards = block.mixer, {}
+        if "heads" in possible:
+            slices = cp_plan(module, dims.tp, dims.cp, f" (blocks[{i}].mixer)")
+            forwards["heads"] = ContextParallelMixer(slices, cp_mesh, row_map).forward_of(module)
+        if "states" in possible:
+            forwards["states"] = states_forward(module, cp_mesh)
+        if cp_mode == "heads":
+            module.forward = forwards["heads"]
+            module._harts_cp = {"slices": slices, "cp": dims.cp}
             continue
-        slices = cp_plan(block.mixer, dims.tp, dims.cp, f" (blocks[{i}].mixer)")
-        ContextParallelMixer(slices, cp_mesh, row_map).apply(block.mixer)
-    return modes
+
+        def forward(x, layout=None, i=i, forwards=forwards):
+            modes = row_map.get(layout.num_rows).modes
+            if modes is None:
+                raise ParallelConfigError(
+                    "cp_mode", "the microbatch has no CP plan: build it with make_microbatch on this model"
+                )
+            return forwards[modes[i]](x, layout)
+
+        module.forward = functools.update_wrapper(forward, forwards[possible[0]])
+        module._harts_cp = {"modes": possible, "cp": dims.cp}
+    return chooser.possible
 
 
 def apply_cp_head(model: nn.Module, mesh, backend: str = "auto") -> None:

@@ -68,14 +68,16 @@ from harts_runtime.parallel.tensor import gather_rows, row_block
 
 __all__ = [
     "CP_MODES",
+    "CpChooser",
     "CpRows",
+    "attach_cp_rows",
+    "states_forward",
     "LocalPlan",
     "StatesMixer",
     "cp_rows_plan",
     "fold_sources",
     "local_plan",
     "run_local",
-    "states_layers",
 ]
 
 CP_MODES = ("heads", "states", "auto")
@@ -104,6 +106,8 @@ class CpRows:
     identity: bool = True
     split: object = None
     _dev: dict = None
+    attention: object = None
+    modes: list | None = None
 
     @property
     def num_rows(self) -> int:
@@ -566,6 +570,12 @@ class StatesMixer:
         self.mesh = cp_mesh
 
     def apply(self, module: nn.Module) -> nn.Module:
+        module.forward = self.forward_of(module)
+        module._harts_cp = {"mode": "states", "cp": self.mesh.size()}
+        return module
+
+    def forward_of(self, module: nn.Module):
+        """The state-passing forward of ``module`` (not installed)."""
         mesh = self.mesh
         orig = module.forward
 
@@ -607,83 +617,171 @@ class StatesMixer:
                 out = out + (gathered.sum() * 0).to(out.dtype)
             return out
 
-        module.forward = functools.update_wrapper(forward, orig)
-        module._harts_cp = {"mode": "states", "cp": mesh.size()}
-        return module
+        return functools.update_wrapper(forward, orig)
 
 
-def states_layers(model: nn.Module, mode: str, cp: int) -> list[str]:
-    """The CP mode of every block's mixer (``"states"``, ``"heads"`` or ``"none"`` without a mixer)
-    under ``mode``. ``heads``: every mixer; ``states``: KDA / GDN by state passing, attention
-    head-parallel on the split's rows; ``auto``: ``heads`` where ``cp`` divides every mixer's heads,
-    ``states`` otherwise. Raises :class:`ParallelConfigError` naming ``cp_mode`` for an unknown
-    mode or a Mamba2 mixer under states."""
-    if mode not in CP_MODES:
-        raise ParallelConfigError("cp_mode", f"unknown {mode!r}; choose one of {CP_MODES}")
-    kinds = [getattr(b, "mixer_kind", None) if b.mixer is not None else None for b in model.blocks]
-    if mode == "heads":
-        return ["heads" if k else "none" for k in kinds]
-    if mode == "auto":
+ATTENTION = ("mla", "gqa", "gated_attention")
+"""Mixer kinds that run under states mode by gathering their ancestor rows
+(:mod:`harts_runtime.parallel.cp_attention`)."""
+
+
+def states_forward(module: nn.Module, cp_mesh):
+    """The states-mode forward of a mixer (not installed): a linear mixer's
+    :class:`StatesMixer`, an attention layer's :func:`~harts_runtime.parallel.cp_attention.states_attention`
+    over the microbatch's ``layout.info["cp_rows"].attention`` plan."""
+    from harts_runtime.layers.attention import CompactAttentionBase
+    from harts_runtime.layers.gated_attention import CompactGatedAttention
+    from harts_runtime.layers.mla import CompactMLA
+
+    if isinstance(module, (CompactMLA, CompactGatedAttention, CompactAttentionBase)):
+        from harts_runtime.parallel.cp_attention import states_attention
+
+        def forward(x, layout=None):
+            plan = getattr(layout.info.get("cp_rows"), "attention", None)
+            if plan is None:
+                raise ParallelConfigError("cp_mode", "'states' attention needs the microbatch's split plan")
+            return states_attention(module, x, plan, cp_mesh)
+
+        return functools.update_wrapper(forward, module.forward)
+    return StatesMixer(cp_mesh).forward_of(module)
+
+
+class CpChooser:
+    """Which CP mode each mixer may run (``possible``, fixed when the model is parallelized) and
+    runs in a microbatch (:meth:`choose`). ``"states"``: every mixer by state passing (KDA / GDN:
+    :class:`StatesMixer`; attention: ancestor rows gathered); ``"auto"``: per layer and microbatch,
+    :func:`harts_runtime.parallel.cp_cost.choose_cp_mode` (the counted-bytes model on one NVLink node;
+    ``"states"`` wherever the heads do not divide), the same on every CP rank (it reads only the
+    split)."""
+
+    def __init__(self, mode, possible, mixers, hidden, act_bytes, cp, tp, recompute):
+        self.mode, self.possible, self.mixers = mode, possible, mixers
+        self.hidden, self.act_bytes, self.cp, self.tp, self.recompute = hidden, act_bytes, cp, tp, recompute
+
+    @classmethod
+    def of(cls, model: nn.Module, mode: str, cp: int, tp: int = 1, recompute: bool = False) -> CpChooser:
+        """Raises :class:`ParallelConfigError` naming ``cp_mode`` for an unknown mode, a Mamba2 mixer
+        under ``"states"`` or ``tp > 1`` with it, or the head field (:func:`cp_plan`) when no mode can
+        run a layer."""
         from harts_runtime.parallel.context import cp_plan
 
-        try:
-            for b in model.blocks:
-                if b.mixer is not None:
-                    cp_plan(b.mixer, 1, cp)
-            return ["heads" if k else "none" for k in kinds]
-        except ParallelConfigError:
-            pass
-    out = []
-    for i, k in enumerate(kinds):
-        if k is None:
-            out.append("none")
-        elif k in LINEAR:
-            out.append("states")
-        elif k == "mamba2":
-            raise ParallelConfigError(
-                "cp_mode",
-                f"blocks[{i}].mixer is Mamba2: cp_mode='states' does not run Mamba2 yet; use 'heads'",
+        if mode not in CP_MODES:
+            raise ParallelConfigError("cp_mode", f"unknown {mode!r}; choose one of {CP_MODES}")
+        possible = []
+        for i, b in enumerate(model.blocks):
+            if b.mixer is None:
+                possible.append(("none",))
+                continue
+            kind = getattr(b, "mixer_kind", None)
+            where = f" (blocks[{i}].mixer)"
+            states_ok = kind in LINEAR + ATTENTION and tp == 1
+            if mode == "heads":
+                cp_plan(b.mixer, tp, cp, where)  # raises naming the head field
+                possible.append(("heads",))
+                continue
+            if mode == "states":
+                if not states_ok:
+                    why = f"tp = {tp}" if tp > 1 else f"{kind} mixers"
+                    raise ParallelConfigError(
+                        "cp_mode", f"'states' does not run {why} yet (blocks[{i}].mixer); use 'heads'"
+                    )
+                possible.append(("states",))
+                continue
+            try:
+                cp_plan(b.mixer, tp, cp, where)
+                heads = True
+            except ParallelConfigError:
+                if not states_ok:
+                    raise
+                heads = False
+            possible.append(tuple(m for m, ok in (("heads", heads), ("states", states_ok)) if ok))
+        mixers, hidden, act = None, 0, 4
+        if mode == "auto":
+            from harts_runtime.parallel.cp_cost import dims_of
+
+            d = dims_of(model.config)
+            mixers, hidden, act = d.mixers, d.hidden, d.act_bytes
+        return cls(mode, possible, mixers, hidden, act, cp, tp, recompute)
+
+    def choose(self, split, n: int) -> list[str]:
+        """The mode of every block (``"none"`` without a mixer) for a microbatch of ``n`` rows split by
+        ``split`` (None: an empty microbatch)."""
+        out = []
+        for i, can in enumerate(self.possible):
+            if len(can) == 1 or split is None:
+                out.append(can[0])
+                continue
+            from harts_runtime.parallel.cp_cost import Link, SplitShape, choose_cp_mode
+
+            out.append(
+                choose_cp_mode(
+                    self.mixers[i],
+                    self.hidden,
+                    n,
+                    self.cp,
+                    Link.NVLINK,
+                    split=SplitShape.of_split(split),
+                    act_bytes=self.act_bytes,
+                    recompute=self.recompute,
+                    tp=self.tp,
+                )
             )
-        else:
-            out.append("heads")
-    return out
+        return out
 
 
-def attach_cp_rows(step, mb, call_plan, *, cp_mesh, capacity: int | None = None) -> None:
-    """The hook :func:`harts_runtime.microbatch.make_microbatch` calls on a model under
-    ``cp_mode="states"``: splits the microbatch (:func:`harts_planner.plan_cp`, the layout's chunk
-    size and convolution width) and puts this rank's :class:`CpRows` with its :class:`LocalPlan` in
-    ``mb.layout.info["cp_rows"]``. ``capacity``: the per-rank row capacity T, when known; a split
-    that leaves a rank more rows than T (the chunk grid allows no better cut) is refused naming
-    ``cp``."""
+def attach_cp_rows(step, mb, call_plan, *, cp_mesh, chooser: CpChooser, capacity: int | None = None) -> None:
+    """The hook :func:`harts_runtime.microbatch.make_microbatch` calls on a model under ``cp_mode``
+    ``"states"`` or ``"auto"``: splits the microbatch (:func:`harts_planner.plan_cp`, the layout's
+    chunk size and convolution width), chooses each mixer's mode (:class:`CpChooser`) and puts this
+    rank's :class:`CpRows` in ``mb.layout.info["cp_rows"]``: ``row_block`` rows when every mixer runs
+    head-parallel, else the split's rows with the :class:`LocalPlan` of the linear mixers and the
+    attention plan (:class:`~harts_runtime.parallel.cp_attention.StatesAttentionPlan`). The choice
+    goes into ``mb.stats`` as ``cp_states/blocks.<i>`` (1: states, 0: heads). ``capacity``: the
+    per-rank row capacity T, when known; a split that leaves a rank more rows than T (the chunk grid
+    allows no better cut) is refused naming ``cp``."""
     from harts_planner import plan_cp
+    from harts_runtime.parallel.cp_attention import StatesAttentionPlan
 
     layout = mb.layout
     size, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     kda = layout.kda
-    if layout.num_rows == 0 or call_plan is None:
-        rows = CpRows.blocks(layout.num_rows, size, rank)
-        width = kda.conv_width if kda is not None else 2
-        rows.local = empty_plan(size, rank, max(width, 2))
-        layout.info["cp_rows"] = rows
-        return
-    split = plan_cp(
-        step.batch,
-        np.asarray(call_plan.trajectories, dtype=np.int64),
-        size,
-        kda.chunk_size,
-        conv_width=kda.conv_width,
-    )
-    held = np.diff(np.asarray(split.rank_row_offsets, dtype=np.int64))
-    if capacity is not None and int(held.max()) > capacity:
-        r = int(np.argmax(held))
-        raise ParallelConfigError(
-            "cp",
-            f"the split of a {layout.num_rows}-row microbatch over cp = {size} gives rank {r} "
-            f"{int(held[r])} rows, more than the per-rank capacity {capacity} (cuts must fall on the "
-            f"chunk grid, B = {kda.chunk_size})",
+    n = layout.num_rows
+    split = None
+    if n and call_plan is not None:
+        split = plan_cp(
+            step.batch,
+            np.asarray(call_plan.trajectories, dtype=np.int64),
+            size,
+            kda.chunk_size,
+            conv_width=kda.conv_width,
         )
-    rows = cp_rows_plan(layout, split, rank, call_plan.row_to_physical)
-    device = layout.input_ids.device if layout.input_ids is not None else "cpu"
-    rows.local = rows.local.to(device)
+        held = np.diff(np.asarray(split.rank_row_offsets, dtype=np.int64))
+        if capacity is not None and int(held.max()) > capacity:
+            r = int(np.argmax(held))
+            raise ParallelConfigError(
+                "cp",
+                f"the split of a {n}-row microbatch over cp = {size} gives rank {r} {int(held[r])} "
+                f"rows, more than the per-rank capacity {capacity} (cuts fall on the chunk grid, "
+                f"B = {kda.chunk_size})",
+            )
+    modes = chooser.choose(split, n)
+    for i, m in enumerate(modes):
+        if m != "none":
+            mb.stats[f"cp_states/blocks.{i}"] = int(m == "states")
+    kinds = {m for m in modes if m != "none"}
+    if kinds <= {"heads"}:
+        rows = CpRows.blocks(n, size, rank)
+    elif split is None:  # an empty microbatch: every collective still runs, on no rows
+        rows = CpRows.blocks(n, size, rank)
+        rows.local = empty_plan(size, rank, max(kda.conv_width if kda is not None else 2, 2))
+        rows.attention = StatesAttentionPlan.build(
+            np.full(n, -1, np.int64), [0] * (size + 1), positions=np.zeros(n, np.int64)
+        )
+    else:
+        rows = cp_rows_plan(layout, split, rank, call_plan.row_to_physical)
+        device = layout.input_ids.device if layout.input_ids is not None else "cpu"
+        if rows.local is not None:
+            rows.local = rows.local.to(device)
+        rows.attention = StatesAttentionPlan.from_call_plan(step.batch, call_plan, split)
+    rows.modes = modes
     layout.info["cp_rows"] = rows

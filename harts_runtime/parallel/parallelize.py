@@ -250,7 +250,7 @@ def parallelize(
     dims = mesh.dims
     _blocks(model)
     if dims.cp > 1:
-        apply_cp_rows(model, mesh, cp_mode)
+        apply_cp_rows(model, mesh, cp_mode, recompute=recompute)
     if dims.tp > 1:
         apply_tp(model, mesh)
     if dims.cp > 1:

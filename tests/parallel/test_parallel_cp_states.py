@@ -53,5 +53,5 @@ def test_cp_states_step_matches_one_process(case):
     world, dims_kw, keep, cp_mode = CASES[case]
     results = run_distributed(_worker, world, dims_kw, keep, cp_mode, timeout=200)
     dims = ParallelDims(world_size=world, **dims_kw)
-    assert results[0]["modes"] == ["states", "heads", "states", "heads"]
+    assert all(m == ("states",) for m in results[0]["modes"])
     _check(results, train_single(*_build(dims.dp, dims.cp), keep), tol_logprob=TOL_LOGPROB_CP)
