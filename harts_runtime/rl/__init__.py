@@ -16,9 +16,25 @@ One job per module:
 ==========================================  =========================================================
 """
 
+import importlib
+
 from harts_runtime.rl.config import RLConfig
 from harts_runtime.rl.environment import Task
-from harts_runtime.rl.loop import RLRun
-from harts_runtime.rl.rollout_engine import Frontier, RolloutEngine, SyncError, check_sync
 
 __all__ = ["Frontier", "RLConfig", "RLRun", "RolloutEngine", "SyncError", "Task", "check_sync"]
+
+_LAZY = {
+    "RLRun": "harts_runtime.rl.loop",
+    "Frontier": "harts_runtime.rl.rollout_engine",
+    "RolloutEngine": "harts_runtime.rl.rollout_engine",
+    "SyncError": "harts_runtime.rl.rollout_engine",
+    "check_sync": "harts_runtime.rl.rollout_engine",
+}
+"""Names imported on first use: they need torch, which ``harts-rl`` imports only once its settings
+have passed their checks (a refused setting answers without it)."""
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -240,9 +240,9 @@ def _preflight(cfg: RLConfig, options: dict) -> str:
     task = make_task(cfg.task, **cfg.task_args)
     vocab = None
     if cfg.flavor is not None:
+        cfg.check_task(task)  # the tree's size first: cheap, and before torch is imported
         from harts_runtime.models import model_config
 
-        cfg.check_task(task)  # the tree's size first: cheap, and before the models are imported
         kw = {} if cfg.chunk_size is None else {"chunk_size": cfg.chunk_size}
         vocab = model_config(cfg.flavor, cfg.layers, **kw).vocab_size
     shape = cfg.check_task(task, vocab)

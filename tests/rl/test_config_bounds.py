@@ -267,6 +267,26 @@ def test_tree_bombs_are_refused_at_once(tmp_path, capsys, monkeypatch):
         _assert_refused(code, err, "", words)
 
 
+def test_a_tree_bomb_is_refused_without_importing_torch(tmp_path):
+    """The command answers from its settings alone (about 0.5 s for the whole process on a CPU,
+    most of it Python and numpy starting): torch is imported only once the settings passed."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "c.toml"
+    path.write_text("forks = {0 = 100000}\n")
+    code = (
+        "import sys; from harts_runtime.rl.cli import main; "
+        f"rc = main(['--flavor', 'kimi-linear-tiny', '--config', {str(path)!r}, '--out', {str(tmp_path / 'o')!r}]); "
+        "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().endswith(
+        "forks: the tree would have 100,000 leaves per prompt, over the limit max_leaves = 4,096"
+    )
+
+
 # ------------------------------------------------------------------------------ RLConfig.check_task
 class _Task(Task):
     name = "custom"
