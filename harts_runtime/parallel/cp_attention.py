@@ -354,6 +354,9 @@ def gather_needed(t_local: torch.Tensor, plan: StatesAttentionPlan, group) -> to
 def _core(layer, q, k, v, plan, rank, backend):
     """compact_attention of the local queries ``q`` [n, Hq, Dqk] over key rows ``k``, ``v``
     [m + n, ...] (the gathered rows first): the gathered rows get zero queries and are dropped."""
+    if q.shape[0] == 0:  # no local rows: keep the (empty) gathered rows in the graph, so that this
+        # rank's backward runs the all-to-all's too (a zero-row core output would be a constant)
+        return q.new_zeros(0, q.shape[1], v.shape[-1]) + 0 * (k.sum() + v.sum())
     m = k.shape[0] - q.shape[0]
     views = plan.rank_views(rank, q.device)
     q_all = torch.cat([q.new_zeros((m, *q.shape[1:])), q]) if m else q
