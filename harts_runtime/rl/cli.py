@@ -244,7 +244,12 @@ def _preflight(cfg: RLConfig, options: dict) -> str:
         from harts_runtime.models import model_config
 
         kw = {} if cfg.chunk_size is None else {"chunk_size": cfg.chunk_size}
-        vocab = model_config(cfg.flavor, cfg.layers, **kw).vocab_size
+        try:
+            vocab = model_config(cfg.flavor, cfg.layers, **kw).vocab_size
+        except InvalidInputError as e:
+            if e.field != "num_layers":
+                raise
+            raise InvalidInputError("layers", str(e)[len(e.field) + 2 :]) from None
     shape = cfg.check_task(task, vocab)
     return f"{shape.leaves:,} leaves ({cfg.prompts:,} prompts x {shape.leaves_per_prompt:,}), {shape.tokens:,} tokens per step"
 

@@ -212,6 +212,7 @@ FLAG_VALUES = [
     (["--prompts", "1000000"], "--prompts"),
     (["--layers", "0"], "--layers"),
     (["--layers", "5000"], "--layers"),
+    (["--layers", "50"], "--layers: flavor 'qwen3.5-tiny' supports 1..16 layers"),
     (["--chunk-size", "24"], "--chunk-size"),
     (["--temperature", "nan"], "--temperature"),
     (["--temperature", "1e9"], "--temperature"),
