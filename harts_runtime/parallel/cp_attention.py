@@ -67,8 +67,9 @@ Interface (what the states-mode integrator calls)
 * ``gather_needed(t_local, plan, group) -> t_need``: the rows of ``need[rank]`` of any row-wise
   tensor ``t_local`` [n_local, ...] (differentiable; a collective every rank of ``group`` calls);
 * ``states_attention(layer, x_local, plan, group, backend=None) -> y_local``: the layer's output
-  on the rank's rows, ``x_local`` the rank's rows of the layer input ``[hi - lo, D]``;
-  ``positions`` of the plan give RoPE positions.
+  on the rank's rows, ``x_local`` the rank's rows of the layer input ``[hi - lo, D]`` in row
+  (split) order, not a call plan's physical order; the plan's ``positions`` give RoPE positions.
+  Every rank of ``group`` calls it for every attention layer and runs its backward.
 
 ``group`` is a process group or a 1-D device mesh (its group); the rank's place in it is its CP
 rank. Under tensor parallelism call it inside the TP region: the layers read their head counts
