@@ -222,6 +222,34 @@ def _settings(argv, given: dict) -> tuple[dict, dict, str | None]:
     return rl, options, resume
 
 
+def _check_out(out: str) -> None:
+    """The run folder can be made: it is a folder or not there yet, under a writable folder."""
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"--out: {out} is a file, not a folder", "--out")
+    parent = p
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"--out: {out}: {parent} is a file, not a folder", "--out")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--out: {out}: {parent} is not writable", "--out")
+
+
+def _check_device(device: str) -> None:
+    if device == "cpu":
+        return
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.split(":")[1]) if ":" in device else 0
+    if index >= n:
+        have = (
+            "no CUDA device" if n == 0 else f"{n} CUDA device{'s' if n > 1 else ''} (cuda:0 to cuda:{n - 1})"
+        )
+        raise InvalidInputError("device", f"{device}: this machine has {have}")
+
+
 def _preflight(cfg: RLConfig, options: dict) -> str:
     """Every check that needs no model, before any work: the engine options, the task and its
     arguments, the tree's size (:meth:`RLConfig.check_task`), and for a flavor its layers, chunk
@@ -251,6 +279,7 @@ def _preflight(cfg: RLConfig, options: dict) -> str:
                 raise
             raise InvalidInputError("layers", str(e)[len(e.field) + 2 :]) from None
     shape = cfg.check_task(task, vocab)
+    _check_device(cfg.device)
     return f"{shape.leaves:,} leaves ({cfg.prompts:,} prompts x {shape.leaves_per_prompt:,}), {shape.tokens:,} tokens per step"
 
 
@@ -272,6 +301,7 @@ def _run(argv, err, given: dict) -> int:
         out = rl.pop("_out")
         if (Path(out) / "run.json").exists():
             raise UsageError(f"--out: {out} holds a run already; continue it with --resume {out}", "--out")
+        _check_out(out)
         cfg = RLConfig(**rl)
         options.setdefault("capacity", 4096 if cfg.device == "cpu" else 65_536)
         options.setdefault("lr", 1e-6 if cfg.model else 1e-2)

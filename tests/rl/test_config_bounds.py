@@ -249,6 +249,24 @@ def test_a_missing_model_folder_names_model_not_a_flavor(tmp_path, capsys, monke
     _assert_refused(code, err, "--model", "not a folder")
 
 
+def test_an_unusable_out_folder_or_device_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    for out, words in (
+        (tmp_path / "file", "is a file, not a folder"),
+        (tmp_path / "file" / "sub", "is a file"),
+    ):
+        code, err = _run(tmp_path, capsys, ["--flavor", "qwen3.5-tiny", "--out", str(out)], monkeypatch)
+        _assert_refused(code, err, "--out", words)
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    code, err = _run(
+        tmp_path,
+        capsys,
+        ["--flavor", "qwen3.5-tiny", "--device", f"cuda:{n}", "--out", str(tmp_path / "o")],
+        monkeypatch,
+    )
+    _assert_refused(code, err, "--device", "this machine has")
+
+
 def test_tree_bombs_are_refused_at_once(tmp_path, capsys, monkeypatch):
     """``forks = {0 = 100000}`` ran 240 s until killed and ``prompts = 10**6`` reached 6.8 GB; both
     are refused before anything is allocated (the constructor of the loop fails the test)."""
