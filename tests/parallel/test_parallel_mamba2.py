@@ -12,6 +12,9 @@ recomputation (a 2-layer checkpoint with 4 groups: one per rank) equal one proce
 every log-prob, every gradient (full tensors), the expert-load counts and every weight, within
 ``test_parallel_step``'s named tolerances (``test_parallel_cp``'s log-prob tolerance under CP).
 
+Every rank also loads the checkpoint sharded (``load_pretrained(path, mesh=...)``: its slices of
+transformers' fused ``in_proj`` / ``conv1d``), which equals the whole load exactly.
+
 Also: the Mamba2 TP plan places every parameter by head or group blocks, and a degree that does
 not divide ``n_groups`` is one line naming the field.
 """
@@ -21,7 +24,7 @@ import pytest
 import torch
 from test_parallel_cp import TOL_LOGPROB_CP, T
 from test_parallel_cp import _batch as tree_batch
-from test_parallel_step import TOL_LOGPROB, _check, train_parallel, train_single
+from test_parallel_step import TOL_LOGPROB, _check, _full, train_parallel, train_single
 
 from harts_runtime.parallel import ParallelConfigError, ParallelDims, run_distributed
 
@@ -72,9 +75,19 @@ def _build(path, dp, cp):
 
 
 def _worker(rank, world, path, dims_kw, keep):
+    from harts_runtime import load_pretrained
+
     dims = ParallelDims(world_size=world, **dims_kw)
+    mesh = dims.build_mesh()
     model, step, plan = _build(path, dims.dp, dims.cp)
-    return train_parallel(model, step, plan, dims.build_mesh(), keep)
+    whole = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out = train_parallel(model, step, plan, mesh, keep)
+    # each rank reading only its slices of the HF tensors (the fused in_proj / conv1d too)
+    sharded = load_pretrained(path, mesh=mesh, dtype="float32", chunk_size=CHUNK)
+    out["sharded_load_diff"] = max(
+        float((_full(p.detach()) - whole[n]).abs().max()) for n, p in sharded.named_parameters()
+    )
+    return out
 
 
 BOTH = ("attention", "linear_attention")
@@ -94,6 +107,7 @@ def test_nemotron_h_step_matches_one_process(case, checkpoint):
     dims = ParallelDims(world_size=2, **dims_kw)
     ref = train_single(*_build(checkpoint, dims.dp, dims.cp), keep)
     _check(results, ref, tol_logprob=TOL_LOGPROB_CP if dims.cp > 1 else TOL_LOGPROB)
+    assert all(r["sharded_load_diff"] == 0.0 for r in results)
 
 
 @pytest.mark.slow
@@ -103,6 +117,7 @@ def test_nemotron_h_cp2_tp2_sp_matches_one_process(checkpoint_g4):
     results = run_distributed(_worker, 4, checkpoint_g4, dims_kw, (), timeout=300)
     ref = train_single(*_build(checkpoint_g4, 1, 2), ())
     _check(results, ref, tol_logprob=TOL_LOGPROB_CP)
+    assert all(r["sharded_load_diff"] == 0.0 for r in results)
 
 
 def test_mamba2_plan_places_blocks_and_names_n_groups():
