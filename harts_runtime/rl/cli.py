@@ -14,7 +14,9 @@ file (``--config``: TOML or JSON) holds the same keys (``forks = {0 = 4, 1 = 2}`
 ``DIR/metrics.jsonl`` per step; the reward curve at the end (:mod:`harts_runtime.rl.metrics`).
 Errors are one line: exit code 2 for bad input (a flag, the config file, an environment's token id
 out of range or non-finite reward: the step is refused and the last checkpoint stays intact), 1
-otherwise.
+otherwise. Every setting is checked before any work, and before torch is imported where it can be
+(the bounds: :mod:`harts_runtime.rl.config`); the message names the flag (``--layers: ...``) or
+the config file and key (``rl.toml: forks: ...``).
 """
 
 from __future__ import annotations
