@@ -118,21 +118,36 @@ PREDEFINED = {
     "ep2": "dp_shard=2,ep=2",
     "tp2": "tp=2",
     "tp2-sp": "tp=2,sp",
+    "cp2": "cp=2,cp_mode=heads",
+    "cp2-states": "cp=2,cp_mode=states",
+    "cp2-auto": "cp=2,cp_mode=auto",
     # world size 4
     "dp4": "dp_shard=4",
     "dp4-ep4": "dp_shard=4,ep=4",
     "hsdp2x2": "dp_replicate=2,dp_shard=2",
     "dp2-tp2-sp": "dp_shard=2,tp=2,sp",
     "dp2-tp2-sp-ep2": "dp_shard=2,tp=2,sp,ep=2",  # the paper's DP2/TP2/SP/EP4 (module docstring)
+    "cp4": "cp=4,cp_mode=heads",
+    "cp4-states": "cp=4,cp_mode=states",
+    "cp4-auto": "cp=4,cp_mode=auto",
+    "dp2-cp2-states": "dp_shard=2,cp=2,cp_mode=states",
     # world size 8
     "dp8": "dp_shard=8",
     "dp8-ep8": "dp_shard=8,ep=8",
     "hsdp2x4-ep4": "dp_replicate=2,dp_shard=4,ep=4",
     "dp4-tp2-sp": "dp_shard=4,tp=2,sp",
     "dp4-tp2-sp-ep4": "dp_shard=4,tp=2,sp,ep=4",  # the paper's DP4/TP2/SP/EP8 (module docstring)
+    "cp8": "cp=8,cp_mode=heads",
+    "cp8-states": "cp=8,cp_mode=states",
+    "cp8-auto": "cp=8,cp_mode=auto",
+    "dp2-cp4-states": "dp_shard=2,cp=4,cp_mode=states",
 }
 ALIASES = {"table4-4gpu": "dp2-tp2-sp-ep2", "table4-8gpu": "dp4-tp2-sp-ep4"}
-DEGREES = ("dp_replicate", "dp_shard", "tp", "ep")
+DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "ep")
+CP_MODES = ("heads", "states", "auto")
+#: NVLink multicast stays off in every process (set before torch.distributed starts; children inherit it)
+NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+os.environ.update(NVLS_OFF)
 TRUE, FALSE = ("", "1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -159,6 +174,10 @@ def parse_kv(spec: str) -> dict:
             if val not in TRUE + FALSE:
                 raise ConfigSpecError(f"{spec!r}: {part!r}: sp takes no value or one of 0/1/true/false")
             kw["sequence_parallel"] = val in TRUE
+        elif key == "cp_mode":
+            if val not in CP_MODES:
+                raise ConfigSpecError(f"{spec!r}: {part!r}: cp_mode takes one of {'/'.join(CP_MODES)}")
+            kw["cp_mode"] = val
         elif key in DEGREES:
             if not eq or not val.isdigit() or int(val) < 1:
                 raise ConfigSpecError(f"{spec!r}: {part!r}: {key} needs a positive integer ({key}=N)")
@@ -168,7 +187,9 @@ def parse_kv(spec: str) -> dict:
                 f"{spec!r}: there is no dp=; use dp_shard= (FSDP) and/or dp_replicate= (HSDP): D = their product"
             )
         else:
-            raise ConfigSpecError(f"{spec!r}: unknown key {key!r}; keys: {', '.join(DEGREES)}, sp")
+            raise ConfigSpecError(f"{spec!r}: unknown key {key!r}; keys: {', '.join(DEGREES)}, sp, cp_mode")
+    if "cp_mode" in kw and kw.get("cp", 1) < 2:
+        raise ConfigSpecError(f"{spec!r}: cp_mode needs cp >= 2 (cp=2,cp_mode=...)")
     return kw
 
 
@@ -200,7 +221,7 @@ def predefined_for(world: int) -> list[tuple[str, dict]]:
     out = []
     for name, spec in PREDEFINED.items():
         kw = parse_kv(spec)
-        if kw.get("dp_replicate", 1) * kw.get("dp_shard", 1) * kw.get("tp", 1) == world:
+        if kw.get("dp_replicate", 1) * kw.get("dp_shard", 1) * kw.get("cp", 1) * kw.get("tp", 1) == world:
             out.append((name, kw))
     return out
 
@@ -209,16 +230,16 @@ def make_dims(kw: dict, world: int):
     """``(ParallelDims, None)`` or ``(None, why it is skipped)``."""
     from harts_runtime.parallel import ParallelConfigError, ParallelDims
 
-    r, t = kw.get("dp_replicate", 1), kw.get("tp", 1)
-    kw = dict(kw)
+    r, t, c = kw.get("dp_replicate", 1), kw.get("tp", 1), kw.get("cp", 1)
+    kw = {k: v for k, v in kw.items() if k != "cp_mode"}
     if "dp_shard" in kw:
-        want = r * kw["dp_shard"] * t
+        want = r * kw["dp_shard"] * c * t
         if want != world:
-            return None, f"needs {want} ranks (dp_replicate * dp_shard * tp), the job has {world}"
-    elif world % (r * t):
-        return None, f"dp_replicate * tp = {r * t} does not divide the job's {world} ranks"
+            return None, f"needs {want} ranks (dp_replicate * dp_shard * cp * tp), the job has {world}"
+    elif world % (r * c * t):
+        return None, f"dp_replicate * cp * tp = {r * c * t} does not divide the job's {world} ranks"
     else:
-        kw["dp_shard"] = world // (r * t)
+        kw["dp_shard"] = world // (r * c * t)
     try:
         return ParallelDims(world_size=world, **kw), None
     except ParallelConfigError as e:
@@ -461,23 +482,271 @@ def _noise_floor(ref: dict, ref32: dict) -> dict:
     }
 
 
-def run_config(text: str, dims, args, dev, step, cfg, mixed: bool, ref_cache: dict) -> dict:
+# ---------------------------------------------------------------------------------------- long trees
+def parse_rows(text: str) -> int:
+    """``"256k"`` -> 262,144, ``"1M"`` -> 1,048,576, ``"4096"`` -> 4,096 (``--tree-rows``)."""
+    t = str(text).strip().lower()
+    mult = {"k": 1 << 10, "m": 1 << 20}.get(t[-1:], 1)
+    digits = t[:-1] if mult > 1 else t
+    if not digits.isdigit() or int(digits) * mult < 64:
+        raise ConfigSpecError(f"--tree-rows: {text!r} is not a row count >= 64 (e.g. 256k, 512k, 1M, 4096)")
+    return int(digits) * mult
+
+
+def long_tree_step(rows: int, trees: int, vocab: int, seed: int, objective: str = "grpo"):
+    """``trees`` agentic trees of ``rows`` compact rows each (a :class:`StepInputs`): a prompt and
+    first turns of 40% of the rows, two branches of 10% (a tool call each), each forking into two
+    answers of 10%: 4 trajectories of 60% of the rows per tree (longer than one rank's share of a
+    microbatch at any C >= 2), semantic tokens 2.4x the rows. Siblings and trees start with distinct
+    tokens, so the rows shared are exactly the tree's prefixes."""
+    from harts_planner import RolloutBatch
+    from harts_runtime import StepInputs
+
+    if vocab < 8 * trees:
+        raise ConfigSpecError(
+            f"--tree-rows: {trees} trees need a vocabulary of >= {8 * trees} tokens, got {vocab}"
+        )
+    rng = np.random.default_rng(seed)
+    root_n = rows - 6 * (rows // 10)
+    seg = rows // 10
+    paths, tree_ids = [], []
+    for t in range(trees):
+
+        def seg_of(n, first):
+            x = rng.integers(0, vocab, n)
+            x[0] = first
+            return x
+
+        root = seg_of(root_n, t)
+        for a in range(2):
+            mid = seg_of(seg, trees + 2 * t + a)
+            for b in range(2):
+                paths.append(np.concatenate([root, mid, seg_of(seg, 3 * trees + 2 * t + b)]))
+                tree_ids.append(t)
+    tokens = np.concatenate(paths).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum([len(p) for p in paths])]).astype(np.int64)
+    batch = RolloutBatch.from_arrays(tokens, offsets, np.asarray(tree_ids, dtype=np.int64))
+    if batch.compact_tokens != trees * rows:
+        raise AssertionError(f"long_tree_step: {batch.compact_tokens} compact rows, wanted {trees * rows}")
+    return StepInputs.synthetic(batch, seed, objective, vocab_size=vocab)
+
+
+def capacity_for(args, dims, cfg) -> int:
+    """T, the per-rank capacity: ``--capacity``, or with ``--tree-rows`` the tree's rows over C
+    (rounded up to the chunk size), so that one tree is one microbatch of the CP group."""
+    if args.capacity is not None:
+        return args.capacity
+    if args.tree_rows is None:
+        return 16384
+    b = cfg.chunk_size
+    per_rank = -(-args.tree_rows // dims.cp)
+    return -(-per_rank // b) * b
+
+
+# ---------------------------------------------------------------------------------------- counted bytes
+def _cp_eval():
+    """``benchmarks/cp_eval.py`` (its collective counter and its counted-bytes model), or None and why."""
+    try:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import cp_eval
+
+        return cp_eval, ""
+    except Exception as e:  # the model lives beside this file; a checkout without it still runs
+        return None, f"benchmarks/cp_eval.py did not import ({type(e).__name__}: {e})"
+
+
+def cp_mode_supported() -> bool:
+    """Whether this runtime's ``parallelize`` takes ``cp_mode`` (the states mode of CP)."""
+    import inspect
+
+    from harts_runtime.parallel import parallelize
+
+    return "cp_mode" in inspect.signature(parallelize).parameters
+
+
+def counter_class(cpe):
+    """``cp_eval``'s collective counter, each record also with the bytes this rank *sent*: an
+    all-to-all's input splits for the other ranks; for the symmetric collectives (all-gather,
+    reduce-scatter, ring all-reduce) what a rank sends equals what it receives."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    base = cpe._counter_class()
+
+    class Counter(base):
+        def _measure(self, ns, op, args, out):
+            rec = super()._measure(ns, op, args, out)
+            if rec is None:
+                return rec
+            if ns != "c10d" and op == "all_to_all_single":
+                ins, group = [int(x) for x in args[2]], _resolve_process_group(args[3])
+                me = dist.get_rank(group)
+                row = args[0].numel() * args[0].element_size() // max(1, sum(ins)) if sum(ins) else 0
+                rec["sent"] = (sum(ins) - ins[me]) * row
+            else:
+                rec["sent"] = rec["received"]
+            return rec
+
+    return Counter
+
+
+def _kind_totals(records, key) -> dict:
+    out: dict = {}
+    for r in records:
+        k = key(r)
+        o = out.setdefault(k, {"calls": 0, "payload": 0, "received": 0, "sent": 0})
+        for f in o:
+            o[f] += r.get(f, r.get("received", 0) if f == "sent" else 0)
+    return out
+
+
+def _group_of(r) -> str:
+    return "fsdp" if r.get("source") == "c10d" else r.get("part", "?")
+
+
+def fixed_modes(model) -> list:
+    """Each block's CP mode when it is fixed at parallelization (``model._harts_cp_modes``: a mode
+    or a tuple of the possible ones per block; absent: head-parallel CP), None where the runtime
+    chooses per microbatch (``cp_mode="auto"`` with both possible)."""
+    got = getattr(model, "_harts_cp_modes", None)
+    if got is None:
+        return ["heads" if b.mixer is not None else "none" for b in model.blocks]
+    return [m if isinstance(m, str) else (m[0] if len(m) == 1 else None) for m in got]
+
+
+def chosen_modes(mb) -> list | None:
+    """The mode of each block in this microbatch's CP plan (``cp_mode`` states / auto), or None."""
+    info = getattr(getattr(mb, "layout", None), "info", None) or {}
+    got = getattr(info.get("cp_rows"), "modes", None)
+    return list(got) if got is not None else None
+
+
+def predicted_collectives(cpe, cfg, dims, mixed, recompute, possible, units, mbs, batch, cp_rank) -> tuple:
+    """``cp_eval``'s counted-bytes model of this rank's first step: the CP collectives of every
+    microbatch it ran (per layer in the mode the runtime chose) and FSDP2's over ``dp_shard x cp``.
+    ``(records, None)``, or ``(None, why)`` outside the model's scope."""
+    if dims.tp > 1 or dims.ep > 1 or dims.dp_replicate > 1:
+        return None, "cp_eval's model covers cp x dp_shard (no tp, ep or dp_replicate)"
+    act = 2 if mixed else 4
+    md = cpe.dims_of(cfg, act)
+    c = dims.cp
+    out = []
+    for mb in mbs:
+        if not mb["n"]:
+            continue
+        modes = mb.get("modes") or possible or ["none"] * len(cfg.mixers)
+        if None in modes:
+            return None, "the runtime chose modes per microbatch but the microbatch does not say which"
+        recs = cpe.microbatch_collectives(md, mb["n"], mb["p"], c, cp_rank, recompute, "heads")
+        if c > 1 and "states" in modes:
+            sp = cpe.states_split(batch, mb["traj"], c, cfg.chunk_size, cfg.conv_size)
+            mine = sp["ranks"][cp_rank]
+            rs = cpe.RankSplit(sp["pieces"], mine["halo_rows"], mine["attention_rows"], sp["rank_rows"])
+            st = cpe.microbatch_collectives(md, mb["n"], mb["p"], c, cp_rank, recompute, "states", rs)
+            recs = [r for r in recs if r["part"] != "mixer" or modes[r["layer"]] != "states"]
+            recs += [r for r in st if r["part"] == "mixer" and modes[r["layer"]] == "states"]
+        out += [dict(r, source="functional") for r in recs]
+        out += [dict(r, source="c10d") for r in cpe.fsdp_microbatch(units, dims.dp_shard * c, act, 4)]
+    return out, None
+
+
+def bytes_record(measured: list, predicted: list | None, why: str | None) -> dict:
+    """Per collective kind (``mixer`` / ``ffn`` / ``head`` parts of CP, ``fsdp``): calls, payload,
+    bytes received and sent, measured beside the prediction and its error in percent."""
+
+    def key(r):
+        return f"{_group_of(r)}/{r['collective']}"
+
+    meas = _kind_totals(
+        [r for r in measured if not (r.get("source") == "c10d" and r["collective"] == "all_reduce")], key
+    )
+    out = {"measured": meas}
+    if predicted is None:
+        out["predicted"], out["prediction_skipped"] = None, why
+        return out
+    pred = _kind_totals(predicted, key)
+    out["predicted"] = pred
+    err = {}
+    for k in sorted(set(meas) | set(pred)):
+        m, p = meas.get(k, {}).get("received", 0), pred.get(k, {}).get("received", 0)
+        err[k] = 100.0 * (m - p) / p if p else (0.0 if not m else None)
+    out["received_error_pct"] = err
+    tm = sum(v["received"] for v in meas.values())
+    tp_ = sum(v["received"] for v in pred.values())
+    out["total_received"] = {
+        "measured": tm,
+        "predicted": tp_,
+        "error_pct": 100.0 * (tm - tp_) / tp_ if tp_ else None,
+    }
+    return out
+
+
+def step_prediction(cpe, flavor: str, cfg, n: int, dims) -> dict:
+    """``cp_eval.predict`` (H200 anchors, the full-depth model) of one ``n``-row tree at this C, or
+    why it does not apply."""
+    if cpe is None:
+        return {"skipped": "no cp_eval"}
+    if flavor not in cpe.FLAVORS:
+        return {"skipped": f"cp_eval predicts {', '.join(cpe.FLAVORS)} only"}
+    full = cpe.config_of(flavor)
+    if len(full.mixers) != len(cfg.mixers):
+        return {
+            "skipped": f"cp_eval predicts the full-depth model ({len(full.mixers)} layers), this runs {len(cfg.mixers)}"
+        }
+    try:
+        return cpe.predict(flavor, n, dims.cp, "nvlink", dims.dp_shard)
+    except Exception as e:  # an anchor file missing in this checkout
+        return {"skipped": f"{type(e).__name__}: {e}"}
+
+
+def _cp_balance(dims, slot_runs, predicted) -> dict:
+    """Each CP group's measured per-rank busy seconds (median over the timed iterations) beside the
+    planner's CP split (each microbatch's rank costs, max / mean). Wall times: the ranks of a group
+    meet at every collective, so a light rank's wait shows in its time."""
+    from harts_planner.step_plan import imbalance
+
+    sec = np.median(np.asarray(slot_runs, dtype=np.float64), axis=0).sum(axis=1)  # [rank]
+    groups: dict = {}
+    for r in range(dims.world_size):
+        co = dims.coords(r)
+        groups.setdefault((co["replica"], co["tp"]), []).append(float(sec[r]))
+    measured = [
+        {"replica": k[0], "tp": k[1], "rank_busy_s": v, "imbalance": imbalance(v)} for k, v in groups.items()
+    ]
+    pred = [m["imbalance"] for m in predicted or []]
+    return {
+        "predicted_split": predicted,
+        "predicted_imbalance_max": max(pred, default=None),
+        "predicted_imbalance_mean": float(np.mean(pred)) if pred else None,
+        "measured": measured,
+        "measured_imbalance_max": max(m["imbalance"] for m in measured),
+    }
+
+
+def run_config(
+    text: str, dims, args, dev, step, cfg, mixed: bool, ref_cache: dict, cp_mode: str | None = None
+) -> dict:
     import harts_planner as hp
+    from harts_planner.step_plan import imbalance
     from harts_runtime import run_microbatch
     from harts_runtime.flops import work_compression
+    from harts_runtime.microbatch import make_microbatch
     from harts_runtime.parallel import parallelize, replica_schedule, run_replica_step, sync_expert_load
 
     rank = dist.get_rank()
     keep = tuple(k for k in args.keep.split(",") if k) if args.recompute else ()
     mesh = dims.build_mesh(dev.type)
     replica = mesh.replica
+    cp_rank = mesh.cp.get_local_rank() if dims.cp > 1 else 0
     lengths = np.asarray(step.batch.lengths, dtype=np.int64)
+    capacity = capacity_for(args, dims, cfg)
     t0 = time.perf_counter()
-    plan = hp.plan_step(step.batch, dims.dp, args.capacity, cfg.chunk_size)
+    plan = hp.plan_step(step.batch, dims.dp, capacity, cfg.chunk_size, cp_size=dims.cp)
     plan_step_s = time.perf_counter() - t0
 
     # the parallel model first: a configuration that parallelize refuses is skipped before the reference
     model = _build(cfg, False, dev, args.seed)
+    cpe, cpe_why = _cp_eval() if args.count_bytes else (None, "--no-count-bytes")
+    units = cpe._fsdp_units(model) if cpe is not None else None
     bf16 = torch.bfloat16 if mixed else None
     parallelize(
         model,
@@ -486,13 +755,17 @@ def run_config(text: str, dims, args, dev, step, cfg, mixed: bool, ref_cache: di
         keep=keep,
         param_dtype=bf16,
         reduce_dtype=torch.float32 if mixed else None,
+        **({"cp_mode": cp_mode} if cp_mode is not None else {}),
     )
     model.train()
+    possible = (
+        fixed_modes(model) if dims.cp > 1 else None
+    )  # per block: its mode, or None (chosen per microbatch)
 
     # ---- fidelity: single-device reference(s) on rank 0 (gradients through files on the local disk),
     # one per distinct step plan: configurations of the same D share them
     refs = {}
-    if rank == 0:
+    if rank == 0 and args.fidelity:
         key = (dims.dp, tuple(tuple(np.asarray(m).tolist()) for m in plan.microbatches))
         reused = key in ref_cache
         if not reused:
@@ -503,31 +776,81 @@ def run_config(text: str, dims, args, dev, step, cfg, mixed: bool, ref_cache: di
                     args, cfg, False, dev, step, plan, keep, base + "_fp32.pt"
                 )
         refs = ref_cache[key]
-    ref_loss = _max([refs["ref"]["loss"] if rank == 0 else -float("inf")], dev)[0]
+    ref_loss = _max([refs["ref"]["loss"] if refs else -float("inf")], dev)[0] if args.fidelity else None
 
     num_targets = step.num_targets
     lp_sum = torch.zeros(num_targets, dtype=torch.float64, device=dev)
     lp_cnt = torch.zeros(num_targets, dtype=torch.float64, device=dev)
 
+    first_mbs = []  # (rows, targets, trajectories) of each microbatch this rank ran in the counted step
+
     def fidelity_mb(slot, traj):
-        loss, st = run_microbatch(model, step, traj, "compact")
+        traj = np.asarray(traj, dtype=np.int64)
+        mb = make_microbatch(model, step, traj, "compact")
+        first_mbs.append(
+            {
+                "n": int(mb.num_rows),
+                "p": int(mb.target_index.shape[0]),
+                "traj": traj,
+                "modes": chosen_modes(mb),
+            }
+        )
+        loss, st = run_microbatch(model, step, microbatch=mb)
         ti = torch.as_tensor(st["target_index"], device=dev)
         lp_sum.index_add_(0, ti, st["logprobs"].to(dev, torch.float64))
         lp_cnt.index_add_(0, ti, torch.ones(ti.numel(), dtype=torch.float64, device=dev))
         return loss
 
+    # the first step runs under cp_eval's collective counter (bytes per rank and collective kind);
+    # the timed steps below run without it
+    counter = counter_class(cpe)() if cpe is not None else None
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     _sync(dev)
     t = time.perf_counter()
-    res = run_replica_step(plan, mesh, fidelity_mb)
+    if counter is not None:
+        with counter:
+            res = run_replica_step(plan, mesh, fidelity_mb)
+    else:
+        res = run_replica_step(plan, mesh, fidelity_mb)
     _sync(dev)
     first_step_s = _max([time.perf_counter() - t], dev)[0]
+    first_peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     sync_expert_load(model, mesh)
     dist.all_reduce(lp_sum)
     dist.all_reduce(lp_cnt)
+    if counter is not None:
+        pred, why = predicted_collectives(
+            cpe, cfg, dims, mixed, args.recompute, possible, units, first_mbs, step.batch, cp_rank
+        )
+        mine = bytes_record(counter.records, pred, why)
+    else:
+        mine = {"measured": None, "prediction_skipped": cpe_why}
+    per_rank_bytes = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank_bytes, {"rank": rank, "coords": mesh.coords, **mine})
+    cp_pred = None
+    if dims.cp > 1:  # the planner's CP split of each microbatch: predicted rank costs (states mode's split)
+        cp_pred = []
+        for m in plan.microbatches:
+            sp = hp.plan_cp(
+                step.batch, np.asarray(m, dtype=np.int64), dims.cp, cfg.chunk_size, conv_width=cfg.conv_size
+            )
+            cost = [int(x) for x in sp.rank_cost]
+            cp_pred.append({"rows": sp.num_rows, "rank_cost": cost, "imbalance": imbalance(cost)})
     out = {
         "config": text,
-        "label": dims_label(dims),
+        "label": dims_label(dims) + (f",cp_mode={cp_mode or 'default'}" if dims.cp > 1 else ""),
         "dims": dims_dict(dims),
+        "cp_mode": cp_mode if dims.cp > 1 else None,
+        "cp_modes_possible": [list(m) for m in getattr(model, "_harts_cp_modes", None) or []] or None,
+        "cp_modes_chosen": [m["modes"] or possible for m in first_mbs] if dims.cp > 1 else None,
+        "capacity": capacity,
+        "first_step_peak_GiB": first_peak,
+        "bytes_per_rank": per_rank_bytes,
+        "cp_split_predicted": cp_pred,
+        "step_prediction": step_prediction(cpe, args.flavor, cfg, args.tree_rows, dims)
+        if args.tree_rows is not None and dims.cp > 1
+        else None,
         "plan": {
             "dp_size": plan.dp_size,
             "num_microbatches": plan.num_microbatches,
@@ -539,10 +862,11 @@ def run_config(text: str, dims, args, dev, step, cfg, mixed: bool, ref_cache: di
         },
         "loss_single": ref_loss,
         "loss_parallel": res.loss,
-        "loss_rel_diff": abs(res.loss - ref_loss) / max(abs(ref_loss), 1e-12),
+        "loss_rel_diff": abs(res.loss - ref_loss) / max(abs(ref_loss), 1e-12) if args.fidelity else None,
+        "parallel_step_s_cold": first_step_s,
     }
-    grads = _compare_grads(model, refs, rank)
-    if rank == 0:
+    grads = _compare_grads(model, refs, rank) if args.fidelity else None
+    if rank == 0 and args.fidelity:
         ref = refs["ref"]
         lp = (lp_sum / lp_cnt.clamp_min(1)).cpu().numpy()
         covered = lp_cnt.cpu().numpy() > 0
@@ -568,7 +892,6 @@ def run_config(text: str, dims, args, dev, step, cfg, mixed: bool, ref_cache: di
             expert_load_max_rel_diff=count_err,
             reference_step_s_cold=ref["seconds"],
             reference_reused=reused,
-            parallel_step_s_cold=first_step_s,
             **grads["ref"].result(),
         )
         out["bf16_ok"] = bool(
@@ -598,7 +921,8 @@ def run_config(text: str, dims, args, dev, step, cfg, mixed: bool, ref_cache: di
     refs = grads = lp_sum = lp_cnt = None  # (closures hold some: rebinding frees them)
 
     # ---- speed: HARTS compact execution and the trajectory baseline, same configuration
-    base_plan = BaselinePlan(_baseline_schedule(lengths, args.capacity, dims.dp), lengths)
+    # (the baseline's microbatches hold C x T rows of expanded trajectories, as the engine's)
+    base_plan = BaselinePlan(_baseline_schedule(lengths, capacity * dims.cp, dims.dp), lengths)
     params = list(model.parameters())
 
     def timed(plan_like, mode, calls=None):
@@ -618,19 +942,36 @@ def run_config(text: str, dims, args, dev, step, cfg, mixed: bool, ref_cache: di
         _sync(dev)
         return r, time.perf_counter() - t
 
-    harts_t, base_t, plan_t, harts_slots, base_slots = [], [], [], [], []
+    harts_t, base_t, plan_t, harts_slots, base_slots, rank_t = [], [], [], [], [], []
+    run_base, base_error = args.baseline, None
+    peak = {"compact": 0.0, "trajectory": 0.0}
     for it in range(args.warmup + args.iters):
         t = time.perf_counter()
-        p = hp.plan_step(step.batch, dims.dp, args.capacity, cfg.chunk_size)
+        p = hp.plan_step(step.batch, dims.dp, capacity, cfg.chunk_size, cp_size=dims.cp)
         calls = [
             hp.plan_calls(step.batch, cfg.chunk_size, microbatch=m, conv_width=cfg.conv_size)
             for m in replica_schedule(p, replica)
         ]
         pt = time.perf_counter() - t
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
         hr, ht = timed(p, "compact", calls)
-        br, bt = timed(base_plan, "trajectory")
-        ht, bt, pt = _max([ht, bt, pt], dev)
-        hs, bs = _gather_rows(hr.slot_seconds, dev), _gather_rows(br.slot_seconds, dev)
+        if dev.type == "cuda":
+            peak["compact"] = max(peak["compact"], torch.cuda.max_memory_allocated(dev) / 2**30)
+            torch.cuda.reset_peak_memory_stats(dev)
+        br, bt = None, float("nan")
+        if run_base:
+            try:
+                br, bt = timed(base_plan, "trajectory")
+            except ValueError as e:  # refused when its microbatch is laid out (every rank alike)
+                run_base, base_error = False, f"{type(e).__name__}: {e}"
+                log(f"{text}: trajectory baseline refused under this configuration: {base_error}")
+        if dev.type == "cuda":
+            peak["trajectory"] = max(peak["trajectory"], torch.cuda.max_memory_allocated(dev) / 2**30)
+        rows = _gather_rows([ht, bt, pt], dev)  # every rank's wall seconds of the step
+        ht, bt, pt = (max(r[i] for r in rows) for i in range(3))
+        hs = _gather_rows(hr.slot_seconds, dev)
+        bs = _gather_rows(br.slot_seconds, dev) if br is not None else None
         log(f"{text}: iteration {it}: HARTS {ht:.3f} s, baseline {bt:.3f} s, planner {pt * 1e3:.1f} ms")
         if it >= args.warmup:
             harts_t.append(ht)
@@ -638,8 +979,30 @@ def run_config(text: str, dims, args, dev, step, cfg, mixed: bool, ref_cache: di
             plan_t.append(pt)
             harts_slots.append(hs)
             base_slots.append(bs)
+            rank_t.append(rows)
+    peaks = _gather_rows([peak["compact"], peak["trajectory"], first_peak or 0.0], dev)
     if rank == 0:
-        h, b, pl = statistics.median(harts_t), statistics.median(base_t), statistics.median(plan_t)
+        med = np.median(np.asarray(rank_t, dtype=np.float64), axis=0)  # [rank, (harts, baseline, planner)]
+        out["per_rank"] = [
+            {
+                "rank": r,
+                "coords": dims.coords(r),
+                "harts_step_s": float(med[r, 0]),
+                "baseline_step_s": float(med[r, 1]) if run_base else None,
+                "planner_s": float(med[r, 2]),
+                "peak_GiB": {"compact": peaks[r][0], "trajectory": peaks[r][1], "first_step": peaks[r][2]}
+                if dev.type == "cuda"
+                else None,
+                "bytes": per_rank_bytes[r],
+            }
+            for r in range(dims.world_size)
+        ]
+        if dims.cp > 1:
+            out["cp_balance"] = _cp_balance(dims, harts_slots, cp_pred)
+    if rank == 0:
+        h, pl = statistics.median(harts_t), statistics.median(plan_t)
+        b = statistics.median(base_t) if run_base else float("nan")
+        out["baseline_error"] = base_error
         all_calls = [
             hp.plan_calls(step.batch, cfg.chunk_size, microbatch=m, conv_width=cfg.conv_size)
             for m in p.microbatches
@@ -648,28 +1011,37 @@ def run_config(text: str, dims, args, dev, step, cfg, mixed: bool, ref_cache: di
         compression = step.batch.semantic_tokens / p.total_work
         out.update(
             harts_fbg_s=h,
-            baseline_fbg_s=b,
             planner_s=pl,
-            fbg_speedup=b / h,
-            core_speedup=b / (h + pl),
             step_compression=compression,
-            fbg_speedup_over_ideal=b / h / compression,
             ideal_work_compression_flops=work["ideal_work_compression"],
-            fbg_speedup_over_ideal_flops=b / h / work["ideal_work_compression"],
-            baseline_microbatches=len(base_plan.microbatches),
-            timings={"harts_fbg_s": harts_t, "baseline_fbg_s": base_t, "planner_s": plan_t},
             balance=_balance(p, harts_slots, dims),
-            baseline_balance=_balance(base_plan, base_slots, dims),
         )
+        if run_base:
+            out.update(
+                baseline_fbg_s=b,
+                fbg_speedup=b / h,
+                core_speedup=b / (h + pl),
+                fbg_speedup_over_ideal=b / h / compression,
+                fbg_speedup_over_ideal_flops=b / h / work["ideal_work_compression"],
+                baseline_microbatches=len(base_plan.microbatches),
+                baseline_balance=_balance(base_plan, base_slots, dims),
+            )
+        out["timings"] = {
+            "harts_fbg_s": harts_t,
+            "baseline_fbg_s": base_t if run_base else None,
+            "planner_s": plan_t,
+        }
         out["balance"]["predicted"]["plan_metrics"] = {
             k: p.metrics[k] for k in ("slot_imbalance_p50", "slot_imbalance_p95", "step_imbalance")
         }
         bal = out["balance"]
-        log(
-            f"{text}: F/B/Grad speedup {out['fbg_speedup']:.3f}x (ideal S/C {compression:.3f}x, ratio "
-            f"{out['fbg_speedup_over_ideal']:.3f}), core {out['core_speedup']:.3f}x; step imbalance predicted "
-            f"{bal['predicted']['step_imbalance']:.3f}, measured {bal['measured']['step_imbalance']:.3f}"
-        )
+        if run_base:
+            log(
+                f"{text}: F/B/Grad speedup {out['fbg_speedup']:.3f}x (ideal S/C {compression:.3f}x, ratio "
+                f"{out['fbg_speedup_over_ideal']:.3f}), core {out['core_speedup']:.3f}x; step imbalance "
+                f"predicted {bal['predicted']['step_imbalance']:.3f}, measured {bal['measured']['step_imbalance']:.3f}"
+            )
+        _log_rank_records(text, out)
     model = params = None
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -677,7 +1049,47 @@ def run_config(text: str, dims, args, dev, step, cfg, mixed: bool, ref_cache: di
     return out
 
 
+def _log_rank_records(text: str, out: dict) -> None:
+    """One line per rank: step time, peak memory, CP bytes received against cp_eval's prediction."""
+    for j, m in enumerate(out.get("cp_modes_chosen") or []):
+        log(f"{text}: microbatch {j} CP mode per block: {','.join(str(x) for x in m)}")
+    for r in out.get("per_rank", []):
+        b = r["bytes"] or {}
+        tot = b.get("total_received")
+        pk = r["peak_GiB"]
+        log(
+            f"{text}: rank {r['rank']}: HARTS {r['harts_step_s']:.3f} s, peak "
+            f"{'-' if pk is None else format(pk['compact'], '.2f') + ' GiB'}, bytes received "
+            + (
+                f"{tot['measured']:,.0f} (predicted {tot['predicted']:,.0f}, error "
+                f"{'-' if tot['error_pct'] is None else format(tot['error_pct'], '+.2f') + '%'})"
+                if tot
+                else f"{sum(v['received'] for v in (b.get('measured') or {}).values()):,} "
+                f"(no prediction: {b.get('prediction_skipped')})"
+            )
+        )
+
+
 # ---------------------------------------------------------------------------------------- main
+def resolve_flavor(flavor: str, layers: int | None):
+    """A runtime flavor (``model_config``) or one of ``cp_eval``'s published configs (e.g.
+    ``kimi-linear-48b-a3b``, its real widths), cut to its first ``layers`` layers."""
+    from harts_runtime import model_config
+    from harts_runtime.models import FLAVORS
+
+    if flavor in FLAVORS:
+        return model_config(flavor, layers)
+    cpe, why = _cp_eval()
+    if cpe is None or flavor not in cpe.PUBLISHED:
+        raise ConfigSpecError(
+            f"--flavor: unknown {flavor!r}; choose one of {sorted(FLAVORS)}"
+            + ("" if cpe is None else f" or {sorted(cpe.PUBLISHED)}")
+        )
+    cfg = cpe.config_of(flavor)
+    n = layers or len(cfg.mixers)
+    return cfg.replace(mixers=cfg.mixers[:n], ffns=cfg.ffns[:n])
+
+
 def _git_commit() -> str | None:
     try:
         return (
@@ -709,12 +1121,37 @@ def _table(results: list[dict]) -> str:
             lines.append(f"| {r['config']} | skipped: {r['skipped']} |||||||||")
             continue
         bal = r["balance"]
+
+        def f(key, spec, r=r):
+            v = r.get(key)
+            return "-" if v is None else format(v, spec)
+
         lines.append(
-            f"| {r['config']} | {r['label']} | {r['step_compression']:.3f}x | {r['fbg_speedup']:.3f}x | "
-            f"{r['fbg_speedup_over_ideal']:.3f} | {r['core_speedup']:.3f}x | {r['loss_rel_diff']:.2e} | "
-            f"{r['grad_max_rel_err']:.2e} | {r['grad_min_cos']:.6f} | {r['bf16_ok']} | "
+            f"| {r['config']} | {r['label']} | {f('step_compression', '.3f')}x | {f('fbg_speedup', '.3f')}x | "
+            f"{f('fbg_speedup_over_ideal', '.3f')} | {f('core_speedup', '.3f')}x | {f('loss_rel_diff', '.2e')} | "
+            f"{f('grad_max_rel_err', '.2e')} | {f('grad_min_cos', '.6f')} | {r.get('bf16_ok', '-')} | "
             f"{bal['predicted']['step_imbalance']:.3f} / {bal['measured']['step_imbalance']:.3f} |"
         )
+    cp = [r for r in results if r.get("per_rank") and r.get("dims", {}).get("cp", 1) > 1]
+    if cp:
+        lines += [
+            "",
+            "| config | rank | step s | peak GiB | CP+FSDP bytes received | predicted | error % | modes |",
+            "|---|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for r in cp:
+            modes = ",".join(sorted({str(x) for m in r.get("cp_modes_chosen") or [] for x in m} - {"none"}))
+            for x in r["per_rank"]:
+                tot = (x["bytes"] or {}).get("total_received") or {}
+                pk = x["peak_GiB"]
+                err = tot.get("error_pct")
+                lines.append(
+                    f"| {r['config']} | {x['rank']} | {x['harts_step_s']:.3f} | "
+                    f"{'-' if pk is None else format(pk['compact'], '.2f')} | "
+                    f"{'-' if not tot else format(tot['measured'], ',.0f')} | "
+                    f"{'-' if not tot else format(tot['predicted'], ',.0f')} | "
+                    f"{'-' if err is None else format(err, '+.2f')} | {modes} |"
+                )
     return "\n".join(lines)
 
 
@@ -732,7 +1169,38 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4, help="first N layers of the flavor (reduced model)")
     ap.add_argument("--preset", default="small", help="harts_planner.synth preset")
     ap.add_argument("--max-len", type=int, default=4096, help="cap trajectory length")
-    ap.add_argument("--capacity", type=int, default=16384, help="T, compact rows per microbatch")
+    ap.add_argument(
+        "--capacity",
+        type=int,
+        default=None,
+        help="T, compact rows per microbatch and CP rank (a microbatch holds C x T rows). Default 16384; "
+        "with --tree-rows the tree's rows / C",
+    )
+    ap.add_argument(
+        "--tree-rows",
+        default=None,
+        help="long-tree workload instead of --preset: one agentic tree per DP replica of this many compact "
+        "rows (256k, 512k, 1M, or a number), trajectories of 60%% of it (longer than T at C >= 2)",
+    )
+    ap.add_argument(
+        "--fidelity",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compare against one device holding every whole microbatch (off for trees one device cannot hold)",
+    )
+    ap.add_argument(
+        "--baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the trajectory-wise baseline",
+    )
+    ap.add_argument(
+        "--count-bytes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="count every collective of the first step per rank (benchmarks/cp_eval.py's counter) and "
+        "compare with its counted-bytes model",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--iters", type=int, default=2, help="timed iterations (median)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
@@ -767,16 +1235,29 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
         ap.error("--iters must be >= 1 and --warmup >= 0")
+    if args.capacity is not None and args.capacity < 1:
+        ap.error(f"--capacity must be >= 1, got {args.capacity}")
     try:
         items = parse_configs(args.configs, args.config)
+        if args.tree_rows is not None:
+            args.tree_rows = parse_rows(args.tree_rows)
     except ConfigSpecError as e:
         ap.error(str(e))
+    try:
+        cfg = resolve_flavor(args.flavor, args.layers)
+    except (ConfigSpecError, ValueError) as e:
+        ap.error(str(e))
+    asked = sorted({kw["cp_mode"] for _, kw in items if kw.get("cp_mode", "heads") != "heads"})
+    if asked and not cp_mode_supported():
+        ap.error(
+            f"--configs: cp_mode={'/'.join(asked)} needs parallelize(cp_mode=...), which this runtime does not "
+            "have yet; use cp=N alone (head-parallel CP)"
+        )
     if args.fast_autotune:  # before fla and our kernels are imported
         from harts_kernels.tuning import use_first_config_only
 
         use_first_config_only()
 
-    from harts_runtime import model_config
     from harts_runtime.demo import synthetic_step
     from harts_runtime.parallel import ParallelConfigError
 
@@ -792,11 +1273,25 @@ def main(argv=None) -> int:
         items = predefined_for(world)
         if not items:
             log(f"no predefined configuration has world size {world}; pass --configs")
-    cfg = model_config(args.flavor, args.layers)
     mixed = args.param_dtype == "bfloat16" or (args.param_dtype == "auto" and cfg.dtype == "bfloat16")
     if mixed:
         cfg = cfg.replace(dtype="float32")
-    step = synthetic_step(args.preset, args.seed, cfg.vocab_size, args.max_len, "grpo")
+    if args.tree_rows is not None:
+        steps: dict = {}  # DP degree -> one long tree per replica
+
+        def step_for(dp):
+            if dp not in steps:
+                steps.clear()
+                steps[dp] = long_tree_step(args.tree_rows, dp, cfg.vocab_size, args.seed)
+            return steps[dp]
+
+        step = step_for(1)
+    else:
+        step = synthetic_step(args.preset, args.seed, cfg.vocab_size, args.max_len, "grpo")
+
+        def step_for(dp):
+            return step
+
     b = step.batch
     doc = {
         "args": vars(args),
@@ -816,11 +1311,12 @@ def main(argv=None) -> int:
             "compute": "bfloat16" if mixed else cfg.dtype,
         },
         "step": {
-            "preset": args.preset,
+            "preset": args.preset if args.tree_rows is None else f"long trees of {args.tree_rows:,} rows",
             "trajectories": b.num_trajectories,
             "semantic_tokens": b.semantic_tokens,
             "compact_tokens": b.compact_tokens,
             "capacity": args.capacity,
+            "tree_rows": args.tree_rows,
         },
         "results": [],
     }
@@ -828,15 +1324,18 @@ def main(argv=None) -> int:
         f"world {world}, {args.flavor} x {cfg.num_layers} layers ({doc['model']['compute']} compute), "
         f"{b.num_trajectories} trajectories, S = {b.semantic_tokens:,}, C = {b.compact_tokens:,}"
     )
+    os.makedirs(args.scratch, exist_ok=True)
     ref_cache: dict = {}  # rank 0: step plan -> reference results and gradient files
     try:
         for text, kw in items:
             dims, why = make_dims(kw, world)
             if dims is not None:
                 try:
-                    rec = run_config(text, dims, args, dev, step, cfg, mixed, ref_cache)
-                except ParallelConfigError as e:  # parallelize refused the model (every rank alike)
-                    why = f"parallelize: {e}"
+                    rec = run_config(
+                        text, dims, args, dev, step_for(dims.dp), cfg, mixed, ref_cache, kw.get("cp_mode")
+                    )
+                except ParallelConfigError as e:  # parallelize or the runtime refused it (every rank alike)
+                    why = f"refused: {e}"
             if why is not None:
                 rec = {"config": text, "skipped": why}
                 log(f"{text}: skipped: {why}")
