@@ -165,18 +165,19 @@ def _sharded(model) -> bool:
     return sharded
 
 
-def _hf_tensors(model, adapter, memory: bool = False):
+def _hf_tensors(model, adapter, memory: bool = False, device="cpu"):
     """``(HF name, full tensor)`` of every checkpoint tensor of ``model`` (``memory``: every tensor
     of a transformers model's ``state_dict()``, the adapter's in-memory table), one at a time, in the
     adapter's order, on every rank (a sharded parameter is gathered with ``full_tensor()``, a
-    collective in the same order everywhere, and dropped after its last HF tensor)."""
+    collective in the same order everywhere, and dropped after its last HF tensor), on ``device``
+    (None: where the model's tensor is)."""
     state = {k: v.detach() for k, v in model.state_dict().items()}
     _check_state(adapter, state, _sharded(model))  # before the first tensor: an error writes nothing
     names = list(adapter.memory_names if memory else adapter.checkpoint_names)
-    return _hf_stream(adapter, state, names)
+    return _hf_stream(adapter, state, names, device)
 
 
-def _hf_stream(adapter, state: dict, names: list[str]):
+def _hf_stream(adapter, state: dict, names: list[str], device="cpu"):
     pieces = {n: adapter.pieces(n) for n in names}
     last_use = {p.ours: i for i, n in enumerate(names) for p in pieces[n]}
     full: dict[str, torch.Tensor] = {}
@@ -191,7 +192,7 @@ def _hf_stream(adapter, state: dict, names: list[str]):
         for i, name in enumerate(names):
             for p in pieces[name]:
                 ours(p.ours)
-            yield name, adapter.assemble(name, ours)
+            yield name, adapter.assemble(name, ours, device)
             for p in pieces[name]:
                 if last_use[p.ours] == i:
                     full.pop(p.ours, None)
@@ -202,11 +203,12 @@ def export_weights(model, model_type: str | None = None, *, memory: bool = False
     the checkpoint spelling :func:`save_pretrained` writes (for a rollout engine's weight sync:
     vLLM / SGLang ``load_weights``), or with ``memory=True`` in a transformers model's in-memory
     names and fused shapes (its ``state_dict()``: experts as ``[E, 2I, D]`` / ``[E, D, I]``, each
-    assembled from ours at once, never split per expert and stacked again). A parallelized model's
+    assembled from ours at once, never split per expert and stacked again), each on the device of
+    the model's tensors (a GPU model's stream stays on the GPU). A parallelized model's
     tensors are gathered collectively: every rank iterates the whole stream (each gets the full
     tensors). ``model_type`` as for :func:`save_pretrained`."""
     _, adapter = save_setup(model, model_type)
-    return _hf_tensors(model, adapter, memory=memory)
+    return _hf_tensors(model, adapter, memory=memory, device=None)
 
 
 def save_pretrained(

@@ -200,14 +200,17 @@ class HFStateDictAdapter:
         raise AssertionError(f"no pieces for kind {kind!r} ({name})")
 
     def assemble(self, name: str, ours: Callable[[str], torch.Tensor], device="cpu") -> torch.Tensor:
-        """The HF tensor ``name`` (a new contiguous tensor on ``device``) from our full tensors
-        ``ours(our_name)``; equals :meth:`to_checkpoint` / :meth:`to_hf`'s tensor of that name."""
+        """The HF tensor ``name`` (a new contiguous tensor on ``device``; None: on our tensors'
+        device) from our full tensors ``ours(our_name)``; equals :meth:`to_checkpoint` /
+        :meth:`to_hf`'s tensor of that name."""
         out = None
         for p in self.pieces(name):
             t = ours(p.ours)
             t = t if p.slot is None else t[p.slot]
             if out is None:
-                out = torch.empty(self.hf_shape(name), dtype=t.dtype, device=device)
+                out = torch.empty(
+                    self.hf_shape(name), dtype=t.dtype, device=t.device if device is None else device
+                )
             out[p.hf_index(tuple((0, s) for s in t.shape))] = p.from_ours(t)
         return out
 
