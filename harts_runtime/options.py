@@ -25,6 +25,7 @@ from harts_runtime.regions import KEEPABLE
 
 __all__ = [
     "DEFAULT_CAPACITY",
+    "CP_MODES",
     "DTYPES",
     "KEEPABLE",
     "MODES",
@@ -34,6 +35,11 @@ __all__ = [
     "option_fields",
 ]
 
+CP_MODES = ("heads", "states", "auto")
+"""How context parallelism runs each mixer: ``heads`` (head-parallel: every mixer's input rows
+gathered, C capped by the heads), ``states`` (state passing on the planner's split: C past the head
+count), ``auto`` (per layer and microbatch, the faster by the counted-bytes model; ``states`` where
+the heads do not divide)."""
 MODES = ("compact", "trajectory")
 """``compact``: HARTS; ``trajectory``: the trajectory-wise baseline (the same model and loss)."""
 DTYPES = ("float32", "bfloat16", "float16")
@@ -123,6 +129,13 @@ class ExecutionOptions:
         None, "FSDP2 gradient reduction dtype (default: param_dtype's)", choices=DTYPES
     )
     cpu_offload: bool = _opt(False, "FSDP2 CPU offload of weights, gradients and optimizer state (CUDA)")
+    cp_mode: str = _opt(
+        "auto",
+        "with cp > 1: heads (every mixer head-parallel, C capped by the head count), states (state "
+        "passing on the planner's split, any C) or auto (per layer and microbatch by the counted-bytes "
+        "model; the choice is in the step's metrics as cp_states/blocks.<i>)",
+        choices=CP_MODES,
+    )
 
     def __post_init__(self):
         _integer(self.capacity, "capacity", 1)
@@ -146,6 +159,7 @@ class ExecutionOptions:
             if getattr(self, name) is not None:
                 _choice(getattr(self, name), name, DTYPES)
         _boolean(self.cpu_offload, "cpu_offload")
+        _choice(self.cp_mode, "cp_mode", CP_MODES)
 
     def parallelize_options(self) -> dict:
         """The keywords of :func:`harts_runtime.parallel.parallelize` these options ask for."""
@@ -157,6 +171,8 @@ class ExecutionOptions:
             param_dtype=None if self.param_dtype is None else getattr(torch, self.param_dtype),
             reduce_dtype=None if self.reduce_dtype is None else getattr(torch, self.reduce_dtype),
             cpu_offload=self.cpu_offload,
+            cp_mode=self.cp_mode,
+            cp_capacity=self.capacity,
         )
 
 

@@ -357,7 +357,9 @@ def _select_ids(row_map: RowMap):
     return hook
 
 
-def apply_cp_rows(model: nn.Module, mesh, cp_mode: str = "heads", *, recompute: bool = False) -> list[str]:
+def apply_cp_rows(
+    model: nn.Module, mesh, cp_mode: str = "heads", *, recompute: bool = False, capacity: int | None = None
+) -> list[str]:
     """The first half of CP, applied before TP: every mixer gets its CP forward and the embedding
     reads its rank's rows' ids. ``cp_mode`` ``"heads"``: every mixer a :class:`ContextParallelMixer`
     (heads sliced per :func:`cp_plan`) on ``row_block`` rows; ``"states"`` or ``"auto"``: each
@@ -365,7 +367,8 @@ def apply_cp_rows(model: nn.Module, mesh, cp_mode: str = "heads", *, recompute: 
     :func:`~harts_runtime.parallel.context_states.attach_cp_rows`), and each mixer runs the mode the
     microbatch's plan gives it (:class:`~harts_runtime.parallel.context_states.CpChooser`: every
     mixer by state passing, or per layer from the counted-bytes model). Returns every block's
-    possible modes (``model._harts_cp_modes``). Raises :class:`ParallelConfigError` naming the field
+    possible modes (``model._harts_cp_modes``); ``capacity``: the per-rank rows T a split may give a
+    rank (None: unchecked). Raises :class:`ParallelConfigError` naming the field
     for a mixer CP cannot split, ``cp_mode`` for an unknown mode or one that cannot run a layer."""
     from harts_runtime.parallel.context_states import CpChooser, attach_cp_rows, states_forward
 
@@ -376,7 +379,9 @@ def apply_cp_rows(model: nn.Module, mesh, cp_mode: str = "heads", *, recompute: 
     model._harts_cp_modes = chooser.possible
     model.register_forward_pre_hook(lambda mod, args: row_map.set(args[0] if args else None))
     if cp_mode != "heads":
-        model._harts_cp_layout = functools.partial(attach_cp_rows, cp_mesh=cp_mesh, chooser=chooser)
+        model._harts_cp_layout = functools.partial(
+            attach_cp_rows, cp_mesh=cp_mesh, chooser=chooser, capacity=capacity
+        )
     model.embed.register_forward_pre_hook(_select_ids(row_map))
     for i, (block, possible) in enumerate(zip(model.blocks, chooser.possible)):
         if block.mixer is None:

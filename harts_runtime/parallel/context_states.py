@@ -64,6 +64,7 @@ from harts_runtime.errors import ParallelConfigError
 from harts_runtime.layout.conv import ConvWindows
 from harts_runtime.layout.kda_plan import KDARound, KDASchedule
 from harts_runtime.ops.keep import saves_are_transient
+from harts_runtime.options import CP_MODES
 from harts_runtime.parallel.tensor import gather_rows, row_block
 
 __all__ = [
@@ -80,9 +81,6 @@ __all__ = [
     "run_local",
 ]
 
-CP_MODES = ("heads", "states", "auto")
-"""``heads``: every mixer head-parallel (rows gathered per mixer); ``states``: linear mixers by state
-passing on the split's row ranges; ``auto``: per layer (:func:`states_layers`)."""
 
 LINEAR = ("kda", "gdn")
 """Mixer kinds that run by state passing."""

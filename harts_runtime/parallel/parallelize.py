@@ -234,11 +234,13 @@ def parallelize(
     cpu_offload: bool = False,
     reshard_after_forward: bool = True,
     cp_mode: str = "auto",
+    cp_capacity: int | None = None,
 ) -> nn.Module:
     """Apply TP, EP, recomputation and FSDP2 to ``model`` in place, in that order;
     returns it. ``mesh`` from :meth:`ParallelDims.build_mesh`; ``cp_mode`` (``"heads"``,
     ``"states"``, ``"auto"``) how CP runs each mixer (:func:`apply_cp_rows`; the choice per block is
-    ``model._harts_cp_modes``); the other options are those of :func:`apply_ac` (``recompute``,
+    ``model._harts_cp_modes``; ``cp_capacity`` the per-rank row capacity T a split must respect); the
+    other options are those of :func:`apply_ac` (``recompute``,
     ``keep``) and :func:`apply_fsdp`.
     """
     if not isinstance(mesh, ParallelMesh):
@@ -250,7 +252,7 @@ def parallelize(
     dims = mesh.dims
     _blocks(model)
     if dims.cp > 1:
-        apply_cp_rows(model, mesh, cp_mode, recompute=recompute)
+        apply_cp_rows(model, mesh, cp_mode, recompute=recompute, capacity=cp_capacity)
     if dims.tp > 1:
         apply_tp(model, mesh)
     if dims.cp > 1:
