@@ -269,9 +269,17 @@ class Mamba2Mixer(nn.Module):
 
     # ---------------------------------------------------------------- token-wise parts
     def _local(self) -> tuple[int, int, int]:
-        """(H, G, I) of the weights this forward runs with (a parallel rank's local blocks)."""
-        H = self.A_log.shape[0]
-        return H, self.in_proj_B.weight.shape[0] // self.config.state_size, H * self.config.head_dim
+        """(H, G, I) of the weights this forward runs with (a parallel rank's local blocks). Raises
+        :class:`InvalidInputError` (``n_groups``) unless they hold whole groups of heads."""
+        c = self.config
+        H, G = self.A_log.shape[0], self.in_proj_B.weight.shape[0] // c.state_size
+        if G < 1 or H * c.n_groups != G * c.num_heads:
+            raise InvalidInputError(
+                "n_groups",
+                f"the layer's weights hold {H} heads and {G} groups of B / C; a block of whole groups "
+                f"({c.num_heads // c.n_groups} heads each) is needed",
+            )
+        return H, G, H * c.head_dim
 
     def _features(self, x: torch.Tensor, windows: ConvWindows):
         """Per-row core inputs. x [R, D] -> q (C), k (B) [R, H, N] fp32; v (dt x) [R, H, P] fp32;

@@ -149,7 +149,7 @@ def test_local_blocks_of_a_rank_equal_the_whole_layer_on_its_groups():
     the whole layer's output restricted to that rank's heads: the sum over ranks of their partial
     ``out_proj`` outputs is the one-process output (forward and input gradient)."""
     import harts_planner as hp
-    from harts_runtime import HybridModel, model_config
+    from harts_runtime import HybridModel, InvalidInputError, model_config
     from harts_runtime.layout import KDAExecutionPlan, RowLayout
     from harts_runtime.parallel.context import _slice, cp_plan
     from harts_runtime.parallel.tensor import _params, local_parameters
@@ -182,3 +182,8 @@ def test_local_blocks_of_a_rank_equal_the_whole_layer_on_its_groups():
     torch.testing.assert_close(got, want, rtol=0, atol=TOL_LOCAL * scale)
     (dx,) = torch.autograd.grad(got.square().sum(), x)
     torch.testing.assert_close(dx, dx_want, rtol=0, atol=TOL_LOCAL * float(dx_want.abs().max()))
+    # a block that splits a group (one head of a 2-head group) is one line naming n_groups
+    local = [_slice(p, slices[n], 0, 4, 0) for n, p in zip(names, _params(mixer, names))]
+    with local_parameters(mixer, names, local), pytest.raises(InvalidInputError) as e:
+        mixer(x, layout)
+    assert e.value.field == "n_groups" and "\n" not in str(e.value)
