@@ -36,6 +36,14 @@ each one's ``sizes``):
 * ``shutdown_uploads``: SIGTERM (grace 300 s) with two trickling uploads (the issue: 300 s).
 * ``connections``: 1,100 idle connections against a server started at 1,024 descriptors (the issue:
   new clients, health included, locked out).
+* ``repeated_fields`` (issue 47): a streamed ``--repeat-mb`` (512) MiB PlanCalls whose
+  ``trajectories.packed.tokens`` is sent 63 times (within the 64-field cap; the issue: it went to
+  protobuf's parser, 2,450 MiB peak, health stalled ~10 s).
+* ``connection_cap`` (issue 47): ``--connections`` idle connections against ``--max-connections
+  --cap`` (100) and a ``--health-port`` (the issue: the flag capped nothing); how many the server
+  closed, the descriptors it held, a health check on each port.
+* ``drain_uploads`` (issue 47): SIGTERM while two gRPC clients upload; the status each client got
+  (the issue: CANCELLED, while the log said UNAVAILABLE).
 
 ``--launcher SCRIPT`` runs another ``harts-planner`` (a script that imports an older checkout's
 ``harts_planner.cli``): the figures before the change come from the commit before it. Flags the older
@@ -64,7 +72,17 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "rpc"))
 
-from attacks import Probe, Trickle, never_read, partial_uploads, records, stalled_streams  # noqa: E402
+from attacks import (  # noqa: E402
+    Probe,
+    Trickle,
+    closed_by_server,
+    idle_connections,
+    never_read,
+    open_fds,
+    partial_uploads,
+    records,
+    stalled_streams,
+)
 from h2_client import PREFACE, SETTINGS, frame  # noqa: E402
 from sidecar_fixtures import TREE, Raw, calls_request, copies_tree, memory, one_segment  # noqa: E402
 
@@ -104,6 +122,7 @@ class Server:
             preexec_fn=preexec_fn,
         )
         self.address = self.proc.address
+        self.health_address = self.proc.health_address
         self.idle = memory(self.proc.pid)
         self._hwm = self.idle["VmHWM"]  # sampled, so that a server that died still has a peak
         threading.Thread(target=self._sample, daemon=True).start()
@@ -643,6 +662,162 @@ def connections(args, log_dir, swe) -> dict:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+def _field(number: int, data: bytes) -> bytes:
+    return codec.header(number, len(data)) + data
+
+
+def _repeated_tokens(size: int, copies: int = 63) -> bytes:
+    """A PlanCalls of packed tokens whose tokens field is sent ``copies`` times, ``size`` bytes in all."""
+    one = bytes(size // copies // 4 * 4)
+    offsets = np.array([0, len(one) // 4], dtype="<i8").tobytes()
+    packed = b"".join(_field(1, one) for _ in range(copies)) + _field(2, offsets)
+    return _field(1, _field(1, packed)) + codec.varint(3 << 3) + codec.varint(64)
+
+
+def repeated_fields(args, log_dir, swe) -> dict:
+    """A ``--repeat-mb`` MiB streamed request of one array repeated (within the 64-field cap)."""
+    srv = Server(args, log_dir, "repeated_fields")
+    try:
+        data = _repeated_tokens(args.repeat_mb * MiB)
+        out: dict = {
+            "sizes": {"request_mb": round(len(data) / MiB, 1), "copies": 63},
+            "max_inflight_mb": limits.DEFAULT.max_inflight_bytes // MiB,
+        }
+        with Raw(srv.address) as raw:
+            probe = Probe(srv.address, args.probe_seconds)
+            t0 = time.perf_counter()
+            code, details = raw.code(srv.stream("PLAN_CALLS"), data, timeout=120)
+            out["code"], out["details"], out["s"] = (
+                code.name,
+                details[:160],
+                round(time.perf_counter() - t0, 2),
+            )
+            out["probe"] = probe.result()
+        del data
+        out["idle_mb"] = round(srv.idle["VmRSS"] / MiB, 1)
+        out["peak_mb"] = srv.peak_mb()
+        out["server_exit"] = srv.exit_code()
+        return out
+    finally:
+        srv.close()
+
+
+def _health(address: str, n: int) -> dict:
+    """``n`` health checks, each on a new channel (a new connection, as a prober makes): codes and ms."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    codes: dict[str, int] = {}
+    ms = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        with grpc.insecure_channel(address) as channel:
+            try:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                code = "OK"
+            except grpc.RpcError as e:
+                code = e.code().name
+        ms.append((time.perf_counter() - t0) * 1e3)
+        codes[code] = codes.get(code, 0) + 1
+    return {
+        "count": n,
+        "codes": codes,
+        "p50_ms": round(float(np.percentile(ms, 50)), 1),
+        "max_ms": round(max(ms), 1),
+    }
+
+
+def connection_cap(args, log_dir, swe) -> dict:
+    """``--connections`` idle connections against ``--max-connections --cap`` and a health port
+    (an old server gets the cap flag only), at a soft limit of 1,024 descriptors."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, args.connections + 512), hard))
+    flags = ["--max-connections", str(args.cap)] + ([] if args.launcher else ["--health-port", "0"])
+    srv = Server(args, log_dir, "connection_cap", flags=flags, preexec_fn=_nofile(1024))
+    socks: list = []
+    try:
+        base = open_fds(srv.proc.pid)
+        socks, refused = idle_connections(srv.address, args.connections, timeout=5)
+        closed = closed_by_server(socks, wait=3.0)
+        out = {
+            "sizes": {
+                "connections": args.connections,
+                "max_connections": args.cap,
+                "server_soft_nofile": 1024,
+            },
+            "refused_at_connect": refused,
+            "closed_by_server": closed,
+            "server_fds_above_idle": open_fds(srv.proc.pid) - base,
+            "health_planner_port": _health(srv.address, 5),
+            "health_port": _health(srv.health_address, 50) if srv.health_address else None,
+        }
+        for s in socks:
+            s.close()
+        socks = []
+        time.sleep(1.0)
+        out["health_planner_port_after_close"] = _health(srv.address, 5)
+        out["peak_mb"] = srv.peak_mb()
+        out["server_exit"] = srv.exit_code()
+        return out
+    finally:
+        for s in socks:
+            s.close()
+        srv.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def drain_uploads(args, log_dir, swe) -> dict:
+    """SIGTERM while two gRPC clients are uploading (a first chunk, then nothing): what each client
+    got, what the log says."""
+    import grpc
+
+    srv = Server(args, log_dir, "drain_uploads", grace=300.0)
+    stop = threading.Event()
+    first = codec.varint(2 << 3) + codec.varint(64 * MiB) + codec.header(1, 16) + bytes(16)
+    got: list = []
+
+    def upload() -> None:
+        def chunks():
+            yield first
+            stop.wait(60)
+
+        with grpc.insecure_channel(srv.address) as channel:
+            call = channel.stream_stream(
+                codec.PLAN_CALLS_STREAM, request_serializer=lambda b: b, response_deserializer=lambda b: b
+            )
+            try:
+                list(call(chunks(), timeout=60))
+                got.append({"code": "OK"})
+            except grpc.RpcError as e:
+                got.append({"code": e.code().name, "details": (e.details() or "")[:120]})
+
+    threads = [threading.Thread(target=upload) for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        t0 = time.monotonic()
+        srv.proc.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(30)
+        try:
+            rc = srv.proc.proc.wait(args.shutdown_wait)
+        except Exception:
+            rc = None
+        return {
+            "sizes": {"uploads": 2, "grace_s": 300},
+            "clients": got,
+            "logged": [{k: r.get(k) for k in ("code", "error")} for r in records(srv.log)],
+            "exit_code": rc,
+            "exit_after_s": round(time.monotonic() - t0, 2),
+        }
+    finally:
+        stop.set()
+        srv.close()
+
+
 SECTIONS = {
     "stalled": stalled,
     "queued": queued,
@@ -657,6 +832,9 @@ SECTIONS = {
     "slow_readers": slow_readers,
     "shutdown_uploads": shutdown_uploads,
     "connections": connections,
+    "repeated_fields": repeated_fields,
+    "connection_cap": connection_cap,
+    "drain_uploads": drain_uploads,
 }
 
 
@@ -699,6 +877,8 @@ def main(argv=None) -> int:
     p.add_argument("--slow-rate", type=float, default=20.0, help="KB/s the slow readers read at")
     p.add_argument("--shutdown-wait", type=float, default=60.0, help="seconds to wait for the exit")
     p.add_argument("--connections", type=int, default=1100, help="idle connections")
+    p.add_argument("--cap", type=int, default=100, help="connection_cap's --max-connections")
+    p.add_argument("--repeat-mb", type=int, default=512, help="repeated_fields' request size (MiB)")
     args = p.parse_args(argv)
     syn = synth.generate("swe-like", seed=0)
     swe = RolloutBatch.from_arrays(syn.tokens, syn.offsets, syn.tree_ids).segment_tree()

@@ -215,6 +215,52 @@ def never_read(
     return out
 
 
+def idle_connections(address: str, n: int, timeout: float = 10.0) -> tuple[list, int]:
+    """``n`` idle HTTP/2 connections to ``address`` (preface and SETTINGS, no call): the sockets,
+    and how many could not connect at all."""
+    import socket
+
+    from h2_client import PREFACE, SETTINGS, frame
+
+    host, port = _host_port(address)
+    hello = PREFACE + frame(SETTINGS, 0, 0)
+    socks, refused = [], 0
+    for _ in range(n):
+        try:
+            s = socket.create_connection((host, port), timeout=timeout)
+            s.sendall(hello)
+            socks.append(s)
+        except OSError:
+            refused += 1
+    return socks, refused
+
+
+def closed_by_server(socks: list, wait: float = 2.0) -> int:
+    """How many of ``socks`` the server has closed (EOF or reset) within ``wait`` seconds."""
+    deadline = time.monotonic() + wait
+    closed: set[int] = set()
+    while time.monotonic() < deadline and len(closed) < len(socks):
+        for i, s in enumerate(socks):
+            if i in closed:
+                continue
+            s.settimeout(0.001)
+            try:
+                while True:
+                    if s.recv(65536) == b"":
+                        closed.add(i)
+                        break
+            except TimeoutError:
+                pass
+            except OSError:
+                closed.add(i)
+    return len(closed)
+
+
+def open_fds(pid: int) -> int:
+    """Descriptors process ``pid`` holds."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def records(log_path, event: str = "rpc") -> list[dict]:
     """The JSON records of a ``serve`` log with ``event``."""
     out = []
@@ -247,7 +293,10 @@ __all__ = [
     "TINY",
     "Trickle",
     "bounded_env",
+    "closed_by_server",
+    "idle_connections",
     "never_read",
+    "open_fds",
     "partial_uploads",
     "records",
     "stalled_streams",

@@ -2,7 +2,9 @@
 1,100 idle connections locked out every new client, health included; the server neither capped
 connections nor raised its limit. Now ``serve`` raises the soft ``RLIMIT_NOFILE`` to fit
 ``--max-connections`` (as far as the hard limit allows), warns naming the numbers when fewer fit,
-and refuses to start when too few do.
+and refuses to start when too few do. Issue 47: ``--max-connections`` is a real cap (gRPC's
+connection quota: one past it is accepted and closed), and ``--health-port`` keeps health checks a
+listener of their own.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import socket
 import subprocess
 import sys
 
+from attacks import closed_by_server, idle_connections, open_fds
 from h2_client import PREFACE, SETTINGS, frame
 
 from harts_planner import Planner
@@ -92,3 +95,55 @@ def test_the_soft_limit_is_raised_and_1100_idle_connections_lock_nobody_out(tmp_
 def test_fit_file_limit_reports_what_fits():
     fit = connections.fit_file_limit(64)
     assert fit.connections == 64 and fit.warning is None
+
+
+def test_max_connections_caps_and_the_health_port_stays_answerable(tmp_path):
+    """Issue 47: ``--max-connections 100`` capped nothing (only the descriptor limit did). Now 40
+    idle connections against ``--max-connections 16``: 24 are accepted and closed at once, the
+    server holds no more descriptors than the cap allows, a new planner-port client is refused
+    while the idle ones hold the cap (UNAVAILABLE, at once), and the health port (its own cap)
+    answers SERVING meanwhile; once the idle ones leave, the planner port serves again."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    def health(address: str):
+        with grpc.insecure_channel(address) as channel:
+            try:
+                return (
+                    health_pb2_grpc.HealthStub(channel)
+                    .Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    .status
+                )
+            except grpc.RpcError as e:
+                return e.code()
+
+    log = tmp_path / "serve.log"
+    with SidecarProcess(
+        workers=2, extra_args=["--max-connections", "16", "--health-port", "0"], log_path=str(log)
+    ) as sidecar:
+        base = open_fds(sidecar.pid)  # no connection yet (a closed one may count a moment longer)
+        socks, _ = idle_connections(sidecar.address, 40)
+        try:
+            assert closed_by_server(socks) == 24
+            assert open_fds(sidecar.pid) <= base + 16
+            assert health(sidecar.address) == grpc.StatusCode.UNAVAILABLE  # the cap holds
+            assert health(sidecar.health_address) == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            for s in socks:
+                s.close()
+        with Planner(sidecar.address, timeout=10) as p:
+            assert p.health(timeout=10) == "SERVING"
+    text = log.read_text()
+    assert '"max_connections": 16' in text and '"health_connections": 32' in text
+
+
+def test_the_health_port_has_a_cap_of_its_own():
+    with SidecarProcess(workers=2, extra_args=["--health-port", "0"]) as sidecar:
+        socks, _ = idle_connections(sidecar.health_address, connections.HEALTH_CONNECTIONS + 8)
+        try:
+            assert closed_by_server(socks) == 8
+            with Planner(sidecar.address, timeout=10) as p:  # the planner port is not touched
+                assert p.health(timeout=10) == "SERVING"
+        finally:
+            for s in socks:
+                s.close()

@@ -242,9 +242,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-connections",
         type=int_arg(1, 1 << 20),
         default=4096,
-        help="client connections the server is ready for: it raises its file-descriptor limit "
-        "(RLIMIT_NOFILE) to fit them, warns when the hard limit leaves fewer and refuses to start "
-        "below 64 (default 4096)",
+        help="most client connections at once: one more is accepted and closed at once (idle ones "
+        "close after 300 s); the server raises its file-descriptor limit (RLIMIT_NOFILE) to fit them, "
+        "warns when the hard limit leaves fewer (and caps there) and refuses to start below 64 "
+        "(default 4096)",
+    )
+    sv.add_argument(
+        "--health-port",
+        type=int_arg(0, 65535),
+        default=None,
+        help="also serve the health service alone on this port of --host, with its own 32 connections "
+        "(a reserve no planner-port client can take; 0 picks a free one; default: none)",
     )
     sv.add_argument("--tls-cert", type=input_file, help="serve TLS: the server's certificate chain (PEM)")
     sv.add_argument("--tls-key", type=input_file, help="serve TLS: the server's private key (PEM)")

@@ -53,6 +53,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
         max_connections=args.max_connections,
+        health_port=args.health_port,
     )
     if code != 0:  # a cancelled plan did not stop: a normal exit would wait for its thread
         sys.stdout.flush()

@@ -48,8 +48,11 @@ What the server does against hostile or careless clients (measured: ``benchmarks
   delivered, and a response the client does not read for ``--send-timeout`` seconds is cut off.
 * Responses are sent from the plan's own arrays, copied outside the GIL (:mod:`~.wire`); large ones
   through the ``*Stream`` methods in 1 MiB chunks (a unary response is at most one message).
-* Connections idle for :data:`MAX_CONNECTION_IDLE_MS` are closed; keepalive pings find dead peers;
-  :func:`serve` fits the file-descriptor limit to ``--max-connections`` before it serves
+* At most ``--max-connections`` connections (gRPC's connection quota: one past the cap is accepted
+  and closed at once); connections idle for :data:`MAX_CONNECTION_IDLE_MS`, or still without their
+  HTTP/2 handshake after :data:`HANDSHAKE_TIMEOUT_MS`, are closed; keepalive pings find dead peers;
+  :func:`serve` fits the file-descriptor limit to the cap before it serves; ``--health-port`` serves
+  health checks on a listener of their own, with its own cap
   (:mod:`~harts_planner.rpc.connections`).
 """
 
@@ -90,6 +93,11 @@ SEND_CALLS = 32
 MAX_STREAMS_PER_CONNECTION = 100
 #: Connections without a call for this long are closed.
 MAX_CONNECTION_IDLE_MS = 300_000
+#: Connections that have not finished the HTTP/2 handshake (TLS, the client's preface and SETTINGS)
+#: within this are closed (gRPC's default is 120 s: they count against the connection cap meanwhile).
+HANDSHAKE_TIMEOUT_MS = 10_000
+#: Threads answering the health port's calls.
+HEALTH_THREADS = 4
 #: Keepalive pings on connections quiet for this long; a peer that does not answer within the
 #: timeout is dropped with its calls.
 KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS = 60_000, 20_000
@@ -112,8 +120,27 @@ def planner_calls(workers: int, limits: _limits.Limits, max_message_bytes: int) 
 class PlannerServer:
     """A started planner server: ``.port``, ``.address``, :meth:`drain`, :meth:`stop`."""
 
-    def __init__(self, server, servicer, health_servicer, host, port, *, guard=None, pool=None, tls=False):
+    def __init__(
+        self,
+        server,
+        servicer,
+        health_servicer,
+        host,
+        port,
+        *,
+        guard=None,
+        pool=None,
+        tls=False,
+        health_server=None,
+        health_port=None,
+        max_connections=None,
+    ):
         self.server = server
+        self.health_server = health_server
+        #: The health port's number (``--health-port``; None without one).
+        self.health_port = health_port
+        #: The planner port's connection cap.
+        self.max_connections = max_connections
         self.servicer = servicer
         self.health = health_servicer
         self.host = host
@@ -138,8 +165,18 @@ class PlannerServer:
         Truthy when every call finished (every response logged OK was delivered)."""
         return control.drain(self, grace, cut=cut)
 
+    @property
+    def health_address(self) -> str | None:
+        """``host:port`` of the health port, or None."""
+        if self.health_port is None:
+            return None
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"{host}:{self.health_port}"
+
     def stop(self, grace: float | None = None) -> None:
         """Stop now (calls in flight get ``grace`` seconds)."""
+        if self.health_server is not None:
+            self.health_server.stop(None)
         self.server.stop(grace).wait()
         self.servicer.watchdog.stop()
         self.servicer.planner_pool.shutdown(wait=False, cancel_futures=True)
@@ -195,9 +232,13 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
 
 
-def server_options(max_message_bytes: int, chunk_bytes: int) -> list[tuple[str, int]]:
+def server_options(
+    max_message_bytes: int, chunk_bytes: int, max_connections: int = connections.DEFAULT_MAX_CONNECTIONS
+) -> list[tuple[str, int]]:
     """The gRPC channel arguments of the server (see the module docstring)."""
     return [
+        ("grpc.max_allowed_incoming_connections", max_connections),
+        ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max(max_message_bytes, chunk_bytes + 64)),
         ("grpc.so_reuseport", 0),
@@ -216,6 +257,8 @@ def create_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     limits: _limits.Limits = _limits.DEFAULT,
     credentials: grpc.ServerCredentials | None = None,
+    max_connections: int = connections.DEFAULT_MAX_CONNECTIONS,
+    health_port: int | None = None,
 ) -> PlannerServer:
     """Build and start a planner server on ``address`` (``host:port``; port 0 picks a free one).
 
@@ -224,8 +267,13 @@ def create_server(
     ``credentials`` from :func:`harts_planner.rpc.tls.server_credentials` serve TLS (default:
     plaintext). Planner calls beyond :func:`planner_calls` at once, and health or reflection calls
     beyond :data:`~harts_planner.rpc.interceptor.SERVICE_CALLS`, are refused (RESOURCE_EXHAUSTED).
-    Raises ValueError for a bad argument, ``RuntimeError`` when the address cannot be bound.
+    At most ``max_connections`` connections at once (more are accepted and closed at once).
+    ``health_port`` (0 picks a free one) also serves the health service alone on the same host, with
+    its own cap of :data:`~harts_planner.rpc.connections.HEALTH_CONNECTIONS` connections and the
+    same credentials. Raises ValueError for a bad argument, ``RuntimeError`` when an address cannot
+    be bound.
     """
+    max_connections = checks.integer(max_connections, "max_connections", 1, 1 << 30)
     workers = default_workers() if workers is None else checks.integer(workers, "workers", 1, 1 << 16)
     max_message_bytes = checks.integer(max_message_bytes, "max_message_bytes", 1)
     if max_message_bytes > 2**31 - 1:
@@ -236,6 +284,13 @@ def create_server(
     problem = _bind_problem(host.strip("[]"), int(port_text))
     if problem is not None:
         raise RuntimeError(f"cannot bind {address}: {problem}")
+    health_address = None
+    if health_port is not None:
+        health_port = checks.integer(health_port, "health_port", 0, 65535)
+        health_address = f"{host}:{health_port}"
+        problem = _bind_problem(host.strip("[]"), health_port)
+        if problem is not None:
+            raise RuntimeError(f"cannot bind the health port {health_address}: {problem}")
     chunk_bytes = max(1, min(wire.CHUNK_BYTES, max_message_bytes - 64))
     budget = Budget(workers, limits, max_message_bytes)
     watchdog = control.Watchdog()
@@ -245,7 +300,7 @@ def create_server(
     servicer = PlannerServicer(budget, watchdog, chunk_bytes=chunk_bytes)
     server = grpc.server(
         guard.refusals,
-        options=server_options(max_message_bytes, chunk_bytes),
+        options=server_options(max_message_bytes, chunk_bytes, max_connections),
         interceptors=(guard,),
     )
     server.add_generic_rpc_handlers(
@@ -276,6 +331,16 @@ def create_server(
         raise RuntimeError(
             f"cannot bind {address}: the address is in use, not an address of this machine, or not valid"
         )
+    health_server = bound_health = None
+    if health_address is not None:
+        health_server, bound_health = _health_server(health_servicer, health_address, credentials)
+        if bound_health <= 0:
+            server.stop(None)
+            watchdog.stop()
+            guard.shutdown()
+            pool.shutdown(wait=False)
+            raise RuntimeError(f"cannot bind the health port {health_address}")
+        health_server.start()
     server.start()
     for service in ("", codec.SERVICE_NAME):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -288,7 +353,37 @@ def create_server(
         guard=guard,
         pool=pool,
         tls=credentials is not None,
+        health_server=health_server,
+        health_port=bound_health,
+        max_connections=max_connections,
     )
+
+
+def _health_server(health_servicer, address: str, credentials) -> tuple[grpc.Server, int]:
+    """A second gRPC server answering the health service alone (the same servicer: a drain's
+    NOT_SERVING shows on both) on ``address``, capped at ``HEALTH_CONNECTIONS`` connections; returns
+    it and its bound port (<= 0: not bound)."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(HEALTH_THREADS, thread_name_prefix="harts-health"),
+        options=[
+            ("grpc.max_allowed_incoming_connections", connections.HEALTH_CONNECTIONS),
+            ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
+            ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
+            ("grpc.max_receive_message_length", 1 << 16),
+            ("grpc.so_reuseport", 0),
+        ],
+        maximum_concurrent_rpcs=4 * HEALTH_THREADS,
+    )
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        port = (
+            server.add_insecure_port(address)
+            if credentials is None
+            else server.add_secure_port(address, credentials)
+        )
+    except RuntimeError:
+        port = 0
+    return server, port
 
 
 def cap_malloc_arenas(arenas: int) -> bool:
@@ -336,20 +431,24 @@ def serve(
     tls_key=None,
     tls_client_ca=None,
     max_connections: int = connections.DEFAULT_MAX_CONNECTIONS,
+    health_port: int | None = None,
 ) -> int:
     """Run a sidecar until SIGTERM or SIGINT, then drain (see :meth:`PlannerServer.drain`; a second
     signal ends the grace period at once).
 
     ``tls_cert`` / ``tls_key`` (PEM files) serve TLS; ``tls_client_ca`` also requires client
     certificates signed by it. A ``host`` other than a loopback address prints a warning (unless
-    mutual TLS is on). Prints ``harts-planner: serving on HOST:PORT`` to stdout once it accepts
-    requests. Returns 0 once nothing is left running (every call finished, or was cut off and
+    mutual TLS is on). ``max_connections`` caps the connections (fitted to the file-descriptor
+    limit); ``health_port`` serves health checks on a port of their own (see :func:`create_server`).
+    Prints ``harts-planner: serving on HOST:PORT`` to stdout once it accepts requests (and
+    ``harts-planner: health on HOST:PORT`` after it with a health port). Returns 0 once nothing is left running (every call finished, or was cut off and
     stopped), 1 when a cancelled plan did not stop (the caller should then end the process with
     ``os._exit``, as ``harts-planner serve`` does: a normal exit would wait for it). Raises
     ValueError / RuntimeError (cannot bind) before serving.
     """
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    files = connections.fit_file_limit(max_connections)  # ValueError when too few connections fit
+    # ValueError when too few connections fit
+    files = connections.fit_file_limit(max_connections, health=health_port is not None)
     credentials = None
     if tls_cert is not None or tls_key is not None or tls_client_ca is not None:
         credentials = tls.server_credentials(tls_cert, tls_key, tls_client_ca)
@@ -358,7 +457,13 @@ def serve(
     set_max_plan_bytes(limits.max_plan_memory_bytes)
     cap_malloc_arenas((default_workers() if workers is None else workers) + 1)
     server = create_server(
-        address, workers=workers, max_message_bytes=max_message_bytes, limits=limits, credentials=credentials
+        address,
+        workers=workers,
+        max_message_bytes=max_message_bytes,
+        limits=limits,
+        credentials=credentials,
+        max_connections=files.connections,
+        health_port=health_port,
     )
     configure_logging(log_format)
     from harts_planner.rpc import logs
@@ -397,13 +502,17 @@ def serve(
             "min_send_rate_bytes_s": limits.min_send_rate,
             "planner_calls": server.guard.planner_calls,
             "max_connections": files.connections,
+            "health_connections": connections.HEALTH_CONNECTIONS if health_port is not None else None,
             "nofile_soft": files.soft,
             "nofile_hard": files.hard,
         },
         grace_s=grace,
+        health_address=server.health_address,
         pid=os.getpid(),
     )
     print(f"harts-planner: serving on {server.address}", flush=True)
+    if server.health_address is not None:
+        print(f"harts-planner: health on {server.health_address}", flush=True)
     while not stop.wait(0.5):
         pass
     return server.drain(grace, cut=cut).exit_code
@@ -444,18 +553,21 @@ class SidecarProcess:
             cmd, stdout=subprocess.PIPE, stderr=self._log, text=True, preexec_fn=preexec_fn, env=env
         )
         self.address = self._read_address(startup_timeout)
+        #: The health port's ``host:port`` (with ``--health-port`` in ``extra_args``), else None.
+        self.health_address = None
+        if "--health-port" in cmd:
+            self.health_address = self._read_address(startup_timeout, "harts-planner: health on ")
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    def _read_address(self, timeout: float) -> str:
+    def _read_address(self, timeout: float, prefix: str = "harts-planner: serving on ") -> str:
         result: list[str] = []
         reader = threading.Thread(target=lambda: result.append(self.proc.stdout.readline()), daemon=True)
         reader.start()
         reader.join(timeout)
         line = result[0] if result else ""
-        prefix = "harts-planner: serving on "
         if not line.startswith(prefix):
             self.proc.kill()
             self.proc.wait()

@@ -304,8 +304,8 @@ def _once(seen: dict, number: int, name: str) -> None:
     if number in seen:
         raise invalid(
             name,
-            "sent more than once in its message; the server takes each field at most once "
-            "(protobuf encoders send it once), so that no request reaches protobuf's parser",
+            "sent more than once in its message; the server takes each field once (as protobuf "
+            "encoders send it) and does not merge copies",
         )
     seen[number] = True
 
