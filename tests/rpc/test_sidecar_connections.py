@@ -147,3 +147,16 @@ def test_the_health_port_has_a_cap_of_its_own():
         finally:
             for s in socks:
                 s.close()
+
+
+def test_fit_file_limit_counts_the_health_port_and_allows_a_small_cap():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    small = connections.fit_file_limit(8)  # fewer than MIN_CONNECTIONS asked: served as asked
+    assert small.connections == 8 and small.warning is None
+    reserve = connections.FD_RESERVE + connections.HEALTH_CONNECTIONS
+    if hard != resource.RLIM_INFINITY and hard < (1 << 20) + reserve:
+        # the descriptors left after the server's own and the health port's
+        fit = connections.fit_file_limit(1 << 20, health=True)
+        assert fit.connections == fit.soft - reserve
+        assert "--max-connections 1048576" in fit.warning
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
