@@ -177,8 +177,23 @@ def _mamba2(m: Mamba2Mixer, tp: int) -> LayerPlan:
     c = m.config
     if m.out_proj.bias is not None:
         raise ParallelConfigError("use_bias", "a row-parallel Mamba2 out_proj with a bias is not supported")
-    p = {n: COL for n, _ in m.named_parameters() if n != "out_proj.weight"}
-    p["out_proj.weight"] = ROW
+    blocks = (
+        "in_proj_z",
+        "in_proj_x",
+        "in_proj_B",
+        "in_proj_C",
+        "in_proj_dt",
+        "x_conv1d",
+        "B_conv1d",
+        "C_conv1d",
+    )
+    p = {
+        f"{name}.{leaf}": COL
+        for name in blocks
+        for leaf in ("weight", "bias")
+        if getattr(getattr(m, name), leaf, None) is not None
+    }
+    p.update({"dt_bias": COL, "A_log": COL, "D": COL, "norm.weight": COL, "out_proj.weight": ROW})
     return LayerPlan(p, (("num_heads", c.num_heads), ("n_groups", c.n_groups)))
 
 
