@@ -286,14 +286,18 @@ class HartsEngine:
                 sums[k] += float(st[k])
             for k in ("rows", "semantic_tokens", "replay_tokens", "num_calls"):
                 sums[k] += st[k]
+            for k, v in st.items():  # cp_mode's choice: microbatches that ran block i by state passing
+                if k.startswith("cp_states/"):
+                    sums[k] += v
             for k, v in st["metrics"].items():
                 metric_sums[k] += float(v)
             sums["microbatches"] += bool(len(traj))
             if keep_hidden is not None and len(traj):
-                if self.cp > 1:  # every row's hidden state, not only this CP rank's block
-                    from harts_runtime.parallel.tensor import gather_rows
+                if self.cp > 1:  # every row's hidden state, not only this CP rank's rows
+                    from harts_runtime.parallel.context import gather_cp
 
-                    st["hidden"] = gather_rows(st["hidden"], self.mesh.cp, mb.layout.num_rows)
+                    held = self.model._harts_cp_rows.get(mb.layout.num_rows)
+                    st["hidden"] = gather_cp(st["hidden"], self.mesh.cp, held)
                 keep_hidden(st)
             if progress is not None:
                 progress(slot + 1, slots)
@@ -340,6 +344,7 @@ class HartsEngine:
             "slot_seconds": list(result.slot_seconds),
         }
         metrics.update({k: v for k, v in sums.items() if k.startswith("loss_fn/")})
+        metrics.update({k: int(v) for k, v in sums.items() if k.startswith("cp_states/")})
         return EngineOutput(total, lp_all.cpu(), metrics)
 
     def _sum_over_dp(self, t: torch.Tensor) -> torch.Tensor:

@@ -195,6 +195,10 @@ class LocalPlan:
     max_sends: int
     send_offsets: list[int]
     num_pieces: int = 0
+    conv_exact: np.ndarray | None = None
+    """Rows of E whose windows are read (own and replay rows): ``conv``'s table equals
+    ``conv_table`` there (conv-context-only rows convolve garbage nobody reads)."""
+    conv_table: np.ndarray | None = None
 
     @property
     def num_entries(self) -> int:
@@ -296,8 +300,6 @@ def local_plan(split, rank: int, pos: np.ndarray, conv: np.ndarray, chunk_size: 
     heads = np.nonzero(first)[0]
     ranges = np.stack([heads, np.append(heads[1:], len(E))], 1) if len(E) else np.zeros((0, 2), np.int64)
     windows = ConvWindows.from_sequences(ranges, ewin[heads, : w - 1], len(E), w)
-    windows.needed = needed  # rows whose windows are exact (own and replay rows)
-    windows.expected = ewin
 
     # pieces over the own rows
     piece_of = np.full(n_own, -1, dtype=np.int64)
@@ -440,6 +442,8 @@ def local_plan(split, rank: int, pos: np.ndarray, conv: np.ndarray, chunk_size: 
         max_sends=int(counts.max()) if len(counts) else 0,
         send_offsets=send_offsets,
         num_pieces=len(pieces),
+        conv_exact=needed,
+        conv_table=ewin,
     )
 
 
@@ -762,7 +766,16 @@ def attach_cp_rows(step, mb, call_plan, *, cp_mesh, chooser: CpChooser, capacity
                 f"rows, more than the per-rank capacity {capacity} (cuts fall on the chunk grid, "
                 f"B = {kda.chunk_size})",
             )
-    modes = chooser.choose(split, n)
+    if n and call_plan is None:  # a trajectory-wise microbatch (no call plan): head-parallel only
+        if any("heads" not in can for can in chooser.possible):
+            raise ParallelConfigError(
+                "mode",
+                "a trajectory-wise microbatch cannot run cp_mode='states' (its mixers need a compact "
+                "call plan): train compact (compact_always=True) or use cp_mode='heads'",
+            )
+        modes = ["none" if can == ("none",) else "heads" for can in chooser.possible]
+    else:
+        modes = chooser.choose(split, n)
     for i, m in enumerate(modes):
         if m != "none":
             mb.stats[f"cp_states/blocks.{i}"] = int(m == "states")

@@ -55,7 +55,7 @@ def _worker(rank, world, name, path, dims_kw, keep):
     dims = ParallelDims(world_size=world, **dims_kw)
     mesh = dims.build_mesh()
     model, step, plan = _build(name, path, dims.dp, dims.cp)
-    return train_parallel(model, step, plan, mesh, keep)
+    return train_parallel(model, step, plan, mesh, keep, cp_mode="heads")  # states: test_parallel_cp_states
 
 
 def _reference(name, path, dp, cp, keep):
@@ -242,9 +242,10 @@ def test_a_mixer_without_a_head_plan_is_refused_under_cp():
     assert e.value.field == "cp" and "no head-parallel plan" in str(e.value)
 
 
-def _edge_runs(mesh=None):
+def _edge_runs(mesh=None, cp_mode="heads"):
     """A 3-row microbatch (fewer rows than cp = 4 ranks: one holds none), the empty microbatch (DP
-    padding) and a 2-trajectory one, each forward and backward with recomputation."""
+    padding) and a 2-trajectory one, each forward and backward with recomputation, under
+    ``cp_mode``."""
     import harts_planner as hp
     from harts_runtime import HybridModel, StepInputs, apply_recompute, model_config, run_microbatch
     from harts_runtime.parallel import parallelize
@@ -254,7 +255,7 @@ def _edge_runs(mesh=None):
     if mesh is None:
         apply_recompute(model, True)
     else:
-        parallelize(model, mesh, recompute=True)
+        parallelize(model, mesh, recompute=True, cp_mode=cp_mode)
     batch = hp.RolloutBatch.from_token_lists([[1, 2, 3], [5, 6, 7, 8, 9]])
     step = StepInputs.synthetic(batch, seed=1, vocab_size=model.config.vocab_size)
     out = []
@@ -265,13 +266,14 @@ def _edge_runs(mesh=None):
     return out, grads
 
 
-def _edge_worker(rank, world):
-    return _edge_runs(ParallelDims(world_size=world, cp=4).build_mesh())
+def _edge_worker(rank, world, cp_mode="heads"):
+    return _edge_runs(ParallelDims(world_size=world, cp=4).build_mesh(), cp_mode)
 
 
 @pytest.mark.slow
-def test_cp_microbatches_with_fewer_rows_than_ranks_and_empty_ones():
-    results = run_distributed(_edge_worker, 4, timeout=200)
+@pytest.mark.parametrize("cp_mode", ["heads", "states"])
+def test_cp_microbatches_with_fewer_rows_than_ranks_and_empty_ones(cp_mode):
+    results = run_distributed(_edge_worker, 4, cp_mode, timeout=200)
     want, want_grads = _edge_runs()
     for got, grads in results:
         for (loss, lp), (wl, wlp) in zip(got, want):
