@@ -33,10 +33,12 @@ tree alone (deterministic, O(C N) bytes of host work per microbatch, no communic
 
 The backward of the all-to-all is the reverse all-to-all: every gathered row's gradient goes back
 to its owner and is summed into its projection there (with the local queries' own use of it).
-Then the rank runs :func:`harts_runtime.ops.attention.compact_attention` (any backend) over its
-*key rows* ``need[r] ++ [lo, hi)`` with views re-indexed to them (:meth:`StatesAttentionPlan.
-rank_views`: one branch per run of consecutive local rows, ancestors among the key rows); the
-gathered rows carry no query (their query rows are zeros and their outputs are dropped).
+Then the rank runs the backends of :func:`harts_runtime.ops.attention.compact_attention`
+(:func:`rank_attention`) over its *key rows* ``need[r] ++ [lo, hi)`` with views re-indexed to them
+(:meth:`StatesAttentionPlan.rank_views`: one branch per run of consecutive local rows, ancestors
+among the key rows). The gathered rows carry no query: view backends (every ``auto`` choice) pack
+the local queries only; the tree-mask backends (``flex_tree``, ``dense_tree``) need a query per key
+row and get zero queries for the gathered rows (``m x Hq x Dqk`` more memory, their outputs dropped).
 
 Bytes per layer and microbatch (forward; backward the same again, and again under recomputation):
 rank ``r`` receives ``|need[r]| x b`` bytes with ``b = 2 Hkv Dh x dtype`` (GQA / gated) or
@@ -66,6 +68,8 @@ Interface (what the states-mode integrator calls)
   ``gathered_rows(r)``, ``rank_views(r, device)``, ``key_positions(r, device)``;
 * ``gather_needed(t_local, plan, group) -> t_need``: the rows of ``need[rank]`` of any row-wise
   tensor ``t_local`` [n_local, ...] (differentiable; a collective every rank of ``group`` calls);
+* ``rank_attention(q, k, v, plan, rank, *, backend="reference", scale=None) -> o``: the core alone
+  (local queries over gathered + local keys), for callers that project themselves;
 * ``states_attention(layer, x_local, plan, group, backend=None) -> y_local``: the layer's output
   on the rank's rows, ``x_local`` the rank's rows of the layer input ``[hi - lo, D]`` in row
   (split) order, not a call plan's physical order; the plan's ``positions`` give RoPE positions.
@@ -86,18 +90,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.profiler import record_function
 
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.layers.attention import CompactAttentionBase
 from harts_runtime.layers.gated_attention import CompactGatedAttention
 from harts_runtime.layers.mla import CompactMLA
 from harts_runtime.layout.views import AttentionViews, Branches, TreeOrder, build_views
-from harts_runtime.ops.attention import compact_attention
+from harts_runtime.ops.attention import BACKENDS, compact_attention, resolve_backend
+from harts_runtime.ops.keep import kept
 
 __all__ = [
     "StatesAttentionPlan",
     "gather_needed",
     "needed_rows",
+    "rank_attention",
     "states_attention",
 ]
 
@@ -303,6 +310,18 @@ class StatesAttentionPlan:
             self.cache[key] = host if torch.device(device).type == "cpu" else host.to(device)
         return self.cache[key]
 
+    def rank_queries(self, r: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q_index, q_inverse)`` of rank ``r``, int64, cached per device: the local row (``row -
+        lo``) of each packed query of :meth:`rank_views`, and the packed position of each local row."""
+        key = ("queries", r, str(torch.device(device)))
+        if key not in self.cache:
+            views = self.rank_views(r)
+            q_index = views.q_index - self.gathered_rows(r)
+            q_inverse = torch.empty_like(q_index)
+            q_inverse[q_index] = torch.arange(q_index.numel())
+            self.cache[key] = (q_index.to(device), q_inverse.to(device))
+        return self.cache[key]
+
     def key_positions(self, r: int, device="cpu") -> torch.Tensor:
         """Positions (int64) of rank ``r``'s key rows, cached per device."""
         if self.positions is None:
@@ -352,17 +371,56 @@ def gather_needed(t_local: torch.Tensor, plan: StatesAttentionPlan, group) -> to
 
 
 # ---------------------------------------------------------------------------------- attention
-def _core(layer, q, k, v, plan, rank, backend):
-    """compact_attention of the local queries ``q`` [n, Hq, Dqk] over key rows ``k``, ``v``
-    [m + n, ...] (the gathered rows first): the gathered rows get zero queries and are dropped."""
-    if q.shape[0] == 0:  # no local rows: keep the (empty) gathered rows in the graph, so that this
-        # rank's backward runs the all-to-all's too (a zero-row core output would be a constant)
+def rank_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: StatesAttentionPlan,
+    rank: int,
+    *,
+    backend: str = "reference",
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The attention core of rank ``rank``: its queries ``q`` [n, Hq, Dqk] (its rows ``[lo, hi)``)
+    over its key rows (:meth:`StatesAttentionPlan.key_rows`: the ``m`` gathered rows, then its own)
+    ``k`` [m + n, Hkv, Dqk], ``v`` [m + n, Hkv, Dv] -> [n, Hq, Dv], with the backends of
+    :func:`~harts_runtime.ops.attention.compact_attention` (``backend`` a key of ``BACKENDS`` or
+    ``"auto"``; ``scale`` default ``Dqk ** -0.5``). View backends (every ``auto`` choice) read the
+    packed queries of the rank's rows only; the tree-mask backends (``flex_tree``, ``dense_tree``)
+    run over all key rows, the gathered ones with zero queries whose outputs are dropped. The call
+    is the kept region ``"attention"``, as in one process."""
+    n, m = q.shape[0], k.shape[0] - q.shape[0]
+    if m < 0 or k.shape[0] != v.shape[0]:
+        raise InvalidInputError(
+            "k/v", f"need the {n} query rows plus the gathered rows, got {k.shape[0]}/{v.shape[0]}"
+        )
+    if n == 0:  # no local rows: keep the (empty) gathered rows in the graph, so that this rank's
+        # backward runs the all-to-all's too (a zero-row core output would be a constant)
         return q.new_zeros(0, q.shape[1], v.shape[-1]) + 0 * (k.sum() + v.sum())
-    m = k.shape[0] - q.shape[0]
+    name = resolve_backend(backend, q.device, q.shape[-1], v.shape[-1], q.dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     views = plan.rank_views(rank, q.device)
-    q_all = torch.cat([q.new_zeros((m, *q.shape[1:])), q]) if m else q
-    o = compact_attention(q_all, k, v, views, backend=backend or layer.backend, scale=layer.scale)
-    return o[m:]
+    if m != plan.gathered_rows(rank) or views.num_rows != m + n:
+        raise InvalidInputError(
+            "k/v",
+            f"rank {rank}'s key rows are {views.num_rows} ({plan.gathered_rows(rank)} gathered), got {m + n}",
+        )
+    if BACKENDS[name].kind == "tree":
+        q_all = torch.cat([q.new_zeros((m, *q.shape[1:])), q]) if m else q
+        return compact_attention(q_all, k, v, views, backend=name, scale=scale)[m:]
+    q_index, q_inverse = plan.rank_queries(rank, q.device)
+    with record_function("harts.attn.views"):
+        qp = q.index_select(0, q_index)  # [Lq = n, Hq, Dqk]
+        kp = k.index_select(0, views.kv_index)  # [Lk, Hkv, Dqk]
+        vp = v.index_select(0, views.kv_index)  # [Lk, Hkv, Dv]
+    with record_function("harts.attn.core"):
+        out = kept("attention", BACKENDS[name].fn, qp, kp, vp, views, scale)
+    with record_function("harts.attn.views"):
+        return out.index_select(0, q_inverse)
+
+
+def _core(layer, q, k, v, plan, rank, backend):
+    return rank_attention(q, k, v, plan, rank, backend=backend or layer.backend, scale=layer.scale)
 
 
 def states_attention(

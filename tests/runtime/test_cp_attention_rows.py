@@ -14,9 +14,12 @@ import harts_planner as hp
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.rows import compact_layout
 from harts_runtime.ops.attention import compact_attention
-from harts_runtime.parallel.cp_attention import StatesAttentionPlan, needed_rows
+from harts_runtime.parallel.cp_attention import StatesAttentionPlan, needed_rows, rank_attention
 
 TOL_ATTN = 2e-6  # absolute, float32 outputs of unit-scale q / k / v: only the summation order differs
+TOL_ATTN_GRAD = (
+    4e-6  # absolute, float32 q / k / v gradients (k / v summed over ranks in another order; 9.5e-7 seen)
+)
 
 
 def oracle_needed(parent, cuts) -> list[list[int]]:
@@ -143,6 +146,41 @@ def test_rank_views_give_the_one_process_rows(backend, with_end):
             torch.testing.assert_close(out[m:], ref[lo:hi], atol=TOL_ATTN, rtol=0)
             assert torch.equal(plan.key_positions(r), torch.from_numpy(plan.positions[keys.numpy()]))
     assert crossed >= 4  # the cuts do cut paths
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "dense_tree", "auto"])
+def test_rank_attention_gives_the_one_process_rows_forward_and_backward(backend):
+    """rank_attention (local queries only for view backends, zero-padded for tree backends) on each
+    rank's key rows equals one process's attention, and the q / k / v gradients summed over the
+    ranks (k / v rows used by several ranks) equal one process's."""
+    batch, calls = tree_rows(seeded(5, num=10, max_new=9))
+    layout = compact_layout(batch, calls)
+    r2p = torch.from_numpy(np.asarray(calls.row_to_physical, dtype=np.int64))
+    n = layout.num_rows
+    inv = torch.empty_like(r2p)
+    inv[r2p] = torch.arange(n)
+    q0, k0, v0 = _qkv(n, 4, 2, 8, 6, 3)
+    dy = torch.randn(n, 4, 6, generator=torch.Generator().manual_seed(4))
+    q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+    ref = compact_attention(q[inv], k[inv], v[inv], layout.views, backend="reference")[r2p]
+    (ref * dy).sum().backward()
+    grads_ref = [t.grad for t in (q, k, v)]
+    split = hp.plan_cp(batch, None, 4, 2, linear_cost=1, attention_cost=1)
+    plan = StatesAttentionPlan.from_call_plan(batch, calls, split)
+    q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+    for r in range(4):
+        lo, hi = plan.rank_rows(r)
+        keys = torch.from_numpy(plan.key_rows(r))
+        out = rank_attention(q[lo:hi], k[keys], v[keys], plan, r, backend=backend)
+        torch.testing.assert_close(out, ref[lo:hi].detach(), atol=TOL_ATTN, rtol=0)
+        (out * dy[lo:hi]).sum().backward()
+    for got, want in zip((q.grad, k.grad, v.grad), grads_ref):
+        torch.testing.assert_close(got, want, atol=TOL_ATTN_GRAD, rtol=0)
+    with pytest.raises(InvalidInputError) as e:  # key rows of another rank
+        r = max(range(4), key=plan.gathered_rows)
+        lo, hi = plan.rank_rows(r)
+        rank_attention(q[lo:hi], k[lo:hi], v[lo:hi], plan, r)
+    assert e.value.field == "k/v"
 
 
 def test_positions_are_the_call_plans():
