@@ -1,229 +1,138 @@
-"""Counted communication and memory of context parallelism (issue 35 item 5).
+"""Counted communication and memory of context parallelism, both modes (issues 35 and 43).
 
 Three parts, each usable alone:
 
-* **The analytic model** (pure functions, no torch needed): the bytes every collective of a CP
-  step moves, per layer, per pass and per rank, for the design the runtime implements
-  (*head-parallel*, ``harts_runtime/parallel/context.py``: each mixer all-gathers its normed input
-  rows ``[N, D]`` over the CP group and reduce-scatters its partial output; MLA all-gathers its
-  ``r_kv + rope`` latent and moves queries / outputs rows <-> heads by all-to-all; the log-probs
-  and the MoE router statistics are all-reduced) and for the alternative (*state passing*,
-  fla-style: per-rank affine summaries ``H (K K + K V)`` fp32 all-gathered and folded, the short
-  convolution's halo rows, and for attention the ancestor K/V or the MLA latent gathered), plus
-  FSDP2's parameter all-gathers and gradient reduce-scatters over ``dp_shard x cp`` and the
-  activation rows each rank holds. Conventions: *payload* is the collective's full tensor (the
-  all-gather's output, the reduce-scatter's input, the all-reduce's tensor, the all-to-all's
-  output); *received* is what one rank receives from the others: ``(C - 1) ceil(N / C) w s`` for an
-  all-gather or reduce-scatter of ``[N, w]`` rows (DTensor pads every shard to ``ceil(N / C)``
-  rows), the other ranks' splits for an all-to-all, ``2 (C - 1) / C`` of the tensor for an
-  all-reduce (a ring's; NCCL's bus-bandwidth convention).
+* **The analytic model.** The per-layer byte formulas of both CP modes live in
+  :mod:`harts_runtime.parallel.cp_cost` (the runtime's ``cp_mode="auto"`` chooses with them):
+  ``"heads"`` (head-parallel, ``harts_runtime/parallel/context.py``: each mixer all-gathers its
+  normed input rows ``[N, D]`` over the CP group and reduce-scatters its partial output; MLA
+  all-gathers its ``r_kv + rope`` latent and moves queries / outputs rows <-> heads by all-to-all)
+  and ``"states"`` (state passing, ``harts_runtime/parallel/context_states.py``: fp32 affine
+  summaries all-gathered, halo rows by all-to-all, attention gathering the K/V or latent of the
+  rows its queries see). This file adds what is per model and step: the log-probs and MoE router
+  statistics all-reduced over CP, FSDP2's parameter all-gathers and gradient reduce-scatters over
+  ``dp_shard x cp``, and the activation rows each rank holds. Conventions: *payload* is the
+  collective's full tensor (the all-gather's output, the reduce-scatter's input, the all-reduce's
+  tensor, the all-to-all's output); *received* is what one rank receives from the others:
+  ``(C - 1) ceil(N / C) w s`` for an all-gather or reduce-scatter of ``[N, w]`` rows (DTensor pads
+  every shard to ``ceil(N / C)`` rows), the other ranks' splits for an all-to-all,
+  ``2 (C - 1) / C`` of the tensor for an all-reduce (a ring's; NCCL's bus-bandwidth convention).
 * **The measurement** (``--measure``, CPU gloo, ``run_distributed``): one training step of the
   ``debug`` model at 4 heads (and of ``ling-tiny``'s layer pattern at tiny widths, 4 heads) under
   ``cp = 2``, ``cp = 4`` (block recomputation) and ``cp = 2 x dp_shard = 2``, on trees whose
-  trajectories are longer than the per-rank capacity T. A ``TorchDispatchMode`` sees every
-  collective: the DTensor / functional ones (``_c10d_functional.*``, the ops
-  ``torch.distributed.tensor.debug.CommDebugMode`` counts) and FSDP2's ``c10d`` ones
-  (``_allgather_base_``, ``_reduce_scatter_base_``), attributed to layers by torch's
-  ``ModTracker`` (``CommDebugMode``'s own module tracker fails on a module called twice in one
-  step: ``IndexError`` in ``_fw_set_module_hook``). The ``torch.distributed`` Python calls are
+  trajectories are longer than the per-rank capacity T, in ``"heads"`` mode and, when the runtime
+  has it (``harts_runtime.parallel.context_states`` and ``parallelize(..., cp_mode=...)``), in
+  ``"states"`` mode (the ``*-states`` cases; without it they are reported as not run, with the
+  reason). A ``TorchDispatchMode`` sees every collective: the DTensor / functional ones
+  (``_c10d_functional.*``, the ops ``torch.distributed.tensor.debug.CommDebugMode`` counts) and
+  FSDP2's ``c10d`` ones (``_allgather_base_``, ``_reduce_scatter_base_``), attributed to layers by
+  torch's ``ModTracker`` (``CommDebugMode``'s own module tracker fails on a module called twice in
+  one step: ``IndexError`` in ``_fw_set_module_hook``). The ``torch.distributed`` Python calls are
   wrapped as well and their counts checked against the dispatch-level ones. Every rank's row block
-  and the gathered N are recorded per microbatch. Measured and analytic bytes (calls, payload and
-  received, per rank, layer, phase and collective) must agree exactly for the mixer, log-prob and
-  router collectives and for FSDP2's (per phase and collective), and the Python-level call counts
-  with the dispatched ones (an ``AssertionError`` otherwise).
-* **The prediction** (marked *predicted* everywhere): step time and memory per rank of a
-  256k-row and a 1M-row agentic tree on the 24-layer ``ling-tiny`` and on Qwen3.5-35B-A3B at
-  C = 2, 4, 8, from the analytic bytes and the H200 measurements in ``benchmarks/results/`` (one
-  GPU: the one-process step time and peak memory of a 65,303-row microbatch), with every
-  assumption (NVLink bandwidth, no overlap of the CP collectives, the tree's attention keys, the
-  usable HBM) written into the JSON.
+  and the gathered N are recorded per microbatch; in ``"states"`` mode each rank's block, pieces,
+  halo rows and attention rows come from ``harts_planner.plan_cp`` of the same microbatch (the
+  attention rows exactly: the rows of other ranks on the paths of the rank's rows, from the batch's
+  ``row_parent``). Measured and analytic bytes (calls, payload and received, per rank, layer, phase
+  and collective) must agree exactly for the mixer, log-prob and router collectives and for FSDP2's
+  (per phase and collective), and the Python-level call counts with the dispatched ones (an
+  ``AssertionError`` otherwise).
+* **The prediction** (marked *predicted* everywhere): step time and memory per rank of a 1M-row
+  and a 4M-row agentic tree on ``ling-tiny``, Qwen3.5-35B-A3B, Kimi-Linear-48B-A3B and
+  Nemotron-H-8B (the published widths) at C = 8, 16, 32, 64, on one NVLink node (C = 8) and across
+  nodes (InfiniBand), in ``"heads"`` (where C divides every mixer's heads), ``"states"`` and
+  ``"auto"`` (per layer, :func:`harts_runtime.parallel.cp_cost.choose_cp_mode`), with memory per
+  rank including the fp32 AdamW state sharded over ``dp_shard x cp``, and which C first fits each
+  tree on 139 GiB H200s. From the analytic bytes and the H200 measurements in
+  ``benchmarks/results/`` (one GPU: the one-process step time and peak memory of a 65,303-row
+  microbatch; Kimi-Linear and Nemotron-H are not measured: their rate and activation bytes are
+  carried over, as the JSON says), with every assumption written into the JSON.
 
-``python benchmarks/cp_eval.py`` (about a minute on 2 cores) writes ``benchmarks/results/cp_eval.json``;
-``--quick`` runs the ``debug`` model at ``cp = 2`` only; ``--no-measure`` only the model and the
-prediction. ``tests/runtime/test_cp_eval.py`` checks the model's identities (fast) and runs
-``--quick`` (slow).
+``python benchmarks/cp_eval.py`` (about 4 minutes on 2 cores: 7 gloo cases) writes ``benchmarks/results/cp_eval.json``
+and the generated block of ``benchmarks/README.md`` (``--no-readme``: not); ``--quick`` runs the
+``debug`` model at ``cp = 2`` only (both modes); ``--no-measure`` only the model and the
+prediction. ``tests/runtime/test_cp_eval.py`` checks the model's identities and that the README
+block is the JSON's (fast) and runs ``--quick`` (slow).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import importlib.util
+import inspect
 import json
-import math
 import os
 import re
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 OUT = os.path.join(RESULTS, "cp_eval.json")
+README = Path(HERE) / "README.md"
+BEGIN, END = "<!-- cp_eval:begin -->", "<!-- cp_eval:end -->"
 
-FP32 = 4
+from harts_runtime.parallel.cp_cost import (
+    FP32,
+    LINEAR_KINDS,
+    Link,
+    Mixer,
+    ModelDims,
+    SplitShape,
+    all_reduce,
+    crossover_rows,
+    dims_of,
+    gather_rows,
+    head_parallel_mixer,
+    heads_possible,
+    heads_to_rows,
+    mode_costs,
+    record,
+    row_block,
+    rows_of,
+    rows_to_heads,
+    scatter_rows,
+    state_passing_mixer,
+)
+
+__all__ = [  # the model's names, re-exported for the tests and readers of this file
+    "Mixer",
+    "ModelDims",
+    "SplitShape",
+    "all_reduce",
+    "crossover_rows",
+    "dims_of",
+    "gather_rows",
+    "head_parallel_mixer",
+    "heads_to_rows",
+    "row_block",
+    "rows_of",
+    "rows_to_heads",
+    "scatter_rows",
+    "state_passing_mixer",
+]
+
 LOGPROB_BYTES = FP32  # the [P] log-probs are float32
 ROUTER_BYTES = FP32  # the 2E + 2 router statistics are float32
-MLA_LATENT_DEEPSEEK = 576  # kv_lora_rank 512 + rope 64 (DeepSeek-V3 / Ling)
+MODES = ("heads", "states")
 
 
-# ================================================================================ analytic model
+# ================================================================================ per model and step
 @dataclasses.dataclass(frozen=True)
-class Mixer:
-    """What the collectives of one mixer layer depend on (from a model config, :func:`dims_of`).
+class RankSplit:
+    """What one rank's ``"states"`` collectives depend on: the most states any rank hands on, the
+    halo and attention rows this rank fetches and those fetched from it (None: the bounds of
+    ``SplitShape``), and the largest block."""
 
-    ``kind``: ``kda`` / ``gdn`` (linear attention), ``mla``, ``gqa`` / ``gated_attention``
-    (softmax attention over K/V heads). ``heads``: the heads CP splits (query heads; GDN's key
-    heads). ``state_heads``, ``k``, ``v``: a linear layer's state ``[state_heads, k, v]``;
-    ``conv_channels``: its short convolutions' channels; ``conv_size``: their width. MLA:
-    ``latent`` (``r_kv + rope``), ``q_head`` (``nope + rope``), ``v_head``. Attention: ``kv_heads``,
-    ``head_dim``."""
-
-    kind: str
-    heads: int
-    state_heads: int = 0
-    k: int = 0
-    v: int = 0
-    conv_channels: int = 0
-    conv_size: int = 4
-    latent: int = 0
-    q_head: int = 0
-    v_head: int = 0
-    kv_heads: int = 0
-    head_dim: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelDims:
-    hidden: int
-    mixers: tuple  # Mixer or None per layer
-    experts: tuple  # E per layer (0: dense FFN)
-    act_bytes: int  # bytes per element of the rows the mixers exchange (2 in bf16, 4 in float32)
-
-
-def dims_of(cfg, act_bytes: int | None = None) -> ModelDims:
-    """:class:`ModelDims` of a ``harts_runtime`` ``ModelConfig`` (duck-typed: only its fields)."""
-    d, h = cfg.hidden_size, cfg.num_heads
-    mixers = []
-    for m in cfg.mixers:
-        if m == "kda":
-            hk = cfg.kda.num_heads or h
-            k, v = cfg.kda.head_k_dim, cfg.kda.head_v_dim
-            mixers.append(Mixer("kda", hk, hk, k, v, hk * (2 * k + v), cfg.conv_size))
-        elif m == "gdn":
-            g = cfg.gdn
-            k, v = g.head_k_dim, g.head_v_dim
-            ch = 2 * g.num_k_heads * k + g.num_v_heads * v
-            mixers.append(Mixer("gdn", g.num_k_heads, g.num_v_heads, k, v, ch, cfg.conv_size))
-        elif m == "mla":
-            a = cfg.mla
-            q = a.qk_nope_head_dim + a.qk_rope_head_dim
-            mixers.append(
-                Mixer("mla", h, latent=a.kv_lora_rank + a.qk_rope_head_dim, q_head=q, v_head=a.v_head_dim)
-            )
-        elif m in ("gqa", "gated_attention"):
-            sub = cfg.gqa if m == "gqa" else cfg.gated_attention
-            hd = getattr(sub, "head_dim", None) or d // h
-            mixers.append(Mixer(m, h, kv_heads=cfg.num_kv_heads or h, head_dim=hd))
-        elif m in (None, "none"):
-            mixers.append(None)
-        else:
-            mixers.append(Mixer(m, h))  # no head plan (Mamba2): refused under CP
-    experts = tuple(cfg.moe.num_experts if f == "moe" else 0 for f in cfg.ffns)
-    if act_bytes is None:
-        act_bytes = 2 if str(cfg.dtype) in ("bfloat16", "float16") else 4
-    return ModelDims(d, tuple(mixers), experts, act_bytes)
-
-
-def row_block(n: int, c: int, rank: int) -> tuple[int, int]:
-    """``[start, end)`` of rank ``rank``'s rows (``harts_runtime.parallel.tensor.row_block``:
-    ``torch.chunk``'s ``ceil(n / c)`` rows per rank, the last ones fewer or none)."""
-    per = -(-n // c) if n else 0
-    start = min(n, rank * per)
-    return start, min(n, start + per)
-
-
-def rows_of(n: int, c: int, rank: int) -> int:
-    s, e = row_block(n, c, rank)
-    return e - s
-
-
-def _rec(collective: str, payload: float, received: float, calls: int = 1) -> dict:
-    return {"collective": collective, "calls": calls, "payload": payload, "received": received}
-
-
-def gather_rows(n: int, c: int, width: int, s: int) -> dict:
-    """All-gather of ``[n, width]`` rows split ``Shard(0)`` (each shard padded to ``ceil(n / c)``)."""
-    per = -(-n // c) if n else 0
-    return _rec("all_gather", c * per * width * s, (c - 1) * per * width * s)
-
-
-def scatter_rows(n: int, c: int, width: int, s: int) -> dict:
-    """Reduce-scatter of partial ``[n, width]`` rows to ``Shard(0)`` (input padded to ``c ceil(n / c)``)."""
-    per = -(-n // c) if n else 0
-    return _rec("reduce_scatter", c * per * width * s, (c - 1) * per * width * s)
-
-
-def all_reduce(numel: int, c: int, s: int) -> dict:
-    return _rec("all_reduce", numel * s, 2 * (c - 1) * numel * s / c)
-
-
-def rows_to_heads(n: int, c: int, rank: int, width: int, s: int) -> dict:
-    """``[n_c, H, d]`` row blocks -> ``[n, H / C, d]`` (``width = H d``): rank ``rank`` receives every
-    other rank's rows of its heads."""
-    w = width // c
-    return _rec("all_to_all", n * w * s, (n - rows_of(n, c, rank)) * w * s)
-
-
-def heads_to_rows(n: int, c: int, rank: int, width: int, s: int) -> dict:
-    """The inverse: rank ``rank`` receives its own rows of the other ranks' heads."""
-    w = width // c
-    mine = rows_of(n, c, rank)
-    return _rec("all_to_all", mine * c * w * s, (c - 1) * mine * w * s)
-
-
-def head_parallel_mixer(mix: Mixer, d: int, n: int, c: int, rank: int, s: int) -> dict:
-    """The collectives of one mixer layer and microbatch of ``n`` rows under head-parallel CP, by
-    pass (``forward``, ``backward``; recomputation repeats ``forward``)."""
-    if mix.kind == "mla":
-        q, o = mix.heads * mix.q_head, mix.heads * mix.v_head
-        fwd = [
-            gather_rows(n, c, mix.latent, s),
-            rows_to_heads(n, c, rank, q, s),
-            heads_to_rows(n, c, rank, o, s),
-        ]
-        bwd = [
-            scatter_rows(n, c, mix.latent, s),  # d(latent) partial rows -> blocks
-            heads_to_rows(n, c, rank, q, s),  # d(queries) heads -> rows
-            rows_to_heads(n, c, rank, o, s),  # d(outputs) rows -> heads
-        ]
-    else:
-        fwd = [gather_rows(n, c, d, s), scatter_rows(n, c, d, s)]
-        bwd = [scatter_rows(n, c, d, s), gather_rows(n, c, d, s)]
-    return {"forward": fwd, "backward": bwd}
-
-
-def state_passing_mixer(
-    mix: Mixer, d: int, n: int, c: int, s: int, pieces: int = 1, replay_rows: int = 0
-) -> dict:
-    """The alternative (not implemented in the runtime): one mixer layer under state passing.
-
-    Linear layers: every rank's ``pieces`` affine summaries (state ``K x V`` and transition
-    ``K x K`` per state head, fp32) all-gathered, the short convolution's ``conv_size - 1`` halo
-    rows (plus ``replay_rows`` of replay) from the previous rank; backward: the transposed fold's
-    summaries and the halo's gradient. Attention: the ancestor rows' latent (MLA) or K/V (GQA)
-    gathered (a chain's last rank needs all earlier rows: the all-gather bound), their gradient
-    reduce-scattered in backward."""
-    if mix.kind in ("kda", "gdn"):
-        summary = mix.state_heads * (mix.k * mix.k + mix.k * mix.v)
-        halo = (mix.conv_size - 1 + replay_rows) * mix.conv_channels
-        per_rank = summary * pieces * FP32
-        fwd = [
-            _rec("all_gather", c * per_rank, (c - 1) * per_rank),
-            _rec("send_recv", halo * s, halo * s if c > 1 else 0),
-        ]
-        return {"forward": fwd, "backward": [dict(r) for r in fwd]}
-    width = mix.latent if mix.kind == "mla" else 2 * mix.kv_heads * mix.head_dim
-    return {"forward": [gather_rows(n, c, width, s)], "backward": [scatter_rows(n, c, width, s)]}
+    pieces: int = 1
+    halo_rows: int | None = None
+    attention_rows: int | None = None
+    rank_rows: int | None = None
+    halo_sent: int | None = None
+    attention_sent: int | None = None
 
 
 def microbatch_collectives(
@@ -233,22 +142,38 @@ def microbatch_collectives(
     c: int,
     rank: int = 0,
     recompute: bool = False,
-    design: str = "head_parallel",
-    pieces: int = 1,
+    mode: str = "heads",
+    split: RankSplit | None = None,
 ) -> list[dict]:
-    """Every CP collective of one microbatch (``n`` rows, ``p`` targets) on CP rank ``rank``: a list
-    of records ``{layer, part, phase, pass, collective, calls, payload, received}``. ``phase``:
+    """Every CP collective of one microbatch (``n`` rows, ``p`` targets) on CP rank ``rank`` in
+    ``mode`` (``"heads"`` or ``"states"``; ``split``: the rank's numbers in ``"states"``): a list of
+    records ``{layer, part, phase, pass, collective, calls, payload, received}``. ``phase``:
     ``forward`` or ``backward`` (what runs during ``loss.backward()``: the backward pass, and the
     recomputed forward when ``recompute``); ``part``: ``mixer``, ``ffn`` (router statistics) or
     ``head`` (log-probs, ``layer = -1``)."""
+    if mode not in MODES:
+        raise ValueError(f"mode: unknown {mode!r}; choose one of {MODES}")
     out = []
     s = dims.act_bytes
+    sp = split or RankSplit()
     for i, (mix, e) in enumerate(zip(dims.mixers, dims.experts)):
         if mix is not None and c > 1:
-            if design == "head_parallel":
+            if mode == "heads":
                 by = head_parallel_mixer(mix, dims.hidden, n, c, rank, s)
             else:
-                by = state_passing_mixer(mix, dims.hidden, n, c, s, pieces)
+                by = state_passing_mixer(
+                    mix,
+                    dims.hidden,
+                    n,
+                    c,
+                    s,
+                    sp.pieces,
+                    sp.halo_rows,
+                    sp.attention_rows,
+                    sp.rank_rows,
+                    sp.halo_sent,
+                    sp.attention_sent,
+                )
             passes = [("forward", "forward", by["forward"]), ("backward", "backward", by["backward"])]
             if recompute:
                 passes.append(("backward", "recompute", by["forward"]))
@@ -274,7 +199,9 @@ def fsdp_unit_shard(shapes, world: int) -> int:
     total = 0
     for shape in shapes:
         shape = tuple(shape) or (1,)
-        rest = math.prod(shape[1:])
+        rest = 1
+        for x in shape[1:]:
+            rest *= x
         total += -(-shape[0] // world) * rest
     return total
 
@@ -289,16 +216,16 @@ def fsdp_microbatch(units: dict, world: int, s: int, grad_s: int | None = None) 
         return out
     for name, shapes in units.items():
         shard = fsdp_unit_shard(shapes, world)
-        ag = _rec("all_gather", world * shard * s, (world - 1) * shard * s)
-        rs = _rec("reduce_scatter", world * shard * grad_s, (world - 1) * shard * grad_s)
+        ag = record("all_gather", world * shard * s, (world - 1) * shard * s)
+        rs = record("reduce_scatter", world * shard * grad_s, (world - 1) * shard * grad_s)
         out += [dict(ag, unit=name, phase="forward"), dict(ag, unit=name, phase="backward")]
         out.append(dict(rs, unit=name, phase="backward"))
     return out
 
 
 def activation_rows(n: int, c: int, rank: int, dims: ModelDims) -> dict:
-    """Rows of activations rank ``rank`` holds for a microbatch of ``n`` rows (head-parallel):
-    its row block for everything row-local, all ``n`` rows at each mixer for the gathered input
+    """Rows of activations rank ``rank`` holds for a microbatch of ``n`` rows in ``"heads"``: its
+    row block for everything row-local, all ``n`` rows at each mixer for the gathered input
     ``[n, D]`` and the partial output (transient), and its ``1 / C`` of the heads over all rows
     (the same elements as ``n / C`` rows of every head)."""
     return {
@@ -320,46 +247,36 @@ def summarize(records: list[dict], key=("layer", "part", "collective")) -> dict:
     return dict(out)
 
 
-def step_bytes(
-    dims: ModelDims, n: int, p: int, c: int, recompute: bool = True, design: str = "head_parallel"
-) -> dict:
-    """Bytes one rank receives per microbatch (rank 0, the one with the most rows): mixer, router,
-    log-prob totals; per layer kind."""
-    recs = microbatch_collectives(dims, n, p, c, 0, recompute, design)
-    by_part = defaultdict(float)
-    by_kind = defaultdict(float)
-    for r in recs:
-        by_part[r["part"]] += r["received"]
-        if r["part"] == "mixer":
-            by_kind[dims.mixers[r["layer"]].kind] += r["received"]
-    return {"total": sum(by_part.values()), "by_part": dict(by_part), "mixer_by_kind": dict(by_kind)}
-
-
-def crossover_rows(mix: Mixer, d: int, c: int, s: int, pieces: int = 1) -> float:
-    """The microbatch rows above which state passing moves fewer bytes per linear layer than
-    head-parallel (forward; the backward and the recomputation scale alike): head-parallel
-    receives ``2 (C - 1) / C N D s``, state passing ``(C - 1) pieces H (K K + K V) 4`` plus the
-    halo, so ``N* = C (pieces H (K K + K V) 4 + halo) / (2 D s)``. For attention there is no
-    crossover: head-parallel moves ``2 D`` (GQA) or ``latent + H (Dqk + Dv) / C`` (MLA) values per
-    row, state passing ``2 H_kv d_h`` or ``latent``."""
-    sp = state_passing_mixer(mix, d, 1, c, s, pieces)["forward"]
-    fixed = sum(r["received"] for r in sp)
-    return fixed * c / ((c - 1) * 2 * d * s)
-
-
 # ================================================================================ prediction
 ASSUMPTIONS = {
-    "nvlink_GBps": 360.0,
-    "nvlink_note": (
-        "per-rank receive rate of an all-gather / reduce-scatter / all-to-all inside one 8-GPU "
-        "H200 NVSwitch node at messages of 100s of MB: NVLink 4 is 450 GB/s per direction, "
-        "nccl-tests bus bandwidth about 360 GB/s; assumed, not measured (no multi-GPU machine lent)"
+    "links": {
+        "nvlink": {
+            "GBps": Link.NVLINK.bytes_per_s / 1e9,
+            "latency_s": Link.NVLINK.latency_s,
+            "note": (
+                "per-rank receive rate of an all-gather / reduce-scatter / all-to-all inside one 8-GPU "
+                "H200 NVSwitch node at messages of 100s of MB: NVLink 4 is 450 GB/s per direction, "
+                "nccl-tests bus bandwidth about 360 GB/s; assumed, not measured (no multi-GPU machine lent)"
+            ),
+        },
+        "infiniband": {
+            "GBps": Link.INFINIBAND.bytes_per_s / 1e9,
+            "latency_s": Link.INFINIBAND.latency_s,
+            "note": (
+                "a CP group across nodes: 400 Gb/s InfiniBand per GPU (one NIC each), about 50 GB/s, "
+                "100 us per collective call; the ring's slowest link sets the rate; assumed"
+            ),
+        },
+    },
+    "scenarios": (
+        "C = 8 on one node (NVLink) and across 8 nodes (InfiniBand, one rank per node); C = 16, 32, "
+        "64 across nodes (InfiniBand); one tree per CP group, dp_shard = 1 (the job is the CP group), "
+        "memory and time per rank"
     ),
-    "latency_s_per_collective": 30e-6,
     "overlap": (
-        "the CP collectives run on the compute stream between a mixer's projections (DTensor "
-        "redistribute): not overlapped, added to the step time; FSDP2's all-gathers are prefetched "
-        "and its reduce-scatters run beside the next unit's backward: overlapped, reported apart"
+        "the CP collectives run on the compute stream between a mixer's projections: not overlapped, "
+        "added to the step time; FSDP2's all-gathers are prefetched and its reduce-scatters run beside "
+        "the next unit's backward: overlapped, reported apart"
     ),
     "hbm_GiB": 139.0,
     "tree_keys": (
@@ -369,22 +286,186 @@ ASSUMPTIONS = {
     ),
     "keys_fraction": 1_256_935_920 / 65_303**2,
     "targets_fraction": "P = N (every compact row a target: an upper bound for the log-prob all-reduce)",
+    "split": {
+        "pieces": 4,
+        "halo_rows": 4 * (3 + 63),
+        "attention_rows": None,
+        "note": (
+            "states mode: each rank hands on 4 states (its cut's open path and 3 forks whose later "
+            "children live on later ranks), receives 4 times (3 conv rows + up to 63 replay rows "
+            "each), and its attention layers gather the all-gather bound (every other rank's "
+            "block: what a chain's last rank sees); balanced blocks of ceil(N / C) rows"
+        ),
+    },
     "compute_scaling": (
         "one-process F/B/Grad time on the H200 scaled by the model FLOPs "
         "(harts_runtime.flops.model_flops of N rows and keys_fraction N^2 keys) and divided by C "
-        "(head-parallel splits every mixer's heads and every row-local op's rows evenly); kernel "
-        "efficiency at H/C heads and N/C rows assumed equal to the measured one"
+        "(heads: every mixer's heads and every row-local op's rows split evenly; states: the split "
+        "balances linear work + attention over visible keys); kernel efficiency at H/C heads and N/C "
+        "rows assumed equal to the measured one. states adds its summary pass: one more training "
+        "pass of every linear-attention core (flops.layer_costs' linear_core, x3) on the rank's rows"
+    ),
+    "unmeasured_models": (
+        "Kimi-Linear-48B-A3B and Nemotron-H-8B have no H200 run: their one-process time is their "
+        "model FLOPs at the achieved FLOP rate of a measured model with the same kind of kernels "
+        "(Kimi-Linear: ling-tiny's, KDA + MLA; Nemotron-H: Qwen3.5-35B-A3B's, a chunkwise linear "
+        "core + GQA-family attention), their activation bytes per row the two measured models' mean "
+        "bytes per row, layer half (mixer or FFN) and hidden unit x their layer halves x D"
     ),
     "memory": (
-        "per rank: bf16 parameters + gradients sharded over C (FSDP2, dp_shard = 1), plus two "
-        "unsharded blocks (all-gather and prefetch), plus the measured activation bytes per row "
-        "(one-process peak minus its parameters and gradients, at 65,303 rows) x ceil(N / C), plus "
-        "4 transient [N, D] tensors at the mixer (gathered input, partial output, and in backward "
-        "the gathered output gradient and the partial input gradient). fp32 AdamW state (masters, "
-        "m, v: 12 bytes per parameter / C) reported apart: the measured recipe held bf16 weights only"
+        "per rank: fp32 AdamW training state of every parameter (fp32 master, fp32 gradient, m, v: "
+        "16 bytes) sharded over dp_shard x cp (FSDP2 with bf16 compute), plus the largest FSDP unit "
+        "unsharded twice in bf16 (all-gather and prefetch) and once as its fp32 gradient before the "
+        "reduce-scatter, plus the activation bytes per row (one-process peak minus its bf16 "
+        "parameters and gradients, at 65,303 rows) x the rank's rows, plus the mode's transients: "
+        "heads 4 [N, D] bf16 tensors at a mixer (gathered input, partial output, and in backward the "
+        "gathered output gradient and the partial input gradient); states the gathered K/V or latent "
+        "rows of an attention layer and their gradients (bf16)"
     ),
     "transient_nd": 4,
 }
+
+#: The published widths of the models without a measured run (their Hugging Face config.json:
+#: moonshotai/Kimi-Linear-48B-A3B-Instruct, nvidia/Nemotron-H-8B-Base-8K), built by their family's
+#: own ``from_hf_config``.
+PUBLISHED = {
+    "kimi-linear-48b-a3b": (
+        "kimi_linear",
+        dict(
+            model_type="kimi_linear",
+            vocab_size=163840,
+            hidden_size=2304,
+            intermediate_size=9216,
+            moe_intermediate_size=1024,
+            num_hidden_layers=27,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            num_shared_experts=1,
+            routed_scaling_factor=2.446,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=128,
+            v_head_dim=128,
+            num_experts=256,
+            num_experts_per_token=8,
+            first_k_dense_replace=1,
+            moe_layer_freq=1,
+            moe_router_activation_func="sigmoid",
+            moe_renormalize=True,
+            use_grouped_topk=True,
+            num_expert_group=1,
+            topk_group=1,
+            tie_word_embeddings=False,
+            mla_use_nope=True,
+            linear_attn_config=dict(
+                kda_layers=[i for i in range(1, 28) if i % 4 and i != 27],
+                full_attn_layers=[4, 8, 12, 16, 20, 24, 27],
+                num_heads=32,
+                head_dim=128,
+                short_conv_kernel_size=4,
+            ),
+        ),
+    ),
+    "nemotron-h-8b": (
+        "nemotron_h",
+        dict(
+            model_type="nemotron_h",
+            vocab_size=131072,
+            hidden_size=4096,
+            hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+            num_hidden_layers=52,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=21504,
+            mamba_num_heads=128,
+            mamba_head_dim=64,
+            ssm_state_size=128,
+            n_groups=8,
+            conv_kernel=4,
+            mlp_hidden_act="relu2",
+            tie_word_embeddings=False,
+            use_conv_bias=True,
+            use_bias=False,
+        ),
+    ),
+}
+
+MEASURED_ANCHORS = {
+    # one-process H200 measurements (bf16, 65,303-row swe-like microbatch, block recomputation with
+    # the attention and linear-attention cores kept)
+    "ling-tiny": {"files": ["issue26_gpu/tuned/te24_tuned/train_eval.json"], "layers": [24]},
+    "qwen3.5-35b-a3b": {
+        "files": [
+            "issue15_gpu_s5/te_qwen35_keep2/train_eval.json",  # 4 layers: G G G GA
+            "issue15_gpu_s5/te_qwen35_8/train_eval.json",  # 8 layers
+        ],
+        "layers": [4, 8],
+    },
+}
+RATE_FROM = {"kimi-linear-48b-a3b": "ling-tiny", "nemotron-h-8b": "qwen3.5-35b-a3b"}
+FLAVORS = ("ling-tiny", "qwen3.5-35b-a3b", "kimi-linear-48b-a3b", "nemotron-h-8b")
+SIZES = (1_048_576, 4_194_304)
+CPS = (8, 16, 32, 64)
+
+
+@functools.cache
+def config_of(flavor: str):
+    """The ``ModelConfig`` (bf16) of a prediction flavor: a named one, or a published config."""
+    if flavor in PUBLISHED:
+        family, hf = PUBLISHED[flavor]
+        mod = importlib.import_module(f"harts_runtime.models.{family}.args")
+        return mod.from_hf_config(hf, dtype="bfloat16")
+    from harts_runtime import model_config
+
+    return model_config(flavor).replace(dtype="bfloat16")
+
+
+@functools.cache
+def param_counts(flavor: str) -> dict:
+    """Parameters of the whole model, of its largest FSDP unit (a block, the embedding, or the LM
+    head) and of the embedding + LM head, from the per-row FLOPs of ``harts_runtime.flops``
+    (a matmul of ``i x o`` weights costs ``2 i o`` per row) plus the short convolutions and all
+    routed experts (the FLOPs count ``top_k``); norms and per-head vectors are left out (under
+    0.1%). No model is built (a meta-device ``HybridModel`` of these widths still allocates
+    host memory)."""
+    from harts_runtime.flops import layer_costs
+
+    cfg = config_of(flavor)
+    per = layer_costs(cfg)["per_layer"]
+    d, w = cfg.hidden_size, cfg.conv_size
+    mo = cfg.moe
+    n_mm = 2 if mo.activation == "relu2" else 3
+    conv = {
+        "kda": (2 * cfg.kda.head_k_dim + cfg.kda.head_v_dim) * (cfg.kda.num_heads or cfg.num_heads),
+        "gdn": 2 * cfg.gdn.num_k_heads * cfg.gdn.head_k_dim + cfg.gdn.num_v_heads * cfg.gdn.head_v_dim,
+        "mamba2": cfg.mamba2.num_heads * cfg.mamba2.head_dim
+        + 2 * cfg.mamba2.n_groups * cfg.mamba2.state_size,
+    }
+
+    def mixer(kind):
+        if kind in (None, "none"):
+            return 0
+        if kind in conv:  # matmuls from the FLOPs, less the convolution's and the core's, + conv weights
+            core = _linear_core_flops(cfg, kind)
+            return int((per[kind] - 2 * w * conv[kind] - core) / 2 + w * conv[kind])
+        return int(per[kind] / 2)
+
+    def ffn(kind):
+        if kind == "none":
+            return 0
+        if kind == "moe":
+            return int(per["moe"] / 2 + (mo.num_experts - mo.top_k) * n_mm * d * mo.intermediate_size)
+        return int(per[kind] / 2)
+
+    blocks = [mixer(m) + ffn(f) for m, f in zip(cfg.mixers, cfg.ffns)]
+    embed = head = cfg.vocab_size * d
+    return {
+        "params": sum(blocks) + embed + head,
+        "largest_unit": max([embed, head, *blocks]),
+        "embed_and_head": embed + head,
+    }
 
 
 def _load(path: str) -> dict:
@@ -404,35 +485,21 @@ def _compact_run(doc: dict) -> dict:
     }
 
 
-ANCHORS = {
-    # one-process H200 measurements (bf16, 65,303-row swe-like microbatch, block recomputation with
-    # the attention and linear-attention cores kept)
-    "ling-tiny": {"files": ["issue26_gpu/tuned/te24_tuned/train_eval.json"], "layers": [24]},
-    "qwen3.5-35b-a3b": {
-        "files": [
-            "issue15_gpu_s5/te_qwen35_keep2/train_eval.json",  # 4 layers: G G G GA
-            "issue15_gpu_s5/te_qwen35_8/train_eval.json",  # 8 layers
-        ],
-        "layers": [4, 8],
-    },
-}
+def _halves(cfg) -> int:
+    """Layer halves with work (a mixer or an FFN)."""
+    return sum(m not in (None, "none") for m in cfg.mixers) + sum(f != "none" for f in cfg.ffns)
 
 
-def _embedding_params(cfg) -> int:
-    """The embedding and the LM head (untied)."""
-    return 2 * cfg.vocab_size * cfg.hidden_size
-
-
-def anchor(flavor: str) -> dict:
+@functools.cache
+def _measured_anchor(flavor: str) -> dict:
     """The one-process H200 time and activation bytes per row of ``flavor``'s full depth, from the
     measured runs (Qwen3.5-35B-A3B: 4 and 8 layers measured, the 40-layer step extrapolated by
     layer groups, linear in the groups: ``t40 = t4 + 9 (t8 - t4)``, the same for the peak)."""
-    from harts_runtime import model_config
     from harts_runtime.flops import model_flops
 
-    spec = ANCHORS[flavor]
+    spec = MEASURED_ANCHORS[flavor]
     runs = [_compact_run(_load(f)) for f in spec["files"]]
-    cfg = model_config(flavor)
+    cfg = config_of(flavor)
     full = len(cfg.mixers)
     groups = 0
     if len(runs) == 1:
@@ -442,105 +509,231 @@ def anchor(flavor: str) -> dict:
         groups = (full - la) / (lb - la)
         t = a["fbg_s"] + groups * (b["fbg_s"] - a["fbg_s"])
         peak = a["peak_GiB"] + groups * (b["peak_GiB"] - a["peak_GiB"])
-    # parameters from the runs' own records (train_eval's meta.params); the 40-layer count by the
-    # same extrapolation; the largest block ~ the per-layer share of what is not embedding / head
     counts = [_load(f)["meta"]["params"] for f in spec["files"]]
-    if len(counts) == 1:
-        params = counts[0]
-    else:
-        params = int(counts[0] + groups * (counts[1] - counts[0]))
-    block = int((params - _embedding_params(cfg)) / full)
-    static = params * 4 / 2**30  # bf16 parameters and gradients
+    run_params = counts[0] if len(counts) == 1 else int(counts[0] + groups * (counts[1] - counts[0]))
+    static = run_params * 4 / 2**30  # the measured recipe: bf16 parameters and gradients
     rows, keys = runs[0]["rows"], runs[0]["keys"]
+    flops = model_flops(cfg, rows, keys)
+    act = (peak - static) * 2**30 / rows
     return {
         "flavor": flavor,
-        "layers": full,
         "measured": runs,
+        "extrapolated": len(runs) > 1,
         "one_process_fbg_s": t,
         "one_process_peak_GiB": peak,
         "rows": rows,
         "keys": keys,
-        "params": params,
-        "largest_block_params": block,
-        "static_GiB": static,
-        "activation_bytes_per_row": (peak - static) * 2**30 / rows,
-        "flops": model_flops(cfg, rows, keys),
-        "extrapolated": len(runs) > 1,
+        "run_params": run_params,
+        "flops": flops,
+        "flop_rate": flops / t,
+        "activation_bytes_per_row": act,
+        "activation_bytes_per_row_half_hidden": act / (_halves(cfg) * cfg.hidden_size),
     }
 
 
-def predict(flavor: str, n: int, c: int, anc: dict | None = None, a: dict = ASSUMPTIONS) -> dict:
-    """Predicted step time and memory per rank of one ``n``-row tree on ``c`` CP ranks (H200)."""
-    from harts_runtime import model_config
-    from harts_runtime.flops import layer_costs, model_flops
+def anchor(flavor: str) -> dict:
+    """What the prediction of ``flavor`` scales: its achieved FLOP rate and activation bytes per row
+    (measured, or carried over: ``ASSUMPTIONS["unmeasured_models"]``), and its parameter counts."""
+    cfg = config_of(flavor)
+    counts = param_counts(flavor)
+    if flavor in MEASURED_ANCHORS:
+        out = dict(_measured_anchor(flavor))
+    else:
+        src = _measured_anchor(RATE_FROM[flavor])
+        per = sum(
+            _measured_anchor(f)["activation_bytes_per_row_half_hidden"] for f in MEASURED_ANCHORS
+        ) / len(MEASURED_ANCHORS)
+        out = {
+            "flavor": flavor,
+            "measured": None,
+            "rate_from": RATE_FROM[flavor],
+            "flop_rate": src["flop_rate"],
+            "activation_bytes_per_row_half_hidden": per,
+            "activation_bytes_per_row": per * _halves(cfg) * cfg.hidden_size,
+        }
+    out.update(counts, layers=len(cfg.mixers), hidden=cfg.hidden_size)
+    return out
+
+
+def _linear_core_flops(cfg, kind: str) -> float:
+    """Forward FLOPs per row of one ``kind`` layer's chunkwise core (``flops.layer_costs``)."""
+    from harts_runtime.flops import layer_costs
+
+    one = cfg.replace(mixers=(kind,), ffns=("none",))
+    return layer_costs(one)["linear_core"]
+
+
+def predict(
+    flavor: str,
+    n: int,
+    c: int,
+    link: str = "nvlink",
+    dp_shard: int = 1,
+    anc: dict | None = None,
+    a: dict = ASSUMPTIONS,
+) -> dict:
+    """Predicted step time and memory per rank of one ``n``-row tree on ``c`` CP ranks (H200) over
+    ``link`` in the three modes (``heads`` None where C does not divide some mixer's heads)."""
+    from harts_runtime.flops import model_flops
 
     anc = anc or anchor(flavor)
-    cfg = model_config(flavor)
+    cfg = config_of(flavor)
     dims = dims_of(cfg, 2)
+    ln = Link.NVLINK if link == "nvlink" else Link.INFINIBAND
     keys = int(a["keys_fraction"] * n * n)
-    t1 = anc["one_process_fbg_s"] * model_flops(cfg, n, keys) / anc["flops"]
+    t1 = model_flops(cfg, n, keys) / anc["flop_rate"]
     compute = t1 / c
-    hp = step_bytes(dims, n, n, c, recompute=True, design="head_parallel")
-    sp = step_bytes(dims, n, n, c, recompute=True, design="state_passing")
-    ncoll = sum(r["calls"] for r in microbatch_collectives(dims, n, n, c, 0, True))
-    bw = a["nvlink_GBps"] * 1e9
-    comm = hp["total"] / bw + ncoll * a["latency_s_per_collective"]
-    fsdp_bytes = 3 * (c - 1) / c * anc["params"] * 2  # 2 all-gathers + 1 reduce-scatter, bf16
-    per_rank = rows_of(n, c, 0)
-    act = anc["activation_bytes_per_row"] * per_rank / 2**30
-    transient = a["transient_nd"] * n * dims.hidden * 2 / 2**30 if c > 1 else 0.0
-    static = anc["static_GiB"] / c + 2 * anc["largest_block_params"] * 2 / 2**30
-    adam = anc["params"] * 12 / c / 2**30
-    total = static + act + transient
-    costs = layer_costs(cfg)
-    linear_share = 3 * costs["linear_core"] * n / model_flops(cfg, n, keys)
+    sp = a["split"]
+    shape = SplitShape(sp["pieces"], sp["halo_rows"], sp["attention_rows"], None)
+    rank_rows = rows_of(n, c, 0)
+    per_layer = []
+    totals = {
+        m: {"bytes": 0.0, "comm_s": 0.0, "extra_s": 0.0, "possible": True}
+        for m in ("heads", "states", "auto")
+    }
+    for mix in dims.mixers:
+        if mix is None:
+            continue
+        extra = 0.0
+        if mix.kind in LINEAR_KINDS:
+            extra = 3 * _linear_core_flops(cfg, mix.kind) * rank_rows / anc["flop_rate"]
+        mc = mode_costs(
+            mix,
+            dims.hidden,
+            n,
+            c,
+            ln,
+            split=shape,
+            act_bytes=2,
+            recompute=True,
+            states_extra_s=extra,
+        )
+        for mode in ("heads", "states"):
+            t = totals[mode]
+            t["bytes"] += mc[mode].received
+            t["comm_s"] += mc[mode].seconds - mc[mode].extra_s
+            t["extra_s"] += mc[mode].extra_s
+            t["possible"] &= mc[mode].possible
+            if not mc[mode].possible and "reason" not in t:
+                t["reason"] = mc[mode].reason
+        ch = mc[mc["choice"]]
+        totals["auto"]["bytes"] += ch.received
+        totals["auto"]["comm_s"] += ch.seconds - ch.extra_s
+        totals["auto"]["extra_s"] += ch.extra_s
+        per_layer.append(mc["choice"])
+    # per step, not per layer: the log-prob all-reduce and the router statistics (both modes)
+    fixed = [r for r in microbatch_collectives(dims, n, n, c, 0, True, "heads") if r["part"] != "mixer"]
+    fixed_b = sum(r["received"] for r in fixed)
+    fixed_s = ln.seconds(fixed_b, sum(r["calls"] for r in fixed))
+    params, unit = anc["params"], anc["largest_unit"]
+    static = (16 * params / (dp_shard * c) + (2 * 2 + 4) * unit) / 2**30
+    act = anc["activation_bytes_per_row"] * rank_rows / 2**30
+    kv_rows = (c - 1) * rank_rows if sp["attention_rows"] is None else sp["attention_rows"]
+    kv_width = max([m.kv_width for m in dims.mixers if m is not None] + [0])
+    transient = {
+        "heads": a["transient_nd"] * n * dims.hidden * 2 / 2**30 if c > 1 else 0.0,
+        "states": 2 * (kv_rows + rank_rows) * kv_width * 2 / 2**30 if c > 1 else 0.0,
+    }
+    transient["auto"] = max(
+        transient[m] for m in ("heads", "states") if m == "states" or "heads" in per_layer
+    )
+    modes = {}
+    for mode, t in totals.items():
+        if not t["possible"]:
+            modes[mode] = {"possible": False, "reason": t["reason"]}
+            continue
+        mem = static + act + transient[mode]
+        comm = t["comm_s"] + fixed_s
+        modes[mode] = {
+            "possible": True,
+            "cp_bytes_per_rank": t["bytes"] + fixed_b,
+            "cp_comm_s": comm,
+            "extra_compute_s": t["extra_s"],
+            "step_s": compute + comm + t["extra_s"],
+            "transient_GiB": transient[mode],
+            "memory_GiB": mem,
+            "fits": mem <= a["hbm_GiB"],
+        }
+    auto = modes["auto"]
+    auto["layers_heads"] = per_layer.count("heads")
+    auto["layers_states"] = per_layer.count("states")
+    fsdp_bytes = (
+        3 * (c * dp_shard - 1) / (c * dp_shard) * params * 2
+    )  # 2 all-gathers + 1 reduce-scatter, bf16
     return {
         "predicted": True,
         "flavor": flavor,
         "rows": n,
         "cp": c,
-        "rows_per_rank": per_rank,
+        "link": link,
+        "dp_shard": dp_shard,
+        "rows_per_rank": rank_rows,
         "compute_s": compute,
-        "cp_comm_bytes_per_rank": hp["total"],
-        "cp_comm_by_part": hp["by_part"],
-        "cp_comm_s": comm,
-        "step_s": compute + comm,
-        "comm_share": comm / (compute + comm),
-        "fsdp_bytes_per_rank": fsdp_bytes,
-        "fsdp_s_if_not_overlapped": fsdp_bytes / bw,
-        "state_passing_bytes_per_rank": sp["total"],
-        "state_passing_extra_compute_s": linear_share * t1 / c,
-        "activation_GiB": act,
-        "transient_GiB": transient,
         "static_GiB": static,
-        "memory_GiB": total,
-        "fits": total <= a["hbm_GiB"],
-        "adamw_fp32_GiB": adam,
-        "max_rows_per_rank": max(
-            0, int((a["hbm_GiB"] - static - transient) * 2**30 / anc["activation_bytes_per_row"])
-        ),
+        "activation_GiB": act,
+        "adamw_fp32_GiB": 16 * params / (dp_shard * c) / 2**30,
+        "fsdp_bytes_per_rank": fsdp_bytes,
+        "fsdp_s_if_not_overlapped": ln.seconds(fsdp_bytes, 0),
+        "modes": modes,
+        "max_rows_per_rank": max(0, int((a["hbm_GiB"] - static) * 2**30 / anc["activation_bytes_per_row"])),
     }
 
 
-def prediction_table(sizes=(262_144, 1_048_576), cps=(2, 4, 8)) -> dict:
-    out = {"predicted": True, "assumptions": ASSUMPTIONS, "anchors": {}, "rows": []}
-    for flavor in ANCHORS:
-        anc = anchor(flavor)
-        out["anchors"][flavor] = anc
-        for n in sizes:
-            for c in cps:
-                out["rows"].append(predict(flavor, n, c, anc))
+SCENARIOS = tuple(
+    (c, link) for c in CPS for link in (("nvlink", "infiniband") if c == 8 else ("infiniband",))
+)
+
+
+def first_fit(rows: list[dict]) -> list[dict]:
+    """Per model, tree size, link kind and mode: the smallest C whose predicted memory fits, and its step."""
+    out = []
+    for flavor in FLAVORS:
+        for n in SIZES:
+            for mode in ("heads", "states", "auto"):
+                cands = [
+                    r
+                    for r in rows
+                    if r["flavor"] == flavor
+                    and r["rows"] == n
+                    and r["modes"][mode]["possible"]
+                    and r["modes"][mode]["fits"]
+                ]
+                # the cheapest link the C allows: NVLink at C = 8, InfiniBand above
+                cands = [r for r in cands if r["link"] == ("nvlink" if r["cp"] == 8 else "infiniband")]
+                best = min(cands, key=lambda r: r["cp"], default=None)
+                out.append(
+                    {
+                        "flavor": flavor,
+                        "rows": n,
+                        "mode": mode,
+                        "cp": best["cp"] if best else None,
+                        "link": best["link"] if best else None,
+                        "step_s": best["modes"][mode]["step_s"] if best else None,
+                        "memory_GiB": best["modes"][mode]["memory_GiB"] if best else None,
+                    }
+                )
     return out
 
 
-def design_comparison(cps=(2, 4, 8), rows=(65_536, 262_144, 1_048_576)) -> dict:
-    """Bytes per rank and microbatch, head-parallel against state passing, per mixer kind of the two
-    models (forward + backward + recomputation), and the crossover rows of the linear layers."""
-    from harts_runtime import model_config
+def prediction_table(sizes=SIZES, scenarios=SCENARIOS) -> dict:
+    out = {"predicted": True, "assumptions": ASSUMPTIONS, "anchors": {}, "rows": []}
+    for flavor in FLAVORS:
+        anc = anchor(flavor)
+        out["anchors"][flavor] = anc
+        for n in sizes:
+            for c, link in scenarios:
+                out["rows"].append(predict(flavor, n, c, link, 1, anc))
+    out["first_fit"] = first_fit(out["rows"])
+    return out
 
+
+def design_comparison(cps=(2, 4, 8, 16, 32, 64), rows=(65_536, 262_144, 1_048_576, 4_194_304)) -> dict:
+    """Bytes per rank and microbatch of one layer, ``"heads"`` against ``"states"`` (one piece, the
+    conv halo only, the all-gather bound for attention), per mixer kind of the four models (forward +
+    backward + recomputation), and the crossover rows of the linear layers."""
     out = {}
-    for flavor in ANCHORS:
-        dims = dims_of(model_config(flavor), 2)
+    for flavor in FLAVORS:
+        dims = dims_of(config_of(flavor), 2)
         kinds = {}
         for mix in dims.mixers:
             if mix is None or mix.kind in kinds:
@@ -548,19 +741,13 @@ def design_comparison(cps=(2, 4, 8), rows=(65_536, 262_144, 1_048_576)) -> dict:
             per = {}
             for c in cps:
                 for n in rows:
-                    hp = sum(
-                        r["received"]
-                        for p in ("forward", "backward", "forward")
-                        for r in head_parallel_mixer(mix, dims.hidden, n, c, 0, 2)[p]
-                    )
-                    sp = sum(
-                        r["received"]
-                        for p in ("forward", "backward", "forward")
-                        for r in state_passing_mixer(mix, dims.hidden, n, c, 2)[p]
-                    )
-                    per[f"C={c},N={n}"] = {"head_parallel": hp, "state_passing": sp}
+                    mc = mode_costs(mix, dims.hidden, n, c, Link.NVLINK, act_bytes=2, recompute=True)
+                    per[f"C={c},N={n}"] = {
+                        "heads": mc["heads"].received if heads_possible(mix, c)[0] else None,
+                        "states": mc["states"].received,
+                    }
             entry = {"mixer": dataclasses.asdict(mix), "bytes": per}
-            if mix.kind in ("kda", "gdn"):
+            if mix.kind in LINEAR_KINDS:
                 entry["crossover_rows"] = {c: crossover_rows(mix, dims.hidden, c, 2) for c in cps}
             kinds[mix.kind] = entry
         out[flavor] = {"hidden": dims.hidden, "kinds": kinds}
@@ -569,13 +756,16 @@ def design_comparison(cps=(2, 4, 8), rows=(65_536, 262_144, 1_048_576)) -> dict:
 
 # ================================================================================ measurement
 CASES = {
-    # name: (model, world, dims, recompute)
-    "debug-cp2": ("debug", 2, {"cp": 2}, False),
-    "debug-cp4-recompute": ("debug", 4, {"cp": 4}, True),
-    "debug-cp2-dp_shard2": ("debug", 4, {"cp": 2, "dp_shard": 2}, False),
-    "ling-tiny-cp2-recompute": ("ling-tiny", 2, {"cp": 2}, True),
+    # name: (model, world, dims, recompute, cp_mode)
+    "debug-cp2": ("debug", 2, {"cp": 2}, False, "heads"),
+    "debug-cp4-recompute": ("debug", 4, {"cp": 4}, True, "heads"),
+    "debug-cp2-dp_shard2": ("debug", 4, {"cp": 2, "dp_shard": 2}, False, "heads"),
+    "ling-tiny-cp2-recompute": ("ling-tiny", 2, {"cp": 2}, True, "heads"),
+    "debug-cp2-states": ("debug", 2, {"cp": 2}, False, "states"),
+    "debug-cp4-recompute-states": ("debug", 4, {"cp": 4}, True, "states"),
+    "ling-tiny-cp2-recompute-states": ("ling-tiny", 2, {"cp": 2}, True, "states"),
 }
-QUICK = ("debug-cp2",)
+QUICK = ("debug-cp2", "debug-cp2-states")
 T = {2: 32, 4: 16}  # per-rank capacity: microbatches of up to 64 rows at either C
 
 
@@ -677,33 +867,33 @@ def _counter_class():
                 if op == "_allgather_base_":
                     o, i = args[0], args[1]
                     w = o.numel() // max(1, i.numel())
-                    return _rec("all_gather", nbytes(o), (w - 1) * nbytes(i)) | {"world": w}
+                    return record("all_gather", nbytes(o), (w - 1) * nbytes(i)) | {"world": w}
                 if op == "_reduce_scatter_base_":
                     o, i = args[0], args[1]
                     w = i.numel() // max(1, o.numel())
-                    return _rec("reduce_scatter", nbytes(i), (w - 1) * nbytes(o)) | {"world": w}
+                    return record("reduce_scatter", nbytes(i), (w - 1) * nbytes(o)) | {"world": w}
                 if op == "allreduce_":
                     t = args[0][0]
-                    return _rec("all_reduce", nbytes(t), 0) | {"world": 0}
-                return _rec(op, 0, 0)
+                    return record("all_reduce", nbytes(t), 0) | {"world": 0}
+                return record(op, 0, 0)
             t = args[0]
             if op == "all_gather_into_tensor":
                 c = int(args[1])
-                return _rec("all_gather", c * nbytes(t), (c - 1) * nbytes(t)) | {"world": c}
+                return record("all_gather", c * nbytes(t), (c - 1) * nbytes(t)) | {"world": c}
             if op == "reduce_scatter_tensor":
                 c = int(args[2])
-                return _rec("reduce_scatter", nbytes(t), (c - 1) * nbytes(t) // c) | {"world": c}
+                return record("reduce_scatter", nbytes(t), (c - 1) * nbytes(t) // c) | {"world": c}
             if op == "all_reduce":
                 g = _resolve_process_group(args[2])
                 c = g.size()
-                return _rec("all_reduce", nbytes(t), 2 * (c - 1) * nbytes(t) / c) | {"world": c}
+                return record("all_reduce", nbytes(t), 2 * (c - 1) * nbytes(t) / c) | {"world": c}
             if op == "all_to_all_single":
                 out_splits, group = list(args[1]), _resolve_process_group(args[3])
                 me = dist.get_rank(group)
                 row = nbytes(out) // max(1, sum(out_splits)) if sum(out_splits) else 0
                 recv = (sum(out_splits) - out_splits[me]) * row
-                return _rec("all_to_all", nbytes(out), recv) | {"world": group.size()}
-            return _rec(op, nbytes(t), 0)
+                return record("all_to_all", nbytes(out), recv) | {"world": group.size()}
+            return record(op, nbytes(t), 0)
 
     return CollectiveCounter
 
@@ -755,7 +945,76 @@ def _fsdp_units(model) -> dict:
     return units
 
 
-def _worker(rank, world, name, dims_kw, recompute):
+def states_mode_available() -> tuple[bool, str]:
+    """Whether the runtime has the ``"states"`` mode this harness drives
+    (``harts_runtime.parallel.context_states`` and ``parallelize(..., cp_mode=...)``), and why not."""
+    if importlib.util.find_spec("harts_runtime.parallel.context_states") is None:
+        return False, "harts_runtime.parallel.context_states is not in this checkout"
+    from harts_runtime.parallel import parallelize
+
+    if "cp_mode" not in inspect.signature(parallelize).parameters:
+        return False, "parallelize() takes no cp_mode argument"
+    return True, ""
+
+
+def states_split(batch, traj, c: int, chunk_size: int, conv_width: int) -> dict:
+    """What the ``"states"`` model needs of one microbatch's split (``harts_planner.plan_cp`` with
+    its default cost model), each rank's numbers computed from the tree itself (the batch's
+    ``row_parent``), independently of ``SplitShape.of_split``: its block; the most states any rank
+    hands on; its halo rows (the distinct replay and conv-context rows of its receives) and the halo
+    rows other ranks fetch from it; its attention rows (the rows of earlier ranks on the paths of
+    its rows) and those other ranks fetch from it."""
+    import numpy as np
+
+    import harts_planner as hp
+
+    traj = np.asarray(traj, dtype=np.int64)
+    split = hp.plan_cp(batch, traj, c, chunk_size, conv_width=conv_width)
+    r2g = np.asarray(hp.plan_calls(batch, chunk_size, microbatch=traj, conv_width=conv_width).row_to_global)
+    gp = np.asarray(batch.row_parent, dtype=np.int64)[r2g]
+    pred = np.where(gp >= 0, np.searchsorted(r2g, np.maximum(gp, 0)), -1)
+    pos = np.zeros(len(pred), dtype=np.int64)
+    for x in range(len(pred)):  # parents come first in the split's row order
+        pos[x] = 0 if pred[x] < 0 else pos[pred[x]] + 1
+    rank = np.asarray(split.rank_of(np.arange(len(r2g))))
+    need, halo = [], []
+    for r in range(c):
+        rows = split.rank_rows(r)
+        seen = set()
+        for x in rows:
+            u = int(pred[x])
+            while u >= 0 and rank[u] != r and u not in seen:
+                seen.add(u)
+                u = int(pred[u])
+        need.append(seen)
+        h = set()
+        for i in range(int(split.receive_offsets[r]), int(split.receive_offsets[r + 1])):
+            u = int(split.receive_row[i])
+            a = int(split.receive_anchor[i])
+            path = []
+            while u >= 0 and pos[u] >= a - (conv_width - 1):  # the path from the anchor's conv rows to u
+                path.append(u)
+                u = int(pred[u])
+            h.update(path)
+        halo.append(h)
+    sends = np.diff(np.asarray(split.send_offsets))
+    ranks = []
+    for r in range(c):
+        rows = split.rank_rows(r)
+        ranks.append(
+            {
+                "rows": [rows.start, rows.stop],
+                "halo_rows": len(halo[r]),
+                "halo_sent": sum(int(rank[x]) == r for q in range(c) for x in halo[q]),
+                "attention_rows": len(need[r]),
+                "attention_sent": sum(int(rank[x]) == r for q in range(c) for x in need[q]),
+            }
+        )
+    rank_rows = int(np.diff(np.asarray(split.rank_row_offsets)).max())
+    return {"pieces": int(sends.max()) if len(sends) else 0, "rank_rows": rank_rows, "ranks": ranks}
+
+
+def _worker(rank, world, name, dims_kw, recompute, mode="heads"):
     import numpy as np
 
     import harts_planner as hp
@@ -771,7 +1030,8 @@ def _worker(rank, world, name, dims_kw, recompute):
     batch = _batch(cfg.vocab_size)
     step = StepInputs.synthetic(batch, seed=1, vocab_size=cfg.vocab_size)
     plan = hp.plan_step(batch, dims.dp, T[dims.cp], cfg.chunk_size, cp_size=dims.cp)
-    parallelize(model, mesh, recompute=recompute)
+    takes_mode = "cp_mode" in inspect.signature(parallelize).parameters
+    parallelize(model, mesh, recompute=recompute, **({"cp_mode": mode} if takes_mode else {}))
     model.train()
     cp_rank = mesh.cp.get_local_rank()
     counter = _counter_class()()
@@ -781,6 +1041,9 @@ def _worker(rank, world, name, dims_kw, recompute):
         mb = make_microbatch(model, step, np.asarray(traj, dtype=np.int64), "compact")
         n = mb.num_rows
         rows = {"n": n, "p": int(mb.target_index.shape[0]), "row_block": list(row_block(n, dims.cp, cp_rank))}
+        if mode == "states":
+            rows["split"] = states_split(batch, traj, dims.cp, cfg.chunk_size, cfg.conv_size)
+            rows["row_block"] = rows["split"]["ranks"][cp_rank]["rows"]
         seen = {}
 
         def hook(mod, args, _out, seen=seen):
@@ -831,9 +1094,10 @@ def _cfg_of(name: str):
     return _model(name).config
 
 
-def compare(case: str, results: list, dims_kw: dict, recompute: bool, name: str) -> dict:
+def compare(case: str, results: list, dims_kw: dict, recompute: bool, name: str, mode: str = "heads") -> dict:
     """Measured against analytic, per rank: the CP collectives per (layer, part, phase, collective)
-    (must agree exactly), FSDP2's per (phase, collective), and the rows."""
+    (must agree exactly), FSDP2's per (phase, collective), and the rows (``"states"``: each rank's
+    block of the split; the rows inside a mixer are not checked there)."""
     cfg = _cfg_of(name)
     md = dims_of(cfg, 4)  # float32 on the CPU
     c = dims_kw.get("cp", 1)
@@ -846,9 +1110,27 @@ def compare(case: str, results: list, dims_kw: dict, recompute: bool, name: str)
         ana, fsdp_ana, rows = [], [], []
         for mb in r["microbatches"]:
             n, p = mb["n"], mb["p"]
-            ana += microbatch_collectives(md, n, p, c, r["cp_rank"], recompute)
-            fsdp_ana += fsdp_microbatch(r["units"], world_fsdp, 4)
             want = activation_rows(n, c, r["cp_rank"], md)
+            if mode == "states":
+                sp = mb["split"]
+                mine = sp["ranks"][r["cp_rank"]]
+                rs = RankSplit(
+                    sp["pieces"],
+                    mine["halo_rows"],
+                    mine["attention_rows"],
+                    sp["rank_rows"],
+                    mine["halo_sent"],
+                    mine["attention_sent"],
+                )
+                ana += microbatch_collectives(md, n, p, c, r["cp_rank"], recompute, "states", rs)
+                want = dict(
+                    want,
+                    row_block=mine["rows"][1] - mine["rows"][0],
+                    gathered_rows=mb.get("mixer_input_rows", 0),
+                )
+            else:
+                ana += microbatch_collectives(md, n, p, c, r["cp_rank"], recompute)
+            fsdp_ana += fsdp_microbatch(r["units"], world_fsdp, 4)
             got_block = mb.get("embed_rows", 0)
             rows.append(
                 {
@@ -924,12 +1206,19 @@ def measure(cases) -> dict:
     from harts_runtime.parallel import run_distributed
 
     out = {}
+    states_ok, why = states_mode_available()
     for case in cases:
-        name, world, dims_kw, recompute = CASES[case]
+        name, world, dims_kw, recompute, mode = CASES[case]
+        if mode == "states" and not states_ok:
+            out[case] = {"mode": mode, "run": False, "reason": why}
+            print(f"{case}: not run ({why}): the states-mode count waits for the runtime", flush=True)
+            continue
         t0 = time.perf_counter()
-        results = run_distributed(_worker, world, name, dims_kw, recompute, timeout=600)
-        res = compare(case, results, dims_kw, recompute, name)
+        results = run_distributed(_worker, world, name, dims_kw, recompute, mode, timeout=600)
+        res = compare(case, results, dims_kw, recompute, name, mode)
         res.update(
+            mode=mode,
+            run=True,
             model=name,
             world=world,
             dims=dims_kw,
@@ -950,31 +1239,78 @@ def measure(cases) -> dict:
 
 
 # ================================================================================ README table
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f}" if x >= 1e8 else f"{x / 1e9:.2f}"
+
+
+def _mem(m: dict) -> str:
+    return f"{m['memory_GiB']:.0f}" if m["fits"] else f"{m['memory_GiB']:.0f} (over)"
+
+
 def markdown(pred: dict) -> str:
+    """The generated block of ``benchmarks/README.md`` (between :data:`BEGIN` and :data:`END`)."""
     lines = [
-        "| model | tree rows N | C | rows / rank | compute s (predicted) | CP bytes / rank | "
-        "CP comm s (predicted) | step s (predicted) | memory / rank GiB (predicted) | fits 139 GiB | "
-        "state passing bytes / rank |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        BEGIN,
+        "| model | tree rows N | C | link | rows / rank | compute s | heads: CP GB / rank | heads: step s | "
+        "heads: GiB / rank | states: CP GB / rank | states: step s (summary pass s) | states: GiB / rank | "
+        "auto: step s (layers heads / states) | auto: GiB / rank |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in pred["rows"]:
-        lines.append(
-            f"| {r['flavor']} | {r['rows']:,} | {r['cp']} | {r['rows_per_rank']:,} | "
-            f"{r['compute_s']:.1f} | {r['cp_comm_bytes_per_rank'] / 1e9:.1f} GB | {r['cp_comm_s']:.2f} | "
-            f"**{r['step_s']:.1f}** | {r['memory_GiB']:.0f} | {'yes' if r['fits'] else 'no (max ' + format(r['max_rows_per_rank'], ',') + ' rows / rank)'} | "
-            f"{r['state_passing_bytes_per_rank'] / 1e9:.2f} GB |"
+        h, s, a = (r["modes"][m] for m in ("heads", "states", "auto"))
+        hc = (
+            f"{_gb(h['cp_bytes_per_rank'])} | {h['step_s']:.1f} | {_mem(h)}"
+            if h["possible"]
+            else f"n/a: {h['reason']} | | "
         )
+        lines.append(
+            f"| {r['flavor']} | {r['rows']:,} | {r['cp']} | {r['link']} | {r['rows_per_rank']:,} | "
+            f"{r['compute_s']:.1f} | {hc} | {_gb(s['cp_bytes_per_rank'])} | "
+            f"{s['step_s']:.1f} ({s['extra_compute_s']:.1f}) | {_mem(s)} | "
+            f"**{a['step_s']:.1f}** ({a['layers_heads']} / {a['layers_states']}) | {_mem(a)} |"
+        )
+    lines += [
+        "",
+        "First C that fits 139 GiB per H200 (NVLink at C = 8, InfiniBand above; dp_shard = 1), and its "
+        "predicted step:",
+        "",
+        "| model | tree rows N | heads | states | auto |",
+        "|---|---:|---|---|---|",
+    ]
+    ff = {(x["flavor"], x["rows"], x["mode"]): x for x in pred["first_fit"]}
+    for flavor in FLAVORS:
+        for n in SIZES:
+            cells = []
+            for mode in ("heads", "states", "auto"):
+                x = ff[(flavor, n, mode)]
+                cells.append(
+                    f"C = {x['cp']}: {x['step_s']:.1f} s, {x['memory_GiB']:.0f} GiB"
+                    if x["cp"]
+                    else "none up to 64"
+                )
+            lines.append(f"| {flavor} | {n:,} | " + " | ".join(cells) + " |")
+    lines.append(END)
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=OUT)
-    ap.add_argument("--quick", action="store_true", help="debug model at cp = 2 only")
+    ap.add_argument("--quick", action="store_true", help="debug model at cp = 2 only (both modes)")
     ap.add_argument("--no-measure", action="store_true", help="the model and the prediction only")
+    ap.add_argument(
+        "--no-readme", action="store_true", help="do not rewrite the block in benchmarks/README.md"
+    )
+    ap.add_argument("--readme", type=Path, default=README)
     ap.add_argument("--cases", default=None, help="comma-separated measurement cases")
     args = ap.parse_args(argv)
-    doc = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:]}}
+    if args.cases:
+        bad = [c for c in args.cases.split(",") if c not in CASES]
+        if bad:
+            ap.error(f"--cases: unknown {bad}; choose from {sorted(CASES)}")
+    doc = {
+        "meta": {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:] if argv is None else argv}
+    }
     try:
         import torch
 
@@ -992,6 +1328,18 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1, default=str)
     print(f"wrote {args.out}")
+    if not args.no_readme:
+        sys.path.insert(0, HERE)
+        from readme_blocks import update_readme
+
+        update_readme(
+            args.readme,
+            doc["prediction_markdown"],
+            BEGIN,
+            END,
+            "Context parallelism: counted bytes and predicted long trees: `cp_eval.py`",
+        )
+        print(f"wrote the {BEGIN} block of {args.readme}")
     return 0
 
 

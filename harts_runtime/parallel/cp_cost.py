@@ -11,14 +11,16 @@ The two modes, per mixer layer and microbatch of ``N`` compact rows on ``C`` CP 
   heads -> rows by all-to-all. Backward mirrors forward. Possible only when ``tp * C`` divides the
   layer's head counts (:meth:`Mixer.head_counts`) and the layer has a head plan.
 * ``"states"`` (state passing, ``harts_runtime.parallel.context_states``): each rank keeps its row
-  range of the planner's split. Linear layers (KDA, GDN, Mamba2) all-gather every rank's affine
-  summaries (fp32, per state head a ``K x V`` state and a transition: ``K x K`` for the delta rule,
-  one decay scalar for Mamba2), each rank padded to the most pieces any rank has, and receive their
-  halo rows (the short convolution's ``w - 1`` rows and the replay rows before each receive) as
-  normed input rows ``[rows, D]`` by all-to-all; backward mirrors forward (the transposed fold). An
-  attention layer gathers the K/V (GQA, gated attention: ``2 H_kv d_h`` values per row) or the latent
-  (MLA) of the rows on other ranks its queries see, backward sends their gradients back; without the
-  split's numbers the bound is the all-gather of every rank's block.
+  range of the planner's split. Linear layers (KDA, GDN, Mamba2) all-gather the affine summaries
+  of the states each rank hands on (fp32, per state head a ``K x V`` state and a transition:
+  ``K x K`` for the delta rule, one decay for Mamba2; every rank padded to the most states any rank
+  hands on; no collective when no rank hands one on; backward: the reduce-scatter), and fetch their
+  halo rows (the distinct replay and conv-context rows of their receives) as normed input rows
+  ``[rows, D]`` by one all-to-all (backward: the reverse, so a rank then receives the gradients of
+  the rows others fetched from it). An attention layer fetches the K/V (GQA, gated attention:
+  ``2 H_kv d_h`` values per row) or the latent (MLA) of the rows of earlier ranks its queries see
+  (in preorder the strict ancestors of the rank's first row) by one all-to-all, backward the
+  reverse; without the split's numbers the bound is the all-gather of every rank's block.
 
 Conventions (as ``benchmarks/cp_eval.py``, which counts the runtime's collectives on gloo and
 asserts they equal these records): a record is ``{collective, calls, payload, received}``;
@@ -274,48 +276,71 @@ Link.INFINIBAND = Link(50e9, 100e-6, "infiniband")
 @dataclass(frozen=True)
 class SplitShape:
     """What the ``"states"`` bytes depend on in the split of one microbatch (split-wide maxima, so
-    that every rank computes the same costs): ``pieces``, the most affine summaries one rank
-    contributes (the states it hands on; at least 1); ``halo_rows``, the most halo rows one rank
-    receives (None: ``w - 1``, one receive without replay); ``attention_rows``, the most rows of
-    other ranks whose K/V or latent one rank gathers (None: the all-gather bound); ``rank_rows``,
-    the largest rank block (None: ``ceil(N / C)``)."""
+    that every rank computes the same costs): ``pieces``, the most states one rank hands on (0: no
+    summary is gathered); ``halo_rows`` / ``halo_sent``, the most halo rows one rank fetches / is
+    fetched from it (None: ``w - 1``, one receive without replay, both ways); ``attention_rows`` /
+    ``attention_sent``, the most rows whose K/V or latent one rank fetches / is fetched from it
+    (None: the all-gather bound); ``rank_rows``, the largest rank block (None: ``ceil(N / C)``)."""
 
     pieces: int = 1
     halo_rows: int | None = None
     attention_rows: int | None = None
     rank_rows: int | None = None
+    halo_sent: int | None = None
+    attention_sent: int | None = None
 
     def __post_init__(self):
-        _positive_int(self.pieces, "split.pieces")
-        for name in ("halo_rows", "attention_rows", "rank_rows"):
+        _positive_int(self.pieces, "split.pieces", 0)
+        for name in ("halo_rows", "attention_rows", "rank_rows", "halo_sent", "attention_sent"):
             if getattr(self, name) is not None:
                 _positive_int(getattr(self, name), f"split.{name}", 0)
 
     @classmethod
     def of_split(cls, split) -> SplitShape:
-        """From a ``harts_planner`` ``CpSplit`` (duck-typed: its CSR arrays). ``attention_rows``: per
-        rank ``min(first row, sum over its receives of pos(u) + 1)`` (``pos(u) + 1`` = anchor +
-        replay rows), the rows of the receives' paths on earlier ranks: exact when the paths are
-        disjoint, an upper bound otherwise (they share ancestors)."""
+        """From a ``harts_planner`` ``CpSplit`` (duck-typed: its CSR arrays), as the runtime moves
+        rows: a rank's halo rows are the distinct replay and conv-context rows (position >= 0) of its
+        receives; its attention rows the strict ancestors of its first row, ``pos`` of that row
+        (anchor + replay rows of the receive entering it; 0 for a root). ``attention_sent`` is an
+        upper bound (each later rank fetches at most its count, and at most the sender's rows)."""
         c = int(split.cp_size)
         w = int(split.conv_width) - 1
         offs = [int(x) for x in split.rank_row_offsets]
         send = [int(x) for x in split.send_offsets]
         recv = [int(x) for x in split.receive_offsets]
         rep = [int(x) for x in split.receive_replay_offsets]
+        ent = [int(x) for x in split.receive_entry_offsets]
         anchor = [int(x) for x in split.receive_anchor]
-        pieces = max([send[r + 1] - send[r] for r in range(c)] + [1])
-        halo, attn = [], []
+        replay = [int(x) for x in split.replay_rows]
+        entries = [int(x) for x in split.entry_rows]
+        ctx = [int(x) for x in split.receive_conv_context]
+
+        def rank_of(x):
+            lo, hi = 0, c - 1
+            while lo < hi:  # the last rank whose range starts at or before x
+                mid = (lo + hi + 1) // 2
+                if offs[mid] <= x:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return lo
+
+        pieces = max([send[r + 1] - send[r] for r in range(c)] + [0])
+        halo_in, halo_out, attn = [0] * c, [0] * c, [0] * c
         for r in range(c):
-            hr, seen = 0, 0
+            rows = set()
             for i in range(recv[r], recv[r + 1]):
-                replay = rep[i + 1] - rep[i]
-                hr += w + replay
-                seen += anchor[i] + replay
-            halo.append(hr)
-            attn.append(min(offs[r], seen))
+                rows.update(replay[rep[i] : rep[i + 1]])
+                rows.update(x for x in ctx[i * w : (i + 1) * w] if x >= 0)
+                if offs[r] in entries[ent[i] : ent[i + 1]]:
+                    attn[r] = anchor[i] + rep[i + 1] - rep[i]
+            halo_in[r] = len(rows)
+            for x in rows:
+                halo_out[rank_of(x)] += 1
+        sent = [sum(min(attn[r], offs[s + 1] - offs[s]) for r in range(s + 1, c)) for s in range(c)]
         rank_rows = max(offs[r + 1] - offs[r] for r in range(c)) if c else 0
-        return cls(pieces, max(halo + [0]), max(attn + [0]), rank_rows)
+        return cls(
+            pieces, max(halo_in + [0]), max(attn + [0]), rank_rows, max(halo_out + [0]), max(sent + [0])
+        )
 
 
 # ================================================================================ collectives
@@ -400,20 +425,25 @@ def state_passing_mixer(
     halo_rows: int | None = None,
     attention_rows: int | None = None,
     rank_rows: int | None = None,
+    halo_sent: int | None = None,
+    attention_sent: int | None = None,
 ) -> dict:
-    """The collectives of one mixer layer and microbatch under ``"states"`` on a rank that receives
-    ``halo_rows`` halo rows and gathers ``attention_rows`` rows of other ranks (see the module
-    docstring; None: the bounds of :class:`SplitShape`), by pass. With ``c == 1`` nothing moves."""
+    """The collectives of one mixer layer and microbatch under ``"states"`` on a rank that fetches
+    ``halo_rows`` halo rows and ``attention_rows`` attention rows and from which the other ranks
+    fetch ``halo_sent`` / ``attention_sent`` (its backward receives; None: as forward), with
+    ``pieces`` the most states any rank hands on (see the module docstring; None: the bounds of
+    :class:`SplitShape`), by pass. With ``c == 1`` nothing moves."""
     if c == 1:
         return {"forward": [], "backward": []}
     if mix.kind in LINEAR_KINDS:
         summary = mix.summary_elements * pieces * FP32
-        halo = (mix.conv_size - 1 if halo_rows is None else halo_rows) * d * s
-        fwd = [
-            record("all_gather", c * summary, (c - 1) * summary),
-            record("all_to_all", halo, halo),
-        ]
-        return {"forward": fwd, "backward": [dict(r) for r in fwd]}
+        h_in = (mix.conv_size - 1 if halo_rows is None else halo_rows) * d * s
+        h_out = h_in if halo_sent is None else halo_sent * d * s
+        fwd, bwd = [record("all_to_all", h_in, h_in)], [record("all_to_all", h_out, h_out)]
+        if pieces:
+            fwd.append(record("all_gather", c * summary, (c - 1) * summary))
+            bwd.append(record("reduce_scatter", c * summary, (c - 1) * summary))
+        return {"forward": fwd, "backward": bwd}
     width = mix.kv_width
     if attention_rows is None:
         return {
@@ -421,7 +451,8 @@ def state_passing_mixer(
             "backward": [scatter_rows(n, c, width, s, rank_rows)],
         }
     got = attention_rows * width * s
-    return {"forward": [record("all_to_all", got, got)], "backward": [record("all_to_all", got, got)]}
+    back = got if attention_sent is None else attention_sent * width * s
+    return {"forward": [record("all_to_all", got, got)], "backward": [record("all_to_all", back, back)]}
 
 
 def crossover_rows(mix: Mixer, d: int, c: int, s: int, pieces: int = 1) -> float:
@@ -528,7 +559,17 @@ def mode_costs(
                 best = (recv, by)
     by_h = best[1] if best else {"forward": [], "backward": []}
     by_s = state_passing_mixer(
-        mix, hidden, rows, cp, s, split.pieces, split.halo_rows, split.attention_rows, split.rank_rows
+        mix,
+        hidden,
+        rows,
+        cp,
+        s,
+        split.pieces,
+        split.halo_rows,
+        split.attention_rows,
+        split.rank_rows,
+        split.halo_sent,
+        split.attention_sent,
     )
     out = {}
     for mode, by, possible, reason, extra in (

@@ -174,7 +174,7 @@ def test_one_rank_moves_nothing():
         (lambda: cc.Mixer("kda", 0, 1, 1, 1), "heads"),
         (lambda: cc.Mixer("gqa", 4), "kv_heads"),
         (lambda: cc.Link(0, 1e-6), "link.bytes_per_s"),
-        (lambda: cc.SplitShape(pieces=0), "split.pieces"),
+        (lambda: cc.SplitShape(pieces=-1), "split.pieces"),
         (lambda: cc.mode_costs(KDA, 1536, 100, 0, FREE), "cp"),
         (lambda: cc.mode_costs(KDA, 1536, -1, 2, FREE), "rows"),
         (lambda: cc.mode_costs(KDA, 1536, 100, 2, FREE, act_bytes=3), "act_bytes"),
@@ -216,10 +216,12 @@ def test_split_shape_of_a_planner_split():
     )
     split = hp.plan_cp(batch, None, 4, 16)
     shape = cc.SplitShape.of_split(split)
-    assert shape.pieces == max(1, int(np.diff(np.asarray(split.send_offsets)).max()))
+    assert shape.pieces == int(np.diff(np.asarray(split.send_offsets)).max())
     assert shape.rank_rows == int(np.diff(np.asarray(split.rank_row_offsets)).max())
-    assert shape.halo_rows >= split.conv_width - 1 and 0 < shape.attention_rows <= split.num_rows
+    assert shape.halo_rows > 0 and shape.halo_sent > 0 and 0 < shape.attention_rows <= split.num_rows
     # one chain: rank r sees every row before its block, the last rank the most
     chain = hp.plan_cp(hp.RolloutBatch.from_token_lists([list(range(1000))]), None, 4, 16)
     assert cc.SplitShape.of_split(chain).attention_rows == int(chain.rank_row_offsets[3])
-    assert cc.SplitShape.of_split(chain).pieces == 1
+    one = cc.SplitShape.of_split(chain)
+    assert one.pieces == 1 and one.halo_rows == one.halo_sent == split.conv_width - 1  # cuts on the grid
+    assert one.attention_sent == 3 * int(chain.rank_row_offsets[1])  # rank 0's rows, to each later rank
