@@ -1,57 +1,79 @@
-"""Context parallelism by state passing (``cp_mode="states"``, gloo) against one process holding the
-whole microbatch.
+"""Context parallelism by state passing (``cp_mode="states"`` and ``"auto"``, gloo) against one
+process holding the whole microbatch.
 
 Each CP rank holds its ``plan_cp`` row range through the whole model; KDA / GDN layers run their
-rows from entry states folded from every rank's affine summaries (forks reading states produced
-one, two or more ranks back), attention head-parallel on the same rows. Trees: trajectories longer
-than the per-rank capacity T, forking on both sides of the split's cuts. Compared as in
-``test_parallel_step``: both step losses, every log-prob, every gradient, the MoE expert-load
-counts and every weight after two AdamW steps.
+rows from entry states folded from every rank's affine summaries, attention gathers the ancestor
+rows its queries see (``parallel.cp_attention``). Trees: trajectories longer than the per-rank
+capacity T, forking on both sides of the split's cuts, at ``cp = 4`` with a fork whose state comes
+from two ranks back and forks whose replay rows live on earlier ranks (asserted on the plan).
+Compared as in ``test_parallel_step``: both step losses, every log-prob, every gradient, the MoE
+expert-load counts and every weight after two AdamW steps. Heads mode is ``test_parallel_cp``'s;
+the local plans' oracle test is ``test_cp_states_plan``.
 """
 
+import numpy as np
 import pytest
-import torch
-from test_parallel_cp import TOL_LOGPROB_CP, T, _batch
-from test_parallel_step import _check, train_parallel, train_single
+from test_parallel_cp import TOL_LOGPROB_CP, _build
+from test_parallel_step import _check, _tiny_checkpoint, train_parallel, train_single
 
 from harts_runtime.parallel import ParallelDims, run_distributed
 
-
-def _build(dp, cp, heads=4):
-    import harts_planner as hp
-    from harts_runtime import HybridModel, StepInputs, model_config
-
-    torch.manual_seed(0)
-    cfg = model_config("debug", num_heads=heads, moe={"use_expert_bias": True}, dtype="float32")
-    model = HybridModel(cfg)
-    batch = _batch(cfg.vocab_size)
-    step = StepInputs.synthetic(batch, seed=1, vocab_size=cfg.vocab_size)
-    plan = hp.plan_step(batch, dp, T[cp], cfg.chunk_size, cp_size=cp)
-    return model, step, plan
+BOTH = ("attention", "linear_attention")
+CASES = {
+    # name: (model, world, dims, keep (None: no recomputation), cp_mode)
+    "debug-cp4-auto-recompute": ("debug", 4, dict(cp=4), (), "auto"),
+    "debug-cp2-dp_shard2": ("debug", 4, dict(cp=2, dp_shard=2), None, "states"),
+    "qwen35-cp2-kept": ("qwen3_5_moe_text", 2, dict(cp=2), BOTH, "states"),
+    "kimi-cp2": ("kimi_linear", 2, dict(cp=2), None, "states"),
+}
 
 
-def _worker(rank, world, dims_kw, keep, cp_mode):
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {f: _tiny_checkpoint(tmp_path_factory, f) for f in ("kimi_linear", "qwen3_5_moe_text")}
+
+
+def _worker(rank, world, name, path, dims_kw, keep, cp_mode):
+    from harts_runtime.microbatch import make_microbatch
+
     dims = ParallelDims(world_size=world, **dims_kw)
     mesh = dims.build_mesh()
-    model, step, plan = _build(dims.dp, dims.cp)
+    model, step, plan = _build(name, path, dims.dp, dims.cp)
     out = train_parallel(model, step, plan, mesh, keep, cp_mode=cp_mode)
-    out["modes"] = list(model._harts_cp_modes)
+    out["chosen"] = []  # the mode every mixer ran in each of this replica's microbatches
+    for mb in plan.microbatches[mesh.coords["replica"] :: dims.dp]:
+        st = make_microbatch(model, step, np.asarray(mb, dtype=np.int64), "compact").stats
+        out["chosen"].append({k: v for k, v in st.items() if k.startswith("cp_states/")})
     return out
 
 
-CASES = {
-    # name: (world, dims, keep (None: no recomputation), cp_mode)
-    "cp2": (2, dict(cp=2), None, "states"),
-    "cp4-recompute": (4, dict(cp=4), (), "states"),
-    "cp4": (4, dict(cp=4), None, "states"),
-}
+def _split_shape(name, path, cp):
+    """The most ranks back a receive's state comes from, and the replay rows of receives, over the
+    step's microbatches."""
+    import harts_planner as hp
+
+    model, step, plan = _build(name, path, 1, cp)
+    back, replay = 0, 0
+    for mb in plan.microbatches:
+        s = hp.plan_cp(
+            step.batch, np.asarray(mb), cp, model.config.chunk_size, conv_width=model.config.conv_size
+        )
+        for i in range(s.num_receives):
+            if s.receive_state[i] >= 0:
+                back = max(back, int(s.receive_rank[i]) - int(s.state_rank[s.receive_state[i]]))
+            replay += len(s.replay(i))
+    return back, replay
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_cp_states_step_matches_one_process(case):
-    world, dims_kw, keep, cp_mode = CASES[case]
-    results = run_distributed(_worker, world, dims_kw, keep, cp_mode, timeout=200)
+def test_cp_states_step_matches_one_process(case, checkpoints):
+    name, world, dims_kw, keep, cp_mode = CASES[case]
+    path = checkpoints.get(name)
     dims = ParallelDims(world_size=world, **dims_kw)
-    assert all(m == ("states",) for m in results[0]["modes"])
-    _check(results, train_single(*_build(dims.dp, dims.cp), keep), tol_logprob=TOL_LOGPROB_CP)
+    if dims.cp == 4:
+        assert _split_shape(name, path, 4) >= (2, 1)
+    results = run_distributed(_worker, world, name, path, dims_kw, keep, cp_mode, timeout=300)
+    chosen = {v for r in results for mb in r["chosen"] for v in mb.values()}
+    assert chosen == ({0, 1} if cp_mode == "auto" else {1}), chosen  # auto: both modes ran
+    _check(results, train_single(*_build(name, path, dims.dp, dims.cp), keep), tol_logprob=TOL_LOGPROB_CP)
