@@ -1,4 +1,4 @@
-"""Parallel configurations (FSDP2 / HSDP, TP, SP, EP) against the single-device step, and HARTS
+"""Parallel configurations (FSDP2 / HSDP, CP, TP, SP, EP) against the single-device step, and HARTS
 against the trajectory baseline under each one (paper Table 4 style). Writes JSON.
 
 Runs (one node, every configuration uses every rank of the job; ``--configs`` separates
@@ -12,29 +12,43 @@ configurations with ``;``, ``--config`` may also be repeated)::
     torchrun --nproc-per-node 2 benchmarks/parallel_eval.py --configs 'dp_shard=2;tp=2,sp;dp_shard=2,ep=2' \\
         --out benchmarks/results/parallel_eval_2gpu.json
 
-CPU smoke run (gloo, the ``debug`` flavor in float32)::
+    # context parallelism in both modes on long agentic trees (one 64k-row tree per DP replica)
+    torchrun --nproc-per-node 4 benchmarks/parallel_eval.py --flavor qwen3.5-35b-a3b --layers 4 \\
+        --tree-rows 64k --configs 'cp4;cp4-states;cp4-auto;dp2-cp2-states' --out benchmarks/results/pe_cp4.json
+
+``benchmarks/gpu/issue49_runs.sh`` has the runs of 1, 2, 4 and 8 GPUs. CPU smoke run (gloo, the
+``debug`` flavor in float32)::
 
     torchrun --nproc-per-node 2 benchmarks/parallel_eval.py --device cpu --flavor debug --preset tiny \\
         --capacity 512 --iters 1 --configs 'dp_shard=2;tp=2,sp' --out /tmp/parallel_eval.json
 
-(``tests/runtime/test_benchmarks_smoke.py`` runs it with ``dp_shard=2,ep=2;tp=2,sp`` at T = 24.)
+(``tests/runtime/test_benchmarks_smoke.py`` runs it with ``dp_shard=2,ep=2;tp=2,sp`` at T = 24 and
+``cp2;cp2-states`` on a 192-row tree.) Every process runs with NVLink multicast off
+(``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``, set in
+``os.environ`` on import, before torch.distributed starts; child processes inherit them).
 
 Configurations
 --------------
 A configuration is a predefined name (below) or a ``key=value`` list with the keys of
-:class:`harts_runtime.parallel.ParallelDims`: ``dp_replicate``, ``dp_shard``, ``tp``, ``ep`` and the
-flag ``sp`` (sequence parallelism; ``sp=0`` / ``sp=1`` also accepted), e.g. ``dp_shard=2,tp=2,sp,ep=2``.
-Without ``dp_shard`` it is filled in from the world size (``world / (dp_replicate * tp)``). A
-configuration whose world size (``dp_replicate * dp_shard * tp``) differs from the job's, or that
+:class:`harts_runtime.parallel.ParallelDims`: ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``, ``ep`` and
+the flag ``sp`` (sequence parallelism; ``sp=0`` / ``sp=1`` also accepted), and with ``cp >= 2``
+``cp_mode`` (``heads``, ``states`` or ``auto``: ``parallelize(cp_mode=...)``; without it the runtime's
+default), e.g. ``dp_shard=2,tp=2,sp,ep=2`` or ``cp=2,cp_mode=states``. A runtime whose ``parallelize``
+has no ``cp_mode`` runs ``cp=N`` (head-parallel) and refuses ``cp_mode=states`` / ``auto`` with one
+line (exit 2). Without ``dp_shard`` it is filled in from the world size (``world / (dp_replicate * cp
+* tp)``). A configuration whose world size (``dp_replicate * dp_shard * cp * tp``) differs from the job's, or that
 :class:`ParallelDims` or :func:`parallelize` refuses (e.g. ``tp`` not dividing the heads), is skipped
 with a message (and a ``skipped`` record in the JSON); the others still run. Without
 ``--configs`` every predefined configuration of the job's world size runs.
 
 Predefined names (world size: names)::
 
-    2: dp2 (dp_shard=2), ep2 (dp_shard=2,ep=2), tp2 (tp=2), tp2-sp (tp=2,sp)
-    4: dp4, dp4-ep4, hsdp2x2 (dp_replicate=2,dp_shard=2), dp2-tp2-sp, dp2-tp2-sp-ep2 (alias table4-4gpu)
-    8: dp8, dp8-ep8, hsdp2x4-ep4 (dp_replicate=2,dp_shard=4,ep=4), dp4-tp2-sp, dp4-tp2-sp-ep4 (alias table4-8gpu)
+    2: dp2 (dp_shard=2), ep2 (dp_shard=2,ep=2), tp2 (tp=2), tp2-sp (tp=2,sp),
+       cp2 (cp=2,cp_mode=heads), cp2-states, cp2-auto
+    4: dp4, dp4-ep4, hsdp2x2 (dp_replicate=2,dp_shard=2), dp2-tp2-sp, dp2-tp2-sp-ep2 (alias table4-4gpu),
+       cp4, cp4-states, cp4-auto, dp2-cp2-states (dp_shard=2,cp=2,cp_mode=states)
+    8: dp8, dp8-ep8, hsdp2x4-ep4 (dp_replicate=2,dp_shard=4,ep=4), dp4-tp2-sp, dp4-tp2-sp-ep4 (alias table4-8gpu),
+       cp8, cp8-states, cp8-auto, dp2-cp4-states (dp_shard=2,cp=4,cp_mode=states)
 
 The paper's Megatron configurations DP2/TP2/SP/EP4 (4 GPUs) and DP4/TP2/SP/EP8 (8 GPUs) let the EP
 group span the TP ranks too (expert tensor parallelism 1: each of the 4 or 8 ranks holds ``E / 4``
@@ -45,6 +59,18 @@ or ``E / 8`` routed experts). Here an EP group is made of ``dp_shard`` ranks at 
 its own sequence-parallel row block to its EP group (so every rank still computes about ``1 / world``
 of the expert rows), and the all-to-alls span ``ep`` = half the paper's ranks. ``dp8-ep8`` is the
 other neighbour of DP4/TP2/SP/EP8: all 8 ranks in one EP group (``E / 8`` experts each), no TP.
+
+Workloads
+---------
+``--preset`` (``harts_planner.synth``, default ``small``) or ``--tree-rows R`` (``256k``, ``512k``,
+``1M`` or a number): one agentic tree of R compact rows per DP replica (:func:`long_tree_step`: a
+prompt and first turns of 40% of the rows, two tool branches of 10%, each forking into two answers of
+10%: four trajectories of 60% of R, longer than one rank's share of a microbatch at any C >= 2).
+``--capacity`` is T per rank (a microbatch holds C x T rows); with ``--tree-rows`` it defaults to R / C,
+so each tree is one microbatch of the CP group. ``--flavor`` takes the runtime's flavors and
+``cp_eval.py``'s published configs (``kimi-linear-48b-a3b``, ``nemotron-h-8b``), cut to ``--layers``.
+``--no-fidelity`` skips the single-device reference (trees one device cannot hold), ``--no-baseline``
+the trajectory-wise step.
 
 Per configuration
 -----------------
@@ -87,6 +113,18 @@ Per configuration
    times are wall times: FSDP2's per-layer all-gathers and EP's all-to-alls make a lighter replica
    wait for the heaviest inside each slot, so the measured per-rank imbalance understates the compute
    imbalance; what the planner minimises, the slot's critical work, shows as the slot's time.
+
+4. Per rank (``per_rank``): its step seconds (HARTS, baseline, planner; median), peak memory (CUDA:
+   the first step, HARTS and the baseline), and ``bytes``: every collective of the first step counted
+   at dispatch by ``cp_eval.py``'s counter (``--no-count-bytes``: not), per kind (``mixer`` / ``ffn`` /
+   ``head`` parts of CP, ``fsdp``) and collective, calls, payload, bytes received and sent, beside
+   ``cp_eval``'s counted-bytes model of the same microbatches (each block in the mode the runtime
+   chose; FSDP2 over ``dp_shard x cp``) and the error in percent (the model covers ``cp x dp_shard``;
+   with ``tp``, ``ep`` or ``dp_replicate`` the prediction says why it is absent). Under CP also the
+   mode of every block in each microbatch (``cp_modes_chosen``; ``cp_modes_possible``), the
+   planner's CP split of each microbatch (``plan_cp`` rank costs, Equation 23 imbalance) beside each
+   CP group's measured per-rank busy seconds (``cp_balance``), and with ``--tree-rows`` on a flavor
+   ``cp_eval`` predicts at full depth its predicted step time and memory (``step_prediction``).
 
 The JSON (rank 0, rewritten after every configuration so a failure keeps the finished ones) holds
 the arguments, the environment (world size, torch, device name, date) and one record per

@@ -2,7 +2,8 @@
 top-level keys and a parity record per case; ``benchmarks/train_eval.py`` runs every section on the
 Qwen3.5-shaped flavor (GDN + gated attention + MoE with a gated shared expert) and on a Qwen3.5
 checkpoint folder (``--model PATH``); ``benchmarks/parallel_eval.py`` runs under ``torchrun`` on 2
-CPU processes (gloo) and parses its configuration syntax. The debug-flavor and Kimi-Linear-folder
+CPU processes (gloo), with context parallelism on a long tree too, and parses its configuration
+syntax; ``benchmarks/grpo_step.py`` runs the whole step on 2 CPU processes. The debug-flavor and Kimi-Linear-folder
 runs of train_eval are in ``test_train.py`` and ``test_kimi_linear.py``."""
 
 import importlib.util
@@ -223,6 +224,23 @@ def test_parallel_eval_configs_and_baseline_schedule():
     for w, got in names.items():
         for n in got:
             assert pe.make_dims(pe.parse_kv(pe.PREDEFINED[n]), w)[1] is None, n
+    cp = pe.parse_configs("cp=2,cp_mode=states;cp4-auto;dp2-cp4-states", None)
+    assert cp[0][1] == {"cp": 2, "cp_mode": "states"} and cp[1][1] == {"cp": 4, "cp_mode": "auto"}
+    assert cp[2][1] == {"dp_shard": 2, "cp": 4, "cp_mode": "states"}
+    for bad, word in (("cp=2,cp_mode=rings", "cp_mode takes"), ("cp_mode=states", "needs cp >= 2")):
+        with pytest.raises(pe.ConfigSpecError, match=word):
+            pe.parse_configs(bad, None)
+    dims, why = pe.make_dims({"cp": 2, "cp_mode": "states"}, 4)  # dp_shard = 4 / cp
+    assert why is None and (dims.dp_shard, dims.cp, pe.dims_label(dims)) == (2, 2, "dp_shard=2,cp=2")
+    assert "needs 8 ranks" in pe.make_dims({"dp_shard": 2, "cp": 4}, 4)[1]
+    assert {"cp2", "cp2-states"} <= set(names[2]) and "dp2-cp2-states" in names[4] and "cp8-auto" in names[8]
+    assert (pe.parse_rows("256k"), pe.parse_rows("1M"), pe.parse_rows("4096")) == (262_144, 1 << 20, 4096)
+    with pytest.raises(pe.ConfigSpecError, match="--tree-rows"):
+        pe.parse_rows("lots")
+    step = pe.long_tree_step(640, 2, 512, 0)  # two trees of 640 rows, four trajectories each
+    b = step.batch
+    assert b.compact_tokens == 1280 and b.num_trajectories == 8
+    assert min(b.lengths) > 640 // 2 and b.semantic_tokens == 8 * 384  # 40% + 10% + 10% of the rows
     lengths = np.array([30, 5, 5, 12, 7, 40, 3, 9], dtype=np.int64)
     for dp in (1, 2, 4):
         per = pe._baseline_schedule(lengths, 48, dp)
@@ -289,3 +307,118 @@ def test_parallel_eval_two_process_cpu_smoke(tmp_path):
     assert ran[0]["plan"]["num_slots"] >= 2  # several slots per replica at T = 24
     assert not list(tmp_path.glob("parallel_eval_ref*"))
     assert "| dp_shard=2,ep=2 |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_parallel_eval_cp_long_tree_two_process_cpu_smoke(tmp_path):
+    """``parallel_eval.py --tree-rows 192`` on 2 gloo processes under ``cp2`` (head-parallel) and, when
+    the runtime has ``cp_mode``, ``cp2-states``: one tree whose trajectories are longer than T = 96
+    matches the single process; every rank's counted bytes are there, head-parallel's equal
+    ``cp_eval``'s model per rank and kind, what the ranks sent equals what they received."""
+    import subprocess
+    import sys
+
+    pe = _load("parallel_eval")
+    configs = "cp2;cp2-states" if pe.cp_mode_supported() else "cp2"
+    out = tmp_path / "pe_cp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [
+        os.path.join(BENCH, "parallel_eval.py"),
+        "--device",
+        "cpu",
+        "--flavor",
+        "debug",
+        "--tree-rows",
+        "192",
+    ]
+    cmd += [
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--configs",
+        configs,
+        "--scratch",
+        str(tmp_path),
+        "--out",
+        str(out),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    doc = json.loads(out.read_text())
+    assert doc["step"]["compact_tokens"] == 192 and doc["step"]["tree_rows"] == 192
+    for r in doc["results"]:
+        assert "skipped" not in r, r
+        assert r["capacity"] == 96 and r["dims"]["cp"] == 2
+        assert r["loss_rel_diff"] < 1e-5 and r["logprob_max_abs_diff"] < 1e-4 and r["bf16_ok"], r
+        assert r["grad_max_rel_err"] < 1e-3, r["grad_worst"]
+        assert r["harts_fbg_s"] > 0 and (r["baseline_error"] or r["fbg_speedup"] > 0)
+        ranks = r["per_rank"]
+        assert [x["rank"] for x in ranks] == [0, 1] and all(x["harts_step_s"] > 0 for x in ranks)
+        sent = sum(
+            v["sent"] for x in ranks for k, v in x["bytes"]["measured"].items() if k != "fsdp/all_gather"
+        )
+        got = sum(
+            v["received"] for x in ranks for k, v in x["bytes"]["measured"].items() if k != "fsdp/all_gather"
+        )
+        assert sent == got and got > 0
+        assert {k for x in ranks for k in x["bytes"]["measured"]} >= {"fsdp/all_gather", "head/all_reduce"}
+        assert len(r["cp_split_predicted"]) == r["plan"]["num_microbatches"]
+        assert len(r["cp_balance"]["measured"][0]["rank_busy_s"]) == 2
+        mixers = [m for m in r["cp_modes_chosen"][0] if m != "none"]
+        assert mixers == ["states"] * 4 if r["config"] == "cp2-states" else mixers == ["heads"] * 4
+        if r["config"] == "cp2":  # head-parallel: the model is exact on every rank and kind
+            for x in ranks:
+                assert all(e == 0 for e in x["bytes"]["received_error_pct"].values()), x["bytes"]
+    assert "| cp2 | 1 |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_grpo_step_two_process_cpu_smoke(tmp_path):
+    """``torchrun --nproc-per-node 2 benchmarks/grpo_step.py`` on the CPU (gloo, debug flavor, FSDP2 +
+    EP2): both modes take whole steps; the split, speedups over the ideal, TFLOP/s per GPU beside
+    Megatron-Bridge's figure and the planner's predicted balance beside each rank's busy time are there."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "gs.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [os.path.join(BENCH, "grpo_step.py"), "--device", "cpu", "--flavor", "debug", "--preset", "tiny"]
+    cmd += [
+        "--capacity",
+        "64",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--configs",
+        "dp_shard=2,ep=2",
+        "--out",
+        str(out),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    doc = json.loads(out.read_text())
+    assert doc["environment"]["world_size"] == 2 and doc["environment"]["nvls_off"]["NCCL_NVLS_ENABLE"] == "0"
+    (r,) = doc["results"]
+    assert r["label"] == "dp_shard=2,ep=2"
+    for mode in ("compact", "trajectory"):
+        m = r[mode]
+        assert m["fbg_s"] > 0 and m["optimizer_s"] > 0 and m["plan_s"] >= 0
+        assert m["step_s"] >= m["fbg_s"] + m["optimizer_s"]
+        assert len(m["rank_parts_median"]) == 2
+    assert "Kimi-Linear" in r["weight_sync"]["skipped"]  # the debug flavor has no transformers family
+    assert r["speedup"]["fbg"] > 0 and r["ideal_work_compression"]["rows"] > 1
+    assert r["speedup_over_ideal"]["fbg_rows"] == pytest.approx(
+        r["speedup"]["fbg"] / r["ideal_work_compression"]["rows"]
+    )
+    assert (
+        r["tflops_per_gpu"]["compact"] > 0
+        and r["tflops_per_gpu"]["megatron_bridge"]["model_tflops_per_gpu"] == 185.6
+    )
+    bal = r["balance"]["compact"]
+    assert len(bal["measured"]["rank_busy_seconds"]) == 2 and sum(bal["predicted"]["replica_work"]) > 0
