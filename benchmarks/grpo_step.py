@@ -39,7 +39,11 @@ executes, over forward / backward seconds and the world size; ``effective``: the
 FLOPs over compact's seconds) beside Megatron-Bridge's published 185.6 (Qwen3.5-35B-A3B, H100,
 sequence 4k); per rank its busy seconds (sum of its slot seconds) beside the planner's per-replica
 work (slot and step imbalance, Equation 23) and, under CP, each microbatch's split rank costs;
-peak memory per rank (CUDA); the CP mode of each block (``cp_mode``) when the engine says.
+peak memory per rank (CUDA); under CP what ``cp_mode`` chose (``cp_mode_metrics``: the engine's
+``cp_states/blocks.i``, the microbatches that ran block i by state passing, of ``microbatches``;
+absent when the engine does not report it). Under ``cp_mode=states`` the runtime refuses
+trajectory-wise microbatches (their mixers need a compact call plan): the baseline's record then
+holds the refusal (compare with the ``heads`` or ``auto`` configuration's baseline).
 
 Every process runs with NVLink multicast off (``NCCL_NVLS_ENABLE=0``,
 ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``, set before torch.distributed
@@ -159,7 +163,10 @@ def run_mode(engine, step, mode, args, dev, dims, weight_sync: dict) -> dict:
         if weight_sync.get("ok"):
             sync_s = t3 - t2
         m = out.metrics
-        modes_seen = {k: v for k, v in m.items() if "cp_mode" in k} or modes_seen
+        # cp_mode's choice (the engine's cp_states/blocks.i: microbatches that ran block i by state passing)
+        got = {k: v for k, v in m.items() if k.startswith("cp_states/") or "cp_mode" in k}
+        if got:
+            modes_seen = dict(got, microbatches=m.get("microbatches"))
         row = [m["plan_seconds"], m["fbg_seconds"], t2 - t1, sync_s, t3 - t0, t1 - t0, report.grad_norm]
         rows = pe._gather_rows(row, dev)
         srows = pe._gather_rows(list(m["slot_seconds"]), dev)
@@ -217,7 +224,16 @@ def run_config(text, kw, dims, args, dev, cfg, mixed) -> dict:
     lengths = np.asarray(b.lengths, dtype=np.int64)
     rank = dist.get_rank()
     weight_sync: dict = {}
-    res = {m: run_mode(engine, step, m, args, dev, dims, weight_sync) for m in MODES}
+    res = {"compact": run_mode(engine, step, "compact", args, dev, dims, weight_sync)}
+    try:
+        res["trajectory"] = run_mode(engine, step, "trajectory", args, dev, dims, weight_sync)
+    except (
+        ValueError
+    ) as e:  # refused before its first microbatch runs (every rank alike), e.g. cp_mode states
+        res["trajectory"] = {"error": f"{type(e).__name__}: {e}"}
+        log(
+            f"{text}: the trajectory-wise step refused under this configuration: {res['trajectory']['error']}"
+        )
 
     plan = hp.plan_step(b, dims.dp, capacity, cfg.chunk_size, cp_size=dims.cp)
     calls = [
@@ -247,15 +263,19 @@ def run_config(text, kw, dims, args, dev, cfg, mixed) -> dict:
         compression = b.semantic_tokens / plan.total_work
         ideal_flops = work["ideal_work_compression"]
 
+        t_ok = "error" not in t
+
         def ratio(x, y):
             return None if x is None or y is None or not y else x / y
 
         speed = {
-            "step": ratio(t["step_s"], c["step_s"]),
-            "fbg": ratio(t["fbg_s"], c["fbg_s"]),
+            "step": ratio(t.get("step_s"), c["step_s"]),
+            "fbg": ratio(t.get("fbg_s"), c["fbg_s"]),
             "step_without_sync": ratio(
                 t["plan_s"] + t["fbg_s"] + t["optimizer_s"], c["plan_s"] + c["fbg_s"] + c["optimizer_s"]
-            ),
+            )
+            if t_ok
+            else None,
         }
         out.update(
             compact=c,
@@ -270,7 +290,7 @@ def run_config(text, kw, dims, args, dev, cfg, mixed) -> dict:
             },
             tflops_per_gpu={
                 "compact": work["compact_flops"] / c["fbg_s"] / world / 1e12,
-                "trajectory": work["trajectory_flops"] / t["fbg_s"] / world / 1e12,
+                "trajectory": work["trajectory_flops"] / t["fbg_s"] / world / 1e12 if t_ok else None,
                 "compact_effective": work["trajectory_flops"] / c["fbg_s"] / world / 1e12,
                 "note": "model FLOPs (3 x forward, harts_runtime.flops; no recomputation counted) of the work "
                 "each mode executes / forward-backward seconds / GPUs; effective: the trajectory-wise FLOPs "
@@ -279,7 +299,9 @@ def run_config(text, kw, dims, args, dev, cfg, mixed) -> dict:
             },
             balance={
                 "compact": pe._balance(_PlanLike(plan, lengths), c.pop("rank_slot_seconds"), dims),
-                "trajectory": pe._balance(_PlanLike(tplan, lengths), t.pop("rank_slot_seconds"), dims),
+                "trajectory": pe._balance(_PlanLike(tplan, lengths), t.pop("rank_slot_seconds"), dims)
+                if t_ok
+                else None,
             },
         )
         out["balance"]["compact"]["predicted"]["plan_metrics"] = {
@@ -295,18 +317,23 @@ def run_config(text, kw, dims, args, dev, cfg, mixed) -> dict:
                 split.append({"rows": sp.num_rows, "rank_cost": cost})
             out["cp_split_predicted"] = split
         bal = out["balance"]["compact"]
+        tf = out["tflops_per_gpu"]
+
+        def fmt(x, spec):
+            return "-" if x is None else format(x, spec)
+
         log(
             f"{text}: step {c['step_s']:.3f} s compact (plan {c['plan_s'] * 1e3:.1f} ms, F/B {c['fbg_s']:.3f}, "
-            f"optimizer {c['optimizer_s']:.3f}, sync {c['weight_sync_s'] or float('nan'):.3f}) vs "
-            f"{t['step_s']:.3f} s trajectory-wise: speedup {speed['step']:.3f}x (F/B {speed['fbg']:.3f}x), "
-            f"ideal {compression:.3f}x rows / {ideal_flops:.3f}x FLOPs; TFLOP/s per GPU compact "
-            f"{out['tflops_per_gpu']['compact']:.3g}, trajectory {out['tflops_per_gpu']['trajectory']:.3g} "
+            f"optimizer {c['optimizer_s']:.3f}, sync {fmt(c['weight_sync_s'], '.3f')}) vs "
+            f"{fmt(t.get('step_s'), '.3f')} s trajectory-wise: speedup {fmt(speed['step'], '.3f')}x "
+            f"(F/B {fmt(speed['fbg'], '.3f')}x), ideal {compression:.3f}x rows / {ideal_flops:.3f}x FLOPs; "
+            f"TFLOP/s per GPU compact {tf['compact']:.3g}, trajectory {fmt(tf['trajectory'], '.3g')} "
             f"(Megatron-Bridge {MEGATRON_BRIDGE['model_tflops_per_gpu']}); step imbalance predicted "
             f"{bal['predicted']['step_imbalance']:.3f}, measured {bal['measured']['step_imbalance']:.3f}"
         )
     else:
         for m in MODES:
-            res[m].pop("rank_slot_seconds")
+            res[m].pop("rank_slot_seconds", None)
     engine = None
     if dev.type == "cuda":
         torch.cuda.empty_cache()
