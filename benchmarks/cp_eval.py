@@ -135,6 +135,19 @@ class RankSplit:
     attention_sent: int | None = None
 
 
+def rank_split(split: dict, rank: int) -> RankSplit:
+    """The :class:`RankSplit` of CP rank ``rank`` from :func:`states_split`'s dict."""
+    mine = split["ranks"][rank]
+    return RankSplit(
+        split["pieces"],
+        mine["halo_rows"],
+        mine["attention_rows"],
+        split["rank_rows"],
+        mine["halo_sent"],
+        mine["attention_sent"],
+    )
+
+
 def microbatch_collectives(
     dims: ModelDims,
     n: int,
@@ -1114,14 +1127,7 @@ def compare(case: str, results: list, dims_kw: dict, recompute: bool, name: str,
             if mode == "states":
                 sp = mb["split"]
                 mine = sp["ranks"][r["cp_rank"]]
-                rs = RankSplit(
-                    sp["pieces"],
-                    mine["halo_rows"],
-                    mine["attention_rows"],
-                    sp["rank_rows"],
-                    mine["halo_sent"],
-                    mine["attention_sent"],
-                )
+                rs = rank_split(sp, r["cp_rank"])
                 ana += microbatch_collectives(md, n, p, c, r["cp_rank"], recompute, "states", rs)
                 want = dict(
                     want,
