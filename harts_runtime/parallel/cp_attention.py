@@ -271,6 +271,15 @@ class StatesAttentionPlan:
         parts = [self.recv_rows(r, s) - lo for r in range(self.cp_size)]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
+    def exchange(self, s: int, device="cpu") -> tuple[torch.Tensor, list[int], list[int]]:
+        """Rank ``s``'s all-to-all, cached per device: ``(send_index`` on ``device``,
+        ``recv_counts(s)``, ``send_counts(s))``."""
+        key = ("exchange", s, str(torch.device(device)))
+        if key not in self.cache:
+            index = torch.from_numpy(self.send_index(s)).to(device)
+            self.cache[key] = (index, self.recv_counts(s), self.send_counts(s))
+        return self.cache[key]
+
     def gathered_rows(self, r: int) -> int:
         """Rows rank ``r`` receives (its bound: the strict ancestors of its first row)."""
         return len(self.need[r])
@@ -364,9 +373,8 @@ def gather_needed(t_local: torch.Tensor, plan: StatesAttentionPlan, group) -> to
         )
     tail = tuple(t_local.shape[1:])
     flat = t_local.reshape(hi - lo, math.prod(tail))
-    index = torch.from_numpy(plan.send_index(rank)).to(flat.device)
-    send = flat.index_select(0, index)
-    out = all_to_all_single_autograd(send, plan.recv_counts(rank), plan.send_counts(rank), pg)
+    index, recv, send_sizes = plan.exchange(rank, flat.device)
+    out = all_to_all_single_autograd(flat.index_select(0, index), recv, send_sizes, pg)
     return out.view(out.shape[0], *tail)
 
 

@@ -102,6 +102,10 @@ def test_split_sizes_and_send_index_agree():
         assert np.array_equal(
             plan.send_index(s) + plan.cuts[s], np.concatenate([plan.recv_rows(r, s) for r in range(c)])
         )
+        index, recv, send = plan.exchange(s)
+        assert (
+            index.tolist() == plan.send_index(s).tolist() and recv == plan.recv_counts(s) and send == counts
+        )
     stats = plan.stats()
     assert stats["gathered_total"] == sum(len(n) for n in plan.need) > 0
 
