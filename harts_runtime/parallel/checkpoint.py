@@ -242,11 +242,9 @@ def load_checkpoint(path, model, optimizer=None) -> dict:
     state = _state(model, optimizer)
     try:
         with _single_process_quiet():
+            reader = SafeFileSystemReader(str(path))
             dcp.load(
-                state,
-                storage_reader=SafeFileSystemReader(str(path)),
-                planner=SafeLoadPlanner(),
-                no_dist=not _distributed(),
+                state, storage_reader=reader, planner=SafeLoadPlanner(reader), no_dist=not _distributed()
             )
     except KeyboardInterrupt:
         raise

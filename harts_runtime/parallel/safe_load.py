@@ -150,7 +150,12 @@ class SafeFileSystemReader(FileSystemReader):
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's ``DefaultLoadPlanner`` reading non-tensor items with ``torch.load(weights_only=True)``
-    (DCP's own reads them with ``weights_only=False``)."""
+    (DCP's own reads them with ``weights_only=False``). ``reader``: the storage reader of the load,
+    so that a refused item names its file."""
+
+    def __init__(self, reader=None, **kwargs):
+        super().__init__(**kwargs)
+        self.reader = reader
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         from torch.distributed.checkpoint._traverse import set_element
@@ -158,9 +163,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         try:
             obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
+        except Exception as e:  # refused global or a damaged item  # noqa: BLE001
+            info = getattr(self.reader, "storage_data", {}).get(read_item.storage_index)
+            rel = getattr(info, "relative_path", None)
+            where = Path(self.reader.path) / rel if rel else None
+            why = _one_line(str(e).split("WeightsUnpickler error:")[-1], 160)
             raise InvalidInputError(
-                fqn, f"a non-tensor item of the checkpoint is refused ({_one_line(e)})"
+                rel or fqn,
+                f"{where or 'the checkpoint'}: its item {fqn} holds more than plain values: refused "
+                f"without running it ({type(e).__name__}: {why})",
             ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
@@ -178,12 +189,9 @@ def numpy_array_globals() -> list:
     core = getattr(np, "_core", None) or np.core
     rebuild = core.multiarray._reconstruct
     out = [rebuild, (rebuild, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype]
-    dtypes = getattr(np, "dtypes", None)
-    if dtypes is not None:
-        for name in dir(dtypes):
-            cls = getattr(dtypes, name)
-            if isinstance(cls, type) and name.endswith("DType") and "Object" not in name:
-                out.append(cls)
+    numeric = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
+    numeric += (np.float16, np.float32, np.float64, np.complex64, np.complex128)
+    out += sorted({type(np.dtype(t)) for t in numeric}, key=lambda c: c.__name__)
     return out
 
 

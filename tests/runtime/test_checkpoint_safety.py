@@ -496,10 +496,11 @@ def test_a_crafted_non_tensor_item_of_a_dcp_file_runs_nothing(tmp_path):
     dcp.save({"w": torch.ones(2), "lr": _Plant(marker)}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
     assert not marker.exists()  # pickling calls __reduce__, not what it returns
     state = {"w": torch.zeros(2), "lr": 0.0}
-    reader, planner = SafeFileSystemReader(str(tmp_path / "c")), SafeLoadPlanner()
+    reader = SafeFileSystemReader(str(tmp_path / "c"))
     with pytest.raises(BaseException) as err:  # noqa: PT011 - DCP wraps it in CheckpointException
-        dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
-    assert checkpoint_folder.as_input_error(err.value, tmp_path / "c", "loading").field == "lr"
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(reader), no_dist=True)
+    e = checkpoint_folder.as_input_error(err.value, tmp_path / "c", "loading")
+    assert e.field == SHARD and str(tmp_path / "c" / SHARD) in str(e) and "item lr" in str(e), str(e)
     assert not marker.exists()
     dcp.load({"w": torch.zeros(2), "lr": 0.0}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
     assert marker.exists()  # DCP's default planner would have run it
