@@ -7,7 +7,7 @@
 #           (carry .whl .fa4a .gpurun; every step builds first: a fresh machine each call is fine)
 # Steps (kind; the sum of each step's timeouts stays under the 600 s a call may run):
 #   1   any one-GPU kind   world size 1 on NCCL: both scripts end to end on the 2-layer Qwen3.5-35B-A3B
-#                          (the check before a multi-GPU lease; about 3 minutes cold)
+#                          (the check before a multi-GPU lease; at most 170 s after the build)
 #   2a  nvidia-h100-x2     cp = 2, heads / states / auto, against one GPU holding the whole microbatch:
 #                          Qwen3.5-35B-A3B and Kimi-Linear-48B-A3B, 4 layers, real widths, 64k-row trees
 #   2b  nvidia-h100-x2     the longest tree at cp = 2 (256k, then 512k rows; no single-GPU reference)
@@ -43,8 +43,9 @@ PE="--no-fp32-reference --iters 2 --warmup 1"
 case "$step" in
   1) bash "$here/call_a.sh" bash -c "$(declare -f tr); Q='$Q'; OUT=$OUT; \
        nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/gpu.txt; \
-       tr 85 1 pe_w1 parallel_eval \$Q --layers 2 --tree-rows 16k --configs dp_shard=1 --iters 1 --warmup 1; \
-       tr 85 1 gs_w1 grpo_step \$Q --layers 2 --preset tiny --capacity 8192 --configs dp_shard=1 --iters 1 --warmup 1" ;;
+       tr 90 1 pe_w1 parallel_eval \$Q --layers 2 --tree-rows 16k --configs dp_shard=1 --no-fp32-reference \
+         --iters 1 --warmup 0; \
+       tr 80 1 gs_w1 grpo_step \$Q --layers 2 --preset tiny --capacity 8192 --configs dp_shard=1 --iters 1 --warmup 0" ;;
   2a) bash "$here/call_a.sh" bash -c "$(declare -f tr); OUT=$OUT; \
        tr 250 2 pe_cp2_qwen parallel_eval $Q --layers 4 --tree-rows 64k --configs 'cp2;cp2-states;cp2-auto' $PE; \
        tr 250 2 pe_cp2_kimi parallel_eval $K --layers 4 --tree-rows 64k --configs 'cp2;cp2-states;cp2-auto' $PE" ;;
