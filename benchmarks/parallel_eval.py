@@ -125,6 +125,10 @@ Per configuration
    planner's CP split of each microbatch (``plan_cp`` rank costs, Equation 23 imbalance) beside each
    CP group's measured per-rank busy seconds (``cp_balance``), and with ``--tree-rows`` on a flavor
    ``cp_eval`` predicts at full depth its predicted step time and memory (``step_prediction``).
+   Where ``cp_mode=auto`` ran beside ``heads`` or ``states`` on the same layout, the JSON's
+   ``auto_against_modes`` says whether auto's choice was the faster one. Under ``cp_mode=states``
+   the runtime refuses trajectory-wise microbatches (their mixers need a compact call plan): the
+   baseline is then ``baseline_error``, and its figures come from the ``heads`` / ``auto`` run.
 
 The JSON (rank 0, rewritten after every configuration so a failure keeps the finished ones) holds
 the arguments, the environment (world size, torch, device name, date) and one record per
@@ -1108,6 +1112,34 @@ def _log_rank_records(text: str, out: dict) -> None:
         )
 
 
+def auto_against_modes(results: list[dict]) -> list[dict]:
+    """Per parallel layout (the same dims) that ran ``cp_mode=auto`` beside a fixed mode: what auto
+    chose per block, each mode's F/B/Grad seconds, the fastest fixed mode and auto's time over it."""
+    groups: dict = {}
+    for r in results:
+        if "skipped" in r or not r.get("cp_mode") or "harts_fbg_s" not in r:
+            continue
+        key = json.dumps(r["dims"], sort_keys=True)
+        groups.setdefault(key, {})[r["cp_mode"]] = r
+    out = []
+    for key, by in groups.items():
+        fixed = {m: r["harts_fbg_s"] for m, r in by.items() if m != "auto"}
+        if "auto" not in by or not fixed:
+            continue
+        fastest = min(fixed, key=fixed.get)
+        auto = by["auto"]
+        out.append(
+            {
+                "dims": json.loads(key),
+                "auto_chose": auto.get("cp_modes_chosen"),
+                "fbg_s": {"auto": auto["harts_fbg_s"], **fixed},
+                "fastest_fixed_mode": fastest,
+                "auto_over_fastest": auto["harts_fbg_s"] / fixed[fastest],
+            }
+        )
+    return out
+
+
 # ---------------------------------------------------------------------------------------- main
 def resolve_flavor(flavor: str, layers: int | None):
     """A runtime flavor (``model_config``) or one of ``cp_eval``'s published configs (e.g.
@@ -1386,6 +1418,12 @@ def main(argv=None) -> int:
                 if os.path.exists(r["path"]):
                     os.remove(r["path"])
     if rank == 0:
+        doc["auto_against_modes"] = auto_against_modes(doc["results"])
+        for a in doc["auto_against_modes"]:
+            log(
+                f"cp_mode auto at {a['dims']['cp']} ranks: {a['auto_over_fastest']:.3f}x the time of the fastest "
+                f"fixed mode ({a['fastest_fixed_mode']}); chose {a['auto_chose']}"
+            )
         _write(args.out, doc)
         print(_table(doc["results"]), flush=True)
         log(f"wrote {args.out}")
