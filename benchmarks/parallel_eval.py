@@ -681,8 +681,11 @@ def predicted_collectives(cpe, cfg, dims, mixed, recompute, possible, units, mbs
         recs = cpe.microbatch_collectives(md, mb["n"], mb["p"], c, cp_rank, recompute, "heads")
         if c > 1 and "states" in modes:
             sp = cpe.states_split(batch, mb["traj"], c, cfg.chunk_size, cfg.conv_size)
-            mine = sp["ranks"][cp_rank]
-            rs = cpe.RankSplit(sp["pieces"], mine["halo_rows"], mine["attention_rows"], sp["rank_rows"])
+            if hasattr(cpe, "rank_split"):  # with the rows other ranks fetch from this one (the backward's)
+                rs = cpe.rank_split(sp, cp_rank)
+            else:
+                mine = sp["ranks"][cp_rank]
+                rs = cpe.RankSplit(sp["pieces"], mine["halo_rows"], mine["attention_rows"], sp["rank_rows"])
             st = cpe.microbatch_collectives(md, mb["n"], mb["p"], c, cp_rank, recompute, "states", rs)
             recs = [r for r in recs if r["part"] != "mixer" or modes[r["layer"]] != "states"]
             recs += [r for r in st if r["part"] == "mixer" and modes[r["layer"]] == "states"]
