@@ -5,9 +5,10 @@
 #   device: cp -r .whl .fa4a .gpurun/ && cd .gpurun && bash benchmarks/gpu/issue48_runs.sh a   (carry .whl .fa4a .gpurun)
 #           cp -r .whl .fa4b .gpurun/ && cd .gpurun && bash benchmarks/gpu/issue48_runs.sh b   (carry .whl .fa4b .gpurun; at once)
 #           cd .gpurun && bash benchmarks/gpu/issue48_runs.sh c                                 (carry .gpurun; at once)
-# a: build, the GPU tests of the kernels added since they last ran, the layers against their anchors;
-# b: FlashAttention-4, the one-microbatch line and the 24-layer 8-microbatch slice (never-seen steps);
-# c: the first pass of a new process, the Qwen3.5 slice, the RL loop's split on the 4-layer Qwen3.5-35B-A3B.
+# a: build, the GPU tests of the kernels added since they last ran, the RL loop's split on the 4-layer
+#    Qwen3.5-35B-A3B;
+# b: FlashAttention-4, the 24-layer 8-microbatch slice (never-seen steps), a new process's first pass;
+# c: the one-microbatch line, the layers against their anchors, the Qwen3.5 slice.
 set -u
 here=$(dirname "$0")
 step=${1:?usage: issue48_runs.sh a|b|c}
@@ -20,19 +21,19 @@ tests="tests/runtime/test_fused_modules.py tests/kernels/test_kda_cp_gpu.py test
   tests/runtime/test_ling3_layers.py tests/runtime/test_norm_kernels.py"
 case "$step" in
   a) bash "$here/call_a.sh" bash -c "nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/gpu.txt; \
-       timeout 260 python3 benchmarks/gpu/run_gpu_tests.py -q -rs -m gpu --import-mode=prepend $tests \
+       timeout 170 python3 benchmarks/gpu/run_gpu_tests.py -q -rs -m gpu --import-mode=prepend $tests \
          > $OUT/gpu_tests.log 2>&1; echo tests rc \$?; tail -15 $OUT/gpu_tests.log; \
-       timeout 200 python3 benchmarks/layer_speed.py --fast-autotune --cases moe,kda,kda_compact --no-readme \
-         --out $OUT/layer_speed.json" ;;
-  b) bash "$here/call_b.sh" bash -c "$(declare -f te); \
-       te 150 --layers 24 --sections speedup --out $OUT/te24_mb1; \
-       te 380 --layers 24 $S8 --out $OUT/te24_slice8" ;;
-  c) bash "$here/call_b.sh" bash -c "$(declare -f te); \
-       te 75 --layers 24 --slice-microbatches 8 --sections first --out $OUT/te24_first; \
-       te 260 --flavor qwen3.5-35b-a3b --layers 8 --slice-microbatches 8 --repeats 1 \
-         --sections speedup,microbatches --out $OUT/te_qwen35_slice8; \
-       timeout 200 python3 benchmarks/rl_loop.py --flavor qwen3.5-35b-a3b --layers 4 --device cuda \
+       timeout 170 python3 benchmarks/rl_loop.py --flavor qwen3.5-35b-a3b --layers 4 --device cuda \
          --steps 4 --sync-atol 1.0 > $OUT/rl_loop.jsonl 2>&1; echo rl rc \$?; tail -3 $OUT/rl_loop.jsonl" ;;
+  b) bash "$here/call_b.sh" bash -c "$(declare -f te); \
+       te 330 --layers 24 $S8 --out $OUT/te24_slice8; \
+       te 75 --layers 24 --slice-microbatches 8 --sections first --out $OUT/te24_first" ;;
+  c) bash "$here/call_b.sh" bash -c "$(declare -f te); \
+       te 150 --layers 24 --sections speedup --out $OUT/te24_mb1; \
+       timeout 150 python3 benchmarks/layer_speed.py --fast-autotune --cases moe,kda,kda_compact --no-readme \
+         --out $OUT/layer_speed.json; \
+       te 250 --flavor qwen3.5-35b-a3b --layers 8 --slice-microbatches 8 --repeats 1 \
+         --sections speedup,microbatches --out $OUT/te_qwen35_slice8" ;;
   *) echo "unknown step $step: a, b or c"; exit 2 ;;
 esac 2>&1 | tee "$OUT/$step.log"
 exit "${PIPESTATUS[0]}"
