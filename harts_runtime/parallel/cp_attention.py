@@ -20,7 +20,7 @@ trajectory minus one rows, whatever the number of rows below ``lo``. (Any number
 ``parent[x] < x`` is accepted; the set is then the union of the ancestor paths of the rank's
 rows, computed a run of consecutive rows at a time.) Rank ``r`` receives from rank ``s < r`` the
 rows of that set in ``[cuts[s], cuts[s + 1])``, every rank computes every rank's sets from the
-tree alone (deterministic, O(C N) bytes of host work per microbatch, no communication).
+tree alone (deterministic, O(C N) host work per microbatch, no communication).
 
 * GQA / MHA (:class:`~harts_runtime.layers.attention.CompactAttention`) and gated attention
   (:class:`~harts_runtime.layers.gated_attention.CompactGatedAttention`): each rank projects its
@@ -50,8 +50,8 @@ Memory and 1M rows
 The gathered rows are bounded by the ancestors, not by the rows: a forest of short trees cut
 between ranks gathers a few rows; a deep single path (one 1M-token trajectory over C ranks)
 gathers all earlier rows, ``(C - 1) / C N`` rows at the last rank: at ``N = 2^20``,
-Qwen3.5-35B-A3B's gated attention (2 KV heads x 256, bf16) is 2 KiB a row, 2 GiB a layer; MLA's
-latent 1,152 B a row, 1.1 GiB. That is transient under block recomputation (the gather runs
+Qwen3.5-35B-A3B's gated attention (2 KV heads x 256, bf16) is 2 KiB a row, 1.75 GiB a layer at
+C = 8; MLA's latent 1,152 B a row, 0.98 GiB. That is transient under block recomputation (the gather runs
 again in backward) and is kept per attention layer without it. Where it does not fit, the plan is
 a ring over source ranks: process the needed rows one source rank's block at a time, merging
 partial softmax outputs by their log-sum-exp, so only one block of K / V is live; it needs a
