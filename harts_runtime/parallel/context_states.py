@@ -82,7 +82,7 @@ __all__ = [
 ]
 
 
-LINEAR = ("kda", "gdn")
+LINEAR = ("kda", "gdn", "mamba2")
 """Mixer kinds that run by state passing."""
 
 
@@ -474,33 +474,45 @@ def empty_plan(cp_size: int, rank: int, width: int) -> LocalPlan:
 
 
 # ---------------------------------------------------------------------------------- execution
-def run_local(sched: KDASchedule, q, k, v, g, beta, slots: list, *, chunk_size: int, backend: str = "auto"):
-    """The local rounds over E rows (q, k [E, H, K]; v [E, H, V']; g [E, H, K] or [E, H]; beta [E, H])
-    from pre-filled ``slots`` (entry states ``[H, K, V']`` fp32, the rest None). Returns ``(o [n_own,
-    H, V'], slots)``: the own rows' core outputs in row order and every slot the rounds filled.
-    :func:`harts_runtime.layers.kda.run_kda_schedule`'s loop with external slots and a gather that
-    reads halo rows (plain ``index_select``: E has rows no packed row owns)."""
+def _kernel(ssd: bool):
+    if ssd:
+        from harts_kernels.ssd import chunk_ssd_with_states
+
+        return chunk_ssd_with_states
     from harts_kernels.kda import chunk_kda_with_states
 
+    return chunk_kda_with_states
+
+
+def run_local(sched: KDASchedule, q, k, v, g, beta, slots: list, *, chunk_size: int, backend: str = "auto"):
+    """The local rounds over E rows (q, k [E, H, K]; v [E, H, V']; g [E, H, K] or [E, H]; beta [E, H],
+    or None for the SSD core of Mamba2) from pre-filled ``slots`` (entry states ``[H, K, V']`` fp32,
+    the rest None). Returns ``(o [n_own, H, V'], slots)``: the own rows' core outputs in row order
+    and every slot the rounds filled. :func:`harts_runtime.layers.kda.run_kda_schedule`'s loop with
+    external slots and a gather that reads halo rows (plain ``index_select``: E has rows no packed
+    row owns)."""
+    ssd = beta is None
+    kernel = _kernel(ssd)
     H, K, Vd = q.shape[1], q.shape[2], v.shape[2]
     transient = saves_are_transient()
     slots = list(slots) + [None] * (sched.num_slots - len(slots))
     sizes = [hi - lo for lo, hi in zip(sched.bounds[:-1], sched.bounds[1:])]
     if not sizes:
         return v.new_zeros(0, H, Vd), slots
-    packed = [x.index_select(0, sched.gather) for x in (q, k, v, g, beta)]
+    rows = (q, k, v, g) if ssd else (q, k, v, g, beta)
+    packed = [x.index_select(0, sched.gather) for x in rows]
     per_round = list(zip(*(torch.split(x, sizes) for x in packed)))
     outs, zero = [], None
     for rd, parts in zip(sched.rounds, per_round):
         inputs = [x.unsqueeze(0) for x in parts]
-        if g.dim() == 2:
+        if not ssd and g.dim() == 2:
             inputs[3] = inputs[3].unsqueeze(-1).expand(-1, -1, -1, K)
         init = None
         if any(s >= 0 for s in rd.init_slots):
             if zero is None:
                 zero = q.new_zeros(H, K, Vd, dtype=torch.float32)
             init = torch.stack([slots[s] if s >= 0 else zero for s in rd.init_slots])
-        o, _, bstates = chunk_kda_with_states(
+        o, _, bstates = kernel(
             *inputs,
             initial_state=init,
             cu_seqlens=rd.cu_seqlens,
@@ -519,16 +531,21 @@ def run_local(sched: KDASchedule, q, k, v, g, beta, slots: list, *, chunk_size: 
 
 
 def summaries(plan: LocalPlan, q, k, v, g, beta, *, chunk_size: int, backend: str = "auto"):
-    """``[len(plan.sends), H, K, K + V]``: ``[A_k | b_k]`` of every state this rank hands on, relative
-    to the entry state its path started from here. A rank without entry states returns ``[0 |
-    S_k]`` from the true run: ``(o, packed, slots)`` with that run's output (None otherwise)."""
+    """``[len(plan.sends), H, W]``: the summary of every state this rank hands on, ``S_k = A_k S_entry +
+    b_k`` relative to the entry state its path started from here, flat per head: ``[A_k | b_k]``
+    (``W = K K + K V``), or for the SSD core (``beta`` None: Mamba2, whose ``A_k = a_k I``) ``[a_k |
+    b_k]`` (``W = 1 + K V``). One run of the local plan with values ``[v | 0_K]`` from entry states
+    ``[0 | I]`` (the requested states are ``[b | A]``). A rank without entry states runs its plan
+    once, truly (``A = 0``), and returns that run's output too: ``(packed, o or None)``; a rank
+    without sends ``(None, None)``."""
     H, K, Vd = q.shape[1], q.shape[2], v.shape[2]
     if not plan.sends:
         return None, None
     if plan.num_entries == 0:
         o, slots = run_local(plan.sched, q, k, v, g, beta, [], chunk_size=chunk_size, backend=backend)
         b = torch.stack([slots[s] for s in plan.sends])
-        return torch.cat([b.new_zeros(len(plan.sends), H, K, K), b], -1), o
+        A = b.new_zeros(len(plan.sends), H, 1 if beta is None else K * K)
+        return torch.cat([A, b.flatten(2)], -1), o
     v_wide = torch.cat([v, v.new_zeros(v.shape[0], H, K)], -1)
     eye = torch.zeros(H, K, Vd + K, dtype=torch.float32, device=q.device)
     eye[..., Vd:] = torch.eye(K, dtype=torch.float32, device=q.device)
@@ -536,22 +553,31 @@ def summaries(plan: LocalPlan, q, k, v, g, beta, *, chunk_size: int, backend: st
         plan.sched, q, k, v_wide, g, beta, [eye] * plan.num_entries, chunk_size=chunk_size, backend=backend
     )
     st = torch.stack([slots[s] for s in plan.sends])  # [n, H, K, V + K] = [b | A]
-    return torch.cat([st[..., Vd:], st[..., :Vd]], -1), None
+    A = st[..., 0, Vd : Vd + 1] if beta is None else st[..., Vd:].flatten(2)  # SSD: A = a I
+    return torch.cat([A, st[..., :Vd].flatten(2)], -1), None
 
 
-def fold(plan: LocalPlan, gathered: torch.Tensor, V: int) -> list[torch.Tensor]:
-    """The entry states of this rank from every rank's gathered summaries ``[C * max_sends, H, K,
-    K + V]`` (rank r's states at rows ``r * max_sends + j``), folded in state order."""
-    K = gathered.shape[2]
+def fold(plan: LocalPlan, gathered: torch.Tensor, K: int, V: int) -> list[torch.Tensor]:
+    """The entry states ``[H, K, V]`` of this rank from every rank's gathered summaries ``[C *
+    max_sends, H, W]`` (:func:`summaries`' layout; rank r's states at rows ``r * max_sends + j``),
+    folded in state order."""
+    scalar = gathered.shape[-1] == 1 + K * V
     states: list[torch.Tensor] = []
     rank_of = np.searchsorted(np.asarray(plan.send_offsets), np.arange(len(plan.sources)), side="right") - 1
     need = max(plan.entries) + 1 if plan.entries else 0
     for kk in range(need):
         r = int(rank_of[kk])
         row = gathered[r * plan.max_sends + kk - plan.send_offsets[r]]
-        A, b = row[..., :K], row[..., K:]
+        H = row.shape[0]
+        a = row[:, :1] if scalar else row[:, : K * K]
+        b = row[:, a.shape[1] :].reshape(H, K, V)
         src = plan.sources[kk]
-        states.append(b if src < 0 else torch.matmul(A, states[src]) + b)
+        if src < 0:
+            states.append(b)
+        elif scalar:
+            states.append(a[:, :, None] * states[src] + b)
+        else:
+            states.append(torch.matmul(a.reshape(H, K, K), states[src]) + b)
     return [states[kk] for kk in plan.entries]
 
 
@@ -578,8 +604,11 @@ class StatesMixer:
 
     def forward_of(self, module: nn.Module):
         """The state-passing forward of ``module`` (not installed)."""
+        from harts_runtime.layers.mamba2 import Mamba2Mixer
+
         mesh = self.mesh
         orig = module.forward
+        ssd = isinstance(module, Mamba2Mixer)
 
         def forward(x, layout=None):
             rows = layout.info.get("cp_rows") if layout is not None else None
@@ -595,7 +624,11 @@ class StatesMixer:
             backend = c.backend
             plan = plan if plan.send_index.device == x.device else plan.to(x.device)
             xe = exchange_halo(x, plan, mesh)
-            q, k, v, g, beta, gate = module._features(xe, plan.conv)
+            feats = module._features(xe, plan.conv)
+            if ssd:  # Mamba2: q, k, v, g, xs, z
+                (q, k, v, g), beta, rest = feats[:4], None, feats[4:]
+            else:  # KDA / GDN: q, k, v, g, beta, gate
+                (q, k, v, g, beta), rest = feats[:5], feats[5:]
             H, K, Vd = q.shape[1], q.shape[2], v.shape[2]
             local, o_first = summaries(plan, q, k, v, g, beta, chunk_size=B, backend=backend)
             m, C = plan.max_sends, mesh.size()
@@ -604,17 +637,18 @@ class StatesMixer:
             anchor = xe.sum() * 0
             gathered = None
             if m:
+                width = K * Vd + (1 if ssd else K * K)
                 if local is None:
-                    local = q.new_zeros(0, H, K, K + Vd, dtype=torch.float32)
-                pad = local.new_zeros(m - local.shape[0], H, K, K + Vd)
+                    local = q.new_zeros(0, H, width, dtype=torch.float32)
+                pad = local.new_zeros(m - local.shape[0], H, width)
                 local = torch.cat([local, pad]) + anchor.float()
                 gathered = gather_rows(local, mesh, C * m)
             if o_first is not None:
                 o = o_first
             else:
-                entry = fold(plan, gathered, Vd) if plan.num_entries else []
+                entry = fold(plan, gathered, K, Vd) if plan.num_entries else []
                 o, _ = run_local(plan.sched, q, k, v, g, beta, entry, chunk_size=B, backend=backend)
-            out = module._output(o, gate[: plan.n_own])
+            out = module._output(o, *(t[: plan.n_own] for t in rest))
             if gathered is not None:
                 out = out + (gathered.sum() * 0).to(out.dtype)
             return out

@@ -1,7 +1,7 @@
 """The state-passing local plans (``harts_runtime.parallel.context_states``) in one process: every
 rank's local call plan, summaries, fold and rerun, simulated rank by rank with the all-gather
 replaced by a concatenation, against the one-process KDA schedule of the whole microbatch (float64,
-random trees, KDA and GDN gates, C = 2, 3, 4, 8); the local convolution windows against the
+random trees, the KDA core with KDA and GDN gates and Mamba2's SSD core, C = 2, 3, 4, 8); the local convolution windows against the
 microbatch's; and the one-line errors of ``cp_mode``."""
 
 import numpy as np
@@ -28,41 +28,46 @@ def _microbatch(seed):
     return batch, traj, call_plan, compact_layout(batch, call_plan)
 
 
-def _features(n, seed, gdn):
+def _features(n, seed, core):
     g = torch.Generator().manual_seed(seed)
     f64 = dict(generator=g, dtype=torch.float64)
     q = torch.nn.functional.normalize(torch.randn(n, H, K, **f64), dim=-1)
     k = torch.nn.functional.normalize(torch.randn(n, H, K, **f64), dim=-1)
     v = torch.randn(n, H, V, **f64)
-    gate = -torch.rand(n, H, **f64) if gdn else -torch.rand(n, H, K, **f64)
-    return q, k, v, gate, torch.rand(n, H, **f64)
+    gate = -torch.rand(n, H, **f64) if core in ("gdn", "ssd") else -torch.rand(n, H, K, **f64)
+    return q, k, v, gate, None if core == "ssd" else torch.rand(n, H, **f64)
 
 
-def _simulate(seed, C, gdn):
+def _simulate(seed, C, core):
+    from harts_runtime.layers import mamba2
+
     batch, traj, call_plan, layout = _microbatch(seed)
     n = layout.num_rows
-    feats = _features(n, seed, gdn)
-    want = _run_rounds(layout.kda.replay, *feats, B, "naive")  # physical order
+    feats = _features(n, seed, core)
+    if core == "ssd":
+        want = mamba2._run_rounds(layout.kda.replay, *feats[:4], B, "naive")  # physical order
+    else:
+        want = _run_rounds(layout.kda.replay, *feats, B, "naive")
     split = hp.plan_cp(batch, traj, C, B, conv_width=W)
     r2p = np.asarray(call_plan.row_to_physical, dtype=np.int64)
     ranks = [cp_rows_plan(layout, split, r, r2p) for r in range(C)]
-    by_row = [t[torch.from_numpy(r2p)] for t in feats]
+    by_row = [None if t is None else t[torch.from_numpy(r2p)] for t in feats]
     local = []
     for rows in ranks:
         lo, hi = rows.block
         e = torch.from_numpy(np.concatenate([np.arange(lo, hi), rows.local.halo]).astype(np.int64))
-        local.append([t[e] for t in by_row])
+        local.append([None if t is None else t[e] for t in by_row])
     m = ranks[0].local.max_sends
     assert all(r.local.max_sends == m for r in ranks)
-    parts = []
+    parts, width = [], K * V + (1 if core == "ssd" else K * K)
     for rows, f in zip(ranks, local):  # every rank's summaries, all-gathered
         s, _ = summaries(rows.local, *f, chunk_size=B, backend="naive")
-        s = torch.zeros(0, H, K, K + V, dtype=torch.float64) if s is None else s
-        parts.append(torch.cat([s, s.new_zeros(m - s.shape[0], H, K, K + V)]))
+        s = torch.zeros(0, H, width, dtype=torch.float64) if s is None else s
+        parts.append(torch.cat([s, s.new_zeros(m - s.shape[0], H, width)]))
     gathered = torch.cat(parts)
     got = []
     for rows, f in zip(ranks, local):
-        entry = fold(rows.local, gathered, V) if rows.local.num_entries else []
+        entry = fold(rows.local, gathered, K, V) if rows.local.num_entries else []
         o, _ = run_local(rows.local.sched, *f, entry, chunk_size=B, backend="naive")
         got.append(o)
     err = float((torch.cat(got) - want[torch.from_numpy(r2p)]).abs().max())
@@ -83,7 +88,7 @@ def test_local_plans_equal_the_one_process_schedule():
     backs, replays, permuted = [], 0, 0
     for seed in range(6):
         for C in (2, 3, 4, 8):
-            err, back, replay, windows_ok, identity = _simulate(seed, C, gdn=seed % 2 == 1)
+            err, back, replay, windows_ok, identity = _simulate(seed, C, ("kda", "gdn", "ssd")[seed % 3])
             assert err <= 1e-12, (seed, C, err)
             assert windows_ok, (seed, C)
             backs += back
@@ -111,9 +116,6 @@ def test_cp_mode_errors_are_one_line_naming_the_field():
     with pytest.raises(InvalidInputError) as e:
         EngineConfig(cp_mode="rows")
     assert e.value.field == "cp_mode" and "\n" not in str(e.value)
-    with pytest.raises(InvalidInputError) as e:
-        CpChooser.of(_Model(["kda", "mamba2"]), "states", 2)
-    assert e.value.field == "cp_mode" and "blocks[1]" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(InvalidInputError) as e:
         CpChooser.of(_Model(["kda"]), "states", 2, tp=2)
     assert e.value.field == "cp_mode" and "tp = 2" in str(e.value)

@@ -13,7 +13,9 @@ the local plans' oracle test is ``test_cp_states_plan``.
 
 import numpy as np
 import pytest
-from test_parallel_cp import TOL_LOGPROB_CP, _build
+import test_parallel_mamba2
+from test_parallel_cp import TOL_LOGPROB_CP
+from test_parallel_cp import _build as _build_cp
 from test_parallel_step import _check, _tiny_checkpoint, train_parallel, train_single
 
 from harts_runtime.parallel import ParallelDims, run_distributed
@@ -26,12 +28,22 @@ CASES = {
     "debug-cp8": ("debug", 8, dict(cp=8), None, "auto"),
     "debug-cp2-dp_shard2": ("debug", 4, dict(cp=2, dp_shard=2), None, "states"),
     "qwen35-cp2-kept": ("qwen3_5_moe_text", 2, dict(cp=2), BOTH, "states"),
+    "nemotron_h-cp2": ("nemotron_h", 2, dict(cp=2), None, "states"),
 }
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    return {"qwen3_5_moe_text": _tiny_checkpoint(tmp_path_factory, "qwen3_5_moe_text")}
+    return {
+        "qwen3_5_moe_text": _tiny_checkpoint(tmp_path_factory, "qwen3_5_moe_text"),
+        "nemotron_h": test_parallel_mamba2._checkpoint(tmp_path_factory, 4),
+    }
+
+
+def _build(name, path, dp, cp):
+    if name == "nemotron_h":  # Mamba2 + attention + MoE, chunk 8, trees forking on and off the grid
+        return test_parallel_mamba2._build(path, dp, cp)
+    return _build_cp(name, path, dp, cp)
 
 
 def _worker(rank, world, name, path, dims_kw, keep, cp_mode):
