@@ -28,6 +28,7 @@ CASES = {
     "debug-cp8": ("debug", 8, dict(cp=8), None, "auto"),
     "debug-cp2-dp_shard2": ("debug", 4, dict(cp=2, dp_shard=2), None, "states"),
     "debug-cp2-ep2": ("debug", 4, dict(cp=2, dp_shard=2, ep=2), None, "states"),
+    "debug-cp2-tp2": ("debug", 4, dict(cp=2, tp=2), None, "states"),
     "qwen35-cp2-kept": ("qwen3_5_moe_text", 2, dict(cp=2), BOTH, "states"),
     "nemotron_h-cp2": ("nemotron_h", 2, dict(cp=2), None, "states"),
 }
