@@ -1,8 +1,14 @@
 """Context parallelism over rollout trees: one microbatch of up to ``C x T`` compact rows on the C
 ranks of a CP group (issue 35; ``docs/parallel.md``, "Context parallelism").
 
+This module is the head-parallel mode (``cp_mode="heads"``) and the row map both modes share; the
+state-passing mode (``cp_mode="states"``, and ``"auto"`` per layer) is
+:mod:`harts_runtime.parallel.context_states`, whose microbatches give each rank the planner's
+split of the rows instead of :func:`row_block`'s (:class:`RowMap`, :func:`gather_cp`,
+:func:`scatter_cp`).
+
 Design: rows split for the row-local work, heads split for the mixers (head-parallel CP, the
-Ulysses family; ``docs/parallel.md`` says why it was chosen over state passing):
+Ulysses family; ``docs/parallel.md`` compares it with state passing):
 
 =====================  ========================================================================
 part                   under ``cp = C`` (rank ``c`` of the CP group)

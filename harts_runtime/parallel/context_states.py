@@ -1,11 +1,11 @@
-"""Context parallelism by state passing (``cp_mode="states"``; ``docs/parallel.md``, "Context
-parallelism", "States mode").
+"""Context parallelism by state passing (``cp_mode`` ``"states"`` and ``"auto"``; ``docs/parallel.md``,
+"Context parallelism", "States mode: execution").
 
 Each of the C ranks of a CP group holds the rows ``[rank_row_offsets[c], rank_row_offsets[c + 1])``
 of the microbatch's split (:func:`harts_planner.plan_cp`: balanced contiguous row ranges whose
 interior cuts lie on the chunk grid) through the whole model: embedding, norms, FFN / MoE and LM
-head run on those rows only. A linear mixer (KDA, gated delta net) runs its core on them too,
-with what the rows need from earlier ranks:
+head run on those rows only. A linear mixer (KDA, gated delta net, Mamba2) runs its core on them
+too, with what the rows need from earlier ranks:
 
 ===========================  ====================================================================
 piece                        what rank ``c`` does
@@ -27,23 +27,26 @@ summaries                    every state the rank hands on (``S_k`` of the split
                              rank, ``S_k = A_k S_entry + b_k``: one run of the local plan with
                              values ``[v | 0_K]`` from entry states ``[0 | I]``
                              (:func:`harts_kernels.kda.cp.piece_summary`'s identity, on the whole
-                             local plan); a rank without entry states gets ``S_k`` directly
-fold                         the summaries all-gathered (``[H, K, K + V]`` fp32 each) and folded in
-                             state order, ``S_k = A_k S_src(k) + b_k`` (``src(k)``: the state the
-                             producing rank's path started from, or zero), on every rank, so a
-                             fork reads its parent's state wherever the parent lives, two or more
-                             ranks back included
+                             local plan; Mamba2's SSD core gives ``A_k = a_k I`` and sends
+                             ``[a_k | b_k]``); a rank without entry states gets ``S_k`` directly
+fold                         the summaries all-gathered (fp32, padded to the most sends of one
+                             rank) and folded in state order, ``S_k = A_k S_src(k) + b_k``
+                             (``src(k)``: the state the producing rank's path started from, or
+                             zero), on every rank, so a fork reads its parent's state wherever
+                             the parent lives, two or more ranks back included
 rerun                        the local plan from the true entry states: the rank's core outputs
 backward                     autograd through the rerun, the fold, the all-gather (backward:
-                             reduce-scatter) and the summary run: exact, and the transposed fold
-                             of :func:`harts_kernels.kda.cp.fold_states_backward` is what
-                             autograd computes for the fold
+                             reduce-scatter) and the summary run: exact (autograd computes the
+                             transposed fold of :func:`harts_kernels.kda.cp.fold_states_backward`)
 ===========================  ====================================================================
 
-Layers that do not run by state passing under ``cp_mode="states"`` (attention, until its states
-module is wired) run head-parallel on the same row ranges: the rows all-gathered to the
-microbatch's physical order and their partial outputs reduce-scattered back
-(:mod:`harts_runtime.parallel.context`, whose row map reads the split from the layout).
+Attention layers under ``"states"`` gather the ancestor rows their queries see
+(:func:`harts_runtime.parallel.cp_attention.states_attention`); a layer ``"auto"`` runs
+head-parallel does so on the same rows (:mod:`harts_runtime.parallel.context`'s ``RowMap``: rows
+all-gathered to the microbatch's physical order, partial outputs reduce-scattered back).
+:class:`CpChooser` fixes which modes each mixer may run and picks one per microbatch;
+:func:`attach_cp_rows` (called by :func:`harts_runtime.microbatch.make_microbatch`) builds a
+microbatch's :class:`CpRows`.
 
 The split's rows are numbered in the planner's row order (lexicographic DFS preorder); the
 layout's physical rows are a permutation of them (``CallPlan.row_to_physical``). Each rank's
