@@ -266,7 +266,10 @@ class HartsEngine:
         def microbatch(slot, traj):
             call_plan = calls.get(int(traj[0])) if len(traj) else None
             mode = ex.mode
-            if call_plan is not None and not ex.compact_always and _no_fewer_rows(call_plan, step, traj, ex):
+            # under CP by state passing (cp_mode states / auto) every microbatch runs compact: the
+            # split and the local call plans are built from its call plan
+            compact = ex.compact_always or getattr(self.model, "_harts_cp_layout", None) is not None
+            if call_plan is not None and not compact and _no_fewer_rows(call_plan, step, traj, ex):
                 mode, call_plan = "trajectory", None  # short trees: the same math on fewer rows
                 sums["trajectory_fallbacks"] += 1
             mb = make_microbatch(self.model, step, traj, mode, call_plan)

@@ -14,6 +14,7 @@ the local plans' oracle test is ``test_cp_states_plan``.
 import numpy as np
 import pytest
 import test_parallel_mamba2
+import torch
 from test_parallel_cp import TOL_LOGPROB_CP
 from test_parallel_cp import _build as _build_cp
 from test_parallel_step import _check, _tiny_checkpoint, train_parallel, train_single
@@ -93,3 +94,36 @@ def test_cp_states_step_matches_one_process(case, checkpoints):
     chosen = {v for r in results for mb in r["chosen"] for v in mb.values()}
     assert chosen == ({0, 1} if cp_mode == "auto" and dims.cp < 8 else {1}), chosen  # auto: both ran
     _check(results, train_single(*_build(name, path, dims.dp, dims.cp), keep), tol_logprob=TOL_LOGPROB_CP)
+
+
+def _engine_worker(rank, world):
+    from test_parallel_cp import T, _batch
+
+    from harts_runtime import StepInputs
+    from harts_runtime.engine import EngineConfig, HartsEngine
+
+    torch.manual_seed(0)  # test_parallel_cp's engine config, states mode
+    config = EngineConfig(
+        lr=1e-3, eps=1e-6, capacity=T[2], max_grad_norm=0.05, warmup_steps=1, cp_mode="states"
+    )
+    engine = HartsEngine.build(
+        "debug", config, ParallelDims(world_size=world, cp=2), dtype="float32", num_heads=4
+    )
+    step = StepInputs.synthetic(_batch(engine.vocab_size), seed=1, vocab_size=engine.vocab_size)
+    out = engine.forward_backward(step)
+    return out.loss, out.logprobs, out.metrics
+
+
+@pytest.mark.slow
+def test_engine_cp_mode_states_reports_the_choice_and_matches_one_process():
+    """``EngineConfig(cp_mode="states")`` under ``cp = 2``: the step's metrics count the microbatches
+    each mixer ran by state passing, and the loss and log-probs are one process's."""
+    from test_parallel_cp import _engine_single
+
+    results = run_distributed(_engine_worker, 2, timeout=300)
+    want_loss, want_lp, _, _ = _engine_single()["steps"][0]
+    for loss, lp, metrics in results:
+        blocks = {k: v for k, v in metrics.items() if k.startswith("cp_states/")}
+        assert blocks == {f"cp_states/blocks.{i}": metrics["microbatches"] for i in range(4)}, blocks
+        assert abs(loss - want_loss) <= 1e-5 * max(1.0, abs(want_loss))
+        torch.testing.assert_close(lp, want_lp, rtol=0, atol=TOL_LOGPROB_CP)
