@@ -71,6 +71,9 @@ def step_record(step: int, key, res, rep, dt: float) -> dict:
     )
     if "kda_calls" in m:
         rec["kda_calls"] = int(m["kda_calls"])
+    for k, v in m.items():  # cp_mode's choice: microbatches that ran block i by state passing
+        if k.startswith("cp_states/"):
+            rec[k] = int(v)
     rec.update(
         plan_seconds=float(m["plan_seconds"]),
         fbg_seconds=float(m["fbg_seconds"]),
