@@ -622,6 +622,10 @@ class StatesMixer:
                     "'states' needs the microbatch's CP split in layout.info['cp_rows'] "
                     "(build microbatches with make_microbatch on the parallelized model)",
                 )
+            if layout.no_replay:
+                raise ParallelConfigError(
+                    "no_replay", "the no-replay ablation does not run under cp_mode 'states'; use 'heads'"
+                )
             c = module.config
             B = layout.kda.chunk_size if layout.kda is not None else c.chunk_size
             backend = c.backend
