@@ -8,7 +8,9 @@
 # a: build, the GPU tests of the kernels added since they last ran, the RL loop's split on the 4-layer
 #    Qwen3.5-35B-A3B;
 # b: FlashAttention-4, the 24-layer 8-microbatch slice (never-seen steps), a new process's first pass;
-# c: the one-microbatch line, the layers against their anchors, the Qwen3.5 slice.
+# c: the one-microbatch line, the layers against their anchors, the Qwen3.5 slice;
+# s: one call when machines are scarce (carry .whl .fa4a .gpurun; torch varlen attention, no FA4):
+#    a new process's first pass against warm, the RL loop's split, the new kernels' GPU tests.
 set -u
 here=$(dirname "$0")
 step=${1:?usage: issue48_runs.sh a|b|c}
@@ -34,6 +36,12 @@ case "$step" in
          --out $OUT/layer_speed.json; \
        te 250 --flavor qwen3.5-35b-a3b --layers 8 --slice-microbatches 8 --repeats 1 \
          --sections speedup,microbatches --out $OUT/te_qwen35_slice8" ;;
-  *) echo "unknown step $step: a, b or c"; exit 2 ;;
+  s) bash "$here/call_a.sh" bash -c "$(declare -f te); nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/gpu.txt; \
+       te 90 --layers 24 --slice-microbatches 8 --sections first --out $OUT/te24_first; \
+       timeout 160 python3 benchmarks/rl_loop.py --flavor qwen3.5-35b-a3b --layers 4 --device cuda \
+         --steps 4 --sync-atol 1.0 > $OUT/rl_loop.jsonl 2>&1; echo rl rc \$?; tail -3 $OUT/rl_loop.jsonl; \
+       timeout 120 python3 benchmarks/gpu/run_gpu_tests.py -q -rs -m gpu --import-mode=prepend $tests \
+         > $OUT/gpu_tests.log 2>&1; echo tests rc \$?; tail -15 $OUT/gpu_tests.log" ;;
+  *) echo "unknown step $step: a, b, c or s"; exit 2 ;;
 esac 2>&1 | tee "$OUT/$step.log"
 exit "${PIPESTATUS[0]}"
