@@ -172,7 +172,6 @@ class ExecutionOptions:
             reduce_dtype=None if self.reduce_dtype is None else getattr(torch, self.reduce_dtype),
             cpu_offload=self.cpu_offload,
             cp_mode=self.cp_mode,
-            cp_capacity=self.capacity,
         )
 
 

@@ -239,8 +239,9 @@ def parallelize(
     """Apply TP, EP, recomputation and FSDP2 to ``model`` in place, in that order;
     returns it. ``mesh`` from :meth:`ParallelDims.build_mesh`; ``cp_mode`` (``"heads"``,
     ``"states"``, ``"auto"``) how CP runs each mixer (:func:`apply_cp_rows`; the choice per block is
-    ``model._harts_cp_modes``; ``cp_capacity`` the per-rank row capacity T a split must respect); the
-    other options are those of :func:`apply_ac` (``recompute``,
+    ``model._harts_cp_modes``; ``cp_capacity``, when given, the most rows a split may give one rank:
+    the split balances cost, not rows, so a rank may hold more than ``ceil(N / C)``); the other
+    options are those of :func:`apply_ac` (``recompute``,
     ``keep``) and :func:`apply_fsdp`.
     """
     if not isinstance(mesh, ParallelMesh):
