@@ -74,14 +74,18 @@ __all__ = [
     "CP_MODES",
     "CpChooser",
     "CpRows",
-    "attach_cp_rows",
-    "states_forward",
     "LocalPlan",
     "StatesMixer",
+    "attach_cp_rows",
     "cp_rows_plan",
+    "empty_plan",
+    "exchange_halo",
+    "fold",
     "fold_sources",
     "local_plan",
     "run_local",
+    "states_forward",
+    "summaries",
 ]
 
 
@@ -95,8 +99,11 @@ class CpRows:
     """Which rows each CP rank holds in one microbatch (host numpy and device index tensors).
 
     ``offsets`` [C + 1]: rank c holds split rows ``[offsets[c], offsets[c + 1])``; ``r2p`` [N]: the
-    physical row of each split row; ``p2r`` its inverse. ``local``: this rank's
-    :class:`LocalPlan` (states mode), or None (heads mode with ``row_block`` ranges, identity maps).
+    physical row of each split row; ``p2r`` its inverse (identity maps and ``row_block`` ranges when
+    every mixer of the microbatch runs head-parallel: :meth:`blocks`). ``local``: this rank's
+    :class:`LocalPlan` of the linear mixers; ``attention``: the microbatch's
+    :class:`~harts_runtime.parallel.cp_attention.StatesAttentionPlan`; ``modes``: every block's mode
+    (``"heads"``, ``"states"``, ``"none"``), the same on every CP rank.
     """
 
     offsets: list[int]
