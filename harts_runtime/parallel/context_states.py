@@ -715,7 +715,7 @@ class CpChooser:
         """Raises :class:`ParallelConfigError` naming ``cp_mode`` for an unknown mode, ``"states"``
         with sequence parallelism (``sp``), or the head field (:func:`cp_plan`) when no mode can run
         a layer."""
-        from harts_runtime.parallel.context import cp_plan
+        from harts_runtime.parallel.cp_heads import cp_plan
 
         if mode not in CP_MODES:
             raise ParallelConfigError("cp_mode", f"unknown {mode!r}; choose one of {CP_MODES}")
