@@ -448,11 +448,24 @@ def loadable_folder(path) -> Path:
     return p
 
 
+MAX_MANIFEST_BYTES = 64 << 20
+"""The largest manifest read (about 300,000 files' entries): a larger one is refused before it is read."""
+
+
 def read_manifest(folder: Path) -> dict | None:
-    """The ``files`` record of ``folder``'s manifest, or None where there is none."""
+    """The ``files`` record of ``folder``'s manifest, or None where there is none; a manifest over
+    :data:`MAX_MANIFEST_BYTES` is refused naming it and the limit, unread."""
     m = folder / MANIFEST_NAME
     if not m.exists():
         return None
+    try:
+        size = m.stat().st_size
+    except OSError as e:
+        raise InvalidInputError(MANIFEST_NAME, f"{m} is unreadable ({_one_line(e)})") from None
+    if size > MAX_MANIFEST_BYTES:
+        raise InvalidInputError(
+            MANIFEST_NAME, f"{m} holds {size:,} bytes, over the {MAX_MANIFEST_BYTES:,} a manifest may hold"
+        )
     try:
         record = json.loads(m.read_text())
         files = record["files"]

@@ -273,6 +273,17 @@ def test_a_damaged_manifest_is_named(saved, tmp_path):
     _refused(path, "manifest.json", "damaged")
 
 
+def test_an_oversized_manifest_is_refused_unread(saved, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.setattr(checkpoint_folder, "MAX_MANIFEST_BYTES", 64)
+    read = []
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: read.append(self) or "")
+    with pytest.raises(InvalidInputError, match=r"manifest\.json.*over the 64"):
+        checkpoint_folder.read_manifest(Path(saved))
+    assert read == []
+
+
 def test_a_folder_without_a_manifest_still_checks_its_shards(saved, tmp_path):
     """A checkpoint written before manifests: a truncated shard is named from DCP's metadata."""
 
