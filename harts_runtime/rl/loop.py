@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import time
 from pathlib import Path
 
@@ -42,7 +41,7 @@ from harts_runtime.errors import InvalidInputError
 from harts_runtime.loss.objectives import PolicyLossConfig
 from harts_runtime.rl.advantages import advantages
 from harts_runtime.rl.config import RLConfig
-from harts_runtime.rl.metrics import MetricsWriter
+from harts_runtime.rl.metrics import MetricsWriter, write_atomic
 from harts_runtime.rl.rollout_engine import check_sync
 from harts_runtime.rl.sampler import Leaf, TreeSampler
 from harts_runtime.rl.tasks import make_task
@@ -54,27 +53,6 @@ STATE_NAME = "rl.json"
 """The RL state of a checkpoint (in ``step-N/engine/``, listed in its manifest)."""
 _STATE_FORMAT = "harts-rl-state/1"
 _OLD_STATE = "rl.pt"  # step-N/rl.pt: the RL state before rl.json
-
-
-def write_atomic(path, text: str) -> None:
-    """Write ``path`` whole or not at all: a temporary file beside it, synced, renamed over it."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    try:
-        fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems cannot sync a folder
-        pass
-    finally:
-        os.close(fd)
 
 
 def _read_json(path: Path, field: str, what: str):

@@ -48,14 +48,25 @@ def _kept(line: str, resumed_step: int) -> bool:
     return isinstance(step, int) and not isinstance(step, bool) and 0 < step <= resumed_step
 
 
-def _replace(path: Path, text: str) -> None:
-    """``path`` holding ``text``: a temporary file beside it, synced, renamed over it."""
+def write_atomic(path, text: str) -> None:
+    """Write ``path`` whole or not at all: a temporary file beside it, synced, renamed over it."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    try:
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems cannot sync a folder
+        pass
+    finally:
+        os.close(fd)
 
 
 class MetricsWriter:
@@ -70,7 +81,7 @@ class MetricsWriter:
             current = None
         keep = "".join(line + "\n" for line in (current or "").splitlines() if _kept(line, resumed_step))
         if current != keep:
-            _replace(self.path, keep)
+            write_atomic(self.path, keep)
         self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
         self.writer = None
         try:
