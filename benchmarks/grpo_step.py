@@ -401,14 +401,7 @@ def main(argv=None) -> int:
         use_first_config_only()
     from harts_runtime.parallel import ParallelConfigError
 
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if args.device == "cuda":
-        torch.cuda.set_device(local)
-        dev = torch.device("cuda", local)
-    else:
-        dev = torch.device("cpu")
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30))
-    world, rank = dist.get_world_size(), dist.get_rank()
+    dev, world, rank = pe.init_distributed(args.device)
     if not items:
         items = pe.predefined_for(world)
     mixed = args.param_dtype == "bfloat16" or (args.param_dtype == "auto" and cfg.dtype == "bfloat16")

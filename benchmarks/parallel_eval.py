@@ -1228,6 +1228,19 @@ def _table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def init_distributed(device: str):
+    """This process's device (``LOCAL_RANK`` of torchrun) and the default process group (NCCL on
+    CUDA, gloo on the CPU); returns ``(device, world size, rank)``."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda":
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+    else:
+        dev = torch.device("cpu")
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30))
+    return dev, dist.get_world_size(), dist.get_rank()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
@@ -1334,14 +1347,7 @@ def main(argv=None) -> int:
     from harts_runtime.demo import synthetic_step
     from harts_runtime.parallel import ParallelConfigError
 
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if args.device == "cuda":
-        torch.cuda.set_device(local)
-        dev = torch.device("cuda", local)
-    else:
-        dev = torch.device("cpu")
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30))
-    world, rank = dist.get_world_size(), dist.get_rank()
+    dev, world, rank = init_distributed(args.device)
     if not items:
         items = predefined_for(world)
         if not items:
