@@ -316,14 +316,7 @@ def create_server(
         ),
         server,
     )
-    try:
-        port = (
-            server.add_insecure_port(address)
-            if credentials is None
-            else server.add_secure_port(address, credentials)
-        )
-    except RuntimeError:
-        port = 0
+    port = _bind(server, address, credentials)
     if port <= 0:
         watchdog.stop()
         guard.shutdown()
@@ -375,15 +368,19 @@ def _health_server(health_servicer, address: str, credentials) -> tuple[grpc.Ser
         maximum_concurrent_rpcs=4 * HEALTH_THREADS,
     )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    try:
-        port = (
-            server.add_insecure_port(address)
-            if credentials is None
-            else server.add_secure_port(address, credentials)
-        )
-    except RuntimeError:
-        port = 0
+    port = _bind(server, address, credentials)
     return server, port
+
+
+def _bind(server, address: str, credentials) -> int:
+    """``server`` on ``address`` (TLS with ``credentials``, else plaintext): the bound port, 0 when
+    the address cannot be bound."""
+    try:
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
+    except RuntimeError:
+        return 0
 
 
 def cap_malloc_arenas(arenas: int) -> bool:
