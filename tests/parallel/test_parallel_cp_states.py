@@ -6,7 +6,11 @@ rows from entry states folded from every rank's affine summaries, attention gath
 rows its queries see (``parallel.cp_attention``). Trees: trajectories longer than the per-rank
 capacity T, forking on both sides of the split's cuts, at ``cp = 4`` with a fork whose state comes
 from two ranks back and forks whose replay rows live on earlier ranks (asserted on the plan).
-``cp = 8`` runs past the debug model's 4 heads. Compared as in ``test_parallel_step``: both step losses, every log-prob, every gradient, the MoE
+``cp = 8`` runs past the debug model's 4 heads. Models: the ``debug`` hybrid, tiny Qwen3.5-MoE,
+Nemotron-H, Kimi-Linear (KDA + MLA: the latent gather; also at ``cp = 4``, past its 2 heads) and
+Ling-3.0 (bounded-gate KDA + gated MLA with interleaved RoPE) checkpoints, loaded at chunk 8 (at 64
+the grid would cut only between trees); every case's split hands states across ranks (asserted).
+Compared as in ``test_parallel_step``: both step losses, every log-prob, every gradient, the MoE
 expert-load counts and every weight after two AdamW steps. Heads mode is ``test_parallel_cp``'s;
 the local plans' oracle test is ``test_cp_states_plan``.
 """
@@ -15,11 +19,13 @@ import numpy as np
 import pytest
 import test_parallel_mamba2
 import torch
-from test_parallel_cp import TOL_LOGPROB_CP
+from test_parallel_cp import TOL_LOGPROB_CP, T, _batch
 from test_parallel_cp import _build as _build_cp
 from test_parallel_step import _check, _tiny_checkpoint, train_parallel, train_single
 
 from harts_runtime.parallel import ParallelDims, run_distributed
+
+CHUNK = 8
 
 BOTH = ("attention", "linear_attention")
 CASES = {
@@ -32,6 +38,9 @@ CASES = {
     "debug-cp2-tp2": ("debug", 4, dict(cp=2, tp=2), None, "states"),
     "qwen35-cp2-kept": ("qwen3_5_moe_text", 2, dict(cp=2), BOTH, "states"),
     "nemotron_h-cp2": ("nemotron_h", 2, dict(cp=2), None, "states"),
+    "kimi-cp2": ("kimi_linear", 2, dict(cp=2), None, "states"),  # KDA + MLA (latent gather)
+    "kimi-cp4-recompute": ("kimi_linear", 4, dict(cp=4), (), "states"),  # past its 2 heads
+    "ling3-cp2-kept": ("ling3", 2, dict(cp=2), BOTH, "states"),
 }
 
 
@@ -40,13 +49,51 @@ def checkpoints(tmp_path_factory):
     return {
         "qwen3_5_moe_text": _tiny_checkpoint(tmp_path_factory, "qwen3_5_moe_text"),
         "nemotron_h": test_parallel_mamba2._checkpoint(tmp_path_factory, 4),
+        "kimi_linear": _tiny_checkpoint(tmp_path_factory, "kimi_linear"),
+        "ling3": _ling3_checkpoint(tmp_path_factory),
     }
 
 
+def _ling3_checkpoint(tmp_path_factory):
+    """A random-weight Ling-3.0 checkpoint folder (``test_ling3``'s tiny ``BailingHybridConfig`` at
+    2 layers: KDA with the bounded gate, then MLA with interleaved RoPE and the output gate; a dense
+    first layer, then the sigmoid group-limited MoE with a shared expert and SwiGLU limits)."""
+    import transformers
+
+    from harts_runtime import HybridModel, save_pretrained
+    from harts_runtime.models import ling3
+
+    hf = transformers.BailingHybridConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1,
+        routed_scaling_factor=2.5, kv_lora_rank=12, q_lora_rank=None, qk_rope_head_dim=8,
+        v_head_dim=8, qk_nope_head_dim=8, n_group=4, topk_group=2, num_experts_per_tok=3,
+        num_local_experts=8, first_k_dense_replace=1, head_dim=8, layer_group_size=2,
+        num_mtp_layers=0, expert_swiglu_limit_list=[0, 0.4], share_expert_swiglu_limit_list=[0, 0.5],
+        pad_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    cfg = ling3.from_hf_config(hf, dtype="float32", chunk_size=CHUNK)
+    assert tuple(cfg.mixers) == ("kda", "mla") and tuple(cfg.ffns) == ("dense", "moe"), cfg
+    torch.manual_seed(5)
+    path = tmp_path_factory.mktemp("ling3")
+    save_pretrained(HybridModel(cfg), path)
+    return str(path)
+
+
 def _build(name, path, dp, cp):
+    import harts_planner as hp
+    from harts_runtime import StepInputs, load_pretrained
+
     if name == "nemotron_h":  # Mamba2 + attention + MoE, chunk 8, trees forking on and off the grid
         return test_parallel_mamba2._build(path, dp, cp)
-    return _build_cp(name, path, dp, cp)
+    if name == "debug":
+        return _build_cp(name, path, dp, cp)
+    # the checkpoints at chunk 8 (a folder loads at 64, the grid then cuts only between trees)
+    model = load_pretrained(path, dtype="float32", chunk_size=CHUNK)
+    batch = _batch(model.config.vocab_size)
+    assert max(batch.lengths) > T[cp] and max(batch.lengths) <= cp * T[cp], batch.lengths
+    step = StepInputs.synthetic(batch, seed=1, vocab_size=model.config.vocab_size)
+    return model, step, hp.plan_step(batch, dp, T[cp], CHUNK, cp_size=cp)
 
 
 def _worker(rank, world, name, path, dims_kw, keep, cp_mode):
@@ -64,21 +111,22 @@ def _worker(rank, world, name, path, dims_kw, keep, cp_mode):
 
 
 def _split_shape(name, path, cp):
-    """The most ranks back a receive's state comes from, and the replay rows of receives, over the
-    step's microbatches."""
+    """The receives (rows entered from a state handed on by an earlier rank), the most ranks back a
+    receive's state comes from, and the replay rows of receives, over the step's microbatches."""
     import harts_planner as hp
 
     model, step, plan = _build(name, path, 1, cp)
-    back, replay = 0, 0
+    receives, back, replay = 0, 0, 0
     for mb in plan.microbatches:
         s = hp.plan_cp(
             step.batch, np.asarray(mb), cp, model.config.chunk_size, conv_width=model.config.conv_size
         )
+        receives += s.num_receives
         for i in range(s.num_receives):
             if s.receive_state[i] >= 0:
                 back = max(back, int(s.receive_rank[i]) - int(s.state_rank[s.receive_state[i]]))
             replay += len(s.replay(i))
-    return back, replay
+    return receives, back, replay
 
 
 @pytest.mark.slow
@@ -87,8 +135,9 @@ def test_cp_states_step_matches_one_process(case, checkpoints):
     name, world, dims_kw, keep, cp_mode = CASES[case]
     path = checkpoints.get(name)
     dims = ParallelDims(world_size=world, **dims_kw)
+    receives, back, replay = _split_shape(name, path, dims.cp)
+    assert receives > 0  # states cross the ranks' cuts (not only whole trees per rank)
     if dims.cp >= 4:
-        back, replay = _split_shape(name, path, dims.cp)
         assert back >= 2 and replay > 0
     results = run_distributed(_worker, world, name, path, dims_kw, keep, cp_mode, timeout=300)
     chosen = {v for r in results for mb in r["chosen"] for v in mb.values()}
