@@ -89,15 +89,6 @@ def _sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
-def engine_has_cp_mode() -> bool:
-    """Whether ``EngineConfig`` has the ``cp_mode`` option (``harts-train --cp-mode``)."""
-    import dataclasses
-
-    from harts_runtime.options import ExecutionOptions
-
-    return any(f.name == "cp_mode" for f in dataclasses.fields(ExecutionOptions))
-
-
 class _PlanLike:
     """Work per microbatch, replica and slot of a plan-like object (``parallel_eval._balance``)."""
 
@@ -386,15 +377,6 @@ def main(argv=None) -> int:
         cfg = pe.resolve_flavor(args.flavor, args.layers)
     except ValueError as e:
         ap.error(str(e))
-    asked = sorted({kw["cp_mode"] for _, kw in items if "cp_mode" in kw})
-    if asked and not engine_has_cp_mode():
-        if set(asked) - {"heads"}:
-            ap.error(
-                f"--configs: cp_mode={'/'.join(asked)} needs EngineConfig(cp_mode=...), which this runtime does "
-                "not have yet; use cp=N alone (head-parallel CP)"
-            )
-        for _, kw in items:
-            kw.pop("cp_mode", None)  # heads is what CP does without the option
     if args.fast_autotune:
         from harts_kernels.tuning import use_first_config_only
 

@@ -33,9 +33,7 @@ A configuration is a predefined name (below) or a ``key=value`` list with the ke
 :class:`harts_runtime.parallel.ParallelDims`: ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``, ``ep`` and
 the flag ``sp`` (sequence parallelism; ``sp=0`` / ``sp=1`` also accepted), and with ``cp >= 2``
 ``cp_mode`` (``heads``, ``states`` or ``auto``: ``parallelize(cp_mode=...)``; without it the runtime's
-default), e.g. ``dp_shard=2,tp=2,sp,ep=2`` or ``cp=2,cp_mode=states``. A runtime whose ``parallelize``
-has no ``cp_mode`` runs ``cp=N`` (head-parallel) and refuses ``cp_mode=states`` / ``auto`` with one
-line (exit 2). Without ``dp_shard`` it is filled in from the world size (``world / (dp_replicate * cp
+default), e.g. ``dp_shard=2,tp=2,sp,ep=2`` or ``cp=2,cp_mode=states``. Without ``dp_shard`` it is filled in from the world size (``world / (dp_replicate * cp
 * tp)``). A configuration whose world size (``dp_replicate * dp_shard * cp * tp``) differs from the job's, or that
 :class:`ParallelDims` or :func:`parallelize` refuses (e.g. ``tp`` not dividing the heads), is skipped
 with a message (and a ``skipped`` record in the JSON); the others still run. Without
@@ -595,15 +593,6 @@ def _cp_eval():
         return cp_eval, ""
     except Exception as e:  # the model lives beside this file; a checkout without it still runs
         return None, f"benchmarks/cp_eval.py did not import ({type(e).__name__}: {e})"
-
-
-def cp_mode_supported() -> bool:
-    """Whether this runtime's ``parallelize`` takes ``cp_mode`` (the states mode of CP)."""
-    import inspect
-
-    from harts_runtime.parallel import parallelize
-
-    return "cp_mode" in inspect.signature(parallelize).parameters
 
 
 def counter_class(cpe):
@@ -1333,12 +1322,6 @@ def main(argv=None) -> int:
         cfg = resolve_flavor(args.flavor, args.layers)
     except (ConfigSpecError, ValueError) as e:
         ap.error(str(e))
-    asked = sorted({kw["cp_mode"] for _, kw in items if kw.get("cp_mode", "heads") != "heads"})
-    if asked and not cp_mode_supported():
-        ap.error(
-            f"--configs: cp_mode={'/'.join(asked)} needs parallelize(cp_mode=...), which this runtime does not "
-            "have yet; use cp=N alone (head-parallel CP)"
-        )
     if args.fast_autotune:  # before fla and our kernels are imported
         from harts_kernels.tuning import use_first_config_only
 

@@ -318,8 +318,7 @@ def test_parallel_eval_cp_long_tree_two_process_cpu_smoke(tmp_path):
     import subprocess
     import sys
 
-    pe = _load("parallel_eval")
-    configs = "cp2;cp2-states" if pe.cp_mode_supported() else "cp2"
+    configs = "cp2;cp2-states"
     out = tmp_path / "pe_cp.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += [
