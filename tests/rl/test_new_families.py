@@ -1,6 +1,6 @@
 """The transformers rollout backend for the Ling-3.0 and Nemotron-H families (issue 37):
-``export_weights(names="transformers")`` of ``ling3-tiny`` / ``nemotron-h-tiny`` (each family's
-``memory_renames`` plus the fused conv1d / stacked experts) loads strictly into the transformers
+``export_weights(names="transformers")`` of ``ling3-tiny`` / ``nemotron-h-tiny`` (the adapter's
+in-memory table: transformers' names, fused conv1d and stacked experts) loads strictly into the transformers
 model and gives HARTS's logits (fp32, CPU); Nemotron-H's infinite ``time_step_limit`` (written as
 ``{"__float__": "Infinity"}``) builds the config; one ``harts-rl`` step runs for each."""
 

@@ -86,21 +86,9 @@ def _per_expert(shapes: dict, prefix: str, w: str, ours: str) -> list:
 
 
 class Ling3StateDictAdapter(HFStateDictAdapter):
-    """The tensor map of one Ling-3.0 :class:`ModelConfig` (shapes from a meta-device model).
-
-    ``memory_renames``: checkpoint name -> transformers' in-memory name, as :func:`re.sub` pairs
-    applied in order (:func:`harts_runtime.hf.memory_names.to_transformers_names` fuses the conv1d
-    and expert tensors after them)."""
+    """The tensor map of one Ling-3.0 :class:`ModelConfig` (shapes from a meta-device model)."""
 
     family = "Ling-3.0"
-
-    memory_renames: tuple[tuple[str, str], ...] = (
-        (r"^model\.word_embeddings\.", "model.embed_tokens."),
-        (r"(\.layers\.\d+)\.attention\.dense\.", r"\1.self_attn.o_proj."),
-        (r"(\.layers\.\d+)\.attention\.(f_proj\.weight|dt_bias|A_log)$", r"\1.self_attn.forget_gate.\2"),
-        (r"(\.layers\.\d+)\.attention\.", r"\1.self_attn."),
-        (r"\.mlp\.gate\.expert_bias$", ".mlp.gate.e_score_correction_bias"),
-    )
 
     def __init__(self, config: ModelConfig):
         from harts_runtime.models.hybrid.model import HybridModel

@@ -49,13 +49,9 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
     Two HF spellings are read: the in-memory one (``state_dict()`` of the transformers model:
     ``model.`` prefix, stacked ``mixer.experts.up_proj`` / ``down_proj``) and the checkpoint one
     (released checkpoints: ``backbone.`` prefix, ``mixer.experts.{j}.{up,down}_proj.weight``).
-    :meth:`to_hf` writes the in-memory spelling, :meth:`to_checkpoint` the checkpoint one.
-
-    ``memory_renames``: checkpoint name -> transformers' in-memory name (:func:`re.sub` pairs;
-    :func:`harts_runtime.hf.memory_names.to_transformers_names` stacks the experts after them)."""
+    :meth:`to_hf` writes the in-memory spelling, :meth:`to_checkpoint` the checkpoint one."""
 
     family = "Nemotron-H"
-    memory_renames: tuple[tuple[str, str], ...] = ((r"^backbone\.", "model."),)
 
     def __init__(self, config: ModelConfig, prefix: str = "model."):
         from harts_runtime.models.hybrid.model import HybridModel
