@@ -426,6 +426,9 @@ def main(argv=None) -> int:
             pe._write(args.out, doc)
     if rank == 0:
         log(f"wrote {args.out}")
+    # Every rank reaches here before any tears its groups down: a rank destroying its gloo pairs while a
+    # peer still uses them can abort the peer at exit (terminate called without an active exception).
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 

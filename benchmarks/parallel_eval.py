@@ -1419,6 +1419,9 @@ def main(argv=None) -> int:
         _write(args.out, doc)
         print(_table(doc["results"]), flush=True)
         log(f"wrote {args.out}")
+    # Every rank reaches here before any tears its groups down: a rank destroying its gloo pairs while a
+    # peer still uses them can abort the peer at exit (terminate called without an active exception).
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
