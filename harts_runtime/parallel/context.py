@@ -335,7 +335,7 @@ def apply_cp_rows(
     from harts_runtime.parallel.context_states import CpChooser, attach_cp_rows, states_forward
 
     dims, cp_mesh = mesh.dims, mesh.cp
-    chooser = CpChooser.of(model, cp_mode, dims.cp, dims.tp, recompute, dims.sequence_parallel)
+    chooser = CpChooser.of(model, cp_mode, dims.cp, dims.tp, recompute)
     row_map = RowMap(cp_mesh)
     model._harts_cp_rows = row_map
     model._harts_cp_modes = chooser.possible

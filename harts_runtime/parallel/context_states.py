@@ -709,12 +709,10 @@ class CpChooser:
         self.hidden, self.act_bytes, self.cp, self.tp, self.recompute = hidden, act_bytes, cp, tp, recompute
 
     @classmethod
-    def of(
-        cls, model: nn.Module, mode: str, cp: int, tp: int = 1, recompute: bool = False, sp: bool = False
-    ) -> CpChooser:
+    def of(cls, model: nn.Module, mode: str, cp: int, tp: int = 1, recompute: bool = False) -> CpChooser:
         """Raises :class:`ParallelConfigError` naming ``cp_mode`` for an unknown mode, ``"states"``
-        with sequence parallelism (``sp``), or the head field (:func:`cp_plan`) when no mode can run
-        a layer."""
+        on a mixer kind it does not run, or the head field (:func:`cp_plan`) when no mode can run a
+        layer."""
         from harts_runtime.parallel.cp_heads import cp_plan
 
         if mode not in CP_MODES:
@@ -726,16 +724,15 @@ class CpChooser:
                 continue
             kind = getattr(b, "mixer_kind", None)
             where = f" (blocks[{i}].mixer)"
-            states_ok = kind in LINEAR + ATTENTION and not sp
+            states_ok = kind in LINEAR + ATTENTION
             if mode == "heads":
                 cp_plan(b.mixer, tp, cp, where)  # raises naming the head field
                 possible.append(("heads",))
                 continue
             if mode == "states":
                 if not states_ok:
-                    why = "with sequence parallelism" if sp else f"{kind} mixers"
                     raise ParallelConfigError(
-                        "cp_mode", f"'states' does not run {why} yet (blocks[{i}].mixer); use 'heads'"
+                        "cp_mode", f"'states' does not run {kind} mixers yet (blocks[{i}].mixer); use 'heads'"
                     )
                 possible.append(("states",))
                 continue

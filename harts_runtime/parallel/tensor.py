@@ -141,6 +141,17 @@ def _partial_grads(placements: tuple) -> tuple:
     return tuple(Partial() if isinstance(p, Replicate) else p for p in placements)
 
 
+def _cp_block_rows(layout, n: int, cp_mesh) -> int:
+    """The rows of this rank's CP block of a microbatch of ``n`` rows: the split's range under
+    ``cp_mode`` ``"states"`` / ``"auto"`` (``layout.info["cp_rows"]``), else :func:`row_block`'s."""
+    held = getattr(layout, "info", {}).get("cp_rows")
+    if held is not None:
+        start, end = held.block
+    else:
+        start, end = row_block(n, cp_mesh.size(), cp_mesh.get_local_rank())
+    return end - start
+
+
 class TensorParallelRegion(ParallelStyle):
     """A layer split by heads (or FFN width) per its :class:`LayerPlan`; see the module docstring.
 
@@ -170,8 +181,7 @@ class TensorParallelRegion(ParallelStyle):
             if sp:
                 n = layout.num_rows
                 if cp_mesh is not None:  # the rows of this rank's CP block (parallel.context)
-                    start, end = row_block(n, cp_mesh.size(), cp_mesh.get_local_rank())
-                    n = end - start
+                    n = _cp_block_rows(layout, n, cp_mesh)
                 xd = DTensor.from_local(x, mesh, [Shard(0)], run_check=False, shape=(n, d), stride=(d, 1))
                 xd = xd.redistribute(mesh, [Replicate()])
             else:

@@ -117,8 +117,8 @@ def test_cp_mode_errors_are_one_line_naming_the_field():
         EngineConfig(cp_mode="rows")
     assert e.value.field == "cp_mode" and "\n" not in str(e.value)
     with pytest.raises(InvalidInputError) as e:
-        CpChooser.of(_Model(["kda"]), "states", 2, tp=2, sp=True)
-    assert e.value.field == "cp_mode" and "sequence parallelism" in str(e.value) and "\n" not in str(e.value)
+        CpChooser.of(_Model(["kda", "hyena"]), "states", 2, tp=2)  # a kind states does not run
+    assert e.value.field == "cp_mode" and "hyena" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(InvalidInputError) as e:
         CpChooser.of(_Model(["kda"]), "columns", 2)
     assert e.value.field == "cp_mode" and "heads" in str(e.value)

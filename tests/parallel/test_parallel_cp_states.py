@@ -36,6 +36,8 @@ CASES = {
     "debug-cp2-dp_shard2": ("debug", 4, dict(cp=2, dp_shard=2), None, "states"),
     "debug-cp2-ep2": ("debug", 4, dict(cp=2, dp_shard=2, ep=2), None, "states"),
     "debug-cp2-tp2": ("debug", 4, dict(cp=2, tp=2), None, "states"),
+    # SP: each TP rank holds a row_block of its CP rank's split range between regions
+    "debug-cp2-tp2-sp-recompute": ("debug", 4, dict(cp=2, tp=2, sequence_parallel=True), (), "states"),
     "qwen35-cp2-kept": ("qwen3_5_moe_text", 2, dict(cp=2), BOTH, "states"),
     "nemotron_h-cp2": ("nemotron_h", 2, dict(cp=2), None, "states"),
     "kimi-cp2": ("kimi_linear", 2, dict(cp=2), None, "states"),  # KDA + MLA (latent gather)
