@@ -9,6 +9,12 @@ to it, and its named tiny flavors. Each family package (:mod:`harts_runtime.mode
 the top: the built-in family packages are imported (``importlib``) on the first lookup, so the
 families import the registry and never the reverse.
 
+Overlaps are the registry's to resolve, not the families': a family's ``owns`` tests only its own
+marks (Ling-3.0: full-rank KDA gates or an MLA output gate; Kimi-Linear: any KDA or MLA layer), and
+where several families own a config the one of the highest declared ``priority`` (the most specific)
+wins. A new family is thus added in its own package, with a priority above the families it refines,
+without editing another family's files.
+
 Lookups: :func:`get_family` (by ``model_type``), :func:`family_of` (the family a
 :class:`~harts_runtime.models.hybrid.args.ModelConfig` belongs to), :func:`families`,
 :func:`model_types`, :func:`family_flavors` (every family's flavors by name). Bad names raise
@@ -55,9 +61,10 @@ class Family:
     ``from_hf_config(hf_config, *, dtype=None, chunk_size=64, **overrides) -> ModelConfig`` and
     ``to_hf_config(ModelConfig, base=None) -> dict``: the config maps. ``adapter``: its
     :class:`~harts_runtime.models.state_dict_adapter.HFStateDictAdapter` class. ``owns(ModelConfig)
-    -> bool``: whether a model built without a checkpoint config belongs here (the built-in
-    families' tests exclude each other). ``flavors``: named tiny flavors, name -> ``(num_layers=None,
-    **overrides) -> ModelConfig``. ``prefixes``: ``model_type`` -> key prefix of its checkpoints'
+    -> bool``: whether a model built without a checkpoint config has this family's marks (its own
+    test only; it may hold for other families too). ``priority``: how specific ``owns`` is: of the
+    families that own a config the highest priority wins (:func:`family_of`). ``flavors``: named
+    tiny flavors, name -> ``(num_layers=None, **overrides) -> ModelConfig``. ``prefixes``: ``model_type`` -> key prefix of its checkpoints'
     tensors (:meth:`make_adapter`; e.g. a vision-language folder's ``"model.language_model."``).
     ``read_only``: the ``model_types`` read but never written.
     """
@@ -68,6 +75,7 @@ class Family:
     to_hf_config: Callable
     adapter: type
     owns: Callable
+    priority: int = 0
     flavors: Mapping[str, Callable] = field(default_factory=dict)
     prefixes: Mapping[str, str] = field(default_factory=dict)
     read_only: tuple[str, ...] = ()
@@ -101,6 +109,10 @@ class Family:
                 raise InvalidInputError(
                     name, f"family {self.name!r}: {getattr(self, name)!r} is not callable"
                 )
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise InvalidInputError(
+                "priority", f"family {self.name!r}: expected an integer, got {self.priority!r}"
+            )
         if not isinstance(self.adapter, type):
             raise InvalidInputError("adapter", f"family {self.name!r}: {self.adapter!r} is not a class")
 
@@ -190,16 +202,26 @@ def get_family(model_type: str) -> Family:
 
 
 def family_of(config) -> Family:
-    """The family a model built without a checkpoint config belongs to: the first registered
-    family whose ``owns(config)`` holds (the built-in ones: KDA or MLA layers Kimi-Linear,
-    split-projection GDN layers Qwen3.5-MoE, any other model Qwen3-Next); InvalidInputError naming
-    ``config`` when none does."""
-    for family in families():
-        if family.owns(config):
-            return family
-    raise InvalidInputError(
-        "config", f"no model family owns this config; families: {', '.join(f.name for f in families())}"
-    )
+    """The family a model built without a checkpoint config belongs to: of the registered families
+    whose ``owns(config)`` holds, the one of the highest ``priority`` (the built-ins, most specific
+    first: Ling-3.0 options, else KDA or MLA layers Kimi-Linear, split-projection GDN layers
+    Qwen3.5-MoE, Mamba2 layers Nemotron-H, any other model Qwen3-Next). InvalidInputError naming
+    ``config`` when none owns it, or when the highest priority is shared (two families claim it
+    equally: one of them must declare a higher priority)."""
+    owners = [f for f in families() if f.owns(config)]
+    if not owners:
+        raise InvalidInputError(
+            "config", f"no model family owns this config; families: {', '.join(f.name for f in families())}"
+        )
+    top = max(f.priority for f in owners)
+    best = [f for f in owners if f.priority == top]
+    if len(best) > 1:
+        raise InvalidInputError(
+            "config",
+            f"families {', '.join(f.name for f in best)} all own this config at priority {top}; "
+            "the more specific one must declare a higher priority",
+        )
+    return best[0]
 
 
 def family_flavors() -> dict[str, Callable]:

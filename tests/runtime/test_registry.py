@@ -3,7 +3,7 @@
 * the built-in families load on the first lookup and answer by ``model_type`` (``qwen3_5_moe`` and
   ``qwen3_5_moe_text`` both Qwen3.5-MoE), an unknown one names ``model_type`` and the supported ones;
 * ``family_of`` picks the family a model built without a checkpoint config belongs to (KDA / MLA:
-  Kimi-Linear, split GDN: Qwen3.5-MoE, else Qwen3-Next) and exactly one built-in family owns each;
+  Kimi-Linear, split GDN: Qwen3.5-MoE, else Qwen3-Next), the owner of the highest priority;
 * a family's flavors are ``model_config`` / ``FLAVORS`` flavors; duplicates are refused;
 * the registry imports no family at the top (the families import it).
 """
@@ -77,7 +77,8 @@ def test_unknown_model_type_names_the_supported_ones(bad):
 def test_family_of_follows_the_mixers(changes, name):
     cfg = ModelConfig(**changes)
     assert family_of(cfg).name == name
-    assert [f.name for f in families() if f.owns(cfg)] == [name]  # the built-in ones exclude each other
+    owners = [f for f in families() if f.owns(cfg)]  # they may overlap: the highest priority wins
+    assert max(owners, key=lambda f: f.priority).name == name
 
 
 def test_family_adapter_prefix():

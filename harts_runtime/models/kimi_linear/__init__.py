@@ -30,12 +30,9 @@ __all__ = [
 
 
 def owns(cfg) -> bool:
-    """A model with any KDA or MLA layer is a Kimi-Linear model, unless it has Ling-3.0's options
-    (full-rank KDA gates, an MLA output gate: :mod:`harts_runtime.models.ling3`)."""
-    ling = ("kda" in cfg.mixers and not cfg.kda.low_rank_gates) or (
-        "mla" in cfg.mixers and cfg.mla.output_gate
-    )
-    return any(m in ("kda", "mla") for m in cfg.mixers) and not ling
+    """A model with any KDA or MLA layer has Kimi-Linear's marks (a more specific family, such as
+    Ling-3.0, claims some of them at a higher priority: the registry decides)."""
+    return any(m in ("kda", "mla") for m in cfg.mixers)
 
 
 FAMILY = register_family(
@@ -46,6 +43,7 @@ FAMILY = register_family(
         to_hf_config=to_hf_config,
         adapter=KimiLinearStateDictAdapter,
         owns=owns,
+        priority=30,
         flavors=FLAVORS,
     )
 )

@@ -37,6 +37,7 @@ FAMILY = register_family(
         to_hf_config=to_hf_config,
         adapter=Ling3StateDictAdapter,
         owns=owns,
+        priority=40,  # above Kimi-Linear's: Ling-3.0's marks refine KDA / MLA models
         flavors=FLAVORS,
     )
 )

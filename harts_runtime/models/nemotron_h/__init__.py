@@ -41,6 +41,7 @@ FAMILY = register_family(
         to_hf_config=to_hf_config,
         adapter=NemotronHStateDictAdapter,
         owns=owns,
+        priority=10,
         flavors=FLAVORS,
     )
 )

@@ -67,9 +67,7 @@ def to_hf(state_dict: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[s
 
 
 def owns(cfg) -> bool:
-    """A model with split-projection GDN layers and no KDA / MLA layer is a Qwen3.5-MoE model."""
-    if any(m in ("kda", "mla") for m in cfg.mixers):
-        return False
+    """A model with split-projection GDN layers has Qwen3.5-MoE's marks."""
     return "gdn" in cfg.mixers and cfg.gdn.projection == "split"
 
 
@@ -81,6 +79,7 @@ FAMILY = register_family(
         to_hf_config=to_hf_config,
         adapter=Qwen35MoeStateDictAdapter,
         owns=owns,
+        priority=20,
         flavors=FLAVORS,
         prefixes={"qwen3_5_moe": "model.language_model."},
         read_only=("qwen3_5_moe",),

@@ -19,12 +19,9 @@ __all__ = ["FAMILY", "QwenStateDictAdapter", "from_hf", "from_hf_config", "to_hf
 
 
 def owns(cfg) -> bool:
-    """A model without KDA / MLA layers and without split-projection GDN layers (Qwen3.5-MoE's) is
-    a Qwen3-Next model (the family a model of other mixers is offered to, which then names what it
-    cannot write)."""
-    if any(m in ("kda", "mla", "mamba2") for m in cfg.mixers):
-        return False
-    return not ("gdn" in cfg.mixers and cfg.gdn.projection == "split")
+    """Every model: Qwen3-Next is the fallback family (priority 0), which a model no other family
+    claims is offered to and which then names what it cannot write."""
+    return True
 
 
 FAMILY = register_family(
@@ -35,6 +32,7 @@ FAMILY = register_family(
         to_hf_config=to_hf_config,
         adapter=QwenStateDictAdapter,
         owns=owns,
+        priority=0,
     )
 )
 """The registered family (:mod:`harts_runtime.models.registry`)."""
