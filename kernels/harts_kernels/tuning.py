@@ -1,7 +1,7 @@
 """Triton autotuning switch for short GPU leases.
 
-A cold machine autotunes every Triton kernel on first use (fla's KDA stages and our state scan
-took about 3.5 minutes at T = 65,536 on an H200). Correctness runs, and comparisons in which both
+A cold machine autotunes every Triton kernel on first use (fla's KDA stages and our state scan:
+minutes at T = 65,536). Correctness runs, and comparisons in which both
 sides use the same kernels, can skip that: :func:`use_first_config_only` makes every autotuner
 created afterwards keep only its first candidate, so nothing is benchmarked and one variant per
 kernel is compiled. Call it before the first GPU call (fla and our kernels are decorated when

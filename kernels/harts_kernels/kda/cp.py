@@ -1,5 +1,7 @@
-"""Context parallelism for chunkwise KDA / GDN by state passing with per-rank affine summaries
-(issue 35, the state-passing building block). The runtime does not call it yet.
+"""Context parallelism for chunkwise KDA / GDN by state passing with per-rank affine summaries:
+the state-passing building block of one sequence and its reference. The runtime's states mode
+(:mod:`harts_runtime.parallel.context_states`) applies the same identity to a rank's whole local
+call plan with the production kernel; it does not call this module.
 
 Glossary
 --------
@@ -64,8 +66,9 @@ Cost
   The last rank's summary is not needed by the fold, and without an initial state rank 0's summary
   run is already its true run; a distributed version may skip both.
 
-Tested on the CPU reference (``tests/kernels/test_kda_cp.py``); the Triton path of the summary call
-(``V + K`` value columns, an fp32 ``[0 | I]`` initial state) is not exercised there yet.
+Tested on the CPU reference (``tests/kernels/test_kda_cp.py``) and on the Triton kernel at real head
+dims (``tests/kernels/test_kda_cp_gpu.py``: the summary call on ``V + K`` value columns from an fp32
+``[0 | I]`` initial state, and the C-piece algorithm against one call, forward and backward).
 
 Errors: :class:`StatePassingError`, a ``ValueError`` whose ``.field`` names the bad argument
 (``"cuts[1]"``, ``"A"``, ``"initial_state"``) and whose message is one line ``"<field>: <what>"``.

@@ -1,4 +1,4 @@
-"""The memory-bound steps of the grouped MoE path, fused (issue 26, item 3).
+"""The memory-bound steps of the grouped MoE path, fused.
 
 * :func:`gather_sum` ``(y [M, D], index [N*k], k, base=None) -> [N, D]``: ``base[n] + sum_j
   y[index[n*k + j]]`` in float32, rounded once: the combine of the expert-sorted slots back into

@@ -13,8 +13,8 @@ its input lies inside the closed interval (torch's ``clamp`` convention), zero o
 Why: the grouped MoE folds each slot's routing weight into its I-wide SwiGLU row
 (:mod:`harts_runtime.ops.swiglu`). On fla's SwiGLU kernels that took the SwiGLU, a separate
 ``h *= w``, in the backward ``g * w``, the SwiGLU backward recomputing ``h``, ``(g * h).sum(-1)``
-and a ``cat`` of ``da`` and ``db``: seven passes over [M, I]-sized tensors (3.6 ms of 27.6 in the
-24-layer ling-tiny MoE at M = 524,288, I = 512 on the H200, plus 1.5 ms of products). Here the
+and a ``cat`` of ``da`` and ``db``: seven passes over [M, I]-sized tensors, about an eighth of the
+grouped MoE's time (benchmarks/README.md, "Numbers behind the source's design notes"). Here the
 forward is one pass, and the backward one pass that writes ``d gu`` in place and ``d w`` by an
 in-register row sum.
 

@@ -1,4 +1,4 @@
-"""Norm kernels whose compiled variants do not depend on the row count (issue 26).
+"""Norm kernels whose compiled variants do not depend on the row count.
 
 * :func:`rms_norm`: RMSNorm ``x * rstd * weight`` (fla's ``rms_norm`` math).
 * :func:`rms_norm_gated`: ``x * rstd * weight * act(gate)``, act sigmoid or silu (fla's

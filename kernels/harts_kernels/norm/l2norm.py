@@ -7,8 +7,8 @@ output ``y`` (in ``x.dtype``) and ``rstd`` (float32): ``dx = dy rstd - sum(dy y)
 ``output_dtype=None``): the L2 norm of KDA's and the gated delta net's queries and keys.
 
 Why: fla's ``l2norm_fwd_kernel`` / ``l2norm_bwd_kernel`` (D <= 512, the head dims) carry ``NB =
-cdiv(T, 65536)`` as a constexpr and autotune key; every microbatch of a never-seen row count
-autotuned and compiled them again on the H200 (issue 26).
+cdiv(T, 65536)`` as a constexpr and autotune key, so every microbatch of a never-seen row count
+autotuned and compiled them again.
 
 What is specialized: ``D``, ``BD``, ``BT`` (constexprs from
 :func:`harts_kernels.norm.launch.launch_config`, no row count), the dtypes, the pointers'

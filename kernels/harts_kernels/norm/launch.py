@@ -10,14 +10,14 @@ backwards that reduce ``dweight`` into one partial row per program).
 
 Why: fla's norm kernels put the row count into their compile keys (``NB = cdiv(T, 2048)`` or
 ``cdiv(T, 65536)`` as a ``tl.constexpr`` and autotune key, or the rows per program ``BS`` as a
-constexpr), so a microbatch with a never-seen row count compiled them again: 5 kernels, 1.47 s of
-a step's 2.0 s first-pass overhead on the H200 (issue 26).
+constexpr), so a microbatch with a never-seen row count compiled them again: five kernels, most
+of a never-seen step's first-pass overhead.
 
-Measured on the H200 (bf16, forward and backward, device time per call against fla's functions,
-PROGRAMS_PER_SM = 4): at D = 128 within a few microseconds of fla (l2norm 82 vs 81 us, gated 156
-vs 149 us, RMSNorm 97 vs 109 us at T = 262,144); at D = 2,304 and T = 65,536 gated 894 vs 1,058 us,
-RMSNorm 541 vs 779 us, l2norm 372 vs 357 us. A never-seen row count costs no compile (fla's
-RMSNorm: 0.15 s at D = 2,304, 6.8 s with autotuning at D = 128).
+Against fla's functions (bf16, forward and backward, device time per call, PROGRAMS_PER_SM = 4)
+these launches are at most 5% slower at the head dims (D = 128) and the hidden width (D = 2,304),
+RMSNorm and the gated norm faster at D = 2,304; a never-seen row count costs no compile, where
+fla's RMSNorm compiles again (with autotuning at D = 128). The numbers are in benchmarks/README.md,
+"Numbers behind the source's design notes".
 
 Besides the constexprs, Triton specializes a launch on its pointers' 16-byte alignment (as for every
 kernel); the operators pass rows of fresh or contiguous tensors, whose alignment does not change.

@@ -17,8 +17,8 @@ requested boundary states out, all differentiable).
   another raises its ValueError.
 
 fla 0.6.0 refuses the *backward* of its gated chunk kernels on Hopper GPUs with Triton in [3.4.0,
-3.7.1) (fla issue #640: wrong gradients; its ``chunk_bwd_dqkwg`` raises unless tilelang is
-installed), which is the lent H200's Triton 3.6. There (:func:`fla_gated_backward_refused`) a call
+3.7.1) (fla-org/flash-linear-attention#640: wrong gradients; its ``chunk_bwd_dqkwg`` raises
+unless tilelang is installed), Triton 3.6 included. There (:func:`fla_gated_backward_refused`) a call
 that will be differentiated runs the chunked PyTorch reference on the GPU with ``"auto"`` (the same
 math, slower; a warning says so once), and is refused naming ``backend`` with ``"triton"``;
 forward-only calls keep fla's kernel.
