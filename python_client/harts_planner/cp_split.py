@@ -1,4 +1,4 @@
-"""Context-parallel split of one microbatch between C ranks (issue 35; ``harts/cp_split.h``).
+"""Context-parallel split of one microbatch between C ranks (``harts/cp_split.h``).
 
 Glossary
 --------

@@ -2,7 +2,7 @@
 ``python benchmarks/figures.py`` from the results file named in ``source``; do not edit
 (``tests/test_docs_figures.py`` checks it is current)."""
 
-#: ling-tiny, 24 layers (7.8B), attention and KDA cores kept, tuned kernels (full autotune, no --fast-autotune; issue 26): one swe-like microbatch, compact vs trajectory-wise.
+#: ling-tiny, 24 layers (7.8B), attention and KDA cores kept, tuned kernels (full autotune, no --fast-autotune): one swe-like microbatch, compact vs trajectory-wise.
 GPU_HEADLINE = {
     "device": "NVIDIA H200",
     "date": "2026-12-02",

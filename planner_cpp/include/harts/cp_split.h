@@ -1,4 +1,4 @@
-// Context-parallel split of one microbatch (issue 35): its compact rows divided between C ranks
+// Context-parallel split of one microbatch: its compact rows divided between C ranks
 // as C contiguous row ranges, balanced under a cost model, on the chunk grid, with the boundary
 // states (and the ancestor rows) every rank needs from the ranks before it.
 //

@@ -39,8 +39,8 @@
 //      search (N <= N0) covers every K of the range already.
 //   5. every candidate gets the replica/slot schedule of AssignReplicas; the plan with
 //      the lexicographically smallest J wins; ties to the fewer microbatches (each microbatch
-//      costs a fixed time beside its work: about 0.3 s of a 2 s microbatch on the H200,
-//      benchmarks/results/issue26_gpu), then to the earlier candidate in the order above
+//      costs a fixed time beside its work, a sizable part of a GPU microbatch's time:
+//      benchmarks/README.md), then to the earlier candidate in the order above
 //      (base in ascending K, greedy, component greedy, refined, contiguous optimum).
 //      Extension (microbatch_cost = c > 0): candidates are compared by J_c, J with every
 //      microbatch's work counted c tokens more: (total + c K, slot-critical + c K / D,
@@ -49,7 +49,7 @@
 //      section fits both).
 // The plan is deterministic: no randomness, every tie broken by a fixed rule.
 //
-// Context parallelism (cp_size = C > 1, issue 35): a microbatch is run by C ranks together, each
+// Context parallelism (cp_size = C > 1): a microbatch is run by C ranks together, each
 // holding a contiguous range of about T of its compact rows (cp_split.h splits it). The planner
 // then packs exactly as above with the capacity C x T in place of T (every step of the search,
 // the K range of Eq. (7)-(8) included); StepPlan.capacity stays T and StepPlan.cp_size is C. A
@@ -75,9 +75,9 @@
 // in contiguous_dp.h; O(K0 log K0 + Q_max K) evolution; O(N log N) per greedy plan on any
 // tree shape (placement_index.h; at most GreedyStepBudget(N) index steps, greedy.h); O(N H log)
 // per repaired anchor plus O(|A| + |B|) H^2 log per update; O(N log S) contiguous optimum;
-// O(K log K) per schedule. Measured on one core (benchmarks/planner_scale.py): about 4 ms per 1k
-// trajectories of the swe-like preset, near-linear from 2k to 102k trajectories (log-log slope
-// 1.06); about 9 ms (bushy trees) and 15 ms (deep trees) per 1k trajectories up to 108k.
+// O(K log K) per schedule. On one core the planning time grows near-linearly with the trajectory
+// count up to about 100k trajectories on every preset (benchmarks/planner_scale.py; the numbers
+// are in benchmarks/README.md, "Planner scale").
 //
 // Cancellation: PlanStep polls `cancel` (cancel.h) in every phase's loops and checks it
 // between phases; a cancelled or expired token stops it within milliseconds by throwing
