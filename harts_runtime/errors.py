@@ -3,8 +3,8 @@
 Every bad input the runtime rejects (step inputs, model and layer configurations, plans, parallel
 degrees) raises :class:`InvalidInputError`, a ``ValueError`` whose ``.field`` names the offending
 field (``"advantages"``, ``"mixers[1]"``, ``"call_plan.chunk_size"``, ``"tp"``) and whose message reads
-``"<field>: <what is wrong, with the limit>"``. The names the runtime used before it had one class
-stay importable as aliases of it: :data:`StepInputsError` (step inputs and train-step arguments),
+``"<field>: <what is wrong, with the limit>"``. Three aliases of it name the area an error comes
+from: :data:`StepInputsError` (step inputs and train-step arguments),
 :data:`ConfigError` (model configuration) and :data:`ParallelConfigError` (parallel configuration).
 :class:`UsageError`, its subclass, is a bad command-line flag or config file of ``harts-train``: its
 message is the whole line and names the flag itself.

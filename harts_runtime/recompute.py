@@ -19,8 +19,8 @@ rounds (the chunk kernels with their gathers and state handoffs; the token-wise 
 convolutions and norms are still recomputed) for the memory of the packed q, k, v, the fp32 gate
 cumsum and the two intra-chunk matrices, plus the region's output: at most 1.9 GB per KDA layer
 of the same microbatch (P = 65.6k packed rows, 16 heads of 128: 3 x 268 MB + 537 MB + 2 x 134 MB,
-and 268 MB); measured on the H200, 28 GB more peak over its 18 KDA layers (1.6 GB each). The
-default keeps nothing (full-block recomputation).
+and 268 MB; measured, about 1.6 GB per layer of peak memory). The default keeps nothing
+(full-block recomputation).
 
 In a recomputed block (outside kept regions) saves are transient
 (:func:`harts_runtime.ops.keep.saves_are_transient`): the KDA / Gated DeltaNet chunk core then

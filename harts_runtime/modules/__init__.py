@@ -1,5 +1,6 @@
 """Building blocks of the layers (as ``fla.modules``): norms, the short convolution through a
-window table, rotary embeddings, the SwiGLU MLP."""
+window table, rotary embeddings, the SwiGLU MLP, and the ``backend`` switch between their fused
+kernels and their references (:mod:`~harts_runtime.modules.fused`)."""
 
 from harts_runtime.modules.convolution import ShortConvolution, causal_conv
 from harts_runtime.modules.norms import GatedRMSNorm, RMSNorm, l2_norm

@@ -35,8 +35,8 @@ __all__ = ["ROW_BUCKET", "ShortConvolution", "causal_conv", "naive_varlen_causal
 
 ROW_BUCKET = 16
 """fla's convolution kernels leave the row count to Triton's integer specialization (a multiple of
-16 or not), so a process compiled two variants of each: the fused path pads its rows to a multiple
-of ``ROW_BUCKET`` (one extra zero sequence, cut off the output) and compiles one."""
+16 or not), so unpadded row counts would compile two variants of each: the fused path pads its rows
+to a multiple of ``ROW_BUCKET`` (one extra zero sequence, cut off the output) and compiles one."""
 
 
 def causal_conv(

@@ -1,10 +1,12 @@
-"""Where the token-wise building blocks run: fla's fused Triton kernels or the PyTorch reference.
+"""Where the token-wise building blocks run: fused Triton kernels or the PyTorch reference.
 
 Every module of :mod:`harts_runtime.modules` with a fused path takes a ``backend``: ``"naive"``
-(the PyTorch reference, float32 statistics, any device), ``"triton"`` (fla's kernels; CUDA, or the
-CPU under ``TRITON_INTERPRET=1``) or ``"auto"`` (fla's kernels on CUDA when fla-core is importable,
-else the reference). The same names select the KDA core's backend (:mod:`harts_kernels.kda`), so
-one ``backend`` switch moves a whole layer between its reference and its production path.
+(the PyTorch reference, float32 statistics, any device), ``"triton"`` (the fused kernels: fla's
+short convolution, the norms of :mod:`harts_kernels.norm`; CUDA, or the CPU under
+``TRITON_INTERPRET=1``) or ``"auto"`` (the fused kernels on CUDA when fla-core and triton are
+importable, else the reference). The same names select the KDA core's backend
+(:mod:`harts_kernels.kda`), so one ``backend`` switch moves a whole layer between its reference and
+its production path.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Block ``i`` (pre-norm): ``x += mixer_i(norm(x), layout); x += ffn_i(norm(x), lay
 ``{"dense", "moe", "relu2"}``, either half ``"none"`` (skipped: Nemotron-H's one-sublayer layers), built from the
 tables :data:`MIXER_BUILDERS` and :data:`FFN_BUILDERS` (name -> builder of the layer from the
 :class:`~harts_runtime.models.hybrid.args.ModelConfig`: each passes its kind's option group,
-``config.kda`` / ``.mla`` / ``.gated_attention`` / ``.gdn`` / ``.moe``, through to the layer's
+``config.kda`` / ``.mla`` / ``.gqa`` / ``.gated_attention`` / ``.gdn`` / ``.mamba2`` / ``.moe``, through to the layer's
 config with the model-wide values added); any order. Recomputation is block-level
 (:func:`harts_runtime.recompute.apply_recompute`); the MoE expert-load counts are accumulated once
 per forward, in :meth:`HybridModel.forward_hidden`, outside any checkpoint.
