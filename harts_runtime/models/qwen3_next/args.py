@@ -4,7 +4,7 @@
 options our model cannot reproduce raise :class:`~harts_runtime.errors.InvalidInputError` naming
 the field. :func:`to_hf_config` writes the ``config.json`` dict that ``transformers.AutoConfig``
 reads back to the same model. The Qwen3.5-MoE text configs share this code
-(:mod:`harts_runtime.models.qwen3_5_moe.args`): ``family`` selects the differences.
+(:mod:`harts_runtime.models.qwen3_5_moe` calls it): ``family`` selects the differences.
 
 The map: ``layer_types`` ``linear_attention`` -> ``gdn``, ``full_attention`` -> ``gated_attention``;
 layer ``i`` is MoE when ``i`` is not in ``mlp_only_layers``, ``num_experts > 0`` and
