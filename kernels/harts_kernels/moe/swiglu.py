@@ -11,7 +11,7 @@ Clipped SwiGLU (Ling-3.0's ``expert_swiglu_limit``): with ``limit`` L > 0 (None 
 its input lies inside the closed interval (torch's ``clamp`` convention), zero outside.
 
 Why: the grouped MoE folds each slot's routing weight into its I-wide SwiGLU row
-(:mod:`harts_runtime.ops.swiglu`). On fla's SwiGLU kernels that took the SwiGLU, a separate
+(:mod:`harts_runtime.ops.swiglu`). On fla's SwiGLU kernels that takes the SwiGLU, a separate
 ``h *= w``, in the backward ``g * w``, the SwiGLU backward recomputing ``h``, ``(g * h).sum(-1)``
 and a ``cat`` of ``da`` and ``db``: seven passes over [M, I]-sized tensors, about an eighth of the
 grouped MoE's time (benchmarks/README.md, "Numbers behind the source's design notes"). Here the

@@ -8,7 +8,7 @@ output ``y`` (in ``x.dtype``) and ``rstd`` (float32): ``dx = dy rstd - sum(dy y)
 
 Why: fla's ``l2norm_fwd_kernel`` / ``l2norm_bwd_kernel`` (D <= 512, the head dims) carry ``NB =
 cdiv(T, 65536)`` as a constexpr and autotune key, so every microbatch of a never-seen row count
-autotuned and compiled them again.
+autotunes and compiles them again.
 
 What is specialized: ``D``, ``BD``, ``BT`` (constexprs from
 :func:`harts_kernels.norm.launch.launch_config`, no row count), the dtypes, the pointers'

@@ -10,7 +10,7 @@ backwards that reduce ``dweight`` into one partial row per program).
 
 Why: fla's norm kernels put the row count into their compile keys (``NB = cdiv(T, 2048)`` or
 ``cdiv(T, 65536)`` as a ``tl.constexpr`` and autotune key, or the rows per program ``BS`` as a
-constexpr), so a microbatch with a never-seen row count compiled them again: five kernels, most
+constexpr), so a microbatch with a never-seen row count compiles them again: five kernels, most
 of a never-seen step's first-pass overhead.
 
 Against fla's functions (bf16, forward and backward, device time per call, PROGRAMS_PER_SM = 4)

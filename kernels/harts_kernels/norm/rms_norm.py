@@ -11,7 +11,7 @@ xhat mean(xhat w dy)) rstd``). The kernels here also serve
 Why: fla's kernels compile per row count. For D <= 512 its forward and backward carry ``NB =
 cdiv(T, 2048)`` as a constexpr and autotune key, and its backward the rows per program ``BS``; for
 D > 512 its backward row kernel takes ``BS = cdiv(T, SMs)`` as a constexpr: a never-seen step of
-12 microbatches compiled the row kernel 12 times (more than half of the step's first-pass
+12 microbatches compiles the row kernel 12 times (more than half of the step's first-pass
 overhead), and bucketing ``BS`` still compiles once per new bucket.
 
 What is specialized: ``D``, ``BD``, ``BT``, ``ACTIVATION`` (constexprs from

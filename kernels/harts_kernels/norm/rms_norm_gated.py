@@ -10,7 +10,7 @@ residual, ``norm_before_gate``: the output norm of KDA (sigmoid) and of the gate
 
 Why: fla's ``layer_norm_gated_fwd_kernel`` / ``layer_norm_gated_bwd_kernel`` (D <= 512, the head
 dims) carry ``NB = cdiv(T, 65536)`` as a constexpr and autotune key and take the rows per program
-``BS = cdiv(T, SMs)`` as a specialized integer, so a never-seen row count compiled them again.
+``BS = cdiv(T, SMs)`` as a specialized integer, so a never-seen row count compiles them again.
 
 What is specialized and what is not: the kernels of :mod:`harts_kernels.norm.rms_norm`, with the
 ``ACTIVATION`` constexpr; ``D``, ``BD``, ``BT`` come from

@@ -14,8 +14,8 @@ planner-port connections locks a health check out (bind it where only probes rea
 other clients off it as well).
 
 Every connection is a file descriptor. At the usual default of 1,024 descriptors (the soft
-``RLIMIT_NOFILE``), 1,100 idle connections once locked every new client out, health checks
-included: the kernel refused to accept more while gRPC held the ones it had. :func:`fit_file_limit`
+``RLIMIT_NOFILE``), 1,100 idle connections would lock every new client out, health checks
+included: the kernel refuses to accept more while gRPC holds the ones it has. :func:`fit_file_limit`
 raises the soft limit to the connections + :data:`FD_RESERVE` (the descriptors the server needs
 besides connections: its listeners, log, pipes, epoll and wake-up descriptors) as far as the hard
 limit allows, and says how many connections that leaves (the cap gRPC enforces is that number):
