@@ -7,25 +7,40 @@ import os
 
 from harts_runtime.cli.flags import flag_name
 from harts_runtime.errors import UsageError
-from harts_runtime.options import DEFAULT_CAPACITY, MODES, ExecutionOptions, OptimizerOptions
+from harts_runtime.job_config import JobConfig
+from harts_runtime.options import MODES, ExecutionOptions, OptimizerOptions
 
-__all__ = ["TRAINER_ONLY", "run_demo"]
+__all__ = ["DEMO_NAMES", "demo_settings", "run_demo"]
 
-TRAINER_ONLY = (
-    "data",
-    "save",
-    "save_every",
-    "resume",
-    "export",
-    "metrics",
-    "tensorboard",
-    "tp",
-    "ep",
-    "dp_replicate",
-    "sp",
-    "planner",
-)
-"""Settings of the engine trainer that ``--mode both`` (the two-copy demo) does not take."""
+DEMO_NAMES = {"model_path": "model", "json_lines": "json", "modes": "mode"}
+""":func:`harts_runtime.demo.train_modes` parameters whose setting has another name."""
+SHOWN = ("config", "progress", "progress_every")
+"""Settings of how the run is shown or read, which the demo takes without a parameter."""
+
+
+def demo_settings() -> frozenset[str]:
+    """The settings ``--mode both`` takes: :func:`harts_runtime.demo.train_modes`'s parameters
+    (read from its signature, so a setting it has no parameter for is refused, never ignored)."""
+    import inspect
+
+    from harts_runtime.demo import train_modes
+
+    params = inspect.signature(train_modes).parameters
+    return frozenset(DEMO_NAMES.get(p, p) for p in params) | frozenset(SHOWN)
+
+
+def _refuse_others(args, given: dict) -> None:
+    from harts_runtime.cli.parser import build_parser
+
+    defaults = {a.dest: a.default for a in build_parser()._actions}
+    takes = demo_settings()
+    for k in given:
+        if k not in takes and k in defaults and getattr(args, k, None) != defaults[k]:
+            flag = next((a.option_strings[0] for a in build_parser()._actions if a.dest == k), flag_name(k))
+            raise UsageError(
+                f"{flag}: --mode both compares two model copies on the synthetic step; it takes no {flag}",
+                flag,
+            )
 
 
 def run_demo(args, given: dict) -> int:
@@ -36,12 +51,7 @@ def run_demo(args, given: dict) -> int:
     from harts_runtime.demo import train_demo, train_modes
     from harts_runtime.trainer.checks import run_options
 
-    bad = [k for k in TRAINER_ONLY if k in given and getattr(args, k) not in (None, False, 0, 1)]
-    if bad:
-        flag = flag_name(bad[0])
-        raise UsageError(
-            f"{flag}: --mode both compares two model copies on the synthetic step; it takes no {flag}", flag
-        )
+    _refuse_others(args, given)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
@@ -50,7 +60,8 @@ def run_demo(args, given: dict) -> int:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device: {device} requested but CUDA is not available here", "--device")
     cpu = dev.type == "cpu"
-    capacity = args.capacity or (4096 if cpu else DEFAULT_CAPACITY)
+    resolved = JobConfig.of(vars(args)).resolve(dev.type, "synthetic")
+    capacity = resolved.capacity
     execution = run_options(ExecutionOptions, args, mode="compact", capacity=capacity)
     if args.model is not None and (args.flavor is not None or args.layers is not None):
         raise UsageError("--model: a checkpoint folder replaces --flavor and --layers; give one", "--model")
@@ -58,7 +69,7 @@ def run_demo(args, given: dict) -> int:
         raise UsageError(f"--model: {args.model!r} is not a checkpoint folder (no config.json)", "--model")
     max_len = args.max_len if args.max_len is not None else (1024 if cpu else None)
     steps = 3 if args.steps is None else args.steps
-    lr = args.lr if args.lr is not None else (1e-6 if args.model else 1e-3)
+    lr = resolved.lr
     run_options(OptimizerOptions, args, lr=lr, total_steps=args.total_steps or max(1, steps))
     opts = dict(
         model_path=args.model,

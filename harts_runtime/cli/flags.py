@@ -1,16 +1,18 @@
-"""``harts-train``'s flags of the option classes, generated from their declarations, and the
-options' errors said as those flags.
+"""The flags of ``harts-train`` and ``harts-rl``, generated from the settings tree
+(:mod:`harts_runtime.job_config`), and a setting's error said as its flag.
 
-Every field of :class:`~harts_runtime.options.ExecutionOptions` and
-:class:`~harts_runtime.options.OptimizerOptions` but those in :data:`NOT_FLAGS` is a flag: the field
-``name`` is ``--name`` in kebab case, its type comes from the annotation (``int``, ``float``, ``str``;
-a ``bool`` is a switch; a tuple of choices, ``keep``, is a comma-separated list), its help, choices
-and metavar from the field's metadata, its default from the field. :data:`CLI_FLAGS` says where the
-command line differs: defaults decided at run time (``--capacity`` by the device, ``--lr`` by the
-model, ``--total-steps`` by ``--steps``), ``--mode both``, ``--max-grad-norm 0`` for no clipping.
+Every setting of a group a command takes is a flag (:func:`add_group_flags`) but those in
+:data:`NOT_FLAGS` (config-file keys only): the setting ``name`` is ``--name`` in kebab case (``--sp``
+for ``sequence_parallel``), its type comes from the declaration (``int``, ``float``, ``str``; a
+``bool`` is a switch, ``--no-NAME`` where it is on by default; a tuple of choices, ``keep``, is a
+comma-separated list; a table, ``forks``, is a config-file key only), its help, choices and metavar
+from the declaration, its default from it. :func:`cli_overrides` says where a command's flag
+differs: defaults decided at run time (``--capacity`` by the device, ``--lr`` by the source,
+``--total-steps`` by ``--steps``: :meth:`JobConfig.resolve <harts_runtime.job_config.JobConfig.resolve>`),
+``harts-train --mode both``, ``--max-grad-norm 0`` for no clipping.
 
-A flag parses its type only. The values are checked once, by the options' own ``__post_init__``,
-when the trainer builds the options (:func:`harts_runtime.trainer.checks.run_options`); the field's
+A flag parses its type (and a loss or parallel bound the declaration states in words). The values
+are checked once, by the declaring class's own checks, when the job builds it; the field's
 :class:`~harts_runtime.errors.InvalidInputError` becomes one :class:`~harts_runtime.errors.UsageError`
 line named after the flag (:func:`option_error`: ``--keep: needs --recompute ...``), or after the
 config file and key the value came from. No torch here.
@@ -26,8 +28,14 @@ import types
 import typing
 
 from harts_runtime.errors import InvalidInputError, UsageError
+from harts_runtime.job_config import (
+    CAPACITY_DEFAULTS,
+    LR_DEFAULTS,
+    Setting,
+    group_settings,
+    settings,
+)
 from harts_runtime.options import (
-    DEFAULT_CAPACITY,
     MODES,
     ExecutionOptions,
     OptimizerOptions,
@@ -36,11 +44,16 @@ from harts_runtime.options import (
 
 __all__ = [
     "CLI_FLAGS",
+    "COMMAND_GROUPS",
     "NOT_FLAGS",
     "OPTION_CLASSES",
+    "add_group_flags",
     "add_option_flags",
+    "cli_overrides",
+    "command_settings",
     "flag_fields",
     "flag_name",
+    "flag_settings",
     "float_type",
     "int_type",
     "option_error",
@@ -49,31 +62,89 @@ __all__ = [
 
 OPTION_CLASSES = (ExecutionOptions, OptimizerOptions)
 """The option classes whose fields are flags."""
-NOT_FLAGS = ("no_replay", "betas", "eps")
-"""Option fields without a flag (``harts-train`` never had one; they keep their declared defaults).
-``--lr-schedule`` has no ``external`` choice either (``CLI_FLAGS["lr_schedule"]``): no scheduler
-outside ``harts-train`` sets its learning rate."""
-CLI_FLAGS: dict[str, dict] = {
-    "capacity": dict(default=None, more=f"; default: 4096 on CPU, {DEFAULT_CAPACITY} on CUDA"),
-    "mode": dict(
-        choices=MODES + ("both",),
-        more=", or both (the synthetic step on two model copies, compact and trajectory-wise)",
-    ),
-    "keep": dict(default=""),
-    "lr": dict(default=None, more="; default: 1e-6 with --model, 1e-3 for a flavor's random weights"),
-    "lr_schedule": dict(
-        choices=("constant", "linear", "cosine"),
-        help="after warm-up (default: %(default)s): constant, or linear / cosine decay to --min-lr-ratio x --lr "
-        "at --total-steps",
-    ),
-    "total_steps": dict(more="; default: --steps"),
-    "max_grad_norm": dict(
-        help="clip the global gradient norm to this (default: %(default)s), 0: no clipping (the norm is "
-        "reported anyway)"
-    ),
+COMMAND_GROUPS = {
+    "harts-train": ("model", "execution", "loss", "optimizer", "parallel"),
+    "harts-rl": ("model", "execution", "loss", "optimizer", "rl"),
 }
-"""Where a flag differs from its field: ``default`` (None: decided at run time), ``choices``,
-``help`` (instead of the field's) or ``more`` (after it)."""
+"""The groups of the settings tree each command takes (``harts-rl`` runs one process: no
+``parallel``; ``harts-train`` trains offline data: no ``rl``)."""
+NOT_FLAGS = ("no_replay", "betas", "eps")
+"""Settings without a flag (they keep their declared defaults; a config file may set them in
+``harts-rl``). Tables (``forks``, ``task_args``) are config-file keys only too."""
+NOT_SETTINGS = {"harts-train": (), "harts-rl": ("dtype",)}
+"""Settings of a command's groups it does not take (``harts-rl`` trains in the flavor's dtype)."""
+GROUP_TITLES = {
+    "model": "model",
+    "parallel": "parallelism (under torchrun; dp_shard = world / (dp_replicate * cp * tp))",
+    "execution": "execution (harts_runtime.options.ExecutionOptions)",
+    "optimizer": "optimizer (AdamW; harts_runtime.options.OptimizerOptions)",
+    "loss": "objective (the built-in policy loss; harts_runtime.loss.objectives.PolicyLossConfig)",
+    "rl": "rl (harts_runtime.rl.config.RLConfig)",
+}
+
+
+def _capacity_text() -> str:
+    return "; default: " + ", ".join(
+        f"{v} on {k.upper() if k == 'cpu' else 'CUDA'}" for k, v in CAPACITY_DEFAULTS.items()
+    )
+
+
+def cli_overrides(command: str) -> dict[str, dict]:
+    """Where ``command``'s flag differs from its setting: ``default`` (None: decided at run time),
+    ``choices``, ``help`` (instead of the setting's) or ``more`` (after it)."""
+    online = command == "harts-rl"
+    lr = LR_DEFAULTS["online flavor" if online else "flavor"]
+    out: dict[str, dict] = {
+        "capacity": dict(default=None, more=_capacity_text()),
+        "keep": dict(default=""),
+        "lr": dict(
+            default=None,
+            more=f"; default: {LR_DEFAULTS['model']:g} with --model, {lr:g} for a flavor's random weights",
+        ),
+        "lr_schedule": dict(
+            choices=("constant", "linear", "cosine"),
+            help="after warm-up (default: %(default)s): constant, or linear / cosine decay to --min-lr-ratio x --lr "
+            "at --total-steps",
+        ),
+        "total_steps": dict(
+            more="; default: --steps (a resumed run with a larger --steps stretches the decay to it)"
+        ),
+        "max_grad_norm": dict(
+            help="clip the global gradient norm to this (default: %(default)s), 0: no clipping (the norm is "
+            "reported anyway)"
+        ),
+    }
+    if not online:
+        out["mode"] = dict(
+            choices=MODES + ("both",),
+            more=", or both (the synthetic step on two model copies, compact and trajectory-wise)",
+        )
+    else:
+        out["flavor"] = dict(
+            help=group_settings("model")[0]
+            .help.split(";")[0]
+            .replace("a flavor", "a flavor with a transformers family")
+            + ")"
+        )
+    return out
+
+
+CLI_FLAGS = cli_overrides("harts-train")
+"""``harts-train``'s :func:`cli_overrides`."""
+
+
+def command_settings(command: str) -> tuple[Setting, ...]:
+    """Every setting of the tree ``command`` takes (flags and config-only keys)."""
+    return tuple(s for s in settings(COMMAND_GROUPS[command]) if s.name not in NOT_SETTINGS[command])
+
+
+def flag_settings(command: str, group: str) -> list[Setting]:
+    """The settings of ``group`` that are ``command``'s flags, in declaration order."""
+    return [
+        s
+        for s in group_settings(group)
+        if s.name not in NOT_FLAGS and s.name not in NOT_SETTINGS[command] and s.kind is not dict
+    ]
 
 
 def flag_name(field: str) -> str:
@@ -147,56 +218,92 @@ def flag_fields(cls) -> list[tuple[dataclasses.Field, type]]:
     return [(f, _kind(hints[f.name])) for f in option_fields(cls) if f.name not in NOT_FLAGS]
 
 
-def _default(f: dataclasses.Field):
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    return f.default_factory()
+def setting_type(s: Setting):
+    """The argparse type of a setting's flag (its kind, and the bounds its declaration states)."""
+    if s.kind is int:
+        return int_type(None if s.lo is None else int(s.lo))
+    if s.kind is float:
+        bounded = s.lo is not None or s.hi is not None or s.positive
+        return float_type(s.lo, s.hi, s.positive, finite=bounded)
+    if s.kind is tuple:
+        return _list_type
+    return None
+
+
+def add_group_flags(parser, command: str, group: str, title: str | None = None) -> None:
+    """Add ``command``'s flags of the tree's ``group`` to ``parser`` (in an argument group)."""
+    g = parser.add_argument_group(title or GROUP_TITLES[group])
+    over_all = cli_overrides(command)
+    for s in flag_settings(command, group):
+        over = over_all.get(s.name, {})
+        text = over.get("help", s.help) + over.get("more", "")
+        choices = over.get("choices", s.choices)
+        default = over.get("default", s.default)
+        kw: dict = dict(dest=s.key, default=default)
+        if s.kind is bool:
+            if default:
+                g.add_argument(s.flag, action=argparse.BooleanOptionalAction, help=text, **kw)
+            else:
+                g.add_argument(s.flag, action="store_true", help=text, **kw)
+            continue
+        if s.kind is tuple:
+            listed = f" ({', '.join(choices)})" if choices else ""
+            text += f"; comma-separated{listed}"
+        elif choices is not None:
+            kw.update(choices=tuple(choices))
+        kw.update(type=setting_type(s))
+        if s.metavar:
+            kw.update(metavar=s.metavar)
+        g.add_argument(s.flag, help=text, **kw)
 
 
 def add_option_flags(group, cls) -> None:
-    """Add the flags of ``cls``'s fields to ``group`` (an argparse parser or argument group)."""
-    for f, kind in flag_fields(cls):
-        meta = dict(f.metadata)
-        cli = CLI_FLAGS.get(f.name, {})
-        text = cli.get("help", meta.get("help", "")) + cli.get("more", "")
-        choices = cli.get("choices", meta.get("choices"))
-        default = cli.get("default", _default(f))
-        kw: dict = dict(dest=f.name, default=default)
-        if kind is bool:
-            group.add_argument(flag_name(f.name), action="store_true", help=text, **kw)
+    """Add ``harts-train``'s flags of an options class (:data:`OPTION_CLASSES`) to ``group``."""
+    name = "execution" if cls is ExecutionOptions else "optimizer"
+    over_all = cli_overrides("harts-train")
+    for s in flag_settings("harts-train", name):
+        over = over_all.get(s.name, {})
+        text = over.get("help", s.help) + over.get("more", "")
+        choices = over.get("choices", s.choices)
+        kw: dict = dict(dest=s.key, default=over.get("default", s.default))
+        if s.kind is bool:
+            group.add_argument(s.flag, action="store_true", help=text, **kw)
             continue
-        if kind is tuple:
-            listed = f" ({', '.join(choices)})" if choices else ""
-            text += f"; comma-separated{listed}"
-            kw.update(type=_list_type)
-        else:
-            kw.update(type={int: int_type(), float: float_type(finite=False)}.get(kind, str))
-            if choices is not None:
-                kw.update(choices=tuple(choices))
-        if "metavar" in meta:
-            kw.update(metavar=meta["metavar"])
-        group.add_argument(flag_name(f.name), help=text, **kw)
+        if s.kind is tuple:
+            text += f"; comma-separated ({', '.join(choices)})" if choices else "; comma-separated"
+        elif choices is not None:
+            kw.update(choices=tuple(choices))
+        kw.update(type=setting_type(s))
+        if s.metavar:
+            kw.update(metavar=s.metavar)
+        group.add_argument(s.flag, help=text, **kw)
 
 
-_FLAG_FIELDS = frozenset(f.name for c in OPTION_CLASSES for f, _ in flag_fields(c))
-_FIELD_WORD = re.compile(r"(?<![\w'-])(" + "|".join(sorted(_FLAG_FIELDS, key=len, reverse=True)) + r")\b(=)?")
-"""A field named in an options message (``needs recompute``, ``lr_schedule='cosine'``), said as its
-flag (``needs --recompute``, ``--lr-schedule 'cosine'``)."""
+_FLAGS = {s.name: s.flag for s in settings() if s.name not in NOT_FLAGS and s.kind is not dict}
+"""Every setting's flag, by field name (``sequence_parallel`` -> ``--sp``)."""
+_WORDS = sorted(
+    (s.name for s in settings(("execution", "optimizer")) if s.name in _FLAGS), key=len, reverse=True
+)
+_FIELD_WORD = re.compile(r"(?<![\w'-])(" + "|".join(_WORDS) + r")\b(=)?")
+"""An option named in an options message (``needs recompute``, ``lr_schedule='cosine'``), said as
+its flag (``needs --recompute``, ``--lr-schedule 'cosine'``)."""
 
 
 def option_flag(e: InvalidInputError) -> bool:
-    """Whether ``e`` names a field that is a flag (``keep``, ``betas[0]`` is not)."""
-    return not isinstance(e, UsageError) and e.field.split("[", 1)[0] in _FLAG_FIELDS
+    """Whether ``e`` names a setting that is a flag (``keep``; ``betas[0]`` is not)."""
+    return not isinstance(e, UsageError) and e.field.split("[", 1)[0] in _FLAGS
 
 
 def option_error(e: InvalidInputError, given=None) -> UsageError:
-    """An options check's error (``keep: needs recompute ...``) as a ``harts-train`` line: ``--keep:
+    """A setting's check's error (``keep: needs recompute ...``) as a command's line: ``--keep:
     needs --recompute ...``, or ``run.toml: keep: ...`` when ``given`` (setting -> where it was
     given: a config file's name, or None for the command line) says the value came from a file."""
     message = str(e)[len(e.field) + 2 :] if str(e).startswith(f"{e.field}: ") else str(e)
-    message = _FIELD_WORD.sub(lambda m: flag_name(m.group(1)) + (" " if m.group(2) else ""), message)
+    message = _FIELD_WORD.sub(lambda m: _FLAGS[m.group(1)] + (" " if m.group(2) else ""), message)
     name = e.field.split("[", 1)[0]
-    source = given.get(name) if isinstance(given, dict) else None
+    flag = _FLAGS.get(name, flag_name(name))
+    key = next((s.key for s in settings() if s.name == name), name)
+    source = given.get(key, given.get(name)) if isinstance(given, dict) else None
     if source:
-        return UsageError(f"{source}: {e.field}: {message}", flag_name(name))
-    return UsageError(f"{flag_name(name)}: {message}", flag_name(name))
+        return UsageError(f"{source}: {e.field}: {message}", flag)
+    return UsageError(f"{flag}: {message}", flag)

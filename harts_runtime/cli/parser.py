@@ -1,24 +1,24 @@
-"""The ``harts-train`` argument parser (:func:`build_parser`): the data, model, parallelism,
-checkpoint and output flags declared here, the execution and optimizer flags generated from
-:mod:`harts_runtime.options` (:mod:`harts_runtime.cli.flags`). Errors are one line; ``--help`` shows
-every flag's default. No torch here.
+"""The ``harts-train`` argument parser (:func:`build_parser`): the job's own flags (data,
+checkpoints, output) declared here, the model, execution, objective, optimizer and parallelism flags
+generated from the settings tree (:mod:`harts_runtime.job_config`, by
+:mod:`harts_runtime.cli.flags`). Errors are one line; ``--help`` shows every flag's default. No
+torch here.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from harts_runtime.cli.flags import add_option_flags, float_type, int_type
+from harts_runtime.cli.flags import COMMAND_GROUPS, add_group_flags, float_type, int_type
 from harts_runtime.errors import UsageError
-from harts_runtime.options import ExecutionOptions, OptimizerOptions
 
-__all__ = ["DESCRIPTION", "EPILOG", "PROG", "build_parser"]
+__all__ = ["DESCRIPTION", "EPILOG", "PROG", "Formatter", "Parser", "build_parser"]
 
 PROG = "harts-train"
 DESCRIPTION = "train a hybrid-attention model on rollout files (or on a synthetic step)."
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """Errors are one line (``harts-train: error: MESSAGE (see harts-train --help)``), raised as
     :class:`UsageError` so that :func:`~harts_runtime.cli.main` reports them like every other
     error."""
@@ -27,7 +27,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
+class Formatter(argparse.RawDescriptionHelpFormatter):
     """Help with every flag's default: ``(default: X)`` unless the text already says it (``none``
     for an unset value, ``off`` for a switch)."""
 
@@ -66,22 +66,13 @@ rollout file (one trajectory per JSONL line or Parquet row; docs/rollout-format.
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``harts-train`` parser (no torch needed)."""
-    ap = _Parser(prog=PROG, description=DESCRIPTION, formatter_class=_Formatter, epilog=EPILOG)
+    ap = Parser(prog=PROG, description=DESCRIPTION, formatter_class=Formatter, epilog=EPILOG)
     ap.add_argument(
         "--config", metavar="FILE", help="settings file (.toml, .yaml/.yml or .json) keyed by flag name"
     )
     _data_flags(ap.add_argument_group("data"))
-    _model_flags(ap.add_argument_group("model"))
-    add_option_flags(
-        ap.add_argument_group("execution (harts_runtime.options.ExecutionOptions)"), ExecutionOptions
-    )
-    _objective_flags(ap.add_argument_group("objective (the built-in policy loss)"))
-    add_option_flags(
-        ap.add_argument_group("optimizer (AdamW; harts_runtime.options.OptimizerOptions)"), OptimizerOptions
-    )
-    _parallel_flags(
-        ap.add_argument_group("parallelism (under torchrun; dp_shard = world / (dp_replicate * cp * tp))")
-    )
+    for group in COMMAND_GROUPS[PROG]:
+        add_group_flags(ap, PROG, group)
     _checkpoint_flags(ap.add_argument_group("checkpoints"))
     _output_flags(ap.add_argument_group("output"))
     return ap
@@ -123,98 +114,6 @@ def _data_flags(g) -> None:
         default=0,
         help="model initialisation (flavors) and synthetic step",
     )
-
-
-def _model_flags(g) -> None:
-    g.add_argument(
-        "--flavor",
-        metavar="NAME",
-        default=None,
-        help="model flavor with random weights: debug, ling-tiny or qwen3.5-35b-a3b (default: debug on CPU, "
-        "ling-tiny on CUDA)",
-    )
-    g.add_argument(
-        "--model",
-        metavar="PATH",
-        default=None,
-        help="a transformers checkpoint folder (Kimi-Linear, Qwen3-Next, Qwen3.5-MoE) instead of a flavor",
-    )
-    g.add_argument(
-        "--layers",
-        metavar="N",
-        type=int_type(1),
-        default=None,
-        help="keep the first N layers of the flavor's pattern (default: all)",
-    )
-    g.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        default=None,
-        help="weight dtype (default: the flavor's; a checkpoint's config.json dtype)",
-    )
-    g.add_argument(
-        "--device",
-        metavar="DEVICE",
-        default=None,
-        help="cpu or cuda[:i] (default: cuda when available; under torchrun cuda:LOCAL_RANK)",
-    )
-
-
-def _objective_flags(g) -> None:
-    g.add_argument("--objective", choices=("grpo", "ppo"), default="grpo", help="built-in policy loss")
-    g.add_argument(
-        "--clip-ratio-low", type=float_type(lo=0.0), default=None, help="ratio >= 1 - this (default: 0.2)"
-    )
-    g.add_argument(
-        "--clip-ratio-high",
-        type=float_type(lo=0.0),
-        default=None,
-        help="ratio <= 1 + this (default: --clip-ratio-low)",
-    )
-    g.add_argument(
-        "--clip-ratio-c",
-        type=float_type(lo=1.0),
-        default=None,
-        help="dual-clip bound for negative advantages (default: off for grpo, 3 for ppo)",
-    )
-    g.add_argument(
-        "--kl-coef",
-        type=float_type(lo=0.0),
-        default=None,
-        help="KL-to-reference penalty weight, needs ref_logprobs (default: 0.001 for grpo, 0 for ppo)",
-    )
-    g.add_argument(
-        "--kl-estimator", choices=("k1", "k2", "k3"), default=None, help="KL estimator (default: k3)"
-    )
-    g.add_argument(
-        "--loss-agg-mode",
-        choices=("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-        default=None,
-        help="loss aggregation (default: seq-mean-token-mean for grpo, token-mean for ppo)",
-    )
-    g.add_argument(
-        "--loss-norm",
-        type=float_type(positive=True),
-        default=None,
-        help="constant of seq-mean-token-sum-norm (default: none)",
-    )
-
-
-def _parallel_flags(g) -> None:
-    g.add_argument("--tp", metavar="N", type=int_type(1), default=1, help="tensor-parallel degree")
-    g.add_argument(
-        "--cp",
-        metavar="C",
-        type=int_type(1),
-        default=1,
-        help="context-parallel degree: microbatches of up to C x --capacity rows, each run by C ranks "
-        "(trajectories longer than one rank's capacity; C divides every mixer's heads)",
-    )
-    g.add_argument(
-        "--ep", metavar="N", type=int_type(1), default=1, help="expert-parallel degree (divides dp_shard)"
-    )
-    g.add_argument("--dp-replicate", metavar="N", type=int_type(1), default=1, help="HSDP replica groups")
-    g.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
 
 
 def _checkpoint_flags(g) -> None:

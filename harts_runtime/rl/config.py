@@ -119,8 +119,9 @@ class RLConfig:
     forks: dict[int, int] | None = None
     """Turn -> k: fork every live branch k ways before that turn (None: the task's default)."""
     temperature: float = 1.0
+    """The sampling temperature."""
     advantage: str = "grpo"
-    """``grpo`` or ``tree`` (:mod:`harts_runtime.rl.advantages`)."""
+    """The advantage estimator: ``grpo`` or ``tree`` (:mod:`harts_runtime.rl.advantages`)."""
     recompute_logprobs: bool = True
     """Old log-probs from the trainer (a forward-only step) rather than the sampler's."""
     sync_sequences: int = 2

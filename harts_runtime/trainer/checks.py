@@ -13,6 +13,7 @@ import os
 import torch
 
 from harts_runtime.errors import InvalidInputError, UsageError
+from harts_runtime.job_config import group_settings
 from harts_runtime.options import option_fields
 
 __all__ = [
@@ -27,24 +28,12 @@ __all__ = [
     "training_device",
 ]
 
-LOSS_FLAGS = (
-    "clip_ratio_low",
-    "clip_ratio_high",
-    "clip_ratio_c",
-    "kl_coef",
-    "kl_estimator",
-    "loss_agg_mode",
-    "loss_norm",
-)
-"""Settings that override the objective's default :class:`PolicyLossConfig` fields."""
-_DIM_FLAGS = {
-    "tp": "--tp",
-    "cp": "--cp",
-    "ep": "--ep",
-    "dp_replicate": "--dp-replicate",
-    "sequence_parallel": "--sp",
-    "world_size": "world size",
-}
+LOSS_FLAGS = tuple(s.name for s in group_settings("loss") if s.name != "objective")
+"""Settings that override the objective's default :class:`PolicyLossConfig` fields (the tree's
+``loss`` group)."""
+_DIM_FLAGS = {s.name: s.flag for s in group_settings("parallel")} | {"world_size": "world size"}
+"""The parallel degrees' flags (the tree's ``parallel`` group), by :class:`ParallelDims` field."""
+_DIM_KEYS = {s.name: s.key for s in group_settings("parallel")}
 
 
 def run_options(cls, args, **resolved):
@@ -95,17 +84,17 @@ def parallel_dims(args, world: int):
     and the FSDP2 ones are refused)."""
     from harts_runtime.parallel.dims import ParallelDims
 
+    degrees = {name: getattr(args, key) for name, key in _DIM_KEYS.items()}
     if world == 1:
-        for dest in ("tp", "cp", "ep", "dp_replicate"):
-            v = getattr(args, dest)
-            if v > 1:
-                flag = _DIM_FLAGS[dest]
+        for name, v in degrees.items():
+            if not isinstance(v, bool) and v > 1:
+                flag = _DIM_FLAGS[name]
                 raise UsageError(
                     f"{flag} {v}: needs several processes: run under torchrun --nproc-per-node N -m "
                     "harts_runtime.cli ... (this is one process)",
                     flag,
                 )
-        if args.sp:
+        if degrees.get("sequence_parallel"):
             raise UsageError("--sp: needs --tp > 1 (under torchrun)", "--sp")
         for dest in ("param_dtype", "reduce_dtype", "cpu_offload"):
             if getattr(args, dest):
@@ -115,23 +104,17 @@ def parallel_dims(args, world: int):
                     flag,
                 )
         return None
-    if world % args.cp:
-        raise UsageError(f"--cp {args.cp}: does not divide the world size {world}", "--cp")
-    if world % (args.tp * args.cp * args.dp_replicate):
+    tp, cp, dp_replicate = degrees["tp"], degrees["cp"], degrees["dp_replicate"]
+    if world % cp:
+        raise UsageError(f"--cp {cp}: does not divide the world size {world}", "--cp")
+    if world % (tp * cp * dp_replicate):
         raise UsageError(
-            f"--tp {args.tp} x --cp {args.cp} x --dp-replicate {args.dp_replicate} = "
-            f"{args.tp * args.cp * args.dp_replicate} does not divide the world size {world}",
+            f"--tp {tp} x --cp {cp} x --dp-replicate {dp_replicate} = "
+            f"{tp * cp * dp_replicate} does not divide the world size {world}",
             "--tp",
         )
     try:
-        return ParallelDims.from_world(
-            world,
-            tp=args.tp,
-            cp=args.cp,
-            ep=args.ep,
-            dp_replicate=args.dp_replicate,
-            sequence_parallel=args.sp,
-        )
+        return ParallelDims.from_world(world, **degrees)
     except InvalidInputError as e:
         flag = _DIM_FLAGS.get(e.field, e.field)
         raise UsageError(f"{flag}: {str(e)[len(e.field) + 2 :]} (world size {world})", flag) from None
@@ -150,7 +133,8 @@ def dims_text(dims) -> list[tuple[str, object]]:
 
 def model_config(args, cpu: bool):
     """``(ModelConfig, name)``: ``--model``'s ``config.json`` (read, not loaded), or the flavor's
-    (``--flavor``, default debug on CPU and ling-tiny on CUDA; ``--layers``, ``--dtype``)."""
+    (``--flavor``, default debug on CPU and ling-tiny on CUDA; ``--layers``, ``--dtype``), at
+    ``--chunk-size`` when given."""
     if args.model is not None:
         if args.flavor is not None or args.layers is not None:
             raise UsageError(
@@ -162,12 +146,24 @@ def model_config(args, cpu: bool):
             )
         from harts_runtime.hf import read_config
 
-        return read_config(args.model, args.dtype, {})[3], str(args.model)
+        return read_config(args.model, args.dtype, _chunk(args))[3], str(args.model)
     from harts_runtime.models import model_config as flavor_config
 
     flavor = args.flavor or ("debug" if cpu else "ling-tiny")
     over = {"dtype": args.dtype} if args.dtype else {}
-    return flavor_config(flavor, args.layers, **over), flavor
+    return flavor_config(flavor, args.layers, **over, **_chunk(args)), flavor
+
+
+def _chunk(args) -> dict:
+    """``--chunk-size`` as a model-config override (none when not given: the model's own), checked
+    by the model group's declaration (:class:`~harts_runtime.job_config.ModelOptions`)."""
+    from harts_runtime.job_config import ModelOptions
+
+    chunk = getattr(args, "chunk_size", None)
+    if chunk is None:
+        return {}
+    ModelOptions(chunk_size=chunk)
+    return {"chunk_size": chunk}
 
 
 def check_training_fits(cfg, name: str, device, world: int) -> None:

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from harts_runtime.errors import UsageError
-from harts_runtime.options import DEFAULT_CAPACITY, ExecutionOptions, OptimizerOptions
+from harts_runtime.job_config import JobConfig, resolve_total_steps
+from harts_runtime.options import ExecutionOptions, OptimizerOptions
 from harts_runtime.trainer.checks import (
     check_outputs,
     check_training_fits,
@@ -109,7 +110,8 @@ def train(args, given, saved: dict | None, out=None, err=None) -> int:
     # ---- settings, checked before any work (on every rank alike)
     device = training_device(args.device, world, local_rank)
     cpu = device.type == "cpu"
-    capacity = args.capacity or (4096 if cpu else DEFAULT_CAPACITY)
+    job = JobConfig.of(vars(args))
+    capacity = job.resolve(device.type, "file" if args.data else "synthetic").capacity
     execution = run_options(ExecutionOptions, args, capacity=capacity)
     dims = parallel_dims(args, world)
     model_cfg, model_name = model_config(args, cpu)
@@ -123,9 +125,9 @@ def train(args, given, saved: dict | None, out=None, err=None) -> int:
     done = int(saved["steps_done"]) if saved else 0
     position = int(saved["data"].get("position", done)) if same else 0
     steps = _steps(args, given, saved, data, same)
-    total_steps = args.total_steps if args.total_steps is not None else max(1, steps)
+    total_steps = resolve_total_steps(args.total_steps, steps, args.lr_schedule) or max(1, steps)
     _check_schedule(args, done, steps, total_steps)
-    lr = args.lr if args.lr is not None else (1e-6 if args.model else 1e-3)
+    lr = job.resolve(device.type, "file" if args.data else "synthetic").lr
     optimizer = run_options(OptimizerOptions, args, lr=lr, total_steps=total_steps)
     longest, where = data.longest()
     cp = 1 if dims is None else dims.cp
@@ -172,6 +174,7 @@ def train(args, given, saved: dict | None, out=None, err=None) -> int:
             dtype=args.dtype,
             device=device,
             freeze=args.model is not None or args.export is not None,
+            **({"chunk_size": args.chunk_size} if args.model is not None and args.chunk_size else {}),
         )
         cfg = engine.model.config
         params = sum(p.numel() for p in engine.model.parameters())
