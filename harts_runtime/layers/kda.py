@@ -80,7 +80,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import record_function
 
 from harts_kernels.kda import chunk_kda_with_states
 from harts_runtime.errors import InvalidInputError
@@ -90,10 +89,10 @@ from harts_runtime.layout.rows import RowLayout
 from harts_runtime.modules.convolution import ShortConvolution, varlen_causal_conv
 from harts_runtime.modules.fused import use_fla
 from harts_runtime.modules.norms import GatedRMSNorm, l2_norm
-from harts_runtime.ops.keep import kept, saves_are_transient
-from harts_runtime.ops.rows import gather_packed, scatter_own
+from harts_runtime.ops.keep import kept
+from harts_runtime.ops.rounds import run_rounds
 
-__all__ = ["KDAConfig", "KDALayer", "checked_plan", "kda_gate", "run_kda_schedule"]
+__all__ = ["KDAConfig", "KDALayer", "checked_plan", "kda_core", "kda_gate", "run_kda_schedule"]
 
 
 @dataclass(kw_only=True)
@@ -172,15 +171,24 @@ def checked_plan(layout: RowLayout, x: torch.Tensor, chunk_size: int | None, con
     return plan
 
 
+def kda_core(q, k, v, g, beta, **kw):
+    """The KDA core in the round executor's contract (:class:`~harts_runtime.ops.rounds.ChunkCore`):
+    :func:`chunk_kda_with_states`, a decay of one value per head (g ``[1, n, H]``: the gated delta
+    net's) broadcast over the key dim first (exact)."""
+    if g.dim() == 3:
+        g = g.unsqueeze(-1).expand(-1, -1, -1, q.shape[-1])
+    return chunk_kda_with_states(q, k, v, g, beta, **kw)
+
+
 def run_kda_schedule(
     sched: KDASchedule, q, k, v, g, beta, *, chunk_size: int, backend: str = "auto"
 ) -> torch.Tensor:
     """Execute a KDA schedule's rounds over per-row inputs (q, k [C, H, K]; v [C, H, V]; g
     [C, H, K] fp32 log decay, or [C, H] for one decay per head, broadcast over K after the gather;
-    beta [C, H]): the packed rows of all rounds gathered once (:func:`~harts_runtime.ops.rows.gather_packed`),
-    then one packed :func:`chunk_kda_with_states` call per round on its slice, initial states from
-    earlier rounds' boundary states. Returns the core output [C, H, V] in physical order. Shared by
-    :class:`KDALayer` and the gated delta net.
+    beta [C, H]): :func:`~harts_runtime.ops.rounds.run_rounds` with :func:`kda_core` (the packed rows
+    of all rounds gathered once, one packed :func:`chunk_kda_with_states` call per round, initial
+    states from earlier rounds' boundary states). Returns the core output [C, H, V] in physical
+    order. Shared by :class:`KDALayer` and the gated delta net.
 
     The whole schedule (gathers, rounds, state handoffs, scatter) is the kept region
     ``"linear_attention"`` (:mod:`harts_runtime.ops.keep`): under
@@ -191,57 +199,8 @@ def run_kda_schedule(
 
 def _run_rounds(sched: KDASchedule, q, k, v, g, beta, chunk_size: int, backend: str) -> torch.Tensor:
     """The body of :func:`run_kda_schedule`."""
-    H, K, Vd = q.shape[1], q.shape[2], v.shape[2]
-    transient = saves_are_transient()  # in a recomputed block: save the core's intermediates
-    slots: list[torch.Tensor | None] = [None] * sched.num_slots  # live for this call only
-    zero = None
-    with record_function("harts.kda.gather"):
-        packed = [gather_packed(x, sched) for x in (q, k, v, g, beta)]
-        # split, not slices: the backward of a split is one concatenation per tensor, that of R
-        # slices R full-size zero tensors summed (measured: 6 of 52 ms of a 65k-row layer)
-        sizes = [hi - lo for lo, hi in zip(sched.bounds[:-1], sched.bounds[1:])]
-        per_round = list(zip(*(torch.split(x, sizes) for x in packed))) if len(sizes) > 1 else [packed]
-    outs = []
-    for rd, parts in zip(sched.rounds, per_round):
-        if parts[0].shape[0] == 0:  # a round without rows (an empty microbatch: DP padding)
-            continue
-        inputs = [x.unsqueeze(0) for x in parts]
-        if g.dim() == 2:  # one decay per (row, head): broadcast over the key dim (exact)
-            inputs[3] = inputs[3].unsqueeze(-1).expand(-1, -1, -1, K)
-        init = None
-        if any(s >= 0 for s in rd.init_slots):
-            if zero is None:
-                zero = q.new_zeros(H, K, Vd, dtype=torch.float32)
-            missing = [s for s in rd.init_slots if s >= 0 and slots[s] is None]
-            if missing:
-                raise InvalidInputError(
-                    "layout.kda", f"a round reads state slot {missing[0]} before it is produced"
-                )
-            with record_function("harts.kda.states"):
-                init = torch.stack([slots[s] if s >= 0 else zero for s in rd.init_slots])
-        want_final = any(s >= 0 for s in rd.final_slots)
-        with record_function("harts.kda.core"):
-            o, final, bstates = chunk_kda_with_states(
-                *inputs,
-                initial_state=init,
-                cu_seqlens=rd.cu_seqlens,
-                chunk_size=chunk_size,
-                request_seq=rd.request_seq,
-                request_chunk=rd.request_chunk,
-                output_final_state=want_final,
-                backend=backend,
-                save_intermediates=transient,
-            )
-        for j, s in enumerate(rd.request_slot):
-            slots[s] = bstates[j]
-        for j, s in enumerate(rd.final_slots):
-            if s >= 0:
-                slots[s] = final[j]
-        outs.append(o.squeeze(0))
-    if not outs:  # no rows
-        return v.new_zeros(0, H, Vd)
-    o = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return scatter_own(o, sched)
+    rows = (q, k, v, g, beta)
+    return run_rounds(sched, kda_core, rows, chunk_size=chunk_size, backend=backend, label="kda").o
 
 
 class KDALayer(nn.Module):

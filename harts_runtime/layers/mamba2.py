@@ -41,9 +41,10 @@ head; B and C shared by the ``H / G`` heads of a group), i.e. the ChunkLA operat
 :func:`harts_kernels.ssd.chunk_ssd_with_states` with ``q = C``, ``k = B``, ``v = dt x``,
 ``g = dt A`` and scale 1. Its rounds, replay rows (trajectory-wise chunk partitions kept),
 differentiable boundary-state handoffs across forks and the causal convolution's context are
-the KDA plan's (:func:`run_ssd_schedule`, the KDA schedule runner with the SSD core); the core
-runs in fp32 as transformers' torch path (``mamba2_chunk_scan``) does. Recomputation is
-block-level as for KDA; the schedule is the kept region ``"linear_attention"``.
+the KDA plan's (:func:`run_ssd_schedule`: the round executor :mod:`harts_runtime.ops.rounds`
+with the SSD core); the core runs in fp32 as transformers' torch path (``mamba2_chunk_scan``)
+does. Recomputation is block-level as for KDA; the schedule is the kept region
+``"linear_attention"``.
 
 :meth:`Mamba2Mixer.forward_trajectories` is the slow reference: every trajectory through the
 same layer, unshared.
@@ -59,7 +60,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import record_function
 
 from harts_kernels.ssd import chunk_ssd_with_states
 from harts_runtime.errors import InvalidInputError
@@ -68,8 +68,8 @@ from harts_runtime.layout.conv import ConvWindows
 from harts_runtime.layout.kda_plan import KDASchedule
 from harts_runtime.layout.rows import RowLayout
 from harts_runtime.modules.convolution import varlen_causal_conv
-from harts_runtime.ops.keep import kept, saves_are_transient
-from harts_runtime.ops.rows import gather_packed, scatter_own
+from harts_runtime.ops.keep import kept
+from harts_runtime.ops.rounds import run_rounds
 
 __all__ = ["HF_CONCATENATED", "Mamba2Config", "Mamba2GatedRMSNorm", "Mamba2Mixer", "run_ssd_schedule"]
 
@@ -121,59 +121,20 @@ def run_ssd_schedule(
     sched: KDASchedule, q, k, v, g, *, chunk_size: int, backend: str = "auto"
 ) -> torch.Tensor:
     """Execute a KDA plan's schedule with the SSD core over per-row inputs (q, k [C, H, K]; v
-    [C, H, V]; g [C, H] fp32 log decay): the packed rows of all rounds gathered once, one packed
-    :func:`~harts_kernels.ssd.chunk_ssd_with_states` call per round with initial states from
-    earlier rounds' boundary states, outputs scattered to physical order. Returns [C, H, V].
-    The kept region ``"linear_attention"`` (:mod:`harts_runtime.ops.keep`)."""
+    [C, H, V]; g [C, H] fp32 log decay): :func:`~harts_runtime.ops.rounds.run_rounds` with
+    :func:`~harts_kernels.ssd.chunk_ssd_with_states` (the packed rows of all rounds gathered once,
+    one packed call per round with initial states from earlier rounds' boundary states, outputs
+    scattered to physical order). Returns [C, H, V]. The kept region ``"linear_attention"``
+    (:mod:`harts_runtime.ops.keep`)."""
     return kept("linear_attention", _run_rounds, sched, q, k, v, g, chunk_size, backend)
 
 
 def _run_rounds(sched: KDASchedule, q, k, v, g, chunk_size: int, backend: str) -> torch.Tensor:
-    """The body of :func:`run_ssd_schedule` (the KDA runner's, without beta)."""
-    H, K, Vd = q.shape[1], q.shape[2], v.shape[2]
-    transient = saves_are_transient()
-    slots: list[torch.Tensor | None] = [None] * sched.num_slots
-    zero = None
-    with record_function("harts.ssd.gather"):
-        packed = [gather_packed(x, sched) for x in (q, k, v, g)]
-        sizes = [hi - lo for lo, hi in zip(sched.bounds[:-1], sched.bounds[1:])]
-        per_round = list(zip(*(torch.split(x, sizes) for x in packed))) if len(sizes) > 1 else [packed]
-    outs = []
-    for rd, parts in zip(sched.rounds, per_round):
-        if parts[0].shape[0] == 0:
-            continue
-        init = None
-        if any(s >= 0 for s in rd.init_slots):
-            if zero is None:
-                zero = q.new_zeros(H, K, Vd, dtype=torch.float32)
-            missing = [s for s in rd.init_slots if s >= 0 and slots[s] is None]
-            if missing:
-                raise InvalidInputError(
-                    "layout.kda", f"a round reads state slot {missing[0]} before it is produced"
-                )
-            init = torch.stack([slots[s] if s >= 0 else zero for s in rd.init_slots])
-        with record_function("harts.ssd.core"):
-            o, final, bstates = chunk_ssd_with_states(
-                *(x.unsqueeze(0) for x in parts),
-                initial_state=init,
-                cu_seqlens=rd.cu_seqlens,
-                chunk_size=chunk_size,
-                request_seq=rd.request_seq,
-                request_chunk=rd.request_chunk,
-                output_final_state=any(s >= 0 for s in rd.final_slots),
-                backend=backend,
-                save_intermediates=transient,
-            )
-        for j, s in enumerate(rd.request_slot):
-            slots[s] = bstates[j]
-        for j, s in enumerate(rd.final_slots):
-            if s >= 0:
-                slots[s] = final[j]
-        outs.append(o.squeeze(0))
-    if not outs:
-        return v.new_zeros(0, H, Vd)
-    o = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return scatter_own(o, sched)
+    """The body of :func:`run_ssd_schedule`."""
+    rows = (q, k, v, g)
+    return run_rounds(
+        sched, chunk_ssd_with_states, rows, chunk_size=chunk_size, backend=backend, label="ssd"
+    ).o
 
 
 def _has(module: nn.Module, name: str) -> bool:
