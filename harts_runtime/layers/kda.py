@@ -172,7 +172,7 @@ def checked_plan(layout: RowLayout, x: torch.Tensor, chunk_size: int | None, con
 
 
 def kda_core(q, k, v, g, beta, **kw):
-    """The KDA core in the round executor's contract (:class:`~harts_runtime.ops.rounds.ChunkCore`):
+    """The KDA core in the round executor's contract (:data:`~harts_runtime.ops.rounds.ChunkCore`):
     :func:`chunk_kda_with_states`, a decay of one value per head (g ``[1, n, H]``: the gated delta
     net's) broadcast over the key dim first (exact)."""
     if g.dim() == 3:

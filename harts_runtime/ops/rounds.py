@@ -5,7 +5,7 @@ Glossary (rounds, packed rows, state slots: :mod:`harts_runtime.layout.kda_plan`
 -------------------------------------------------------------------------------
 * rows: the ``R`` rows the inputs hold, ``[R, H, *]`` each: a microbatch's physical rows, or a
   context-parallel rank's own rows followed by halo rows (rows no packed row owns, read only);
-* core: one packed chunkwise call (the ChunkLA contract of Equation 16, :class:`ChunkCore`):
+* core: one packed chunkwise call (the ChunkLA contract of Equation 16, :data:`ChunkCore`):
   KDA and the gated delta net run :func:`harts_kernels.kda.chunk_kda_with_states`, Mamba2 runs
   :func:`harts_kernels.ssd.chunk_ssd_with_states`;
 * entry states: states handed in from outside the schedule (a context-parallel rank's states
@@ -39,8 +39,8 @@ plan with it (``entries`` and halo rows).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch.profiler import record_function
@@ -53,37 +53,22 @@ from harts_runtime.ops.rows import gather_packed, scatter_own
 __all__ = ["ChunkCore", "Rounds", "run_rounds"]
 
 
-class ChunkCore(Protocol):
-    """One packed chunkwise call (ChunkLA, Equation 16), as
-    :func:`harts_kernels.kda.chunk_kda_with_states` and :func:`harts_kernels.ssd.chunk_ssd_with_states`.
+ChunkCore = Callable[..., "tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]"]
+"""One packed chunkwise call (ChunkLA, Equation 16), as :func:`harts_kernels.kda.chunk_kda_with_states`
+and :func:`harts_kernels.ssd.chunk_ssd_with_states`::
 
-    Positional: the round's packed rows ``q, k, v, g, *extra`` as ``[1, n, H, *]`` (the executor's
-    ``rows`` gathered, in their order); q, k ``[1, n, H, K]``, v ``[1, n, H, V]``; g and extra as the
-    core defines them (a core may broadcast g, e.g. KDA's per-head decay over K). Keywords:
-    ``initial_state`` ``[N, H, K, V]`` fp32 or None (zeros), ``cu_seqlens`` (host ints ``[N + 1]``,
-    each sequence's chunk grid starting at its first row), ``chunk_size``, ``request_seq`` and
-    ``request_chunk`` (``p`` boundaries: sequence i's state after its first ``c * chunk_size``
-    rows), ``output_final_state``, ``backend``, ``save_intermediates``.
+    core(q, k, v, g, *extra, initial_state=, cu_seqlens=, chunk_size=, request_seq=, request_chunk=,
+         output_final_state=, backend=, save_intermediates=) -> (o, final_state, boundary_states)
 
-    Returns ``(o [1, n, H, V], final_state [N, H, K, V] or None, boundary_states [p, H, K, V])``,
-    states fp32 (fp64 for fp64 inputs), differentiable."""
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        *extra: torch.Tensor,
-        initial_state: torch.Tensor | None,
-        cu_seqlens: list[int],
-        chunk_size: int,
-        request_seq: list[int],
-        request_chunk: list[int],
-        output_final_state: bool,
-        backend: str,
-        save_intermediates: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]: ...
+Positional: the round's packed rows as ``[1, n, H, *]`` (the executor's ``rows`` gathered, in their
+order); q, k ``[1, n, H, K]``, v ``[1, n, H, V]``; g and extra as the core defines them (a core may
+broadcast g, e.g. :func:`harts_runtime.layers.kda.kda_core` a per-head decay over K). Keywords:
+``initial_state`` ``[N, H, K, V]`` fp32 or None (zeros), ``cu_seqlens`` (host ints ``[N + 1]``, each
+sequence's chunk grid starting at its first row), ``chunk_size``, ``request_seq`` and
+``request_chunk`` (``p`` boundaries: sequence i's state after its first ``c * chunk_size`` rows),
+``output_final_state``, ``backend``, ``save_intermediates``. Returns ``o [1, n, H, V]``,
+``final_state [N, H, K, V]`` or None, ``boundary_states [p, H, K, V]``; states fp32 (fp64 for fp64
+inputs), differentiable."""
 
 
 class Rounds(NamedTuple):
@@ -113,7 +98,7 @@ def run_rounds(
     sched
         The rounds, on the rows' device (``KDASchedule.to``).
     core
-        The chunkwise kernel (:class:`ChunkCore`).
+        The chunkwise kernel (:data:`ChunkCore`).
     rows
         ``(q, k, v, g, *extra)``, ``[R, H, *]`` each (q ``[R, H, K]``, v ``[R, H, V]``), in the
         core's positional order; ``R >= len(sched.own_pos)`` (rows beyond the written ones are
