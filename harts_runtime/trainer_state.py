@@ -1,7 +1,13 @@
-"""``harts-train``'s record in a checkpoint folder (``trainer.json``), beside what
-:meth:`harts_runtime.engine.HartsEngine.save` writes there: the steps done, the data position and
-the run's settings. Written into the staged folder with the rest (``HartsEngine.save(files=...)``),
-so a folder with it is a complete checkpoint. No torch here
+"""The one owner of resume for both commands: the step folders (:func:`step_folder`), the newest
+complete one (:func:`latest_step`: ``harts-train``'s ``DIR/step-N`` with ``trainer.json``,
+:func:`latest_checkpoint`: ``harts-rl``'s ``DIR/checkpoints/step-N`` with ``done.json``), the
+records a checkpoint carries, read and checked against the folder's manifest before use
+(:func:`read_trainer_state`, :func:`read_json`).
+
+``harts-train``'s record is ``trainer.json``, beside what :meth:`harts_runtime.engine.HartsEngine.save`
+writes: the steps done, the data position and the run's settings; ``harts-rl``'s is ``rl.json`` (the
+sampler's state, :mod:`harts_runtime.rl.loop`). Each is written into the staged folder with the rest
+(``HartsEngine.save(files=...)``), so a folder with it is a complete checkpoint. No torch here
 (``harts-train`` reads it while resolving its settings).
 
 ``--save DIR`` writes ``DIR/step-N`` after N steps; ``--resume PATH`` takes a checkpoint folder, or
@@ -19,8 +25,12 @@ from pathlib import Path
 from harts_runtime.errors import InvalidInputError
 
 __all__ = [
+    "DONE_NAME",
     "FORMAT",
     "STATE_NAME",
+    "latest_checkpoint",
+    "latest_step",
+    "read_json",
     "read_trainer_state",
     "resolve_checkpoint",
     "step_folder",
@@ -31,6 +41,36 @@ __all__ = [
 STATE_NAME = "trainer.json"
 FORMAT = "harts-train/1"
 _STEP = re.compile(r"^step-(\d+)$")
+DONE_NAME = "done.json"
+"""``harts-rl``'s marker of a complete ``checkpoints/step-N`` (written last)."""
+
+
+def latest_step(root, marker: str) -> Path | None:
+    """The ``root/step-N`` folder holding ``marker`` with the largest N, or None."""
+    root = Path(root)
+    best = None
+    for child in root.iterdir() if root.is_dir() else ():
+        m = _STEP.match(child.name)
+        if m and (child / marker).is_file() and (best is None or int(m.group(1)) > best[0]):
+            best = (int(m.group(1)), child)
+    return None if best is None else best[1]
+
+
+def latest_checkpoint(out_dir) -> Path | None:
+    """An RL run folder's newest complete ``DIR/checkpoints/step-N`` (with its ``done.json``), or None."""
+    return latest_step(Path(out_dir) / "checkpoints", DONE_NAME)
+
+
+def read_json(path, field: str, what: str):
+    """The JSON of ``path``; one :class:`InvalidInputError` naming ``field`` when it is missing
+    (``what`` says what it is) or unreadable."""
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidInputError(field, f"{path} is missing ({what})")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise InvalidInputError(field, f"{path} is unreadable or damaged ({' '.join(str(e).split())})") from None
 
 
 def step_folder(save_dir, step: int) -> Path:
@@ -49,13 +89,9 @@ def resolve_checkpoint(path) -> Path:
         raise InvalidInputError("--resume", f"{str(path)!r} is not a folder")
     if (p / STATE_NAME).is_file():
         return p
-    steps = []
-    for child in p.iterdir():
-        m = _STEP.match(child.name)
-        if m and (child / STATE_NAME).is_file():
-            steps.append((int(m.group(1)), child))
-    if steps:
-        return max(steps)[1]
+    latest = latest_step(p, STATE_NAME)
+    if latest is not None:
+        return latest
     if (p / "harts.json").is_file():
         raise InvalidInputError(
             "--resume",

@@ -58,10 +58,16 @@ def _parse(raw: bytes, ext: str, where: str):
     )
 
 
-def load_config(path, parser: argparse.ArgumentParser | None = None) -> dict:
+MAX_CONFIG_BYTES = 1 << 20
+"""The largest config file read."""
+
+
+def load_config(path, parser: argparse.ArgumentParser | None = None, *, command: str = "harts-train") -> dict:
     """The settings of a config file (``.toml``, ``.yaml`` / ``.yml`` or ``.json``: a flat table of
-    flag long names, ``-`` or ``_``), each converted as its flag would be; raises
-    :class:`UsageError` naming the file and key."""
+    flag long names, ``-`` or ``_``; the keys of the settings tree the command takes); raises
+    :class:`UsageError` naming the file and key. ``harts-train`` converts each value as its flag
+    would be; ``harts-rl`` keeps the values as the file types them (tables such as ``forks``; the
+    settings' classes check them, naming the key)."""
     parser = parser or build_parser()
     p = Path(path)
     where = str(path)
@@ -69,7 +75,12 @@ def load_config(path, parser: argparse.ArgumentParser | None = None) -> dict:
         raise UsageError(
             f"--config: {where!r}: {'is a directory' if p.is_dir() else 'no such file'}", "--config"
         )
+    size = p.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise UsageError(f"--config: {path}: {size:,} bytes, over the limit {MAX_CONFIG_BYTES:,}", "--config")
     ext = p.suffix.lower()
+    if command != "harts-train" and ext not in (".toml", ".json"):
+        ext = ".toml"
     try:
         raw = p.read_bytes()
     except OSError as e:
@@ -90,10 +101,17 @@ def load_config(path, parser: argparse.ArgumentParser | None = None) -> dict:
             f"{where}: expected a table of settings keyed by flag name, got {type(data).__name__}", "--config"
         )
     actions = {a.dest: a for a in parser._actions if a.dest not in NOT_CONFIG and a.option_strings}
+    keys = set(actions)
+    if command != "harts-train":
+        from harts_runtime.cli.flags import command_settings
+
+        keys |= {s.key for s in command_settings(command)}
     out = {}
     for key, value in data.items():
         dest = str(key).replace("-", "_")
-        if dest not in actions:
+        if dest not in keys or dest.startswith("_"):
+            if command != "harts-train":
+                raise UsageError(f"{where}: {key}: unknown key (see {command} --help)", "--config")
             close = difflib.get_close_matches(dest, list(actions), n=1)
             hint = (
                 f"; did you mean {close[0]!r}?"
@@ -101,6 +119,9 @@ def load_config(path, parser: argparse.ArgumentParser | None = None) -> dict:
                 else "; keys are the long flag names (see harts-train --help)"
             )
             raise UsageError(f"{where}: {key}: unknown key{hint}", "--config")
+        if command != "harts-train":
+            out[dest] = value
+            continue
         out[dest] = _config_value(actions[dest], value, f"{where}: {key}")
     return out
 

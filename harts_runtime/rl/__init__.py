@@ -1,4 +1,6 @@
-"""Agentic RL on the engine (``harts-rl``): rollout trees to new weights.
+"""Agentic RL on the engine (``harts-rl``): rollout trees to new weights. What is RL's own; the
+job loop, its metrics and resume are :mod:`harts_runtime.trainer` and
+:mod:`harts_runtime.trainer_state`, the command :mod:`harts_runtime.cli.rl`.
 
 One job per module:
 
@@ -10,9 +12,8 @@ One job per module:
 :mod:`harts_runtime.rl.sampler`             the tree sampler (forks ``k`` ways at configured turns)
 :mod:`harts_runtime.rl.advantages`          GRPO and tree-aware advantage estimators
 :mod:`harts_runtime.rl.config`              a run's settings (:class:`RLConfig`)
-:mod:`harts_runtime.rl.metrics`             ``metrics.jsonl``, TensorBoard, the reward curve
-:mod:`harts_runtime.rl.loop`                the loop and its checkpoints (:class:`RLRun`)
-:mod:`harts_runtime.rl.cli`                 the ``harts-rl`` command
+:mod:`harts_runtime.rl.source`              the online data source of the job loop (:class:`OnlineSource`)
+:mod:`harts_runtime.rl.loop`                a run in its folder: the job loop over the source, its checkpoints (:class:`RLRun`)
 ==========================================  =========================================================
 """
 
@@ -21,9 +22,10 @@ import importlib
 from harts_runtime.rl.config import RLConfig
 from harts_runtime.rl.environment import Task
 
-__all__ = ["Frontier", "RLConfig", "RLRun", "RolloutEngine", "SyncError", "Task", "check_sync"]
+__all__ = ["Frontier", "OnlineSource", "RLConfig", "RLRun", "RolloutEngine", "SyncError", "Task", "check_sync"]
 
 _LAZY = {
+    "OnlineSource": "harts_runtime.rl.source",
     "RLRun": "harts_runtime.rl.loop",
     "Frontier": "harts_runtime.rl.rollout_engine",
     "RolloutEngine": "harts_runtime.rl.rollout_engine",

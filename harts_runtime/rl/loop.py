@@ -1,8 +1,10 @@
-"""The RL loop (:class:`RLRun`): sample -> reward -> advantages -> ``forward_backward`` /
-``optimizer_step`` -> weight sync (checked) -> metrics -> checkpoint.
+"""An RL run (:class:`RLRun`): the online source (:class:`harts_runtime.rl.source.OnlineSource`:
+sample -> reward -> advantages, and after each optimizer step the weight sync, checked) trained by
+the one job loop (:func:`harts_runtime.trainer.job.run_job`: ``forward_backward`` /
+``optimizer_step`` -> metrics -> checkpoint), in its run folder.
 
 A run lives in one folder ``DIR``: ``run.json`` (the :class:`~harts_runtime.rl.config.RLConfig`,
-the engine's options and objective), ``metrics.jsonl`` (:mod:`harts_runtime.rl.metrics`) and
+the engine's options and objective), ``metrics.jsonl`` (:mod:`harts_runtime.trainer.metrics`) and
 ``checkpoints/step-N/``: ``engine/`` (:meth:`HartsEngine.save <harts_runtime.engine.HartsEngine.save>`:
 weights, optimizer, schedule, torch RNG, with ``rl_step = N`` in its record; beside them, listed in
 its manifest, ``rl.json``, the RL state: the step, the sampler's ``torch.Generator`` and the
@@ -19,32 +21,25 @@ checkpoint (``steps`` aside). A missing, damaged or mismatched file is one
 :class:`~harts_runtime.errors.InvalidInputError` naming it. Nothing read runs code (JSON; a run
 saved before ``rl.json`` existed has ``step-N/rl.pt``, read with ``torch.load(weights_only=True)``
 and step-checked, but not covered by a manifest).
-
-One step, timed in four parts (``generate`` / ``logprobs`` / ``train`` / ``sync`` seconds in each
-record): the tree sampler's leaves from the rollout engine; their old log-probs recomputed by the
-trainer (a forward-only step, unless ``recompute_logprobs`` is off: the sampler's then); the built-in
-GRPO objective (no KL term) over every leaf with the estimator's per-token advantages; one optimizer
-step; the weights pushed to the rollout engine and :func:`~harts_runtime.rl.rollout_engine.check_sync`.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from harts_runtime.errors import InvalidInputError
+from harts_runtime.job_config import JobConfig, resolve_total_steps
 from harts_runtime.loss.objectives import PolicyLossConfig
-from harts_runtime.rl.advantages import advantages
 from harts_runtime.rl.config import RLConfig
-from harts_runtime.rl.metrics import MetricsWriter, write_atomic
-from harts_runtime.rl.rollout_engine import check_sync
-from harts_runtime.rl.sampler import Leaf, TreeSampler
-from harts_runtime.rl.tasks import make_task
+from harts_runtime.rl.source import OnlineSource, tree_chunk_size
+from harts_runtime.trainer.job import run_job, train_one
+from harts_runtime.trainer.metrics import MetricsWriter, write_atomic
+from harts_runtime.trainer_state import latest_checkpoint, read_json
 
 __all__ = ["RUN_NAME", "STATE_NAME", "RLRun", "latest_checkpoint", "read_run", "tree_chunk_size"]
 
@@ -55,15 +50,7 @@ _STATE_FORMAT = "harts-rl-state/1"
 _OLD_STATE = "rl.pt"  # step-N/rl.pt: the RL state before rl.json
 
 
-def _read_json(path: Path, field: str, what: str):
-    if not path.is_file():
-        raise InvalidInputError(field, f"{path} is missing ({what})")
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise InvalidInputError(
-            field, f"{path} is unreadable or damaged ({' '.join(str(e).split())})"
-        ) from None
+_read_json = read_json
 
 
 def read_run(out_dir) -> dict:
@@ -112,42 +99,18 @@ def _unplain(obj):
     return obj
 
 
-def latest_checkpoint(out_dir) -> Path | None:
-    """The newest complete ``DIR/checkpoints/step-N`` (with its ``done.json``), or None."""
-    root = Path(out_dir) / "checkpoints"
-    best = None
-    for p in root.glob("step-*") if root.is_dir() else ():
-        try:
-            n = int(p.name.split("-", 1)[1])
-        except ValueError:
-            continue
-        if (p / "done.json").is_file() and (best is None or n > best[0]):
-            best = (n, p)
-    return None if best is None else best[1]
-
-
-def tree_chunk_size(task, device="cpu") -> int:
-    """The KDA / GDN chunk size for a task's trees: the power of two at most half its shortest
-    segment between forks (each turn's action tokens), in [8, 64]. A fork inside a chunk
-    replays the chunk's rows before it, so short trees want short chunks: on kimi-linear-tiny,
-    token-set's trees (4 x (5 + 8 x 4 + 8 x 2) tokens, 672 trajectory rows) ran 404 compact + 268
-    replay rows at chunk 16 to 64 (no gain over trajectory-wise) and 404 + 140 at chunk 8; 16
-    leaves of 67 tokens ran 642 + 430 at chunk 64 and 642 + 46 at chunk 16 (4.6x faster on a CPU);
-    long trees (8 x (64 + 64 x 4 + 64 x 2)) run no replay and were 2.5x slower at chunk 8 than 16.
-    On CUDA the floor is 32 (the Triton KDA kernels take 32 or 64)."""
-    shortest = min(task.action_tokens(t) for t in range(task.turns))
-    c = 8 if torch.device(device).type == "cpu" else 32  # the Triton KDA path takes 32 or 64
-    while c * 2 <= min(64, shortest // 2):
-        c *= 2
-    return c
-
-
-def _engine_config(options: dict):
+def _engine_config(options: dict, steps: int):
+    """The engine's config of the run's options; a decaying schedule without ``total_steps`` ends at
+    the run's ``steps`` (a resumed run's new total: :func:`harts_runtime.job_config.resolve_total_steps`,
+    the rule ``harts-train`` follows)."""
     from harts_runtime.engine import EngineConfig
 
     options = dict(options)
     loss = PolicyLossConfig(**options.pop("loss_config"))
     objective = options.pop("objective")
+    total = resolve_total_steps(options.get("total_steps"), steps, options.get("lr_schedule", "constant"))
+    if total is not None:
+        options["total_steps"] = total
     return EngineConfig(objective=objective, loss_config=loss, **options)
 
 
@@ -169,30 +132,31 @@ class RLRun:
         opts.setdefault("loss_config", {"kl_coef": 0.0, "loss_agg_mode": "token-mean"})
         self.engine_options = opts
         torch.manual_seed(config.seed)
-        self.task = task or make_task(config.task, **config.task_args)
-        config.check_task(self.task)  # the tree's size, before any work
-        self.chunk_size = config.chunk_size or tree_chunk_size(self.task, config.device)
+        self.source = OnlineSource(config, task=task)
+        self.task, self.forks, self.sampler = self.source.task, self.source.forks, self.source.sampler
+        job = JobConfig(model={"chunk_size": config.chunk_size})
+        self.chunk_size = job.resolve(config.device, "online", chunk_size=self.source.chunk_size).chunk_size
+        self.source.trained_chunk_size = self.chunk_size
         source = config.model if config.model is not None else config.flavor
         layers = {} if config.layers is None else {"num_layers": config.layers}
         self.engine = HartsEngine.build(
-            source, _engine_config(opts), device=config.device, chunk_size=self.chunk_size, **layers
+            source,
+            _engine_config(opts, config.steps),
+            device=config.device,
+            chunk_size=self.chunk_size,
+            **layers,
         )
-        self.forks = dict(config.forks if config.forks is not None else self.task.default_forks)
-        self.sampler = TreeSampler(
-            self.task,
-            self.forks,
-            config.prompts,
-            config.temperature,
-            config.seed,
-            max_step_tokens=config.max_step_tokens,
-        )
-        if rollout_factory is None:
-            from harts_runtime.rl.transformers_backend import TransformersRollout
-
-            rollout_factory = TransformersRollout.from_engine
-        self.rollout = rollout_factory(self.engine)
+        self.source.attach(self.engine, rollout_factory)
+        self.rollout = self.source.rollout
         self.step = 0
-        self.last_leaves: list[Leaf] = []
+
+    @property
+    def last_leaves(self):
+        return self.source.last_leaves
+
+    @property
+    def last_output(self):
+        return self.source.last_output
 
     # ------------------------------------------------------------------ run folder
     def _run_record(self) -> dict:
@@ -291,7 +255,7 @@ class RLRun:
                 f"{state_file} holds no sampler state ({type(e).__name__}: {' '.join(str(e).split())})",
             ) from None
         self.step = n
-        self.rollout.load_weights(self.engine.export_weights(names="transformers"))
+        self.source.sync(self.engine)
 
     @staticmethod
     def _read_state(path: Path):
@@ -360,112 +324,46 @@ class RLRun:
                     f"was saved with {a.get(k)!r}",
                 )
 
-    # ------------------------------------------------------------------ one step
-    def rollouts(self, leaves: list[Leaf], old_logprobs=None):
-        """The :class:`~harts_runtime.rollouts.Rollouts` of ``leaves``: per-token advantages of the
-        config's estimator, loss mask on the action tokens, old log-probs (``old_logprobs`` [P], or
-        the sampler's)."""
-        from harts_runtime.rollouts import Rollouts
-
-        adv = advantages(self.config.advantage, leaves, self.forks)
-        kw = dict(
-            advantages=[lf.per_token(a) for lf, a in zip(leaves, adv)],
-            loss_mask=[lf.loss_mask() for lf in leaves],
-            vocab_size=self.engine.vocab_size,
-        )
-        if old_logprobs is None:
-            kw["old_logprobs"] = [np.minimum(lf.per_token(), 0.0) for lf in leaves]
-        ro = Rollouts.from_lists([lf.tokens for lf in leaves], **kw)
-        if old_logprobs is not None:
-            ro.old_logprobs = torch.where(
-                ro.loss_mask, old_logprobs.float(), torch.zeros_like(old_logprobs.float())
-            )
-            ro.check(self.engine.vocab_size)
-        return ro
-
-    def _sync_atol(self) -> float:
-        if self.config.sync_atol is not None:
-            return self.config.sync_atol
-        return 2e-3 if next(self.engine.model.parameters()).dtype in (torch.float32, torch.float64) else 1.0
+    # ------------------------------------------------------------------ steps
+    def rollouts(self, leaves, old_logprobs=None):
+        """The :class:`~harts_runtime.rollouts.Rollouts` of ``leaves`` (:meth:`OnlineSource.rollouts`)."""
+        return self.source.rollouts(self.engine, leaves, old_logprobs)
 
     def run_step(self) -> dict:
         """One step; returns its record (also kept as the run's state: :attr:`step` advanced)."""
-        from harts_runtime.rollouts import Rollouts
-
-        t0 = time.perf_counter()
-        leaves = self.sampler.sample(self.rollout)
-        t1 = time.perf_counter()
-        old = None
-        if self.config.recompute_logprobs:
-            old = self.engine.logprobs(Rollouts.from_lists([lf.tokens for lf in leaves]))
-        t2 = time.perf_counter()
-        ro = self.rollouts(leaves, old)
-        out = self.engine.forward_backward(ro)
-        rep = self.engine.optimizer_step()
-        t3 = time.perf_counter()
-        self.rollout.load_weights(self.engine.export_weights(names="transformers"))
-        diff = 0.0
-        if self.config.sync_sequences:
-            seqs = [lf.tokens for lf in leaves[:: max(1, len(leaves) // self.config.sync_sequences)]]
-            diff = check_sync(
-                self.engine, self.rollout, seqs[: self.config.sync_sequences], self._sync_atol()
-            )
-        t4 = time.perf_counter()
+        rec = train_one(self.engine, self.source, self.step + 1)
         self.step += 1
-        self.last_leaves, self.last_output = leaves, out
-        rewards = np.array([lf.reward for lf in leaves])
-        m = out.metrics
-        mask = ro.loss_mask
-        sample_lp = torch.tensor([v for lf in leaves for v in lf.action_logprobs], dtype=torch.float64)
-        rec = {
-            "step": self.step,
-            "reward_mean": float(rewards.mean()),
-            "reward_min": float(rewards.min()),
-            "reward_max": float(rewards.max()),
-            "loss": float(out.loss),
-            "grad_norm": float(rep.grad_norm),
-            "lr": float(rep.lr),
-            "skipped": bool(rep.skipped),
-            "leaves": len(leaves),
-            "tokens": int(sum(len(lf.tokens) for lf in leaves)),
-            "semantic_tokens": int(m["semantic_tokens"]),
-            "rows": int(m["rows"]),
-            "replay_rows": int(m["replay_tokens"]),
-            "compression": float(m["compression"]),
-            "chunk_size": self.chunk_size,
-            "compression_with_replay": int(m["semantic_tokens"])
-            / max(1, int(m["rows"]) + int(m["replay_tokens"])),
-            "sampler_drift": float((out.logprobs[mask].double() - sample_lp).abs().max())
-            if len(sample_lp)
-            else 0.0,
-            "sync_diff": diff,
-            "generate_seconds": t1 - t0,
-            "logprobs_seconds": t2 - t1,
-            "train_seconds": t3 - t2,
-            "sync_seconds": t4 - t3,
-            "step_seconds": t4 - t0,
-        }
         return rec
+
+    def _save_at(self, k: int) -> None:
+        self.step = k
+        self.save()
 
     def run(self, progress=None) -> list[dict]:
         """Steps until ``config.steps`` (a total), checkpointing every ``save_every`` steps and at the
-        end; returns the records written. ``progress(line)``: one plain line per step."""
+        end, through the job loop; returns the records written. ``progress(line)``: one plain line
+        per step."""
         self.write_run()
-        writer = MetricsWriter(self.dir, self.step)
-        records = []
+        writer = MetricsWriter.of_run(self.dir, self.step)
+        start, steps = self.step, self.config.steps
+
+        def show(rec: dict) -> None:
+            self.step = rec["step"]
+            if progress is not None:
+                progress(_line(rec, steps))
+
         try:
-            while self.step < self.config.steps:
-                rec = self.run_step()
-                writer.write(rec)
-                records.append(rec)
-                if progress is not None:
-                    progress(_line(rec, self.config.steps))
-                every = self.config.save_every
-                if every and self.step % every == 0:
-                    self.save()
-            if self.step and (
-                latest_checkpoint(self.dir) is None or latest_checkpoint(self.dir).name != f"step-{self.step}"
-            ):
+            records = run_job(
+                self.engine,
+                self.source,
+                done=start,
+                steps=steps,
+                save=self._save_at,
+                save_every=self.config.save_every,
+                writer=writer,
+                show=show,
+            )
+            if self.step and latest_checkpoint(self.dir) is None:
                 self.save()
         finally:
             writer.close()

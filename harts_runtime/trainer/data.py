@@ -12,7 +12,30 @@ from harts_runtime.errors import InvalidInputError, UsageError
 __all__ = ["FileData", "SyntheticData", "load_data"]
 
 
-class FileData:
+class _Source:
+    """A data source of :func:`harts_runtime.trainer.job.run_job` over ``step(i)``: step ``k`` trains
+    on step ``position % num_steps``; the position advances by one per step (saved with the
+    checkpoint)."""
+
+    position = 0
+    num_steps = 1
+    key = None
+
+    def step(self, i: int):
+        raise NotImplementedError
+
+    def next_step(self, engine):
+        batch, self.key = self.step(self.position % self.num_steps)
+        self.position += 1
+        return batch
+
+    def record(self, step: int, result, report, seconds: dict) -> dict:
+        from harts_runtime.trainer.loop import step_record
+
+        return step_record(step, self.key, result, report, seconds["train"])
+
+
+class FileData(_Source):
     """A rollout file's steps (:class:`harts_runtime.rollout_files.RolloutFile`)."""
 
     def __init__(self, rf):
@@ -60,7 +83,7 @@ class FileData:
         return a.get("kind") == "file" and b.get("kind") == "file" and a.get("sha256") == b.get("sha256")
 
 
-class SyntheticData:
+class SyntheticData(_Source):
     """The synthetic step (``--preset``), the same every step."""
 
     def __init__(self, step, fingerprint: dict):

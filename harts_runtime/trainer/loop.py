@@ -14,35 +14,14 @@ the position advances by one per step and is saved with the checkpoint.
 from __future__ import annotations
 
 import json
-import math
 import time
-from pathlib import Path
 
+from harts_runtime.trainer.job import run_job
+from harts_runtime.trainer.metrics import MetricsWriter, finite
 from harts_runtime.trainer.progress import PROG, Progress, step_line
 from harts_runtime.trainer_state import STATE_NAME, step_folder, trainer_state_text
 
-__all__ = ["finite", "run_loop", "step_record", "trim_metrics"]
-
-
-def finite(v):
-    """``v``, or None for a non-finite float (JSON has no NaN)."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v
-
-
-def trim_metrics(path: Path, upto: int) -> None:
-    """Keep the records of steps <= ``upto`` (a resumed run rewrites what follows)."""
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if int(json.loads(line)["step"]) <= upto:
-                keep.append(line)
-        except (ValueError, KeyError, TypeError):
-            continue
-    path.write_text("".join(s + "\n" for s in keep))
+__all__ = ["finite", "run_loop", "step_record"]
 
 
 def step_record(step: int, key, res, rep, dt: float) -> dict:
@@ -86,38 +65,35 @@ def step_record(step: int, key, res, rep, dt: float) -> dict:
 
 
 def run_loop(engine, data, args, steps, done, position, record_args, world, lead, out, err) -> int:
-    """Train from step ``done`` to ``steps`` (data position ``position``); returns 0.
-    ``record_args``: the settings saved in ``trainer.json``; ``lead``: this is rank 0."""
-    metrics_file = writer = None
-    if lead and args.metrics is not None:
-        mpath = Path(args.metrics)
-        mpath.parent.mkdir(parents=True, exist_ok=True)
-        if done:
-            trim_metrics(mpath, done)
-        metrics_file = open(mpath, "a" if done else "w")  # noqa: SIM115 - closed in finally
-    if lead and args.tensorboard is not None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(args.tensorboard, purge_step=done + 1 if done else None)
+    """Train from step ``done`` to ``steps`` (data position ``position``) through the job loop
+    (:func:`harts_runtime.trainer.job.run_job`); returns 0. ``record_args``: the settings saved in
+    ``trainer.json``; ``lead``: this is rank 0."""
+    writer = None
+    if lead and (args.metrics is not None or args.tensorboard is not None):
+        writer = MetricsWriter(args.metrics, done, tensorboard=args.tensorboard, prefix="train")
     progress = Progress(args.progress, steps, done, args.progress_every, err, enabled=lead)
-    last_saved = done if args.resume else None
+    data.position = position
 
     def save(k: int) -> None:
-        nonlocal last_saved
         folder = step_folder(args.save, k)
         state = {
             "steps_done": k,
             "engine_step": engine.step,
-            "data": dict(data.fingerprint, position=position),
+            "data": dict(data.fingerprint, position=data.position),
             "args": record_args,
             "world_size": world,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         # trainer.json goes into the staged folder: the checkpoint appears whole, with it, or not at all
         engine.save(folder, files={STATE_NAME: trainer_state_text(state)})
-        last_saved = k
         if lead:
             print(f"saved {folder}", file=err, flush=True)
+
+    def show(rec: dict) -> None:
+        if lead:
+            line = json.dumps({n: finite(v) for n, v in rec.items()}) if args.json else step_line(rec, steps)
+            progress.write(line, out)
+            progress.update(rec["step"], rec)
 
     try:
         if done >= steps and lead:
@@ -127,31 +103,16 @@ def run_loop(engine, data, args, steps, done, position, record_args, world, lead
                 file=err,
                 flush=True,
             )
-        for k in range(done, steps):
-            batch, key = data.step(position % data.num_steps)
-            position += 1
-            t0 = time.perf_counter()
-            res = engine.forward_backward(batch)
-            rep = engine.optimizer_step()
-            dt = time.perf_counter() - t0
-            rec = step_record(k + 1, key, res, rep, dt)
-            if lead:
-                if metrics_file is not None:
-                    metrics_file.write(json.dumps({n: finite(v) for n, v in rec.items()}) + "\n")
-                    metrics_file.flush()
-                if writer is not None:
-                    for n, v in rec.items():
-                        if isinstance(v, (int, float)) and not isinstance(v, bool) and n != "step":
-                            writer.add_scalar(f"train/{n}", v, k + 1)
-                line = (
-                    json.dumps({n: finite(v) for n, v in rec.items()}) if args.json else step_line(rec, steps)
-                )
-                progress.write(line, out)
-                progress.update(k + 1, rec)
-            if args.save is not None and args.save_every and (k + 1) % args.save_every == 0:
-                save(k + 1)
-        if args.save is not None and steps > done and last_saved != steps:
-            save(steps)
+        run_job(
+            engine,
+            data,
+            done=done,
+            steps=steps,
+            save=save if args.save is not None else None,
+            save_every=args.save_every,
+            writer=writer,
+            show=show,
+        )
         if args.export is not None:
             from harts_runtime.hf import save_pretrained
 
@@ -160,8 +121,6 @@ def run_loop(engine, data, args, steps, done, position, record_args, world, lead
                 print(f"exported {args.export}", file=err, flush=True)
     finally:
         progress.close()
-        if metrics_file is not None:
-            metrics_file.close()
         if writer is not None:
             writer.close()
     return 0

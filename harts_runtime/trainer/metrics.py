@@ -1,7 +1,9 @@
-"""An RL run's outputs per step (:class:`MetricsWriter`): ``DIR/metrics.jsonl`` (one JSON object per
-step; a resumed run drops the records past its step first), TensorBoard event files in ``DIR/tb``
-when tensorboard is installed, and at the end ``DIR/reward.png`` (the reward curve) when matplotlib
-is importable (else a note says it was skipped; matplotlib is not a dependency).
+"""A job's outputs per step, for both commands (:class:`MetricsWriter`): a JSON-lines file (one
+object per step; a resumed run drops the records past its step first: ``harts-train --metrics
+FILE``, ``harts-rl``'s ``DIR/metrics.jsonl``), TensorBoard event files (``--tensorboard DIR``;
+``harts-rl``: ``DIR/tb`` when tensorboard is installed), and at the end of an RL run
+``DIR/reward.png`` (:func:`plot_rewards`, the reward curve) when matplotlib is importable (else a
+note says it was skipped; matplotlib is not a dependency).
 
 ``metrics.jsonl`` is never rewritten in place: records are appended (flushed and synced each step),
 and when a resumed run must drop records past its step (or a line a kill cut short) the records it
@@ -16,10 +18,11 @@ import math
 import os
 from pathlib import Path
 
-__all__ = ["MetricsWriter", "plot_rewards", "read_metrics"]
+__all__ = ["MetricsWriter", "finite", "plot_rewards", "read_metrics", "write_atomic"]
 
 
-def _finite(v):
+def finite(v):
+    """``v``, or None for a non-finite float (JSON has no NaN)."""
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
@@ -70,40 +73,62 @@ def write_atomic(path, text: str) -> None:
 
 
 class MetricsWriter:
-    """Appends step records to ``DIR/metrics.jsonl`` (and TensorBoard when installed)."""
+    """Appends step records to the JSON-lines file ``path`` (flushed and synced each step) and, with
+    ``tensorboard`` (a folder), writes their numbers as ``<prefix>/<name>`` scalars there
+    (``optional``: only when tensorboard is installed). ``path`` a folder: an RL run folder's
+    (:meth:`of_run`). ``resumed_step``: the records past it are dropped first (by rename); 0: a new
+    run, the file starts empty."""
 
-    def __init__(self, out_dir, resumed_step: int = 0):
-        self.dir = Path(out_dir)
-        self.path = self.dir / "metrics.jsonl"
-        try:
-            current = self.path.read_text() if self.path.is_file() else None
-        except (OSError, UnicodeDecodeError):
-            current = None
-        keep = "".join(line + "\n" for line in (current or "").splitlines() if _kept(line, resumed_step))
-        if current != keep:
-            write_atomic(self.path, keep)
-        self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
+    def __init__(
+        self, path, resumed_step: int = 0, *, tensorboard=None, prefix: str = "train", optional: bool = False
+    ):
+        self.path = None if path is None else Path(path)
+        if self.path is not None and self.path.is_dir():  # an RL run folder (:meth:`of_run`)
+            tensorboard, prefix, optional = self.path / "tb", "rl", True
+            self.path = self.path / "metrics.jsonl"
+        self.prefix = prefix
+        self._file = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                current = self.path.read_text() if self.path.is_file() else None
+            except (OSError, UnicodeDecodeError):
+                current = None
+            keep = "".join(line + "\n" for line in (current or "").splitlines() if _kept(line, resumed_step))
+            if current != keep:
+                write_atomic(self.path, keep)
+            self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
         self.writer = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+        if tensorboard is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(
-                str(self.dir / "tb"), purge_step=resumed_step + 1 if resumed_step else None
-            )
-        except ImportError:
-            pass
+                self.writer = SummaryWriter(
+                    str(tensorboard), purge_step=resumed_step + 1 if resumed_step else None
+                )
+            except ImportError:
+                if not optional:
+                    raise
+
+    @classmethod
+    def of_run(cls, out_dir, resumed_step: int = 0) -> MetricsWriter:
+        """An RL run folder's: ``DIR/metrics.jsonl`` and, when installed, TensorBoard in ``DIR/tb``."""
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        return cls(out_dir, resumed_step)
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps({k: _finite(v) for k, v in record.items()}) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        if self._file is not None:
+            self._file.write(json.dumps({k: finite(v) for k, v in record.items()}) + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
         if self.writer is not None:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
-                    self.writer.add_scalar(f"rl/{k}", v, record["step"])
+                    self.writer.add_scalar(f"{self.prefix}/{k}", v, record["step"])
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self.writer is not None:
             self.writer.close()
 

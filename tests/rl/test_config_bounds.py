@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from harts_runtime.cli.rl import main
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.rl import RLConfig, Task
-from harts_runtime.rl.cli import main
 from harts_runtime.rl.config import BOUNDS, DEFAULT_MAX_LEAVES, DEFAULT_MAX_STEP_TOKENS
 from harts_runtime.rl.rollout_engine import Frontier, RolloutEngine
 from harts_runtime.rl.sampler import TreeSampler
@@ -295,7 +295,7 @@ def test_a_tree_bomb_is_refused_without_importing_torch(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("forks = {0 = 100000}\n")
     code = (
-        "import sys; from harts_runtime.rl.cli import main; "
+        "import sys; from harts_runtime.cli.rl import main; "
         f"rc = main(['--flavor', 'kimi-linear-tiny', '--config', {str(path)!r}, '--out', {str(tmp_path / 'o')!r}]); "
         "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)"
     )

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from harts_runtime.cli.rl import main
 from harts_runtime.rl import check_sync
-from harts_runtime.rl.cli import main
-from harts_runtime.rl.metrics import read_metrics
+from harts_runtime.trainer.metrics import read_metrics
 
 pytest.importorskip("transformers")
 hp = pytest.importorskip("harts_planner")

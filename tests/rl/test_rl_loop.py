@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
+from harts_runtime.cli.rl import main
 from harts_runtime.rl import RLConfig, RLRun
-from harts_runtime.rl.cli import main
-from harts_runtime.rl.metrics import read_metrics
+from harts_runtime.trainer.metrics import read_metrics
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,12 +14,12 @@ import shutil
 import pytest
 import torch
 
+from harts_runtime.cli.rl import main
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.parallel import checkpoint_folder
 from harts_runtime.rl import RLConfig, RLRun
-from harts_runtime.rl.cli import main
 from harts_runtime.rl.loop import RUN_NAME, STATE_NAME, latest_checkpoint
-from harts_runtime.rl.metrics import MetricsWriter, read_metrics
+from harts_runtime.trainer.metrics import MetricsWriter, read_metrics
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")

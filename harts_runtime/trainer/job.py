@@ -1,0 +1,62 @@
+"""The job loop, once for every command (:func:`run_job`): each step the data source's next batch
+(``source.next_step(engine)``), :meth:`~harts_runtime.engine.HartsEngine.forward_backward` and
+:meth:`~harts_runtime.engine.HartsEngine.optimizer_step`, the source's ``after_step`` (an online
+source's weight sync and its check), the step's record (``source.record``) to the metrics writer and
+the display, and the save cadence (every ``save_every`` steps and at the end).
+
+A data source is any object with
+
+* ``next_step(engine)``: the next step's batch (:class:`~harts_runtime.step_inputs.StepInputs` or
+  :class:`~harts_runtime.rollouts.Rollouts`, what ``forward_backward`` takes);
+* ``record(step, result, report, seconds)``: the step's record (a dict with ``step``), from the
+  engine's output, the optimizer report and the seconds of its parts (``data``: ``next_step``,
+  ``train``: the engine step, ``after``: ``after_step``, ``step``: all);
+* optionally ``after_step(engine, result, report)``.
+
+The sources: a rollout file's steps and the synthetic step (:mod:`harts_runtime.trainer.data`,
+``harts-train``) and the online RL source (:class:`harts_runtime.rl.source.OnlineSource`,
+``harts-rl``).
+"""
+
+from __future__ import annotations
+
+import time
+
+__all__ = ["run_job", "train_one"]
+
+
+def train_one(engine, source, step: int) -> dict:
+    """One step of ``source`` on ``engine``; returns its record (``step``: its 1-based number)."""
+    t0 = time.perf_counter()
+    batch = source.next_step(engine)
+    t1 = time.perf_counter()
+    result = engine.forward_backward(batch)
+    report = engine.optimizer_step()
+    t2 = time.perf_counter()
+    after = getattr(source, "after_step", None)
+    if after is not None:
+        after(engine, result, report)
+    t3 = time.perf_counter()
+    return source.record(step, result, report, {"data": t1 - t0, "train": t2 - t1, "after": t3 - t2, "step": t3 - t0})
+
+
+def run_job(engine, source, *, done: int, steps: int, save=None, save_every: int = 0, writer=None, show=None):
+    """Train from step ``done`` to ``steps`` (a total); returns the records. ``save(k)`` writes the
+    checkpoint after step ``k`` (every ``save_every`` steps, and at the end when steps ran);
+    ``writer.write(record)`` (a :class:`~harts_runtime.trainer.metrics.MetricsWriter`) and
+    ``show(record)`` see every record."""
+    records = []
+    last_saved = done
+    for k in range(done, steps):
+        rec = train_one(engine, source, k + 1)
+        if writer is not None:
+            writer.write(rec)
+        if show is not None:
+            show(rec)
+        records.append(rec)
+        if save is not None and save_every and (k + 1) % save_every == 0:
+            save(k + 1)
+            last_saved = k + 1
+    if save is not None and steps > done and last_saved != steps:
+        save(steps)
+    return records
