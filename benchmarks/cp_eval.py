@@ -1032,6 +1032,7 @@ def _worker(rank, world, name, dims_kw, recompute, mode="heads"):
 
     import harts_planner as hp
     from harts_runtime import StepInputs, run_microbatch
+    from harts_runtime.engine import microbatch_call_plan
     from harts_runtime.microbatch import make_microbatch
     from harts_runtime.parallel import ParallelDims, parallelize, run_replica_step
 
@@ -1051,7 +1052,8 @@ def _worker(rank, world, name, dims_kw, recompute, mode="heads"):
     mbs = []
 
     def microbatch(slot, traj):
-        mb = make_microbatch(model, step, np.asarray(traj, dtype=np.int64), "compact")
+        traj = np.asarray(traj, dtype=np.int64)
+        mb = make_microbatch(model, step, traj, "compact", microbatch_call_plan(model, step, traj))
         n = mb.num_rows
         rows = {"n": n, "p": int(mb.target_index.shape[0]), "row_block": list(row_block(n, dims.cp, cp_rank))}
         if mode == "states":

@@ -419,6 +419,7 @@ def _reference(args, cfg, bf16: bool, dev, step, plan, keep, path) -> dict:
     """Rank 0: the step plan's microbatches on one unparallelised copy (float32, or its parameters
     cast to bf16); the gradients go to the file ``path``, the rest is returned."""
     from harts_runtime import apply_recompute, run_microbatch
+    from harts_runtime.engine import microbatch_call_plan
 
     model = apply_recompute(_build(cfg, bf16, dev, args.seed), args.recompute, keep=keep).train()
     lp = np.full(step.num_targets, np.nan)
@@ -426,7 +427,9 @@ def _reference(args, cfg, bf16: bool, dev, step, plan, keep, path) -> dict:
     _sync(dev)
     t = time.perf_counter()
     for mb in plan.microbatches:
-        contribution, st = run_microbatch(model, step, np.asarray(mb, dtype=np.int64), "compact")
+        traj = np.asarray(mb, dtype=np.int64)
+        calls = microbatch_call_plan(model, step, traj)
+        contribution, st = run_microbatch(model, step, traj, "compact", call_plan=calls)
         loss += float(contribution)
         lp[st["target_index"].cpu().numpy()] = st["logprobs"].double().cpu().numpy()
     _sync(dev)
@@ -762,6 +765,7 @@ def run_config(
     import harts_planner as hp
     from harts_planner.step_plan import imbalance
     from harts_runtime import run_microbatch
+    from harts_runtime.engine import microbatch_call_plan
     from harts_runtime.flops import work_compression
     from harts_runtime.microbatch import make_microbatch
     from harts_runtime.parallel import parallelize, replica_schedule, run_replica_step, sync_expert_load
@@ -820,7 +824,7 @@ def run_config(
 
     def fidelity_mb(slot, traj):
         traj = np.asarray(traj, dtype=np.int64)
-        mb = make_microbatch(model, step, traj, "compact")
+        mb = make_microbatch(model, step, traj, "compact", microbatch_call_plan(model, step, traj))
         first_mbs.append(
             {
                 "n": int(mb.num_rows),

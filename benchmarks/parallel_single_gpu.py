@@ -105,6 +105,7 @@ def _peak(dev) -> float:
 
 def section_overhead(args, dev) -> dict:
     from harts_runtime import HybridModel, apply_recompute, make_microbatch, run_microbatch
+    from harts_runtime.engine import microbatch_call_plan
     from harts_runtime.parallel import parallelize
 
     if args.fast_autotune:
@@ -119,7 +120,7 @@ def section_overhead(args, dev) -> dict:
     apply_recompute(model, keep=keep)
     step = _slice(args, cfg)
     traj = np.arange(step.batch.num_trajectories)
-    mb = make_microbatch(model, step, traj, "compact")
+    mb = make_microbatch(model, step, traj, "compact", microbatch_call_plan(model, step, traj))
     log(f"microbatch: {mb.stats}")
 
     def fbg():
@@ -162,6 +163,7 @@ def section_overhead(args, dev) -> dict:
 
 def section_offload_one(args, dev) -> dict:
     from harts_runtime import HybridModel, make_microbatch, run_microbatch
+    from harts_runtime.engine import microbatch_call_plan
     from harts_runtime.parallel import parallelize
 
     if args.fast_autotune:
@@ -188,7 +190,8 @@ def section_offload_one(args, dev) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     shard_s = time.perf_counter() - t0
     step = _slice(args, cfg)
-    mb = make_microbatch(model, step, np.arange(step.batch.num_trajectories), "compact")
+    traj = np.arange(step.batch.num_trajectories)
+    mb = make_microbatch(model, step, traj, "compact", microbatch_call_plan(model, step, traj))
     times = []
     for _ in range(args.repeats):
         opt.zero_grad(set_to_none=True)

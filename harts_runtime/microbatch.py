@@ -5,7 +5,8 @@ log-probs, loss share and backward. The step loop above it is
 
 Both executions run the same model, the same per-token objective and the same step metadata:
 
-* ``mode="compact"`` (HARTS): ``harts_planner.plan_step`` -> per microbatch ``plan_calls`` ->
+* ``mode="compact"`` (HARTS): ``harts_planner.plan_step`` -> per microbatch ``plan_calls`` (both
+  by the engine, :meth:`harts_runtime.engine.HartsEngine.plan`; nothing here plans) ->
   :func:`~harts_runtime.layout.rows.compact_microbatch` (physical rows, KDA rounds, ancestor-KV
   views, multiplicities) -> model forward on compact rows -> mapped log-probs in original batch
   order -> unchanged GRPO/PPO loss -> backward;
@@ -48,7 +49,6 @@ import numpy as np
 import torch
 import torch.profiler
 
-from harts_planner import plan_calls
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.rows import (
     MODES,
@@ -72,18 +72,24 @@ def make_microbatch(
     model: HybridModel, step: StepInputs, traj_indices, mode: str, call_plan=None
 ) -> Microbatch:
     """The microbatch of trajectories ``traj_indices`` on the model's device (compact: from
-    ``call_plan``, planned here when None). No trajectories give the empty microbatch (zero rows,
-    zero loss; data parallelism pads a short replica's slots with it)."""
+    ``call_plan``, which the caller planned: :meth:`harts_runtime.engine.HartsEngine.plan`, or
+    :func:`harts_runtime.engine.microbatch_call_plan` for one microbatch by hand; nothing here
+    plans). No trajectories give the empty microbatch (zero rows, zero loss; data parallelism pads
+    a short replica's slots with it). The step's tokens and values are not checked here: the
+    engine checks them once per step (:meth:`~harts_runtime.engine.HartsEngine.step_inputs`).
+    Raises :class:`InvalidInputError` naming ``mode`` (unknown) or ``call_plan`` (compact mode,
+    trajectories but no call plan)."""
     _check_mode(mode)
     cfg = model.config
-    step.check_tokens(cfg.vocab_size)
     with torch.profiler.record_function("harts.layout"):
         if mode == "trajectory" or (call_plan is None and len(traj_indices) == 0):
             mb, call_plan = trajectory_microbatch(step, traj_indices, cfg, model.device), None
         else:
             if call_plan is None:
-                call_plan = plan_calls(
-                    step.batch, cfg.chunk_size, microbatch=np.asarray(traj_indices), conv_width=cfg.conv_size
+                raise InvalidInputError(
+                    "call_plan",
+                    "a compact microbatch needs its call plan, planned by the caller: "
+                    "harts_runtime.engine.microbatch_call_plan(model, step, traj_indices)",
                 )
             mb = compact_microbatch(step, call_plan, cfg, model.device)
         hook = getattr(model, "_harts_cp_layout", None)  # CP by state passing: the microbatch's split
@@ -136,13 +142,15 @@ def run_microbatch(
     """Forward and backward of one microbatch; returns ``(loss_contribution, stats)``.
 
     ``traj_indices``: the microbatch's trajectory ids (ignored when ``microbatch``, from
-    :func:`make_microbatch`, is given; empty: the empty microbatch); ``call_plan``: its
-    precomputed plan (compact mode); ``backward``: backpropagate the contribution (gradients
-    accumulate into ``.grad``); ``return_hidden``: also return the final normed hidden rows
-    (detached) as ``stats["hidden"]`` with ``stats["row_index"]`` and ``stats["labels"]``
-    (evaluation); ``loss_fn``: the objective, ``loss_fn(logprobs, inputs) -> loss`` or ``(loss,
-    metrics)`` (:mod:`harts_runtime.loss.functions`; None: the step's GRPO / PPO,
-    :data:`~harts_runtime.loss.functions.policy_loss_fn`), normalised by step-level denominators.
+    :func:`make_microbatch`, is given; empty: the empty microbatch); ``call_plan``: its call plan
+    (compact mode: needed unless ``microbatch`` is given or no trajectories; the caller plans it,
+    :func:`harts_runtime.engine.microbatch_call_plan`); ``backward``: backpropagate the
+    contribution (gradients accumulate into ``.grad``); ``return_hidden``: also return the final
+    normed hidden rows (detached) as ``stats["hidden"]`` with ``stats["row_index"]`` and
+    ``stats["labels"]`` (evaluation); ``loss_fn``: the objective, ``loss_fn(logprobs, inputs) ->
+    loss`` or ``(loss, metrics)`` (:mod:`harts_runtime.loss.functions`; None: the step's GRPO /
+    PPO, :data:`~harts_runtime.loss.functions.policy_loss_fn`), normalised by step-level
+    denominators.
     The MoE router loss is added to it (its share ``S_mb / S``).
 
     Returns ``loss_contribution`` (float32 scalar, detached: this microbatch's share of the step
@@ -150,16 +158,16 @@ def run_microbatch(
     ``router_loss`` (contributions), ``rows``, ``semantic_tokens``, ``replay_tokens``,
     ``num_calls``, ``logprobs`` (detached [P_mb]), ``target_index`` ([P_mb], into the step's
     per-token tensors) and ``metrics`` (the loss function's). Raises :class:`InvalidInputError`
-    (``field="mode"``) for an unknown mode, and naming the field (``advantages[i][j]``) for a
-    non-finite advantage or log-prob the loss would read
-    (:meth:`~harts_runtime.step_inputs.StepInputs.check_microbatch`: it also sees values written
-    through ``.numpy()`` after the step was checked), before the loss and backward.
+    naming ``mode`` (unknown) or ``call_plan`` (:func:`make_microbatch`). The step's token ids and
+    per-token values are checked once per step by the step loop above
+    (:meth:`harts_runtime.engine.HartsEngine.forward_backward`), not per microbatch: a caller that
+    runs microbatches by hand checks its step first (``step.check_tokens(vocab_size)``,
+    ``step.check_values()``).
     """
     _check_mode(mode)
     mb = microbatch if microbatch is not None else make_microbatch(model, step, traj_indices, mode, call_plan)
     hidden, lp, router = forward_microbatch(model, mb, no_replay=no_replay)
     inputs = microbatch_inputs(step, mb, lp.device)
-    step.check_microbatch(inputs)
     out = (loss_fn or policy_loss_fn)(lp, inputs)
     pol, metrics = out if isinstance(out, tuple) else (out, {})
     rl = router * (mb.semantic_tokens / step.batch.semantic_tokens)

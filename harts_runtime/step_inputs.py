@@ -154,38 +154,6 @@ class StepInputs:
                 del self._cache[key]
         self._cache["fields_seen"] = seen
 
-    def check_microbatch(self, inputs) -> None:
-        """Refuse a microbatch's gathered float inputs (a
-        :class:`~harts_runtime.loss.functions.MicrobatchInputs`) that are not finite, or log-probs
-        above 0, naming the field, trajectory and position as :meth:`check_values` does. Writes that
-        bypass torch's version counters (``step.advantages.numpy()[k] = nan``) go unseen by
-        :meth:`check_tokens`; this sees them in what the loss is about to read. One elementwise pass
-        over the microbatch's ``P_mb`` entries per field, no copy of the step's tensors, and one
-        host read (a device sync on a GPU)."""
-        fields = [(n, getattr(inputs, n)) for n in _LOGPROB_FIELDS if getattr(inputs, n) is not None]
-        ok = [
-            torch.isfinite(t).all() if n == "advantages" else (torch.isfinite(t) & (t <= 0)).all()
-            for n, t in fields
-        ]
-        if not ok or bool(torch.stack(ok).all()):
-            return
-        for (name, t), good in zip(fields, ok):
-            if bool(good):
-                continue
-            bad = ~torch.isfinite(t) if name == "advantages" else ~(torch.isfinite(t) & (t <= 0))
-            j = int(bad.nonzero()[0, 0])
-            k = int(inputs.target_index[j])
-            cu = self.cu_seqlens.numpy()
-            i = int(np.searchsorted(cu, k, side="right") - 1)
-            what = (
-                "advantages must be finite" if name == "advantages" else "log-probs must be finite and <= 0"
-            )
-            raise InvalidInputError(
-                f"{name}[{i}][{k - int(cu[i])}]",
-                f"{what}, got {float(t[j])} (written after the step's check, bypassing torch, "
-                "e.g. through .numpy())",
-            )
-
     def _fields_seen(self):
         """``(tensor, version)`` of each per-token field: it changes when a field is replaced or
         edited in place through torch (its version counter); None where a tensor keeps no counter
@@ -208,10 +176,10 @@ class StepInputs:
 
     def check_tokens(self, vocab_size: int) -> None:
         """:class:`InvalidInputError` naming the first token id outside ``[0, vocab_size)`` (the
-        model's vocabulary), before it reaches an embedding as a raw IndexError; once per step.
-        Every microbatch calls it (:func:`harts_runtime.train.make_microbatch`), so it also re-runs
-        :meth:`check_values` when a field was replaced or edited in place through torch since the
-        last check (O(1) otherwise)."""
+        model's vocabulary), before it reaches an embedding as a raw IndexError; once per step (the
+        engine calls it, :meth:`harts_runtime.engine.HartsEngine.step_inputs`; the microbatches below
+        check nothing). It also re-runs :meth:`check_values` when a field was replaced or edited in
+        place through torch since the last check (O(1) otherwise)."""
         self._check_values_if_changed()
         if self._cache.get("tokens_checked") == vocab_size:
             return

@@ -22,12 +22,15 @@ its per-target fields (:mod:`harts_runtime.loss.functions`); it must use step-le
 
 The package, one job per module: :mod:`~harts_runtime.engine.config` (:class:`EngineConfig`, the
 composition of :mod:`harts_runtime.options`), :mod:`~harts_runtime.engine.engine` (:class:`HartsEngine`:
-build, the step loop, the optimizer step, checkpoints), :mod:`~harts_runtime.engine.trajectory_plan`
+build, the step loop, the optimizer step, checkpoints), :mod:`~harts_runtime.engine.planning` (the
+one call for a microbatch's call plan: the microbatch below never plans),
+:mod:`~harts_runtime.engine.trajectory_plan`
 (the trajectory-wise baseline's plan-like packing) and :mod:`~harts_runtime.engine.process_state`
 (rank, barrier and RNG state of this process).
 """
 
 from harts_runtime.engine.config import EngineConfig
 from harts_runtime.engine.engine import EngineOutput, HartsEngine, StepReport
+from harts_runtime.engine.planning import microbatch_call_plan
 
-__all__ = ["EngineConfig", "EngineOutput", "HartsEngine", "StepReport"]
+__all__ = ["EngineConfig", "EngineOutput", "HartsEngine", "StepReport", "microbatch_call_plan"]

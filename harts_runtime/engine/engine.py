@@ -15,6 +15,7 @@ from torch import nn
 
 from harts_runtime.engine import process_state
 from harts_runtime.engine.config import EngineConfig
+from harts_runtime.engine.planning import microbatch_call_plan
 from harts_runtime.engine.trajectory_plan import TrajectoryPlan
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.loss.functions import LossFn, zero_loss_fn
@@ -213,9 +214,7 @@ class HartsEngine:
                 cp_size=self.cp,
             )
             for traj in rank_schedule(plan, self.mesh):
-                calls[int(traj[0])] = self.planner.plan_calls(
-                    step.batch, cfg.chunk_size, microbatch=traj, conv_width=cfg.conv_size
-                )
+                calls[int(traj[0])] = microbatch_call_plan(cfg, step, traj, planner=self.planner)
         else:
             plan = TrajectoryPlan(step, ex.capacity * self.cp, self.dp)
         return plan, calls, time.perf_counter() - t0

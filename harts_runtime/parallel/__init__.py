@@ -6,7 +6,8 @@ Nothing in the single-process path imports this package. Entry points::
     dims = ParallelDims(dp_shard=2, tp=2, ep=2, world_size=4, sequence_parallel=True)
     mesh = dims.build_mesh()
     parallelize(model, mesh, recompute=True)          # TP -> EP -> AC -> FSDP2
-    result = run_replica_step(plan, mesh, lambda slot, traj: run_microbatch(model, step, traj)[0])
+    calls = lambda traj: microbatch_call_plan(model, step, traj)   # harts_runtime.engine plans
+    result = run_replica_step(plan, mesh, lambda slot, traj: run_microbatch(model, step, traj, call_plan=calls(traj))[0])
     sync_expert_load(model, mesh)                      # before model.update_expert_bias()
     save_checkpoint(path, model, optimizer, extra={"step": 1})   # DCP; loads under any other config
     load_checkpoint(path, model, optimizer)

@@ -85,12 +85,19 @@ def _step_inputs(vocab, dp, chunk_size, seed=3):
 def _parallel_step(model, optimizer, mesh, step, plan) -> float:
     """One training step of a parallelized model (``optimizer`` None: forward and backward only)."""
     from harts_runtime import run_microbatch
+    from harts_runtime.engine import microbatch_call_plan
     from harts_runtime.parallel import run_replica_step, sync_expert_load
 
     model.train()
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
-    res = run_replica_step(plan, mesh, lambda s, t: run_microbatch(model, step, t, "compact")[0])
+    res = run_replica_step(
+        plan,
+        mesh,
+        lambda s, t: run_microbatch(
+            model, step, t, "compact", call_plan=microbatch_call_plan(model, step, t)
+        )[0],
+    )
     if optimizer is not None:
         optimizer.step()
         sync_expert_load(model, mesh)

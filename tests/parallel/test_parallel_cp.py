@@ -248,6 +248,7 @@ def _edge_runs(mesh=None, cp_mode="heads"):
     ``cp_mode``."""
     import harts_planner as hp
     from harts_runtime import HybridModel, StepInputs, apply_recompute, model_config, run_microbatch
+    from harts_runtime.engine import microbatch_call_plan
     from harts_runtime.parallel import parallelize
 
     torch.manual_seed(0)
@@ -260,7 +261,9 @@ def _edge_runs(mesh=None, cp_mode="heads"):
     step = StepInputs.synthetic(batch, seed=1, vocab_size=model.config.vocab_size)
     out = []
     for traj in (np.array([0]), np.zeros(0, dtype=np.int64), np.array([0, 1])):
-        loss, st = run_microbatch(model, step, traj, "compact")
+        loss, st = run_microbatch(
+            model, step, traj, "compact", call_plan=microbatch_call_plan(model, step, traj)
+        )
         out.append((float(loss), st["logprobs"].tolist()))
     grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
     return out, grads

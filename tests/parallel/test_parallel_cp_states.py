@@ -99,6 +99,7 @@ def _build(name, path, dp, cp):
 
 
 def _worker(rank, world, name, path, dims_kw, keep, cp_mode):
+    from harts_runtime.engine import microbatch_call_plan
     from harts_runtime.microbatch import make_microbatch
 
     dims = ParallelDims(world_size=world, **dims_kw)
@@ -107,7 +108,8 @@ def _worker(rank, world, name, path, dims_kw, keep, cp_mode):
     out = train_parallel(model, step, plan, mesh, keep, cp_mode=cp_mode)
     out["chosen"] = []  # the mode every mixer ran in each of this replica's microbatches
     for mb in plan.microbatches[mesh.coords["replica"] :: dims.dp]:
-        st = make_microbatch(model, step, np.asarray(mb, dtype=np.int64), "compact").stats
+        traj = np.asarray(mb, dtype=np.int64)
+        st = make_microbatch(model, step, traj, "compact", microbatch_call_plan(model, step, traj)).stats
         out["chosen"].append({k: v for k, v in st.items() if k.startswith("cp_states/")})
     return out
 

@@ -93,6 +93,7 @@ def train_parallel(model, step, plan, mesh, keep, **parallel_kw):
     rank's log-probs of the first step, its gradients (full tensors), the expert-load counts and the
     weights after the second step."""
     from harts_runtime import recompute_enabled, run_microbatch
+    from harts_runtime.engine import microbatch_call_plan
     from harts_runtime.parallel import parallelize, run_replica_step, sync_expert_load
 
     parallelize(model, mesh, recompute=keep is not None, keep=tuple(keep or ()), **parallel_kw)
@@ -104,7 +105,9 @@ def train_parallel(model, step, plan, mesh, keep, **parallel_kw):
         opt.zero_grad(set_to_none=True)
 
         def microbatch(slot, traj, it=it):
-            loss, stats = run_microbatch(model, step, traj, "compact")
+            loss, stats = run_microbatch(
+                model, step, traj, "compact", call_plan=microbatch_call_plan(model, step, traj)
+            )
             if it == 0:
                 for i, lp in zip(stats["target_index"].tolist(), stats["logprobs"].tolist()):
                     out["logprobs"][i] = lp
@@ -133,6 +136,7 @@ def _reference(name, path, dp, keep, plan_kind):
 def train_single(model, step, plan, keep):
     """:func:`train_parallel`'s two steps in one process, every microbatch of ``plan``."""
     from harts_runtime import apply_recompute, run_microbatch
+    from harts_runtime.engine import microbatch_call_plan
 
     apply_recompute(model, keep is not None, keep=tuple(keep or ()))
     model.train()
@@ -142,7 +146,9 @@ def train_single(model, step, plan, keep):
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for mb in plan.microbatches:
-            loss, stats = run_microbatch(model, step, np.asarray(mb, dtype=np.int64), "compact")
+            traj = np.asarray(mb, dtype=np.int64)
+            calls = microbatch_call_plan(model, step, traj)
+            loss, stats = run_microbatch(model, step, traj, "compact", call_plan=calls)
             total += float(loss)
             if it == 0:
                 out["logprobs"].update(zip(stats["target_index"].tolist(), stats["logprobs"].tolist()))

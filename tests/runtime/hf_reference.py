@@ -47,6 +47,7 @@ def compact_and_trajectory_grads(model, vocab: int, seed: int = 7):
     """One prefix-sharing microbatch (a trunk, three continuations and a fork inside the trunk)
     through ``run_microbatch`` in both modes: ``{mode: (loss, {param name: grad})}``."""
     from harts_runtime import StepInputs, run_microbatch
+    from harts_runtime.engine import microbatch_call_plan
 
     rng = np.random.default_rng(seed)
     trunk = rng.integers(0, vocab, size=21).tolist()
@@ -55,7 +56,8 @@ def compact_and_trajectory_grads(model, vocab: int, seed: int = 7):
     out = {}
     for mode in ("compact", "trajectory"):
         model.zero_grad(set_to_none=True)
-        loss, _ = run_microbatch(model, step, np.arange(len(trajs)), mode)
+        traj = np.arange(len(trajs))
+        loss, _ = run_microbatch(model, step, traj, mode, call_plan=microbatch_call_plan(model, step, traj))
         out[mode] = (
             loss.detach(),
             {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},

@@ -187,13 +187,15 @@ def test_adamw_step_save_reload_is_bit_equal_and_transformers_loads_it(checkpoin
     from safetensors import safe_open
 
     from harts_runtime import run_microbatch
+    from harts_runtime.engine import microbatch_call_plan
 
     hf, path = checkpoint
     ours = load_pretrained(path, chunk_size=16)
     ours.train()
     trajs = random_trajs(5, (17, 26))
     step = StepInputs.synthetic(hp.RolloutBatch.from_token_lists(trajs), 0)
-    run_microbatch(ours, step, np.arange(len(trajs)), "compact")  # loss and its backward
+    traj = np.arange(len(trajs))  # the loss and its backward:
+    run_microbatch(ours, step, traj, "compact", call_plan=microbatch_call_plan(ours, step, traj))
     assert all(p.grad is not None for p in ours.parameters())
     opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
     opt.step()

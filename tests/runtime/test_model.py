@@ -12,6 +12,7 @@ import triton_interpreter
 
 import harts_planner as hp
 from harts_runtime import ConfigError, HybridModel, StepInputs, apply_recompute, model_config, run_microbatch
+from harts_runtime.engine import microbatch_call_plan
 from harts_runtime.flops import attended_keys, layer_costs, model_flops, work_compression
 from harts_runtime.layout import TreeOrder, lm_chunks
 from harts_runtime.loss.logprobs import lm_head_logprobs
@@ -261,7 +262,8 @@ def test_moe_counts_accumulate_once_with_recomputation():
     for recompute in (False, True):
         torch.manual_seed(0)
         model = apply_recompute(HybridModel(model_config("debug")), recompute)
-        run_microbatch(model, step, np.arange(batch.num_trajectories), "compact")
+        traj = np.arange(batch.num_trajectories)
+        run_microbatch(model, step, traj, "compact", call_plan=microbatch_call_plan(model, step, traj))
         counts.append(
             torch.stack([b.ffn.local_tokens_per_expert.clone() for b in model.blocks if b.ffn_kind == "moe"])
         )

@@ -120,7 +120,8 @@ def test_an_in_place_change_refreshes_the_derived_weights():
 
 
 def test_an_unchanged_step_is_checked_once(monkeypatch):
-    """Every microbatch calls ``check_tokens``; the value check re-runs only when a field changed."""
+    """``check_tokens`` (the engine calls it once per step) re-runs the value check only when a field
+    changed."""
     step = _step()
     calls = []
     real = StepInputs.check_values

@@ -25,6 +25,7 @@ from harts_runtime import (
     train_step,
 )
 from harts_runtime.cli import main
+from harts_runtime.engine import microbatch_call_plan
 from harts_runtime.loss.objectives import AGG_MODES, PolicyLossConfig, policy_loss
 from harts_runtime.testing import FreshTokens
 
@@ -106,7 +107,9 @@ def test_compact_equals_trajectory(scenario, recompute):
     out = {}
     for mode in ("compact", "trajectory"):
         model.zero_grad(set_to_none=True)
-        loss, st = run_microbatch(model, step, all_traj, mode)
+        loss, st = run_microbatch(
+            model, step, all_traj, mode, call_plan=microbatch_call_plan(model, step, all_traj)
+        )
         lp = torch.empty(step.num_targets)
         lp[st["target_index"]] = st["logprobs"]
         out[mode] = (loss, lp, grads(model), st)
@@ -160,7 +163,9 @@ def test_kept_regions_run_once_and_give_the_same_gradients(monkeypatch, keep):
         apply_recompute(model, True, keep=k)
         model.zero_grad(set_to_none=True)
         calls.clear()
-        loss, _ = run_microbatch(model, step, all_traj, "compact")
+        loss, _ = run_microbatch(
+            model, step, all_traj, "compact", call_plan=microbatch_call_plan(model, step, all_traj)
+        )
         out[k] = (loss.detach(), grads(model), dict(calls))
     (l_full, g_full, n_full), (l_keep, g_keep, n_keep) = out[()], out[keep]
     layers = {
@@ -201,7 +206,9 @@ def test_the_chunk_core_saves_its_intermediates_only_where_saves_are_transient(m
     for name, (rc, keep) in settings.items():
         apply_recompute(model, rc, keep=keep, save_intermediates=name != "lean")
         seen.clear()
-        run_microbatch(model, step, all_traj, "compact")
+        run_microbatch(
+            model, step, all_traj, "compact", call_plan=microbatch_call_plan(model, step, all_traj)
+        )
         got[name] = list(seen)
     rounds = len(got["plain"]) // n
     assert rounds >= 2 and len(got["plain"]) == n * rounds
@@ -237,7 +244,14 @@ def test_kept_regions_free_a_graph_dropped_without_backward():
 
     before = alive()
     for _ in range(2):
-        run_microbatch(model, step, all_traj, "compact", backward=False)  # forward under grad
+        run_microbatch(
+            model,
+            step,
+            all_traj,
+            "compact",
+            backward=False,
+            call_plan=microbatch_call_plan(model, step, all_traj),
+        )  # forward under grad
     assert alive() == before
 
     from harts_runtime.ops.keep import kept
@@ -282,7 +296,14 @@ def test_microbatch_contributions_sum_to_the_unchanged_step_objective(mode):
     step.loss_config = PolicyLossConfig(kl_coef=0.01, loss_agg_mode=mode, clip_ratio_c=3.0)
     n = step.batch.num_trajectories
     parts = [np.arange(0, n, 3), np.arange(1, n, 3), np.arange(2, n, 3)]
-    total = sum(float(run_microbatch(model, step, p, "compact", backward=False)[0]) for p in parts)
+    total = sum(
+        float(
+            run_microbatch(
+                model, step, p, "compact", backward=False, call_plan=microbatch_call_plan(model, step, p)
+            )[0]
+        )
+        for p in parts
+    )
     lp = step_logprobs(model, step, "trajectory")
     ref, _ = policy_loss(
         lp,
@@ -299,7 +320,9 @@ def test_microbatch_contributions_sum_to_the_unchanged_step_objective(mode):
 def test_z_loss_is_grouping_invariant():
     model, step = make(many_trees(4), moe={"aux_loss_coef": 0.0, "z_loss_coef": 1.0})
     n = step.batch.num_trajectories
-    whole = run_microbatch(model, step, np.arange(n), "compact", backward=False)[1]["router_loss"]
+    all_traj = np.arange(n)
+    plan = microbatch_call_plan(model, step, all_traj)
+    whole = run_microbatch(model, step, all_traj, "compact", backward=False, call_plan=plan)[1]["router_loss"]
     split = sum(
         run_microbatch(model, step, p, "trajectory", backward=False)[1]["router_loss"]
         for p in (np.arange(n // 2), np.arange(n // 2, n))
