@@ -6,10 +6,12 @@ rows from entry states folded from every rank's affine summaries, attention gath
 rows its queries see (``parallel.cp_attention``). Trees: trajectories longer than the per-rank
 capacity T, forking on both sides of the split's cuts, at ``cp = 4`` with a fork whose state comes
 from two ranks back and forks whose replay rows live on earlier ranks (asserted on the plan).
-``cp = 8`` runs past the debug model's 4 heads. Models: the ``debug`` hybrid, tiny Qwen3.5-MoE,
-Nemotron-H, Kimi-Linear (KDA + MLA: the latent gather; also at ``cp = 4``, past its 2 heads) and
-Ling-3.0 (bounded-gate KDA + gated MLA with interleaved RoPE) checkpoints, loaded at chunk 8 (at 64
-the grid would cut only between trees); every case's split hands states across ranks (asserted).
+``cp = 8`` runs past the debug model's 4 heads; ``cp = 2 x tp = 2`` + SP holds a TP row block of
+each CP rank's split range between regions. Models: the ``debug`` hybrid, tiny Qwen3.5-MoE (GDN +
+gated attention), Nemotron-H (Mamba2), Kimi-Linear (KDA + MLA: the latent gather) and Ling-3.0
+(bounded-gate KDA + gated MLA with interleaved RoPE) checkpoints, each at ``cp = 2`` and ``cp = 4``
+(past Kimi-Linear's 2 heads), loaded at chunk 8 (at 64 the grid would cut only between trees); every
+case's split hands states across ranks (asserted).
 Compared as in ``test_parallel_step``: both step losses, every log-prob, every gradient, the MoE
 expert-load counts and every weight after two AdamW steps. Heads mode is ``test_parallel_cp``'s;
 the local plans' oracle test is ``test_cp_states_plan``.
@@ -39,10 +41,13 @@ CASES = {
     # SP: each TP rank holds a row_block of its CP rank's split range between regions
     "debug-cp2-tp2-sp-recompute": ("debug", 4, dict(cp=2, tp=2, sequence_parallel=True), (), "states"),
     "qwen35-cp2-kept": ("qwen3_5_moe_text", 2, dict(cp=2), BOTH, "states"),
+    "qwen35-cp4": ("qwen3_5_moe_text", 4, dict(cp=4), None, "states"),  # GDN + gated attention, MoE
     "nemotron_h-cp2": ("nemotron_h", 2, dict(cp=2), None, "states"),
+    "nemotron_h-cp4-recompute": ("nemotron_h", 4, dict(cp=4), (), "states"),  # Mamba2 (SSD summaries)
     "kimi-cp2": ("kimi_linear", 2, dict(cp=2), None, "states"),  # KDA + MLA (latent gather)
     "kimi-cp4-recompute": ("kimi_linear", 4, dict(cp=4), (), "states"),  # past its 2 heads
     "ling3-cp2-kept": ("ling3", 2, dict(cp=2), BOTH, "states"),
+    "ling3-cp4": ("ling3", 4, dict(cp=4), None, "states"),
 }
 
 
