@@ -92,6 +92,11 @@ def make_microbatch(
                     "harts_runtime.engine.microbatch_call_plan(model, step, traj_indices)",
                 )
             mb = compact_microbatch(step, call_plan, cfg, model.device)
+        replay = getattr(model, "_harts_routing_replay", None)  # the MoE layers, routing replay on
+        if replay:
+            from harts_runtime.ops.router import microbatch_routes
+
+            mb.layout.info["routes"] = microbatch_routes(step, mb, call_plan, replay).to(model.device)
         hook = getattr(model, "_harts_cp_layout", None)  # CP by state passing: the microbatch's split
         if hook is not None:
             hook(step, mb, call_plan)
@@ -109,7 +114,7 @@ def microbatch_inputs(step: StepInputs, mb: Microbatch, device) -> MicrobatchInp
     """The per-target fields of microbatch ``mb`` on ``device`` (what a loss function receives)."""
     meta = step.device_metadata(device)
     ti = mb.target_index
-    ref = meta["ref_logprobs"]
+    ref, beh, ver = meta["ref_logprobs"], meta["behaviour_logprobs"], meta["weight_versions"]
     mask = step.device_mask(device)
     return MicrobatchInputs(
         target_index=ti,
@@ -123,6 +128,8 @@ def microbatch_inputs(step: StepInputs, mb: Microbatch, device) -> MicrobatchInp
         config=step.config,
         semantic_tokens=mb.semantic_tokens,
         weight_total=step.weight_total,
+        behaviour_logprobs=None if beh is None else beh[ti],
+        weight_versions=None if ver is None else ver[ti],
     )
 
 

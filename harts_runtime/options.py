@@ -87,7 +87,8 @@ def _boolean(v, name: str) -> bool:
 @dataclass(kw_only=True, frozen=True)
 class ExecutionOptions:
     """How a step executes: planning, rows per microbatch, recomputation, FSDP2 dtypes, offload.
-    None of them changes the training math (compact equals trajectory-wise)."""
+    None of them changes the training math (compact equals trajectory-wise); ``routing_replay``
+    chooses which MoE experts run (the rollout engine's), in both executions alike."""
 
     capacity: int = _opt(
         DEFAULT_CAPACITY, "T: compact rows per microbatch (the planner's capacity)", metavar="T"
@@ -136,6 +137,12 @@ class ExecutionOptions:
         "model; the choice is in the step's metrics as cp_states/blocks.<i>)",
         choices=CP_MODES,
     )
+    routing_replay: bool = _opt(
+        False,
+        "MoE routing replay: every MoE layer runs the experts the rollout engine chose for each token "
+        "(the rollouts' routes; a shared prefix token takes the first trajectory's, disagreements "
+        "counted as routing_replay/conflicts), the router trained through their gates",
+    )
 
     def __post_init__(self):
         _integer(self.capacity, "capacity", 1)
@@ -160,6 +167,7 @@ class ExecutionOptions:
                 _choice(getattr(self, name), name, DTYPES)
         _boolean(self.cpu_offload, "cpu_offload")
         _choice(self.cp_mode, "cp_mode", CP_MODES)
+        _boolean(self.routing_replay, "routing_replay")
 
     def parallelize_options(self) -> dict:
         """The keywords of :func:`harts_runtime.parallel.parallelize` these options ask for."""

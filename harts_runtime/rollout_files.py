@@ -3,20 +3,25 @@
 One trajectory per JSONL line (``.jsonl``, ``.ndjson``, ``.json``) or per Parquet row (``.parquet``,
 ``.pq``; needs ``pyarrow``, the ``train`` extra), with the same keys / columns:
 
-=================  ========  ================================================================
-key                needed    value
-=================  ========  ================================================================
-``tokens``         yes       token ids of the whole trajectory, prompt and response (``L >= 1``)
-``advantages``     yes       per-token values (below) or one number for the whole trajectory
-``loss_mask``      yes       per-token 0 / 1 or true / false (or one value)
-``old_logprobs``   yes       per-token log-probs of the rollout policy, finite and ``<= 0``
-``ref_logprobs``   no        per-token reference log-probs (every row or none; needed by a KL
-                             penalty: GRPO's default ``kl_coef`` is 0.001)
-``group_id``       no        the GRPO group (an integer or a string; every row or none)
-``step``           no        an integer >= 0: rows with the same value form one training step,
-                             steps run in increasing order (every row or none; without it the
-                             whole file is one step)
-=================  ========  ================================================================
+========================  ========  ================================================================
+key                       needed    value
+========================  ========  ================================================================
+``tokens``                yes       token ids of the whole trajectory, prompt and response (``L >= 1``)
+``advantages``            yes       per-token values (below) or one number for the whole trajectory
+``loss_mask``             yes       per-token 0 / 1 or true / false (or one value)
+``old_logprobs``          yes       per-token log-probs of the rollout policy, finite and ``<= 0``
+``ref_logprobs``          no        per-token reference log-probs (every row or none; needed by a KL
+                                    penalty: GRPO's default ``kl_coef`` is 0.001)
+``behaviour_logprobs``    no        per-token log-probs of the rollout engine, finite and ``<= 0``
+                                    (every row or none; importance correction, ``is_correction``)
+``weight_versions``       no        per-token integer >= -1: the weight version that sampled the token
+                                    (-1: none, e.g. prompt tokens; one integer for the whole trajectory;
+                                    every row or none; the mismatch metrics per version lag)
+``group_id``              no        the GRPO group (an integer or a string; every row or none)
+``step``                  no        an integer >= 0: rows with the same value form one training step,
+                                    steps run in increasing order (every row or none; without it the
+                                    whole file is one step)
+========================  ========  ================================================================
 
 Per-token fields come in either of two alignments, told apart by their length: ``L - 1`` values
 *per target* (HARTS's layout: value ``t`` belongs to the prediction of token ``t + 1`` from tokens
@@ -53,7 +58,7 @@ __all__ = ["FORMATS", "OPTIONAL", "REQUIRED", "RolloutFile", "RolloutFileError",
 
 REQUIRED = ("tokens", "advantages", "loss_mask", "old_logprobs")
 """Keys every row has."""
-OPTIONAL = ("ref_logprobs", "group_id", "step")
+OPTIONAL = ("ref_logprobs", "behaviour_logprobs", "weight_versions", "group_id", "step")
 """Keys that every row has or none does."""
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 """File name suffix -> format."""
@@ -235,6 +240,25 @@ class _Row:
             self.err(at(j), f"{what}, got {_show(float(x)) if _is_number(x) else _show(x)}{extra}")
         return f
 
+    def versions(self, v, n: int) -> np.ndarray:
+        """The ``n - 1`` per-target weight versions (int64, each >= -1)."""
+        name = "weight_versions"
+        if _is_int(v):
+            kept, base = [v] * (n - 1), None
+        elif isinstance(v, (list, tuple, np.ndarray)) and len(v) in (n, n - 1):
+            kept, base = (v[1:], 1) if len(v) == n else (v, 0)
+        elif isinstance(v, (list, tuple, np.ndarray)):
+            self.err(name, f"expected {n - 1} (per target) or {n} (per token) values, got {len(v)}")
+        else:
+            self.err(name, f"expected an integer or a list of them, got {_show(v)}")
+        for j, x in enumerate(kept):
+            if not _is_int(x) or x < -1:
+                self.err(
+                    name if base is None else f"{name}[{j + base}]",
+                    f"expected an integer >= -1, got {_show(x)}",
+                )
+        return np.asarray(kept, dtype=np.int64).reshape(-1)
+
     def group(self, v):
         if _is_int(v) or isinstance(v, str):
             return v
@@ -274,8 +298,11 @@ class _Builder:
         toks = row.tokens(rec["tokens"], self.vocab_size)
         n = len(toks)
         fields = {name: row.values(rec[name], n, name) for name in REQUIRED[1:]}
-        if rec.get("ref_logprobs") is not None:
-            fields["ref_logprobs"] = row.values(rec["ref_logprobs"], n, "ref_logprobs")
+        for name in ("ref_logprobs", "behaviour_logprobs"):
+            if rec.get(name) is not None:
+                fields[name] = row.values(rec[name], n, name)
+        if rec.get("weight_versions") is not None:
+            fields["weight_versions"] = row.versions(rec["weight_versions"], n)
         gid = row.group(rec["group_id"]) if rec.get("group_id") is not None else None
         step = row.step(rec["step"]) if rec.get("step") is not None else None
         self.rows.append((toks, fields, gid, step))
@@ -310,6 +337,7 @@ class _Builder:
             lengths = np.asarray([len(t) for t in toks], dtype=np.int64)
             offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
             names = ["advantages", "loss_mask", "old_logprobs"] + (["ref_logprobs"] if has_ref else [])
+            names += [k for k in ("behaviour_logprobs", "weight_versions") if k in self.first_with]
             cat = {
                 name: torch.from_numpy(np.concatenate([self.rows[i][1][name] for i in idx])) for name in names
             }

@@ -24,6 +24,15 @@ and back: :meth:`Rollouts.to_lists`, :meth:`Rollouts.to_padded`, :meth:`Rollouts
 HARTS per-target tensor ``[P]`` (e.g. the engine's log-probs) into the caller's shape, token-aligned
 (position 0, and padding, get ``fill``).
 
+Asynchronous RL adds, per target, ``behaviour_logprobs`` (the rollout engine's log-prob of the token,
+for importance correction: :mod:`harts_runtime.loss.correction`) and ``weight_versions`` (the weight
+version that sampled it; -1 for tokens no policy sampled, such as prompts and tool output), and, per
+*token*, ``routes`` (int ``[S, M, k]``: the experts the rollout engine routed each token to in each
+of the model's M MoE layers, -1 where not known; routing replay, :mod:`harts_runtime.ops.router`).
+All three are optional; the compact rows do not depend on them. ``routes`` come per token in every
+input shape (lists: ``[L_i, M, k]`` per trajectory; padded: ``[B, L, M, k]``; jagged: rows of
+``[L_i, M, k]``): token 0 is routed too.
+
 Which trajectories share prefixes is found by HARTS's own ingestion of the token ids; callers never
 describe trees. Every constructor validates (:meth:`Rollouts.check`): one-line
 :class:`~harts_runtime.errors.InvalidInputError` naming the field, its row and the limit, before any
@@ -45,8 +54,9 @@ from harts_runtime.token_range import check_token_range
 
 __all__ = ["FIELDS", "Rollouts"]
 
-FIELDS = ("advantages", "loss_mask", "old_logprobs", "ref_logprobs")
+FIELDS = ("advantages", "loss_mask", "old_logprobs", "ref_logprobs", "behaviour_logprobs", "weight_versions")
 """The per-token fields a :class:`Rollouts` carries (HARTS layout, ``[P]``)."""
+_INT_FIELDS = ("weight_versions",)
 
 
 def _int_tokens(values, field: str) -> np.ndarray:
@@ -85,6 +95,10 @@ class Rollouts:
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     group_ids: torch.Tensor | None = None
+    behaviour_logprobs: torch.Tensor | None = None
+    weight_versions: torch.Tensor | None = None
+    routes: torch.Tensor | None = None
+    """int32 [S, M, k] per token (not per target), or None."""
 
     # ------------------------------------------------------------------ shape
     @property
@@ -111,7 +125,8 @@ class Rollouts:
         :class:`InvalidInputError` naming the field (and entry) for: offsets that do not tile the
         tokens, an empty trajectory, token ids outside ``[0, vocab_size)``, a field of the wrong
         size, a non-finite advantage or log-prob, a log-prob above 0, a loss mask that is not
-        boolean or 0 / 1, group ids of the wrong size."""
+        boolean or 0 / 1, a weight version that is not an integer >= -1, routes that are not
+        integers [S, M, k] >= -1, group ids of the wrong size."""
         self.tokens = _int_tokens(self.tokens, "tokens")
         off = np.asarray(self.offsets, dtype=np.int64)
         if off.ndim != 1 or len(off) < 2 or off[0] != 0 or off[-1] != len(self.tokens):
@@ -137,6 +152,9 @@ class Rollouts:
             if name == "loss_mask":
                 setattr(self, name, _check_mask(t, name))
                 continue
+            if name in _INT_FIELDS:
+                setattr(self, name, self._check_versions(t, name))
+                continue
             if t.is_complex() or t.dtype == torch.bool:
                 raise InvalidInputError(name, f"must be real numbers, got dtype {t.dtype}")
             f = t.float()  # what the step computes in: a float64 1e39 is inf there
@@ -157,7 +175,37 @@ class Rollouts:
             setattr(self, name, f)
         if self.group_ids is not None:
             self.group_ids = _group_ids(self.group_ids, self.num_trajectories)
+        if self.routes is not None:
+            from harts_runtime.ops.router import check_routes
+
+            try:
+                self.routes = check_routes(self.routes, len(self.tokens))
+            except InvalidInputError as e:  # name the trajectory and token, not the flat index
+                if "][" not in e.field:
+                    raise
+                s, layer = (int(x) for x in e.field[len("routes[") : -1].split("]["))
+                i = int(np.searchsorted(self.offsets, s, side="right") - 1)
+                msg = str(e).split(": ", 1)[1]
+                raise InvalidInputError(f"routes[{i}][{s - int(self.offsets[i])}][{layer}]", msg) from None
         return self
+
+    def _check_versions(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        if t.is_floating_point():
+            whole = torch.isfinite(t) & (t == torch.round(t))
+            if not bool(whole.all()):
+                k = int((~whole).nonzero()[0, 0])
+                self._bad(name, k, f"an integer >= -1 (-1: none), got {float(t[k])}")
+        elif t.is_complex() or t.dtype == torch.bool:
+            raise InvalidInputError(name, f"must be integers, got dtype {t.dtype}")
+        t = t.long()
+        if bool((t < -1).any()):
+            k = int((t < -1).nonzero()[0, 0])
+            self._bad(name, k, f"an integer >= -1 (-1: none), got {int(t[k])}")
+        return t
+
+    def _bad(self, name: str, k: int, what: str):
+        i = int(np.searchsorted(self.target_offsets, k, side="right") - 1)
+        raise InvalidInputError(f"{name}[{i}][{k - int(self.target_offsets[i])}]", f"must be {what}")
 
     # ------------------------------------------------------------------ in
     @classmethod
@@ -171,6 +219,9 @@ class Rollouts:
         ref_logprobs=None,
         group_ids=None,
         vocab_size: int | None = None,
+        behaviour_logprobs=None,
+        weight_versions=None,
+        routes=None,
     ) -> Rollouts:
         """From per-trajectory lists. Each field is, per trajectory, ``L_i - 1`` values (per target),
         ``L_i`` values (per token: the first is dropped) or one scalar (every target of the
@@ -185,7 +236,9 @@ class Rollouts:
             else np.zeros(0, np.int64)
         )
         fields = {}
-        for name, values in zip(FIELDS, (advantages, loss_mask, old_logprobs, ref_logprobs)):
+        for name, values in zip(
+            FIELDS, (advantages, loss_mask, old_logprobs, ref_logprobs, behaviour_logprobs, weight_versions)
+        ):
             if values is None:
                 continue
             if len(values) != len(lengths):
@@ -193,7 +246,7 @@ class Rollouts:
             parts = []
             for i, (v, n) in enumerate(zip(values, lengths)):
                 try:
-                    a = np.asarray(v, dtype=np.float64 if name != "loss_mask" else None)
+                    a = np.asarray(v, dtype=np.float64 if name not in ("loss_mask", *_INT_FIELDS) else None)
                 except (TypeError, ValueError):  # complex numbers, strings, ragged lists
                     raise InvalidInputError(f"{name}[{i}]", "expected real numbers") from None
                 if a.ndim == 0:
@@ -207,6 +260,10 @@ class Rollouts:
                     )
                 parts.append(a)
             fields[name] = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0))
+        if routes is not None:
+            if len(routes) != len(lengths):
+                raise InvalidInputError("routes", f"expected {len(lengths)} trajectories, got {len(routes)}")
+            fields["routes"] = _cat_routes([np.asarray(r) for r in routes], lengths)
         return cls(tokens, offsets, group_ids=group_ids, **fields).check(vocab_size)
 
     @classmethod
@@ -221,6 +278,9 @@ class Rollouts:
         ref_logprobs=None,
         group_ids=None,
         vocab_size: int | None = None,
+        behaviour_logprobs=None,
+        weight_versions=None,
+        routes=None,
     ) -> Rollouts:
         """From padded ``[B, L]`` tensors: row ``b``'s tokens are the contiguous run where
         ``attention_mask`` is 1; fields are ``[B, L]``, token-aligned (position ``t`` scores token
@@ -245,7 +305,9 @@ class Rollouts:
         ids_cpu = ids.cpu()
         rows = [ids_cpu[b, lo:hi].numpy() for b, (lo, hi) in enumerate(spans)]
         fields = {}
-        for name, values in zip(FIELDS, (advantages, loss_mask, old_logprobs, ref_logprobs)):
+        for name, values in zip(
+            FIELDS, (advantages, loss_mask, old_logprobs, ref_logprobs, behaviour_logprobs, weight_versions)
+        ):
             if values is None:
                 continue
             v = torch.as_tensor(values).cpu()
@@ -254,6 +316,13 @@ class Rollouts:
                     name, f"must be [B, L] = {tuple(ids.shape)} like input_ids, got {tuple(v.shape)}"
                 )
             fields[name] = [v[b, lo + 1 : hi] for b, (lo, hi) in enumerate(spans)]
+        if routes is not None:
+            r = torch.as_tensor(routes).cpu()
+            if r.dim() != 4 or tuple(r.shape[:2]) != tuple(ids.shape):
+                raise InvalidInputError(
+                    "routes", f"must be [B, L, M, k] with [B, L] = {tuple(ids.shape)}, got {tuple(r.shape)}"
+                )
+            fields["routes"] = _cat_routes([r[b, lo:hi] for b, (lo, hi) in enumerate(spans)], None)
         return cls._from_rows(rows, fields, group_ids, vocab_size)
 
     @classmethod
@@ -267,12 +336,17 @@ class Rollouts:
         ref_logprobs=None,
         group_ids=None,
         vocab_size: int | None = None,
+        behaviour_logprobs=None,
+        weight_versions=None,
+        routes=None,
     ) -> Rollouts:
         """From jagged rows: ``torch.nested`` tensors (jagged layout) or lists of 1-D tensors, one
         row per trajectory; fields token-aligned row by row (each row's first value dropped)."""
         rows = [r.cpu().numpy() for r in _unbind(input_ids, "input_ids")]
         fields = {}
-        for name, values in zip(FIELDS, (advantages, loss_mask, old_logprobs, ref_logprobs)):
+        for name, values in zip(
+            FIELDS, (advantages, loss_mask, old_logprobs, ref_logprobs, behaviour_logprobs, weight_versions)
+        ):
             if values is None:
                 continue
             vs = _unbind(values, name)
@@ -284,6 +358,11 @@ class Rollouts:
                         f"{name}[{i}]", f"expected {len(r)} token-aligned values, got {v.numel()}"
                     )
             fields[name] = [v.cpu()[1:] for v in vs]
+        if routes is not None:
+            rs = list(routes.unbind()) if isinstance(routes, torch.Tensor) and routes.is_nested else routes
+            if not isinstance(rs, (list, tuple)) or len(rs) != len(rows):
+                raise InvalidInputError("routes", f"expected {len(rows)} rows of [L_i, M, k] expert ids")
+            fields["routes"] = _cat_routes([torch.as_tensor(r).cpu() for r in rs], [len(r) for r in rows])
         return cls._from_rows(rows, fields, group_ids, vocab_size)
 
     @classmethod
@@ -293,7 +372,10 @@ class Rollouts:
         lengths = [len(r) for r in rows]
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         tokens = np.concatenate([_int_tokens(r, f"input_ids[{i}]") for i, r in enumerate(rows)])
-        flat = {k: torch.cat([torch.as_tensor(x).reshape(-1) for x in v]) for k, v in fields.items()}
+        flat = {
+            k: v if k == "routes" else torch.cat([torch.as_tensor(x).reshape(-1) for x in v])
+            for k, v in fields.items()
+        }
         return cls(tokens, offsets, group_ids=group_ids, **flat).check(vocab_size)
 
     # ------------------------------------------------------------------ out
@@ -365,6 +447,9 @@ class Rollouts:
             self.group_ids,
             objective,
             loss_config,
+            behaviour_logprobs=self.behaviour_logprobs,
+            weight_versions=self.weight_versions,
+            routes=self.routes,
         )
 
 
@@ -389,6 +474,25 @@ def _group_ids(values, n: int) -> torch.Tensor:
             i = int(bad.nonzero()[0, 0])
             raise InvalidInputError(f"group_ids[{i}]", f"expected an integer, got {float(g[i])}")
     return g.long()
+
+
+def _cat_routes(parts, lengths) -> torch.Tensor:
+    """Per-trajectory routes ``[L_i, M, k]`` joined to ``[S, M, k]``; :class:`InvalidInputError`
+    (``routes[i]``) for a part of another rank or token count or of another ``[M, k]``."""
+    out = []
+    for i, p in enumerate(parts):
+        t = torch.as_tensor(p)
+        if t.dim() != 3 or (lengths is not None and t.shape[0] != lengths[i]):
+            want = f"[{lengths[i]}, M, k]" if lengths is not None else "[L_i, M, k]"
+            raise InvalidInputError(
+                f"routes[{i}]", f"expected {want} expert ids per token, got {tuple(t.shape)}"
+            )
+        if out and t.shape[1:] != out[0].shape[1:]:
+            raise InvalidInputError(
+                f"routes[{i}]", f"[M, k] = {tuple(t.shape[1:])}, row 0 has {tuple(out[0].shape[1:])}"
+            )
+        out.append(t)
+    return torch.cat(out) if out else torch.zeros(0, 0, 0, dtype=torch.int32)
 
 
 def _unbind(values, field: str) -> list[torch.Tensor]:

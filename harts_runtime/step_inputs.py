@@ -23,9 +23,10 @@ from harts_runtime.token_range import check_token_range
 
 __all__ = ["StepInputs", "default_loss_config"]
 
-_FIELDS = ("advantages", "loss_mask", "old_logprobs", "ref_logprobs")
+_FIELDS = ("advantages", "loss_mask", "old_logprobs", "ref_logprobs", "behaviour_logprobs", "weight_versions")
 """The per-token fields, [P] each."""
-_LOGPROB_FIELDS = ("advantages", "old_logprobs", "ref_logprobs")
+_OPTIONAL = ("ref_logprobs", "behaviour_logprobs", "weight_versions")
+_LOGPROB_FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "behaviour_logprobs")
 """The floating-point ones (advantages finite; log-probs finite and <= 0)."""
 _BATCH_CACHE = ("tokens_checked", "row_token", "tree", "fields_seen")
 """Cache entries derived from the batch alone (kept when a per-token field changes)."""
@@ -74,6 +75,14 @@ class StepInputs:
     """``grpo`` or ``ppo``: the default :class:`PolicyLossConfig` when ``loss_config`` is None."""
     loss_config: PolicyLossConfig | None = None
     """Clip, KL and ``loss_agg_mode`` (None: the objective's defaults)."""
+    behaviour_logprobs: torch.Tensor | None = None
+    """float32 [P] the rollout engine's log-probs (importance correction,
+    :mod:`harts_runtime.loss.correction`), or None."""
+    weight_versions: torch.Tensor | None = None
+    """int64 [P] the weight version that sampled each target (-1: none), or None."""
+    routes: torch.Tensor | None = None
+    """int [S, M, k] per *token* the experts the rollout engine routed it to in each of the M MoE
+    layers (-1: not known), for routing replay (:mod:`harts_runtime.ops.router`), or None."""
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -92,6 +101,14 @@ class StepInputs:
             raise InvalidInputError("objective", f"choose grpo or ppo, got {self.objective!r}")
         if self.config.kl_coef and self.ref_logprobs is None:
             raise InvalidInputError("ref_logprobs", "required when kl_coef != 0")
+        if self.config.is_correction != "none" and self.behaviour_logprobs is None:
+            raise InvalidInputError(
+                "behaviour_logprobs", f"required by is_correction={self.config.is_correction!r}"
+            )
+        if self.routes is not None:
+            from harts_runtime.ops.router import check_routes
+
+            self.routes = check_routes(self.routes, b.semantic_tokens)
 
     def check_values(self) -> None:
         """Refuse per-token fields that would silently poison a step, before any work; the step
@@ -111,13 +128,24 @@ class StepInputs:
         for name in _FIELDS:
             t = getattr(self, name)
             if t is None:
-                if name == "ref_logprobs":
+                if name in _OPTIONAL:
                     continue
                 raise InvalidInputError(name, f"required: a 1-D tensor of P = S - N = {p} entries")
             if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != p:
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise InvalidInputError(
                     name, f"expected a 1-D tensor of P = S - N = {p} entries, got {shape}"
+                )
+        v = self.weight_versions
+        if v is not None:
+            if v.is_floating_point() or v.is_complex() or v.dtype == torch.bool:
+                raise InvalidInputError("weight_versions", f"must be integers, got dtype {v.dtype}")
+            if bool((v < -1).any()):
+                cu = self.cu_seqlens.numpy()
+                k = int((v < -1).nonzero()[0, 0])
+                i = int(np.searchsorted(cu, k, side="right") - 1)
+                raise InvalidInputError(
+                    f"weight_versions[{i}][{k - int(cu[i])}]", f"must be >= -1 (-1: none), got {int(v[k])}"
                 )
         for name in _LOGPROB_FIELDS:
             t = getattr(self, name)
@@ -256,7 +284,9 @@ class StepInputs:
                 "advantages": mv(self.advantages),
                 "old_logprobs": mv(self.old_logprobs),
                 "ref_logprobs": mv(self.ref_logprobs),
+                "behaviour_logprobs": mv(self.behaviour_logprobs),
                 "weights": mv(self.weights),
+                "weight_versions": None if self.weight_versions is None else self.weight_versions.to(device),
             }
         return self._cache[key]
 

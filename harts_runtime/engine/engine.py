@@ -72,6 +72,11 @@ class HartsEngine:
             parallelize(model, mesh, **cfg.parallelize_options())
         elif mesh is None and cfg.recompute:
             apply_recompute(model, keep=cfg.keep)
+        if cfg.routing_replay:
+            from harts_runtime.layers.moe import enable_routing_replay
+
+            if not enable_routing_replay(model):
+                raise InvalidInputError("routing_replay", "the model has no MoE layer to replay routes in")
         opt = cfg.optimizer
         self.optimizer = optimizer or torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
@@ -347,6 +352,7 @@ class HartsEngine:
         }
         metrics.update({k: v for k, v in sums.items() if k.startswith("loss_fn/")})
         metrics.update({k: int(v) for k, v in sums.items() if k.startswith("cp_states/")})
+        metrics.update(_rollout_metrics(step, lp_all, self.step))
         return EngineOutput(total, lp_all.cpu(), metrics)
 
     def _sum_over_dp(self, t: torch.Tensor) -> torch.Tensor:
@@ -533,6 +539,29 @@ def _read_rng(file) -> dict:
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         raise InvalidInputError(file.name, f"{file} is not an RNG state ({type(e).__name__}: {e})") from None
     return state
+
+
+def _rollout_metrics(step: StepInputs, logprobs: torch.Tensor, version: int) -> dict:
+    """The train / rollout mismatch (with behaviour log-probs; version lags against ``version``, the
+    optimizer steps taken) and the routing-replay counts of a step."""
+    from harts_runtime.loss.correction import mismatch_metrics
+    from harts_runtime.ops.router import replay_metrics
+
+    out = replay_metrics(step)
+    if step.behaviour_logprobs is not None:
+        out.update(
+            mismatch_metrics(
+                logprobs,
+                step.behaviour_logprobs,
+                step.loss_mask,
+                step.cu_seqlens,
+                step.config,
+                old_logprobs=step.old_logprobs,
+                weight_versions=step.weight_versions,
+                version=version,
+            )
+        )
+    return out
 
 
 def _no_fewer_rows(call_plan, step: StepInputs, traj, ex) -> bool:

@@ -31,6 +31,14 @@ expert id, and a row's decision depends only on that row. Sequence-level aux los
 balance) are not implemented: they need per-trajectory mass, which a compact row shares across
 trajectories (doable with path sums over the segment tree; not needed by the paper's objective).
 
+Routing replay (``EngineConfig(routing_replay=True)``, :func:`enable_routing_replay`): each MoE
+layer, numbered in model order (``replay_layer``), takes its rows' experts from the layout
+(``layout.info["routes"]``, int64 [N, M, k] with one route per row,
+:func:`harts_runtime.ops.router.resolve_routes`) instead of its own top-k; a row whose route is -1
+keeps its own. The combine weights are the router's scores gathered at the given experts,
+normalised (``norm_topk_prob``) and scaled as without replay, so the router is still trained through
+the gates of the experts that ran; the statistics count the given assignment.
+
 Expert computation, chosen by ``MoEConfig.grouped``:
 
 * ``grouped=False``: a loop over experts (the reference, as torchtitan ``_run_experts_for_loop``;
@@ -72,7 +80,15 @@ from harts_runtime.ops.router import router_logits
 from harts_runtime.ops.rows import permute_rows
 from harts_runtime.ops.swiglu import swiglu_rows
 
-__all__ = ["SCORE_FUNCS", "CompactMoE", "MoEConfig", "MoEOutput", "route", "router_losses"]
+__all__ = [
+    "SCORE_FUNCS",
+    "CompactMoE",
+    "MoEConfig",
+    "MoEOutput",
+    "enable_routing_replay",
+    "route",
+    "router_losses",
+]
 
 
 @dataclass(kw_only=True)
@@ -178,8 +194,9 @@ def route(
     scaling: float = 1.0,
     num_groups: int = 1,
     topk_groups: int = 1,
+    given: torch.Tensor | None = None,
 ):
-    """Deterministic top-k routing of N rows.
+    """Deterministic top-k routing of N rows (or, with ``given``, replayed routing).
 
     Parameters
     ----------
@@ -191,6 +208,9 @@ def route(
         experts form ``num_groups`` contiguous groups; a group's score is the sum of its two best
         selection scores (its best one for groups of one expert); only the experts of the
         ``topk_groups`` best groups can be selected. ``num_groups=1`` is plain top-k.
+    given : Tensor, int64, [N, k], optional
+        Routing replay: the experts of each row (a row of -1: its own top-k); the weights are the
+        scores at these experts, normalised and scaled alike.
 
     Returns
     -------
@@ -217,6 +237,8 @@ def route(
         allowed = torch.zeros(n, num_groups, dtype=torch.bool, device=select.device).scatter_(1, keep, True)
         select = per.masked_fill(~allowed[..., None], float("-inf")).view(n, e)
     topk_idx = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    if given is not None:
+        topk_idx = torch.where(given[:, :1] >= 0, given.to(topk_idx.device, topk_idx.dtype), topk_idx)
     weight = scores.gather(1, topk_idx)
     if norm_topk_prob:
         weight = weight / (weight.sum(-1, keepdim=True) + 1e-20)
@@ -288,6 +310,9 @@ class CompactMoE(nn.Module):
     """
 
     row_shard = None
+    replay_layer: int | None = None
+    """Routing replay: this layer's index among the model's MoE layers (:func:`enable_routing_replay`),
+    or None (the router's own top-k)."""
     expert_dispatch = None
     """None: the experts run here. Expert parallelism (``harts_runtime.parallel``) sets a callable
     ``(moe, hidden [N, D], topk_idx [N, k], weight [N, k]) -> [N, D]`` that sends the rows to the
@@ -344,6 +369,8 @@ class CompactMoE(nn.Module):
         """
         multiplicity = None if layout is None else layout.multiplicity
         c = self.config
+        shard = self.row_shard
+        given = None if self.replay_layer is None else self._given_routes(hidden.shape[0], layout)
         logits = router_logits(hidden, self.router)  # [N, E] float32 (float64 rows: float64)
         probs, topk_idx, weight = route(
             logits,
@@ -354,8 +381,8 @@ class CompactMoE(nn.Module):
             c.routed_scaling_factor,
             c.num_expert_groups,
             c.topk_groups,
+            given,
         )
-        shard = self.row_shard
         if shard is not None and multiplicity is not None:
             multiplicity = shard.select(multiplicity, hidden.shape[0])
         aux, z, counts = router_losses(
@@ -380,6 +407,23 @@ class CompactMoE(nn.Module):
         return MoEOutput(
             out, aux, z, counts.detach(), topk_idx, weight, c.aux_loss_coef * aux + c.z_loss_coef * z
         )
+
+    def _given_routes(self, n: int, layout: RowLayout | None) -> torch.Tensor:
+        """This layer's replayed routes of the ``n`` rows (int64 [n, k])."""
+        routes = None if layout is None else layout.info.get("routes")
+        if routes is None:
+            raise InvalidInputError(
+                "routes", "routing_replay is on but this microbatch has none (give Rollouts(routes=...))"
+            )
+        given = routes[:, self.replay_layer]
+        if self.row_shard is not None:
+            given = self.row_shard.select(given, n)
+        if given.shape != (n, self.config.top_k):
+            raise InvalidInputError(
+                "routes",
+                f"{tuple(given.shape)} routes for {n} rows of top_k {self.config.top_k} in this layer",
+            )
+        return given
 
     def _shared(self, hidden: torch.Tensor) -> torch.Tensor:
         shared = getattr(self, "shared_experts", None)
@@ -441,3 +485,14 @@ class CompactMoE(nn.Module):
         self.expert_bias += self.config.bias_update_rate * torch.sign(f.mean() - f)
         self.local_tokens_per_expert.zero_()
         return f
+
+
+def enable_routing_replay(model: nn.Module, on: bool = True) -> list[CompactMoE]:
+    """Number the model's MoE layers in module order (``replay_layer`` 0 .. M - 1: the ``M`` axis of
+    ``routes``) so each replays its rows' given routes (``on=False``: none does). Returns the layers;
+    the model's ``_harts_routing_replay`` holds them while on (what the step loop reads)."""
+    layers = [m for m in model.modules() if isinstance(m, CompactMoE)]
+    for j, m in enumerate(layers):
+        m.replay_layer = j if on else None
+    model._harts_routing_replay = layers if on else None
+    return layers

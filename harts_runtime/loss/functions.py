@@ -64,6 +64,10 @@ class MicrobatchInputs:
     """The sum of the step's aggregation weights (over every microbatch): ``sum(inputs.weights) /
     weight_total`` is this microbatch's share of the step, for turning a per-microbatch mean
     metric into a step share."""
+    behaviour_logprobs: torch.Tensor | None = None
+    """float32 [P_mb]: the rollout engine's log-probs (importance correction), or None."""
+    weight_versions: torch.Tensor | None = None
+    """int64 [P_mb]: the weight version that sampled each target (< 0: none), or None."""
 
 
 LossFn = Callable[[torch.Tensor, MicrobatchInputs], "torch.Tensor | tuple[torch.Tensor, dict]"]
@@ -85,12 +89,15 @@ def make_policy_loss_fn(config: PolicyLossConfig | None = None) -> LossFn:
             inputs.cu_seqlens,
             cfg,
             inputs.ref_logprobs,
+            inputs.behaviour_logprobs,
         )
-        # pg_loss and kl are already shares of the step loss; the means become weighted shares
+        # pg_loss and kl are already shares of the step loss; the means become weighted shares (a
+        # maximum is no share: the step's is in the engine's mismatch/ratio_max)
+        metrics.pop("is_ratio_max", None)
         share = (
             inputs.weights.sum() / inputs.weight_total if inputs.weight_total else inputs.weights.sum() * 0
         )
-        for name in ("clipfrac", "approx_kl"):
+        for name in ("clipfrac", "approx_kl", "is_k3", "is_clipped", "is_masked"):
             if name in metrics:
                 metrics[name] = metrics[name] * share
         return loss, metrics

@@ -25,11 +25,13 @@ whole step and sums ``w_t * l_t`` microbatch by microbatch (``harts_runtime.trai
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 
 from harts_runtime.errors import InvalidInputError
+from harts_runtime.loss.correction import IS_CORRECTIONS, IS_NUMERATORS, importance_weights
 
 __all__ = [
     "AGG_MODES",
@@ -141,6 +143,56 @@ class PolicyLossConfig:
     """One of :data:`AGG_MODES`."""
     loss_norm: float | None = None
     """Constant for ``seq-mean-token-sum-norm``."""
+    is_correction: str = field(
+        default="none",
+        metadata={
+            "help": "importance correction of the rollout engine's mismatch (needs behaviour_logprobs): "
+            "none, token-tis / seq-tis (weight min(ratio, is_cap); seq: the trajectory's geometric mean "
+            "ratio) or token-mis / seq-mis (weight ratio inside [is_low, is_high], else the token or "
+            "trajectory dropped)",
+            "choices": IS_CORRECTIONS,
+        },
+    )
+    """:data:`~harts_runtime.loss.correction.IS_CORRECTIONS` (:mod:`harts_runtime.loss.correction`)."""
+    is_cap: float = field(
+        default=2.0,
+        metadata={"help": "TIS truncation C: the weight is min(ratio, C), C >= 1", "metavar": "C"},
+    )
+    """TIS truncation ``C >= 1``."""
+    is_low: float = field(
+        default=0.5, metadata={"help": "MIS band's lower end: a ratio below it drops the token (> 0)"}
+    )
+    """MIS lower bound (``0 < is_low <= 1``)."""
+    is_high: float = field(
+        default=2.0, metadata={"help": "MIS band's upper end: a ratio above it drops the token (>= 1)"}
+    )
+    """MIS upper bound (``>= 1``)."""
+    is_numerator: str = field(
+        default="current",
+        metadata={
+            "help": "numerator of the importance ratio over the behaviour log-prob: current (the "
+            "trainer's log-probs, detached) or old (the step's old_logprobs: verl's old / rollout)",
+            "choices": IS_NUMERATORS,
+        },
+    )
+    """:data:`~harts_runtime.loss.correction.IS_NUMERATORS`."""
+
+    def __post_init__(self):
+        if self.is_correction not in IS_CORRECTIONS:
+            raise InvalidInputError(
+                "is_correction", f"unknown {self.is_correction!r}; choose one of {IS_CORRECTIONS}"
+            )
+        if self.is_numerator not in IS_NUMERATORS:
+            raise InvalidInputError(
+                "is_numerator", f"unknown {self.is_numerator!r}; choose one of {IS_NUMERATORS}"
+            )
+        for name, lo, hi in (("is_cap", 1.0, None), ("is_low", None, 1.0), ("is_high", 1.0, None)):
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+            ok = ok and (lo is None or v >= lo) and (hi is None or v <= hi)
+            if not ok:
+                bound = f">= {lo}" if lo is not None else f"in (0, {hi}]"
+                raise InvalidInputError(name, f"must be a finite number {bound}, got {v!r}")
 
 
 def policy_loss(
@@ -151,8 +203,10 @@ def policy_loss(
     cu_seqlens: torch.Tensor,
     config: PolicyLossConfig | None = None,
     ref_logprobs: torch.Tensor | None = None,
+    behaviour_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """Clipped surrogate plus an optional KL penalty, reduced by ``config.loss_agg_mode``.
+    """Clipped surrogate (times the importance weight of ``config.is_correction``) plus an optional
+    KL penalty, reduced by ``config.loss_agg_mode``.
 
     Parameters
     ----------
@@ -166,13 +220,20 @@ def policy_loss(
         Trajectory boundaries.
     ref_logprobs : Tensor, [T], optional
         Reference-policy log-probs, for ``config.kl_coef > 0``.
+    behaviour_logprobs : Tensor, [T], optional
+        The rollout engine's log-probs, for ``config.is_correction != "none"``
+        (:mod:`harts_runtime.loss.correction`); with them the mismatch metrics are reported.
 
     Returns
     -------
     (loss, metrics) : scalar Tensor, dict of detached scalars
-        ``pg_loss``, ``kl`` (when used), ``clipfrac``, ``approx_kl`` (k3 of old vs current).
+        ``pg_loss``, ``kl`` (when used), ``clipfrac``, ``approx_kl`` (k3 of old vs current); with
+        behaviour log-probs ``is_k3`` (the mismatch's k3 mean), ``is_ratio_max`` and ``is_clipped``
+        (TIS) or ``is_masked`` (MIS), means over the masked tokens.
     """
     cfg = config or PolicyLossConfig()
+    if cfg.is_correction != "none" and behaviour_logprobs is None:
+        raise InvalidInputError("behaviour_logprobs", f"required by is_correction={cfg.is_correction!r}")
     high = cfg.clip_ratio_low if cfg.clip_ratio_high is None else cfg.clip_ratio_high
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
@@ -181,14 +242,28 @@ def policy_loss(
     pg = torch.maximum(pg1, pg2)
     if cfg.clip_ratio_c is not None:
         pg = torch.where(advantages < 0, torch.minimum(pg, -advantages * cfg.clip_ratio_c), pg)
+    if behaviour_logprobs is not None:
+        w, d, cut = importance_weights(logprobs, behaviour_logprobs, mask, cu_seqlens, cfg, old_logprobs)
+        if cfg.is_correction != "none":
+            pg = pg * w
     pg_loss = aggregate(pg, mask, cu_seqlens, cfg.loss_agg_mode, cfg.loss_norm)
     loss = pg_loss
     m = mask.to(logprobs.dtype)
+    total = m.sum()  # float aggregation weights may sum below 1: only an empty mask is guarded
+    count = torch.where(total > 0, total, torch.ones_like(total))
     metrics = {
         "pg_loss": pg_loss.detach(),
-        "clipfrac": ((pg2 > pg1).to(m.dtype) * m).sum().detach() / m.sum().clamp_min(1.0),
-        "approx_kl": ((kl_penalty(logprobs, old_logprobs, "k3") * m).sum() / m.sum().clamp_min(1.0)).detach(),
+        "clipfrac": ((pg2 > pg1).to(m.dtype) * m).sum().detach() / count,
+        "approx_kl": ((kl_penalty(logprobs, old_logprobs, "k3") * m).sum() / count).detach(),
     }
+    if behaviour_logprobs is not None:
+        metrics["is_k3"] = ((torch.exp(d) - 1.0 - d) * m).sum() / count
+        metrics["is_ratio_max"] = (
+            torch.exp(d.masked_fill(~mask.bool(), -torch.inf).max()) if d.numel() else d.sum()
+        )
+        if cfg.is_correction != "none":
+            key = "is_clipped" if cfg.is_correction.endswith("-tis") else "is_masked"
+            metrics[key] = (cut.to(m.dtype) * m).sum() / count
     if cfg.kl_coef:
         if ref_logprobs is None:
             raise InvalidInputError("ref_logprobs", "required when kl_coef != 0")
