@@ -6,8 +6,10 @@ every field of :class:`harts_runtime.options.ExecutionOptions` but ``param_dtype
 ``dtype`` sets), generated from that class: the same names, defaults and help, flat under ``harts``
 (``actor.harts.capacity``) as verl's YAML and omegaconf expect, and checked by ``ExecutionOptions``
 itself (errors name the field as ``harts.<field>``). The checked options are
-:attr:`HartsEngineConfig.execution`. The verl-only settings (``tp``, ``ep``, ``dp_replicate``,
-``sequence_parallel``, ``model_dtype``, ``chunk_size``) are declared here.
+:attr:`HartsEngineConfig.execution`. The parallel degrees (``tp``, ``cp``, ``ep``, ``dp_replicate``,
+``sequence_parallel``) are the settings tree's ``parallel`` group
+(:func:`harts_runtime.job_config.group_settings`, declared by ``ParallelDims``), generated the same
+way. The verl-only settings (``model_dtype``, ``chunk_size``) are declared here.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from verl.workers.config import FSDPActorConfig
 from verl.workers.config.engine import EngineConfig as VerlEngineConfig
 
 from harts_runtime.errors import InvalidInputError
+from harts_runtime.job_config import group_settings
 from harts_runtime.options import ExecutionOptions
 
 __all__ = ["HartsActorConfig", "HartsEngineConfig"]
@@ -49,7 +52,32 @@ def _execution_fields(cls):
     return cls
 
 
+def _parallel_fields(cls):
+    """Declare on ``cls`` (before ``@dataclass``) the settings tree's parallel degrees, each with its
+    kind, default and help."""
+    for s in group_settings("parallel"):
+        if s.name in cls.__dict__.get("__annotations__", {}):
+            raise TypeError(f"the parallel setting {s.name} clashes with a field of {cls.__name__}")
+        cls.__annotations__[s.name] = s.kind
+        setattr(cls, s.name, field(default=s.default, metadata={"help": s.help}))
+    return cls
+
+
+def _check_parallel(cfg) -> None:
+    """Each degree an integer >= 1 (``sequence_parallel`` a bool), named ``harts.<field>``; the
+    rest (``cp`` divides the world, ``sequence_parallel`` needs ``tp > 1``) ``ParallelDims`` checks
+    against the world size when the engine is built."""
+    for s in group_settings("parallel"):
+        v = getattr(cfg, s.name)
+        if s.kind is bool:
+            if not isinstance(v, bool):
+                raise InvalidInputError(f"harts.{s.name}", f"must be true or false, got {v!r}")
+        elif isinstance(v, bool) or not isinstance(v, int) or v < (s.lo or 1):
+            raise InvalidInputError(f"harts.{s.name}", f"must be an integer >= {int(s.lo or 1)}, got {v!r}")
+
+
 @dataclass
+@_parallel_fields
 @_execution_fields
 class HartsEngineConfig(VerlEngineConfig):
     """verl engine config of the ``harts`` backend (``actor.harts`` / ``ref.harts``): verl's common
@@ -66,12 +94,6 @@ class HartsEngineConfig(VerlEngineConfig):
     """dtype the checkpoint is loaded in (FSDP2's masters)."""
     chunk_size: int = 64
     """KDA / GDN chunk size (does not change the math)."""
-    tp: int = 1
-    cp: int = 1
-    """Context-parallel degree: microbatches of up to ``cp x capacity`` rows, each run by ``cp`` ranks."""
-    ep: int = 1
-    dp_replicate: int = 1
-    sequence_parallel: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -79,6 +101,7 @@ class HartsEngineConfig(VerlEngineConfig):
             raise InvalidInputError(
                 "strategy", f"the harts engine config needs strategy 'harts', got {self.strategy!r}"
             )
+        _check_parallel(self)
         given = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(ExecutionOptions)
