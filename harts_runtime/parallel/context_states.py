@@ -66,7 +66,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from harts_runtime.errors import ParallelConfigError
 from harts_runtime.layout.conv import ConvWindows
 from harts_runtime.layout.kda_plan import KDARound, KDASchedule
-from harts_runtime.ops.keep import saves_are_transient
+from harts_runtime.ops.rounds import run_rounds
 from harts_runtime.options import CP_MODES
 from harts_runtime.parallel.tensor import gather_rows, row_block
 
@@ -484,60 +484,22 @@ def empty_plan(cp_size: int, rank: int, width: int) -> LocalPlan:
 
 
 # ---------------------------------------------------------------------------------- execution
-def _kernel(ssd: bool):
-    if ssd:
-        from harts_kernels.ssd import chunk_ssd_with_states
-
-        return chunk_ssd_with_states
-    from harts_kernels.kda import chunk_kda_with_states
-
-    return chunk_kda_with_states
-
-
 def run_local(sched: KDASchedule, q, k, v, g, beta, slots: list, *, chunk_size: int, backend: str = "auto"):
     """The local rounds over E rows (q, k [E, H, K]; v [E, H, V']; g [E, H, K] or [E, H]; beta [E, H],
-    or None for the SSD core of Mamba2) from pre-filled ``slots`` (entry states ``[H, K, V']`` fp32,
-    the rest None). Returns ``(o [n_own, H, V'], slots)``: the own rows' core outputs in row order
-    and every slot the rounds filled. :func:`harts_runtime.layers.kda.run_kda_schedule`'s loop with
-    external slots and a gather that reads halo rows (plain ``index_select``: E has rows no packed
-    row owns)."""
-    ssd = beta is None
-    kernel = _kernel(ssd)
-    H, K, Vd = q.shape[1], q.shape[2], v.shape[2]
-    transient = saves_are_transient()
-    slots = list(slots) + [None] * (sched.num_slots - len(slots))
-    sizes = [hi - lo for lo, hi in zip(sched.bounds[:-1], sched.bounds[1:])]
-    if not sizes:
-        return v.new_zeros(0, H, Vd), slots
-    rows = (q, k, v, g) if ssd else (q, k, v, g, beta)
-    packed = [x.index_select(0, sched.gather) for x in rows]
-    per_round = list(zip(*(torch.split(x, sizes) for x in packed)))
-    outs, zero = [], None
-    for rd, parts in zip(sched.rounds, per_round):
-        inputs = [x.unsqueeze(0) for x in parts]
-        if not ssd and g.dim() == 2:
-            inputs[3] = inputs[3].unsqueeze(-1).expand(-1, -1, -1, K)
-        init = None
-        if any(s >= 0 for s in rd.init_slots):
-            if zero is None:
-                zero = q.new_zeros(H, K, Vd, dtype=torch.float32)
-            init = torch.stack([slots[s] if s >= 0 else zero for s in rd.init_slots])
-        o, _, bstates = kernel(
-            *inputs,
-            initial_state=init,
-            cu_seqlens=rd.cu_seqlens,
-            chunk_size=chunk_size,
-            request_seq=rd.request_seq,
-            request_chunk=rd.request_chunk,
-            output_final_state=False,
-            backend=backend,
-            save_intermediates=transient,
-        )
-        for j, s in enumerate(rd.request_slot):
-            slots[s] = bstates[j]
-        outs.append(o.squeeze(0))
-    o = torch.cat(outs) if len(outs) > 1 else outs[0]
-    return o.index_select(0, sched.own_pos), slots
+    or None for the SSD core of Mamba2) from the entry states ``slots`` (``[H, K, V']`` fp32, slots
+    ``0 .. len(slots) - 1``). Returns ``(o [n_own, H, V'], slots)``: the own rows' core outputs in
+    row order and every slot. The round executor :func:`~harts_runtime.ops.rounds.run_rounds` with
+    the KDA core (:func:`~harts_runtime.layers.kda.kda_core`) or the SSD core, its entry states the
+    handed-over ones and its rows E (halo rows read only)."""
+    from harts_kernels.ssd import chunk_ssd_with_states
+    from harts_runtime.layers.kda import kda_core
+
+    if beta is None:
+        core, rows = chunk_ssd_with_states, (q, k, v, g)
+    else:
+        core, rows = kda_core, (q, k, v, g, beta)
+    out = run_rounds(sched, core, rows, chunk_size=chunk_size, backend=backend, entries=slots, label="cp")
+    return out.o, out.slots
 
 
 def summaries(plan: LocalPlan, q, k, v, g, beta, *, chunk_size: int, backend: str = "auto"):
