@@ -66,8 +66,25 @@ CAPACITY_DEFAULTS = {"cpu": 4096, "cuda": DEFAULT_CAPACITY}
 LR_DEFAULTS = {"model": 1e-6, "flavor": 1e-3, "online flavor": 1e-2}
 """``lr`` when not given: a checkpoint folder's weights are trained gently; a flavor's random
 weights faster (and on an online RL task, whose tiny policies learn in tens of steps, faster still)."""
-CHUNK_SIZE_DEFAULT = "the model's (each family's config declares it), or the online source's"
-"""What ``chunk_size`` None means (:meth:`JobConfig.resolve`)."""
+CHUNK_SIZE_DEFAULT = "the model's (each family's config declares it)"
+"""What ``chunk_size`` None means offline (:meth:`JobConfig.resolve`)."""
+ONLINE_CHUNK_SIZE_DEFAULT = (
+    "chosen for the task's trees: the power of two at most half their shortest segment between "
+    "forks, in [8, 64] (32 to 64 on CUDA)"
+)
+"""What ``chunk_size`` None means for the online source (:func:`harts_runtime.rl.source.tree_chunk_size`)."""
+ONLINE_LOSS = {"kl_coef": 0.0, "loss_agg_mode": "token-mean"}
+"""The loss an online RL run trains when no loss setting is given: the objective's (GRPO) without a
+KL term (there is no reference policy), token-mean."""
+
+
+@cache
+def rl_defaults() -> dict:
+    """The declared defaults of every :class:`~harts_runtime.rl.config.RLConfig` field (read from
+    its source), the job's and the model group's keys among them (``steps``, ``seed``, ``device``)."""
+    path = _ROOT / "rl" / "config.py"
+    docs = _field_docs(path, "RLConfig", _constants([path]))
+    return {name: d[1] for name, d in docs.items()}
 
 
 # ----------------------------------------------------------------------------- the model group
@@ -76,14 +93,17 @@ def _opt(default, help: str, **meta):
 
 
 @cache
-def declared_flavors() -> tuple[str, ...]:
+def declared_flavors(families_only: bool = False) -> tuple[str, ...]:
     """Every flavor name, read from the families' declarations (``FLAVORS`` / ``HYBRID_FLAVORS``
-    dicts in ``harts_runtime/models/*/``) without importing them (they need torch)."""
+    dicts in ``harts_runtime/models/*/``) without importing them (they need torch);
+    ``families_only``: those of a checkpoint family (``FLAVORS``: a transformers model, what an
+    online source's rollout engine runs)."""
     names: list[str] = []
+    wanted = ("FLAVORS",) if families_only else ("FLAVORS", "HYBRID_FLAVORS")
     for path in sorted((_ROOT / "models").glob("*/*.py")):
         for node in ast.parse(path.read_text()).body:
             target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
-            if isinstance(target, ast.Name) and target.id in ("FLAVORS", "HYBRID_FLAVORS"):
+            if isinstance(target, ast.Name) and target.id in wanted:
                 if isinstance(node.value, ast.Dict):
                     names += [k.value for k in node.value.keys if isinstance(k, ast.Constant)]
     return tuple(dict.fromkeys(names))
@@ -113,9 +133,7 @@ class ModelOptions:
     )
     chunk_size: int | None = _opt(
         None,
-        "KDA / Gated DeltaNet / Mamba2 chunk size, a power of two (does not change the math; default: "
-        + CHUNK_SIZE_DEFAULT
-        + ")",
+        "KDA / Gated DeltaNet / Mamba2 chunk size, a power of two (does not change the math)",
         metavar="C",
         lo=1,
     )
@@ -346,6 +364,8 @@ def _loss_settings() -> list[Setting]:
         by = {obj: d.get(name, default) for obj, d in per.items()}
         values = ["none" if v is None else str(v) for v in by.values()]
         said = values[0] if len(set(values)) == 1 else ", ".join(f"{v} for {o}" for v, o in zip(values, by))
+        if m and extra.get("choices"):
+            doc = "one of " + ", ".join(extra["choices"])
         text = (meta.get("help") or _plain(doc)).rstrip(".") + f" (default: {said})"
         out.append(Setting("loss", name, kind, None, text, nullable=True, key=name, **extra))
     return out

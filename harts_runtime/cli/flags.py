@@ -30,9 +30,14 @@ import typing
 from harts_runtime.errors import InvalidInputError, UsageError
 from harts_runtime.job_config import (
     CAPACITY_DEFAULTS,
+    CHUNK_SIZE_DEFAULT,
     LR_DEFAULTS,
+    ONLINE_CHUNK_SIZE_DEFAULT,
+    ONLINE_LOSS,
     Setting,
+    declared_flavors,
     group_settings,
+    rl_defaults,
     settings,
 )
 from harts_runtime.options import (
@@ -119,13 +124,20 @@ def cli_overrides(command: str) -> dict[str, dict]:
             choices=MODES + ("both",),
             more=", or both (the synthetic step on two model copies, compact and trajectory-wise)",
         )
-    else:
-        out["flavor"] = dict(
-            help=group_settings("model")[0]
-            .help.split(";")[0]
-            .replace("a flavor", "a flavor with a transformers family")
-            + ")"
-        )
+        out["chunk_size"] = dict(more=f"; default: {CHUNK_SIZE_DEFAULT}")
+        return out
+    rl = rl_defaults()
+    out["flavor"] = dict(
+        help="a flavor of a transformers family, random weights: "
+        + ", ".join(declared_flavors(families_only=True))
+    )
+    out["device"] = dict(help=f"cpu, cuda or cuda:N (default: {rl['device']})")
+    out["chunk_size"] = dict(more=f"; default: {ONLINE_CHUNK_SIZE_DEFAULT}")
+    loss = group_settings("loss")
+    for s in loss:
+        if s.name in ONLINE_LOSS:
+            doc = s.help.rsplit(" (default:", 1)[0]
+            out[s.name] = dict(help=f"{doc} (default for an online run: {ONLINE_LOSS[s.name]})")
     return out
 
 

@@ -42,16 +42,13 @@ from harts_runtime.cli.flags import (
 from harts_runtime.cli.parser import Formatter, Parser
 from harts_runtime.cli.settings import load_config
 from harts_runtime.errors import InvalidInputError, UsageError
-from harts_runtime.job_config import JobConfig, group_settings, resolve_total_steps
+from harts_runtime.job_config import ONLINE_LOSS, JobConfig, group_settings, resolve_total_steps, rl_defaults
 from harts_runtime.options import ExecutionOptions, OptimizerOptions
 from harts_runtime.rl.config import RLConfig
 
 __all__ = ["PROG", "build_parser", "main"]
 
 PROG = "harts-rl"
-RL_LOSS = {"kl_coef": 0.0, "loss_agg_mode": "token-mean"}
-"""The loss ``harts-rl`` trains when no loss setting is given: GRPO without a KL term (there is no
-reference policy), token-mean (:class:`harts_runtime.rl.loop.RLRun`)."""
 _OPTION_GROUPS = ("execution", "optimizer")
 _OPTION_KEYS = {s.key for g in _OPTION_GROUPS for s in group_settings(g)}
 _LOSS_KEYS = {s.key for s in group_settings("loss")}
@@ -70,16 +67,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--config", metavar="FILE", help="settings file (.toml or .json) keyed by flag name")
     g = ap.add_argument_group("run")
-    g.add_argument("--steps", metavar="N", type=int_type(0), default=None, help="steps in all (default: 30)")
+    d = rl_defaults()
+    g.add_argument(
+        "--steps", metavar="N", type=int_type(0), default=None, help=f"steps in all (default: {d['steps']})"
+    )
     g.add_argument("--out", metavar="DIR", default=None, help="the run folder (metrics, checkpoints)")
     g.add_argument(
         "--resume", metavar="DIR", default=None, help="continue the run in DIR at its last checkpoint"
     )
     g.add_argument(
-        "--seed", metavar="S", type=int_type(0), default=None, help="model, sampler and environment seed (default: 0)"
+        "--seed",
+        metavar="S",
+        type=int_type(0),
+        default=None,
+        help=f"model, sampler and environment seed (default: {d['seed']})",
     )
     g.add_argument(
-        "--save-every", metavar="K", type=int_type(0), default=None, help="checkpoint every K steps (default: 0, at the end only)"
+        "--save-every",
+        metavar="K",
+        type=int_type(0),
+        default=None,
+        help=f"checkpoint every K steps (default: {d['save_every']}: at the end only)",
     )
     for group in COMMAND_GROUPS[PROG]:
         add_group_flags(ap, PROG, group)
@@ -159,7 +167,7 @@ def _settings(argv, given: dict) -> tuple[dict, dict, str | None]:
         options["max_grad_norm"] = None
     if loss:
         options["objective"] = loss.pop("objective", "grpo")
-        options["loss_config"] = {**RL_LOSS, **loss}
+        options["loss_config"] = {**ONLINE_LOSS, **loss}
     if resume is None:
         if out is None:
             raise UsageError("--out: a run folder is needed (or --resume DIR)", "--out")
@@ -206,9 +214,18 @@ def _preflight(cfg: RLConfig, options: dict) -> str:
         for c in (ExecutionOptions, OptimizerOptions)
     }
     kw = split[OptimizerOptions]
-    kw["total_steps"] = resolve_total_steps(kw.get("total_steps"), cfg.steps, kw.get("lr_schedule", "constant"))
+    kw["total_steps"] = resolve_total_steps(
+        kw.get("total_steps"), cfg.steps, kw.get("lr_schedule", "constant")
+    )
     for c, kw in split.items():
         c(**kw)
+    for name in ("param_dtype", "reduce_dtype", "cpu_offload"):  # harts-train refuses them alike
+        if options.get(name):
+            raise UsageError(
+                f"{flag_name(name)}: applies to the sharded model under torchrun (FSDP2); harts-rl runs one "
+                "process in the model's dtype",
+                flag_name(name),
+            )
     if "loss_config" in options:
         from harts_runtime.job_config import setting
 

@@ -22,7 +22,16 @@ import importlib
 from harts_runtime.rl.config import RLConfig
 from harts_runtime.rl.environment import Task
 
-__all__ = ["Frontier", "OnlineSource", "RLConfig", "RLRun", "RolloutEngine", "SyncError", "Task", "check_sync"]
+__all__ = [
+    "Frontier",
+    "OnlineSource",
+    "RLConfig",
+    "RLRun",
+    "RolloutEngine",
+    "SyncError",
+    "Task",
+    "check_sync",
+]
 
 _LAZY = {
     "OnlineSource": "harts_runtime.rl.source",

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from harts_runtime.errors import InvalidInputError
-from harts_runtime.job_config import JobConfig, resolve_total_steps
+from harts_runtime.job_config import ONLINE_LOSS, JobConfig, resolve_total_steps
 from harts_runtime.loss.objectives import PolicyLossConfig
 from harts_runtime.rl.config import RLConfig
 from harts_runtime.rl.source import OnlineSource, tree_chunk_size
@@ -129,7 +129,7 @@ class RLRun:
         self.config, self.dir, self.log = config, Path(out_dir), log or (lambda s: None)
         opts = dict(engine_options)
         opts.setdefault("objective", "grpo")
-        opts.setdefault("loss_config", {"kl_coef": 0.0, "loss_agg_mode": "token-mean"})
+        opts.setdefault("loss_config", dict(ONLINE_LOSS))
         self.engine_options = opts
         torch.manual_seed(config.seed)
         self.source = OnlineSource(config, task=task)

@@ -136,7 +136,9 @@ class OnlineSource:
         leaves = self.last_leaves
         if self.config.sync_sequences:
             seqs = [lf.tokens for lf in leaves[:: max(1, len(leaves) // self.config.sync_sequences)]]
-            diff = check_sync(engine, self.rollout, seqs[: self.config.sync_sequences], self._sync_atol(engine))
+            diff = check_sync(
+                engine, self.rollout, seqs[: self.config.sync_sequences], self._sync_atol(engine)
+            )
         self._sync = (diff, time.perf_counter() - t0)
 
     def record(self, step: int, result, report, seconds: dict) -> dict:

@@ -107,8 +107,14 @@ def test_mode_both_refuses_cp_instead_of_ignoring_it(capsys):
 
     assert main(["--mode", "both", "--cp", "2", "--steps", "1", "--device", "cpu", "--preset", "tiny"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["harts-train: error: --cp: --mode both compares two model copies on the synthetic step; it takes no --cp"]
-    for argv, flag in ((["--tp", "2"], "--tp"), (["--chunk-size", "16"], "--chunk-size"), (["--kl-coef", "0"], "--kl-coef")):
+    assert err == [
+        "harts-train: error: --cp: --mode both compares two model copies on the synthetic step; it takes no --cp"
+    ]
+    for argv, flag in (
+        (["--tp", "2"], "--tp"),
+        (["--chunk-size", "16"], "--chunk-size"),
+        (["--kl-coef", "0"], "--kl-coef"),
+    ):
         assert main(["--mode", "both", *argv, "--steps", "1", "--device", "cpu"]) == 2
         assert f"error: {flag}: --mode both" in capsys.readouterr().err
 
@@ -117,7 +123,9 @@ def test_a_bad_flag_and_a_bad_config_key_are_named(tmp_path, capsys):
     from harts_runtime.cli import main
 
     assert main(["--chunk-size", "24", "--steps", "1", "--device", "cpu", "--preset", "tiny"]) == 2
-    assert capsys.readouterr().err.strip() == "harts-train: error: --chunk-size: must be a power of two, got 24"
+    assert (
+        capsys.readouterr().err.strip() == "harts-train: error: --chunk-size: must be a power of two, got 24"
+    )
     cfg = tmp_path / "run.toml"
     cfg.write_text("cp = 0\n")
     assert main(["--config", str(cfg), "--steps", "1", "--device", "cpu"]) == 2
@@ -149,9 +157,17 @@ def test_help_text_is_generated_from_the_declarations():
         assert name in " ".join(train.split()).replace("- ", "-"), name
     for text in (train, rl):
         flat = " ".join(text.split())
-        assert f"{job_config.CAPACITY_DEFAULTS['cpu']} on CPU, {job_config.CAPACITY_DEFAULTS['cuda']} on CUDA" in flat
+        assert (
+            f"{job_config.CAPACITY_DEFAULTS['cpu']} on CPU, {job_config.CAPACITY_DEFAULTS['cuda']} on CUDA"
+            in flat
+        )
     assert f"{job_config.LR_DEFAULTS['online flavor']:g} for a flavor" in " ".join(rl.split())
     assert f"{job_config.LR_DEFAULTS['flavor']:g} for a flavor" in " ".join(train.split())
+    flat_rl = " ".join(rl.split()).replace("- ", "-")
+    for name in job_config.declared_flavors(families_only=True):  # the flavors a rollout engine runs
+        assert name in flat_rl, name
+    assert "debug," not in flat_rl and "(default: 30)" in flat_rl and "(default: cpu)" in flat_rl
+    assert "(default for an online run: token-mean)" in flat_rl
     assert "both" not in [c for a in _parser("harts-rl")._actions if a.dest == "mode" for c in a.choices]
     assert "both" in [c for a in _parser("harts-train")._actions if a.dest == "mode" for c in a.choices]
     r = job_config.JobConfig().resolve("cpu", "online")
