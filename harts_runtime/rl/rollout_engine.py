@@ -5,7 +5,9 @@ A rollout engine samples the policy's actions and takes the trainer's weights af
 step. It holds live *branches* (token sequences being extended) in a :class:`Frontier`: the sampler
 appends sampled action tokens (:meth:`Frontier.sample`), appends observation tokens the environment
 returns (:meth:`Frontier.extend`), and forks branches (:meth:`Frontier.fork`: a branch repeated ``k``
-times shares its prefix, and its prefix state, with its copies). The built-in backend is
+times shares its prefix, and its prefix state, with its copies). Branches are ragged: prompts and
+observations may differ in length, and with stop tokens each branch's action ends at its own
+length. The built-in backend is
 :class:`harts_runtime.rl.transformers_backend.TransformersRollout` (CPU or GPU). A vLLM backend
 implements the same four methods: ``load_weights`` through vLLM's own weight-update API (the
 checkpoint-spelled pairs of :meth:`HartsEngine.export_weights`), ``logprobs`` with
@@ -36,13 +38,20 @@ class Frontier(ABC):
     tokens: list[list[int]]
 
     @abstractmethod
-    def sample(self, n: int, generator: torch.Generator, temperature: float = 1.0) -> torch.Tensor:
+    def sample(
+        self, n: int, generator: torch.Generator, temperature: float = 1.0, stop: Sequence[int] = ()
+    ) -> torch.Tensor:
         """Sample ``n`` tokens on every branch (appended to :attr:`tokens`); returns their log-probs
-        under the sampling distribution, float32 ``[branches, n]``."""
+        under the sampling distribution, float32 ``[branches, n]``. With ``stop`` (token ids), a
+        branch stops right after sampling one of them (it is appended: the action's last token),
+        so it gets from 1 to ``n`` tokens; its row's log-probs past its end are 0. The sampler
+        passes ``stop`` only when the task has stop tokens (an engine without the keyword serves
+        the tasks without them)."""
 
     @abstractmethod
     def extend(self, rows: Sequence[Sequence[int]]) -> None:
-        """Append ``rows[i]`` (observation tokens; possibly empty) to branch ``i``."""
+        """Append ``rows[i]`` (observation tokens; possibly empty; lengths may differ) to branch
+        ``i``."""
 
     @abstractmethod
     def fork(self, index: Sequence[int]) -> None:
@@ -64,7 +73,7 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def open(self, prompts: Sequence[Sequence[int]]) -> Frontier:
-        """A frontier of one branch per prompt."""
+        """A frontier of one branch per prompt (non-empty; lengths may differ)."""
 
 
 def check_sync(

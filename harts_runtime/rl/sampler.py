@@ -1,13 +1,16 @@
 """The tree sampler (:class:`TreeSampler`): a step's episodes as prefix-sharing trees.
 
-For each of ``prompts`` prompts (drawn with the environment's RNG), one branch opens on the rollout
-engine; before turn ``t``, every live branch forks ``forks[t]`` ways (when ``t`` is named); the
-policy samples the turn's action tokens on every branch (with the sampler's ``torch.Generator``);
-the task's observation follows (every turn but the last). Each leaf is a :class:`Leaf`: its tokens,
-per-token loss mask (action tokens only) and sampling log-probs, its prompt, its *path* (the child
-taken at each fork, root first) and, per turn, where its action tokens lie. The leaves of a prompt
-share every token up to the fork that separates them, which HARTS's ingestion finds again from the
-token ids alone.
+For each of ``prompts`` prompts (drawn with the environment's RNG; of any lengths), one branch
+opens on the rollout engine; before turn ``t``, every live branch forks ``forks[t]`` ways (when
+``t`` is named); the policy samples the turn's action on every branch (with the sampler's
+``torch.Generator``): up to the turn's cap, each branch stopping after one of the task's
+:attr:`~harts_runtime.rl.environment.Task.stop_tokens`; the task's observations of every live
+branch follow in one :meth:`~harts_runtime.rl.environment.Task.observe_batch` call (every turn but
+the last; their lengths may differ). Each leaf is a :class:`Leaf`: its tokens, per-token loss mask
+(action tokens only) and sampling log-probs, its prompt, its *path* (the child taken at each fork,
+root first), per turn where its action tokens lie and whether the cap cut the action, its reward and
+(when the task gives them) its per-turn rewards. The leaves of a prompt share every token up to the
+fork that separates them, which HARTS's ingestion finds again from the token ids alone.
 """
 
 from __future__ import annotations
@@ -38,6 +41,12 @@ class Leaf:
     action_logprobs: list[float] = field(default_factory=list)
     """The sampling log-prob of each action token, in order."""
     reward: float = 0.0
+    """The leaf's reward (with per-turn rewards: their sum)."""
+    turn_rewards: list[float] | None = None
+    """One reward per turn when the task gives them (None: the task scored the leaf as a whole)."""
+    truncated: list[bool] = field(default_factory=list)
+    """Per turn: the action reached its cap without a stop token (always False for a task
+    without stop tokens, whose actions are all exactly the cap)."""
 
     def actions(self) -> list[list[int]]:
         return [self.tokens[a:b] for _, a, b in self.segments]
@@ -53,6 +62,12 @@ class Leaf:
                 out[p] = values[k]
                 k += 1
         return out
+
+    def observation_spans(self) -> list[tuple[int, int, int]]:
+        """``(turn, start, end)``: the observation tokens after each turn's action (the turns but
+        the last; ``start == end`` for an empty one)."""
+        segs = self.segments
+        return [(t, b, segs[i + 1][1]) for i, (t, _, b) in enumerate(segs[:-1])]
 
     def loss_mask(self) -> list[bool]:
         out = [False] * len(self.tokens)
@@ -82,6 +97,7 @@ class TreeSampler:
         self.generator = torch.Generator().manual_seed(seed)
         self.env_rng = np.random.default_rng(seed + 1)
         self._checked_vocab: int | None = None
+        self._stops: tuple[int, ...] = ()
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state(), "env_rng": self.env_rng.bit_generator.state}
@@ -90,15 +106,31 @@ class TreeSampler:
         self.generator.set_state(state["generator"])
         self.env_rng.bit_generator.state = state["env_rng"]
 
+    def stop_tokens(self, vocab_size: int) -> tuple[int, ...]:
+        """The task's stop tokens, checked: integers in ``[0, vocab_size)`` (field ``stop_tokens``)."""
+        raw = self.task.stop_tokens
+        if raw is None:
+            return ()
+        if isinstance(raw, (str, bytes)) or not hasattr(raw, "__iter__"):
+            raise InvalidInputError("stop_tokens", f"a list of token ids, got {type(raw).__name__}")
+        out = tuple(raw)
+        check_observation([out], vocab_size, "stop_tokens")
+        return tuple(dict.fromkeys(int(t) for t in out))
+
     def sample(self, rollout) -> list[Leaf]:
-        """The step's leaves, rewards filled in (checked: the task's settings against the rollout
-        engine's vocabulary (:meth:`Task.check`), prompts non-empty and in the vocabulary, before
-        the rollout engine sees them; observations in the vocabulary and the step, observations
-        included, at most ``max_step_tokens`` tokens; rewards finite)."""
+        """The step's leaves, rewards filled in (checked: the task's settings and stop tokens against
+        the rollout engine's vocabulary (:meth:`Task.check`), prompts non-empty and in the
+        vocabulary, before the rollout engine sees them; each branch's action at most the turn's
+        cap, ended early only by a stop token; observations in the vocabulary and the step,
+        observations included, at most ``max_step_tokens`` tokens; rewards finite, a per-turn
+        reward list one number per turn)."""
         task = self.task
         if self._checked_vocab != rollout.vocab_size:
             task.check(rollout.vocab_size)
+            self._stops = self.stop_tokens(rollout.vocab_size)
             self._checked_vocab = rollout.vocab_size
+        stops = self._stops
+        stop_set = set(stops)
         drawn = [task.prompt(self.env_rng) for _ in range(self.prompts)]
         for i, (p, _) in enumerate(drawn):
             if not isinstance(p, (list, tuple, np.ndarray)) or len(p) == 0:
@@ -123,6 +155,7 @@ class TreeSampler:
         paths: list[tuple[int, ...]] = [() for _ in range(self.prompts)]
         segments: list[list[tuple[int, int, int]]] = [[] for _ in range(self.prompts)]
         logps: list[list[float]] = [[] for _ in range(self.prompts)]
+        cut: list[list[bool]] = [[] for _ in range(self.prompts)]
         for turn in range(task.turns):
             k = int(self.forks.get(turn, 1))
             if k > 1:
@@ -132,17 +165,49 @@ class TreeSampler:
                 paths = [paths[i] + (j % k,) for j, i in enumerate(index)]
                 segments = [list(segments[i]) for i in index]
                 logps = [list(logps[i]) for i in index]
+                cut = [list(cut[i]) for i in index]
             n = actions[turn]
-            start = len(frontier.tokens[0])
-            lp = frontier.sample(n, self.generator, self.temperature)
+            starts = [len(row) for row in frontier.tokens]
+            if stops:
+                lp = frontier.sample(n, self.generator, self.temperature, stop=stops)
+            else:
+                lp = frontier.sample(n, self.generator, self.temperature)
+            if (
+                tuple(lp.shape[:1]) != (len(owner),)
+                or lp.dim() != 2
+                or lp.shape[1] < max((len(r) - s for r, s in zip(frontier.tokens, starts)), default=0)
+            ):
+                raise RuntimeError(
+                    f"the rollout engine's frontier returned log-probs of shape {tuple(lp.shape)} for "
+                    f"{len(owner)} branches of up to {n} tokens at turn {turn}"
+                )
             for b in range(len(owner)):
-                segments[b].append((turn, start, start + n))
-                logps[b].extend(lp[b].tolist())
+                row, start = frontier.tokens[b], starts[b]
+                m = len(row) - start
+                stopped = 0 < m and row[-1] in stop_set
+                if not (m == n or (stops and 0 < m < n and stopped)) or (
+                    stops and stop_set & set(row[start:-1])
+                ):
+                    raise RuntimeError(
+                        f"the rollout engine's frontier sampled {m} tokens on branch {b} at turn {turn}: an "
+                        f"action is {n} tokens, or fewer ending at the first stop token {list(stops)}"
+                    )
+                segments[b].append((turn, start, start + m))
+                logps[b].extend(lp[b, :m].tolist())
+                cut[b].append(bool(stops) and not stopped)
             if turn + 1 < task.turns:
-                rows = [
-                    task.observe(drawn[owner[b]][1], turn, frontier.tokens[b], frontier.tokens[b][start:])
-                    for b in range(len(owner))
-                ]
+                rows = task.observe_batch(
+                    [drawn[owner[b]][1] for b in range(len(owner))],
+                    turn,
+                    [frontier.tokens[b] for b in range(len(owner))],
+                    [frontier.tokens[b][starts[b] :] for b in range(len(owner))],
+                )
+                if not isinstance(rows, (list, tuple)) or len(rows) != len(owner):
+                    got = f"{len(rows)} rows" if isinstance(rows, (list, tuple)) else type(rows).__name__
+                    raise InvalidInputError(
+                        "observation",
+                        f"observe_batch returns one observation per branch ({len(owner)}), got {got}",
+                    )
                 for b, r in enumerate(rows):
                     if not isinstance(r, (list, tuple, np.ndarray)):
                         raise InvalidInputError(
@@ -163,11 +228,15 @@ class TreeSampler:
                 check_observation(rows, rollout.vocab_size)
                 frontier.extend([[int(t) for t in r] for r in rows])
         leaves = [
-            Leaf(owner[b], list(frontier.tokens[b]), paths[b], segments[b], logps[b])
+            Leaf(owner[b], list(frontier.tokens[b]), paths[b], segments[b], logps[b], truncated=cut[b])
             for b in range(len(owner))
         ]
         rewards = [task.reward(drawn[lf.prompt][1], lf.tokens, lf.actions()) for lf in leaves]
-        check_reward(rewards)
+        check_reward(rewards, turns=task.turns)
         for lf, r in zip(leaves, rewards):
-            lf.reward = float(r)
+            if isinstance(r, (list, tuple, np.ndarray)):
+                lf.turn_rewards = [float(v) for v in r]
+                lf.reward = float(sum(lf.turn_rewards))
+            else:
+                lf.reward = float(r)
         return leaves

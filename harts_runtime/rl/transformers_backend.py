@@ -8,13 +8,20 @@ copied into its tensors in place as they stream in: a missing, unexpected or mis
 incrementally on its own cache (a transformers ``Cache``); a fork repeats cache rows
 (``Cache.reorder_cache``), so forked branches share their prefix state as a prefix cache would.
 
-The branches of a frontier advance in lockstep: every branch gets the same number of sampled
-tokens, and the observation rows of one :meth:`~_Frontier.extend` must have one length (the
-built-in tasks' observations do). A ragged frontier is refused naming the field.
+Branches are ragged: prompts and observations may differ in length, and with stop tokens each
+branch's action ends at its own length. The frontier keeps its branches in *groups* of one
+sequence length, each on its own cache (a transformers cache holds rows of one length): the
+prompts open one group per distinct length; a group splits when its branches' observations differ
+in length or some of its branches stop while others sample on (the split-off rows' cache is a copy
+of theirs); a fork repeats rows within each group. Each sampled token is drawn for every sampling
+branch at once (one ``torch.multinomial`` over the groups' rows) and fed to each group in one
+forward, so a frontier whose branches all have one length (the built-in tasks) runs exactly as one
+batch, and a ragged one costs one forward per group per token.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -140,56 +147,123 @@ class TransformersRollout(RolloutEngine):
         return _Frontier(self, prompts)
 
 
+class _Group:
+    """Branches of one sequence length on one cache: ``branches[r]`` is row ``r``'s branch index;
+    ``next``: the log-softmax input (logits) of each row's next token."""
+
+    __slots__ = ("branches", "cache", "next")
+
+    def __init__(self, branches: list[int], cache, next_logits: torch.Tensor):
+        self.branches, self.cache, self.next = branches, cache, next_logits
+
+
 class _Frontier(Frontier):
-    """Branches advancing in lockstep on one transformers cache; :attr:`_next` holds the log-softmax
-    of each branch's next token."""
+    """Ragged branches on groups of one length each (module docstring)."""
 
     def __init__(self, rollout: TransformersRollout, prompts: Sequence[Sequence[int]]):
-        from transformers import DynamicCache
-
-        lengths = {len(p) for p in prompts}
-        if len(lengths) != 1 or 0 in lengths:
-            raise InvalidInputError(
-                "prompts", f"a frontier needs prompts of one non-zero length, got {sorted(lengths)}"
-            )
+        if len(prompts) == 0 or any(len(p) == 0 for p in prompts):
+            lengths = sorted({len(p) for p in prompts})
+            raise InvalidInputError("prompts", f"a frontier needs non-empty prompts, got lengths {lengths}")
         self.rollout = rollout
         self.tokens = [list(p) for p in prompts]
-        self._cache = DynamicCache(config=rollout.model.config)
-        logits, self._cache = rollout._logits(torch.tensor(self.tokens, dtype=torch.long), self._cache)
-        self._next = logits[:, -1]
+        by_len: dict[int, list[int]] = {}
+        for b, p in enumerate(self.tokens):
+            by_len.setdefault(len(p), []).append(b)
+        self._groups = [self._open(rows) for rows in by_len.values()]
 
-    def _feed(self, ids: torch.Tensor) -> None:
-        logits, self._cache = self.rollout._logits(ids, self._cache)
-        self._next = logits[:, -1]
+    @property
+    def groups(self) -> int:
+        """How many groups (caches) the branches are on now."""
+        return len(self._groups)
 
-    def sample(self, n: int, generator: torch.Generator, temperature: float = 1.0) -> torch.Tensor:
-        out_lp = []
-        for _ in range(n):
-            logp = torch.log_softmax(self._next / temperature, -1).cpu()
-            tok = torch.multinomial(logp.exp(), 1, generator=generator)  # [B, 1]
-            out_lp.append(logp.gather(-1, tok)[:, 0])
-            for row, t in zip(self.tokens, tok[:, 0].tolist()):
-                row.append(t)
-            self._feed(tok)
-        return torch.stack(out_lp, 1).float() if out_lp else torch.zeros(len(self.tokens), 0)
+    def _open(self, branches: list[int]) -> _Group:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.rollout.model.config)
+        ids = torch.tensor([self.tokens[b] for b in branches], dtype=torch.long)
+        logits, cache = self.rollout._logits(ids, cache)
+        return _Group(branches, cache, logits[:, -1])
+
+    def _feed(self, group: _Group, ids: torch.Tensor) -> None:
+        logits, group.cache = self.rollout._logits(ids, group.cache)
+        group.next = logits[:, -1]
+
+    def _take(self, group: _Group, rows: list[int]) -> _Group:
+        """Split ``rows`` of ``group`` off into a new group (a copy of their cache); ``group`` keeps
+        the other rows."""
+        device = self.rollout.device
+        taken = set(rows)
+        keep = [r for r in range(len(group.branches)) if r not in taken]
+        new = _Group([group.branches[r] for r in rows], copy.deepcopy(group.cache), group.next[rows])
+        new.cache.reorder_cache(torch.tensor(rows, dtype=torch.long, device=device))
+        group.cache.reorder_cache(torch.tensor(keep, dtype=torch.long, device=device))
+        group.next = group.next[keep]
+        group.branches = [group.branches[r] for r in keep]
+        return new
+
+    def sample(
+        self, n: int, generator: torch.Generator, temperature: float = 1.0, stop: Sequence[int] = ()
+    ) -> torch.Tensor:
+        stop_set = {int(t) for t in stop}
+        out = torch.zeros(len(self.tokens), n, dtype=torch.float64)
+        live = list(self._groups)
+        for step in range(n):
+            if not live:
+                break
+            order = [b for g in live for b in g.branches]
+            logits = live[0].next if len(live) == 1 else torch.cat([g.next for g in live])
+            logp = torch.log_softmax(logits / temperature, -1).cpu()
+            tok = torch.multinomial(logp.exp(), 1, generator=generator)  # [rows, 1]
+            out[order, step] = logp.gather(-1, tok)[:, 0]
+            for b, t in zip(order, tok[:, 0].tolist()):
+                self.tokens[b].append(t)
+            at = 0
+            for g in live:
+                self._feed(g, tok[at : at + len(g.branches)])
+                at += len(g.branches)
+            if stop_set:
+                still = []
+                for g in live:
+                    done = [r for r, b in enumerate(g.branches) if self.tokens[b][-1] in stop_set]
+                    if len(done) < len(g.branches):
+                        if done:
+                            self._groups.append(self._take(g, done))
+                        still.append(g)
+                live = still
+        return out.float()
 
     def extend(self, rows: Sequence[Sequence[int]]) -> None:
         if len(rows) != len(self.tokens):
             raise InvalidInputError("observations", f"expected {len(self.tokens)} rows, got {len(rows)}")
-        lengths = {len(r) for r in rows}
-        if len(lengths) != 1:
-            raise InvalidInputError(
-                "observations",
-                f"the transformers frontier needs one observation length per turn, got {sorted(lengths)}",
-            )
-        if 0 in lengths:
-            return
         for row, r in zip(self.tokens, rows):
             row.extend(int(t) for t in r)
-        self._feed(torch.tensor([list(r) for r in rows], dtype=torch.long))
+        for g in list(self._groups):
+            by_len: dict[int, list[int]] = {}
+            for i, b in enumerate(g.branches):
+                by_len.setdefault(len(rows[b]), []).append(i)
+            parts = list(by_len.items())
+            split = [(length, self._take(g, idx)) for length, idx in parts[1:]]
+            self._groups.extend(part for _, part in split)
+            for length, part in [(parts[0][0], g), *split]:
+                if length:
+                    self._feed(part, torch.tensor([list(rows[b]) for b in part.branches], dtype=torch.long))
 
     def fork(self, index: Sequence[int]) -> None:
-        idx = torch.as_tensor(list(index), dtype=torch.long)
-        self._cache.reorder_cache(idx.to(self.rollout.device))
-        self._next = self._next[idx.to(self._next.device)]
-        self.tokens = [list(self.tokens[i]) for i in idx.tolist()]
+        index = [int(i) for i in index]
+        where = {b: (g, r) for g in self._groups for r, b in enumerate(g.branches)}
+        picks: dict[int, list[tuple[int, int]]] = {id(g): [] for g in self._groups}
+        for j, i in enumerate(index):
+            g, r = where[i]
+            picks[id(g)].append((j, r))
+        groups = []
+        for g in self._groups:
+            sel = picks[id(g)]
+            if not sel:
+                continue
+            idx = torch.tensor([r for _, r in sel], dtype=torch.long)
+            g.cache.reorder_cache(idx.to(self.rollout.device))
+            g.next = g.next[idx.to(g.next.device)]
+            g.branches = [j for j, _ in sel]
+            groups.append(g)
+        self._groups = groups
+        self.tokens = [list(self.tokens[i]) for i in index]
