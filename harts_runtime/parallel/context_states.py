@@ -24,8 +24,9 @@ local call plan              :func:`local_plan`: its rows cut into *pieces* (run
                              split's grid rule), so the outputs are the one process's
 summaries                    every state the rank hands on (``S_k`` of the split's sends) as an
                              affine function of the entry state its path started from on this
-                             rank, ``S_k = A_k S_entry + b_k``: one run of the local plan with
-                             values ``[v | 0_K]`` from entry states ``[0 | I]``
+                             rank, ``S_k = A_k S_entry + b_k``: one run with values ``[v | 0_K]``
+                             from entry states ``[0 | I]`` of the pieces whose states lead to a
+                             send, each cut after its last such boundary (``LocalPlan.summary``)
                              (:func:`harts_kernels.kda.cp.piece_summary`'s identity, on the whole
                              local plan; Mamba2's SSD core gives ``A_k = a_k I`` and sends
                              ``[a_k | b_k]``); a rank without entry states gets ``S_k`` directly
@@ -209,6 +210,9 @@ class LocalPlan:
     """Rows of E whose windows are read (own and replay rows): ``conv``'s table equals
     ``conv_table`` there (conv-context-only rows convolve garbage nobody reads)."""
     conv_table: np.ndarray | None = None
+    summary: KDASchedule | None = None
+    """The summary run's rounds (a rank with entry states and sends): the pieces whose states lead
+    to a send, each cut after its last such boundary; None: ``sched`` (run once, truly)."""
 
     @property
     def num_entries(self) -> int:
@@ -221,6 +225,7 @@ class LocalPlan:
     def to(self, device) -> LocalPlan:
         out = LocalPlan(**{f: getattr(self, f) for f in self.__dataclass_fields__})
         out.conv, out.sched = self.conv.to(device), self.sched.to(device)
+        out.summary = None if self.summary is None else self.summary.to(device)
         out.send_index = self.send_index.to(device)
         return out
 
@@ -388,41 +393,16 @@ def local_plan(split, rank: int, pos: np.ndarray, conv: np.ndarray, chunk_size: 
         if P % B:
             raise bad(f"state after row {zrow} is not on the chunk grid")
         requests.setdefault(j, []).append(((P - pieces[j]["anchor"]) // B, s))
-    rounds, out_rows = [], []
-    for d in range(max(depth) + 1 if depth else 0):
-        members = [j for j in range(len(pieces)) if depth[j] == d]
-        gather, cu, init, rq_seq, rq_chunk, rq_slot, out_pos = [], [0], [], [], [], [], []
-        for qi, j in enumerate(members):
-            pc = pieces[j]
-            own = list(range(pc["first"] - lo, pc["end"] - lo))
-            base = len(gather)
-            gather.extend(pc["replay"])
-            out_pos.extend(range(len(gather), len(gather) + len(own)))
-            gather.extend(own)
-            cu.append(len(gather))
-            init.append(pc["slot"])
-            for c, s in sorted(requests.get(j, [])):
-                if not 1 <= c or c * B > len(gather) - base:
-                    raise bad(f"requested boundary {c} outside piece {j}")
-                rq_seq.append(qi)
-                rq_chunk.append(c)
-                rq_slot.append(s)
-            out_rows.append(np.asarray(own, dtype=np.int64))
-        rounds.append(
-            KDARound(
-                gather=torch.tensor(gather, dtype=torch.int64),
-                cu_seqlens=cu,
-                init_slots=init,
-                request_seq=rq_seq,
-                request_chunk=rq_chunk,
-                request_slot=rq_slot,
-                final_slots=[-1] * len(members),
-                out_pos=torch.tensor(out_pos, dtype=torch.int64),
-            )
-        )
-    rows_written = np.concatenate(out_rows) if out_rows else np.zeros(0, np.int64)
-    write_perm = torch.from_numpy(np.argsort(rows_written, kind="stable").astype(np.int64))
-    sched = KDASchedule(rounds, num_slots, write_perm)
+    sched = _schedule(pieces, depth, requests, lo, B, num_slots, bad)
+    # the summary run: only the pieces whose states lead to a send, each cut after its last such
+    # boundary (the states before a boundary do not read the rows after it)
+    summary = None
+    if entries and sends:
+        need = set(sends)
+        for j in sorted(range(len(pieces)), key=lambda j: -depth[j]):  # producers after readers
+            if pieces[j]["init"][0] == "local" and any(s in need for _, s in requests.get(j, [])):
+                need.add(pieces[j]["slot"])
+        summary = _schedule(pieces, depth, requests, lo, B, num_slots, bad, need)
 
     # halo exchange
     def owner(rows):
@@ -454,7 +434,57 @@ def local_plan(split, rank: int, pos: np.ndarray, conv: np.ndarray, chunk_size: 
         num_pieces=len(pieces),
         conv_exact=needed,
         conv_table=ewin,
+        summary=summary,
     )
+
+
+def _schedule(pieces, depth, requests, lo, B, num_slots, bad, need=None) -> KDASchedule:
+    """The rounds of ``pieces`` by dependency depth (each piece one sequence: its replay rows, then
+    its own rows, written once). ``need`` (the summary run): only the requests whose slots are in
+    ``need``, only the pieces with one, each cut after its last needed boundary, nothing written."""
+    rounds, out_rows = [], []
+    for d in range(max(depth) + 1 if depth else 0):
+        gather, cu, init, rq_seq, rq_chunk, rq_slot, out_pos = [], [0], [], [], [], [], []
+        for j in (j for j in range(len(pieces)) if depth[j] == d):
+            pc = pieces[j]
+            own = list(range(pc["first"] - lo, pc["end"] - lo))
+            seq = pc["replay"] + own
+            reqs = sorted(requests.get(j, []))
+            for c, _ in reqs:
+                if not 1 <= c or c * B > len(seq):
+                    raise bad(f"requested boundary {c} outside piece {j}")
+            if need is not None:
+                reqs = [(c, s) for c, s in reqs if s in need]
+                if not reqs:
+                    continue
+                seq = seq[: reqs[-1][0] * B]
+            else:
+                out_pos.extend(range(len(gather) + len(pc["replay"]), len(gather) + len(seq)))
+                out_rows.append(np.asarray(own, dtype=np.int64))
+            for c, s in reqs:
+                rq_seq.append(len(init))
+                rq_chunk.append(c)
+                rq_slot.append(s)
+            gather.extend(seq)
+            cu.append(len(gather))
+            init.append(pc["slot"])
+        if not init:
+            continue
+        rounds.append(
+            KDARound(
+                gather=torch.tensor(gather, dtype=torch.int64),
+                cu_seqlens=cu,
+                init_slots=init,
+                request_seq=rq_seq,
+                request_chunk=rq_chunk,
+                request_slot=rq_slot,
+                final_slots=[-1] * len(init),
+                out_pos=torch.tensor(out_pos, dtype=torch.int64),
+            )
+        )
+    rows_written = np.concatenate(out_rows) if out_rows else np.zeros(0, np.int64)
+    write_perm = torch.from_numpy(np.argsort(rows_written, kind="stable").astype(np.int64))
+    return KDASchedule(rounds, num_slots, write_perm)
 
 
 def empty_plan(cp_size: int, rank: int, width: int) -> LocalPlan:
@@ -506,7 +536,8 @@ def summaries(plan: LocalPlan, q, k, v, g, beta, *, chunk_size: int, backend: st
     """``[len(plan.sends), H, W]``: the summary of every state this rank hands on, ``S_k = A_k S_entry +
     b_k`` relative to the entry state its path started from here, flat per head: ``[A_k | b_k]``
     (``W = K K + K V``), or for the SSD core (``beta`` None: Mamba2, whose ``A_k = a_k I``) ``[a_k |
-    b_k]`` (``W = 1 + K V``). One run of the local plan with values ``[v | 0_K]`` from entry states
+    b_k]`` (``W = 1 + K V``). One run of the summary rounds (``plan.summary``: the pieces leading to the
+    sends, cut after their last needed boundary) with values ``[v | 0_K]`` from entry states
     ``[0 | I]`` (the requested states are ``[b | A]``). A rank without entry states runs its plan
     once, truly (``A = 0``), and returns that run's output too: ``(packed, o or None)``; a rank
     without sends ``(None, None)``."""
@@ -521,8 +552,9 @@ def summaries(plan: LocalPlan, q, k, v, g, beta, *, chunk_size: int, backend: st
     v_wide = torch.cat([v, v.new_zeros(v.shape[0], H, K)], -1)
     eye = torch.zeros(H, K, Vd + K, dtype=torch.float32, device=q.device)
     eye[..., Vd:] = torch.eye(K, dtype=torch.float32, device=q.device)
+    sched = plan.sched if plan.summary is None else plan.summary
     _, slots = run_local(
-        plan.sched, q, k, v_wide, g, beta, [eye] * plan.num_entries, chunk_size=chunk_size, backend=backend
+        sched, q, k, v_wide, g, beta, [eye] * plan.num_entries, chunk_size=chunk_size, backend=backend
     )
     st = torch.stack([slots[s] for s in plan.sends])  # [n, H, K, V + K] = [b | A]
     A = st[..., 0, Vd : Vd + 1] if beta is None else st[..., Vd:].flatten(2)  # SSD: A = a I

@@ -1,7 +1,8 @@
 """The state-passing local plans (``harts_runtime.parallel.context_states``) in one process: every
 rank's local call plan, summaries, fold and rerun, simulated rank by rank with the all-gather
 replaced by a concatenation, against the one-process KDA schedule of the whole microbatch (float64,
-random trees, the KDA core with KDA and GDN gates and Mamba2's SSD core, C = 2, 3, 4, 8); the local convolution windows against the
+random trees, the KDA core with KDA and GDN gates and Mamba2's SSD core, C = 2, 3, 4, 8); the
+pruned summary run against the whole local plan's; the local convolution windows against the
 microbatch's; and the one-line errors of ``cp_mode``."""
 
 import numpy as np
@@ -108,6 +109,31 @@ class _Model(torch.nn.Module):
     def __init__(self, kinds):
         super().__init__()
         self.blocks = [_Block(k) for k in kinds]
+
+
+def test_the_summary_run_prunes_to_the_sends_and_equals_the_full_run():
+    """A rank's summary run (``LocalPlan.summary``: the pieces leading to its sends, each cut after
+    its last needed boundary) gives the summaries of the whole local plan (float64, within 1e-12)
+    and packs fewer rows on these trees."""
+    full_rows = pruned_rows = 0
+    for seed in range(6):
+        core = ("kda", "gdn", "ssd")[seed % 3]
+        batch, traj, call_plan, layout = _microbatch(seed)
+        r2p = np.asarray(call_plan.row_to_physical, dtype=np.int64)
+        for C in (3, 4, 8):
+            split = hp.plan_cp(batch, traj, C, B, conv_width=W)
+            for r in range(C):
+                plan = cp_rows_plan(layout, split, r, r2p).local
+                if plan.summary is None:
+                    continue
+                f = _features(plan.rows, 100 * seed + r, core)
+                got, _ = summaries(plan, *f, chunk_size=B, backend="naive")
+                plan.summary = None  # the whole local plan
+                want, _ = summaries(plan, *f, chunk_size=B, backend="naive")
+                assert float((got - want).abs().max()) <= 1e-12 * max(1.0, float(want.abs().max()))
+                full_rows += plan.sched.packed_rows
+                pruned_rows += cp_rows_plan(layout, split, r, r2p).local.summary.packed_rows
+    assert 0 < pruned_rows < full_rows, (pruned_rows, full_rows)
 
 
 def test_cp_mode_errors_are_one_line_naming_the_field():
