@@ -49,7 +49,7 @@ _EXPORTS = {
     "HartsEngine": "harts_runtime.engine",
     "StepReport": "harts_runtime.engine",
     "export_weights": "harts_runtime.hf",
-    "load_pretrained": "harts_runtime.hf",
+    "load_pretrained": "harts_runtime.engine.load",
     "save_pretrained": "harts_runtime.hf",
     "CallLayoutArrays": "harts_runtime.layout",
     "MODES": "harts_runtime.layout",

@@ -25,7 +25,9 @@ composition of :mod:`harts_runtime.options`), :mod:`~harts_runtime.engine.engine
 build, the step loop, the optimizer step, checkpoints), :mod:`~harts_runtime.engine.planning` (the
 one call for a microbatch's call plan: the microbatch below never plans),
 :mod:`~harts_runtime.engine.trajectory_plan`
-(the trajectory-wise baseline's plan-like packing) and :mod:`~harts_runtime.engine.process_state`
+(the trajectory-wise baseline's plan-like packing), :mod:`~harts_runtime.engine.load`
+(``load_pretrained``: a checkpoint folder read into a model, sharded over a mesh: parallelized here,
+then read by :mod:`harts_runtime.hf`) and :mod:`~harts_runtime.engine.process_state`
 (rank, barrier and RNG state of this process).
 """
 

@@ -126,8 +126,8 @@ class HartsEngine:
         if mesh is None and dims is not None:
             mesh = dims.build_mesh(torch.device(device).type if device is not None else None)
         checkpoint = isinstance(source, (str, Path)) and Path(source).is_dir()
-        if checkpoint:
-            from harts_runtime.hf import load_pretrained
+        if checkpoint:  # with a mesh: made on meta, parallelized, then each rank reads its slices
+            from harts_runtime.engine.load import load_pretrained
 
             kw = {} if mesh is None else dict(mesh=mesh, parallelize=config.parallelize_options())
             model = load_pretrained(source, dtype=dtype, device=device, **kw, **overrides)

@@ -16,16 +16,18 @@ One job per module:
                                        size, memory, dtype and finiteness checks (one named
                                        :class:`~harts_runtime.errors.InvalidInputError` each)
 :mod:`harts_runtime.hf.load`           :func:`load_pretrained` in one process
-:mod:`harts_runtime.hf.sharded`        :func:`load_pretrained_sharded`: a parallelized model, each
-                                       rank reading only its slices
+:mod:`harts_runtime.hf.sharded`        :func:`open_sliced`: a checked folder read into a model the
+                                       caller made and parallelized, each rank only its slices
 :mod:`harts_runtime.hf.save`           :func:`save_pretrained`, :func:`export_weights` (collective
                                        on a parallelized model), the shard writer
 :mod:`harts_runtime.hf.freeze`         :func:`freeze_family_constants`: the parameters the family
                                        has no tensor for
 =====================================  ============================================================
 
-:mod:`harts_runtime.hf` may import :mod:`harts_runtime.parallel` (a sharded load parallelizes
-before reading); :mod:`harts_runtime.parallel` never imports it. Training checkpoints (sharded
+:mod:`harts_runtime.hf` only reads and writes folders: it never imports :mod:`harts_runtime.parallel`
+(nor the reverse; both import-linter contracts). A sharded load, ``harts_runtime.load_pretrained(path,
+mesh=...)``, is :func:`harts_runtime.engine.load.load_pretrained`: it parallelizes the model made on the
+meta device, then this package reads each rank's slices into it. Training checkpoints (sharded
 weights and optimizer state) are :func:`harts_runtime.parallel.checkpoint.save_checkpoint` /
 ``load_checkpoint``.
 """
@@ -42,7 +44,7 @@ from harts_runtime.hf.folder import (
 from harts_runtime.hf.freeze import freeze_family_constants
 from harts_runtime.hf.load import load_pretrained
 from harts_runtime.hf.save import MAX_SHARD_BYTES, export_weights, save_pretrained, save_setup
-from harts_runtime.hf.sharded import load_pretrained_sharded
+from harts_runtime.hf.sharded import SlicedCheckpoint, open_sliced
 
 # Earlier private names still imported by trainer.py and integrations/verl.py (to move to the
 # public ones above: freeze_family_constants, read_config, available_bytes, human_bytes).
@@ -55,14 +57,15 @@ __all__ = [
     "CONFIG_NAME",
     "INDEX_NAME",
     "MAX_SHARD_BYTES",
+    "SlicedCheckpoint",
     "WEIGHTS_NAME",
     "available_bytes",
     "export_weights",
     "freeze_family_constants",
     "human_bytes",
     "load_pretrained",
-    "load_pretrained_sharded",
     "model_bytes",
+    "open_sliced",
     "read_config",
     "save_pretrained",
     "save_setup",

@@ -8,8 +8,10 @@ random init), and each tensor is read one at a time (``safetensors.safe_open``),
 copied into its parameter (cast to the model dtype, moved to the device), so the weights are never
 held twice. Both spellings of the tensors load: the checkpoint one (per-expert tensors, which
 :func:`~harts_runtime.hf.save_pretrained` and the released checkpoints use) and the in-memory one of
-the transformers model's ``state_dict()``. With a ``mesh`` each rank reads only its slices
-(:func:`harts_runtime.hf.sharded.load_pretrained_sharded`).
+the transformers model's ``state_dict()``. This package only reads: into a sharded model (made
+on the meta device and parallelized by the caller first) :mod:`harts_runtime.hf.sharded` reads
+each rank's slices, which ``harts_runtime.load_pretrained(path, mesh=...)``
+(:func:`harts_runtime.engine.load.load_pretrained`) does.
 """
 
 from __future__ import annotations
@@ -51,35 +53,31 @@ def _check_device(device) -> torch.device:
     return dev
 
 
-def load_pretrained(path, dtype=None, device=None, *, mesh=None, parallelize=None, **overrides):
-    """A :class:`HybridModel` with the weights of the checkpoint folder ``path``.
+def load_pretrained(path, dtype=None, device=None, **overrides):
+    """A :class:`HybridModel` with the weights of the checkpoint folder ``path``, in this process.
 
     ``dtype``: a ``torch.dtype`` or name (None: the config's ``dtype`` when it is float32 /
-    bfloat16 / float64, else float32). ``device``: where the weights go (None: ``"cpu"``, or with
-    a CUDA ``mesh`` the current CUDA device). ``overrides``: :class:`ModelConfig` execution fields
-    (``chunk_size``, ``attn_backend``, ``kda_backend``, ``lm_head_rows``, ...). The model is
-    returned in training mode (``nn.Module``'s default); ``model.hf_config`` keeps the checkpoint's
-    config dict so that :func:`save_pretrained` writes its other fields (token ids, ...) back.
-
-    ``mesh``: a :class:`harts_runtime.parallel.ParallelMesh`: the model is parallelized on it
-    (``harts_runtime.parallel.parallelize(model, mesh, **parallelize)``) and each rank reads only
-    its shards' slices (:func:`harts_runtime.hf.sharded.load_pretrained_sharded`); collective,
-    every rank calls it.
+    bfloat16 / float64, else float32). ``device``: where the weights go (None: ``"cpu"``).
+    ``overrides``: :class:`ModelConfig` execution fields (``chunk_size``, ``attn_backend``,
+    ``kda_backend``, ``lm_head_rows``, ...). The model is returned in training mode
+    (``nn.Module``'s default); ``model.hf_config`` keeps the checkpoint's config dict so that
+    :func:`save_pretrained` writes its other fields (token ids, ...) back. A sharded load (each
+    rank its slices of a parallelized model) is ``harts_runtime.load_pretrained(path, mesh=...)``.
 
     Raises :class:`InvalidInputError` naming the config field, tensor or file, and the file
     (:mod:`harts_runtime.hf.folder`), or ``device`` (malformed, or CUDA without CUDA): a folder
     that is not a readable checkpoint (JSON nested too deeply, a non-finite number), unsupported
     options, a model that does not fit the device (checked before anything is allocated), unknown,
-    missing, misshapen, non-floating-point or non-finite tensors.
+    missing, misshapen, non-floating-point or non-finite tensors; ``mesh`` / ``parallelize``
+    (this package does not parallelize: the call above does).
     """
-    if mesh is not None:
-        from harts_runtime.hf.sharded import load_pretrained_sharded
-
-        return load_pretrained_sharded(
-            path, mesh, dtype=dtype, device=device, parallelize=parallelize, **overrides
-        )
-    if parallelize is not None:
-        raise InvalidInputError("parallelize", "needs a mesh")
+    for name in ("mesh", "parallelize"):
+        if name in overrides:
+            raise InvalidInputError(
+                name,
+                "harts_runtime.hf reads into one process's model; a sharded load is "
+                "harts_runtime.load_pretrained(path, mesh=..., parallelize=...)",
+            )
     from harts_runtime.models.hybrid.model import HybridModel
 
     device = _check_device("cpu" if device is None else device)

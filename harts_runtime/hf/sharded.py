@@ -1,24 +1,36 @@
-"""Reading a transformers checkpoint folder straight into a parallelized model, each rank its slices.
+"""Reading a transformers checkpoint folder into a model someone else has sharded, each rank its slices.
 
-:func:`load_pretrained_sharded` (also ``harts_runtime.load_pretrained(path, mesh=mesh)``) builds
-the model on the meta device, parallelizes it (:func:`harts_runtime.parallel.parallelize`),
-allocates it (``to_empty``), and each rank then fills its local shard of every parameter: from the
-DTensor's placements its global box (:func:`harts_runtime.parallel.checkpoint.local_box`, what DCP
-uses), from the family's state-dict adapter the blocks of HF tensors our tensor is made of
-(:meth:`~harts_runtime.models.state_dict_adapter.HFStateDictAdapter.pieces`: a row block of a
+This module only reads: the model is made on the meta device, parallelized and allocated by the
+caller (:func:`harts_runtime.engine.load.load_pretrained` with a ``mesh``, which
+:meth:`HartsEngine.build <harts_runtime.engine.HartsEngine.build>` uses), between the folder's
+checks and the read::
+
+    with open_sliced(path, device=target, shards=mesh.dense.size()) as ckpt:   # checked, headers open
+        model = HybridModel(ckpt.config, device="meta")
+        parallelize(model, mesh)                                              # the caller's
+        model.to_empty(device=target)
+        ckpt.read_into(model, local_box)                                      # each rank its slices
+
+:meth:`SlicedCheckpoint.read_into` fills the local part of every parameter: ``local_box(t)`` says
+which (``(local tensor, its [start, stop) box per dimension in the global tensor)``; for a DTensor
+the caller passes :func:`harts_runtime.parallel.checkpoint.local_box`, what DCP uses; the default
+is the whole tensor), the family's state-dict adapter which blocks of HF tensors our tensor is made
+of (:meth:`~harts_runtime.models.state_dict_adapter.HFStateDictAdapter.pieces`: a row block of a
 concatenated ``conv1d`` / ``in_proj_qkv``, half of a ``gate_up_proj``, one per-expert tensor, ...),
-and from the safetensors files only the slices of those blocks that fall in the box
+and the safetensors files only the slices of those blocks that fall in the box
 (``safe_open(...).get_slice(name)[...]``). A rank thus reads each of its rows once and nothing
 else; under expert parallelism (or FSDP over the expert dimension) it opens no other rank's
 experts' tensors. The result equals loading the folder in one process and parallelizing that
-model. The folder's checks are :mod:`harts_runtime.hf.folder`'s, on every rank, before any tensor
-is read. Writing a folder from a sharded model is :func:`harts_runtime.hf.save_pretrained`
+model. The folder's checks are :mod:`harts_runtime.hf.folder`'s, on every rank, before anything is
+allocated. Writing a folder from a sharded model is :func:`harts_runtime.hf.save_pretrained`
 (collective).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,42 +45,59 @@ from harts_runtime.hf.folder import (
     weight_files,
 )
 
-__all__ = ["load_pretrained_sharded"]
+__all__ = ["SlicedCheckpoint", "open_sliced", "whole_box"]
+
+
+def whole_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[tuple[int, int], ...]]:
+    """``(t, its whole box)``: the ``local_box`` of an unsharded tensor."""
+    return t, tuple((0, s) for s in t.shape)
 
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _device(mesh, device):
-    if device is not None:
-        return torch.device(device)
-    if mesh.dense.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.dense.device_type)
+class SlicedCheckpoint:
+    """A checked checkpoint folder with its files' headers open (:func:`open_sliced`): the model
+    config to build, and :meth:`read_into` a model built from it."""
+
+    def __init__(self, path: Path, hf_config: dict, config, adapter, files, sources: dict, device):
+        self.path, self.hf_config, self.config, self.adapter = path, hf_config, config, adapter
+        self._files, self._sources, self._device = files, sources, device
+        self._extra = adapter.extra_ours()
+
+    def read_into(self, model, local_box: Callable = whole_box):
+        """Fill every parameter and buffer of ``model`` (made from :attr:`config`, allocated, on any
+        parallel layout) with this rank's slices; returns the model, with ``config``, ``hf_config``
+        and ``hf_kept`` set as :func:`harts_runtime.load_pretrained` sets them. ``local_box(t) ->
+        (local tensor, box)``: the part of ``t`` this rank holds (:func:`whole_box` for plain
+        tensors). Collective when torch.distributed is initialised: each slice read is checked to be
+        finite, and when any rank's read fails every rank raises (its own error, or one naming the
+        folder), so that no rank goes on into a collective the others never reach."""
+        failure = None  # a rank's own slices may hold what the others' do not: agreed on below
+        try:
+            _read_slices(model, self._sources, self._extra, local_box)
+        except InvalidInputError as e:
+            failure = e
+        _agree(failure, self._device, self.path)
+        model.config = self.config
+        model.hf_config = self.hf_config
+        model.hf_kept = kept_tensors(self._files, self.adapter)  # MTP layers: save_pretrained writes them
+        return model
 
 
-def load_pretrained_sharded(path, mesh, *, dtype=None, device=None, parallelize=None, **overrides):
-    """A :class:`~harts_runtime.models.HybridModel` of the transformers folder ``path``,
-    parallelized on ``mesh`` (a :class:`~harts_runtime.parallel.ParallelMesh`) with
-    ``parallelize(model, mesh, **parallelize)``, each rank reading only its shards' slices (module
-    docstring). Collective: every rank calls it with the same arguments.
-
-    ``dtype``, ``overrides``: as :func:`harts_runtime.load_pretrained`; ``device``: None for the
-    mesh's device (the current CUDA device, or the CPU). The checks of the folder (unknown,
-    misshapen, duplicate and missing tensors, unsupported config fields) run on every rank before
-    any tensor is read and raise :class:`InvalidInputError` naming the tensor or field (and the
-    file), as :func:`harts_runtime.load_pretrained`'s; the memory check takes the model's bytes
-    over the mesh's ranks (a lower bound of one rank's share) against the target device's; each
-    slice read is checked to be finite, and when any rank's read fails every rank raises.
-    """
-    from harts_runtime.models.hybrid.model import HybridModel
-    from harts_runtime.parallel.parallelize import parallelize as parallelize_model
-
-    target = _device(mesh, device)
-    path, hf_config, _, cfg, adapter = open_folder(
-        path, dtype, overrides, device=target, shards=mesh.dense.size()
-    )
+@contextlib.contextmanager
+def open_sliced(path, *, dtype=None, device=None, shards: int = 1, **overrides) -> Iterator[SlicedCheckpoint]:
+    """The checkpoint folder ``path`` opened for :meth:`SlicedCheckpoint.read_into` (module
+    docstring). ``dtype``, ``overrides``: as :func:`harts_runtime.load_pretrained`; ``device``:
+    where the model will be allocated; ``shards``: over how many ranks it is sharded (the memory
+    check takes the model's bytes over them, a lower bound of one rank's share, against the
+    device's). The checks of the folder (unknown, misshapen, duplicate and missing tensors,
+    unsupported config fields, memory) run before the context is entered and raise
+    :class:`InvalidInputError` naming the tensor or field (and the file). The files' handles close
+    when the context exits."""
+    device = torch.device("cpu" if device is None else device)
+    path, hf_config, _, cfg, adapter = open_folder(path, dtype, overrides, device=device, shards=shards)
     files = weight_files(path)
     extra = adapter.extra_ours()
     with contextlib.ExitStack() as stack:
@@ -80,20 +109,7 @@ def load_pretrained_sharded(path, mesh, *, dtype=None, device=None, parallelize=
             slots = {p.slot for p, _, _ in sources.get(k, ())}
             if k not in extra and None not in slots and slots != set(range(shape[0] if shape else 0)):
                 raise InvalidInputError(k, "not written by any checkpoint tensor")
-
-        model = HybridModel(cfg, device="meta")
-        parallelize_model(model, mesh, **(parallelize or {}))
-        model.to_empty(device=target)
-        failure = None  # a rank's own slices may hold what the others' do not: agreed on below
-        try:
-            _read_slices(model, sources, extra)
-        except InvalidInputError as e:
-            failure = e
-        _agree(failure, target, path)
-    model.config = cfg
-    model.hf_config = hf_config
-    model.hf_kept = kept_tensors(files, adapter)  # not run (MTP layers); save_pretrained writes them back
-    return model
+        yield SlicedCheckpoint(path, hf_config, cfg, adapter, files, sources, device)
 
 
 def _agree(failure, device, path) -> None:
@@ -110,10 +126,8 @@ def _agree(failure, device, path) -> None:
         raise InvalidInputError("path", f"another rank found a bad tensor in {path} (its error names it)")
 
 
-def _read_slices(model, sources: dict, extra: dict) -> None:
+def _read_slices(model, sources: dict, extra: dict, local_box: Callable) -> None:
     """Each parameter's local part from its checkpoint slices (the others' experts never opened)."""
-    from harts_runtime.parallel.checkpoint import local_box
-
     with torch.no_grad():
         for k, t in model.state_dict(keep_vars=True).items():
             local, box = local_box(t)

@@ -23,8 +23,9 @@ DCP's ``.metadata`` pickle goes through an unpickler that admits only DCP's meta
 non-tensor items are read with ``weights_only=True`` (:mod:`harts_runtime.parallel.safe_load`); a
 crafted file is refused naming it.
 
-Hugging Face folders (read shard by shard, written collectively) are :mod:`harts_runtime.hf`; it
-uses :func:`local_box` (this rank's block of a DTensor) from here, and nothing here imports it.
+Hugging Face folders (read shard by shard, written collectively) are :mod:`harts_runtime.hf`, which
+never imports this package: a sharded load (:func:`harts_runtime.engine.load.load_pretrained`)
+hands it :func:`local_box` (this rank's block of a DTensor).
 """
 
 from __future__ import annotations

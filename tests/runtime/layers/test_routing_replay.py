@@ -179,13 +179,23 @@ def test_compact_equals_trajectory_with_replay_and_disagreeing_routes():
     routes = _disagreeing_routes(batch, 5)
     ro = _rollouts(trajs, routes)
     runs = {}
-    for mode in ("compact", "trajectory"):
-        engine = HartsEngine(
-            _model(),
-            EngineConfig(capacity=40, mode=mode, routing_replay=True, compact_always=True, loss_config=LOSS),
+    for mode, recompute in (("compact", False), ("trajectory", False), ("compact", True)):
+        cfg = EngineConfig(
+            capacity=40,
+            mode=mode,
+            routing_replay=True,
+            compact_always=True,
+            loss_config=LOSS,
+            recompute=recompute,
         )
-        runs[mode] = (engine.forward_backward(ro), _grads(engine.model))
-    (oc, gc), (ot, gt) = runs["compact"], runs["trajectory"]
+        engine = HartsEngine(_model(), cfg)
+        runs[mode, recompute] = (engine.forward_backward(ro), _grads(engine.model))
+    (oc, gc), (ot, gt) = runs["compact", False], runs["trajectory", False]
+    ore, gre = runs["compact", True]  # recomputation replays the same routes in its second forward
+    torch.testing.assert_close(ore.logprobs, oc.logprobs, rtol=0, atol=0)
+    assert gre.keys() == gc.keys()
+    for n, g in gc.items():
+        torch.testing.assert_close(gre[n], g)
     _, conflicts, unrouted = _resolve_oracle(routes, np.asarray(batch.compact_map), int(batch.compact_tokens))
     for o in (oc, ot):
         assert o.metrics["routing_replay/conflicts"] == conflicts > 0
@@ -229,3 +239,41 @@ def test_bad_routes_are_refused_naming_the_field():
     with pytest.raises(InvalidInputError, match="^routing_replay: the model has no MoE layer"):
         HartsEngine(dense, replay)
     assert s == len(good)
+
+
+@pytest.mark.parametrize("score_func,norm", [("softmax", False), ("sigmoid", True), ("softmax", True)])
+def test_the_layer_gathers_the_familys_gates_at_the_given_experts(score_func, norm):
+    from harts_runtime.layers.moe import MoEConfig
+    from harts_runtime.layout.rows import RowLayout
+
+    torch.manual_seed(1)
+    cfg = MoEConfig(
+        hidden_size=16,
+        num_experts=6,
+        top_k=2,
+        intermediate_size=8,
+        score_func=score_func,
+        norm_topk_prob=norm,
+        routed_scaling_factor=2.5,
+        grouped=True,
+    )
+    moe = CompactMoE(cfg).double()
+    x = torch.randn(9, 16, dtype=torch.float64)
+    own = moe(x).topk_idx
+    given = torch.stack([torch.randperm(6)[:2] for _ in range(9)])
+    given[4] = -1  # unknown: the router's own choice
+    moe.replay_layer = 0
+    layout = RowLayout(9, info={"routes": given[:, None, :]})
+    out = moe(x, layout)
+    scores = (x @ moe.router.t()).softmax(-1) if score_func == "softmax" else (x @ moe.router.t()).sigmoid()
+    for r in range(9):
+        ids = own[r] if r == 4 else given[r]
+        w = scores[r, ids]
+        w = w / w.sum() if norm else w
+        want = sum(2.5 * w[j] * moe._ffn(x[r : r + 1], int(ids[j]))[0] for j in range(2))
+        torch.testing.assert_close(out.hidden[r], want, rtol=1e-12, atol=1e-12)
+        assert out.topk_idx[r].tolist() == ids.tolist()
+    g = torch.autograd.grad(out.hidden.sum(), moe.router)[0]
+    assert g.abs().sum() > 0  # the router is trained through the gates
+    with pytest.raises(InvalidInputError, match="^routes: routing_replay is on but this microbatch has none"):
+        moe(x, RowLayout(9))
