@@ -496,6 +496,23 @@ class HartsEngine:
             raise InvalidInputError("names", f"choose 'checkpoint' or 'transformers', got {names!r}")
         return export_weights(self.model, model_type, memory=names == "transformers")
 
+    def weight_manifest(self, names: str = "transformers", model_type: str | None = None):
+        """The weights a rollout engine loads: name, dtype, full shape, layer group and holding
+        ranks of each, in stream order (:func:`harts_runtime.engine.weights.weight_manifest`)."""
+        from harts_runtime.engine.weights import weight_manifest
+
+        return weight_manifest(self.model, names, model_type)
+
+    def weights(
+        self, names: str = "transformers", bucket_bytes: int = 1 << 30, model_type: str | None = None
+    ):
+        """Full tensors in manifest order, one bucket of at most ``bucket_bytes`` at a time, each
+        rank gathering one bucket's parameters at a time (collective under a mesh: every rank
+        iterates) (:func:`harts_runtime.engine.weights.weights`)."""
+        from harts_runtime.engine.weights import weights
+
+        return weights(self.model, names, bucket_bytes, model_type)
+
 
 def _rng_record(state: dict) -> dict:
     """An RNG state (:func:`process_state.rng_state`) as tensors and numbers only (numpy's legacy
