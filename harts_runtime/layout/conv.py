@@ -129,6 +129,7 @@ class ConvWindows:
             cu_cpu = torch.cat([self.cu_seqlens_cpu, torch.tensor([n], dtype=self.cu_seqlens_cpu.dtype)])
             ctx, ctx_cpu = self.context, self.context_cpu
             if ctx is not None:
+                assert ctx_cpu is not None  # the host copy of ctx
                 none = np.full((1, self.width - 1), -1, dtype=np.int64)
                 ctx_cpu = np.concatenate([ctx_cpu, none])
                 ctx = torch.cat([ctx, torch.from_numpy(none).to(ctx.device)])

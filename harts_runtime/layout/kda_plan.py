@@ -68,11 +68,12 @@ class KDASchedule:
     rounds: list[KDARound]
     num_slots: int
     write_perm: torch.Tensor  # [C] int64 (host): physical row c is cat(round outputs)[write_perm[c]]
-    gather: torch.Tensor = None
-    bounds: list[int] = None
-    own_pos: torch.Tensor = None
-    replay_pos: torch.Tensor = None
-    replay_src: torch.Tensor = None
+    # Derived from the rounds by __post_init__ unless given (``to`` gives them): never None after it.
+    gather: torch.Tensor | None = None
+    bounds: list[int] | None = None
+    own_pos: torch.Tensor | None = None
+    replay_pos: torch.Tensor | None = None
+    replay_src: torch.Tensor | None = None
     identity: bool = False
 
     def __post_init__(self):
@@ -80,10 +81,13 @@ class KDASchedule:
             return
         gathers = [rd.gather.cpu() for rd in self.rounds]
         sizes = [len(g) for g in gathers]
-        self.bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist() if sizes else [0]
+        bounds: list[int] = (
+            np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist() if sizes else [0]
+        )
+        self.bounds = bounds
         self.gather = torch.cat(gathers) if gathers else torch.zeros(0, dtype=torch.int64)
         out_global = (
-            torch.cat([rd.out_pos.cpu() + b for rd, b in zip(self.rounds, self.bounds)])
+            torch.cat([rd.out_pos.cpu() + b for rd, b in zip(self.rounds, bounds)])
             if self.rounds
             else torch.zeros(0, dtype=torch.int64)
         )
@@ -103,10 +107,17 @@ class KDASchedule:
     @property
     def packed_rows(self) -> int:
         """P: packed rows of all rounds (physical rows + replay rows)."""
+        assert self.bounds is not None  # set by __post_init__
         return self.bounds[-1]
 
     def to(self, device) -> KDASchedule:
         """The device maps on ``device``; the round descriptions stay on the host."""
+        assert (
+            self.gather is not None
+            and self.own_pos is not None
+            and self.replay_pos is not None
+            and self.replay_src is not None
+        )  # set by __post_init__
         return KDASchedule(
             self.rounds,
             self.num_slots,
@@ -290,7 +301,7 @@ def segment_schedule(plan: CallLayoutArrays, C: int) -> KDASchedule:
     for d in range(int(depth.max()) + 1 if V else 0):
         segs = [v for v in order if depth[v] == d]
         lens = [int(end[v] - start[v]) for v in segs]
-        gather = np.concatenate([np.arange(pb[v], pb[v] + n) for v, n in zip(segs, lens)])
+        gather = np.concatenate([np.arange(int(pb[v]), int(pb[v]) + n) for v, n in zip(segs, lens)])
         rounds.append(
             KDARound(
                 gather=torch.from_numpy(gather.astype(np.int64)),

@@ -232,7 +232,7 @@ def compact_layout(
     if tree is None:
         tree = TreeOrder.from_batch(batch)
     if row_token is None:
-        row_token = np.empty(batch.compact_tokens, dtype=np.int64)
+        row_token = np.empty(int(batch.compact_tokens), dtype=np.int64)
         row_token[np.asarray(batch.compact_map, dtype=np.int64)] = np.asarray(batch.tokens, dtype=np.int64)
     sp = np.asarray(call_plan.sequence_physical_offsets, dtype=np.int64)
     views = build_views(
@@ -317,6 +317,7 @@ def compact_microbatch(
     s2p = np.asarray(call_plan.semantic_to_physical, dtype=np.int64)
     targets = microbatch_targets(step.batch, traj, s2p)
     s_mb = len(targets[0])
+    assert layout.views is not None  # compact_layout builds them
     stats = {
         "rows": layout.num_rows,
         "semantic_tokens": s_mb,

@@ -212,7 +212,7 @@ class AttentionViews:
 
     def to(self, device) -> AttentionViews:
         """The same views with every index tensor on ``device`` (a fresh cache)."""
-        mv = lambda t: None if t is None else t.to(device, non_blocking=True)
+        mv = lambda t: t.to(device, non_blocking=True)
         return AttentionViews(
             mv(self.q_index),
             mv(self.kv_index),
@@ -221,7 +221,7 @@ class AttentionViews:
             self.max_seqlen_q,
             self.max_seqlen_k,
             self.num_rows,
-            mv(self.q_inverse),
+            None if self.q_inverse is None else mv(self.q_inverse),
             mv(self.tree_pre),
             mv(self.tree_end),
         )

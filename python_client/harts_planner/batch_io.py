@@ -245,7 +245,7 @@ def _load_hrb(path: Path) -> Batch:
             f"header: file is truncated ({data.size} bytes, a header and "
             f"checksum need {_HEADER.size + _CRC.size})"
         )
-    magic, version, flags, n, s = _HEADER.unpack_from(data)
+    magic, version, flags, n, s = _HEADER.unpack_from(data.data)
     if magic != MAGIC:
         raise BatchFormatError(f"magic: expected {MAGIC!r}, got {magic!r}")
     if version != VERSION:
@@ -261,8 +261,8 @@ def _load_hrb(path: Path) -> Batch:
         raise BatchFormatError(
             f"file size: {problem}: N = {n} and S = {s} need {expected} bytes, got {data.size}"
         )
-    stored = _CRC.unpack_from(data, data.size - _CRC.size)[0]
-    computed = zlib.crc32(data[: -_CRC.size])
+    stored = _CRC.unpack_from(data.data, data.size - _CRC.size)[0]
+    computed = zlib.crc32(data[: -_CRC.size].data)
     if stored != computed:
         raise BatchFormatError(f"crc32: checksum mismatch (stored {stored:#010x}, computed {computed:#010x})")
     offsets = _section(data, _HEADER.size, "<i8", n + 1)

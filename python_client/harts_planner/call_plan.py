@@ -252,7 +252,8 @@ class _PlanPart:
             return NotImplemented
         return all(np.array_equal(getattr(self, f), getattr(other, f)) for f in self._FIELDS)
 
-    __hash__ = None
+    # Unhashable (the data model's spelling); typeshed types object.__hash__ as a method only.
+    __hash__ = None  # pyright: ignore[reportAssignmentType]
 
 
 class CallLayout(_PlanPart):
@@ -444,6 +445,9 @@ class CallPlan(CallLayout, CallPlanDebug):
     Two plans compare equal (``==``) when both have the debug part or neither has, and every scalar
     of :data:`SCALAR_FIELDS` and every array of :data:`ARRAY_FIELDS` they have is equal.
     """
+
+    #: The sidecar's statistics of the call (``PlanStats`` fields), on a plan received from one only.
+    server_stats: dict
 
     def __init__(self, native):
         self._native = native
@@ -704,11 +708,11 @@ def plan_segment_forest(
     chunk_size = checks.chunk_size(chunk_size)
     conv_width = checks.conv_width(conv_width)
     cancel = cancel_token(cancel)
-    arrays = [
+    parent_a, start_a, end_a = (
         checks.int_array(v, np.int32, name)
         for name, v in (("parent", parent), ("start", start), ("end", end))
-    ]
-    return CallPlan(_native.plan_segment_forest(*arrays, chunk_size, conv_width, cancel))
+    )
+    return CallPlan(_native.plan_segment_forest(parent_a, start_a, end_a, chunk_size, conv_width, cancel))
 
 
 def max_plan_bytes() -> int:

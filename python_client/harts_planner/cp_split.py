@@ -248,7 +248,8 @@ class CpSplit:
             np.array_equal(getattr(self, f), getattr(other, f)) for f in ARRAY_FIELDS
         )
 
-    __hash__ = None
+    # Unhashable (the data model's spelling); typeshed types object.__hash__ as a method only.
+    __hash__ = None  # pyright: ignore[reportAssignmentType]
 
     def __repr__(self) -> str:
         costs = ", ".join(str(int(c)) for c in self.rank_cost)

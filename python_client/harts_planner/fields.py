@@ -15,6 +15,8 @@ the docstring under the attribute's name. O(1) per access.
 
 from __future__ import annotations
 
+from typing import Any, overload
+
 
 class NativeField:
     """A read-only data descriptor: ``owner.<name>`` reads ``owner._native.<name>``.
@@ -32,7 +34,11 @@ class NativeField:
     def __set_name__(self, owner, name: str) -> None:
         self.name = name
 
-    def __get__(self, obj, objtype=None):
+    @overload
+    def __get__(self, obj: None, objtype: type | None = None) -> NativeField: ...
+    @overload
+    def __get__(self, obj: object, objtype: type | None = None) -> Any: ...
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         if obj is None:  # class access (help(), Sphinx): the descriptor itself, with its docstring
             return self
         return getattr(obj._native, self.name)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -210,7 +211,7 @@ def estimate_cost(
     debug = checks.boolean(debug, "debug")
     call_plans = checks.boolean(call_plans, "call_plans")
     cancel = cancel_token(cancel)
-    merged = dict(_DEFAULT_OPTIONS)
+    merged: dict[str, Any] = dict(_DEFAULT_OPTIONS)  # values of each option's type (checks.step_options)
     merged.update(checks.step_options(options or {}, _DEFAULT_OPTIONS))
     if request == "step" and microbatch is not None:
         raise invalid(
@@ -219,6 +220,7 @@ def estimate_cost(
     ids = None if microbatch is None else checks.trajectory_ids(microbatch, "microbatch")
     step = request == "step"
     whole = ids is None or step
+    tree: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     try:
         if isinstance(source, SegmentTree):
@@ -260,6 +262,7 @@ def estimate_cost(
             raise invalid("microbatch" + e.field[len("trajectories") :], str(e).split(": ", 1)[1]) from None
         raise
     if semantic is None:  # a tree's microbatch: S from the lengths of its trajectories' paths
+        assert tree is not None  # only a tree's microbatch leaves it unknown above
         semantic = int(
             _native.tree_call_shape(*tree, None, chunk_size, conv_width, cancel)[0].semantic_tokens
         )

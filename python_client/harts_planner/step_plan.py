@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -210,7 +211,7 @@ def _plan_step(batch, dp_size, capacity, chunk_size, cancel, options: dict) -> S
     capacity = checks.int64(capacity, "capacity")
     chunk_size = checks.chunk_size(chunk_size)
     cancel = cancel_token(cancel)
-    merged = dict(DEFAULT_OPTIONS)
+    merged: dict[str, Any] = dict(DEFAULT_OPTIONS)  # values of each option's type (checks.step_options)
     merged.update(checks.step_options(options, DEFAULT_OPTIONS))
     start = time.perf_counter()
     native = _native.plan_step(batch._native, dp_size, capacity, cancel, **merged)
@@ -351,6 +352,9 @@ class StepPlan:
     ``wall_seconds``) are not compared. A plan received from a sidecar has no :attr:`batch`.
     """
 
+    #: The sidecar's statistics of the call (``PlanStats`` fields), on a plan received from one only.
+    server_stats: dict
+
     def __init__(
         self,
         native,
@@ -389,7 +393,8 @@ class StepPlan:
             return self._call_plans == other._call_plans
         return True
 
-    __hash__ = None
+    # Unhashable (the data model's spelling); typeshed types object.__hash__ as a method only.
+    __hash__ = None  # pyright: ignore[reportAssignmentType]
 
     # ------------------------------------------------------------------ shape
     @property

@@ -80,6 +80,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -243,10 +244,11 @@ def _as_int(value: object, name: str) -> int:
     return int(value)
 
 
-def _weights(value: object) -> tuple[float, ...]:
-    """Normalise the ``fanout`` weights to probabilities, or raise ValueError naming the field."""
+def _weights(value: Any) -> tuple[float, ...]:
+    """Normalise the ``fanout`` weights to probabilities, or raise ValueError naming the field
+    (``value`` may be anything: a non-iterable's TypeError becomes that ValueError)."""
     try:
-        weights = tuple(float(w) for w in value)  # type: ignore[union-attr]
+        weights = tuple(float(w) for w in value)
     except (TypeError, ValueError):
         raise ValueError(f"fanout: expected a sequence of weights, got {value!r}") from None
     if not weights or any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:

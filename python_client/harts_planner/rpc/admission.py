@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -153,7 +154,8 @@ class Admission:
         try:
             batch, ingest_s = self.ingest_tree(source, ctl, record)
             if step:
-                lengths = batch.lengths if batch is not None else np.diff(source.offsets)
+                # batch is None for packed tokens only (ingest_tree)
+                lengths = batch.lengths if batch is not None else np.diff(cast(PackedTokens, source).offsets)
                 try:
                     codec.check_step(lengths, args["dp_size"], args["capacity"], args["options"])
                 except HartsError as e:

@@ -153,17 +153,19 @@ class SidecarClient:
         if self.stream:
             data = self._streamed(self._plan_step_stream, request, timeout)
             if data is not None:
-                return pb.PlanStepResponse.FromString(data)
+                # protobuf's stub says bytes; FromString takes any bytes-like object (no copy).
+                return pb.PlanStepResponse.FromString(data)  # pyright: ignore[reportArgumentType]
         return self._call(self._plan_step, request, timeout)
 
     def plan_calls(self, request: pb.PlanCallsRequest | bytes, timeout: float | None) -> pb.PlanCallsResponse:
         if self.stream:
             data = self._streamed(self._plan_calls_stream, request, timeout)
             if data is not None:
-                return pb.PlanCallsResponse.FromString(data)
+                # protobuf's stub says bytes; FromString takes any bytes-like object (no copy).
+                return pb.PlanCallsResponse.FromString(data)  # pyright: ignore[reportArgumentType]
         return self._call(self._plan_calls, request, timeout)
 
-    def _streamed(self, stub, request, timeout) -> bytes | None:
+    def _streamed(self, stub, request, timeout) -> memoryview | None:
         """The response bytes of a ``*Stream`` call, or None when the server has no such method."""
         data = _serialize(request)
         try:
@@ -176,7 +178,9 @@ class SidecarClient:
 
     def health(self, service: str = "", timeout: float = 5.0) -> str:
         """The health status name (``"SERVING"``, ``"NOT_SERVING"``...) of ``service``."""
-        response = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
+        # grpc_health's stub declares HealthStub without the methods its __init__ adds.
+        check = self._health.Check  # pyright: ignore[reportAttributeAccessIssue]
+        response = self._call(check, health_pb2.HealthCheckRequest(service=service), timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
     def close(self) -> None:

@@ -13,6 +13,7 @@ Errors raised while decoding a *request* are :class:`~harts_planner.InvalidArgum
 from __future__ import annotations
 
 import types
+from typing import Any
 
 import numpy as np
 
@@ -374,7 +375,7 @@ def header(number: int, length: int) -> bytes:
 def _bytes_fields(fields) -> list:
     parts = []
     for number, values, dtype in fields:
-        buf = memoryview(np.ascontiguousarray(values, dtype=dtype)).cast("B")
+        buf = np.ascontiguousarray(values, dtype=dtype).data.cast("B")
         if len(buf):
             parts += [header(number, len(buf)), buf]
     return parts
@@ -394,12 +395,18 @@ def _trajectories_parts(source: PackedTokens | SegmentTree) -> list:
     return [header(1, sum(len(p) for p in parts)), *parts]  # field 1 of both requests
 
 
+def _empty_tree() -> SegmentTree:
+    """A request head's placeholder trajectories (cleared before the arrays are appended)."""
+    empty = np.zeros(0, np.int32)
+    return SegmentTree(empty, empty, empty)
+
+
 def serialize_plan_step_request(
     source, dp_size, capacity, chunk_size, options, call_plans, conv_width, debug=True
 ) -> bytes:
     """Wire bytes of :func:`plan_step_request` with the arrays copied once."""
     head = plan_step_request(
-        SegmentTree([], [], []), dp_size, capacity, chunk_size, options, call_plans, conv_width, debug
+        _empty_tree(), dp_size, capacity, chunk_size, options, call_plans, conv_width, debug
     )
     head.ClearField("trajectories")
     return b"".join([head.SerializeToString(), *_trajectories_parts(source)])
@@ -407,7 +414,7 @@ def serialize_plan_step_request(
 
 def serialize_plan_calls_request(source, microbatch, chunk_size, conv_width, debug=True) -> bytes:
     """Wire bytes of :func:`plan_calls_request` with the arrays copied once."""
-    head = plan_calls_request(SegmentTree([], [], []), microbatch, chunk_size, conv_width, debug)
+    head = plan_calls_request(_empty_tree(), microbatch, chunk_size, conv_width, debug)
     head.ClearField("trajectories")
     return b"".join([head.SerializeToString(), *_trajectories_parts(source)])
 
@@ -457,7 +464,8 @@ def encode_call_plan(plan: CallPlan, debug: bool = True) -> pb.CallPlan:
     """The wire form of a call plan: its layout and, when ``debug`` and the plan has it, its debug
     part (otherwise ``debug_omitted`` is set and the debug arrays stay empty)."""
     native = plan._native
-    msg = pb.CallPlan(**{f: int(getattr(native, f)) for f in _call_plan.SCALAR_FIELDS})
+    scalars: dict[str, Any] = {f: int(getattr(native, f)) for f in _call_plan.SCALAR_FIELDS}
+    msg = pb.CallPlan(**scalars)
     for name, dtype in _call_plan.LAYOUT_FIELDS.items():
         setattr(msg, name, pack(getattr(native, name), dtype))
     if debug and plan.has_debug:
@@ -471,7 +479,7 @@ def encode_call_plan(plan: CallPlan, debug: bool = True) -> pb.CallPlan:
 def decode_call_plan(msg: pb.CallPlan) -> CallPlan:
     """The call plan of a wire message (views of its bytes); without its debug part when
     ``msg.debug_omitted``. Raises InvalidArgumentError naming ``plan.<field>`` for a misaligned array."""
-    fields = {f: int(getattr(msg, f)) for f in _call_plan.SCALAR_FIELDS}
+    fields: dict[str, Any] = {f: int(getattr(msg, f)) for f in _call_plan.SCALAR_FIELDS}
     arrays = _call_plan.LAYOUT_FIELDS if msg.debug_omitted else _call_plan.ARRAY_FIELDS
     for name, dtype in arrays.items():
         fields[name] = unpack(getattr(msg, name), dtype, f"plan.{name}")

@@ -30,6 +30,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -137,8 +138,10 @@ class RequestControl:
         self._lock = threading.Lock()
         # "client", "deadline", "shutdown", "receive-timeout", "send-timeout", "evicted"
         self.reason: str | None = None
-        self.waiter = None  # while it waits for a planner thread (the budget's)
-        self.grant = None  # while it holds one
+        # The budget's ledger.Grant (typed Any: ledger imports this module) while it waits for a
+        # planner thread, and while it holds one.
+        self.waiter: Any = None
+        self.grant: Any = None
         self.phase = "receive"  # receive, admit, queue, plan, encode, send, done
         self.progress_at = time.monotonic()  # the last sign of life of the transfer (receive, send)
         # The transfer under way (its phase, when it began, bytes moved): the minimum-rate rule.

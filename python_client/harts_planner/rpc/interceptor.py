@@ -34,7 +34,7 @@ SERVICE_CALLS = 16
 REFUSAL_THREADS = 4
 
 
-def _refuse(code: grpc.StatusCode, message: str, field: str):
+def _refuse(code: grpc.StatusCode, message: str, field: str | None):
     abort = AbortRpcError(code, message, field)
 
     def refuse(request_or_iterator, context):
@@ -123,59 +123,66 @@ class Guard(grpc.ServerInterceptor):
         non_blocking = getattr(inner, "experimental_non_blocking", False)
         unary_request = not handler.request_streaming
 
+        def finish(behavior):
+            behavior.experimental_thread_pool = pool
+            if non_blocking:
+                behavior.experimental_non_blocking = True
+            if kind == "planner":
+                return handler._replace(**{_attr(handler): behavior})
+            return make(
+                behavior,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+
         if kind == "planner":  # the servicer guards its own reads
             if handler.response_streaming:
 
-                def behavior(request, context):
+                def planner_stream(request, context):
                     try:
                         yield from inner(request, context)
                     finally:
                         done(kind)
 
-            else:
+                return finish(planner_stream)
 
-                def behavior(request, context):
-                    try:
-                        return inner(request, context)
-                    finally:
-                        done(kind)
+            def planner_unary(request, context):
+                try:
+                    return inner(request, context)
+                finally:
+                    done(kind)
 
-        elif non_blocking:
+            return finish(planner_unary)
 
-            def behavior(request_iterator, context, send_response_callback):
+        if non_blocking:
+
+            def service_non_blocking(request_iterator, context, send_response_callback):
                 try:
                     request = guard._service_request(request_iterator, context, unary_request)
                     inner(request, context, send_response_callback)
                 finally:
                     done(kind)
 
-        elif handler.response_streaming:
+            return finish(service_non_blocking)
 
-            def behavior(request_iterator, context):
+        if handler.response_streaming:
+
+            def service_stream(request_iterator, context):
                 try:
                     request = guard._service_request(request_iterator, context, unary_request)
                     yield from inner(request, context)
                 finally:
                     done(kind)
 
-        else:
+            return finish(service_stream)
 
-            def behavior(request_iterator, context):
-                try:
-                    return inner(guard._service_request(request_iterator, context, unary_request), context)
-                finally:
-                    done(kind)
+        def service_unary(request_iterator, context):
+            try:
+                return inner(guard._service_request(request_iterator, context, unary_request), context)
+            finally:
+                done(kind)
 
-        behavior.experimental_thread_pool = pool
-        if non_blocking:
-            behavior.experimental_non_blocking = True
-        if kind == "planner":
-            return handler._replace(**{_attr(handler): behavior})
-        return make(
-            behavior,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        return finish(service_unary)
 
     def _service_request(self, request_iterator, context, unary: bool):
         """A service call's request (unary: its one message) or its request stream, guarded."""

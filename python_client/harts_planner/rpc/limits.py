@@ -53,6 +53,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from harts_planner.errors import ResourceLimitError
+from harts_planner.plan_cost import PlanCost
 
 #: gRPC's own bound on a message (2^31 - 1 bytes) in whole MiB.
 MAX_MESSAGE_MB = 2047
@@ -207,7 +208,9 @@ def response_copies(response_bytes: int, stream: bool, chunk_bytes: int) -> int:
     return RESPONSE_COPIES * response_bytes
 
 
-def of_plan_cost(cost, *, tokens: bool = False, stream: bool = False, chunk_bytes: int = 1 << 20) -> Cost:
+def of_plan_cost(
+    cost: PlanCost, *, tokens: bool = False, stream: bool = False, chunk_bytes: int = 1 << 20
+) -> Cost:
     """The server's :class:`Cost` of a :class:`harts_planner.PlanCost` (``tokens``: the request sent
     packed tokens, which a segment tree would make cheaper, and which are ingested on a planner
     thread; ``stream``: the response goes out in chunks of ``chunk_bytes``). The ingestion of a

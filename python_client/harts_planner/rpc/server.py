@@ -229,7 +229,7 @@ def is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(host, None)
     except (socket.gaierror, UnicodeError):
         return False
-    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+    return bool(infos) and all(ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos)
 
 
 def server_options(
@@ -301,7 +301,7 @@ def create_server(
     server = grpc.server(
         guard.refusals,
         options=server_options(max_message_bytes, chunk_bytes, max_connections),
-        interceptors=(guard,),
+        interceptors=[guard],
     )
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(codec.SERVICE_NAME, servicer.handlers(pool)),)
@@ -480,6 +480,8 @@ def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     budget = server.servicer.budget
+    guard = server.guard
+    assert guard is not None  # create_server gives every server its guard
     logs.event(
         "serving",
         address=server.address,
@@ -497,7 +499,7 @@ def serve(
             "send_timeout_s": limits.send_timeout,
             "min_receive_rate_bytes_s": limits.min_receive_rate,
             "min_send_rate_bytes_s": limits.min_send_rate,
-            "planner_calls": server.guard.planner_calls,
+            "planner_calls": guard.planner_calls,
             "max_connections": files.connections,
             "health_connections": connections.HEALTH_CONNECTIONS if health_port is not None else None,
             "nofile_soft": files.soft,
@@ -545,9 +547,14 @@ class SidecarProcess:
         if max_message_bytes is not None:
             cmd += ["--max-message-bytes", str(max_message_bytes)]
         cmd += list(extra_args or [])
-        self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
+        self._log = open(log_path, "w") if log_path else None
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=self._log, text=True, preexec_fn=preexec_fn, env=env
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=self._log if self._log is not None else subprocess.DEVNULL,
+            text=True,
+            preexec_fn=preexec_fn,
+            env=env,
         )
         self.address = self._read_address(startup_timeout)
         #: The health port's ``host:port`` (with ``--health-port`` in ``extra_args``), else None.
@@ -561,7 +568,9 @@ class SidecarProcess:
 
     def _read_address(self, timeout: float, prefix: str = "harts-planner: serving on ") -> str:
         result: list[str] = []
-        reader = threading.Thread(target=lambda: result.append(self.proc.stdout.readline()), daemon=True)
+        stdout = self.proc.stdout
+        assert stdout is not None  # started with stdout=PIPE
+        reader = threading.Thread(target=lambda: result.append(stdout.readline()), daemon=True)
         reader.start()
         reader.join(timeout)
         line = result[0] if result else ""
@@ -578,7 +587,7 @@ class SidecarProcess:
         try:
             return self.proc.wait(timeout)
         finally:
-            if self._log is not subprocess.DEVNULL:
+            if self._log is not None:
                 self._log.close()
 
     def __enter__(self) -> SidecarProcess:

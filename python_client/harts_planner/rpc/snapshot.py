@@ -69,7 +69,10 @@ def _enums(prefix: str, enums, out: dict) -> None:
 def _method_entry(method: descriptor_pb2.MethodDescriptorProto) -> dict:
     """Input and output types, and which side streams (recorded only when it does: a unary method's
     entry is its two types)."""
-    entry = {"input": method.input_type.lstrip("."), "output": method.output_type.lstrip(".")}
+    entry: dict[str, str | bool] = {
+        "input": method.input_type.lstrip("."),
+        "output": method.output_type.lstrip("."),
+    }
     if method.client_streaming:
         entry["client_streaming"] = True
     if method.server_streaming:
@@ -144,7 +147,7 @@ def dumps(snap: dict) -> str:
 def main(argv=None) -> int:
     """``python -m harts_planner.rpc.snapshot PATH [--check]``: write (or check) the snapshot."""
     ap = argparse.ArgumentParser(
-        prog="python -m harts_planner.rpc.snapshot", description=__doc__.split("\n")[0]
+        prog="python -m harts_planner.rpc.snapshot", description=(__doc__ or "").split("\n")[0]
     )
     ap.add_argument(
         "path", nargs="?", default=SNAPSHOT_PATH, help=f"snapshot file (default: {SNAPSHOT_PATH})"

@@ -17,6 +17,7 @@ turns the status back into the same Python class with ``.field`` (:func:`error_c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import grpc
 from google.protobuf import any_pb2, message
@@ -104,7 +105,8 @@ def rich_status(code: grpc.StatusCode, message_text: str, field_path: str | None
 
 def field_of(err: grpc.RpcError) -> str | None:
     """The request field named by a failed call's first detail of a :data:`TABLE` type, or None."""
-    status = rpc_status.from_call(err)
+    # A failed call's RpcError is also its grpc.Call (grpc's stubs keep the two apart).
+    status = rpc_status.from_call(cast(grpc.Call, err))
     if status is None:
         return None
     for detail in status.details:

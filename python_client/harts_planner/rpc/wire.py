@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -47,7 +48,9 @@ _STEP_PLAN_NUMBERS = {f.name: f.number for f in pb.StepPlan.DESCRIPTOR.fields}
 
 def _address(buffer) -> int:
     if isinstance(buffer, bytes):
-        return ctypes.cast(buffer, ctypes.c_void_p).value
+        # typeshed's ctypes.cast leaves out bytes, which it takes (as a c_char_p: no copy).
+        address = ctypes.cast(buffer, ctypes.c_void_p).value  # pyright: ignore[reportArgumentType]
+        return address or 0  # a bytes object's buffer is never NULL
     return buffer.ctypes.data  # a numpy array
 
 
@@ -180,7 +183,8 @@ def call_plan(plan, debug: bool = True) -> Parts:
     """A ``CallPlan`` message (the fields of :func:`harts_planner.rpc.codec.encode_call_plan`)."""
     native = plan._native
     with_debug = debug and plan.has_debug
-    head = pb.CallPlan(**{f: int(getattr(native, f)) for f in _call_plan.SCALAR_FIELDS})
+    scalars: dict[str, Any] = {f: int(getattr(native, f)) for f in _call_plan.SCALAR_FIELDS}
+    head = pb.CallPlan(**scalars)
     if not with_debug:
         head.debug_omitted = True
     parts = Parts().add(head.SerializeToString())
@@ -523,6 +527,7 @@ class Assembly:
                 "request",
                 f"the chunks hold {self.size:,} bytes, not the {self.total:,} announced (total_bytes)",
             )
+        assert self._buffer is not None, "view() after free()"
         return memoryview(self._buffer)[self.pad : self.pad + self.total]
 
 
