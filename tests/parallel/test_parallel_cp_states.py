@@ -6,8 +6,8 @@ rows from entry states folded from every rank's affine summaries, attention gath
 rows its queries see (``parallel.cp_attention``). Trees: trajectories longer than the per-rank
 capacity T, forking on both sides of the split's cuts, at ``cp = 4`` with a fork whose state comes
 from two ranks back and forks whose replay rows live on earlier ranks (asserted on the plan).
-``cp = 8`` runs past the debug model's 4 heads; ``cp = 2 x tp = 2`` + SP holds a TP row block of
-each CP rank's split range between regions. Models: the ``debug`` hybrid, tiny Qwen3.5-MoE (GDN +
+``cp = 8`` runs past the debug model's 4 heads; ``cp = 2 x tp = 2`` + SP (``debug``, Nemotron-H)
+holds a TP row block of each CP rank's split range between regions. Models: the ``debug`` hybrid, tiny Qwen3.5-MoE (GDN +
 gated attention), Nemotron-H (Mamba2), Kimi-Linear (KDA + MLA: the latent gather) and Ling-3.0
 (bounded-gate KDA + gated MLA with interleaved RoPE) checkpoints, each at ``cp = 2`` and ``cp = 4``
 (past Kimi-Linear's 2 heads), loaded at chunk 8 (at 64 the grid would cut only between trees); every
@@ -44,6 +44,8 @@ CASES = {
     "qwen35-cp4": ("qwen3_5_moe_text", 4, dict(cp=4), None, "states"),  # GDN + gated attention, MoE
     "nemotron_h-cp2": ("nemotron_h", 2, dict(cp=2), None, "states"),
     "nemotron_h-cp4-recompute": ("nemotron_h", 4, dict(cp=4), (), "states"),  # Mamba2 (SSD summaries)
+    # Mamba2 on its TP rank's groups, whole split ranges inside the TP region
+    "nemotron_h-cp2-tp2-sp": ("nemotron_h", 4, dict(cp=2, tp=2, sequence_parallel=True), None, "states"),
     "kimi-cp2": ("kimi_linear", 2, dict(cp=2), None, "states"),  # KDA + MLA (latent gather)
     "kimi-cp4-recompute": ("kimi_linear", 4, dict(cp=4), (), "states"),  # past its 2 heads
     "ling3-cp2-kept": ("ling3", 2, dict(cp=2), BOTH, "states"),
