@@ -112,11 +112,15 @@ def test_mode_both_refuses_cp_instead_of_ignoring_it(capsys):
     ]
     for argv, flag in (
         (["--tp", "2"], "--tp"),
-        (["--chunk-size", "16"], "--chunk-size"),
-        (["--kl-coef", "0"], "--kl-coef"),
+        (["--sp"], "--sp"),
+        (["--save", "ckpt"], "--save"),
+        (["--metrics", "m.jsonl"], "--metrics"),
     ):
         assert main(["--mode", "both", *argv, "--steps", "1", "--device", "cpu"]) == 2
         assert f"error: {flag}: --mode both" in capsys.readouterr().err
+    # what the two runs take reaches both (the offline trainer's settings): a bad value is named
+    assert main(["--mode", "both", "--chunk-size", "24", "--steps", "1", "--device", "cpu"]) == 2
+    assert "--chunk-size: must be a power of two, got 24" in capsys.readouterr().err
 
 
 def test_a_bad_flag_and_a_bad_config_key_are_named(tmp_path, capsys):
