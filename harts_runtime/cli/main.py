@@ -74,8 +74,8 @@ def main(argv=None) -> int:
         except OSError:
             pass
         return 0
-    except KeyboardInterrupt:
-        return _fail("interrupted", 130)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM after a whole step (trainer.job.Stopped)
+        return _fail(str(e) or "interrupted", 130)
     except Exception as e:
         code = 2 if isinstance(e, ValueError) else 1  # UsageError, InvalidInputError: bad input
         if os.environ.get("HARTS_TRACEBACK"):

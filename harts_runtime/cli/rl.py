@@ -313,8 +313,8 @@ def main(argv=None) -> int:
         return _run(argv, err, given)
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
-    except KeyboardInterrupt:
-        print(f"{PROG}: error: interrupted", file=err)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM after a whole step (trainer.job.Stopped)
+        print(f"{PROG}: error: {e or 'interrupted'}", file=err)
         return 130
     except InvalidInputError as e:
         print(f"{PROG}: error: {' '.join(_usage_line(e, given).split())}", file=err)

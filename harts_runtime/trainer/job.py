@@ -16,13 +16,23 @@ A data source is any object with
 The sources: a rollout file's steps and the synthetic step (:mod:`harts_runtime.trainer.data`,
 ``harts-train``) and the online RL source (:class:`harts_runtime.rl.source.OnlineSource`,
 ``harts-rl``).
+
+A SIGTERM (a scheduler preempting the job) lets the step in flight finish, saves it (when the job
+saves) and raises :class:`Stopped`, which the commands report as one line, exit code 130 (in one
+process: ranks that receive it at different steps would not meet in the collective save).
 """
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 
-__all__ = ["run_job", "train_one"]
+__all__ = ["Stopped", "run_job", "train_one"]
+
+
+class Stopped(KeyboardInterrupt):
+    """The job stopped on SIGTERM after a whole step (saved when the job saves)."""
 
 
 def train_one(engine, source, step: int) -> dict:
@@ -37,26 +47,51 @@ def train_one(engine, source, step: int) -> dict:
     if after is not None:
         after(engine, result, report)
     t3 = time.perf_counter()
-    return source.record(step, result, report, {"data": t1 - t0, "train": t2 - t1, "after": t3 - t2, "step": t3 - t0})
+    return source.record(
+        step, result, report, {"data": t1 - t0, "train": t2 - t1, "after": t3 - t2, "step": t3 - t0}
+    )
 
 
-def run_job(engine, source, *, done: int, steps: int, save=None, save_every: int = 0, writer=None, show=None):
+def run_job(
+    engine,
+    source,
+    *,
+    done: int,
+    steps: int,
+    save=None,
+    save_every: int = 0,
+    writer=None,
+    show=None,
+    sigterm=True,
+):
     """Train from step ``done`` to ``steps`` (a total); returns the records. ``save(k)`` writes the
     checkpoint after step ``k`` (every ``save_every`` steps, and at the end when steps ran);
     ``writer.write(record)`` (a :class:`~harts_runtime.trainer.metrics.MetricsWriter`) and
-    ``show(record)`` see every record."""
+    ``show(record)`` see every record. ``sigterm``: stop on SIGTERM after the step in flight (module
+    docstring; one process only)."""
     records = []
     last_saved = done
-    for k in range(done, steps):
-        rec = train_one(engine, source, k + 1)
-        if writer is not None:
-            writer.write(rec)
-        if show is not None:
-            show(rec)
-        records.append(rec)
-        if save is not None and save_every and (k + 1) % save_every == 0:
-            save(k + 1)
-            last_saved = k + 1
-    if save is not None and steps > done and last_saved != steps:
-        save(steps)
+    term = []
+    previous = None
+    if sigterm and threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: term.append(signum))
+    try:
+        for k in range(done, steps):
+            rec = train_one(engine, source, k + 1)
+            if writer is not None:
+                writer.write(rec)
+            if show is not None:
+                show(rec)
+            records.append(rec)
+            if save is not None and (term or save_every and (k + 1) % save_every == 0):
+                save(k + 1)
+                last_saved = k + 1
+            if term:
+                saved = f"; saved step {k + 1}" if save is not None else " (no checkpoint: nothing saves)"
+                raise Stopped(f"stopped by SIGTERM after step {k + 1}{saved}")
+        if save is not None and steps > done and last_saved != steps:
+            save(steps)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return records

@@ -112,6 +112,7 @@ def run_loop(engine, data, args, steps, done, position, record_args, world, lead
             save_every=args.save_every,
             writer=writer,
             show=show,
+            sigterm=world == 1,
         )
         if args.export is not None:
             from harts_runtime.hf import save_pretrained

@@ -99,3 +99,27 @@ def test_the_loop_calls_the_source_in_order_and_saves_on_its_cadence():
     assert saved == [4, 6, 7]  # every 2 steps, and the end
     assert engine.calls[:4] == [("next",), ("fb", 1), ("opt",), ("after", "out1", "report")]
     assert run_job(engine, _Source(engine), done=3, steps=3, save=saved.append) == [] and saved == [4, 6, 7]
+
+
+def test_sigterm_finishes_the_step_saves_it_and_stops():
+    import os
+    import signal
+
+    from harts_runtime.trainer.job import Stopped
+
+    engine = _Engine()
+
+    class Preempted(_Source):
+        def next_step(self, engine):
+            if self.n == 1:  # the scheduler's SIGTERM arrives during step 2
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().next_step(engine)
+
+    saved, shown = [], []
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Stopped, match="stopped by SIGTERM after step 2; saved step 2"):
+        run_job(
+            engine, Preempted(engine), done=0, steps=5, save=saved.append, save_every=4, show=shown.append
+        )
+    assert saved == [2] and [r["step"] for r in shown] == [1, 2]
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is the caller's again
