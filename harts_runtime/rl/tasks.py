@@ -1,4 +1,6 @@
-"""The built-in tasks (:data:`TASKS`): ``token-set`` and ``calculator``.
+"""The built-in tasks (:data:`TASKS`): ``token-set``, ``calculator`` and ``ragged-set``; a user's own
+task class by name (:func:`make_task` of ``"package.module:Class"``) and the name a run records for
+a task (:func:`task_identity`).
 
 ``token-set``: the prompt is ``prompt_len`` random tokens; the policy writes ``2 x 8`` tokens in two
 turns (no observation between them, so the tree forks inside the answer); reward = the share of the
@@ -11,17 +13,36 @@ answers with 5 tokens ``RES d d d d`` (the zero-padded result, or ``ERR`` and fo
 malformed call). Turn 1: the policy writes the 4-digit answer. Reward = 0.2 for a well-formed call +
 0.8 x the share of answer digits that are right. A pretrained checkpoint is what improves on it;
 on the tiny flavors its test checks that calls, observations, forks and rewards flow as specified.
+
+``ragged-set``: episodes shaped like an agent's. Prompts of ``prompt_min`` to ``prompt_max`` random
+tokens (ragged). Each of ``turns`` turns the policy writes up to ``cap`` tokens, ending early at any
+of ``stop_count`` stop ids from ``stop_start``; the environment answers ``OBS`` followed by the
+action's tokens that were in the set (``set_size`` ids from ``set_start``): a ragged observation.
+Per-turn reward ``(0.5 x [the action ended at a stop token] + 0.5 x min(hits, need) / need) /
+turns``, ``hits`` the action's tokens in the set: the best policy writes ``need`` set tokens and
+stops (episode reward 1); a random one scores about 0.1.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import os
+import sys
 from collections.abc import Sequence
 
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.rl.environment import Task
 
-__all__ = ["TASKS", "CalculatorTask", "TokenSetTask", "make_task"]
+__all__ = [
+    "TASKS",
+    "CalculatorTask",
+    "RaggedSetTask",
+    "TokenSetTask",
+    "load_task_class",
+    "make_task",
+    "task_identity",
+]
 
 BOS = 1
 MAX_ARG = 1 << 20
@@ -133,24 +154,186 @@ class CalculatorTask(Task):
         return 0.2 * well_formed + 0.8 * right / self.ANSWER_LEN
 
 
-TASKS = {"token-set": TokenSetTask, "calculator": CalculatorTask}
+OBS = 2
+"""ragged-set's observation marker."""
+
+
+class RaggedSetTask(Task):
+    """Ragged multi-turn episodes with stop tokens and per-turn rewards (module docstring)."""
+
+    name = "ragged-set"
+    default_forks = {0: 4, 1: 2}
+
+    def __init__(
+        self,
+        prompt_min: int = 2,
+        prompt_max: int = 6,
+        turns: int = 2,
+        cap: int = 8,
+        need: int = 2,
+        set_start: int = 32,
+        set_size: int = 32,
+        stop_start: int = 16,
+        stop_count: int = 8,
+    ):
+        self.prompt_min = _arg("prompt_min", prompt_min, 1, MAX_ARG)
+        self.prompt_max = _arg("prompt_max", prompt_max, self.prompt_min, MAX_ARG)
+        self.turns = _arg("turns", turns, 1, 64)
+        self.cap = _arg("cap", cap, 1, MAX_ARG)
+        self.need = _arg("need", need, 1, self.cap)
+        self.set_start = _arg("set_start", set_start, 0, MAX_ARG)
+        self.set_size = _arg("set_size", set_size, 1, MAX_ARG)
+        self.stop_start = _arg("stop_start", stop_start, 0, MAX_ARG)
+        self.stop_count = _arg("stop_count", stop_count, 1, MAX_ARG)
+        self.stop_tokens = tuple(range(self.stop_start, self.stop_start + self.stop_count))
+        if self.turns == 1:
+            self.default_forks = {0: 8}
+        top = self.set_start + self.set_size
+        if self.stop_start < top and self.set_start < self.stop_start + self.stop_count:
+            raise InvalidInputError(
+                "task_args.stop_start",
+                f"ragged-set's stop ids [{self.stop_start:,}, {self.stop_start + self.stop_count:,}) overlap "
+                f"its set [{self.set_start:,}, {top:,})",
+            )
+        if self.stop_start + self.stop_count > top and self.stop_start < 2 * top:
+            raise InvalidInputError(
+                "task_args.stop_start",
+                f"ragged-set's stop ids [{self.stop_start:,}, {self.stop_start + self.stop_count:,}) overlap "
+                f"its prompt ids [{top:,}, {2 * top:,})",
+            )
+
+    def check(self, vocab_size: int) -> None:
+        top = max(2 * (self.set_start + self.set_size), self.stop_start + self.stop_count) - 1
+        if top >= vocab_size:
+            raise InvalidInputError(
+                "task_args.set_start",
+                f"ragged-set uses ids up to {top:,} (its prompts, set and stop ids), outside the "
+                f"vocabulary of {vocab_size:,} ids",
+            )
+
+    def prompt(self, rng):
+        n = int(rng.integers(self.prompt_min, self.prompt_max + 1))
+        top = self.set_start + self.set_size
+        return [BOS] + [int(t) for t in rng.integers(top, 2 * top, n)], None
+
+    def action_tokens(self, turn: int) -> int:
+        return self.cap
+
+    def _split(self, action: Sequence[int]) -> tuple[list[int], bool]:
+        """``(the action's tokens before its stop token, whether it stopped)``."""
+        stopped = len(action) > 0 and self.stop_start <= action[-1] < self.stop_start + self.stop_count
+        return list(action[:-1] if stopped else action), stopped
+
+    def hits(self, action: Sequence[int]) -> list[int]:
+        """The action's tokens in the set (its stop token excluded)."""
+        body, _ = self._split(action)
+        return [t for t in body if self.set_start <= t < self.set_start + self.set_size]
+
+    def observe(self, state, turn, tokens, action):
+        return [OBS, *self.hits(action)]
+
+    def reward(self, state, tokens, actions) -> list[float]:
+        out = []
+        for a in actions:
+            _, stopped = self._split(a)
+            out.append((0.5 * stopped + 0.5 * min(len(self.hits(a)), self.need) / self.need) / self.turns)
+        return out
+
+
+TASKS = {"token-set": TokenSetTask, "calculator": CalculatorTask, "ragged-set": RaggedSetTask}
 """Task name -> class (constructed with the config's ``task_args``)."""
 
 
+def _fail(msg: str) -> InvalidInputError:
+    return InvalidInputError("task", msg)
+
+
+def load_task_class(spec: str) -> type[Task]:
+    """The class ``"package.module:Class"`` names (a module in the current folder or on the
+    Python path; ``Class`` may be dotted for a nested class), checked to be a concrete
+    :class:`~harts_runtime.rl.environment.Task` subclass. Every failure is an
+    :class:`InvalidInputError` naming ``task``: no such module, the module failed to import (its
+    error in one line), no such class, not a Task subclass, abstract methods left."""
+    mod, _, qual = spec.partition(":")
+    if not mod or not qual or ":" in qual:
+        raise _fail(f"a task class is named 'package.module:Class', got {spec!r}")
+
+    def _import():
+        return importlib.import_module(mod)
+
+    try:
+        try:
+            module = _import()
+        except ModuleNotFoundError as e:
+            here = os.getcwd()
+            if not (e.name and (mod == e.name or mod.startswith(e.name + "."))) or here in sys.path:
+                raise
+            sys.path.append(here)  # a console script's path lacks the current folder
+            module = _import()
+    except ModuleNotFoundError as e:
+        if e.name and (mod == e.name or mod.startswith(e.name + ".")):
+            raise _fail(f"no module {mod!r} (not in the current folder or on the Python path)") from None
+        raise _fail(f"importing {mod!r} failed: {type(e).__name__}: {' '.join(str(e).split())}") from None
+    except Exception as e:
+        raise _fail(f"importing {mod!r} failed: {type(e).__name__}: {' '.join(str(e).split())}") from None
+    obj = module
+    for part in qual.split("."):
+        if not hasattr(obj, part):
+            raise _fail(f"module {mod!r} has no {qual!r}")
+        obj = getattr(obj, part)
+    if not (isinstance(obj, type) and issubclass(obj, Task)):
+        raise _fail(
+            f"{spec!r} is a {type(obj).__name__}, not a subclass of harts_runtime.rl.environment.Task"
+        )
+    if inspect.isabstract(obj):
+        left = ", ".join(sorted(getattr(obj, "__abstractmethods__", ())))
+        raise _fail(f"{spec!r} leaves Task's abstract methods unimplemented: {left}")
+    return obj
+
+
 def make_task(name: str, **kwargs) -> Task:
-    """The built-in task ``name`` made with ``kwargs`` (the config's ``task_args``); raises
-    :class:`InvalidInputError` naming ``task`` (an unknown task) or ``task_args.<key>`` (a key the
-    task does not take, or a bad value)."""
-    if not isinstance(name, str) or name not in TASKS:
-        raise InvalidInputError("task", f"unknown task {name!r}; choose from {sorted(TASKS)}")
-    cls = TASKS[name]
-    params = [
-        p.name
-        for p in inspect.signature(cls).parameters.values()
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    ]
-    for k in kwargs:
-        if k not in params:
-            takes = f"takes {', '.join(params)}" if params else "takes no arguments"
-            raise InvalidInputError(f"task_args.{k}", f"task {name!r} {takes}")
+    """The task ``name`` made with ``kwargs`` (the config's ``task_args``): a built-in name
+    (:data:`TASKS`) or a class ``"package.module:Class"`` (:func:`load_task_class`); raises
+    :class:`InvalidInputError` naming ``task`` (an unknown task, a class that does not load) or
+    ``task_args.<key>`` (a key the task does not take, a required one missing, or a bad value)."""
+    if not isinstance(name, str) or not name:
+        raise _fail(f"a task name or 'package.module:Class', got {name!r}")
+    if ":" in name:
+        cls = load_task_class(name)
+    elif name in TASKS:
+        cls = TASKS[name]
+    else:
+        raise _fail(
+            f"unknown task {name!r}; choose from {sorted(TASKS)} or name your own class as "
+            f"'package.module:Class'"
+        )
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return cls(**kwargs)
+    values = list(sig.parameters.values())
+    params = [p.name for p in values if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not any(p.kind == p.VAR_KEYWORD for p in values):
+        for k in kwargs:
+            if k not in params:
+                takes = f"takes {', '.join(params)}" if params else "takes no arguments"
+                raise InvalidInputError(f"task_args.{k}", f"task {name!r} {takes}")
+    for p in values:
+        if (
+            p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.default is p.empty
+            and p.name not in kwargs
+        ):
+            raise InvalidInputError(f"task_args.{p.name}", f"task {name!r} needs this argument")
     return cls(**kwargs)
+
+
+def task_identity(task: Task | type[Task]) -> str:
+    """The name a run records for ``task`` (an instance or a class): a built-in's name
+    (``"token-set"``), else its class as ``"module:QualName"``, which :func:`make_task` loads
+    again. A resumed run compares it with the recorded one."""
+    cls = task if isinstance(task, type) else type(task)
+    for name, c in TASKS.items():
+        if cls is c:
+            return name
+    return f"{cls.__module__}:{cls.__qualname__}"

@@ -188,12 +188,13 @@ class _Frontier(Frontier):
         logits, group.cache = self.rollout._logits(ids, group.cache)
         group.next = logits[:, -1]
 
-    def _take(self, group: _Group, rows: list[int]) -> _Group:
-        """Split ``rows`` of ``group`` off into a new group (a copy of their cache); ``group`` keeps
-        the other rows."""
+    def _take(self, group: _Group, branches: list[int]) -> _Group:
+        """Split ``branches`` (some of ``group``'s) off into a new group (a copy of their cache);
+        ``group`` keeps the others."""
         device = self.rollout.device
-        taken = set(rows)
-        keep = [r for r in range(len(group.branches)) if r not in taken]
+        taken = set(branches)
+        rows = [r for r, b in enumerate(group.branches) if b in taken]
+        keep = [r for r, b in enumerate(group.branches) if b not in taken]
         new = _Group([group.branches[r] for r in rows], copy.deepcopy(group.cache), group.next[rows])
         new.cache.reorder_cache(torch.tensor(rows, dtype=torch.long, device=device))
         group.cache.reorder_cache(torch.tensor(keep, dtype=torch.long, device=device))
@@ -224,7 +225,7 @@ class _Frontier(Frontier):
             if stop_set:
                 still = []
                 for g in live:
-                    done = [r for r, b in enumerate(g.branches) if self.tokens[b][-1] in stop_set]
+                    done = [b for b in g.branches if self.tokens[b][-1] in stop_set]
                     if len(done) < len(g.branches):
                         if done:
                             self._groups.append(self._take(g, done))
@@ -239,8 +240,8 @@ class _Frontier(Frontier):
             row.extend(int(t) for t in r)
         for g in list(self._groups):
             by_len: dict[int, list[int]] = {}
-            for i, b in enumerate(g.branches):
-                by_len.setdefault(len(rows[b]), []).append(i)
+            for b in g.branches:
+                by_len.setdefault(len(rows[b]), []).append(b)
             parts = list(by_len.items())
             split = [(length, self._take(g, idx)) for length, idx in parts[1:]]
             self._groups.extend(part for _, part in split)
