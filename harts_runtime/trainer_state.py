@@ -28,6 +28,7 @@ __all__ = [
     "DONE_NAME",
     "FORMAT",
     "STATE_NAME",
+    "check_done",
     "latest_checkpoint",
     "latest_step",
     "read_json",
@@ -35,6 +36,8 @@ __all__ = [
     "resolve_checkpoint",
     "step_folder",
     "trainer_state_text",
+    "write_atomic",
+    "write_done",
     "write_trainer_state",
 ]
 
@@ -61,6 +64,47 @@ def latest_checkpoint(out_dir) -> Path | None:
     return latest_step(Path(out_dir) / "checkpoints", DONE_NAME)
 
 
+def write_atomic(path, text: str) -> None:
+    """Write ``path`` whole or not at all: a temporary file beside it, synced, renamed over it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems cannot sync a folder
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_done(folder, step: int) -> None:
+    """Mark ``folder`` (``step-N``) complete: ``done.json``, written last (whole or not at all)."""
+    write_atomic(Path(folder) / DONE_NAME, json.dumps({"step": step}) + "\n")
+
+
+def check_done(folder) -> int:
+    """N of a complete ``step-N`` folder: its name, and its ``done.json`` saying the same step;
+    one :class:`InvalidInputError` naming what disagrees or is missing."""
+    folder = Path(folder)
+    m = _STEP.match(folder.name)
+    if not m:
+        raise InvalidInputError("resume", f"{folder} is not a step-N checkpoint folder")
+    n = int(m.group(1))
+    done = read_json(folder / DONE_NAME, DONE_NAME, "an incomplete checkpoint")
+    if not isinstance(done, dict) or done.get("step") != n:
+        got = done.get("step") if isinstance(done, dict) else done
+        raise InvalidInputError(DONE_NAME, f"{folder / DONE_NAME} says step {got!r}, the folder is step-{n}")
+    return n
+
+
 def read_json(path, field: str, what: str):
     """The JSON of ``path``; one :class:`InvalidInputError` naming ``field`` when it is missing
     (``what`` says what it is) or unreadable."""
@@ -70,7 +114,9 @@ def read_json(path, field: str, what: str):
     try:
         return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise InvalidInputError(field, f"{path} is unreadable or damaged ({' '.join(str(e).split())})") from None
+        raise InvalidInputError(
+            field, f"{path} is unreadable or damaged ({' '.join(str(e).split())})"
+        ) from None
 
 
 def step_folder(save_dir, step: int) -> Path:

@@ -38,8 +38,15 @@ from harts_runtime.loss.objectives import PolicyLossConfig
 from harts_runtime.rl.config import RLConfig
 from harts_runtime.rl.source import OnlineSource, tree_chunk_size
 from harts_runtime.trainer.job import run_job, train_one
-from harts_runtime.trainer.metrics import MetricsWriter, write_atomic
-from harts_runtime.trainer_state import latest_checkpoint, read_json
+from harts_runtime.trainer.metrics import MetricsWriter
+from harts_runtime.trainer_state import (
+    DONE_NAME,
+    check_done,
+    latest_checkpoint,
+    read_json,
+    write_atomic,
+    write_done,
+)
 
 __all__ = ["RUN_NAME", "STATE_NAME", "RLRun", "latest_checkpoint", "read_run", "tree_chunk_size"]
 
@@ -183,7 +190,7 @@ class RLRun:
     def save(self) -> Path:
         folder = self.dir / "checkpoints" / f"step-{self.step}"
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "done.json").unlink(missing_ok=True)
+        (folder / DONE_NAME).unlink(missing_ok=True)
         sampler = self.sampler.state_dict()
         state = {
             "format": _STATE_FORMAT,
@@ -199,7 +206,7 @@ class RLRun:
         }
         self.engine.save(folder / "engine", files=files, extra={"rl_step": self.step})
         (folder / _OLD_STATE).unlink(missing_ok=True)  # an older version's, for this step
-        write_atomic(folder / "done.json", json.dumps({"step": self.step}) + "\n")
+        write_done(folder, self.step)
         return folder
 
     def load(self, folder) -> None:
@@ -207,16 +214,7 @@ class RLRun:
         from harts_runtime.parallel.checkpoint_folder import loadable_folder, read_manifest
 
         folder = Path(folder)
-        try:
-            n = int(folder.name.split("-", 1)[1])
-        except (IndexError, ValueError):
-            raise InvalidInputError("resume", f"{folder} is not a step-N checkpoint folder") from None
-        done = _read_json(folder / "done.json", "done.json", "an incomplete checkpoint")
-        if not isinstance(done, dict) or done.get("step") != n:
-            got = done.get("step") if isinstance(done, dict) else done
-            raise InvalidInputError(
-                "done.json", f"{folder / 'done.json'} says step {got!r}, the folder is step-{n}"
-            )
+        n = check_done(folder)
         engine_dir = folder / "engine"
         extra = self.engine.load(engine_dir)  # verifies every file its manifest lists first
         listed = read_manifest(loadable_folder(engine_dir)) or {}

@@ -18,6 +18,8 @@ import math
 import os
 from pathlib import Path
 
+from harts_runtime.trainer_state import write_atomic
+
 __all__ = ["MetricsWriter", "finite", "plot_rewards", "read_metrics", "write_atomic"]
 
 
@@ -49,27 +51,6 @@ def _kept(line: str, resumed_step: int) -> bool:
     except (ValueError, AttributeError):
         return False
     return isinstance(step, int) and not isinstance(step, bool) and 0 < step <= resumed_step
-
-
-def write_atomic(path, text: str) -> None:
-    """Write ``path`` whole or not at all: a temporary file beside it, synced, renamed over it."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    try:
-        fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems cannot sync a folder
-        pass
-    finally:
-        os.close(fd)
 
 
 class MetricsWriter:
