@@ -56,3 +56,26 @@ def test_step_progress_prints_plain_lines_off_a_terminal():
         for done in range(1, 6):
             progress(done, 5)
     assert [line.split(",")[0] for line in sparse.getvalue().splitlines()] == ["y: microbatch 5/5 (100%)"]
+
+
+def test_the_runtime_registers_the_demo_s_model_step_where_the_planner_looks(tmp_path, monkeypatch):
+    """pyproject.toml registers ``harts_runtime:model_demo`` as the ``model`` entry point of the
+    planner's ``harts.demo`` group, and the planner's lookup (which imports nothing of the runtime)
+    loads it from any installed distribution's metadata: here a stand-in dist-info on sys.path with
+    pyproject's entry, so that the test does not depend on when this checkout was installed."""
+    from pathlib import Path
+
+    from harts_planner.commands import synthetic
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    value = project["entry-points"][synthetic.DEMO_STEPS]["model"]
+    assert value == "harts_runtime:model_demo"
+    dist = tmp_path / "harts_demo_stand_in-0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: harts-demo-stand-in\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text(f"[{synthetic.DEMO_STEPS}]\nmodel = {value}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    step, why = synthetic._model_step()
+    assert step is model_demo and why is None

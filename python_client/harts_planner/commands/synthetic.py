@@ -2,7 +2,8 @@
 
 * ``demo``: generate the built-in SWE-like synthetic step, ingest it, plan it (step plan and KDA
   call plans) and print what was found; then, with the runtime extra (torch), a few training steps
-  of the debug model, compact vs trajectory-wise.
+  of the debug model, compact vs trajectory-wise: the runtime's step, found through the
+  ``harts.demo`` entry-point group (this package never imports the runtime).
 * ``synth``: write a synthetic batch to a file (``.hrb`` binary or ``.jsonl``).
 """
 
@@ -65,15 +66,35 @@ def _demo_plans(batch, args) -> dict:
     }
 
 
+DEMO_STEPS = "harts.demo"
+"""The entry-point group in which an installed package registers the demo's model step, by name
+(the runtime: ``model = "harts_runtime:model_demo"``, ``[project.entry-points."harts.demo"]`` in
+pyproject.toml). The planner looks it up there and imports nothing of the runtime itself."""
+
+
+def _model_step():
+    """``(the registered model step, None)``, or ``(None, why not)`` when no package registers one or
+    it cannot be imported (the base install has no torch)."""
+    from importlib.metadata import entry_points
+
+    found = list(entry_points(group=DEMO_STEPS, name="model"))
+    if not found:
+        return None, "harts_runtime is not installed"
+    try:
+        return found[0].load(), None
+    except ImportError as e:
+        return None, f"{e.name or e} is not installed"
+
+
 def _demo_model(args) -> None:
     """Training steps of the `debug` hybrid model on a few trees, compact and trajectory-wise side by
-    side from the same weights, then the GPU speedup measured on an H200 (``harts_runtime.model_demo``;
+    side from the same weights, then the GPU speedup measured on an H200 (the runtime's
+    ``harts_runtime.model_demo``, registered as the ``model`` entry point of :data:`DEMO_STEPS`;
     seconds on a CPU; needs the runtime extra: torch)."""
-    try:
-        from harts_runtime import model_demo
-    except ImportError as e:  # the base install has no torch: say how to get the model step
+    model_demo, why = _model_step()
+    if model_demo is None:  # the base install has no torch: say how to get the model step
         print(
-            f"model step skipped ({e.name or e} is not installed): pip install '.[runtime]' torch==2.13.0, "
+            f"model step skipped ({why}): pip install '.[runtime]' torch==2.13.0, "
             "then harts-planner demo or harts-train"
         )
         return
