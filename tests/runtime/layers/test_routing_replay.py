@@ -277,3 +277,31 @@ def test_the_layer_gathers_the_familys_gates_at_the_given_experts(score_func, no
     assert g.abs().sum() > 0  # the router is trained through the gates
     with pytest.raises(InvalidInputError, match="^routes: routing_replay is on but this microbatch has none"):
         moe(x, RowLayout(9))
+
+
+def _mesh_worker(rank, world, dims_kw, routes):
+    from harts_runtime.parallel import ParallelDims
+
+    batch, trajs = _tree()
+    mesh = ParallelDims(world_size=world, **dims_kw).build_mesh()
+    engine = HartsEngine(
+        _model(), EngineConfig(capacity=40, routing_replay=True, loss_config=LOSS), mesh=mesh
+    )
+    out = engine.forward_backward(_rollouts(trajs, routes))
+    return out.logprobs, out.metrics["routing_replay/conflicts"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "dims_kw", [dict(dp_shard=2), dict(tp=2, sequence_parallel=True)], ids=["dp_shard2", "tp2-sp"]
+)
+def test_replay_on_a_mesh_equals_one_process(dims_kw):
+    from harts_runtime.parallel import run_distributed
+
+    batch, trajs = _tree()
+    routes = _disagreeing_routes(batch, 9)
+    engine = HartsEngine(_model(), EngineConfig(capacity=40, routing_replay=True, loss_config=LOSS))
+    ref = engine.forward_backward(_rollouts(trajs, routes))
+    for lp, conflicts in run_distributed(_mesh_worker, 2, dims_kw, routes, timeout=240):
+        torch.testing.assert_close(lp, ref.logprobs, atol=TOL["logprobs"][0], rtol=TOL["logprobs"][1])
+        assert conflicts == ref.metrics["routing_replay/conflicts"] > 0
