@@ -182,11 +182,15 @@ class HartsEngine:
     # ------------------------------------------------------------------ inputs
     def step_inputs(self, rollouts, *, objective: bool = True) -> StepInputs:
         """A :class:`StepInputs` of ``rollouts`` (a :class:`Rollouts` or a :class:`StepInputs`), its
-        token ids checked against the model's vocabulary. ``objective=False`` (a forward-only step
-        without a loss): the rollouts need none of the objective's fields (no ``ref_logprobs``
-        under a KL penalty)."""
+        token ids checked against the model's vocabulary and its values checked: the step's one
+        check (the microbatches below check nothing). A :class:`StepInputs` is checked again each
+        time it comes in (its fields may have been edited in place since, even through ``.numpy()``);
+        a :class:`Rollouts` is checked by :meth:`Rollouts.check` and as its step is built.
+        ``objective=False`` (a forward-only step without a loss): the rollouts need none of the
+        objective's fields (no ``ref_logprobs`` under a KL penalty)."""
         if isinstance(rollouts, StepInputs):
             step = rollouts
+            step.check_values()
         elif isinstance(rollouts, Rollouts):
             rollouts.check(self.vocab_size)
             loss_config = self.config.loss_config if objective else PolicyLossConfig()
@@ -253,9 +257,7 @@ class HartsEngine:
         A step's values are checked when it runs (an in-place NaN in its advantages is refused)."""
         from harts_runtime.parallel.data import run_replica_step
 
-        step = self.step_inputs(rollouts, objective=not (forward_only and loss_fn is None))
-        if hasattr(step, "check_values"):
-            step.check_values()
+        step = self.step_inputs(rollouts, objective=not (forward_only and loss_fn is None))  # checked
         plan, calls, plan_s = self.plan(step, plan)
         ex = self.config.execution
         dev = self.model.device

@@ -67,21 +67,31 @@ def test_the_call_plan_is_the_engines():
         assert np.array_equal(np.asarray(mine.position_ids), np.asarray(theirs.position_ids))
 
 
-def test_a_step_is_checked_once_not_per_microbatch(monkeypatch):
+@pytest.mark.parametrize("how", ["step_inputs", "rollouts"])
+def test_a_step_is_checked_once_not_per_microbatch(monkeypatch, how):
+    """One token check and one value check per step, however many microbatches (a Rollouts: its own
+    check, then its step's construction check; a StepInputs: checked again as it comes in)."""
     model, step = _model(), _step()
+    if how == "rollouts":
+        tokens, off = step.batch.tokens, step.batch.offsets
+        trajs = [list(tokens[off[i] : off[i + 1]]) for i in range(step.batch.num_trajectories)]
+        n = len(trajs)
+        step = Rollouts.from_lists(trajs, advantages=[1.0] * n, ref_logprobs=[-1.0] * n)
     engine = HartsEngine(model, EngineConfig(capacity=CAP))
-    counts = {"check_tokens": 0, "check_values": 0}
-    for name in counts:
-        real = getattr(StepInputs, name)
+    counts = {"check_tokens": 0, "check_values": 0, "check": 0}
+    for cls, name in ((StepInputs, "check_tokens"), (StepInputs, "check_values"), (Rollouts, "check")):
+        real = getattr(cls, name)
 
         def counted(self, *a, _real=real, _name=name):
             counts[_name] += 1
             return _real(self, *a)
 
-        monkeypatch.setattr(StepInputs, name, counted)
+        monkeypatch.setattr(cls, name, counted)
     out = engine.forward_backward(step)
     assert out.metrics["microbatches"] >= 2  # several microbatches, one check each
-    assert counts == {"check_tokens": 1, "check_values": 1}
+    assert counts == {"check_tokens": 1, "check_values": 1, "check": int(how == "rollouts")}
+    engine.forward_backward(step)  # and again the next step
+    assert counts == {"check_tokens": 2, "check_values": 2, "check": 2 * int(how == "rollouts")}
 
 
 @pytest.mark.parametrize("how", ["step_inputs", "rollouts"])
