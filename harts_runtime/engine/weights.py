@@ -26,11 +26,15 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 
 from harts_runtime.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from harts_runtime.models.state_dict_adapter import HFStateDictAdapter
 
 __all__ = ["NAMES", "WeightEntry", "WeightStream", "weight_manifest", "weights"]
 
@@ -78,10 +82,11 @@ def _setup(model, names: str, model_type: str | None):
 
     if names not in NAMES:
         raise InvalidInputError("names", f"choose one of {NAMES}, got {names!r}")
-    _, adapter = save_setup(model, model_type)
+    adapter = cast("HFStateDictAdapter", save_setup(model, model_type)[1])
     state = {k: v.detach() for k, v in model.state_dict().items()}
     _check_state(adapter, state, _sharded(model))
-    order = list(adapter.memory_names if names == "transformers" else adapter.checkpoint_names)
+    table = "memory_names" if names == "transformers" else "checkpoint_names"  # the families' tables
+    order = list(getattr(adapter, table))
     # each layer's block contiguous, blocks in order of first appearance, the rest where it was
     layer = {n: (int(m.group(1)) if (m := _LAYER.search(n)) else None) for n in order}
     first, index = {}, {n: i for i, n in enumerate(order)}
