@@ -22,14 +22,16 @@ from typing import TextIO
 import torch
 from tqdm import tqdm
 
-from harts_planner import RolloutBatch, synth
 from harts_runtime.engine import EngineConfig, HartsEngine
 from harts_runtime.errors import InvalidInputError
+from harts_runtime.job_config import CAPACITY_DEFAULTS, LR_DEFAULTS
 from harts_runtime.models import model_config
-from harts_runtime.options import DEFAULT_CAPACITY, MODES
+from harts_runtime.options import MODES
 from harts_runtime.recompute import recompute_enabled
 from harts_runtime.step_inputs import StepInputs
 from harts_runtime.train import StepResult
+from harts_runtime.trainer.data import synthetic_step
+from harts_runtime.trainer.job import train_one
 
 __all__ = ["DEMO_TREES", "model_demo", "synthetic_step", "train_demo", "train_modes"]
 
@@ -47,26 +49,6 @@ DEMO_TREES = dict(
     fork_prob=0.45,
     max_trajectory_tokens=512,
 )
-
-
-def synthetic_step(
-    preset: str, seed: int, vocab: int, max_len: int | None = None, objective: str = "grpo", **shape
-) -> StepInputs:
-    """:class:`StepInputs` of a ``harts_planner.synth`` preset (tokens in ``[0, vocab)``,
-    trajectories capped at ``max_len`` tokens; ``shape`` overrides preset fields, e.g.
-    :data:`DEMO_TREES`) with synthetic GRPO/PPO metadata. A preset with more trees than the
-    vocabulary has tokens (each tree starts with its own) is capped at ``vocab`` trees (swe-like's
-    up to 1,000 trees on the 512-token debug model)."""
-    over = {"vocab_size": vocab, **shape}
-    if max_len is not None:
-        over["max_trajectory_tokens"] = max_len
-    if "trees" not in shape and preset in synth.PRESETS:
-        lo, hi = synth.PRESETS[preset].trees  # each tree starts with its own token: at most vocab trees
-        if hi > vocab:
-            over["trees"] = (min(lo, vocab), vocab)
-    sb = synth.generate(preset, seed, **over)
-    batch = RolloutBatch.from_arrays(sb.tokens, sb.offsets, sb.tree_ids)
-    return StepInputs.synthetic(batch, seed, objective, vocab_size=vocab)
 
 
 def _line(i: int, mode: str, r: StepResult) -> str:
@@ -114,7 +96,7 @@ def train_modes(
     else:
         flavor = flavor or ("debug" if cpu else "ling-tiny")
         source, shape = flavor, {"num_layers": layers}
-    capacity = capacity or (4096 if cpu else DEFAULT_CAPACITY)
+    capacity = capacity or CAPACITY_DEFAULTS[dev.type]
     out = sys.stdout if out is None else out
     # One engine per mode on identical weights (module docstring); AdamW as torch's default.
     engines = {}
@@ -151,7 +133,7 @@ def train_modes(
         row: dict = {"step": i}
         for mode in modes:
             with StepProgress(f"step {i} {mode}", quiet=json_lines) as progress:
-                r = _engine_step(engines[mode], step, progress)
+                r = _engine_step(engines[mode], step, progress, i)
             row[mode] = r.to_dict()
             print(json.dumps(dict(r.to_dict(), step=i)) if json_lines else _line(i, mode, r), file=out)
         if len(modes) == 2:
@@ -162,12 +144,25 @@ def train_modes(
     return results
 
 
-def _engine_step(engine: HartsEngine, step: StepInputs, progress=None) -> StepResult:
-    """One optimizer step of ``engine`` on ``step`` as a :class:`StepResult`."""
-    res = engine.forward_backward(step, progress=progress)
-    t1 = time.perf_counter()
-    engine.optimizer_step()
-    return StepResult.of(res, engine.config.mode, recompute_enabled(engine.model), time.perf_counter() - t1)
+class _Step:
+    """The demos' data source of the job loop (:func:`harts_runtime.trainer.job.train_one`): the
+    same step every time, a :class:`StepResult` per step, the microbatches' ``progress`` shown."""
+
+    def __init__(self, step: StepInputs, engine: HartsEngine, progress=None):
+        self.step, self.engine, self.progress = step, engine, progress
+
+    def next_step(self, engine):
+        return self.step
+
+    def record(self, step: int, result, report, seconds: dict) -> StepResult:
+        m = result.metrics
+        optimizer = max(0.0, seconds["train"] - float(m["plan_seconds"]) - float(m["fbg_seconds"]))
+        return StepResult.of(result, self.engine.config.mode, recompute_enabled(self.engine.model), optimizer)
+
+
+def _engine_step(engine: HartsEngine, step: StepInputs, progress=None, i: int = 0) -> StepResult:
+    """Step ``i`` of ``engine`` on ``step`` through the job loop, as a :class:`StepResult`."""
+    return train_one(engine, _Step(step, engine, progress), i + 1)
 
 
 class StepProgress:
@@ -211,7 +206,11 @@ class StepProgress:
 
 
 def model_demo(
-    preset: str = "demo", steps: int = 1, seed: int = 0, out: TextIO | None = None, capacity: int = 4096
+    preset: str = "demo",
+    steps: int = 1,
+    seed: int = 0,
+    out: TextIO | None = None,
+    capacity: int = CAPACITY_DEFAULTS["cpu"],
 ) -> list[dict]:
     """One or more optimizer steps of the ``debug`` model on CPU, compact and trajectory-wise from the
     same weights, on :data:`DEMO_TREES` (``preset="demo"``) or the ``tiny`` preset.
@@ -249,7 +248,10 @@ def _model_demo(preset: str, steps: int, seed: int, out: TextIO, capacity: int) 
     for mode in MODES:
         torch.manual_seed(seed)
         engines[mode] = HartsEngine.build(
-            cfg, EngineConfig(mode=mode, capacity=capacity, lr=1e-3, weight_decay=0.01, max_grad_norm=None)
+            cfg,
+            EngineConfig(
+                mode=mode, capacity=capacity, lr=LR_DEFAULTS["flavor"], weight_decay=0.01, max_grad_norm=None
+            ),
         )
     params = sum(p.numel() for p in engines["compact"].model.parameters())
     _, plans, _ = plan_microbatches(step, "compact", capacity, cfg)
@@ -265,7 +267,7 @@ def _model_demo(preset: str, steps: int, seed: int, out: TextIO, capacity: int) 
         row: dict = {"step": i}
         for mode in MODES:
             with StepProgress(f"step {i} {mode}") as progress:
-                r = _engine_step(engines[mode], step, progress)
+                r = _engine_step(engines[mode], step, progress, i)
             row[mode] = r.to_dict()
             extra = (
                 f" (S/C = {r.compression:.2f}x), {r.num_calls} KDA calls, replay {r.replay_tokens:,} tokens"
@@ -309,7 +311,7 @@ def train_demo(
     capacity: int | None = None,
     recompute: bool = False,
     objective: str = "grpo",
-    lr: float = 1e-3,
+    lr: float = LR_DEFAULTS["flavor"],
     model_path=None,
     keep: tuple = (),
 ) -> list[dict]:

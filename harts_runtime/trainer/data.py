@@ -9,7 +9,7 @@ import os
 
 from harts_runtime.errors import InvalidInputError, UsageError
 
-__all__ = ["FileData", "SyntheticData", "load_data"]
+__all__ = ["FileData", "SyntheticData", "load_data", "synthetic_step"]
 
 
 class _Source:
@@ -138,10 +138,31 @@ def load_data(args, vocab: int, cpu: bool, loss_cfg):
                 + ") and needs ref_logprobs in every row; add them or pass --kl-coef 0",
             )
         return FileData(rf)
-    from harts_runtime.demo import synthetic_step
-
     max_len = args.max_len if args.max_len is not None else (1024 if cpu else None)
     step = synthetic_step(args.preset, args.seed, vocab, max_len, args.objective)
     step.loss_config = loss_cfg
     fp = {"kind": "synthetic", "preset": args.preset, "seed": args.seed, "max_len": max_len, "vocab": vocab}
     return SyntheticData(step, fp)
+
+
+def synthetic_step(
+    preset: str, seed: int, vocab: int, max_len: int | None = None, objective: str = "grpo", **shape
+):
+    """:class:`StepInputs` of a ``harts_planner.synth`` preset (tokens in ``[0, vocab)``,
+    trajectories capped at ``max_len`` tokens; ``shape`` overrides preset fields, e.g.
+    :data:`harts_runtime.demo.DEMO_TREES`) with synthetic GRPO/PPO metadata. A preset with more trees than the
+    vocabulary has tokens (each tree starts with its own) is capped at ``vocab`` trees (swe-like's
+    up to 1,000 trees on the 512-token debug model)."""
+    from harts_planner import RolloutBatch, synth
+    from harts_runtime.step_inputs import StepInputs
+
+    over = {"vocab_size": vocab, **shape}
+    if max_len is not None:
+        over["max_trajectory_tokens"] = max_len
+    if "trees" not in shape and preset in synth.PRESETS:
+        lo, hi = synth.PRESETS[preset].trees  # each tree starts with its own token: at most vocab trees
+        if hi > vocab:
+            over["trees"] = (min(lo, vocab), vocab)
+    sb = synth.generate(preset, seed, **over)
+    batch = RolloutBatch.from_arrays(sb.tokens, sb.offsets, sb.tree_ids)
+    return StepInputs.synthetic(batch, seed, objective, vocab_size=vocab)

@@ -11,7 +11,8 @@ A data source is any object with
 * ``record(step, result, report, seconds)``: the step's record (a dict with ``step``), from the
   engine's output, the optimizer report and the seconds of its parts (``data``: ``next_step``,
   ``train``: the engine step, ``after``: ``after_step``, ``step``: all);
-* optionally ``after_step(engine, result, report)``.
+* optionally ``after_step(engine, result, report)``, and ``progress``: a callback
+  ``progress(done, total)`` after each microbatch.
 
 The sources: a rollout file's steps and the synthetic step (:mod:`harts_runtime.trainer.data`,
 ``harts-train``) and the online RL source (:class:`harts_runtime.rl.source.OnlineSource`,
@@ -40,7 +41,12 @@ def train_one(engine, source, step: int) -> dict:
     t0 = time.perf_counter()
     batch = source.next_step(engine)
     t1 = time.perf_counter()
-    result = engine.forward_backward(batch)
+    progress = getattr(source, "progress", None)  # the microbatches' progress (done, total), if shown
+    result = (
+        engine.forward_backward(batch)
+        if progress is None
+        else engine.forward_backward(batch, progress=progress)
+    )
     report = engine.optimizer_step()
     t2 = time.perf_counter()
     after = getattr(source, "after_step", None)
