@@ -99,6 +99,9 @@ class RolloutFile:
     has_group_ids: bool
     ignored: list[str] = field(default_factory=list)
     """Keys / columns present but not read."""
+    has_behaviour_logprobs: bool = False
+    """The rollout engine's log-probs in every row (importance correction)."""
+    has_weight_versions: bool = False
 
     @property
     def num_steps(self) -> int:
@@ -353,6 +356,8 @@ class _Builder:
             has_ref_logprobs=has_ref,
             has_group_ids=has_gid,
             ignored=sorted(self.ignored),
+            has_behaviour_logprobs="behaviour_logprobs" in self.first_with,
+            has_weight_versions="weight_versions" in self.first_with,
         )
 
 

@@ -289,7 +289,9 @@ def test_shapes_and_files_carry_behaviour_and_versions(tmp_path):
         for t, b, v in zip(trajs, beh, ver)
     ]
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    (step,) = read_rollout_file(path).steps
+    rf = read_rollout_file(path)
+    assert rf.has_behaviour_logprobs and rf.has_weight_versions and not rf.has_ref_logprobs
+    (step,) = rf.steps
     assert torch.equal(step.behaviour_logprobs, ref.behaviour_logprobs)
     assert torch.equal(step.weight_versions, ref.weight_versions)
     rows[1]["weight_versions"] = [0, 0, "x", 0]
