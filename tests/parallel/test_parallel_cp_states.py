@@ -31,7 +31,8 @@ CHUNK = 8
 
 BOTH = ("attention", "linear_attention")
 CASES = {
-    # name: (model, world, dims, keep (None: no recomputation), cp_mode)
+    # name: (model, world, dims, keep (None: no recomputation), cp_mode ("alternate": auto, its
+    # choice forced to take both modes by turns))
     "debug-cp4-auto-recompute": ("debug", 4, dict(cp=4), (), "auto"),
     # C = 8 past the debug model's 4 heads (auto has only states there)
     "debug-cp8": ("debug", 8, dict(cp=8), None, "auto"),
@@ -40,6 +41,8 @@ CASES = {
     "debug-cp2-tp2": ("debug", 4, dict(cp=2, tp=2), None, "states"),
     # SP: each TP rank holds a row_block of its CP rank's split range between regions
     "debug-cp2-tp2-sp-recompute": ("debug", 4, dict(cp=2, tp=2, sequence_parallel=True), (), "states"),
+    # auto's per-layer choice forced to alternate: head-parallel layers on the split's rows under SP
+    "debug-cp2-tp2-sp-mixed": ("debug", 4, dict(cp=2, tp=2, sequence_parallel=True), None, "alternate"),
     "qwen35-cp2-kept": ("qwen3_5_moe_text", 2, dict(cp=2), BOTH, "states"),
     "qwen35-cp4": ("qwen3_5_moe_text", 4, dict(cp=4), None, "states"),  # GDN + gated attention, MoE
     "nemotron_h-cp2": ("nemotron_h", 2, dict(cp=2), None, "states"),
@@ -105,9 +108,18 @@ def _build(name, path, dp, cp):
     return model, step, hp.plan_step(batch, dp, T[cp], CHUNK, cp_size=cp)
 
 
+def _alternate(self, split, n):
+    """:meth:`CpChooser.choose` with both modes by turns where a block can run both."""
+    return [can[0] if len(can) == 1 or split is None else can[i % 2] for i, can in enumerate(self.possible)]
+
+
 def _worker(rank, world, name, path, dims_kw, keep, cp_mode):
     from harts_runtime.engine import microbatch_call_plan
     from harts_runtime.microbatch import make_microbatch
+    from harts_runtime.parallel.context_states import CpChooser
+
+    if cp_mode == "alternate":  # this process only (spawned)
+        CpChooser.choose, cp_mode = _alternate, "auto"
 
     dims = ParallelDims(world_size=world, **dims_kw)
     mesh = dims.build_mesh()
@@ -152,7 +164,8 @@ def test_cp_states_step_matches_one_process(case, checkpoints):
         assert back >= 2 and replay > 0
     results = run_distributed(_worker, world, name, path, dims_kw, keep, cp_mode, timeout=300)
     chosen = {v for r in results for mb in r["chosen"] for v in mb.values()}
-    assert chosen == ({0, 1} if cp_mode == "auto" and dims.cp < 8 else {1}), chosen  # auto: both ran
+    both = cp_mode == "alternate" or (cp_mode == "auto" and dims.cp < 8)
+    assert chosen == ({0, 1} if both else {1}), chosen  # auto: both ran
     _check(results, train_single(*_build(name, path, dims.dp, dims.cp), keep), tol_logprob=TOL_LOGPROB_CP)
 
 
