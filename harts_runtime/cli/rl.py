@@ -40,7 +40,7 @@ from harts_runtime.cli.flags import (
     option_error,
 )
 from harts_runtime.cli.parser import Formatter, Parser
-from harts_runtime.cli.settings import load_config
+from harts_runtime.cli.settings import load_config, parse_command_line
 from harts_runtime.errors import InvalidInputError, UsageError
 from harts_runtime.job_config import ONLINE_LOSS, JobConfig, group_settings, resolve_total_steps, rl_defaults
 from harts_runtime.options import ExecutionOptions, OptimizerOptions
@@ -135,12 +135,7 @@ def _scalar_error(kind, value) -> str | None:
 def _settings(argv, given: dict) -> tuple[dict, dict, str | None]:
     """``(rl settings, engine options, resume dir)`` from the flags over the config file;
     ``given`` is filled with each setting's source (the config file's name, or None for a flag)."""
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    explicit = build_parser()
-    for a in explicit._actions:
-        a.default = argparse.SUPPRESS
-    flags = vars(explicit.parse_args(argv))
+    ap, args, flags = parse_command_line(build_parser, argv)
     settings = load_config(args.config, ap, command=PROG) if args.config else {}
     for k, v in settings.items():
         if k in _OPTION_KEYS:

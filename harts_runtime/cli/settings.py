@@ -18,7 +18,14 @@ from pathlib import Path
 from harts_runtime.cli.parser import build_parser
 from harts_runtime.errors import UsageError
 
-__all__ = ["NOT_CONFIG", "NOT_INHERITED", "RUN_OUTPUTS", "load_config", "resolve_settings"]
+__all__ = [
+    "NOT_CONFIG",
+    "NOT_INHERITED",
+    "RUN_OUTPUTS",
+    "load_config",
+    "parse_command_line",
+    "resolve_settings",
+]
 
 NOT_CONFIG = ("config", "help")
 """Flags a config file cannot set."""
@@ -169,6 +176,18 @@ def _own_run(folder, saved_save) -> bool:
     return os.path.realpath(Path(folder).parent) == os.path.realpath(saved_save)
 
 
+def parse_command_line(build, argv) -> tuple[argparse.ArgumentParser, argparse.Namespace, dict]:
+    """``(parser, settings, given)`` of a command's ``argv`` (``build()`` makes its parser): every
+    flag at its default or as given, and the flags the command line gave (both commands resolve a
+    config file under them)."""
+    parser = build()
+    args = parser.parse_args(argv)
+    explicit = build()
+    for a in explicit._actions:
+        a.default = argparse.SUPPRESS
+    return parser, args, vars(explicit.parse_args(argv))
+
+
 def resolve_settings(argv) -> tuple[argparse.Namespace, dict, dict | None]:
     """``(settings, given, saved)``: the flag defaults, overridden by a resumed checkpoint's saved
     settings, then by ``--config``, then by the command line. ``given`` maps each setting the config
@@ -181,12 +200,7 @@ def resolve_settings(argv) -> tuple[argparse.Namespace, dict, dict | None]:
     run's own ``--save`` folder (the run going on). A checkpoint anywhere else (copied or moved)
     saves beside itself (``--save`` = the folder holding it: ``copy/step-2`` goes on to
     ``copy/step-3``) and writes no metrics, TensorBoard or export unless given again."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    explicit = build_parser()
-    for a in explicit._actions:
-        a.default = argparse.SUPPRESS
-    given_cli = vars(explicit.parse_args(argv))
+    parser, args, given_cli = parse_command_line(build_parser, argv)
     config = load_config(args.config, parser) if args.config else {}
     resume = given_cli.get("resume", config.get("resume"))
     saved = None
