@@ -1,4 +1,5 @@
-"""The trainer behind ``harts-train`` (:func:`train`): a loop of
+"""The trainer behind ``harts-train`` (:func:`train`) and the job loop of both commands
+(:func:`harts_runtime.trainer.job.run_job`): a loop of
 :class:`~harts_runtime.engine.HartsEngine` steps over a rollout file's steps (or the synthetic
 step), with checkpoints, metrics sinks, a progress display and, under ``torchrun``, a device mesh.
 The engine is built by :meth:`HartsEngine.build <harts_runtime.engine.HartsEngine.build>`, the one
@@ -13,10 +14,12 @@ One job per module (none imports :mod:`harts_runtime.cli`):
 =====================================  =========================================================
 :mod:`harts_runtime.trainer.checks`    device, parallel dims, model config, options, loss, output
                                        paths: decided and checked before any model work
-:mod:`harts_runtime.trainer.data`      the rollout file's steps or the synthetic step
+:mod:`harts_runtime.trainer.data`      the offline data sources: the rollout file's steps or the
+                                       synthetic step
+:mod:`harts_runtime.trainer.job`       the one job loop over a data source (both commands)
+:mod:`harts_runtime.trainer.metrics`   the metrics file and TensorBoard (both commands)
 :mod:`harts_runtime.trainer.progress`  the progress bar / lines and the per-step text line
-:mod:`harts_runtime.trainer.loop`      the step loop: records, metrics file, TensorBoard, saves,
-                                       export
+:mod:`harts_runtime.trainer.loop`      ``harts-train``'s run of the job loop: records, saves, export
 :mod:`harts_runtime.trainer.run`       :func:`train`: all of it in order, under torch.distributed
 =====================================  =========================================================
 """
