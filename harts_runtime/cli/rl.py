@@ -42,7 +42,14 @@ from harts_runtime.cli.flags import (
 from harts_runtime.cli.parser import Formatter, Parser
 from harts_runtime.cli.settings import load_config, parse_command_line
 from harts_runtime.errors import InvalidInputError, UsageError
-from harts_runtime.job_config import ONLINE_LOSS, JobConfig, group_settings, resolve_total_steps, rl_defaults
+from harts_runtime.job_config import (
+    ONLINE_LOSS,
+    JobConfig,
+    group_settings,
+    resolve_total_steps,
+    rl_defaults,
+    setting,
+)
 from harts_runtime.options import ExecutionOptions, OptimizerOptions
 from harts_runtime.rl.config import RLConfig
 
@@ -138,10 +145,13 @@ def _settings(argv, given: dict) -> tuple[dict, dict, str | None]:
     ap, args, flags = parse_command_line(build_parser, argv)
     settings = load_config(args.config, ap, command=PROG) if args.config else {}
     for k, v in settings.items():
+        bad = None
         if k in _OPTION_KEYS:
             bad = _option_type_error(k, v)
-            if bad:
-                raise UsageError(f"{args.config}: {k}: {bad}", "--config")
+        elif k in _LOSS_KEYS and v is not None:
+            bad = _scalar_error(setting(k).kind, v)
+        if bad:
+            raise UsageError(f"{args.config}: {k}: {bad}", "--config")
     given.update({k: str(args.config) for k in settings})
     settings.update({k: v for k, v in flags.items() if k not in ("config",)})
     given.update({k: None for k in flags})
@@ -222,8 +232,6 @@ def _preflight(cfg: RLConfig, options: dict) -> str:
                 flag_name(name),
             )
     if "loss_config" in options:
-        from harts_runtime.job_config import setting
-
         for k, v in options["loss_config"].items():
             s = setting(k)
             if s.choices is not None and v not in s.choices:

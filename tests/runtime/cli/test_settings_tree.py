@@ -178,3 +178,29 @@ def test_help_text_is_generated_from_the_declarations():
     assert (r.capacity, r.lr) == (4096, job_config.LR_DEFAULTS["online flavor"])
     r = job_config.JobConfig(model={"model": "x"}).resolve("cuda:1", "file")
     assert (r.capacity, r.lr) == (job_config.CAPACITY_DEFAULTS["cuda"], job_config.LR_DEFAULTS["model"])
+
+
+def test_harts_rl_names_a_bad_loss_key_and_flag(tmp_path, capsys, monkeypatch):
+    """The loss group is harts-rl's too: a config key of the wrong type or choice names the file and
+    key, a flag names the flag; both before any work."""
+    from harts_runtime.cli.rl import main
+    from harts_runtime.rl import loop
+
+    def no_work(*a, **k):
+        raise AssertionError("RLRun was built: the bad value was not refused before any work")
+
+    monkeypatch.setattr(loop.RLRun, "__init__", no_work)
+    out = str(tmp_path / "o")
+    for body, words in (
+        ('kl_coef = "x"\n', "kl_coef: must be a number, got 'x'"),
+        ('kl_estimator = "k9"\n', "kl_estimator: unknown 'k9'"),
+    ):
+        cfg = tmp_path / "rl.toml"
+        cfg.write_text(body)
+        assert main(["--flavor", "qwen3.5-tiny", "--config", str(cfg), "--out", out]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"harts-rl: error: {cfg}: ") and words in err[0], err
+    assert main(["--flavor", "qwen3.5-tiny", "--kl-estimator", "k9", "--out", out]) == 2
+    assert "argument --kl-estimator: invalid choice: 'k9'" in capsys.readouterr().err
+    assert main(["--flavor", "qwen3.5-tiny", "--param-dtype", "bfloat16", "--out", out]) == 2
+    assert "harts-rl: error: --param-dtype: applies to the sharded model" in capsys.readouterr().err
