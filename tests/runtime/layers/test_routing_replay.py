@@ -305,3 +305,41 @@ def test_replay_on_a_mesh_equals_one_process(dims_kw):
     for lp, conflicts in run_distributed(_mesh_worker, 2, dims_kw, routes, timeout=240):
         torch.testing.assert_close(lp, ref.logprobs, atol=TOL["logprobs"][0], rtol=TOL["logprobs"][1])
         assert conflicts == ref.metrics["routing_replay/conflicts"] > 0
+
+
+def test_replayed_log_probs_equal_the_rollout_engines_where_routing_flips_without():
+    """The rollout engine selects with an expert bias (selection only, as aux-loss-free balancing
+    does) the trainer does not have: the same weights and gates, other experts. Replaying its routes,
+    the trainer's compact log-probs are the rollout engine's; without, they are not."""
+    bias_cfg = CFG.replace(moe={**vars(CFG.moe), "use_expert_bias": True})
+    batch, trajs = _tree()
+    torch.manual_seed(0)
+    rollout = HybridModel(bias_cfg)
+    state = {k: v.clone() for k, v in rollout.state_dict().items()}
+    g = torch.Generator().manual_seed(3)
+    for m in rollout.moe_layers():
+        m.expert_bias.copy_(0.2 * torch.randn(E, generator=g))
+    seen = []
+    hooks = [
+        m.register_forward_hook(lambda mod, a, out: seen.append(out.topk_idx)) for m in rollout.moe_layers()
+    ]
+    s = int(batch.semantic_tokens)
+    unknown = _rollouts(trajs, np.full((s, M, K), -1))
+    mu = HartsEngine(rollout, EngineConfig(capacity=BIG, mode="trajectory", loss_config=LOSS)).logprobs(
+        unknown
+    )
+    for h in hooks:
+        h.remove()
+    routes = torch.stack(seen, 1)
+    ro = _rollouts(trajs, routes)
+    out = {}
+    for replay in (False, True):
+        trainer = HybridModel(bias_cfg)
+        trainer.load_state_dict(state)  # zero expert bias
+        cfg = EngineConfig(capacity=40, routing_replay=replay, compact_always=True, loss_config=LOSS)
+        out[replay] = HartsEngine(trainer, cfg).forward_backward(ro)
+    own = _own_topk(trajs)
+    assert (own.sort(-1).values != routes.sort(-1).values).any(-1).double().mean() > 0.05  # routes flip
+    assert float((out[False].logprobs - mu).abs().max()) > 1e-3
+    torch.testing.assert_close(out[True].logprobs, mu, atol=TOL["logprobs"][0], rtol=TOL["logprobs"][1])
+    assert out[True].metrics["routing_replay/conflicts"] == 0
