@@ -13,10 +13,11 @@ branch's action ends at its own length. The frontier keeps its branches in *grou
 sequence length, each on its own cache (a transformers cache holds rows of one length): the
 prompts open one group per distinct length; a group splits when its branches' observations differ
 in length or some of its branches stop while others sample on (the split-off rows' cache is a copy
-of theirs); a fork repeats rows within each group. Each sampled token is drawn for every sampling
+of theirs); a fork repeats rows within each group; before each turn's sampling, groups whose
+branches have come to one length again join (their caches' rows concatenated). Each sampled token is drawn for every sampling
 branch at once (one ``torch.multinomial`` over the groups' rows) and fed to each group in one
 forward, so a frontier whose branches all have one length (the built-in tasks) runs exactly as one
-batch, and a ragged one costs one forward per group per token.
+batch, and a ragged one costs one forward per group (of one length) per token.
 """
 
 from __future__ import annotations
@@ -157,6 +158,56 @@ class _Group:
         self.branches, self.cache, self.next = branches, cache, next_logits
 
 
+_ROW_TENSORS = {
+    "DynamicLayer": ("keys", "values"),
+    "LinearAttentionLayer": ("conv_states", "recurrent_states"),
+    "LinearAttentionAndFullAttentionLayer": ("keys", "values", "conv_states", "recurrent_states"),
+    "DummyLayer": (),
+}
+"""The transformers cache layers whose per-row tensors (batch first; a dict of them per state
+index for the linear-attention states) two groups of one length can concatenate."""
+
+
+def _concat_rows(a: _Group, b: _Group) -> bool:
+    """Append ``b``'s rows to ``a`` (caches of one sequence length); False (nothing changed) when
+    a cache layer is of another kind or its tensors do not line up."""
+    la_all, lb_all = a.cache.layers, b.cache.layers
+    if len(la_all) != len(lb_all):
+        return False
+    plan = []
+    for la, lb in zip(la_all, lb_all):
+        names = _ROW_TENSORS.get(type(la).__name__)
+        if names is None or type(lb) is not type(la):
+            return False
+        for name in names:
+            x, y = getattr(la, name, None), getattr(lb, name, None)
+            if torch.is_tensor(x) and torch.is_tensor(y):
+                if x.shape[0] != len(a.branches) or x.shape[1:] != y.shape[1:]:
+                    return False
+                plan.append((la, name, None, x, y))
+            elif isinstance(x, dict) and isinstance(y, dict) and x.keys() == y.keys():
+                for k in x:
+                    u, v = x[k], y[k]
+                    if not (torch.is_tensor(u) and torch.is_tensor(v)):
+                        if u is None and v is None:
+                            continue
+                        return False
+                    if u.shape[0] != len(a.branches) or u.shape[1:] != v.shape[1:]:
+                        return False
+                    plan.append((la, name, k, u, v))
+            elif not (x is None and y is None):
+                return False
+    for layer, name, key, x, y in plan:
+        joined = torch.cat([x, y])
+        if key is None:
+            setattr(layer, name, joined)
+        else:
+            getattr(layer, name)[key] = joined
+    a.next = torch.cat([a.next, b.next])
+    a.branches = a.branches + b.branches
+    return True
+
+
 class _Frontier(Frontier):
     """Ragged branches on groups of one length each (module docstring)."""
 
@@ -202,9 +253,26 @@ class _Frontier(Frontier):
         group.branches = [group.branches[r] for r in keep]
         return new
 
+    def _merge(self) -> None:
+        """Join the groups whose branches have one length into one group (their caches'
+        rows concatenated), when every cache layer is of a kind whose per-row tensors are known
+        (:data:`_ROW_TENSORS`); otherwise the groups stay apart (same results, more forwards)."""
+        by_len: dict[int, list[_Group]] = {}
+        for g in self._groups:
+            by_len.setdefault(len(self.tokens[g.branches[0]]), []).append(g)
+        if all(len(gs) == 1 for gs in by_len.values()):
+            return
+        groups = []
+        for gs in by_len.values():
+            while len(gs) > 1 and _concat_rows(gs[0], gs[1]):
+                gs.pop(1)
+            groups.extend(gs)
+        self._groups = groups
+
     def sample(
         self, n: int, generator: torch.Generator, temperature: float = 1.0, stop: Sequence[int] = ()
     ) -> torch.Tensor:
+        self._merge()
         stop_set = {int(t) for t in stop}
         out = torch.zeros(len(self.tokens), n, dtype=torch.float64)
         live = list(self._groups)

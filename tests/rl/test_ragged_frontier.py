@@ -1,7 +1,7 @@
 """The transformers frontier on ragged branches: prompts of different lengths, actions that stop at
 a stop token, observations of different lengths, each branch on a cache of its own group. Oracle:
 each sampled token's log-prob equals the model's teacher-forced log-prob of the whole sequence
-(``TransformersRollout.logprobs``). A frontier whose branches keep one length runs as one batch:
+(``TransformersRollout.logprobs``), through groups that split and join again. A frontier whose branches keep one length runs as one batch:
 its leaves equal, bit for bit, those of the lockstep frontier it replaced (kept here as the
 reference)."""
 
@@ -30,16 +30,20 @@ def qwen():
     return _rollout("qwen3.5-tiny")
 
 
-def _ragged_leaves_match_teacher_forcing(rollout, seed):
+def _ragged_leaves_match_teacher_forcing(rollout, seed, monkeypatch):
+    from harts_runtime.rl import transformers_backend
+
     # 64 stop ids of 512: most actions stop before their cap, at different tokens
     task = RaggedSetTask(set_start=64, stop_start=192, stop_count=64, cap=6, turns=3)
-    opened = []
-    real_open = rollout.open
-    rollout.open = lambda prompts: opened.append(real_open(prompts)) or opened[-1]
-    try:
-        leaves = TreeSampler(task, {0: 3, 1: 2}, 3, 1.0, seed).sample(rollout)
-    finally:
-        del rollout.open
+    opened, merged = [], []
+    real_open, real_concat = rollout.open, transformers_backend._concat_rows
+    monkeypatch.setattr(rollout, "open", lambda prompts: opened.append(real_open(prompts)) or opened[-1])
+    monkeypatch.setattr(
+        transformers_backend, "_concat_rows", lambda a, b: merged.append(real_concat(a, b)) or merged[-1]
+    )
+    leaves = TreeSampler(task, {0: 3, 1: 2}, 3, 1.0, seed).sample(rollout)
+    monkeypatch.undo()
+    assert merged and all(merged)  # groups that came to one length again joined
     lengths = {len(lf.tokens) for lf in leaves}
     assert len(lengths) > 3 and any(b - a < 6 for lf in leaves for _, a, b in lf.segments)
     assert len({lf.segments[0][1] for lf in leaves}) > 1  # ragged prompts
@@ -52,14 +56,14 @@ def _ragged_leaves_match_teacher_forcing(rollout, seed):
 
 
 @pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
-def test_ragged_branches_sample_the_models_logprobs(qwen, seed):
-    _ragged_leaves_match_teacher_forcing(qwen, seed)
+def test_ragged_branches_sample_the_models_logprobs(qwen, seed, monkeypatch):
+    _ragged_leaves_match_teacher_forcing(qwen, seed, monkeypatch)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flavor", ["kimi-linear-tiny", "nemotron-h-tiny", "ling3-tiny"])
-def test_ragged_branches_sample_the_models_logprobs_on_each_family(flavor):
-    _ragged_leaves_match_teacher_forcing(_rollout(flavor), 0)
+def test_ragged_branches_sample_the_models_logprobs_on_each_family(flavor, monkeypatch):
+    _ragged_leaves_match_teacher_forcing(_rollout(flavor), 0, monkeypatch)
 
 
 class _Lockstep:
