@@ -34,13 +34,12 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
-import typing
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
 from harts_runtime.errors import InvalidInputError
-from harts_runtime.options import DEFAULT_CAPACITY, ExecutionOptions, OptimizerOptions, option_fields
+from harts_runtime.options import DEFAULT_CAPACITY, ExecutionOptions, OptimizerOptions
 
 __all__ = [
     "CAPACITY_DEFAULTS",
@@ -171,33 +170,26 @@ class Setting:
     nullable: bool = False
     key: str = ""
 
+    def __post_init__(self):
+        if not self.key:
+            object.__setattr__(self, "key", self.name)
+
     @property
     def flag(self) -> str:
-        return "--" + (self.key or self.name).replace("_", "-")
+        return "--" + self.key.replace("_", "-")
 
 
-def _kind(annotation) -> tuple[type, bool]:
-    """``(kind, nullable)`` of a type annotation (an object or its text)."""
-    if isinstance(annotation, str):
-        text = annotation.replace(" ", "")
-        nullable = "|None" in text or "None|" in text
-        text = text.replace("|None", "").replace("None|", "")
-        for name, k in (("bool", bool), ("int", int), ("float", float), ("str", str)):
-            if text == name:
-                return k, nullable
-        if text.startswith("tuple"):
-            return tuple, nullable
-        if text.startswith("dict"):
-            return dict, nullable
-        raise TypeError(f"no setting kind for the annotation {annotation!r}")
-    nullable = False
-    if typing.get_origin(annotation) in (typing.Union, __import__("types").UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        nullable = len(args) < len(typing.get_args(annotation))
-        (annotation,) = args
-    origin = typing.get_origin(annotation) or annotation
-    if origin in (bool, int, float, str, tuple, dict):
-        return origin, nullable
+def _kind(annotation: str) -> tuple[type, bool]:
+    """``(kind, nullable)`` of a type annotation's text (``"float | None"``: float, nullable)."""
+    text = str(annotation).replace(" ", "")
+    nullable = "|None" in text or "None|" in text
+    text = text.replace("|None", "").replace("None|", "")
+    kinds = {"bool": bool, "int": int, "float": float, "str": str}
+    if text in kinds:
+        return kinds[text], nullable
+    for prefix, k in (("tuple", tuple), ("dict", dict)):
+        if text.startswith(prefix):
+            return k, nullable
     raise TypeError(f"no setting kind for the annotation {annotation!r}")
 
 
@@ -323,24 +315,26 @@ _RL_META = {
 
 
 def _option_settings(group: str, cls) -> list[Setting]:
-    hints = typing.get_type_hints(cls)
+    """The settings of a dataclass whose fields carry ``metadata`` (``help``, ``choices``,
+    ``metavar``, ``lo``): the options classes, :class:`ModelOptions`."""
     out = []
-    for f in option_fields(cls):
-        kind, nullable = _kind(hints[f.name])
+    for f in dataclasses.fields(cls):  # annotations are text here (``from __future__ import annotations``)
+        kind, nullable = _kind(f.type)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         meta = dict(f.metadata)
+        text = meta.get("help", "").replace("{flavors}", ", ".join(declared_flavors()))
+        choices = tuple(meta["choices"]) if "choices" in meta else None
         out.append(
             Setting(
                 group,
                 f.name,
                 kind,
                 default,
-                meta.get("help", ""),
-                tuple(meta["choices"]) if "choices" in meta else None,
+                text,
+                choices,
                 meta.get("metavar"),
                 meta.get("lo"),
                 nullable=nullable,
-                key=f.name,
             )
         )
     return out
@@ -350,7 +344,7 @@ def _loss_settings() -> list[Setting]:
     consts = _constants(sorted((_ROOT / "loss").glob("*.py")))
     docs = _field_docs(_ROOT / "loss" / "objectives.py", "PolicyLossConfig", consts)
     per = _objective_defaults()
-    out = [Setting("loss", "objective", str, "grpo", "the built-in policy loss", tuple(per), key="objective")]
+    out = [Setting("loss", "objective", str, "grpo", "the built-in policy loss", tuple(per))]
     for name, (ann, default, doc, meta) in docs.items():
         kind, _ = _kind(ann)
         extra = dict(_LOSS_META.get(name, {}))
@@ -367,7 +361,7 @@ def _loss_settings() -> list[Setting]:
         if m and extra.get("choices"):
             doc = "one of " + ", ".join(extra["choices"])
         text = (meta.get("help") or _plain(doc)).rstrip(".") + f" (default: {said})"
-        out.append(Setting("loss", name, kind, None, text, nullable=True, key=name, **extra))
+        out.append(Setting("loss", name, kind, None, text, nullable=True, **extra))
     return out
 
 
@@ -377,42 +371,9 @@ def _parallel_settings() -> list[Setting]:
     for name in _PARALLEL:
         ann, default, doc, _ = docs[name]
         kind, _ = _kind(ann)
-        out.append(
-            Setting(
-                "parallel",
-                name,
-                kind,
-                default,
-                _plain(doc),
-                metavar=_PARALLEL_METAVAR.get(name),
-                lo=1 if kind is int else None,
-                key=_PARALLEL_KEYS.get(name, name),
-            )
-        )
-    return out
-
-
-def _model_settings() -> list[Setting]:
-    hints = typing.get_type_hints(ModelOptions)
-    out = []
-    for f in dataclasses.fields(ModelOptions):
-        kind, nullable = _kind(hints[f.name])
-        meta = dict(f.metadata)
-        text = meta.pop("help").replace("{flavors}", ", ".join(declared_flavors()))
-        out.append(
-            Setting(
-                "model",
-                f.name,
-                kind,
-                f.default,
-                text,
-                tuple(meta["choices"]) if "choices" in meta else None,
-                meta.get("metavar"),
-                meta.get("lo"),
-                nullable=nullable,
-                key=f.name,
-            )
-        )
+        lo = 1 if kind is int else None
+        meta = dict(metavar=_PARALLEL_METAVAR.get(name), lo=lo, key=_PARALLEL_KEYS.get(name, name))
+        out.append(Setting("parallel", name, kind, default, _plain(doc), **meta))
     return out
 
 
@@ -434,7 +395,7 @@ def _rl_settings() -> list[Setting]:
         if name == "task":
             text = f"built-in task: {' or '.join(tasks)}"
         meta = _RL_META.get(name, {})
-        out.append(Setting("rl", name, kind, default, text, nullable=nullable, key=name, **meta))
+        out.append(Setting("rl", name, kind, default, text, nullable=nullable, **meta))
     return out
 
 
@@ -442,7 +403,7 @@ def _rl_settings() -> list[Setting]:
 def group_settings(group: str) -> tuple[Setting, ...]:
     """The settings of one group of the tree, in declaration order."""
     if group == "model":
-        return tuple(_model_settings())
+        return tuple(_option_settings("model", ModelOptions))
     if group == "parallel":
         return tuple(_parallel_settings())
     if group == "execution":
@@ -505,9 +466,8 @@ class JobConfig:
         """The tree of a flat table of settings (a namespace's ``vars``, a config file), by key."""
         job = cls()
         for s in settings(groups):
-            k = s.key or s.name
-            if k in values:
-                getattr(job, s.group)[s.name] = values[k]
+            if s.key in values:
+                getattr(job, s.group)[s.name] = values[s.key]
         return job
 
     def resolve(self, device: str, source: str, *, chunk_size=None) -> Resolved:
