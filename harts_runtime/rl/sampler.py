@@ -114,7 +114,11 @@ class TreeSampler:
         if isinstance(raw, (str, bytes)) or not hasattr(raw, "__iter__"):
             raise InvalidInputError("stop_tokens", f"a list of token ids, got {type(raw).__name__}")
         out = tuple(raw)
-        check_observation([out], vocab_size, "stop_tokens")
+        for j, t in enumerate(out):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab_size:
+                raise InvalidInputError(
+                    f"stop_tokens[{j}]", f"token ids are integers in [0, {vocab_size}), got {t!r}"
+                )
         return tuple(dict.fromkeys(int(t) for t in out))
 
     def sample(self, rollout) -> list[Leaf]:

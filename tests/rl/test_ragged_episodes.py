@@ -217,7 +217,7 @@ def test_a_frontier_that_runs_past_a_stop_token_is_caught():
 
 @pytest.mark.parametrize(
     "stops, field",
-    [((V,), "stop_tokens[0][0]"), ("ab", "stop_tokens"), ((1.5,), "stop_tokens[0][0]")],
+    [((3, V), "stop_tokens[1]"), ("ab", "stop_tokens"), ((1.5,), "stop_tokens[0]"), (5, "stop_tokens")],
 )
 def test_bad_stop_tokens_are_refused_naming_them(stops, field):
     task = _RandomTask(random.Random(0))
