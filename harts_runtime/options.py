@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from harts_planner.step_plan import DEFAULT_CAPACITY
 from harts_runtime.errors import InvalidInputError
@@ -47,11 +48,13 @@ SCHEDULES = ("constant", "linear", "cosine", "external")
 """LR schedules after warm-up; ``external``: the caller sets the learning rate (verl's scheduler)."""
 
 
-def _opt(default, help: str, **cli):
+def _opt(default: Any, help: str, **cli: Any) -> Any:
     """A field with its help text (and, in ``cli``, what its generated flag needs: ``choices``,
     ``metavar``)."""
-    kw = {"default_factory": default} if callable(default) else {"default": default}
-    return field(**kw, metadata={"help": help, **cli})
+    metadata = {"help": help, **cli}
+    if callable(default):
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def _integer(v, name: str, lo: int, hi: int | None = None) -> int:
@@ -233,6 +236,7 @@ class OptimizerOptions:
             return (step + 1) / (self.warmup_steps + 1)
         if self.lr_schedule == "constant":
             return 1.0
+        assert self.total_steps is not None  # __post_init__: linear and cosine need it
         span = max(1, self.total_steps - self.warmup_steps)
         frac = min(1.0, (step - self.warmup_steps) / span)
         decay = 1.0 - frac if self.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))

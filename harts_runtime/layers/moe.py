@@ -66,6 +66,7 @@ multiplicity-weighted counts ``f_e``), the count accumulation into ``local_token
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -291,6 +292,24 @@ def router_losses(
     return aux, z, tokens_per_expert.float()
 
 
+class RowShard(Protocol):
+    """What sequence / context parallelism sets as :attr:`CompactMoE.row_shard`: this rank's block of
+    the replica's per-row multiplicities, and the reduction of the router's partial sums."""
+
+    def select(self, multiplicity: torch.Tensor, n: int) -> torch.Tensor: ...
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor: ...
+
+
+class ExpertDispatchFn(Protocol):
+    """What expert parallelism sets as :attr:`CompactMoE.expert_dispatch`: rows to the ranks holding
+    their experts and back."""
+
+    def __call__(
+        self, moe: CompactMoE, x: torch.Tensor, topk_idx: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
 # ---------------------------------------------------------------------------------- module
 class CompactMoE(nn.Module):
     """Routed SwiGLU experts on compact rows.
@@ -309,11 +328,11 @@ class CompactMoE(nn.Module):
     module needs no parallel import.
     """
 
-    row_shard = None
+    row_shard: RowShard | None = None
     replay_layer: int | None = None
     """Routing replay: this layer's index among the model's MoE layers (:func:`enable_routing_replay`),
     or None (the router's own top-k)."""
-    expert_dispatch = None
+    expert_dispatch: ExpertDispatchFn | None = None
     """None: the experts run here. Expert parallelism (``harts_runtime.parallel``) sets a callable
     ``(moe, hidden [N, D], topk_idx [N, k], weight [N, k]) -> [N, D]`` that sends the rows to the
     ranks holding their experts and back (a plain attribute, like ``row_shard``)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -31,6 +31,9 @@ from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.contract import CallLayoutArrays, check_call_layout
 from harts_runtime.layout.kda_plan import KDAExecutionPlan
 from harts_runtime.layout.views import AttentionViews, Branches, TreeOrder, build_views, expand_ranges
+
+if TYPE_CHECKING:
+    from harts_planner import RolloutBatch
 
 __all__ = [
     "MODES",
@@ -64,7 +67,7 @@ class StepRows(Protocol):
     :class:`TreeOrder` and the token of every batch compact row (int64 [C_batch])."""
 
     @property
-    def batch(self): ...
+    def batch(self) -> RolloutBatch: ...
 
     @property
     def tree(self) -> TreeOrder: ...

@@ -34,6 +34,7 @@ import contextlib
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,7 @@ def _single_process_quiet():
         yield
 
 
-def _state(model, optimizer):
+def _state(model, optimizer) -> dict[str, Any]:
     """``{"model": ..., ["optim": ...]}`` from DCP's ``get_state_dict`` (the optimizer state
     initialised when it is still empty)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
@@ -133,7 +134,8 @@ def save_checkpoint(
     state = _state(model, optimizer)
     with staged_folder(path) as staging:
         with _single_process_quiet():
-            dcp.save(state, checkpoint_id=str(staging), no_dist=not distributed)
+            # torch documents dcp.save / dcp.load; its __init__ re-exports them without __all__.
+            dcp.save(state, checkpoint_id=str(staging), no_dist=not distributed)  # pyright: ignore[reportPrivateImportUsage]
         own = dict(rank_files)
         if lead:
             own[EXTRA_NAME] = record + "\n"
@@ -244,7 +246,8 @@ def load_checkpoint(path, model, optimizer=None) -> dict:
     try:
         with _single_process_quiet():
             reader = SafeFileSystemReader(str(path))
-            dcp.load(
+            # torch documents dcp.save / dcp.load; its __init__ re-exports them without __all__.
+            dcp.load(  # pyright: ignore[reportPrivateImportUsage]
                 state, storage_reader=reader, planner=SafeLoadPlanner(reader), no_dist=not _distributed()
             )
     except KeyboardInterrupt:
@@ -252,7 +255,8 @@ def load_checkpoint(path, model, optimizer=None) -> dict:
     except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
         err = as_input_error(e, path, f"loading the checkpoint {path}")
         if err is None:
-            root = getattr(e, "failures", None) and next(iter(e.failures.values()))
+            failures = getattr(e, "failures", None)
+            root = failures and next(iter(failures.values()))
             root = root[0] if isinstance(root, tuple) else (root or e)
             err = InvalidInputError(
                 "path", f"cannot load the checkpoint {path}: {type(root).__name__}: {_one_line(root)}"

@@ -109,7 +109,7 @@ def _agree(local: InvalidInputError | None) -> InvalidInputError | None:
 
 
 # ------------------------------------------------------------------------------ errors
-def _one_line(text: str, limit: int = 300) -> str:
+def _one_line(text: object, limit: int = 300) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -292,6 +292,7 @@ def not_a_checkpoint(folder) -> str | None:
             files = read_manifest(folder)
         except InvalidInputError:
             return f"{holds}, and its {MANIFEST_NAME} is not a HARTS manifest"
+        assert files is not None  # the manifest is among the names listed above
         unlisted = [n for n in names if n != MANIFEST_NAME and n not in files]
         if unlisted:
             return f"{holds}; its {MANIFEST_NAME} does not list {_listing(folder, unlisted)}"
@@ -510,7 +511,8 @@ def verify_files(folder, names) -> None:
         try:
             got = _digest(folder / n)["sha256"]
         except OSError as e:
-            raise as_input_error(e, folder, f"verifying the checkpoint {folder}") from None
+            err = as_input_error(e, folder, f"verifying the checkpoint {folder}")
+            raise (err if err is not None else e) from None
         if got != files[n]["sha256"]:
             raise InvalidInputError(n, f"{folder / n} is damaged: its SHA-256 differs from the saved one")
 

@@ -56,6 +56,7 @@ its CP block. EP exchanges rows between the EP ranks of one CP coordinate.
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import numpy as np
 import torch
@@ -65,9 +66,10 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 
 from harts_runtime.errors import ParallelConfigError
 from harts_runtime.layers.mla import CompactMLA
+from harts_runtime.layers.moe import CompactMoE
 from harts_runtime.ops.attention import compact_attention
 from harts_runtime.parallel.cp_heads import GROUP, cp_plan
-from harts_runtime.parallel.plans import COL, REP, ROW
+from harts_runtime.parallel.plans import COL, REP, ROW, model_blocks
 from harts_runtime.parallel.tensor import _params, gather_rows, local_parameters, row_block, sum_partials
 
 __all__ = [
@@ -231,7 +233,8 @@ class ContextParallelMixer:
     def apply(self, module: nn.Module) -> nn.Module:
         orig = module.forward
         module.forward = self.forward_of(module)
-        module._harts_cp = {"slices": self.slices, "cp": self.mesh.size()}
+        # torch's stub types Module.__setattr__'s value as Tensor | Module; any attribute is allowed.
+        module._harts_cp = {"slices": self.slices, "cp": self.mesh.size()}  # pyright: ignore[reportArgumentType]
         del orig
         return module
 
@@ -244,6 +247,7 @@ class ContextParallelMixer:
         orig = module.forward
 
         def forward(x, layout=None):
+            assert layout is not None  # a CP mixer runs on the microbatch's layout
             rows = row_map.get(layout.num_rows)
             full = gather_cp(x, mesh, rows)
             params = _params(module, names)
@@ -252,25 +256,29 @@ class ContextParallelMixer:
                 y = orig(full, layout)
             return scatter_cp(y, mesh, rows)
 
+        if not isinstance(module, CompactMLA):
+            return functools.update_wrapper(forward, orig)
+        mla = module
+
         def forward_mla(x, layout=None):
             # the latent, not K/V: each rank projects its rows' latent and queries, gathers the
             # latent [N, r_kv + rope] and exchanges queries rows -> heads, runs the core on its
             # heads over all rows, and brings the outputs back heads -> rows for o_proj
+            assert layout is not None  # a CP mixer runs on the microbatch's layout
             n = layout.num_rows
             rows = row_map.get(n)
             positions = layout.need("positions")
-            kv_a = gather_cp(module.latent(x), mesh, rows)
+            kv_a = gather_cp(mla.latent(x), mesh, rows)
             q = rows_to_heads(
-                module.queries(x, positions.index_select(0, rows.tensor("mine", x.device))), mesh, n, rows
+                mla.queries(x, positions.index_select(0, rows.tensor("mine", x.device))), mesh, n, rows
             )
-            (w,) = _params(module, ["kv_b_proj.weight"])
-            with local_parameters(module, ["kv_b_proj.weight"], [_slice(w, COL, rank, size, 0)]):
-                k, v = module.keys_values(kv_a, positions)
-            o = compact_attention(q, k, v, layout.need("views"), backend=module.backend, scale=module.scale)
-            return module.out_project(heads_to_rows(o, mesh, rows), x)
+            (w,) = _params(mla, ["kv_b_proj.weight"])
+            with local_parameters(mla, ["kv_b_proj.weight"], [_slice(w, COL, rank, size, 0)]):
+                k, v = mla.keys_values(kv_a, positions)
+            o = compact_attention(q, k, v, layout.need("views"), backend=mla.backend, scale=mla.scale)
+            return mla.out_project(heads_to_rows(o, mesh, rows), x)
 
-        chosen = forward_mla if isinstance(module, CompactMLA) else forward
-        return functools.update_wrapper(chosen, orig)
+        return functools.update_wrapper(forward_mla, orig)
 
 
 # ---------------------------------------------------------------------------------- rows
@@ -321,7 +329,7 @@ def _select_ids(row_map: RowMap):
 
 def apply_cp_rows(
     model: nn.Module, mesh, cp_mode: str = "heads", *, recompute: bool = False, capacity: int | None = None
-) -> list[str]:
+) -> list[tuple[str, ...]]:
     """The first half of CP, applied before TP: every mixer gets its CP forward and the embedding
     reads its rank's rows' ids. ``cp_mode`` ``"heads"``: every mixer a :class:`ContextParallelMixer`
     (heads sliced per :func:`cp_plan`) on ``row_block`` rows; ``"states"`` or ``"auto"``: each
@@ -337,15 +345,16 @@ def apply_cp_rows(
     dims, cp_mesh = mesh.dims, mesh.cp
     chooser = CpChooser.of(model, cp_mode, dims.cp, dims.tp, recompute)
     row_map = RowMap(cp_mesh)
-    model._harts_cp_rows = row_map
-    model._harts_cp_modes = chooser.possible
+    # torch's stub types Module.__setattr__'s value as Tensor | Module; any attribute is allowed.
+    model._harts_cp_rows = row_map  # pyright: ignore[reportArgumentType]
+    model._harts_cp_modes = chooser.possible  # pyright: ignore[reportArgumentType] (as above)
     model.register_forward_pre_hook(lambda mod, args: row_map.set(args[0] if args else None))
     if cp_mode != "heads":
-        model._harts_cp_layout = functools.partial(
+        model._harts_cp_layout = functools.partial(  # pyright: ignore[reportArgumentType] (as above)
             attach_cp_rows, cp_mesh=cp_mesh, chooser=chooser, capacity=capacity
         )
-    model.embed.register_forward_pre_hook(_select_ids(row_map))
-    for i, (block, possible) in enumerate(zip(model.blocks, chooser.possible)):
+    model.get_submodule("embed").register_forward_pre_hook(_select_ids(row_map))
+    for i, (block, possible) in enumerate(zip(model_blocks(model), chooser.possible)):
         if block.mixer is None:
             continue
         module, forwards = block.mixer, {}
@@ -356,10 +365,11 @@ def apply_cp_rows(
             forwards["states"] = states_forward(module, cp_mesh)
         if cp_mode == "heads":
             module.forward = forwards["heads"]
-            module._harts_cp = {"slices": slices, "cp": dims.cp}
+            module._harts_cp = {"slices": slices, "cp": dims.cp}  # pyright: ignore[reportArgumentType] (as above)
             continue
 
         def forward(x, layout=None, i=i, forwards=forwards):
+            assert layout is not None  # a CP mixer runs on the microbatch's layout
             modes = row_map.get(layout.num_rows).modes
             if modes is None:
                 raise ParallelConfigError(
@@ -368,7 +378,7 @@ def apply_cp_rows(
             return forwards[modes[i]](x, layout)
 
         module.forward = functools.update_wrapper(forward, forwards[possible[0]])
-        module._harts_cp = {"modes": possible, "cp": dims.cp}
+        module._harts_cp = {"modes": possible, "cp": dims.cp}  # pyright: ignore[reportArgumentType] (as above)
     return chooser.possible
 
 
@@ -382,7 +392,7 @@ def apply_cp_head(model: nn.Module, mesh, backend: str = "auto") -> None:
 
     cp_mesh = mesh.cp
     row_map = getattr(model, "_harts_cp_rows", None) or RowMap(cp_mesh)
-    head = model.lm_head
+    head = model.get_submodule("lm_head")
     inner = getattr(head, "mapped_logprobs", None)
 
     def mapped_logprobs(hidden, row_index, labels, chunks, rows, num_rows=None):
@@ -398,7 +408,7 @@ def apply_cp_head(model: nn.Module, mesh, backend: str = "auto") -> None:
         if inner is not None:
             lp = inner(hidden, r_local, l_local, None, rows, end - start)
         else:
-            w = head.weight
+            w = cast(torch.Tensor, head.weight)  # the Linear's weight (torch types Module attributes loosely)
             local_chunks = lm_chunks(r_local.cpu().numpy(), end - start, rows)
             lp = lm_head_logprobs(
                 hidden, w, r_local, l_local, local_chunks, rows, fla_kernels=use_fla(hidden, backend)
@@ -406,7 +416,8 @@ def apply_cp_head(model: nn.Module, mesh, backend: str = "auto") -> None:
         out = lp.new_zeros(row_index.shape[0]).index_copy(0, mine, lp)
         return sum_partials(out, cp_mesh).clone()  # not a view: FSDP2 hooks the root's outputs
 
-    head.mapped_logprobs = mapped_logprobs
-    for block in model.blocks:
-        if hasattr(block.ffn, "row_shard"):
+    # torch's stub types Module.__setattr__'s value as Tensor | Module; any attribute is allowed.
+    head.mapped_logprobs = mapped_logprobs  # pyright: ignore[reportArgumentType]
+    for block in model_blocks(model):
+        if isinstance(block.ffn, CompactMoE):  # the FFN with a row_shard
             block.ffn.row_shard = ContextParallelRows(cp_mesh, block.ffn.row_shard, row_map)

@@ -57,7 +57,9 @@ local tensors hold its rows in row order; :class:`CpRows` keeps both maps.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -69,6 +71,7 @@ from harts_runtime.layout.conv import ConvWindows
 from harts_runtime.layout.kda_plan import KDARound, KDASchedule
 from harts_runtime.ops.rounds import run_rounds
 from harts_runtime.options import CP_MODES
+from harts_runtime.parallel.plans import Block
 from harts_runtime.parallel.tensor import gather_rows, row_block
 
 __all__ = [
@@ -114,7 +117,7 @@ class CpRows:
     local: LocalPlan | None = None
     identity: bool = True
     split: object = None
-    _dev: dict = None
+    _dev: dict | None = None
     attention: object = None
     modes: list | None = None
 
@@ -305,7 +308,7 @@ def local_plan(split, rank: int, pos: np.ndarray, conv: np.ndarray, chunk_size: 
     needed[n_own:] = [int(x) in replay_rows for x in halo]
     if (missing.any(axis=1) & needed).any():
         raise bad("a convolution window reaches a row neither held nor received")
-    partial = missing.any(axis=1)  # conv-context-only rows: their outputs are never read
+    partial = np.asarray(missing.any(axis=1))  # conv-context-only rows: their outputs are never read
     ewin[partial] = -1
     ewin[partial, w - 1] = np.arange(len(E))[partial]
     epred = ewin[:, w - 2]
@@ -532,6 +535,13 @@ def run_local(sched: KDASchedule, q, k, v, g, beta, slots: list, *, chunk_size: 
     return out.o, out.slots
 
 
+def _sent(slots: list[torch.Tensor | None], sends) -> list[torch.Tensor]:
+    """The states of the slots a rank sends (every one written by its run)."""
+    out = [slots[s] for s in sends]
+    assert all(t is not None for t in out), "a sent slot was never written"
+    return cast(list[torch.Tensor], out)
+
+
 def summaries(plan: LocalPlan, q, k, v, g, beta, *, chunk_size: int, backend: str = "auto"):
     """``[len(plan.sends), H, W]``: the summary of every state this rank hands on, ``S_k = A_k S_entry +
     b_k`` relative to the entry state its path started from here, flat per head: ``[A_k | b_k]``
@@ -546,7 +556,7 @@ def summaries(plan: LocalPlan, q, k, v, g, beta, *, chunk_size: int, backend: st
         return None, None
     if plan.num_entries == 0:
         o, slots = run_local(plan.sched, q, k, v, g, beta, [], chunk_size=chunk_size, backend=backend)
-        b = torch.stack([slots[s] for s in plan.sends])
+        b = torch.stack(_sent(slots, plan.sends))
         A = b.new_zeros(len(plan.sends), H, 1 if beta is None else K * K)
         return torch.cat([A, b.flatten(2)], -1), o
     v_wide = torch.cat([v, v.new_zeros(v.shape[0], H, K)], -1)
@@ -556,7 +566,7 @@ def summaries(plan: LocalPlan, q, k, v, g, beta, *, chunk_size: int, backend: st
     _, slots = run_local(
         sched, q, k, v_wide, g, beta, [eye] * plan.num_entries, chunk_size=chunk_size, backend=backend
     )
-    st = torch.stack([slots[s] for s in plan.sends])  # [n, H, K, V + K] = [b | A]
+    st = torch.stack(_sent(slots, plan.sends))  # [n, H, K, V + K] = [b | A]
     A = st[..., 0, Vd : Vd + 1] if beta is None else st[..., Vd:].flatten(2)  # SSD: A = a I
     return torch.cat([A, st[..., :Vd].flatten(2)], -1), None
 
@@ -593,6 +603,23 @@ def exchange_halo(x: torch.Tensor, plan: LocalPlan, cp_mesh) -> torch.Tensor:
     return torch.cat([x, got])
 
 
+class _MixerConfig(Protocol):
+    chunk_size: int | None
+    backend: str
+
+
+class LinearMixer(Protocol):
+    """What state passing runs of a linear mixer (KDA, Gated DeltaNet, Mamba2): its config's chunk
+    size and backend, the features of its rows (``q, k, v, g[, beta], *rest``) and its output from
+    the core's and the rest."""
+
+    config: _MixerConfig
+
+    def _features(self, x: torch.Tensor, windows: ConvWindows) -> Any: ...
+
+    def _output(self, o: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor: ...
+
+
 class StatesMixer:
     """Installs the state-passing forward on a KDA or gated delta net layer: ``forward(x, layout)``
     takes this rank's rows ``x`` ``[n_c, D]`` (row order) and returns their mixer output. Reads
@@ -603,7 +630,8 @@ class StatesMixer:
 
     def apply(self, module: nn.Module) -> nn.Module:
         module.forward = self.forward_of(module)
-        module._harts_cp = {"mode": "states", "cp": self.mesh.size()}
+        # torch's stub types Module.__setattr__'s value as Tensor | Module; any attribute is allowed.
+        module._harts_cp = {"mode": "states", "cp": self.mesh.size()}  # pyright: ignore[reportArgumentType]
         return module
 
     def forward_of(self, module: nn.Module):
@@ -613,6 +641,9 @@ class StatesMixer:
         mesh = self.mesh
         orig = module.forward
         ssd = isinstance(module, Mamba2Mixer)
+        # A KDA, Gated DeltaNet or Mamba2 layer (CpChooser gives states mode to no other mixer);
+        # nn.Module does not say so, hence the cast.
+        mixer = cast(LinearMixer, module)
 
         def forward(x, layout=None):
             rows = layout.info.get("cp_rows") if layout is not None else None
@@ -623,16 +654,18 @@ class StatesMixer:
                     "'states' needs the microbatch's CP split in layout.info['cp_rows'] "
                     "(build microbatches with make_microbatch on the parallelized model)",
                 )
+            assert layout is not None  # a plan came from it
             if layout.no_replay:
                 raise ParallelConfigError(
                     "no_replay", "the no-replay ablation does not run under cp_mode 'states'; use 'heads'"
                 )
-            c = module.config
+            c = mixer.config
             B = layout.kda.chunk_size if layout.kda is not None else c.chunk_size
+            assert B is not None  # the layout's, or the layer's own
             backend = c.backend
             plan = plan if plan.send_index.device == x.device else plan.to(x.device)
             xe = exchange_halo(x, plan, mesh)
-            feats = module._features(xe, plan.conv)
+            feats = mixer._features(xe, plan.conv)
             if ssd:  # Mamba2: q, k, v, g, xs, z
                 (q, k, v, g), beta, rest = feats[:4], None, feats[4:]
             else:  # KDA / GDN: q, k, v, g, beta, gate
@@ -654,9 +687,12 @@ class StatesMixer:
             if o_first is not None:
                 o = o_first
             else:
-                entry = fold(plan, gathered, K, Vd) if plan.num_entries else []
+                entry = []
+                if plan.num_entries:
+                    assert gathered is not None  # entry states come from sends (m > 0)
+                    entry = fold(plan, gathered, K, Vd)
                 o, _ = run_local(plan.sched, q, k, v, g, beta, entry, chunk_size=B, backend=backend)
-            out = module._output(o, *(t[: plan.n_own] for t in rest))
+            out = mixer._output(o, *(t[: plan.n_own] for t in rest))
             if gathered is not None:
                 out = out + (gathered.sum() * 0).to(out.dtype)
             return out
@@ -681,6 +717,7 @@ def states_forward(module: nn.Module, cp_mesh):
         from harts_runtime.parallel.cp_attention import states_attention
 
         def forward(x, layout=None):
+            assert layout is not None  # a CP mixer runs on the microbatch's layout
             plan = getattr(layout.info.get("cp_rows"), "attention", None)
             if plan is None:
                 raise ParallelConfigError("cp_mode", "'states' attention needs the microbatch's split plan")
@@ -698,7 +735,7 @@ class CpChooser:
     ``"states"`` wherever the heads do not divide), the same on every CP rank (it reads only the
     split)."""
 
-    def __init__(self, mode, possible, mixers, hidden, act_bytes, cp, tp, recompute):
+    def __init__(self, mode, possible: list[tuple[str, ...]], mixers, hidden, act_bytes, cp, tp, recompute):
         self.mode, self.possible, self.mixers = mode, possible, mixers
         self.hidden, self.act_bytes, self.cp, self.tp, self.recompute = hidden, act_bytes, cp, tp, recompute
 
@@ -711,8 +748,8 @@ class CpChooser:
 
         if mode not in CP_MODES:
             raise ParallelConfigError("cp_mode", f"unknown {mode!r}; choose one of {CP_MODES}")
-        possible = []
-        for i, b in enumerate(model.blocks):
+        possible: list[tuple[str, ...]] = []
+        for i, b in enumerate(cast(Iterable[Block], model.blocks)):  # the model's blocks, as read here
             if b.mixer is None:
                 possible.append(("none",))
                 continue
@@ -830,6 +867,7 @@ def attach_cp_rows(step, mb, call_plan, *, cp_mesh, chooser: CpChooser, capacity
             np.full(n, -1, np.int64), [0] * (size + 1), positions=np.zeros(n, np.int64)
         )
     else:
+        assert call_plan is not None  # the split came from it
         rows = cp_rows_plan(layout, split, rank, call_plan.row_to_physical)
         device = layout.input_ids.device if layout.input_ids is not None else "cpu"
         if rows.local is not None:

@@ -271,7 +271,9 @@ class StatesAttentionPlan:
         parts = [self.recv_rows(r, s) - lo for r in range(self.cp_size)]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
-    def exchange(self, s: int, device="cpu") -> tuple[torch.Tensor, list[int], list[int]]:
+    def exchange(
+        self, s: int, device: str | torch.device = "cpu"
+    ) -> tuple[torch.Tensor, list[int], list[int]]:
         """Rank ``s``'s all-to-all, cached per device: ``(send_index`` on ``device``,
         ``recv_counts(s)``, ``send_counts(s))``."""
         key = ("exchange", s, str(torch.device(device)))
@@ -310,7 +312,7 @@ class StatesAttentionPlan:
             tree = TreeOrder.from_parent(parent)
         return build_views(parent, branches, tree)
 
-    def rank_views(self, r: int, device="cpu") -> AttentionViews:
+    def rank_views(self, r: int, device: str | torch.device = "cpu") -> AttentionViews:
         """Views over rank ``r``'s key rows (:meth:`key_rows`) whose queries are its own rows (the
         last ``hi - lo`` key rows; the gathered rows have none), cached per device."""
         key = ("views", r, str(torch.device(device)))
@@ -319,7 +321,7 @@ class StatesAttentionPlan:
             self.cache[key] = host if torch.device(device).type == "cpu" else host.to(device)
         return self.cache[key]
 
-    def rank_queries(self, r: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    def rank_queries(self, r: int, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """``(q_index, q_inverse)`` of rank ``r``, int64, cached per device: the local row (``row -
         lo``) of each packed query of :meth:`rank_views`, and the packed position of each local row."""
         key = ("queries", r, str(torch.device(device)))
@@ -331,7 +333,7 @@ class StatesAttentionPlan:
             self.cache[key] = (q_index.to(device), q_inverse.to(device))
         return self.cache[key]
 
-    def key_positions(self, r: int, device="cpu") -> torch.Tensor:
+    def key_positions(self, r: int, device: str | torch.device = "cpu") -> torch.Tensor:
         """Positions (int64) of rank ``r``'s key rows, cached per device."""
         if self.positions is None:
             raise InvalidInputError("positions", "this plan has none; build it with positions=")
@@ -466,5 +468,6 @@ def states_attention(
     v_all = torch.cat([kv_need[:, hkv * dk :].reshape(m, hkv, v.shape[2]), v])
     o = _core(layer, q, k_all, v_all, plan, rank, backend)
     if gate is not None:
+        assert isinstance(layer, CompactGatedAttention)  # the only layer with a gate
         return layer._output(o, gate)
     return layer.out_project(o, x_local)

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 from harts_runtime.errors import InvalidInputError
 
@@ -253,6 +254,8 @@ class Link:
     bytes_per_s: float
     latency_s: float
     name: str = ""
+    NVLINK: ClassVar[Link]  # set below the class
+    INFINIBAND: ClassVar[Link]
 
     def __post_init__(self):
         if not (isinstance(self.bytes_per_s, (int, float)) and self.bytes_per_s > 0):

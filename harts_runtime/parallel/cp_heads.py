@@ -41,9 +41,9 @@ def cp_plan(layer: nn.Module, tp: int, cp: int, where: str = "") -> dict[str, ob
                 f"{value} is not divisible by tp * cp = {tp} * {cp}{where} (context parallelism splits "
                 "each mixer's heads between the CP ranks: C is capped by the head count)",
             )
-    out = dict(plan.placements)
+    out: dict[str, object] = dict(plan.placements)
     if isinstance(layer, (CompactAttention, CompactGatedAttention)):
-        kv = layer.config.num_kv_heads
+        kv = layer.config.num_kv_heads or layer.config.num_heads  # resolved by the config already
         local_kv = kv // tp if kv % tp == 0 else kv  # a replicated single KV head under TP
         if out.get("k_proj.weight") == COL or local_kv == 1:
             if local_kv % cp:

@@ -135,7 +135,7 @@ def run_replica_step(
         local += float(loss.detach()) if torch.is_tensor(loss) else float(loss)
         seconds.append(time.perf_counter() - t0)
     total = local
-    if dp > 1:
+    if mesh is not None and dp > 1:  # dp > 1 only with a mesh
         group = mesh.dp.get_group()
         t = torch.tensor([local], dtype=torch.float64, device=_device(group))
         dist.all_reduce(t, group=group)

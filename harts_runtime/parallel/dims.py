@@ -35,8 +35,12 @@ dense mesh also has the flattened ``"dp"`` (``dp_replicate x dp_shard``) and ``"
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 from harts_runtime.errors import ParallelConfigError
 
@@ -199,10 +203,10 @@ class ParallelMesh:
     """The device meshes of one job (:meth:`ParallelDims.build_mesh`)."""
 
     dims: ParallelDims
-    dense: object
+    dense: DeviceMesh
     """DeviceMesh ``("dp_replicate", "dp_shard", "cp", "tp")`` (with the flattened ``"dp"`` and
     ``"dp_shard_cp"``)."""
-    expert: object | None = None
+    expert: DeviceMesh | None = None
     """DeviceMesh ``("dp_replicate", "efsdp", "cp", "ep", "tp")`` (with ``"efsdp_cp"``), or None
     without EP."""
 
@@ -220,22 +224,22 @@ class ParallelMesh:
         return self.coords["replica"]
 
     @property
-    def tp(self):
+    def tp(self) -> DeviceMesh:
         """The TP submesh (1-D)."""
         return self.dense["tp"]
 
     @property
-    def cp(self):
+    def cp(self) -> DeviceMesh:
         """The CP submesh (1-D): the ranks that run one microbatch together."""
         return self.dense["cp"]
 
     @property
-    def dp(self):
+    def dp(self) -> DeviceMesh:
         """All DP ranks at this rank's TP coordinate (1-D, flattened ``dp_replicate`` x ``dp_shard``):
         the group over which replicas' losses and expert-load counts are summed."""
         return self.dense["dp"]
 
-    def fsdp(self):
+    def fsdp(self) -> DeviceMesh:
         """The mesh FSDP2 shards dense parameters over: ``dp_shard`` (``dp_shard x cp`` flattened
         under CP: each CP rank's gradients are partial), or with ``dp_replicate`` that and
         ``dp_replicate`` (HSDP)."""
@@ -244,14 +248,16 @@ class ParallelMesh:
             return self.dense[("dp_replicate", shard)]
         return self.dense[shard]
 
-    def expert_fsdp(self):
+    def expert_fsdp(self) -> DeviceMesh:
         """The mesh FSDP2 shards the MoE layers over under EP: ``efsdp`` (``efsdp x cp`` under CP;
         HSDP with ``dp_replicate``)."""
+        assert self.expert is not None, "no expert mesh without EP"
         shard = "efsdp_cp" if self.dims.cp > 1 else "efsdp"
         if self.dims.dp_replicate > 1:
             return self.expert[("dp_replicate", shard)]
         return self.expert[shard]
 
-    def expert_spmd(self):
+    def expert_spmd(self) -> DeviceMesh:
         """The mesh the MoE parameters are DTensors on under EP: ``ep`` (``(ep, tp)`` with TP)."""
+        assert self.expert is not None, "no expert mesh without EP"
         return self.expert[("ep", "tp")] if self.dims.tp > 1 else self.expert["ep"]

@@ -41,17 +41,19 @@ Not yet: pipeline parallelism (``pp > 1`` is rejected by :class:`ParallelDims`; 
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, parallelize_module
 
 from harts_runtime.layers.moe import CompactMoE
 from harts_runtime.parallel.context import apply_cp_head, apply_cp_rows
 from harts_runtime.parallel.dims import ParallelConfigError, ParallelMesh
 from harts_runtime.parallel.expert import ExpertDispatch
-from harts_runtime.parallel.plans import tp_plan
+from harts_runtime.parallel.plans import Block, model_blocks, tp_plan
 from harts_runtime.parallel.tensor import (
     ReplicatedParameters,
     SequenceParallelRows,
@@ -65,17 +67,7 @@ __all__ = ["apply_ac", "apply_cp_head", "apply_cp_rows", "apply_ep", "apply_fsdp
 _EXPERTS = ("w_gate", "w_up", "w_down")
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    blocks = list(getattr(model, "blocks", []))
-    if not blocks or not all(hasattr(b, "mixer") and hasattr(b, "ffn") for b in blocks):
-        raise ParallelConfigError("model", f"{type(model).__name__} has no .blocks with .mixer and .ffn")
-    for name in ("embed", "norm", "lm_head"):
-        if not isinstance(getattr(model, name, None), nn.Module):
-            raise ParallelConfigError("model", f"{type(model).__name__} has no .{name} module")
-    return blocks
-
-
-def _moe(block) -> CompactMoE | None:
+def _moe(block: Block) -> CompactMoE | None:
     return block.ffn if isinstance(block.ffn, CompactMoE) else None
 
 
@@ -88,9 +80,9 @@ def apply_tp(model: nn.Module, mesh: ParallelMesh) -> None:
     dims = mesh.dims
     sp, tp_mesh = dims.sequence_parallel, mesh.tp
     cp_mesh = mesh.cp if dims.cp > 1 else None
-    blocks = _blocks(model)
+    blocks = model_blocks(model)
     ep = dims.ep > 1
-    styles: dict[str, object] = {}
+    styles: dict[str, ParallelStyle] = {}
     for i, block in enumerate(blocks):
         if block.mixer is not None:  # None: a one-sublayer block (Nemotron-H's FFN layers)
             plan = tp_plan(block.mixer, dims.tp, f" (blocks[{i}].mixer)")
@@ -141,8 +133,9 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh) -> None:
     tp_grad = (Partial(),) if dims.sequence_parallel else (Replicate(),)
     tp_rep = (Replicate(),) if dims.tp > 1 else ()
     tp_grad = tp_grad if dims.tp > 1 else ()
+    assert mesh.expert is not None  # expert_spmd() above checked it
     dispatch = ExpertDispatch(mesh.expert["ep"])
-    for i, block in enumerate(_blocks(model)):
+    for i, block in enumerate(model_blocks(model)):
         moe = _moe(block)
         if moe is None:
             continue
@@ -164,8 +157,8 @@ def apply_ac(model: nn.Module, keep: tuple[str, ...] = (), save_intermediates: b
     apply_recompute(model, keep=keep, save_intermediates=save_intermediates)
 
 
-def _fsdp_kwargs(mesh, param_dtype, reduce_dtype, cpu_offload, reshard_after_forward):
-    kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+def _fsdp_kwargs(mesh, param_dtype, reduce_dtype, cpu_offload, reshard_after_forward) -> dict[str, Any]:
+    kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if param_dtype is not None or reduce_dtype is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if cpu_offload:
@@ -201,15 +194,16 @@ def apply_fsdp(
             "build it in float32 and pass param_dtype=torch.bfloat16 for bf16 compute",
         )
     kw = _fsdp_kwargs(mesh.fsdp(), param_dtype, reduce_dtype, cpu_offload, reshard_after_forward)
-    fully_shard(model.embed, **kw)
-    for block in _blocks(model):
+    fully_shard(model.get_submodule("embed"), **kw)
+    for block in model_blocks(model):
         moe = _moe(block)
         if dims.ep > 1 and moe is not None:
             fully_shard(moe, **dict(kw, mesh=mesh.expert_fsdp()))
-        fully_shard(block, **kw)
+        fully_shard(cast(nn.Module, block), **kw)  # a block is a module (the Block view of it)
     fully_shard(model, **kw)  # the root: the final norm and the LM head
     if cpu_offload:  # the weights rest on the host; microbatches go to the mesh's device
-        model._compute_device = torch.device("cuda", torch.cuda.current_device())
+        # torch's stub types Module.__setattr__'s value as Tensor | Module; any attribute is allowed.
+        model._compute_device = torch.device("cuda", torch.cuda.current_device())  # pyright: ignore[reportArgumentType]
     cpu = mesh.dense.device_type == "cpu"
     for m in model.modules():
         if isinstance(m, FSDPModule):
@@ -251,7 +245,7 @@ def parallelize(
     if getattr(model, "_harts_parallel", None) is not None:
         raise ParallelConfigError("model", "is already parallelized")
     dims = mesh.dims
-    _blocks(model)
+    model_blocks(model)
     if dims.cp > 1:
         apply_cp_rows(model, mesh, cp_mode, recompute=recompute, capacity=cp_capacity)
     if dims.tp > 1:
@@ -270,5 +264,6 @@ def parallelize(
         cpu_offload=cpu_offload,
         reshard_after_forward=reshard_after_forward,
     )
-    model._harts_parallel = dims
+    # torch's stub types Module.__setattr__'s value as Tensor | Module; any attribute is allowed.
+    model._harts_parallel = dims  # pyright: ignore[reportArgumentType]
     return model

@@ -33,8 +33,9 @@ blocks), and its state-dict adapter maps transformers' fused tensor both ways.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
@@ -59,7 +60,7 @@ class LayerPlan:
     """The TP plan of one layer: ``placements[name]`` for every parameter (names inside the layer)
     and the ``(config field, value)`` pairs the TP degree must divide."""
 
-    placements: dict[str, Placement]
+    placements: Mapping[str, Placement]
     divides: tuple[tuple[str, int], ...]
 
     def check(self, layer: nn.Module, tp: int, where: str = "") -> None:
@@ -85,8 +86,9 @@ def _attention(m: CompactAttention | CompactGatedAttention, tp: int) -> LayerPla
     Biases follow their projection; a biased ``o_proj`` is rejected (the bias would be summed
     ``tp`` times)."""
     c = m.config
-    kv = COL if c.num_kv_heads % tp == 0 else REP
-    if kv is REP and c.num_kv_heads != 1:
+    num_kv_heads = c.num_kv_heads or c.num_heads  # the config's __post_init__ already resolved it
+    kv = COL if num_kv_heads % tp == 0 else REP
+    if kv is REP and num_kv_heads != 1:
         raise ParallelConfigError(
             "num_kv_heads",
             f"{c.num_kv_heads} is not divisible by tp={tp} (only one KV head can be replicated)",
@@ -206,7 +208,8 @@ def _relu2(m: Relu2MLP, tp: int) -> LayerPlan:
     return LayerPlan(p, (("intermediate_size", m.up_proj.weight.shape[0]),))
 
 
-TP_PLANS: dict[type, Callable[[nn.Module, int], LayerPlan]] = {
+# Each plan function takes its own layer class (the key): Any, as a dict cannot tie the two.
+TP_PLANS: dict[type, Callable[[Any, int], LayerPlan]] = {
     CompactAttention: _attention,
     CompactGatedAttention: _attention,
     CompactMLA: _mla,
@@ -217,6 +220,26 @@ TP_PLANS: dict[type, Callable[[nn.Module, int], LayerPlan]] = {
     Relu2MLP: _relu2,
 }
 """Layer class -> ``plan(layer, tp)``: the TP regions of a hybrid model."""
+
+
+class Block(Protocol):
+    """What the parallel steps read of a block (checked by :func:`model_blocks`): its mixer (None: a
+    one-sublayer block, Nemotron-H's FFN layers) and its FFN (None: a mixer-only block)."""
+
+    mixer: nn.Module | None
+    ffn: nn.Module | None
+
+
+def model_blocks(model: nn.Module) -> list[Block]:
+    """``model.blocks`` as :class:`Block` s, after checking the model has the shape every parallel step
+    reads (blocks with ``.mixer`` and ``.ffn``; ``.embed``, ``.norm`` and ``.lm_head`` modules)."""
+    blocks = list(getattr(model, "blocks", []))
+    if not blocks or not all(hasattr(b, "mixer") and hasattr(b, "ffn") for b in blocks):
+        raise ParallelConfigError("model", f"{type(model).__name__} has no .blocks with .mixer and .ffn")
+    for name in ("embed", "norm", "lm_head"):
+        if not isinstance(getattr(model, name, None), nn.Module):
+            raise ParallelConfigError("model", f"{type(model).__name__} has no .{name} module")
+    return cast(list[Block], blocks)
 
 
 def tp_plan(layer: nn.Module, tp: int, where: str = "") -> LayerPlan | None:

@@ -26,10 +26,11 @@ import io
 import pathlib
 import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from harts_runtime.errors import InvalidInputError
 
@@ -142,9 +143,10 @@ class SafeFileSystemReader(FileSystemReader):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
             metadata = _unpickle_metadata(stream, Path(path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -153,7 +155,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     (DCP's own reads them with ``weights_only=False``). ``reader``: the storage reader of the load,
     so that a refused item names its file."""
 
-    def __init__(self, reader=None, **kwargs):
+    def __init__(self, reader: FileSystemReader | None = None, **kwargs):
         super().__init__(**kwargs)
         self.reader = reader
 
@@ -166,7 +168,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         except Exception as e:  # refused global or a damaged item  # noqa: BLE001
             info = getattr(self.reader, "storage_data", {}).get(read_item.storage_index)
             rel = getattr(info, "relative_path", None)
-            where = Path(self.reader.path) / rel if rel else None
+            where = Path(self.reader.path) / rel if rel and self.reader is not None else None
             why = _one_line(str(e).split("WeightsUnpickler error:")[-1], 160)
             raise InvalidInputError(
                 rel or fqn,
@@ -186,7 +188,7 @@ def numpy_array_globals() -> list:
     numpy 1 and numpy 2 names)."""
     import numpy as np
 
-    core = getattr(np, "_core", None) or np.core
+    core: Any = getattr(np, "_core", None) or np.core  # numpy 2: _core (its stubs drop core.multiarray)
     rebuild = core.multiarray._reconstruct
     out = [rebuild, (rebuild, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype]
     numeric = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)

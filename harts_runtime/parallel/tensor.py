@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -81,7 +82,7 @@ def gather_rows(x: torch.Tensor, mesh, n: int) -> torch.Tensor:
     backward: reduce-scatter of the partial row gradients). Blocks as :func:`row_block`."""
     shape = (n, *x.shape[1:])
     stride = torch.empty(shape, device="meta").stride()
-    d = DTensor.from_local(x, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+    d = DTensor.from_local(x, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
     return d.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
 
 
@@ -103,6 +104,7 @@ def distribute_parameters(module: nn.Module, mesh, placements: dict[str, tuple])
     for name, pl in placements.items():
         sub, leaf = _resolve(module, name)
         p = sub._parameters[leaf]
+        assert p is not None, name  # a registered parameter (not a None placeholder)
         if isinstance(p, DTensor):
             continue
         d = distribute_tensor(p.data, mesh, list(pl))
@@ -119,7 +121,8 @@ def local_parameters(module: nn.Module, names: list[str], tensors: list[torch.Te
     saved = [sub._parameters[leaf] for sub, leaf in slots]
     try:
         for (sub, leaf), t in zip(slots, tensors):
-            sub._parameters[leaf] = t
+            # Plain tensors in _parameters on purpose (what FSDP2 does); torch types it Parameter.
+            sub._parameters[leaf] = t  # pyright: ignore[reportArgumentType]
         yield
     finally:
         for (sub, leaf), p in zip(slots, saved):
@@ -127,7 +130,9 @@ def local_parameters(module: nn.Module, names: list[str], tensors: list[torch.Te
 
 
 def _params(module: nn.Module, names: list[str]) -> list[torch.Tensor]:
-    return [_resolve(module, n)[0]._parameters[_resolve(module, n)[1]] for n in names]
+    out = [_resolve(module, n)[0]._parameters[_resolve(module, n)[1]] for n in names]
+    assert all(p is not None for p in out), names  # registered parameters (not None placeholders)
+    return cast(list[torch.Tensor], out)
 
 
 def _install_forward(module: nn.Module, forward) -> None:
@@ -179,10 +184,13 @@ class TensorParallelRegion(ParallelStyle):
             mesh = device_mesh
             d = x.shape[-1]
             if sp:
+                assert layout is not None  # sequence parallelism runs with the microbatch's layout
                 n = layout.num_rows
                 if cp_mesh is not None:  # the rows of this rank's CP block (parallel.context)
                     n = _cp_block_rows(layout, n, cp_mesh)
-                xd = DTensor.from_local(x, mesh, [Shard(0)], run_check=False, shape=(n, d), stride=(d, 1))
+                xd = DTensor.from_local(
+                    x, mesh, [Shard(0)], run_check=False, shape=torch.Size((n, d)), stride=(d, 1)
+                )
                 xd = xd.redistribute(mesh, [Replicate()])
             else:
                 xd = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
@@ -193,11 +201,13 @@ class TensorParallelRegion(ParallelStyle):
                 in_grad_placements=((Partial(),), *map(_partial_grads, placements)),
                 device_mesh=mesh,
             )
-            out = fn(xd, *_params(module, names))
+            # local_map's stub returns an untyped callable; with out_placements its output is a DTensor.
+            out = cast(DTensor, fn(xd, *_params(module, names)))
             return out.redistribute(mesh, [Shard(0)] if sp else [Replicate()]).to_local()
 
         _install_forward(module, forward)
-        module._harts_tp = {"plan": self.plan, "sequence_parallel": sp}
+        # torch's stub types Module.__setattr__'s value as Tensor | Module; any attribute is allowed.
+        module._harts_tp = {"plan": self.plan, "sequence_parallel": sp}  # pyright: ignore[reportArgumentType]
         return module
 
 
@@ -302,10 +312,15 @@ class VocabParallelHead(ParallelStyle):
                 local = hidden @ (w.to_local() if isinstance(w, DTensor) else w).t()
                 v = w.shape[0]
                 return DTensor.from_local(
-                    local, mesh, [Shard(local.dim() - 1)], run_check=False, shape=(*local.shape[:-1], v)
+                    local,
+                    mesh,
+                    [Shard(local.dim() - 1)],
+                    run_check=False,
+                    shape=torch.Size((*local.shape[:-1], v)),
                 ).full_tensor()
 
-        module.mapped_logprobs = mapped_logprobs
+        # torch's stub types Module.__setattr__'s value as Tensor | Module; any attribute is allowed.
+        module.mapped_logprobs = mapped_logprobs  # pyright: ignore[reportArgumentType]
         _install_forward(module, forward)
         return module
 
