@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.mark.slow
 def test_ragged_set_learns_on_kimi_linear_tiny(tmp_path):
-    """20 steps, ~3 s each on an idle CPU core (seed 0 went 0.20 -> 0.67 by step 20)."""
+    """20 steps, ~3 s each on an idle CPU core (seed 0: 0.19 over the first three steps, 0.69 over steps 18-20)."""
     out = tmp_path / "rs"
     argv = ["--task", "ragged-set", "--flavor", "kimi-linear-tiny", "--steps", "20", "--out", str(out)]
     assert main([*argv, "--seed", "0"]) == 0
