@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.loss.objectives import PolicyLossConfig
@@ -86,7 +87,7 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         """A JSON-able record (saved with checkpoints)."""
-        out = {"objective": self.objective}
+        out: dict[str, Any] = {"objective": self.objective}
         for part in (self.execution, self.optimizer):
             out.update(
                 {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(part).items()}
