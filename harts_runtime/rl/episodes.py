@@ -7,16 +7,19 @@ it; the leaf's reward (and its per-turn rewards). An action the cap cut short of
 so. Token ids are decoded with ``tokenizer`` when one
 is given (a token shown as its text, ``repr``-quoted), else shown as ids. A leaf's tokens up to its
 last fork are its siblings' too: the text repeats them per leaf, so each leaf reads on its own.
+:func:`write_episodes` writes both for a step into a run folder.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.rl.sampler import Leaf
 
-__all__ = ["episode_records", "render_episodes"]
+__all__ = ["episode_records", "render_episodes", "write_episodes"]
 
 
 def _text(ids: Sequence[int], tokenizer) -> str:
@@ -122,3 +125,18 @@ def render_episodes(
                 obs = t["observation_tokens"]
                 lines.append(f"  turn {t['turn']} observation ({len(obs)} tokens): {_text(obs, tokenizer)}")
     return "\n".join(lines) + "\n"
+
+
+def write_episodes(
+    folder, step: int, leaves: Sequence[Leaf], advantages=None, tokenizer=None, prompts: int | None = None
+) -> Path:
+    """Write step ``step``'s trees (the first ``prompts`` prompts) to ``folder/episodes/``:
+    ``step-N.txt`` (:func:`render_episodes`) and ``step-N.jsonl`` (one :func:`episode_records`
+    record a line); returns the text file's path."""
+    out = Path(folder) / "episodes"
+    out.mkdir(parents=True, exist_ok=True)
+    text = out / f"step-{int(step)}.txt"
+    text.write_text(render_episodes(leaves, advantages, tokenizer, prompts, step))
+    recs = episode_records(leaves, advantages, tokenizer, prompts)
+    (out / f"step-{int(step)}.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in recs))
+    return text

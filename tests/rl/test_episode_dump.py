@@ -10,7 +10,7 @@ import pytest
 
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.rl.advantages import advantages
-from harts_runtime.rl.episodes import episode_records, render_episodes
+from harts_runtime.rl.episodes import episode_records, render_episodes, write_episodes
 from harts_runtime.rl.sampler import Leaf
 
 
@@ -81,3 +81,13 @@ def test_a_tokenizer_decodes_each_token():
     assert "## prompt 0 (2 tokens): 'ab'" in text and "turn 1 action (2 tokens, cut at its cap): 'hh'" in text
     assert "advantages" not in text
     assert episode_records(_tree(), tokenizer=Chars())[0]["turns"][0]["action_text"] == "ef"
+
+
+def test_a_steps_dump_lands_in_the_run_folder(tmp_path):
+    leaves = _tree()
+    adv = advantages("tree", leaves, {0: 2})
+    path = write_episodes(tmp_path, 7, leaves, adv, prompts=1)
+    assert path == tmp_path / "episodes" / "step-7.txt"
+    assert path.read_text() == render_episodes(leaves, adv, prompts=1, step=7)
+    lines = (tmp_path / "episodes" / "step-7.jsonl").read_text().splitlines()
+    assert [json.loads(x) for x in lines] == json.loads(json.dumps(episode_records(leaves, adv, prompts=1)))
