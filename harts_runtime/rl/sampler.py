@@ -46,7 +46,7 @@ class Leaf:
     """One reward per turn when the task gives them (None: the task scored the leaf as a whole)."""
     truncated: list[bool] = field(default_factory=list)
     """Per turn: the action reached its cap without a stop token (always False for a task
-    without stop tokens, whose actions are all exactly the cap)."""
+    without stop tokens, whose actions are all exactly the cap, and for a turn whose cap is 0)."""
 
     def actions(self) -> list[list[int]]:
         return [self.tokens[a:b] for _, a, b in self.segments]
@@ -198,7 +198,7 @@ class TreeSampler:
                     )
                 segments[b].append((turn, start, start + m))
                 logps[b].extend(lp[b, :m].tolist())
-                cut[b].append(bool(stops) and not stopped)
+                cut[b].append(bool(stops) and n > 0 and not stopped)
             if turn + 1 < task.turns:
                 rows = task.observe_batch(
                     [drawn[owner[b]][1] for b in range(len(owner))],
@@ -206,8 +206,12 @@ class TreeSampler:
                     [frontier.tokens[b] for b in range(len(owner))],
                     [frontier.tokens[b][starts[b] :] for b in range(len(owner))],
                 )
-                if not isinstance(rows, (list, tuple)) or len(rows) != len(owner):
-                    got = f"{len(rows)} rows" if isinstance(rows, (list, tuple)) else type(rows).__name__
+                if not isinstance(rows, (list, tuple, np.ndarray)) or len(rows) != len(owner):
+                    got = (
+                        f"{len(rows)} rows"
+                        if isinstance(rows, (list, tuple, np.ndarray))
+                        else type(rows).__name__
+                    )
                     raise InvalidInputError(
                         "observation",
                         f"observe_batch returns one observation per branch ({len(owner)}), got {got}",

@@ -128,7 +128,7 @@ def _check_leaf(task: _RandomTask, lf, prompt, state, temperature):
         assert len(action) <= cap
         first_stop = next((i for i, x in enumerate(action) if x in stops), None)
         if first_stop is None:
-            assert len(action) == cap and lf.truncated[t] == bool(stops)
+            assert len(action) == cap and lf.truncated[t] == (bool(stops) and cap > 0)
         else:
             assert first_stop == len(action) - 1 and not lf.truncated[t]
         for i in range(a, b):  # each log-prob is the policy's for that token after that prefix
