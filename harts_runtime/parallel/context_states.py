@@ -28,8 +28,9 @@ summaries                    every state the rank hands on (``S_k`` of the split
                              from entry states ``[0 | I]`` of the pieces whose states lead to a
                              send, each cut after its last such boundary (``LocalPlan.summary``)
                              (:func:`harts_kernels.kda.cp.piece_summary`'s identity, on the whole
-                             local plan; Mamba2's SSD core gives ``A_k = a_k I`` and sends
-                             ``[a_k | b_k]``); a rank without entry states gets ``S_k`` directly
+                             local plan; Mamba2's SSD core gives ``A_k = a_k I``: one extra
+                             value column from ``e_0``, and it sends ``[a_k | b_k]``); a rank
+                             without entry states gets ``S_k`` directly
 fold                         the summaries all-gathered (fp32, padded to the most sends of one
                              rank) and folded in state order, ``S_k = A_k S_src(k) + b_k``
                              (``src(k)``: the state the producing rank's path started from, or
@@ -548,7 +549,8 @@ def summaries(plan: LocalPlan, q, k, v, g, beta, *, chunk_size: int, backend: st
     (``W = K K + K V``), or for the SSD core (``beta`` None: Mamba2, whose ``A_k = a_k I``) ``[a_k |
     b_k]`` (``W = 1 + K V``). One run of the summary rounds (``plan.summary``: the pieces leading to the
     sends, cut after their last needed boundary) with values ``[v | 0_K]`` from entry states
-    ``[0 | I]`` (the requested states are ``[b | A]``). A rank without entry states runs its plan
+    ``[0 | I]`` (the requested states are ``[b | A]``; the SSD core one column, ``[v | 0]`` from
+    ``[0 | e_0]``: its states are ``[b | a e_0]``). A rank without entry states runs its plan
     once, truly (``A = 0``), and returns that run's output too: ``(packed, o or None)``; a rank
     without sends ``(None, None)``."""
     H, K, Vd = q.shape[1], q.shape[2], v.shape[2]
@@ -559,14 +561,18 @@ def summaries(plan: LocalPlan, q, k, v, g, beta, *, chunk_size: int, backend: st
         b = torch.stack(_sent(slots, plan.sends))
         A = b.new_zeros(len(plan.sends), H, 1 if beta is None else K * K)
         return torch.cat([A, b.flatten(2)], -1), o
-    v_wide = torch.cat([v, v.new_zeros(v.shape[0], H, K)], -1)
-    eye = torch.zeros(H, K, Vd + K, dtype=torch.float32, device=q.device)
-    eye[..., Vd:] = torch.eye(K, dtype=torch.float32, device=q.device)
+    extra = 1 if beta is None else K  # SSD: A = a I, so one column from e_0 carries a
+    v_wide = torch.cat([v, v.new_zeros(v.shape[0], H, extra)], -1)
+    eye = torch.zeros(H, K, Vd + extra, dtype=torch.float32, device=q.device)
+    if beta is None:
+        eye[:, 0, Vd] = 1.0
+    else:
+        eye[..., Vd:] = torch.eye(K, dtype=torch.float32, device=q.device)
     sched = plan.sched if plan.summary is None else plan.summary
     _, slots = run_local(
         sched, q, k, v_wide, g, beta, [eye] * plan.num_entries, chunk_size=chunk_size, backend=backend
     )
-    st = torch.stack(_sent(slots, plan.sends))  # [n, H, K, V + K] = [b | A]
+    st = torch.stack(_sent(slots, plan.sends))  # [n, H, K, V + extra] = [b | A] (SSD: [b | a e_0])
     A = st[..., 0, Vd : Vd + 1] if beta is None else st[..., Vd:].flatten(2)  # SSD: A = a I
     return torch.cat([A, st[..., :Vd].flatten(2)], -1), None
 
