@@ -2,7 +2,7 @@
 with ``tokenizers`` and saved as a transformers tokenizer with a chat template) renders the chat
 prompt, encodes the observations, decodes the actions for the reward; the EOS and a one-token stop
 string end an action. A text task without a tokenizer, or a tokenizer wider than the model, is
-refused naming the field."""
+refused naming the field. A plain tokenizer object (no library) works the same way."""
 
 from __future__ import annotations
 
@@ -17,9 +17,6 @@ from harts_runtime.rl.rollout_engine import Frontier, RolloutEngine
 from harts_runtime.rl.sampler import TreeSampler
 from harts_runtime.rl.text import TextTask, bind_tokenizer, load_tokenizer
 
-pytest.importorskip("tokenizers")
-pytest.importorskip("transformers")
-
 SPECIAL = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<call>"]
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -29,6 +26,8 @@ TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("transformers")
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -167,3 +166,45 @@ def test_a_text_task_needs_a_tokenizer_that_fits_the_model(tok_dir, tmp_path):
     with pytest.raises(InvalidInputError) as e:
         TreeSampler(task, {0: 2}, 1, 1.0, 0).sample(_Rollout(512))
     assert e.value.field == "stop_texts" and "2 tokens" in str(e.value)
+
+
+class CharTokenizer:
+    """A tokenizer object without any library: one id per character, EOS 1, a chat template of
+    its own (what a user may bring instead of a transformers tokenizer)."""
+
+    eos_token_id = 1
+    chat_template = "plain"
+
+    def __init__(self):
+        self.chars = "\x00\x01" + string.printable
+
+    def __len__(self):
+        return len(self.chars)
+
+    def encode(self, text, add_special_tokens=False):
+        return [self.chars.index(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(self.chars[i] if i > 1 else "<eos>" for i in ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=False):
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant: " if add_generation_prompt else "")
+
+
+def test_a_plain_tokenizer_object_works_without_transformers():
+    tok = CharTokenizer()
+    task = Spell(tokenizer=tok)
+    with pytest.raises(InvalidInputError) as e:  # "<call>" is 6 characters here
+        _ = task.stop_tokens
+    assert e.value.field == "stop_texts"
+    task.stop_texts = ("!",)
+    assert task.stop_tokens == (1, tok.encode("!")[0])
+    leaves = TreeSampler(task, {0: 2}, 2, 1.0, 0).sample(_Rollout(len(tok), favour=[1, tok.encode("!")[0]]))
+    for lf in leaves:
+        assert tok.decode(lf.tokens[: lf.segments[0][1]]).startswith("user: say ")
+        assert tok.decode(lf.tokens[: lf.segments[0][1]]).endswith("\nassistant: ")
+        assert lf.turn_rewards == [float("a" in task.action_text(x)) for x in lf.actions()]
+    with pytest.raises(InvalidInputError) as e:
+        Spell(tokenizer=object())
+    assert e.value.field == "task_args.tokenizer"
