@@ -22,7 +22,8 @@ computed once from the whole step's metadata in :class:`~harts_runtime.step_inpu
 (``weights``, :func:`~harts_runtime.loss.objectives.aggregation_weights`):
 
 * ``L_policy = sum_t w_t * l_t`` over all non-terminal semantic positions ``t`` of the step, where
-  ``l_t`` is the per-token clipped surrogate plus ``kl_coef`` times the KL estimate and
+  ``l_t`` is the per-token clipped surrogate plus ``kl_coef`` times the KL estimate (minus
+  ``entropy_coef`` times the entropy) and
   ``w_t`` the aggregation weight of ``loss_agg_mode`` (``token-mean``: ``m_t / sum(m)``;
   ``seq-mean-token-mean``: ``m_t / (n_i * #active trajectories)``; ``seq-mean-token-sum``:
   ``m_t / N``; ``seq-mean-token-sum-norm``: ``m_t / norm``; ``sum``: ``m_t``). This equals the
@@ -60,7 +61,13 @@ from harts_runtime.loss.functions import LossFn, MicrobatchInputs, policy_loss_f
 from harts_runtime.models import HybridModel
 from harts_runtime.step_inputs import StepInputs
 
-__all__ = ["forward_microbatch", "make_microbatch", "microbatch_inputs", "run_microbatch"]
+__all__ = [
+    "forward_microbatch",
+    "make_microbatch",
+    "microbatch_entropy",
+    "microbatch_inputs",
+    "run_microbatch",
+]
 
 
 def _check_mode(mode: str) -> None:
@@ -110,8 +117,31 @@ def forward_microbatch(model: HybridModel, mb: Microbatch, *, no_replay: bool = 
     return model(layout, mb.row_index, mb.labels, (mb.lm_order, mb.lm_bounds))
 
 
-def microbatch_inputs(step: StepInputs, mb: Microbatch, device) -> MicrobatchInputs:
-    """The per-target fields of microbatch ``mb`` on ``device`` (what a loss function receives)."""
+def microbatch_entropy(
+    model: HybridModel, mb: Microbatch, hidden: torch.Tensor, grad: bool = True
+) -> torch.Tensor:
+    """The full-vocabulary entropy at each of ``mb``'s targets from its final normed ``hidden``
+    rows (:func:`~harts_runtime.loss.logprobs.lm_head_entropy`: once per row; attached to the
+    graph when ``grad``, else a metric only). One process only: :class:`InvalidInputError` naming ``entropy_coef`` for a
+    parallelized model (its head and rows are split over ranks)."""
+    from harts_runtime.loss.logprobs import lm_head_entropy
+
+    if getattr(model, "_harts_parallel", None) is not None:
+        raise InvalidInputError(
+            "entropy_coef", "the entropy (bonus or entropy_metric) runs in one process only (no mesh)"
+        )
+    with (
+        torch.profiler.record_function("harts.entropy"),
+        torch.set_grad_enabled(grad and torch.is_grad_enabled()),
+    ):
+        return lm_head_entropy(hidden, model.lm_head.weight, mb.row_index, model.config.lm_head_rows)
+
+
+def microbatch_inputs(
+    step: StepInputs, mb: Microbatch, device, entropy: torch.Tensor | None = None
+) -> MicrobatchInputs:
+    """The per-target fields of microbatch ``mb`` on ``device`` (what a loss function receives);
+    ``entropy``: its targets' entropy (:func:`microbatch_entropy`), when the objective asks."""
     meta = step.device_metadata(device)
     ti = mb.target_index
     ref, beh, ver = meta["ref_logprobs"], meta["behaviour_logprobs"], meta["weight_versions"]
@@ -130,6 +160,8 @@ def microbatch_inputs(step: StepInputs, mb: Microbatch, device) -> MicrobatchInp
         weight_total=step.weight_total,
         behaviour_logprobs=None if beh is None else beh[ti],
         weight_versions=None if ver is None else ver[ti],
+        entropy=entropy,
+        mask_total=step.mask_total,
     )
 
 
@@ -145,6 +177,7 @@ def run_microbatch(
     backward: bool = True,
     return_hidden: bool = False,
     loss_fn: LossFn | None = None,
+    entropy: bool | None = None,
 ):
     """Forward and backward of one microbatch; returns ``(loss_contribution, stats)``.
 
@@ -157,24 +190,28 @@ def run_microbatch(
     ``stats["labels"]`` (evaluation); ``loss_fn``: the objective, ``loss_fn(logprobs, inputs) ->
     loss`` or ``(loss, metrics)`` (:mod:`harts_runtime.loss.functions`; None: the step's GRPO /
     PPO, :data:`~harts_runtime.loss.functions.policy_loss_fn`), normalised by step-level
-    denominators.
+    denominators; ``entropy``: compute the targets' entropy for the loss function
+    (:func:`microbatch_entropy`; None: when the step's config asks for it, ``entropy_coef`` or
+    ``entropy_metric``).
     The MoE router loss is added to it (its share ``S_mb / S``).
 
     Returns ``loss_contribution`` (float32 scalar, detached: this microbatch's share of the step
     loss under the module docstring's normalisation) and ``stats``: ``policy_loss``,
     ``router_loss`` (contributions), ``rows``, ``semantic_tokens``, ``replay_tokens``,
-    ``num_calls``, ``logprobs`` (detached [P_mb]), ``target_index`` ([P_mb], into the step's
-    per-token tensors) and ``metrics`` (the loss function's). Raises :class:`InvalidInputError`
-    naming ``mode`` (unknown) or ``call_plan`` (:func:`make_microbatch`). The step's token ids and
-    per-token values are checked once per step by the step loop above
-    (:meth:`harts_runtime.engine.HartsEngine.forward_backward`), not per microbatch: a caller that
-    runs microbatches by hand checks its step first (``step.check_tokens(vocab_size)``,
-    ``step.check_values()``).
+    ``num_calls``, ``logprobs`` (detached [P_mb]; ``entropy`` likewise when computed),
+    ``target_index`` ([P_mb], into the step's per-token tensors) and ``metrics`` (the loss
+    function's). Raises :class:`InvalidInputError` naming ``mode`` (unknown) or ``call_plan``
+    (:func:`make_microbatch`). The step's token ids and per-token values are checked once per step
+    by the step loop above (:meth:`harts_runtime.engine.HartsEngine.forward_backward`), not per
+    microbatch: a caller that runs microbatches by hand checks its step first
+    (``step.check_tokens(vocab_size)``, ``step.check_values()``).
     """
     _check_mode(mode)
     mb = microbatch if microbatch is not None else make_microbatch(model, step, traj_indices, mode, call_plan)
     hidden, lp, router = forward_microbatch(model, mb, no_replay=no_replay)
-    inputs = microbatch_inputs(step, mb, lp.device)
+    want = step.config.wants_entropy if entropy is None else entropy
+    ent = microbatch_entropy(model, mb, hidden, grad=bool(step.config.entropy_coef)) if want else None
+    inputs = microbatch_inputs(step, mb, lp.device, ent)
     out = (loss_fn or policy_loss_fn)(lp, inputs)
     pol, metrics = out if isinstance(out, tuple) else (out, {})
     rl = router * (mb.semantic_tokens / step.batch.semantic_tokens)
@@ -189,6 +226,8 @@ def run_microbatch(
         target_index=mb.target_index,
         metrics=metrics,
     )
+    if ent is not None:
+        stats["entropy"] = ent.detach()
     if return_hidden:
         stats.update(hidden=hidden.detach(), row_index=mb.row_index, labels=mb.labels)
     return loss.detach(), stats

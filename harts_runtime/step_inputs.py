@@ -252,6 +252,13 @@ class StepInputs:
             self._cache["weight_total"] = float(self.weights.double().sum())
         return self._cache["weight_total"]
 
+    @property
+    def mask_total(self) -> float:
+        """The step's loss-masked targets (the denominator of its token means)."""
+        if "mask_total" not in self._cache:
+            self._cache["mask_total"] = float((self.loss_mask != 0).sum())
+        return self._cache["mask_total"]
+
     def _host(self, name: str, make):
         if name not in self._cache:
             self._cache[name] = make()

@@ -28,11 +28,20 @@ one call for a microbatch's call plan: the microbatch below never plans),
 (the trajectory-wise baseline's plan-like packing), :mod:`~harts_runtime.engine.load`
 (``load_pretrained``: a checkpoint folder read into a model, sharded over a mesh: parallelized here,
 then read by :mod:`harts_runtime.hf`) and :mod:`~harts_runtime.engine.process_state`
-(rank, barrier and RNG state of this process).
+(rank, barrier and RNG state of this process), :mod:`~harts_runtime.engine.reference` (the frozen
+reference policy of a KL term: :class:`ReferencePolicy`).
 """
 
 from harts_runtime.engine.config import EngineConfig
 from harts_runtime.engine.engine import EngineOutput, HartsEngine, StepReport
 from harts_runtime.engine.planning import microbatch_call_plan
+from harts_runtime.engine.reference import ReferencePolicy
 
-__all__ = ["EngineConfig", "EngineOutput", "HartsEngine", "StepReport", "microbatch_call_plan"]
+__all__ = [
+    "EngineConfig",
+    "EngineOutput",
+    "HartsEngine",
+    "ReferencePolicy",
+    "StepReport",
+    "microbatch_call_plan",
+]

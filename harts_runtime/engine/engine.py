@@ -254,15 +254,27 @@ class HartsEngine:
         A forward-only step runs the model in eval mode (its MoE expert-load counts are not added
         to those the next :meth:`optimizer_step` uses) and leaves the train / eval mode as it was;
         without a ``loss_fn`` it needs none of the objective's fields (no ``ref_logprobs``).
-        A step's values are checked when it runs (an in-place NaN in its advantages is refused)."""
+        A step's values are checked when it runs (an in-place NaN in its advantages is refused).
+        Metrics: the step's sums, the loss function's (``loss_fn/*``: summed shares), the objective's
+        statistics over the whole step (``objective/*``, :mod:`harts_runtime.loss.statistics`: clip
+        fraction, response length, advantage mean / std, KL with reference log-probs, entropy when
+        the step's config asks for it; a scoring pass, forward-only without a ``loss_fn``, computes
+        no entropy) and the rollout mismatch (``mismatch/*``)."""
         from harts_runtime.parallel.data import run_replica_step
 
         step = self.step_inputs(rollouts, objective=not (forward_only and loss_fn is None))  # checked
+        scoring = forward_only and loss_fn is None  # log-probs only: no objective, no entropy
+        entropy = step.config.wants_entropy and not scoring
+        if entropy and self.mesh is not None:
+            raise InvalidInputError(
+                "entropy_coef", "the entropy (bonus or entropy_metric) runs in one process only (no mesh)"
+            )
         plan, calls, plan_s = self.plan(step, plan)
         ex = self.config.execution
         dev = self.model.device
         lp_dtype = torch.float64 if self.model.config.dtype == "float64" else torch.float32
         lp_all = torch.zeros(step.num_targets, dtype=lp_dtype, device=dev)
+        ent_all = torch.zeros_like(lp_all) if entropy else None
         sums = defaultdict(float)
         sums["trajectory_fallbacks"] = 0.0  # every rank sums the same names over DP
         metric_sums = defaultdict(float)
@@ -289,8 +301,11 @@ class HartsEngine:
                     backward=not forward_only,
                     no_replay=ex.no_replay,
                     return_hidden=keep_hidden is not None and len(traj) > 0,
+                    entropy=entropy,
                 )
             lp_all[st["target_index"].to(dev)] = st["logprobs"].to(lp_dtype)
+            if ent_all is not None and "entropy" in st:
+                ent_all[st["target_index"].to(dev)] = st["entropy"].to(lp_dtype)
             for k in ("policy_loss", "router_loss"):
                 sums[k] += float(st[k])
             for k in ("rows", "semantic_tokens", "replay_tokens", "num_calls"):
@@ -330,6 +345,8 @@ class HartsEngine:
             sums[f"loss_fn/{k}"] = v
         if self.mesh is not None and self.dp > 1:
             lp_all = self._sum_over_dp(lp_all)
+            if ent_all is not None:
+                ent_all = self._sum_over_dp(ent_all)
             keys = sorted(sums)  # the same names on every rank (a padding microbatch reports them too)
             vec = self._sum_over_dp(torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=dev))
             sums = dict(zip(keys, vec.tolist()))
@@ -354,7 +371,7 @@ class HartsEngine:
         }
         metrics.update({k: v for k, v in sums.items() if k.startswith("loss_fn/")})
         metrics.update({k: int(v) for k, v in sums.items() if k.startswith("cp_states/")})
-        metrics.update(_rollout_metrics(step, lp_all, self.step))
+        metrics.update(_rollout_metrics(step, lp_all, self.step, ent_all))
         return EngineOutput(total, lp_all.cpu(), metrics)
 
     def _sum_over_dp(self, t: torch.Tensor) -> torch.Tensor:
@@ -367,6 +384,14 @@ class HartsEngine:
         """Current log-probs of every target of ``rollouts``, float32 [P] in the caller's order."""
         with torch.no_grad():
             return self.forward_backward(rollouts, forward_only=True).logprobs
+
+    def reference_policy(self):
+        """A frozen copy of the model as it is now, scoring through this engine's step path
+        (:class:`~harts_runtime.engine.reference.ReferencePolicy`: ``ref.logprobs(rollouts)``,
+        ``ref.attach(rollouts)`` for a KL term); one more copy of the weights in memory."""
+        from harts_runtime.engine.reference import ReferencePolicy
+
+        return ReferencePolicy(self)
 
     # ------------------------------------------------------------------ optimizer
     def grad_norm(self) -> float:
@@ -560,13 +585,27 @@ def _read_rng(file) -> dict:
     return state
 
 
-def _rollout_metrics(step: StepInputs, logprobs: torch.Tensor, version: int) -> dict:
-    """The train / rollout mismatch (with behaviour log-probs; version lags against ``version``, the
+def _rollout_metrics(step: StepInputs, logprobs: torch.Tensor, version: int, entropy=None) -> dict:
+    """The objective's statistics (``objective/*``: :mod:`harts_runtime.loss.statistics`), the
+    train / rollout mismatch (with behaviour log-probs; version lags against ``version``, the
     optimizer steps taken) and the routing-replay counts of a step."""
     from harts_runtime.loss.correction import mismatch_metrics
+    from harts_runtime.loss.statistics import step_statistics
     from harts_runtime.ops.router import replay_metrics
 
     out = replay_metrics(step)
+    out.update(
+        step_statistics(
+            logprobs,
+            step.old_logprobs,
+            step.advantages,
+            step.loss_mask,
+            step.cu_seqlens,
+            step.config,
+            ref_logprobs=step.ref_logprobs,
+            entropy=entropy,
+        )
+    )
     if step.behaviour_logprobs is not None:
         out.update(
             mismatch_metrics(

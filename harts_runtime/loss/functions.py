@@ -68,6 +68,13 @@ class MicrobatchInputs:
     """float32 [P_mb]: the rollout engine's log-probs (importance correction), or None."""
     weight_versions: torch.Tensor | None = None
     """int64 [P_mb]: the weight version that sampled each target (< 0: none), or None."""
+    entropy: torch.Tensor | None = None
+    """float32 [P_mb]: the current policy's full-vocabulary entropy at each target, attached to the
+    graph (computed only when the step's config asks: ``entropy_coef`` or ``entropy_metric``), or
+    None."""
+    mask_total: float = 0.0
+    """The step's loss-masked targets (over every microbatch): a microbatch's mean over its masked
+    targets times ``(its masked targets) / mask_total`` is its share of the step's token mean."""
 
 
 LossFn = Callable[[torch.Tensor, MicrobatchInputs], "torch.Tensor | tuple[torch.Tensor, dict]"]
@@ -90,14 +97,16 @@ def make_policy_loss_fn(config: PolicyLossConfig | None = None) -> LossFn:
             cfg,
             inputs.ref_logprobs,
             inputs.behaviour_logprobs,
+            inputs.entropy,
+            token_mask=inputs.loss_mask,
         )
-        # pg_loss and kl are already shares of the step loss; the means become weighted shares (a
-        # maximum is no share: the step's is in the engine's mismatch/ratio_max)
+        # pg_loss, kl_loss and entropy_loss are already shares of the step loss; the token means
+        # become shares of the step's token means (a maximum is no share: the step's is in the
+        # engine's mismatch/ratio_max)
         metrics.pop("is_ratio_max", None)
-        share = (
-            inputs.weights.sum() / inputs.weight_total if inputs.weight_total else inputs.weights.sum() * 0
-        )
-        for name in ("clipfrac", "approx_kl", "is_k3", "is_clipped", "is_masked"):
+        n = inputs.loss_mask.sum().to(logprobs.dtype)
+        share = n / inputs.mask_total if inputs.mask_total else n * 0
+        for name in ("clipfrac", "approx_kl", "kl", "entropy", "is_k3", "is_clipped", "is_masked"):
             if name in metrics:
                 metrics[name] = metrics[name] * share
         return loss, metrics

@@ -27,6 +27,11 @@ Two implementations, each one function with an optional tensor-parallel (vocabul
   the chunk's logits for the row logsumexps, and one in-place pass that turns them into their
   gradient (:class:`ChunkedLMHeadLogProbs`).
 
+The entropy of the full distribution, ``H_s = lse(z_c) - sum_v softmax(z_c)_v z_{c,v}`` with
+``c = m(s)`` (an entropy bonus, its metric), is :func:`lm_head_entropy`: once per compact row, a
+second pass over the row chunks' logits (its own GEMM, forward and again in backward), then mapped
+to the targets as the log-probs are; only when the objective asks for it (one process).
+
 With ``group`` (vocabulary parallelism, Section 3.5) each TP rank holds the columns
 ``[vocab_start, vocab_start + V_r)`` (logits, or rows of the LM-head weight) and labels are global
 ids. Each rank computes its local logsumexp ``l_r`` per row and the target logits it owns (zero
@@ -58,7 +63,9 @@ __all__ = [
     "ChunkedLMHeadLogProbs",
     "LogProbTargets",
     "MappedLogProbs",
+    "ChunkedLMHeadEntropy",
     "expanded_logprobs",
+    "lm_head_entropy",
     "lm_head_logprobs",
     "mapped_logprobs",
     "targets_from_batch",
@@ -452,3 +459,57 @@ def lm_head_logprobs(
     return ChunkedLMHeadLogProbs.apply(
         hidden, weight, row_index, labels, order, bounds, int(rows), int(vocab_start), group, fused
     )
+
+
+class ChunkedLMHeadEntropy(torch.autograd.Function):
+    """``H[c] = -sum_v p_{c,v} log p_{c,v}`` with ``log p = z - lse(z)``, ``z = hidden @ W^T``,
+    row chunk by row chunk (temporaries ``[rows, V]`` in float32; float64 for float64 hidden).
+
+    forward(hidden [N, D], weight [V, D], rows) -> [N]. Backward recomputes each chunk's logits:
+    ``dH/dz_{c,v} = -p_{c,v} (log p_{c,v} + H_c)`` (``z - E_p[z]`` written without cancellation),
+    so ``dz = -g_c p (log p + H)``, then ``dhidden = dz @ W`` and ``dW += dz^T @ hidden`` (fp32
+    accumulation). One GEMM of ``N x D x V`` forward and three backward: the LM head's cost again.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, rows):
+        acc = _compute_dtype(hidden.dtype)
+        n = hidden.shape[0]
+        ent = torch.empty(n, device=hidden.device, dtype=acc)
+        lse = torch.empty(n, device=hidden.device, dtype=acc)
+        for a in range(0, n, rows):
+            z = (hidden[a : a + rows] @ weight.t()).to(acc)
+            lse[a : a + rows] = torch.logsumexp(z, -1)
+            logp = z.sub_(lse[a : a + rows, None])
+            ent[a : a + rows] = -(torch.exp(logp) * logp).sum(-1)
+        ctx.save_for_backward(hidden, weight, lse, ent)
+        ctx.rows = rows
+        return ent
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, lse, ent = ctx.saved_tensors
+        acc, rows = lse.dtype, ctx.rows
+        g = grad.to(acc)
+        dh = torch.empty_like(hidden)
+        dw = torch.zeros(weight.shape, device=weight.device, dtype=acc)
+        for a in range(0, hidden.shape[0], rows):
+            h = hidden[a : a + rows]
+            logp = (h @ weight.t()).to(acc).sub_(lse[a : a + rows, None])
+            d = torch.exp(logp).mul_(logp.add_(ent[a : a + rows, None])).mul_(-g[a : a + rows, None])
+            d = d.to(hidden.dtype)
+            dh[a : a + rows] = d @ weight
+            dw = _add_product(dw, d.t(), h)
+        return dh, dw.to(weight.dtype), None
+
+
+def lm_head_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, row_index: torch.Tensor, rows: int = 1024
+) -> torch.Tensor:
+    """Full-vocabulary entropy of the LM head's distribution at every target, float32 (float64 for
+    float64 hidden) ``[P]``: each compact row's entropy computed once
+    (:class:`ChunkedLMHeadEntropy`) and read by its targets (``row_index`` [P]; a row shared by
+    several targets gets their gradients summed). Differentiable in ``hidden`` and ``weight``.
+    One process: ``weight`` is the whole ``[V, D]`` head and ``hidden`` every row of the
+    microbatch."""
+    return ChunkedLMHeadEntropy.apply(hidden, weight, int(rows))[row_index]

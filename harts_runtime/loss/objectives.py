@@ -18,6 +18,12 @@ Reductions (``loss_agg_mode``, as in verl's ``agg_loss``), for a per-token loss 
   trajectory, the padded width of a [N, L] batch);
 * ``sum``: ``sum(l m)``.
 
+The per-token loss is ``l_t = w^IS_t pg_t + kl_coef KL_t - entropy_coef H_t``
+(:func:`policy_loss`): the clipped surrogate ``pg`` (times the importance weight of
+:mod:`harts_runtime.loss.correction`), the KL estimate against the reference policy's log-probs
+(:func:`kl_penalty`, :data:`KL_ESTIMATORS`) and the full-vocabulary entropy ``H`` (an entropy
+bonus: :func:`harts_runtime.loss.logprobs.lm_head_entropy`), all aggregated alike.
+
 Each mode is written once, as per-token weights ``w`` (:func:`aggregation_weights`) with
 ``aggregate(l, m, cu, mode) == sum(w * l)``: the train step computes the weights once for the
 whole step and sums ``w_t * l_t`` microbatch by microbatch (``harts_runtime.train``).
@@ -35,6 +41,7 @@ from harts_runtime.loss.correction import IS_CORRECTIONS, IS_NUMERATORS, importa
 
 __all__ = [
     "AGG_MODES",
+    "KL_ESTIMATORS",
     "PolicyLossConfig",
     "aggregate",
     "aggregation_weights",
@@ -49,6 +56,8 @@ __all__ = [
 ]
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "sum")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low-var-kl")
+"""The per-token estimators of ``KL(current || reference)`` (:func:`kl_penalty`)."""
 
 
 def _seq_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -109,20 +118,21 @@ def aggregate(
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token KL(current || reference) estimate [T].
+    """Per-token KL(current || reference) estimate [T] on the current policy's samples.
 
-    ``k1``: ``lp - ref``; ``k2``: ``(lp - ref)^2 / 2``; ``k3`` (low-variance, as GRPO):
-    ``exp(ref - lp) - (ref - lp) - 1`` clamped to [-10, 10].
+    With ``d = lp - ref``: ``k1``: ``d``; ``k2``: ``d^2 / 2``; ``k3`` (low-variance, as GRPO;
+    ``low-var-kl`` is verl's name for the same estimator): ``exp(-d) + d - 1``, ``-d`` clamped to
+    [-20, 20] and the result to [-10, 10].
     """
     d = logprobs - ref_logprobs
     if estimator == "k1":
         return d
     if estimator == "k2":
         return 0.5 * d.square()
-    if estimator == "k3":
+    if estimator in ("k3", "low-var-kl"):
         r = (-d).clamp(-20.0, 20.0)
         return (torch.exp(r) - r - 1.0).clamp(-10.0, 10.0)
-    raise InvalidInputError("kl_estimator", f"unknown {estimator!r}; choose k1, k2 or k3")
+    raise InvalidInputError("kl_estimator", f"unknown {estimator!r}; choose one of {KL_ESTIMATORS}")
 
 
 @dataclass(kw_only=True)
@@ -135,10 +145,39 @@ class PolicyLossConfig:
     """Upper clip: ratio <= 1 + clip_ratio_high (None: same as low; DAPO uses a larger one)."""
     clip_ratio_c: float | None = None
     """Dual-clip bound c > 1 for negative advantages (None: off)."""
-    kl_coef: float = 0.0
-    """Weight of the KL-to-reference penalty in the loss (GRPO); needs ``ref_logprobs``."""
-    kl_estimator: str = "k3"
-    """``k1``, ``k2`` or ``k3``."""
+    kl_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "weight of the KL-to-reference term added to every loss token (0: off; needs "
+            "ref_logprobs, e.g. from harts_runtime.engine.reference.ReferencePolicy)"
+        },
+    )
+    """Weight of the KL-to-reference penalty in the loss (``>= 0``; 0: off); needs ``ref_logprobs``."""
+    kl_estimator: str = field(
+        default="k3",
+        metadata={
+            "help": "per-token KL estimator: k1 (lp - ref), k2 ((lp - ref)^2 / 2), k3 or low-var-kl "
+            "(exp(ref - lp) - (ref - lp) - 1, clamped to [-10, 10])",
+            "choices": KL_ESTIMATORS,
+        },
+    )
+    """:data:`KL_ESTIMATORS` (:func:`kl_penalty`)."""
+    entropy_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "weight of the entropy bonus subtracted on every loss token (0: off; on costs one "
+            "more pass over the vocabulary per compact row, forward and backward; one process)"
+        },
+    )
+    """Entropy bonus ``>= 0``: ``- entropy_coef * H`` per token (``H`` the full-vocabulary entropy)."""
+    entropy_metric: bool = field(
+        default=False,
+        metadata={
+            "help": "report the policy's entropy over the loss tokens even without a bonus (one more "
+            "forward pass over the vocabulary per compact row; one process)"
+        },
+    )
+    """Compute the per-token entropy for the ``objective/entropy`` metric when ``entropy_coef`` is 0."""
     loss_agg_mode: str = "token-mean"
     """One of :data:`AGG_MODES`."""
     loss_norm: float | None = None
@@ -177,7 +216,20 @@ class PolicyLossConfig:
     )
     """:data:`~harts_runtime.loss.correction.IS_NUMERATORS`."""
 
+    @property
+    def wants_entropy(self) -> bool:
+        """Whether a step computes the per-token entropy (a bonus or the metric)."""
+        return bool(self.entropy_coef) or bool(self.entropy_metric)
+
     def __post_init__(self):
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise InvalidInputError(
+                "kl_estimator", f"unknown {self.kl_estimator!r}; choose one of {KL_ESTIMATORS}"
+            )
+        for name in ("kl_coef", "entropy_coef"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise InvalidInputError(name, f"must be a finite number >= 0, got {v!r}")
         if self.is_correction not in IS_CORRECTIONS:
             raise InvalidInputError(
                 "is_correction", f"unknown {self.is_correction!r}; choose one of {IS_CORRECTIONS}"
@@ -204,9 +256,13 @@ def policy_loss(
     config: PolicyLossConfig | None = None,
     ref_logprobs: torch.Tensor | None = None,
     behaviour_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    token_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Clipped surrogate (times the importance weight of ``config.is_correction``) plus an optional
-    KL penalty, reduced by ``config.loss_agg_mode``.
+    KL penalty and entropy bonus, every per-token term reduced by ``config.loss_agg_mode``::
+
+        l_t = w_t * pg_t + kl_coef * KL_t - entropy_coef * H_t,   loss = aggregate(l, mask)
 
     Parameters
     ----------
@@ -215,25 +271,37 @@ def policy_loss(
     old_logprobs, advantages : Tensor, [T]
         From the rollout policy and the advantage estimator (no gradient).
     mask : Tensor, bool or float, [T]
-        Action/loss mask.
+        Action/loss mask (or, under ``loss_agg_mode="sum"``, the step's aggregation weights).
     cu_seqlens : Tensor, int, [N + 1]
         Trajectory boundaries.
     ref_logprobs : Tensor, [T], optional
-        Reference-policy log-probs, for ``config.kl_coef > 0``.
+        Reference-policy log-probs, for ``config.kl_coef > 0`` (with them ``kl`` is reported).
     behaviour_logprobs : Tensor, [T], optional
         The rollout engine's log-probs, for ``config.is_correction != "none"``
         (:mod:`harts_runtime.loss.correction`); with them the mismatch metrics are reported.
+    entropy : Tensor, [T], optional
+        The current policy's full-vocabulary entropy at each token (attached to the graph;
+        :func:`harts_runtime.loss.logprobs.lm_head_entropy`), for ``config.entropy_coef > 0``.
+    token_mask : Tensor, bool, [T], optional
+        The tokens the metrics' means run over (default: ``mask != 0``).
 
     Returns
     -------
     (loss, metrics) : scalar Tensor, dict of detached scalars
-        ``pg_loss``, ``kl`` (when used), ``clipfrac``, ``approx_kl`` (k3 of old vs current); with
-        behaviour log-probs ``is_k3`` (the mismatch's k3 mean), ``is_ratio_max`` and ``is_clipped``
-        (TIS) or ``is_masked`` (MIS), means over the masked tokens.
+        ``pg_loss``; ``kl_loss`` (the aggregated KL term) when ``kl_coef > 0``; ``entropy_loss``
+        (the aggregated entropy) when ``entropy_coef > 0``; means over the masked tokens:
+        ``clipfrac`` (the share of tokens whose clipped term is the larger), ``approx_kl`` (k3 of
+        old vs current), ``kl`` (the KL estimate, with ``ref_logprobs``), ``entropy`` (with
+        ``entropy``); with behaviour log-probs ``is_k3`` (the mismatch's k3 mean), ``is_ratio_max``
+        and ``is_clipped`` (TIS) or ``is_masked`` (MIS).
     """
     cfg = config or PolicyLossConfig()
     if cfg.is_correction != "none" and behaviour_logprobs is None:
         raise InvalidInputError("behaviour_logprobs", f"required by is_correction={cfg.is_correction!r}")
+    if cfg.kl_coef and ref_logprobs is None:
+        raise InvalidInputError("ref_logprobs", "required when kl_coef != 0")
+    if cfg.entropy_coef and entropy is None:
+        raise InvalidInputError("entropy", "required when entropy_coef != 0")
     high = cfg.clip_ratio_low if cfg.clip_ratio_high is None else cfg.clip_ratio_high
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
@@ -246,36 +314,37 @@ def policy_loss(
         w, d, cut = importance_weights(logprobs, behaviour_logprobs, mask, cu_seqlens, cfg, old_logprobs)
         if cfg.is_correction != "none":
             pg = pg * w
-    pg_loss = aggregate(pg, mask, cu_seqlens, cfg.loss_agg_mode, cfg.loss_norm)
+    agg = lambda x: aggregate(x, mask, cu_seqlens, cfg.loss_agg_mode, cfg.loss_norm)
+    pg_loss = agg(pg)
     loss = pg_loss
-    m = mask.to(logprobs.dtype)
-    total = m.sum()  # float aggregation weights may sum below 1: only an empty mask is guarded
-    count = torch.where(total > 0, total, torch.ones_like(total))
+    m = ((mask != 0) if token_mask is None else token_mask.bool()).to(logprobs.dtype)
+    total = m.sum()
+    count = torch.where(total > 0, total, torch.ones_like(total))  # an empty mask: means of 0
+    mean = lambda x: ((x.detach().to(m.dtype) * m).sum() / count).detach()
     metrics = {
         "pg_loss": pg_loss.detach(),
-        "clipfrac": ((pg2 > pg1).to(m.dtype) * m).sum().detach() / count,
-        "approx_kl": ((kl_penalty(logprobs, old_logprobs, "k3") * m).sum() / count).detach(),
+        "clipfrac": mean((pg2 > pg1).to(m.dtype)),
+        "approx_kl": mean(kl_penalty(logprobs, old_logprobs, "k3")),
     }
     if behaviour_logprobs is not None:
-        metrics["is_k3"] = ((torch.exp(d) - 1.0 - d) * m).sum() / count
-        metrics["is_ratio_max"] = (
-            torch.exp(d.masked_fill(~mask.bool(), -torch.inf).max()) if d.numel() else d.sum()
-        )
+        metrics["is_k3"] = mean(torch.exp(d) - 1.0 - d)
+        metrics["is_ratio_max"] = torch.exp(d.masked_fill(m == 0, -torch.inf).max()) if d.numel() else d.sum()
         if cfg.is_correction != "none":
             key = "is_clipped" if cfg.is_correction.endswith("-tis") else "is_masked"
-            metrics[key] = (cut.to(m.dtype) * m).sum() / count
-    if cfg.kl_coef:
-        if ref_logprobs is None:
-            raise InvalidInputError("ref_logprobs", "required when kl_coef != 0")
-        kl = aggregate(
-            kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator),
-            mask,
-            cu_seqlens,
-            cfg.loss_agg_mode,
-            cfg.loss_norm,
-        )
-        loss = loss + cfg.kl_coef * kl
-        metrics["kl"] = kl.detach()
+            metrics[key] = mean(cut.to(m.dtype))
+    if ref_logprobs is not None:
+        kl_t = kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator)
+        metrics["kl"] = mean(kl_t)
+        if cfg.kl_coef:
+            kl = agg(kl_t)
+            loss = loss + cfg.kl_coef * kl
+            metrics["kl_loss"] = kl.detach()
+    if entropy is not None:
+        metrics["entropy"] = mean(entropy)
+        if cfg.entropy_coef:
+            ent = agg(entropy.to(logprobs.dtype))
+            loss = loss - cfg.entropy_coef * ent
+            metrics["entropy_loss"] = ent.detach()
     return loss, metrics
 
 

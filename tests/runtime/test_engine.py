@@ -41,7 +41,9 @@ def test_forward_backward_is_the_train_step():
     assert out.loss == pytest.approx(r.loss, rel=1e-6)
     assert out.metrics["rows"] == r.rows and out.metrics["microbatches"] == r.num_microbatches >= 2
     m, kl_coef = out.metrics, step.config.kl_coef  # the loss function's metrics are step sums of shares
-    assert m["loss_fn/pg_loss"] + kl_coef * m["loss_fn/kl"] == pytest.approx(m["policy_loss"], rel=1e-5)
+    assert m["loss_fn/pg_loss"] + kl_coef * m["loss_fn/kl_loss"] == pytest.approx(m["policy_loss"], rel=1e-5)
+    assert m["loss_fn/kl"] == pytest.approx(m["objective/kl"], rel=1e-5)  # token means, two ways
+    assert m["loss_fn/clipfrac"] == pytest.approx(m["objective/clipfrac"], abs=1e-6)
     assert 0.0 <= m["loss_fn/clipfrac"] <= 1.0
     for (n, p), q in zip(engine.model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0, msg=lambda m, n=n: f"d{n}: {m}")
