@@ -8,10 +8,10 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
-from torch import nn
 
 from harts_runtime.engine import process_state
 from harts_runtime.engine.config import EngineConfig
@@ -23,6 +23,11 @@ from harts_runtime.loss.objectives import PolicyLossConfig
 from harts_runtime.microbatch import make_microbatch, run_microbatch
 from harts_runtime.rollouts import Rollouts
 from harts_runtime.step_inputs import StepInputs
+
+if TYPE_CHECKING:
+    from harts_runtime.models import HybridModel
+    from harts_runtime.parallel.context import RowMap
+    from harts_runtime.parallel.dims import ParallelMesh
 
 __all__ = ["EngineOutput", "HartsEngine", "StepReport"]
 
@@ -61,7 +66,14 @@ class HartsEngine:
     optimizer instead of an AdamW built from ``config.optimizer``.
     """
 
-    def __init__(self, model: nn.Module, config: EngineConfig | None = None, *, mesh=None, optimizer=None):
+    def __init__(
+        self,
+        model: HybridModel,
+        config: EngineConfig | None = None,
+        *,
+        mesh: ParallelMesh | None = None,
+        optimizer=None,
+    ):
         from harts_runtime.recompute import apply_recompute
 
         self.config = cfg = config or EngineConfig()
@@ -320,7 +332,9 @@ class HartsEngine:
                 if self.cp > 1:  # every row's hidden state, not only this CP rank's rows
                     from harts_runtime.parallel.context import gather_cp
 
-                    held = self.model._harts_cp_rows.get(mb.layout.num_rows)
+                    assert self.mesh is not None  # cp > 1 only with a mesh
+                    row_map = cast("RowMap", self.model._harts_cp_rows)  # set by apply_cp_rows
+                    held = row_map.get(mb.layout.num_rows)
                     st["hidden"] = gather_cp(st["hidden"], self.mesh.cp, held)
                 keep_hidden(st)
             if progress is not None:
@@ -377,6 +391,7 @@ class HartsEngine:
     def _sum_over_dp(self, t: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
+        assert self.mesh is not None  # summed over DP only with a mesh
         dist.all_reduce(t, group=self.mesh.dp.get_group())
         return t
 
@@ -424,7 +439,7 @@ class HartsEngine:
             self.optimizer.zero_grad(set_to_none=True)
             for m in self.model.modules():
                 if hasattr(m, "local_tokens_per_expert"):
-                    m.local_tokens_per_expert.zero_()
+                    m.get_buffer("local_tokens_per_expert").zero_()
             return StepReport(self.step, norm, lr, True, f"non-finite gradient norm {norm}; step skipped")
         if clip is not None and norm > clip:
             coef = clip / (norm + 1e-6)
@@ -443,7 +458,7 @@ class HartsEngine:
         for (
             moe
         ) in self.model.moe_layers():  # per-step counts (update_expert_bias resets them only with a bias)
-            moe.local_tokens_per_expert.zero_()
+            moe.get_buffer("local_tokens_per_expert").zero_()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return StepReport(self.step, norm, lr)
@@ -569,7 +584,7 @@ def _read_rng(file) -> dict:
 
     rec = load_weights_only(file, allow=numpy_array_globals())
     try:
-        state = {"torch": rec["torch"]}
+        state: dict[str, Any] = {"torch": rec["torch"]}
         npy = rec["numpy"]
         if isinstance(npy, dict):
             keys = npy["keys"].numpy() if torch.is_tensor(npy["keys"]) else np.asarray(npy["keys"])
@@ -579,7 +594,8 @@ def _read_rng(file) -> dict:
         state["numpy"] = tuple(npy)
         if "cuda" in rec:
             state["cuda"] = list(rec["cuda"])
-        np.random.RandomState().set_state(state["numpy"])  # checks it before it is applied
+        # numpy types the state as an exact 5-tuple; this one is as read, and set_state checks it.
+        np.random.RandomState().set_state(cast(Any, state["numpy"]))  # checks it before it is applied
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         raise InvalidInputError(file.name, f"{file} is not an RNG state ({type(e).__name__}: {e})") from None
     return state
