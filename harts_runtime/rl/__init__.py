@@ -18,9 +18,15 @@ One job per module:
 """
 
 import importlib
+from typing import TYPE_CHECKING
 
 from harts_runtime.rl.config import RLConfig
 from harts_runtime.rl.environment import Task
+
+if TYPE_CHECKING:  # the lazy names below, for type checkers
+    from harts_runtime.rl.loop import RLRun
+    from harts_runtime.rl.rollout_engine import Frontier, RolloutEngine, SyncError, check_sync
+    from harts_runtime.rl.source import OnlineSource
 
 __all__ = [
     "Frontier",

@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -145,7 +146,7 @@ class RLRun:
         self.chunk_size = job.resolve(config.device, "online", chunk_size=self.source.chunk_size).chunk_size
         self.source.trained_chunk_size = self.chunk_size
         source = config.model if config.model is not None else config.flavor
-        layers = {} if config.layers is None else {"num_layers": config.layers}
+        layers: dict[str, Any] = {} if config.layers is None else {"num_layers": config.layers}
         self.engine = HartsEngine.build(
             source,
             _engine_config(opts, config.steps),

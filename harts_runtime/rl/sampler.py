@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -246,5 +247,5 @@ class TreeSampler:
                 lf.turn_rewards = [float(v) for v in r]
                 lf.reward = float(sum(lf.turn_rewards))
             else:
-                lf.reward = float(r)
+                lf.reward = float(cast(float, r))  # a number: check_reward refused anything else
         return leaves

@@ -13,15 +13,19 @@ The job loop that runs it is :func:`harts_runtime.trainer.job.run_job`.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from harts_runtime.rl.advantages import advantages
 from harts_runtime.rl.config import RLConfig
-from harts_runtime.rl.rollout_engine import check_sync
+from harts_runtime.rl.rollout_engine import RolloutEngine, check_sync
 from harts_runtime.rl.sampler import Leaf, TreeSampler
 from harts_runtime.rl.tasks import make_task
+
+if TYPE_CHECKING:
+    from harts_runtime.rollouts import Rollouts
 
 __all__ = ["OnlineSource", "tree_chunk_size"]
 
@@ -59,12 +63,12 @@ class OnlineSource:
             config.seed,
             max_step_tokens=config.max_step_tokens,
         )
-        self.rollout = None
+        self.rollout: RolloutEngine | None = None
         self.trained_chunk_size: int | None = None
         """The chunk size the engine trains at (set by who builds the engine; in the records)."""
         self.last_leaves: list[Leaf] = []
         self.last_output = None
-        self._rollouts = None
+        self._rollouts: Rollouts | None = None
         self._times = (0.0, 0.0)
         self._sync = (0.0, 0.0)
 
@@ -88,7 +92,7 @@ class OnlineSource:
         from harts_runtime.rollouts import Rollouts
 
         adv = advantages(self.config.advantage, leaves, self.forks)
-        kw = dict(
+        kw: dict[str, Any] = dict(
             advantages=[lf.per_token(a) for lf, a in zip(leaves, adv)],
             loss_mask=[lf.loss_mask() for lf in leaves],
             vocab_size=engine.vocab_size,
@@ -97,6 +101,7 @@ class OnlineSource:
             kw["old_logprobs"] = [np.minimum(lf.per_token(), 0.0) for lf in leaves]
         ro = Rollouts.from_lists([lf.tokens for lf in leaves], **kw)
         if old_logprobs is not None:
+            assert ro.loss_mask is not None  # given above
             ro.old_logprobs = torch.where(
                 ro.loss_mask, old_logprobs.float(), torch.zeros_like(old_logprobs.float())
             )
@@ -125,6 +130,7 @@ class OnlineSource:
 
     def sync(self, engine) -> None:
         """Push the trainer's weights to the rollout engine."""
+        assert self.rollout is not None  # attach() made it
         self.rollout.load_weights(engine.export_weights(names="transformers"))
 
     def after_step(self, engine, result, report) -> None:
@@ -135,6 +141,7 @@ class OnlineSource:
         diff = 0.0
         leaves = self.last_leaves
         if self.config.sync_sequences:
+            assert self.rollout is not None  # attach() made it
             seqs = [lf.tokens for lf in leaves[:: max(1, len(leaves) // self.config.sync_sequences)]]
             diff = check_sync(
                 engine, self.rollout, seqs[: self.config.sync_sequences], self._sync_atol(engine)
@@ -143,6 +150,7 @@ class OnlineSource:
 
     def record(self, step: int, result, report, seconds: dict) -> dict:
         leaves, ro = self.last_leaves, self._rollouts
+        assert ro is not None  # next_step() made them
         self.last_output = result
         rewards = np.array([lf.reward for lf in leaves])
         m = result.metrics

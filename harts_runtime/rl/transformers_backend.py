@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 import torch
 
@@ -46,7 +47,7 @@ def _quiet_transformers() -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
-def _decode_numbers(value):
+def _decode_numbers(value: Any) -> Any:
     """``value`` (a config.json value) with transformers' spelling of a non-finite number,
     ``{"__float__": "Infinity"}``, read as the float (``AutoConfig.for_model`` takes keywords, not
     JSON, and refuses the mapping); lists and mappings are decoded throughout."""
@@ -142,7 +143,8 @@ class TransformersRollout(RolloutEngine):
             lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None].to(self.device))[..., 0]
             for j, i in enumerate(rows):
                 out[i] = lp[j].cpu()
-        return out
+        assert all(t is not None for t in out)  # every sequence is in one length group
+        return cast(list[torch.Tensor], out)
 
     def open(self, prompts: Sequence[Sequence[int]]) -> Frontier:
         return _Frontier(self, prompts)
