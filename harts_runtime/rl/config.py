@@ -42,6 +42,7 @@ BOUNDS: dict[str, tuple[int, int]] = {
     "chunk_size": (1, 1024),
     "max_leaves": (1, 1 << 24),
     "max_step_tokens": (1, 1 << 32),
+    "max_staleness": (0, 64),
 }
 """The integer keys' ranges ``[lo, hi]`` (``chunk_size`` is also a power of two). ``forks``: at
 most :data:`MAX_FORK_ENTRIES` turns, each in ``[0, MAX_TURNS)``, each ``k`` in ``[1, MAX_K]``, the
@@ -129,6 +130,10 @@ class RLConfig:
     sync_atol: float | None = None
     """The sync check's tolerance on log-probs (None: 2e-3 for float32 weights, 1.0 for 16-bit ones,
     where the rollout engine's kernels and HARTS's differ by ~0.5 on the same weights)."""
+    max_staleness: int = 0
+    """Asynchronous RL: sampling runs up to this many weight versions ahead of training (a sampler
+    thread, :class:`harts_runtime.rl.async_source.AsyncSource`); a step's tokens are at most this
+    many optimizer steps older than the weights that train them. 0: the synchronous loop."""
     save_every: int = 0
     """Checkpoint every this many steps (0: only at the end)."""
     chunk_size: int | None = None
@@ -172,6 +177,7 @@ class RLConfig:
             "save_every",
             "max_leaves",
             "max_step_tokens",
+            "max_staleness",
         ):
             setattr(self, name, _int(name, getattr(self, name), *BOUNDS[name]))
         if self.layers is not None:
