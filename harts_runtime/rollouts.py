@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from harts_runtime.errors import InvalidInputError
-from harts_runtime.token_range import check_token_range
+from harts_runtime.token_range import TOKEN_LIMIT, check_token_range
 
 __all__ = ["FIELDS", "Rollouts"]
 
@@ -426,14 +426,32 @@ class Rollouts:
         """The ``harts_planner.RolloutBatch`` of the token ids (HARTS's ingestion finds the trees).
         Token ids are int32 there: one at or above 2^31 (or below 0) raises
         :class:`InvalidInputError` naming it (it used to wrap: 2^32 + 5 became 5)."""
-        import harts_planner as hp
+        from harts_planner.batch import RolloutBatch
 
         check_token_range(np.asarray(self.tokens), np.asarray(self.offsets), None, "tokens")
-        return hp.RolloutBatch.from_arrays(self.tokens.astype(np.int32), self.offsets)
+        return RolloutBatch.from_arrays(self.tokens.astype(np.int32), self.offsets)
+
+    def checked_step_inputs(self, vocab_size: int, objective: str = "grpo", loss_config=None):
+        """:meth:`check` against the model's vocabulary, then :meth:`step_inputs` of the checked
+        fields without checking them again: a step's one check of its rollouts (the engine's,
+        :meth:`HartsEngine.step_inputs <harts_runtime.engine.HartsEngine.step_inputs>`). The
+        :class:`~harts_runtime.step_inputs.StepInputs` records its fields as checked; one edited in
+        place through torch afterwards is checked again when the engine next takes it."""
+        from harts_planner.batch import RolloutBatch
+
+        self.check(vocab_size)
+        if vocab_size > TOKEN_LIMIT:  # the int32 range is not implied by the vocabulary's
+            batch = self.batch()
+        else:
+            batch = RolloutBatch.from_arrays(self.tokens.astype(np.int32), self.offsets)
+        return self._step_inputs(objective, loss_config, batch, vocab_size)
 
     def step_inputs(self, objective: str = "grpo", loss_config=None, batch=None):
         """A :class:`~harts_runtime.step_inputs.StepInputs` of these rollouts (missing fields: zero
-        advantages, all-ones mask, old log-probs 0, no reference)."""
+        advantages, all-ones mask, old log-probs 0, no reference), checked as it is built."""
+        return self._step_inputs(objective, loss_config, batch, None)
+
+    def _step_inputs(self, objective, loss_config, batch, checked_vocab):
         from harts_runtime.step_inputs import StepInputs
 
         p = self.num_targets
@@ -450,6 +468,7 @@ class Rollouts:
             behaviour_logprobs=self.behaviour_logprobs,
             weight_versions=self.weight_versions,
             routes=self.routes,
+            _checked_vocab=checked_vocab,
         )
 
 

@@ -10,7 +10,7 @@ contributions add up to the whole-step loss (see :mod:`harts_runtime.train`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import numpy as np
 import torch
@@ -84,8 +84,13 @@ class StepInputs:
     """int [S, M, k] per *token* the experts the rollout engine routed it to in each of the M MoE
     layers (-1: not known), for routing replay (:mod:`harts_runtime.ops.router`), or None."""
     _cache: dict = field(default_factory=dict, repr=False)
+    _checked_vocab: InitVar[int | None] = None
+    """Given only by :meth:`Rollouts.checked_step_inputs
+    <harts_runtime.rollouts.Rollouts.checked_step_inputs>`, whose :meth:`~harts_runtime.rollouts.Rollouts.check`
+    just ran the same checks on these fields and tokens (against this vocabulary size): they are
+    recorded as checked instead of checked again (one check per step)."""
 
-    def __post_init__(self):
+    def __post_init__(self, _checked_vocab: int | None = None):
         b = self.batch
         if not isinstance(b, RolloutBatch):
             raise InvalidInputError("batch", f"must be a harts_planner.RolloutBatch, got {type(b).__name__}")
@@ -94,7 +99,11 @@ class StepInputs:
                 "batch", "needs its tokens (a RolloutBatch built from a SegmentTree has none)"
             )
         n = b.num_trajectories
-        self.check_values()
+        if _checked_vocab is None:
+            self.check_values()
+        else:  # checked by Rollouts.check a moment ago: recorded, not checked again
+            self._cache["fields_seen"] = self._fields_seen()
+            self._cache["tokens_checked"] = _checked_vocab
         if self.group_ids is not None and self.group_ids.numel() != n:
             raise InvalidInputError("group_ids", f"expected {n} entries, got {self.group_ids.numel()}")
         if self.objective not in ("grpo", "ppo"):
@@ -105,7 +114,7 @@ class StepInputs:
             raise InvalidInputError(
                 "behaviour_logprobs", f"required by is_correction={self.config.is_correction!r}"
             )
-        if self.routes is not None:
+        if self.routes is not None and _checked_vocab is None:
             from harts_runtime.ops.router import check_routes
 
             self.routes = check_routes(self.routes, b.semantic_tokens)

@@ -197,16 +197,16 @@ class HartsEngine:
         token ids checked against the model's vocabulary and its values checked: the step's one
         check (the microbatches below check nothing). A :class:`StepInputs` is checked again each
         time it comes in (its fields may have been edited in place since, even through ``.numpy()``);
-        a :class:`Rollouts` is checked by :meth:`Rollouts.check` and as its step is built.
+        a :class:`Rollouts` once, by :meth:`Rollouts.check` (:meth:`Rollouts.checked_step_inputs`:
+        its step is built without checking the same values again).
         ``objective=False`` (a forward-only step without a loss): the rollouts need none of the
         objective's fields (no ``ref_logprobs`` under a KL penalty)."""
         if isinstance(rollouts, StepInputs):
             step = rollouts
             step.check_values()
         elif isinstance(rollouts, Rollouts):
-            rollouts.check(self.vocab_size)
             loss_config = self.config.loss_config if objective else PolicyLossConfig()
-            step = rollouts.step_inputs(self.config.objective, loss_config)
+            step = rollouts.checked_step_inputs(self.vocab_size, self.config.objective, loss_config)
         else:
             raise InvalidInputError(
                 "rollouts", f"expected Rollouts or StepInputs, got {type(rollouts).__name__}"

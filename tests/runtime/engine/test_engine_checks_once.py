@@ -69,29 +69,44 @@ def test_the_call_plan_is_the_engines():
 
 @pytest.mark.parametrize("how", ["step_inputs", "rollouts"])
 def test_a_step_is_checked_once_not_per_microbatch(monkeypatch, how):
-    """One token check and one value check per step, however many microbatches (a Rollouts: its own
-    check, then its step's construction check; a StepInputs: checked again as it comes in)."""
+    """One value check and at most one token scan per step, however many microbatches: a Rollouts
+    by :meth:`Rollouts.check` alone (its step is built without checking the same values, routes or
+    tokens again); a StepInputs by :meth:`StepInputs.check_values` as it comes in (its tokens scanned
+    against the vocabulary at its first step, then remembered)."""
+    import harts_runtime.ops.router as router
+    import harts_runtime.rollouts as rollouts_module
+    import harts_runtime.step_inputs as step_inputs_module
+
     model, step = _model(), _step()
     if how == "rollouts":
         tokens, off = step.batch.tokens, step.batch.offsets
         trajs = [list(tokens[off[i] : off[i + 1]]) for i in range(step.batch.num_trajectories)]
         n = len(trajs)
-        step = Rollouts.from_lists(trajs, advantages=[1.0] * n, ref_logprobs=[-1.0] * n)
+        routes = [np.full((len(t), 0, 1), -1) for t in trajs]  # checked too: once
+        step = Rollouts.from_lists(trajs, advantages=[1.0] * n, ref_logprobs=[-1.0] * n, routes=routes)
     engine = HartsEngine(model, EngineConfig(capacity=CAP))
-    counts = {"check_tokens": 0, "check_values": 0, "check": 0}
-    for cls, name in ((StepInputs, "check_tokens"), (StepInputs, "check_values"), (Rollouts, "check")):
-        real = getattr(cls, name)
+    counts = {"values": 0, "tokens": 0, "routes": 0}
 
-        def counted(self, *a, _real=real, _name=name):
-            counts[_name] += 1
-            return _real(self, *a)
+    def count(owner, name, key):
+        real = getattr(owner, name)
 
-        monkeypatch.setattr(cls, name, counted)
+        def counted(*a, **k):
+            counts[key] += 1
+            return real(*a, **k)
+
+        monkeypatch.setattr(owner, name, counted)
+
+    count(StepInputs, "check_values", "values")
+    count(Rollouts, "check", "values")
+    count(rollouts_module, "check_token_range", "tokens")
+    count(step_inputs_module, "check_token_range", "tokens")
+    count(router, "check_routes", "routes")
     out = engine.forward_backward(step)
     assert out.metrics["microbatches"] >= 2  # several microbatches, one check each
-    assert counts == {"check_tokens": 1, "check_values": 1, "check": int(how == "rollouts")}
-    engine.forward_backward(step)  # and again the next step
-    assert counts == {"check_tokens": 2, "check_values": 2, "check": 2 * int(how == "rollouts")}
+    once = int(how == "rollouts")
+    assert counts == {"values": 1, "tokens": 1, "routes": once}
+    engine.forward_backward(step)  # and again the next step (a StepInputs' tokens are remembered)
+    assert counts == {"values": 2, "tokens": 1 + once, "routes": 2 * once}
 
 
 @pytest.mark.parametrize("how", ["step_inputs", "rollouts"])
