@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from harts_runtime import HybridModel, StepInputs, model_config
+from harts_runtime import HybridModel, InvalidInputError, StepInputs, model_config
 from harts_runtime.engine import EngineConfig, HartsEngine, ReferencePolicy
 from harts_runtime.loss.objectives import PolicyLossConfig
 from harts_runtime.rollouts import Rollouts
@@ -115,3 +115,21 @@ def test_entropy_bonus_gradient_is_the_naive_entropys():
     (want,) = torch.autograd.grad(loss, w)
     assert out.metrics["objective/entropy"] == pytest.approx(float(torch.cat(terms).mean()), rel=1e-5)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+
+
+def test_entropy_metric_alone_leaves_the_step_and_sharded_copies_are_refused():
+    rollouts = _rollouts(8)
+    outs = {}
+    for name, cfg in (("plain", PolicyLossConfig()), ("metric", PolicyLossConfig(entropy_metric=True))):
+        engine = HartsEngine(_model(), EngineConfig(capacity=CAP, loss_config=cfg))
+        outs[name] = (engine.forward_backward(rollouts), engine.model.lm_head.weight.grad.clone())
+    (plain, g0), (metric, g1) = outs["plain"], outs["metric"]
+    assert plain.loss == metric.loss and torch.equal(g0, g1)  # no bonus: the same step, bit for bit
+    assert "objective/entropy" not in plain.metrics and metric.metrics["objective/entropy"] > 0
+    engine.mesh = object()  # as a sharded engine: the copy and the entropy are one-process only
+    with pytest.raises(InvalidInputError) as e:
+        engine.reference_policy()
+    assert e.value.field == "reference"
+    with pytest.raises(InvalidInputError) as e:
+        engine.forward_backward(rollouts)
+    assert e.value.field == "entropy_coef"
