@@ -27,20 +27,31 @@ __all__ = ["ReferencePolicy"]
 
 
 class ReferencePolicy:
-    """A frozen copy of ``engine``'s model as it is now (module docstring).
+    """A frozen copy of ``engine``'s model as it is now (module docstring), or of ``model``: a
+    model of the same configuration and parallel layout (none) to freeze instead, e.g. the initial
+    weights rebuilt when a run resumes (its engine then holds trained weights); it is used as it
+    is, not copied.
 
     ``logprobs(rollouts)``: the reference log-probs of every target of ``rollouts`` (a
     :class:`~harts_runtime.rollouts.Rollouts` or a :class:`~harts_runtime.step_inputs.StepInputs`),
     float32 ``[P]`` in the caller's per-target order; ``attach(rollouts)`` stores them as the
     rollouts' ``ref_logprobs``."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, model=None):
         if engine.mesh is not None:
             raise InvalidInputError(
                 "reference", "a reference policy copies the model in one process only (no mesh)"
             )
+        if model is not None and (
+            model is engine.model
+            or getattr(model, "config", None) != engine.model.config
+            or getattr(model, "_harts_parallel", None) is not None
+        ):
+            raise InvalidInputError(
+                "model", "a reference model is another model of the engine's configuration, in one process"
+            )
         self.engine = engine
-        self.model = copy.deepcopy(engine.model)
+        self.model = copy.deepcopy(engine.model) if model is None else model
         for p in self.model.parameters():
             p.requires_grad_(False)
             p.grad = None

@@ -481,7 +481,7 @@ class ChunkedLMHeadEntropy(torch.autograd.Function):
             z = (hidden[a : a + rows] @ weight.t()).to(acc)
             lse[a : a + rows] = torch.logsumexp(z, -1)
             logp = z.sub_(lse[a : a + rows, None])
-            ent[a : a + rows] = -(torch.exp(logp) * logp).sum(-1)
+            ent[a : a + rows] = torch.exp(logp).mul_(logp).sum(-1).neg_()  # two [rows, V] temporaries
         ctx.save_for_backward(hidden, weight, lse, ent)
         ctx.rows = rows
         return ent

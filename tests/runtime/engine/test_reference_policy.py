@@ -133,3 +133,18 @@ def test_entropy_metric_alone_leaves_the_step_and_sharded_copies_are_refused():
     with pytest.raises(InvalidInputError) as e:
         engine.forward_backward(rollouts)
     assert e.value.field == "entropy_coef"
+
+
+def test_a_rebuilt_initial_model_is_the_reference_of_a_resumed_run():
+    rollouts = _rollouts(9)
+    engine = HartsEngine(_model(), EngineConfig(capacity=CAP, lr=3e-2, loss_config=PolicyLossConfig()))
+    first = engine.reference_policy().logprobs(rollouts)
+    engine.forward_backward(rollouts)
+    engine.optimizer_step()  # the engine now holds trained weights, as after a resume
+    rebuilt = ReferencePolicy(engine, model=_model())  # the initial weights, rebuilt from the seed
+    assert torch.equal(rebuilt.logprobs(rollouts), first)
+    assert not torch.equal(engine.reference_policy().logprobs(rollouts), first)
+    for bad in (engine.model, HybridModel(CFG.replace(vocab_size=CFG.vocab_size + 8))):
+        with pytest.raises(InvalidInputError) as e:
+            ReferencePolicy(engine, model=bad)
+        assert e.value.field == "model"
