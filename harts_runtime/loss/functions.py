@@ -74,7 +74,8 @@ class MicrobatchInputs:
     None."""
     mask_total: float = 0.0
     """The step's loss-masked targets (over every microbatch): a microbatch's mean over its masked
-    targets times ``(its masked targets) / mask_total`` is its share of the step's token mean."""
+    targets times ``(its masked targets) / mask_total`` is its share of the step's token mean (0:
+    not given, the microbatch is taken as the whole step)."""
 
 
 LossFn = Callable[[torch.Tensor, MicrobatchInputs], "torch.Tensor | tuple[torch.Tensor, dict]"]
@@ -105,7 +106,7 @@ def make_policy_loss_fn(config: PolicyLossConfig | None = None) -> LossFn:
         # engine's mismatch/ratio_max)
         metrics.pop("is_ratio_max", None)
         n = inputs.loss_mask.sum().to(logprobs.dtype)
-        share = n / inputs.mask_total if inputs.mask_total else n * 0
+        share = n / inputs.mask_total if inputs.mask_total else torch.ones_like(n)
         for name in ("clipfrac", "approx_kl", "kl", "entropy", "is_k3", "is_clipped", "is_masked"):
             if name in metrics:
                 metrics[name] = metrics[name] * share
