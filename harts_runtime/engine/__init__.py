@@ -26,8 +26,9 @@ build, the step loop, the optimizer step, checkpoints), :mod:`~harts_runtime.eng
 one call for a microbatch's call plan: the microbatch below never plans),
 :mod:`~harts_runtime.engine.trajectory_plan`
 (the trajectory-wise baseline's plan-like packing), :mod:`~harts_runtime.engine.load`
-(``load_pretrained``: a checkpoint folder read into a model, sharded over a mesh: parallelized here,
-then read by :mod:`harts_runtime.hf`) and :mod:`~harts_runtime.engine.process_state`
+(``build_model``: every source of a job's model built and parallelized by one path, for
+:meth:`HartsEngine.build` and the constructor alike; ``load_pretrained``: a checkpoint folder read
+into a model, sharded over a mesh: parallelized here, then read by :mod:`harts_runtime.hf`) and :mod:`~harts_runtime.engine.process_state`
 (rank, barrier and RNG state of this process), :mod:`~harts_runtime.engine.reference` (the frozen
 reference policy of a KL term: :class:`ReferencePolicy`).
 """

@@ -7,7 +7,6 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -25,7 +24,7 @@ from harts_runtime.rollouts import Rollouts
 from harts_runtime.step_inputs import StepInputs
 
 if TYPE_CHECKING:
-    from harts_runtime.models import HybridModel
+    from harts_runtime.models import HybridModel, ModelConfig
     from harts_runtime.parallel.context import RowMap
     from harts_runtime.parallel.dims import ParallelMesh
 
@@ -60,30 +59,33 @@ class HartsEngine:
     """Model, optimizer (AdamW), LR schedule, gradient clipping and planner of one training job.
 
     Build one with :meth:`build` (a checkpoint folder, a flavor or a model config; with ``dims``
-    sharded over a device mesh), or wrap a model you built (``HartsEngine(model, config,
-    mesh=mesh)``; parallelized here unless it already is). Every rank constructs the engine alike
-    and calls every method in the same order (the collectives need it). ``optimizer``: use this
-    optimizer instead of an AdamW built from ``config.optimizer``.
+    sharded over a device mesh), or wrap a model you made, or a model config
+    (``HartsEngine(model, config, mesh=mesh)``): it goes through the same path as :meth:`build`'s
+    sources (:func:`harts_runtime.engine.load.build_model`: parallelized there unless it already
+    is); the engine itself only wires the model to its optimizer. Every rank constructs the engine
+    alike and calls every method in the same order (the collectives need it). ``optimizer``: use
+    this optimizer instead of an AdamW built from ``config.optimizer``.
     """
 
     def __init__(
         self,
-        model: HybridModel,
+        model: HybridModel | ModelConfig,
         config: EngineConfig | None = None,
         *,
         mesh: ParallelMesh | None = None,
         optimizer=None,
     ):
-        from harts_runtime.recompute import apply_recompute
+        from harts_runtime.engine.load import build_model
 
-        self.config = cfg = config or EngineConfig()
+        config = config or EngineConfig()
+        built, _ = build_model(model, config, mesh)  # the one path every source takes
+        self._wire(built, config, mesh, optimizer)
+
+    def _wire(self, model: HybridModel, config: EngineConfig, mesh: ParallelMesh | None, optimizer) -> None:
+        """The engine around a model built for it: routing replay switched on when asked, the
+        optimizer (``optimizer`` or an AdamW of ``config.optimizer``) and the LR schedule."""
+        self.config = cfg = config
         self.model, self.mesh = model, mesh
-        if mesh is not None and getattr(model, "_harts_parallel", None) is None:
-            from harts_runtime.parallel import parallelize
-
-            parallelize(model, mesh, **cfg.parallelize_options())
-        elif mesh is None and cfg.recompute:
-            apply_recompute(model, keep=cfg.keep)
         if cfg.routing_replay:
             from harts_runtime.layers.moe import enable_routing_replay
 
@@ -125,46 +127,26 @@ class HartsEngine:
         reads its slices -> one freezing rule -> optimizer.
 
         ``source``: a transformers checkpoint folder (``str`` / ``Path``), a flavor name
-        (:data:`harts_runtime.models.FLAVORS`, random weights) or a
-        :class:`~harts_runtime.models.ModelConfig`. ``dims``: None for one process, or a
-        :class:`~harts_runtime.parallel.ParallelDims` whose mesh is built here (torch.distributed
-        initialised by the caller; ``mesh=`` passes one built already). A checkpoint is read straight
-        into the sharded model (the model is made on the meta device, parallelized, and each rank
-        reads only its slices). ``freeze`` (default: for checkpoint sources) freezes the parameters
-        the transformers family cannot carry (:func:`harts_runtime.hf.freeze_family_constants`),
-        named in :attr:`frozen`. ``overrides``: model-config fields (``chunk_size=16``,
-        ``num_layers=2`` for a flavor)."""
+        (:data:`harts_runtime.models.FLAVORS`, random weights), a
+        :class:`~harts_runtime.models.ModelConfig` or a model already made. ``dims``: None for one
+        process, or a :class:`~harts_runtime.parallel.ParallelDims` whose mesh is built here
+        (torch.distributed initialised by the caller; ``mesh=`` passes one built already). The
+        model is built and parallelized by :func:`harts_runtime.engine.load.build_model`: a
+        checkpoint is read straight into the sharded model (the model is made on the meta device,
+        parallelized, and each rank reads only its slices). ``freeze`` (default: for checkpoint
+        sources) freezes the parameters the transformers family cannot carry
+        (:func:`harts_runtime.hf.freeze_family_constants`), named in :attr:`frozen`. ``overrides``:
+        model-config fields (``chunk_size=16``, ``num_layers=2`` for a flavor)."""
+        from harts_runtime.engine.load import build_model
+
         config = config or EngineConfig()
         if mesh is None and dims is not None:
             mesh = dims.build_mesh(torch.device(device).type if device is not None else None)
-        checkpoint = isinstance(source, (str, Path)) and Path(source).is_dir()
-        if checkpoint:  # with a mesh: made on meta, parallelized, then each rank reads its slices
-            from harts_runtime.engine.load import load_pretrained
-
-            kw = {} if mesh is None else dict(mesh=mesh, parallelize=config.parallelize_options())
-            model = load_pretrained(source, dtype=dtype, device=device, **kw, **overrides)
-        else:
-            from harts_runtime.models import HybridModel, ModelConfig, model_config
-
-            if isinstance(source, ModelConfig):
-                cfg = source.replace(**overrides) if overrides else source
-            elif isinstance(source, str):
-                layers = overrides.pop("num_layers", None)
-                cfg = model_config(source, layers, **overrides)
-            else:
-                raise InvalidInputError(
-                    "source",
-                    f"expected a checkpoint folder, a flavor name or a ModelConfig, got {source!r}",
-                )
-            if dtype is not None:
-                cfg = cfg.replace(dtype=dtype)
-            model = HybridModel(cfg, device=device)
-        frozen = []
-        if freeze if freeze is not None else checkpoint:
-            from harts_runtime.hf import freeze_family_constants
-
-            frozen = freeze_family_constants(model)
-        engine = cls(model, config, mesh=mesh)
+        model, frozen = build_model(
+            source, config, mesh, dtype=dtype, device=device, freeze=freeze, **overrides
+        )
+        engine = cls.__new__(cls)
+        engine._wire(model, config, mesh, None)
         engine.frozen = frozen
         return engine
 
