@@ -1,0 +1,149 @@
+"""Asynchronous RL (:mod:`harts_runtime.rl.async_source`): ``max_staleness = 0`` through the
+sampler thread equals the synchronous :class:`OnlineSource` record for record and weight for weight;
+``K >= 1`` stays within its version window, tags each token with the version that sampled it,
+reproduces itself from the seed, and a run stopped after step 2 and resumed equals the
+uninterrupted one; a sampler failure is one error naming the step (no hang)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harts_runtime.errors import InvalidInputError
+from harts_runtime.rl import RLConfig
+from harts_runtime.rl.async_source import AsyncSource, SamplerError, switch_turn
+from harts_runtime.rl.source import OnlineSource, RLRun
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SMALL = dict(flavor="qwen3.5-tiny", prompts=2, forks={0: 2, 1: 2}, sync_sequences=1, seed=5)
+TIMED = (
+    "generate_seconds", "logprobs_seconds", "train_seconds", "sync_seconds", "step_seconds", "wait_seconds",
+    "sampler_wait_seconds",
+)  # fmt: skip
+WAIT = 120.0
+
+
+def _run(tmp_path, name, source_cls=None, **cfg):
+    """An RLRun of ``SMALL`` (+ ``cfg``); ``source_cls``: its source replaced by a fresh one of that
+    class (same RNG use on both sides of a comparison)."""
+    config = RLConfig(**{**SMALL, **cfg})
+    run = RLRun(config, {"lr": 1e-2}, tmp_path / name)
+    if source_cls is not None:
+        src = source_cls(config)
+        src.trained_chunk_size = run.source.trained_chunk_size
+        src.attach(run.engine)
+        run.source = src
+    if isinstance(run.source, AsyncSource):
+        run.source.timeout = WAIT
+    return run
+
+
+def _steps(run, k: int) -> list[dict]:
+    try:
+        return [run.run_step() for _ in range(k)]
+    finally:
+        if isinstance(run.source, AsyncSource):
+            run.source.close()
+
+
+def _weights(run) -> dict:
+    return {k: v.detach().clone() for k, v in run.engine.model.state_dict().items()}
+
+
+def _same(a: list[dict], b: list[dict], skip=TIMED) -> None:
+    for ra, rb in zip(a, b, strict=True):
+        for key in ra.keys() & rb.keys():
+            if key not in skip:
+                assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
+
+
+def test_zero_staleness_equals_the_synchronous_loop(tmp_path):
+    """K = 0 through the sampler thread: every record entry (losses, rewards, grad norms, rows,
+    sync diffs) and every weight equal the synchronous loop's after 3 steps of token-set."""
+    sync = _run(tmp_path, "sync", OnlineSource, steps=3)
+    asyn = _run(tmp_path, "async", AsyncSource, steps=3)
+    assert type(sync.source) is OnlineSource and type(asyn.source) is AsyncSource
+    a, b = _steps(sync, 3), _steps(asyn, 3)
+    _same(a, b)
+    assert {"loss", "reward_mean", "grad_norm", "sync_diff"} <= a[0].keys() & b[0].keys()
+    assert [r["staleness_max"] for r in b] == [0, 0, 0]
+    assert [r["version_min"] for r in b] == [0, 1, 2] and "mismatch/lag0/k3" in b[0]
+    wa, wb = _weights(sync), _weights(asyn)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.slow
+def test_window_versions_reproducible_and_resumed_exactly(tmp_path):
+    """K = 1, 4 steps: each batch holds versions n - 2 and n - 1 (the switch after turn 0; the
+    first turn's tokens the older), lags at most 1; a second run from the seed gives the same
+    records; a run stopped after step 2 (checkpoint) and resumed gives the same steps 3 and 4."""
+    a = _run(tmp_path, "a", steps=4, max_staleness=1)
+    assert type(a.source) is AsyncSource  # OnlineSource(config) picks it
+    ra = _steps(a, 4)
+    assert [(r["version_min"], r["version_max"]) for r in ra] == [(0, 0), (0, 1), (1, 2), (2, 3)]
+    assert max(r["staleness_max"] for r in ra) == 1 and "mismatch/lag1/k3" in ra[2]
+    leaf_versions = a.source._versions
+    assert all(set(v) <= {-1, 2, 3} for v in leaf_versions.values())
+    b = _run(tmp_path, "b", steps=4, max_staleness=1)
+    _same(ra, _steps(b, 4))
+
+    c = _run(tmp_path, "c", steps=4, max_staleness=1)
+    _same(ra[:2], [c.run_step() for _ in range(2)])
+    c.write_run()
+    c.save()
+    c.source.close()
+    d = RLRun.resume(tmp_path / "c")
+    assert d.step == 2 and isinstance(d.source, AsyncSource)
+    d.source.timeout = WAIT
+    _same(ra[2:], _steps(d, 2), skip=TIMED)
+    wa, wd = _weights(a), _weights(d)
+    assert all(torch.equal(wa[k], wd[k]) for k in wa)
+
+
+def test_switch_point_and_schedule():
+    assert switch_turn(1) is None and switch_turn(2) == 0 and switch_turn(3) == 1 and switch_turn(4) == 1
+    src = AsyncSource(RLConfig(**{**SMALL, "max_staleness": 2}))
+    assert [src.start_version(n) for n in range(1, 6)] == [0, 0, 0, 1, 2]
+    assert [src.switch_version(n) for n in range(1, 6)] == [None, None, 1, 2, 3]
+    zero = AsyncSource(RLConfig(**SMALL))
+    assert [zero.start_version(n) for n in (1, 2, 3)] == [0, 1, 2]
+    assert zero.switch_version(3) is None
+
+
+class _Broken:
+    """A rollout engine whose frontier fails on the second batch's sampling."""
+
+    def __init__(self, inner):
+        self.inner, self.vocab_size, self.opened = inner, inner.vocab_size, 0
+
+    def load_weights(self, pairs):
+        self.inner.load_weights(pairs)
+
+    def logprobs(self, seqs):
+        return self.inner.logprobs(seqs)
+
+    def open(self, prompts):
+        self.opened += 1
+        if self.opened == 2:
+            raise RuntimeError("engine lost")
+        return self.inner.open(prompts)
+
+
+def test_sampler_failure_is_one_error_naming_the_step(tmp_path):
+    run = _run(tmp_path, "x", steps=3, max_staleness=1)
+    run.source.rollout = _Broken(run.source.rollout)
+    with pytest.raises(SamplerError, match=r"step 2: the sampler thread failed: RuntimeError: engine lost"):
+        _steps(run, 3)
+    assert not run.source._thread.is_alive()
+
+
+def test_bad_settings_name_the_key():
+    with pytest.raises(InvalidInputError, match="max_staleness: must be an integer in \\[0, 64\\]"):
+        RLConfig(**SMALL, max_staleness=65)
+    with pytest.raises(InvalidInputError, match="eval_every"):
+        AsyncSource(RLConfig(**SMALL, max_staleness=1, eval_every=2))
+    src = AsyncSource(RLConfig(**SMALL, max_staleness=2))
+    with pytest.raises(InvalidInputError, match=r"in_flight: max_staleness 2 after step 3 needs batches"):
+        src.restore(3, [{"step": 4}])
