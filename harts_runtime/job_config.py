@@ -311,6 +311,13 @@ _RL_META = {
     "sync_sequences": dict(metavar="N"),
     "max_leaves": dict(metavar="N"),
     "max_step_tokens": dict(metavar="N"),
+    "ppo_epochs": dict(metavar="N"),
+    "mini_batches": dict(metavar="N"),
+    "dump_episodes": dict(metavar="N"),
+    "eval_every": dict(metavar="K"),
+    "eval_prompts": dict(metavar="N"),
+    "gamma": dict(metavar="G"),
+    "keep_last": dict(metavar="K"),
 }
 
 

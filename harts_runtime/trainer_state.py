@@ -5,13 +5,16 @@ records a checkpoint carries, read and checked against the folder's manifest bef
 (:func:`read_trainer_state`, :func:`read_json`).
 
 ``harts-train``'s record is ``trainer.json``, beside what :meth:`harts_runtime.engine.HartsEngine.save`
-writes: the steps done, the data position and the run's settings; ``harts-rl``'s is ``rl.json`` (the
-sampler's state, :mod:`harts_runtime.rl.loop`). Each is written into the staged folder with the rest
-(``HartsEngine.save(files=...)``), so a folder with it is a complete checkpoint. No torch here
-(``harts-train`` reads it while resolving its settings).
+writes: the steps done, the data position and the run's settings; ``harts-rl``'s is its run folder's
+``run.json`` (:func:`read_run`, :func:`write_run`) and, in each checkpoint, the source's state (the
+sampler's, ``rl.json``: :class:`harts_runtime.rl.source.OnlineSource`) and a copy of ``run.json``,
+saved and checked by :class:`harts_runtime.trainer.run_folder.JobRun`. Each is written into the
+staged folder with the rest (``HartsEngine.save(files=...)``), so a folder with it is a complete
+checkpoint. No torch here (``harts-train`` reads it while resolving its settings).
 
 ``--save DIR`` writes ``DIR/step-N`` after N steps; ``--resume PATH`` takes a checkpoint folder, or
-the ``step-N`` folder of ``PATH`` with the largest N that is complete.
+the ``step-N`` folder of ``PATH`` with the largest N that is complete. ``--keep-last K`` keeps the
+K newest complete checkpoints (:func:`prune_checkpoints`, both commands).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 from harts_runtime.errors import InvalidInputError
@@ -27,17 +31,23 @@ from harts_runtime.errors import InvalidInputError
 __all__ = [
     "DONE_NAME",
     "FORMAT",
+    "RUN_NAME",
     "STATE_NAME",
     "check_done",
+    "complete_steps",
     "latest_checkpoint",
     "latest_step",
+    "prune_checkpoints",
     "read_json",
+    "read_run",
     "read_trainer_state",
     "resolve_checkpoint",
+    "run_text",
     "step_folder",
     "trainer_state_text",
     "write_atomic",
     "write_done",
+    "write_run",
     "write_trainer_state",
 ]
 
@@ -46,17 +56,39 @@ FORMAT = "harts-train/1"
 _STEP = re.compile(r"^step-(\d+)$")
 DONE_NAME = "done.json"
 """``harts-rl``'s marker of a complete ``checkpoints/step-N`` (written last)."""
+RUN_NAME = "run.json"
+"""A run folder's record (``harts-rl``): its settings, read back by a resume."""
+
+
+def complete_steps(root, marker: str) -> list[tuple[int, Path]]:
+    """``(N, folder)`` of every ``root/step-N`` folder holding ``marker``, newest first."""
+    root = Path(root)
+    found = []
+    for child in root.iterdir() if root.is_dir() else ():
+        m = _STEP.match(child.name)
+        if m and (child / marker).is_file():
+            found.append((int(m.group(1)), child))
+    return sorted(found, key=lambda x: x[0], reverse=True)
 
 
 def latest_step(root, marker: str) -> Path | None:
     """The ``root/step-N`` folder holding ``marker`` with the largest N, or None."""
-    root = Path(root)
-    best = None
-    for child in root.iterdir() if root.is_dir() else ():
-        m = _STEP.match(child.name)
-        if m and (child / marker).is_file() and (best is None or int(m.group(1)) > best[0]):
-            best = (int(m.group(1)), child)
-    return None if best is None else best[1]
+    found = complete_steps(root, marker)
+    return found[0][1] if found else None
+
+
+def prune_checkpoints(root, marker: str, keep_last: int) -> list[Path]:
+    """Remove the complete ``root/step-N`` checkpoints (those holding ``marker``) but the
+    ``keep_last`` newest (0: keep all); returns the folders removed. Only folders this module
+    recognises as complete checkpoints are touched (a folder without ``marker``, or any other
+    name, stays)."""
+    if keep_last <= 0:
+        return []
+    removed = []
+    for _, folder in complete_steps(root, marker)[keep_last:]:
+        shutil.rmtree(folder)
+        removed.append(folder)
+    return removed
 
 
 def latest_checkpoint(out_dir) -> Path | None:
@@ -83,6 +115,28 @@ def write_atomic(path, text: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def read_run(out_dir, tables=("rl", "engine")) -> dict:
+    """The record of ``DIR/run.json`` (a table with the tables ``tables``); one
+    :class:`InvalidInputError` naming the file when it is missing, damaged or of another shape."""
+    path = Path(out_dir) / RUN_NAME
+    record = read_json(path, RUN_NAME, f"{out_dir} is not a run folder")
+    if not (isinstance(record, dict) and all(isinstance(record.get(t), dict) for t in tables)):
+        names = " and ".join(repr(t) for t in tables)
+        raise InvalidInputError(RUN_NAME, f"{path} is not a run record (expected {names} tables)")
+    return record
+
+
+def run_text(record: dict) -> str:
+    """The text of a ``run.json`` record."""
+    return json.dumps(record, indent=2, sort_keys=True) + "\n"
+
+
+def write_run(out_dir, record: dict) -> None:
+    """Write ``DIR/run.json`` whole or not at all (:func:`write_atomic`)."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    write_atomic(Path(out_dir) / RUN_NAME, run_text(record))
 
 
 def write_done(folder, step: int) -> None:

@@ -134,6 +134,13 @@ def _checkpoint_flags(g) -> None:
         help="steps between saves (0: only at the end)",
     )
     g.add_argument(
+        "--keep-last",
+        metavar="K",
+        type=int_type(0),
+        default=0,
+        help="keep the K newest DIR/step-N checkpoints, removing older ones after each save (0: all)",
+    )
+    g.add_argument(
         "--resume",
         metavar="PATH",
         default=None,

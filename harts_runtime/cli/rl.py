@@ -96,6 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"checkpoint every K steps (default: {d['save_every']}: at the end only)",
     )
+    g.add_argument(
+        "--fallback",
+        action="store_true",
+        default=None,
+        help="with --resume: a newest checkpoint that does not load (damaged, incomplete) is skipped, "
+        "said, for the newest one that loads",
+    )
+    g.add_argument(
+        "--export-hf",
+        metavar="DIR",
+        default=None,
+        help="at the end, write the trained policy as a transformers checkpoint folder to DIR (with "
+        "--resume and no steps left: export the run's last checkpoint)",
+    )
     for group in COMMAND_GROUPS[PROG]:
         add_group_flags(ap, PROG, group)
     return ap
@@ -157,6 +171,9 @@ def _settings(argv, given: dict) -> tuple[dict, dict, str | None]:
     given.update({k: None for k in flags})
     resume = settings.pop("resume", None)
     out = settings.pop("out", None)
+    run_flags = {k: settings.pop(k) for k in ("fallback", "export_hf") if k in settings}
+    if run_flags.get("fallback") and resume is None:
+        raise UsageError("--fallback: applies to --resume DIR", "--fallback")
     if resume is not None and out is not None and Path(out) != Path(resume):
         raise UsageError("--resume: the run continues in its own folder; drop --out", "--resume")
     rl = {k: v for k, v in settings.items() if k in _RL_KEYS}
@@ -177,21 +194,22 @@ def _settings(argv, given: dict) -> tuple[dict, dict, str | None]:
         if out is None:
             raise UsageError("--out: a run folder is needed (or --resume DIR)", "--out")
         rl["_out"] = out
+    rl["_run"] = run_flags
     return rl, options, resume
 
 
-def _check_out(out: str) -> None:
-    """The run folder can be made: it is a folder or not there yet, under a writable folder."""
+def _check_out(out: str, flag: str = "--out") -> None:
+    """The folder can be made: it is a folder or not there yet, under a writable folder."""
     p = Path(out)
     if p.exists() and not p.is_dir():
-        raise UsageError(f"--out: {out} is a file, not a folder", "--out")
+        raise UsageError(f"{flag}: {out} is a file, not a folder", flag)
     parent = p
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
-        raise UsageError(f"--out: {out}: {parent} is a file, not a folder", "--out")
+        raise UsageError(f"{flag}: {out}: {parent} is a file, not a folder", flag)
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"--out: {out}: {parent} is not writable", "--out")
+        raise UsageError(f"{flag}: {out}: {parent} is not writable", flag)
 
 
 def _check_device(device: str) -> None:
@@ -256,16 +274,23 @@ def _preflight(cfg: RLConfig, options: dict) -> str:
 
 def _run(argv, err, given: dict) -> int:
     rl, options, resume = _settings(argv, given)
+    run_flags = rl.pop("_run")
+    export = run_flags.get("export_hf")
+    if export is not None:
+        _check_out(export, "--export-hf")
 
     def say(line: str) -> None:
         print(line, file=err, flush=True)
 
     if resume is not None:
         if set(rl) - {"steps"} or options:
-            raise UsageError("--resume: a resumed run keeps its settings; give only --steps", "--resume")
-        from harts_runtime.rl.loop import RLRun
+            raise UsageError(
+                "--resume: a resumed run keeps its settings; give only --steps, --fallback, --export-hf",
+                "--resume",
+            )
+        from harts_runtime.rl.source import RLRun
 
-        run = RLRun.resume(resume, steps=rl.get("steps"))
+        run = RLRun.resume(resume, steps=rl.get("steps"), log=say, fallback=bool(run_flags.get("fallback")))
         say(f"resumed {resume} at step {run.step}")
         out = resume
     else:
@@ -278,7 +303,7 @@ def _run(argv, err, given: dict) -> int:
         options.setdefault("capacity", resolved.capacity)
         options.setdefault("lr", resolved.lr)
         shape = _preflight(cfg, options)
-        from harts_runtime.rl.loop import RLRun
+        from harts_runtime.rl.source import RLRun
 
         run = RLRun(cfg, options, out)
         say(
@@ -289,6 +314,11 @@ def _run(argv, err, given: dict) -> int:
 
     run.run(progress=say)
     say(plot_rewards(out))
+    if export is not None:
+        from harts_runtime.trainer.export import export_hf
+
+        export_hf(run.engine, export, run.config.model)
+        say(f"exported {export}")
     return 0
 
 

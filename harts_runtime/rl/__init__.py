@@ -12,8 +12,10 @@ One job per module:
 :mod:`harts_runtime.rl.sampler`             the tree sampler (forks ``k`` ways at configured turns)
 :mod:`harts_runtime.rl.advantages`          GRPO and tree-aware advantage estimators
 :mod:`harts_runtime.rl.config`              a run's settings (:class:`RLConfig`)
-:mod:`harts_runtime.rl.source`              the online data source of the job loop (:class:`OnlineSource`)
-:mod:`harts_runtime.rl.loop`                a run in its folder: the job loop over the source, its checkpoints (:class:`RLRun`)
+:mod:`harts_runtime.rl.source`              the online data source of the job loop (:class:`OnlineSource`), its
+                                            state, and ``harts-rl``'s job (:class:`RLRun`: run folder and
+                                            resume by :class:`harts_runtime.trainer.run_folder.JobRun`)
+:mod:`harts_runtime.rl.evaluate`            the greedy policy's reward on held-out prompts (``eval_every``)
 ==========================================  =========================================================
 """
 
@@ -24,9 +26,8 @@ from harts_runtime.rl.config import RLConfig
 from harts_runtime.rl.environment import Task
 
 if TYPE_CHECKING:  # the lazy names below, for type checkers
-    from harts_runtime.rl.loop import RLRun
     from harts_runtime.rl.rollout_engine import Frontier, RolloutEngine, SyncError, check_sync
-    from harts_runtime.rl.source import OnlineSource
+    from harts_runtime.rl.source import OnlineSource, RLRun
 
 __all__ = [
     "Frontier",
@@ -41,7 +42,7 @@ __all__ = [
 
 _LAZY = {
     "OnlineSource": "harts_runtime.rl.source",
-    "RLRun": "harts_runtime.rl.loop",
+    "RLRun": "harts_runtime.rl.source",
     "Frontier": "harts_runtime.rl.rollout_engine",
     "RolloutEngine": "harts_runtime.rl.rollout_engine",
     "SyncError": "harts_runtime.rl.rollout_engine",

@@ -123,6 +123,24 @@ class RLConfig:
     """The sampling temperature."""
     advantage: str = "grpo"
     """The advantage estimator: ``grpo`` or ``tree`` (:mod:`harts_runtime.rl.advantages`)."""
+    gamma: float = 1.0
+    """The discount, in [0, 1], of per-turn rewards (and of a leaf's reward) to earlier tokens."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch (each pass ``mini_batches`` optimizer steps; the old log-probs
+    stay the rollout's, so the clip acts from the second update on)."""
+    mini_batches: int = 1
+    """Optimizer steps per pass over a rollout batch (a prompt's tree kept whole in one; at most one
+    per prompt)."""
+    filter_groups: bool = False
+    """Drop the prompts whose leaves all earned one reward (zero advantages: they train nothing);
+    counted per step as filtered_groups; a step with none left is skipped."""
+    dump_episodes: int = 0
+    """Write the first N prompts' trees of each step as text, with per-token advantages, to
+    DIR/episodes/step-K.txt and .jsonl (0: none)."""
+    eval_every: int = 0
+    """Every K steps, the greedy policy's mean reward on eval_prompts held-out prompts (0: never)."""
+    eval_prompts: int = 8
+    """Held-out prompts of each evaluation (drawn once, from a seed of their own)."""
     recompute_logprobs: bool = True
     """Old log-probs from the trainer (a forward-only step) rather than the sampler's."""
     sync_sequences: int = 2
@@ -136,9 +154,11 @@ class RLConfig:
     many optimizer steps older than the weights that train them. 0: the synchronous loop."""
     save_every: int = 0
     """Checkpoint every this many steps (0: only at the end)."""
+    keep_last: int = 0
+    """Keep the K newest checkpoints, removing older ones after each save (0: keep all)."""
     chunk_size: int | None = None
     """The model's KDA / GDN chunk size (None: chosen for the task's trees,
-    :func:`harts_runtime.rl.loop.tree_chunk_size`, so that short trees replay few rows)."""
+    :func:`harts_runtime.rl.source.tree_chunk_size`, so that short trees replay few rows)."""
     device: str = "cpu"
     max_leaves: int = DEFAULT_MAX_LEAVES
     """The most leaves a step may have (prompts x leaves per prompt)."""
@@ -190,6 +210,9 @@ class RLConfig:
         self.temperature = _number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         if self.sync_atol is not None:
             self.sync_atol = _number("sync_atol", self.sync_atol, 0.0, 1e6)
+        self.gamma = _number("gamma", self.gamma, 0.0, 1.0, open_lo=False)
+        if not isinstance(self.filter_groups, bool):
+            raise InvalidInputError("filter_groups", f"must be true or false, got {self.filter_groups!r}")
         if self.advantage not in ("grpo", "tree"):
             raise InvalidInputError("advantage", f"choose grpo or tree, got {self.advantage!r}")
         if not isinstance(self.recompute_logprobs, bool):

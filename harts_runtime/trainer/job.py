@@ -12,7 +12,12 @@ A data source is any object with
   engine's output, the optimizer report and the seconds of its parts (``data``: ``next_step``,
   ``train``: the engine step, ``after``: ``after_step``, ``step``: all);
 * optionally ``after_step(engine, result, report)``, and ``progress``: a callback
-  ``progress(done, total)`` after each microbatch.
+  ``progress(done, total)`` after each microbatch;
+* optionally ``updates(batch)``: the batch as the list of batches each trained by one
+  ``forward_backward`` and one ``optimizer_step`` in turn (an online source's PPO epochs and
+  mini-batches; an empty list skips the step's update, e.g. when group filtering left nothing).
+  Such a source's ``record`` receives the lists of results and reports, one per update (``after_step``
+  runs once, after the last update, when there was one).
 
 The sources: a rollout file's steps and the synthetic step (:mod:`harts_runtime.trainer.data`,
 ``harts-train``) and the online RL source (:class:`harts_runtime.rl.source.OnlineSource`,
@@ -42,20 +47,22 @@ def train_one(engine, source, step: int) -> dict:
     batch = source.next_step(engine)
     t1 = time.perf_counter()
     progress = getattr(source, "progress", None)  # the microbatches' progress (done, total), if shown
-    result = (
-        engine.forward_backward(batch)
-        if progress is None
-        else engine.forward_backward(batch, progress=progress)
-    )
-    report = engine.optimizer_step()
+    split = getattr(source, "updates", None)
+    results, reports = [], []
+    for b in [batch] if split is None else split(batch):
+        results.append(
+            engine.forward_backward(b) if progress is None else engine.forward_backward(b, progress=progress)
+        )
+        reports.append(engine.optimizer_step())
     t2 = time.perf_counter()
     after = getattr(source, "after_step", None)
-    if after is not None:
-        after(engine, result, report)
+    if after is not None and results:
+        after(engine, results[-1], reports[-1])
     t3 = time.perf_counter()
-    return source.record(
-        step, result, report, {"data": t1 - t0, "train": t2 - t1, "after": t3 - t2, "step": t3 - t0}
-    )
+    seconds = {"data": t1 - t0, "train": t2 - t1, "after": t3 - t2, "step": t3 - t0}
+    if split is not None:
+        return source.record(step, results, reports, seconds)
+    return source.record(step, results[0], reports[0], seconds)
 
 
 def run_job(

@@ -19,7 +19,7 @@ import time
 from harts_runtime.trainer.job import run_job
 from harts_runtime.trainer.metrics import MetricsWriter, finite
 from harts_runtime.trainer.progress import PROG, Progress, step_line
-from harts_runtime.trainer_state import STATE_NAME, step_folder, trainer_state_text
+from harts_runtime.trainer_state import STATE_NAME, prune_checkpoints, step_folder, trainer_state_text
 
 __all__ = ["finite", "run_loop", "step_record"]
 
@@ -88,6 +88,8 @@ def run_loop(engine, data, args, steps, done, position, record_args, world, lead
         engine.save(folder, files={STATE_NAME: trainer_state_text(state)})
         if lead:
             print(f"saved {folder}", file=err, flush=True)
+            for old in prune_checkpoints(args.save, STATE_NAME, getattr(args, "keep_last", 0) or 0):
+                print(f"removed {old} (--keep-last {args.keep_last})", file=err, flush=True)
 
     def show(rec: dict) -> None:
         if lead:
@@ -115,9 +117,9 @@ def run_loop(engine, data, args, steps, done, position, record_args, world, lead
             sigterm=world == 1,
         )
         if args.export is not None:
-            from harts_runtime.hf import save_pretrained
+            from harts_runtime.trainer.export import export_hf
 
-            save_pretrained(engine.model, args.export)
+            export_hf(engine, args.export, args.model if lead else None)
             if lead:
                 print(f"exported {args.export}", file=err, flush=True)
     finally:

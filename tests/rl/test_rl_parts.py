@@ -13,9 +13,9 @@ import torch
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.rl import RLConfig, RLRun, SyncError, check_sync
 from harts_runtime.rl.advantages import grpo_advantages, tree_advantages
-from harts_runtime.rl.loop import latest_checkpoint
 from harts_runtime.rl.sampler import Leaf
 from harts_runtime.rl.tasks import CALL, PLUS, RES, CalculatorTask, TokenSetTask
+from harts_runtime.trainer_state import latest_checkpoint
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
