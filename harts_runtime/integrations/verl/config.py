@@ -9,7 +9,9 @@ itself (errors name the field as ``harts.<field>``). The checked options are
 :attr:`HartsEngineConfig.execution`. The parallel degrees (``tp``, ``cp``, ``ep``, ``dp_replicate``,
 ``sequence_parallel``) are the settings tree's ``parallel`` group
 (:func:`harts_runtime.job_config.group_settings`, declared by ``ParallelDims``), generated the same
-way. The verl-only settings (``model_dtype``, ``chunk_size``) are declared here.
+way. The model's settings (``model_dtype``: the tree's ``dtype``, named apart from verl's own
+``dtype``; ``chunk_size``) are the tree's ``model`` group's too: their kind, help and checks from
+it, their defaults the backend's (:data:`_MODEL_DEFAULTS`: float32 masters, chunk 64).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from verl.workers.config import FSDPActorConfig
 from verl.workers.config.engine import EngineConfig as VerlEngineConfig
 
 from harts_runtime.errors import InvalidInputError
-from harts_runtime.job_config import group_settings
+from harts_runtime.job_config import group_settings, setting
 from harts_runtime.options import ExecutionOptions
 
 __all__ = ["HartsActorConfig", "HartsEngineConfig"]
@@ -63,6 +65,45 @@ def _parallel_fields(cls):
     return cls
 
 
+_MODEL_FIELDS = {"model_dtype": "dtype", "chunk_size": "chunk_size"}
+"""The model group's settings a ``harts`` config takes: field -> the tree's setting."""
+_MODEL_DEFAULTS = {"model_dtype": "float32", "chunk_size": 64}
+"""The backend's defaults of those (the tree's are None: the checkpoint's dtype and chunk size);
+FSDP2 keeps float32 masters under verl's compute ``dtype``."""
+
+
+def _model_fields(cls):
+    """Declare on ``cls`` (before ``@dataclass``) the settings tree's model settings of
+    :data:`_MODEL_FIELDS`, each with its kind and help, and the backend's default."""
+    for name, key in _MODEL_FIELDS.items():
+        s = setting(key)
+        if name in cls.__dict__.get("__annotations__", {}):
+            raise TypeError(f"the model setting {name} clashes with a field of {cls.__name__}")
+        cls.__annotations__[name] = s.kind
+        setattr(cls, name, field(default=_MODEL_DEFAULTS[name], metadata={"help": s.help}))
+    return cls
+
+
+def _check_model(cfg) -> None:
+    """The model settings by the tree's declaration (kind, choices, bounds; ``chunk_size`` a power
+    of two: :class:`~harts_runtime.job_config.ModelOptions`), named ``harts.<field>``."""
+    from harts_runtime.job_config import ModelOptions
+
+    for name, key in _MODEL_FIELDS.items():
+        s, v = setting(key), getattr(cfg, name)
+        if s.kind is int and (isinstance(v, bool) or not isinstance(v, int) or v < (s.lo or 1)):
+            raise InvalidInputError(f"harts.{name}", f"must be an integer >= {int(s.lo or 1)}, got {v!r}")
+        if s.kind is str and not isinstance(v, str):
+            raise InvalidInputError(f"harts.{name}", f"must be a string, got {v!r}")
+        if s.choices is not None and _ALIASES.get(v, v) not in s.choices:
+            raise InvalidInputError(f"harts.{name}", f"choose one of {', '.join(s.choices)}, got {v!r}")
+    try:
+        ModelOptions(chunk_size=cfg.chunk_size)
+    except InvalidInputError as e:
+        raise InvalidInputError("harts.chunk_size", str(e)[len(e.field) + 2 :]) from None
+    cfg.model_dtype = _ALIASES.get(cfg.model_dtype, cfg.model_dtype)
+
+
 def _check_parallel(cfg) -> None:
     """Each degree an integer >= 1 (``sequence_parallel`` a bool), named ``harts.<field>``; the
     rest (``cp`` divides the world, ``sequence_parallel`` needs ``tp > 1``) ``ParallelDims`` checks
@@ -77,6 +118,7 @@ def _check_parallel(cfg) -> None:
 
 
 @dataclass
+@_model_fields
 @_parallel_fields
 @_execution_fields
 class HartsEngineConfig(VerlEngineConfig):
@@ -84,16 +126,13 @@ class HartsEngineConfig(VerlEngineConfig):
     fields (``forward_only``, ``seed``, ...), the execution options of
     :class:`harts_runtime.options.ExecutionOptions` (``capacity``, ``microbatch_cost``, ``mode``,
     ``planner``, ``recompute``, ``keep``, ``no_replay``, ``reduce_dtype``, ``cpu_offload``: generated
-    from it, module docstring) and the verl-only settings below. ``dtype`` (verl's, default bfloat16)
+    from it, module docstring), the parallel degrees and the model settings (``model_dtype``,
+    ``chunk_size``) of the settings tree. ``dtype`` (verl's, default bfloat16)
     is the FSDP2 compute dtype over ``model_dtype`` masters (``ExecutionOptions.param_dtype``);
     ``"float32"`` computes in float32. verl's micro-batch settings are ignored (HARTS packs by
     ``capacity``); verl's ``param_offload`` / ``optimizer_offload`` are refused (``cpu_offload``)."""
 
     strategy: str = "harts"
-    model_dtype: str = "float32"
-    """dtype the checkpoint is loaded in (FSDP2's masters)."""
-    chunk_size: int = 64
-    """KDA / GDN chunk size (does not change the math)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -102,6 +141,7 @@ class HartsEngineConfig(VerlEngineConfig):
                 "strategy", f"the harts engine config needs strategy 'harts', got {self.strategy!r}"
             )
         _check_parallel(self)
+        _check_model(self)
         given = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(ExecutionOptions)
