@@ -15,7 +15,7 @@ from dataclasses import InitVar, dataclass, field
 import numpy as np
 import torch
 
-from harts_planner import RolloutBatch
+from harts_planner.batch import RolloutBatch
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.views import TreeOrder
 from harts_runtime.loss.objectives import PolicyLossConfig, aggregation_weights, grpo_advantages, per_token

@@ -112,7 +112,7 @@ class SimpleBatch:
 def make_batch(trajectories):
     """A RolloutBatch when ``harts_planner`` is installed, else a :class:`SimpleBatch`."""
     try:
-        from harts_planner import RolloutBatch
+        from harts_planner.batch import RolloutBatch
     except ImportError:
         return SimpleBatch(trajectories)
     return RolloutBatch.from_token_lists(trajectories)

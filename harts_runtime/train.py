@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from harts_planner import plan_step
 from harts_runtime.engine import EngineConfig, HartsEngine, microbatch_call_plan
+from harts_runtime.engine.planning import plan_step
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.layout.rows import MODES, pack_trajectories
 from harts_runtime.options import DEFAULT_CAPACITY
@@ -156,9 +156,10 @@ def step_logprobs(
 
 def plan_microbatches(step: StepInputs, mode: str, capacity: int, cfg, step_plan=None):
     """The step's microbatches for benchmarks that time microbatches one by one: ``(list of
-    trajectory-id arrays, list of CallPlan or None, seconds)``. Compact: ``plan_step`` (D = 1) and
-    every microbatch's call plan (:func:`harts_runtime.engine.microbatch_call_plan`, the engine's
-    call; timed: planner time). Trajectory: :func:`pack_trajectories` (not planner
+    trajectory-id arrays, list of CallPlan or None, seconds)``. Compact: the step plan (D = 1) and
+    every microbatch's call plan (:func:`harts_runtime.engine.planning.plan_step` and
+    :func:`~harts_runtime.engine.planning.microbatch_call_plan`, the engine's calls; timed: planner
+    time). Trajectory: :func:`pack_trajectories` (not planner
     time; seconds reported as 0)."""
     if mode not in MODES:
         raise InvalidInputError("mode", f"unknown {mode!r}; choose one of {MODES}")
@@ -167,7 +168,7 @@ def plan_microbatches(step: StepInputs, mode: str, capacity: int, cfg, step_plan
         return pack_trajectories(lengths, capacity), [], 0.0
     t0 = time.perf_counter()
     if step_plan is None:
-        step_plan = plan_step(step.batch, 1, capacity, cfg.chunk_size)
+        step_plan = plan_step(cfg, step, 1, capacity)  # the engine's calls
     mbs = [np.asarray(m, dtype=np.int64) for m in step_plan.microbatches]
-    plans = [microbatch_call_plan(cfg, step, m) for m in mbs]  # the engine's call
+    plans = [microbatch_call_plan(cfg, step, m) for m in mbs]
     return mbs, plans, time.perf_counter() - t0

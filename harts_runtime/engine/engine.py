@@ -14,7 +14,7 @@ import torch
 
 from harts_runtime.engine import process_state
 from harts_runtime.engine.config import EngineConfig
-from harts_runtime.engine.planning import microbatch_call_plan
+from harts_runtime.engine.planning import microbatch_call_plan, plan_step
 from harts_runtime.engine.trajectory_plan import TrajectoryPlan
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.loss.functions import LossFn, zero_loss_fn
@@ -208,13 +208,14 @@ class HartsEngine:
         ex = self.config.execution
         calls = {}
         if ex.mode == "compact":
-            plan = step_plan or self.planner.plan_step(
-                step.batch,
+            plan = step_plan or plan_step(
+                cfg,
+                step,
                 self.dp,
                 ex.capacity,
-                cfg.chunk_size,
-                microbatch_cost=ex.microbatch_cost,
+                planner=self.planner,
                 cp_size=self.cp,
+                microbatch_cost=ex.microbatch_cost,
             )
             for traj in rank_schedule(plan, self.mesh):
                 calls[int(traj[0])] = microbatch_call_plan(cfg, step, traj, planner=self.planner)

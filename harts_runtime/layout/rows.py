@@ -33,7 +33,7 @@ from harts_runtime.layout.kda_plan import KDAExecutionPlan
 from harts_runtime.layout.views import AttentionViews, Branches, TreeOrder, build_views, expand_ranges
 
 if TYPE_CHECKING:
-    from harts_planner import RolloutBatch
+    from harts_planner.batch import RolloutBatch
 
 __all__ = [
     "MODES",

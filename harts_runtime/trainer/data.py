@@ -153,7 +153,8 @@ def synthetic_step(
     :data:`harts_runtime.demo.DEMO_TREES`) with synthetic GRPO/PPO metadata. A preset with more trees than the
     vocabulary has tokens (each tree starts with its own) is capped at ``vocab`` trees (swe-like's
     up to 1,000 trees on the 512-token debug model)."""
-    from harts_planner import RolloutBatch, synth
+    from harts_planner import synth
+    from harts_planner.batch import RolloutBatch
     from harts_runtime.step_inputs import StepInputs
 
     over = {"vocab_size": vocab, **shape}
