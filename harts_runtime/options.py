@@ -20,12 +20,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from harts_planner.call_plan import DEFAULT_CHUNK_SIZE  # the linear-attention chunk size B when none is given
 from harts_planner.step_plan import DEFAULT_CAPACITY
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.regions import KEEPABLE
 
 __all__ = [
     "DEFAULT_CAPACITY",
+    "DEFAULT_CHUNK_SIZE",
     "CP_MODES",
     "DTYPES",
     "KEEPABLE",

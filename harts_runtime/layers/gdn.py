@@ -64,6 +64,7 @@ from harts_runtime.layout.rows import RowLayout
 from harts_runtime.modules.convolution import ShortConvolution, varlen_causal_conv
 from harts_runtime.modules.fused import use_fla
 from harts_runtime.modules.norms import GatedRMSNorm, l2_norm
+from harts_runtime.options import DEFAULT_CHUNK_SIZE
 
 __all__ = ["HF_CONCATENATED", "CompactGatedDeltaNet", "GatedDeltaNetConfig"]
 
@@ -241,9 +242,9 @@ class CompactGatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """Reference: every trajectory unshared. x: [S, D] semantic rows, trajectories at
         ``[offsets[j], offsets[j+1])`` -> [S, D]. One packed call from zero states, with chunk size
-        ``chunk_size`` (default: the config's, else 64)."""
+        ``chunk_size`` (default: the config's, else :data:`~harts_runtime.options.DEFAULT_CHUNK_SIZE`)."""
         c = self.config
-        B = chunk_size or c.chunk_size or 64
+        B = chunk_size or c.chunk_size or DEFAULT_CHUNK_SIZE
         offsets = np.asarray(offsets, dtype=np.int64)
         windows = ConvWindows.trajectories(offsets, c.conv_kernel_size, x.device)
         q, k, v, g, beta, z = self._features(x, windows)

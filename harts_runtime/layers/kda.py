@@ -91,6 +91,7 @@ from harts_runtime.modules.fused import use_fla
 from harts_runtime.modules.norms import GatedRMSNorm, l2_norm
 from harts_runtime.ops.keep import kept
 from harts_runtime.ops.rounds import run_rounds
+from harts_runtime.options import DEFAULT_CHUNK_SIZE
 
 __all__ = ["KDAConfig", "KDALayer", "checked_plan", "kda_core", "kda_gate", "run_kda_schedule"]
 
@@ -109,7 +110,7 @@ class KDAConfig:
     """V, value head dim."""
     conv_size: int = 4
     """w, width of the causal short convolution on q, k and v (SiLU, no bias)."""
-    chunk_size: int = 64
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     """B, the chunk size of the KDA core; must match the plan's."""
     norm_eps: float = 1e-5
     """epsilon of the gated RMS norm on the core output."""

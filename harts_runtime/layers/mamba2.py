@@ -70,6 +70,7 @@ from harts_runtime.layout.rows import RowLayout
 from harts_runtime.modules.convolution import varlen_causal_conv
 from harts_runtime.ops.keep import kept
 from harts_runtime.ops.rounds import run_rounds
+from harts_runtime.options import DEFAULT_CHUNK_SIZE
 
 __all__ = ["HF_CONCATENATED", "Mamba2Config", "Mamba2GatedRMSNorm", "Mamba2Mixer", "run_ssd_schedule"]
 
@@ -99,8 +100,9 @@ class Mamba2Config:
     time_step_limit: tuple = (0.0, float("inf"))
     """clamp of dt after the softplus (``time_step_limit``)."""
     chunk_size: int | None = None
-    """B of the core. None: the plan's chunk size in :meth:`~Mamba2Mixer.forward` and 64 in
-    :meth:`~Mamba2Mixer.forward_trajectories`; an int must match the plan's."""
+    """B of the core. None: the plan's chunk size in :meth:`~Mamba2Mixer.forward` and
+    :data:`~harts_runtime.options.DEFAULT_CHUNK_SIZE` in :meth:`~Mamba2Mixer.forward_trajectories`;
+    an int must match the plan's."""
     backend: str = "auto"
     """core: "auto" (fla's Triton simple-GLA kernel on CUDA, the PyTorch reference on CPU),
     "triton" or "naive"."""
@@ -292,7 +294,7 @@ class Mamba2Mixer(nn.Module):
     ) -> torch.Tensor:
         """Reference: every trajectory unshared. x: [S, D] semantic rows, trajectories at
         ``[offsets[j], offsets[j+1])`` -> [S, D]. One packed call from zero states with chunk size
-        ``chunk_size`` (default: the config's, else 64)."""
+        ``chunk_size`` (default: the config's, else :data:`~harts_runtime.options.DEFAULT_CHUNK_SIZE`)."""
         c = self.config
         offsets = np.asarray(offsets, dtype=np.int64)
         windows = ConvWindows.trajectories(offsets, c.conv_kernel_size, x.device)
@@ -300,7 +302,7 @@ class Mamba2Mixer(nn.Module):
         o, _, _ = chunk_ssd_with_states(
             *(t.unsqueeze(0) for t in (q, k, v, g)),
             cu_seqlens=offsets.tolist(),
-            chunk_size=chunk_size or c.chunk_size or 64,
+            chunk_size=chunk_size or c.chunk_size or DEFAULT_CHUNK_SIZE,
             output_final_state=False,
             backend=c.backend,
         )

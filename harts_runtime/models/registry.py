@@ -58,8 +58,8 @@ class Family:
 
     ``name``: the family's name (e.g. ``"kimi_linear"``). ``model_types``: the ``config.json``
     ``model_type`` values it reads; the first is the one it writes (:attr:`model_type`).
-    ``from_hf_config(hf_config, *, dtype=None, chunk_size=64, **overrides) -> ModelConfig`` and
-    ``to_hf_config(ModelConfig, base=None) -> dict``: the config maps. ``adapter``: its
+    ``from_hf_config(hf_config, *, dtype=None, chunk_size=DEFAULT_CHUNK_SIZE, **overrides) -> ModelConfig``
+    and ``to_hf_config(ModelConfig, base=None) -> dict``: the config maps. ``adapter``: its
     :class:`~harts_runtime.models.state_dict_adapter.HFStateDictAdapter` class. ``owns(ModelConfig)
     -> bool``: whether a model built without a checkpoint config has this family's marks (its own
     test only; it may hold for other families too). ``priority``: how specific ``owns`` is: of the

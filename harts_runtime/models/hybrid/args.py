@@ -36,6 +36,7 @@ from harts_runtime.models.hybrid.layer_options import (
     group_from,
 )
 from harts_runtime.models.registry import family_flavors
+from harts_runtime.options import DEFAULT_CHUNK_SIZE
 
 __all__ = [
     "FFNS",
@@ -212,7 +213,7 @@ def _ling_tiny(num_layers: int | None = None, **overrides) -> ModelConfig:
         num_heads=16,
         kda=KDAArgs(head_k_dim=128, head_v_dim=128),
         conv_size=4,
-        chunk_size=64,
+        chunk_size=DEFAULT_CHUNK_SIZE,
         mla=MLAArgs(
             kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
         ),

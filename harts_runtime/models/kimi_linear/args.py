@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.models.hf_config import as_dict, config_value
 from harts_runtime.models.hybrid.args import KDAArgs, MLAArgs, ModelConfig, MoEArgs, ffn_pattern
+from harts_runtime.options import DEFAULT_CHUNK_SIZE
 
 __all__ = ["FP32_PARAMS", "from_hf_config", "to_hf_config"]
 
@@ -108,7 +109,9 @@ def _require(d: dict, name: str, ok, what: str):
         raise InvalidInputError(name, f"unsupported value {value!r}; HybridModel supports {what}")
 
 
-def from_hf_config(cfg, *, dtype: str | None = None, chunk_size: int = 64, **overrides) -> ModelConfig:
+def from_hf_config(
+    cfg, *, dtype: str | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE, **overrides
+) -> ModelConfig:
     """Our :class:`ModelConfig` of a Kimi-Linear config (``KimiLinearConfig`` or ``config.json`` dict).
 
     ``dtype``: ``float32``, ``bfloat16`` or ``float64`` (None: the config's ``dtype`` /

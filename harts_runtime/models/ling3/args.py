@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.models.hf_config import as_dict, config_value
 from harts_runtime.models.hybrid.args import KDAArgs, MLAArgs, ModelConfig, MoEArgs
+from harts_runtime.options import DEFAULT_CHUNK_SIZE
 
 __all__ = ["FP32_PARAMS", "MODEL_TYPE", "from_hf_config", "to_hf_config"]
 
@@ -127,7 +128,9 @@ def _rope_theta(d: dict) -> float:
     return float(rope.get("rope_theta") or _get(d, "rope_theta"))
 
 
-def from_hf_config(cfg, *, dtype: str | None = None, chunk_size: int = 64, **overrides) -> ModelConfig:
+def from_hf_config(
+    cfg, *, dtype: str | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE, **overrides
+) -> ModelConfig:
     """Our :class:`ModelConfig` of a Ling-3.0 config (``BailingHybridConfig`` or ``config.json`` dict).
 
     ``dtype``: ``float32``, ``bfloat16`` or ``float64`` (None: the config's ``dtype`` /

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.models.hf_config import as_dict
 from harts_runtime.models.hybrid.args import ModelConfig
+from harts_runtime.options import DEFAULT_CHUNK_SIZE
 
 __all__ = ["LAYER_KINDS", "from_hf_config", "to_hf_config"]
 
@@ -117,13 +118,16 @@ def _require(d: dict, name: str, ok, what: str):
         raise InvalidInputError(name, f"unsupported value {value!r}; HybridModel supports {what}")
 
 
-def from_hf_config(cfg, *, dtype: str | None = None, chunk_size: int = 64, **overrides) -> ModelConfig:
+def from_hf_config(
+    cfg, *, dtype: str | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE, **overrides
+) -> ModelConfig:
     """Our :class:`ModelConfig` of a Nemotron-H config (a transformers config or a ``config.json``
     dict).
 
     ``dtype``: ``float32``, ``bfloat16`` or ``float64`` (None: the config's when it is one of these,
-    else ``float32``). ``chunk_size``: our SSD chunk size (does not change the math; 64 on the
-    Triton path). ``overrides``: further :class:`ModelConfig` fields.
+    else ``float32``). ``chunk_size``: our SSD chunk size (does not change the math; default
+    :data:`~harts_runtime.options.DEFAULT_CHUNK_SIZE`, the Triton path's). ``overrides``: further
+    :class:`ModelConfig` fields.
 
     Raises :class:`InvalidInputError` naming the field for options HybridModel cannot reproduce:
     activations other than relu2 / silu, ``tie_word_embeddings``, ``attention_bias``, ``mlp_bias``,

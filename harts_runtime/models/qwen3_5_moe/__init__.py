@@ -21,6 +21,7 @@ from harts_runtime.models.qwen3_5_moe.flavors import FLAVORS
 from harts_runtime.models.qwen3_next import args as _args
 from harts_runtime.models.qwen3_next.state_dict_adapter import QwenStateDictAdapter
 from harts_runtime.models.registry import Family, register_family
+from harts_runtime.options import DEFAULT_CHUNK_SIZE
 
 __all__ = [
     "FAMILY",
@@ -37,7 +38,9 @@ MODEL_TYPE = "qwen3_5_moe_text"
 """The ``model_type`` written (``qwen3_5_moe``, the vision-language folders, is read only)."""
 
 
-def from_hf_config(cfg, *, dtype: str | None = None, chunk_size: int = 64, **overrides) -> ModelConfig:
+def from_hf_config(
+    cfg, *, dtype: str | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE, **overrides
+) -> ModelConfig:
     """Our :class:`ModelConfig` of a ``Qwen3_5MoeTextConfig`` / ``Qwen3_5MoeConfig`` (its text part)
     or their ``config.json`` dict; see :func:`harts_runtime.models.qwen3_next.from_hf_config`."""
     return _args.from_hf_config(cfg, dtype=dtype, family=MODEL_TYPE, chunk_size=chunk_size, **overrides)

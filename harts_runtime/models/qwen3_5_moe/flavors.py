@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from harts_runtime.models.hybrid.args import GatedAttentionArgs, GDNArgs, ModelConfig, MoEArgs
 from harts_runtime.models.qwen3_next import args as _args
+from harts_runtime.options import DEFAULT_CHUNK_SIZE
 
 __all__ = ["FLAVORS", "qwen35_35b_a3b", "qwen35_tiny"]
 
@@ -29,7 +30,7 @@ def qwen35_35b_a3b(num_layers: int | None = None, **overrides) -> ModelConfig:
         gated_attention=GatedAttentionArgs(head_dim=256, partial_rotary_factor=0.25),
         rope_theta=1e7,
         conv_size=4,
-        chunk_size=64,
+        chunk_size=DEFAULT_CHUNK_SIZE,
         gdn=GDNArgs(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128, projection="split"),
         moe=MoEArgs(
             num_experts=256,

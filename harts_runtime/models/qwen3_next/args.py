@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.models.hf_config import as_dict
 from harts_runtime.models.hybrid.args import GatedAttentionArgs, GDNArgs, ModelConfig, MoEArgs
+from harts_runtime.options import DEFAULT_CHUNK_SIZE
 
 __all__ = ["FAMILIES", "from_hf_config", "to_hf_config"]
 
@@ -93,14 +94,20 @@ def _require(d: dict, name: str, ok, what: str):
 
 
 def from_hf_config(
-    cfg, *, dtype: str | None = None, family: str | None = None, chunk_size: int = 64, **overrides
+    cfg,
+    *,
+    dtype: str | None = None,
+    family: str | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    **overrides,
 ) -> ModelConfig:
     """Our :class:`ModelConfig` of a Qwen3-Next (or, with ``family="qwen3_5_moe_text"``, a Qwen3.5-MoE
     text) config: a transformers config or a ``config.json`` dict (None: from its ``model_type``).
 
     ``dtype``: ``float32``, ``bfloat16`` or ``float64`` (None: the config's when it is one of these,
-    else ``float32``). ``chunk_size``: our GDN chunk size (does not change the math; 64 on the
-    Triton path). ``overrides``: further :class:`ModelConfig` fields (execution options; an
+    else ``float32``). ``chunk_size``: our GDN chunk size (does not change the math; default
+    :data:`~harts_runtime.options.DEFAULT_CHUNK_SIZE`, the Triton path's). ``overrides``: further
+    :class:`ModelConfig` fields (execution options; an
     option group as a dict changes only the fields it names, as :meth:`ModelConfig.replace`).
 
     Raises :class:`InvalidInputError` naming the field for options HybridModel cannot reproduce:
