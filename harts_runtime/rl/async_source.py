@@ -50,17 +50,20 @@ uninterrupted run's.
 **Errors.** A failure in the sampler thread is raised in the trainer's next wait as one error naming
 the step (:class:`SamplerError`; an :class:`~harts_runtime.errors.InvalidInputError` or a
 :class:`~harts_runtime.rl.rollout_engine.SyncError` keeps its class). Every wait polls the thread's
-liveness; ``timeout`` bounds each wait; :meth:`close` stops and joins the thread (bounded).
+liveness; ``timeout`` bounds each wait; :meth:`close` stops and joins the thread (bounded; also at
+interpreter exit, where a daemon thread inside a torch op would abort the process).
 """
 
 from __future__ import annotations
 
+import atexit
 import base64
 import dataclasses
 import json
 import math
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -83,6 +86,14 @@ class SamplerError(RuntimeError):
 
 class _ClosedError(Exception):
     """The source is closing: the sampler thread leaves its wait."""
+
+
+def _close_at_exit(ref) -> None:
+    """Stop a source's sampler thread before the interpreter finalizes (a daemon thread inside a
+    torch op at exit aborts the process)."""
+    src = ref()
+    if src is not None:
+        src.close(10.0)
 
 
 def switch_turn(turns: int) -> int | None:
@@ -260,6 +271,7 @@ class AsyncSource(OnlineSource):
         self._publish(self._done, engine.step, engine, [], None)
         self._thread = threading.Thread(target=self._main, name="harts-rl-sampler", daemon=True)
         self._thread.start()
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     def _publish(self, version: int, tag: int, engine, seqs, ref) -> None:
         pairs = [(name, t.detach().clone()) for name, t in engine.export_weights(names="transformers")]
@@ -309,6 +321,8 @@ class AsyncSource(OnlineSource):
                 target = self.switch_version(n)
 
                 def boundary(i: int, target=target, waited=waited) -> None:
+                    if self._closing:
+                        raise _ClosedError
                     if target is not None and i == self._switch:
                         t = time.perf_counter()
                         self._load(target)
