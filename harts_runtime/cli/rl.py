@@ -177,6 +177,9 @@ def _settings(argv, given: dict) -> tuple[dict, dict, str | None]:
     if resume is not None and out is not None and Path(out) != Path(resume):
         raise UsageError("--resume: the run continues in its own folder; drop --out", "--resume")
     rl = {k: v for k, v in settings.items() if k in _RL_KEYS}
+    args = rl.get("task_args")
+    if isinstance(args, dict) and isinstance(args.get("prompts_file"), str):  # resumable from elsewhere
+        rl["task_args"] = dict(args, prompts_file=os.path.abspath(args["prompts_file"]))
     options = {k: v for k, v in settings.items() if k in _OPTION_KEYS}
     loss = {k: v for k, v in settings.items() if k in _LOSS_KEYS}
     if isinstance(options.get("keep"), str):

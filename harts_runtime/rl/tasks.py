@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.rl.environment import Task
@@ -37,6 +38,7 @@ from harts_runtime.rl.environment import Task
 __all__ = [
     "TASKS",
     "CalculatorTask",
+    "PromptsFile",
     "RaggedSetTask",
     "TokenSetTask",
     "load_task_class",
@@ -48,6 +50,52 @@ BOS = 1
 MAX_ARG = 1 << 20
 """The largest integer a built-in task's argument takes (the tree's tokens are bounded by the
 run's ``max_step_tokens``)."""
+
+
+class PromptsFile:
+    """A built-in task's prompts from a JSONL file (``task_args.prompts_file``): one JSON object a
+    line, read and checked when the task is made (the task's ``prompt_record`` makes each one the
+    prompt's token ids and state); each prompt is a line drawn with the environment RNG (uniformly,
+    with replacement), so a resumed run draws what the uninterrupted one would. A bad line is one
+    :class:`InvalidInputError` naming ``task_args.prompts_file``, the file and the line."""
+
+    MAX_LINES = 1 << 20
+
+    def __init__(self, path, parse: Callable[[dict], tuple[list[int], object]]):
+        field = "task_args.prompts_file"
+        if not isinstance(path, str) or not os.path.isfile(path):
+            raise InvalidInputError(field, f"{path!r}: no such file")
+        self.path, self.items = path, []
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                if len(self.items) >= self.MAX_LINES:
+                    raise InvalidInputError(field, f"{path}: more than {self.MAX_LINES:,} prompts")
+                try:
+                    record = json.loads(line)
+                    if not isinstance(record, dict):
+                        raise ValueError(f"a JSON object, got {type(record).__name__}")
+                    self.items.append(parse(record))
+                except (ValueError, KeyError, TypeError) as e:
+                    raise InvalidInputError(field, f"{path}:{i}: {' '.join(str(e).split())}") from None
+        if not self.items:
+            raise InvalidInputError(field, f"{path} holds no prompt")
+
+    def draw(self, rng) -> tuple[list[int], object]:
+        tokens, state = self.items[int(rng.integers(len(self.items)))]
+        return list(tokens), state
+
+
+def _ids(record: dict) -> tuple[list[int], object]:
+    """``{"prompt": [token ids]}``: the prompt as given (no BOS added), no state."""
+    ids = record["prompt"]
+    if not isinstance(ids, list) or not ids:
+        raise ValueError(f"prompt: a non-empty list of token ids, got {ids!r}")
+    for j, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"prompt[{j}]: token ids are integers >= 0, got {t!r}")
+    return ids, None
 
 
 def _arg(name: str, v, lo: int, hi: int) -> int:
@@ -82,7 +130,12 @@ class TokenSetTask(Task):
                 f"got {self.set_start:,} + {self.set_size:,})",
             )
 
+    prompts: PromptsFile | None = None
+    prompt_record = staticmethod(_ids)
+
     def prompt(self, rng):
+        if self.prompts is not None:
+            return self.prompts.draw(rng)
         toks = rng.integers(
             self.set_start + self.set_size, 2 * (self.set_start + self.set_size), self.prompt_len
         )
@@ -120,7 +173,20 @@ class CalculatorTask(Task):
     CALL_LEN, OBS_LEN, ANSWER_LEN = 6, 5, 4
     prompt_tokens = 7
 
+    prompts: PromptsFile | None = None
+
+    @staticmethod
+    def prompt_record(record: dict) -> tuple[list[int], object]:
+        """``{"a": A, "b": B}`` (integers in [0, 99]): the prompt ``A + B =``."""
+        a, b = record["a"], record["b"]
+        for k, v in (("a", a), ("b", b)):
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 99:
+                raise ValueError(f"{k}: an integer in [0, 99], got {v!r}")
+        return [BOS, *_digits(a, 2), PLUS, *_digits(b, 2), EQ], (a, b)
+
     def prompt(self, rng):
+        if self.prompts is not None:
+            return self.prompts.draw(rng)
         a, b = (int(x) for x in rng.integers(0, 100, 2))
         return [BOS, *_digits(a, 2), PLUS, *_digits(b, 2), EQ], (a, b)
 
@@ -211,7 +277,12 @@ class RaggedSetTask(Task):
                 f"vocabulary of {vocab_size:,} ids",
             )
 
+    prompts: PromptsFile | None = None
+    prompt_record = staticmethod(_ids)
+
     def prompt(self, rng):
+        if self.prompts is not None:
+            return self.prompts.draw(rng)
         n = int(rng.integers(self.prompt_min, self.prompt_max + 1))
         top = self.set_start + self.set_size
         return [BOS] + [int(t) for t in rng.integers(top, 2 * top, n)], None
@@ -292,7 +363,8 @@ def load_task_class(spec: str) -> type[Task]:
 
 
 def make_task(name: str, **kwargs) -> Task:
-    """The task ``name`` made with ``kwargs`` (the config's ``task_args``): a built-in name
+    """The task ``name`` made with ``kwargs`` (the config's ``task_args``; a built-in task also
+    takes ``prompts_file``, a JSONL file of its prompts: :class:`PromptsFile`): a built-in name
     (:data:`TASKS`) or a class ``"package.module:Class"`` (:func:`load_task_class`); raises
     :class:`InvalidInputError` naming ``task`` (an unknown task, a class that does not load) or
     ``task_args.<key>`` (a key the task does not take, a required one missing, or a bad value)."""
@@ -302,6 +374,15 @@ def make_task(name: str, **kwargs) -> Task:
         cls = load_task_class(name)
     elif name in TASKS:
         cls = TASKS[name]
+        if "prompts_file" in kwargs:  # every built-in task takes its prompts from a file
+            kwargs = dict(kwargs)
+            path = kwargs.pop("prompts_file")
+            task = make_task(name, **kwargs)
+            prompts = PromptsFile(path, task.prompt_record)  # type: ignore[attr-defined]
+            task.prompts = prompts  # type: ignore[attr-defined]
+            if task.prompt_tokens is not None:  # the size check counts the longest
+                task.prompt_tokens = max(len(t) for t, _ in prompts.items)
+            return task
     else:
         raise _fail(
             f"unknown task {name!r}; choose from {sorted(TASKS)} or name your own class as "

@@ -219,3 +219,54 @@ def test_sigterm_with_the_default_save_every_leaves_a_resumable_checkpoint(tmp_p
         run.run()
     assert latest_checkpoint(tmp_path / "r").name == "step-2"
     assert RLRun.resume(tmp_path / "r").step == 2
+
+
+@pytest.mark.parametrize("name", ["token-set", "calculator", "ragged-set"])
+def test_built_in_tasks_take_their_prompts_from_a_jsonl_file(tmp_path, name):
+    from harts_runtime.errors import InvalidInputError
+    from harts_runtime.rl.tasks import make_task
+
+    rng = np.random.default_rng(4)
+    if name == "calculator":
+        records = [{"a": int(a), "b": int(b)} for a, b in rng.integers(0, 100, (5, 2))]
+    else:
+        records = [
+            {"prompt": [1] + rng.integers(70, 120, int(rng.integers(2, 6))).tolist()} for _ in range(5)
+        ]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + "\n")
+    task = make_task(name, prompts_file=str(path))
+    expect = [make_task(name).prompt_record(r) for r in records]
+    env = np.random.default_rng(9)
+    oracle = np.random.default_rng(9)  # the same draws: one line index per prompt
+    for _ in range(12):
+        assert task.prompt(env) == expect[int(oracle.integers(len(records)))]
+    assert (
+        RLConfig(flavor="x", task=name, task_args={"prompts_file": str(path)}).check_task(task).leaves == 32
+    )
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        json.dumps(records[0]) + "\n" + ('{"a": 1}' if name == "calculator" else '{"prompt": [1, -2]}')
+    )
+    with pytest.raises(InvalidInputError) as e:
+        make_task(name, prompts_file=str(bad))
+    assert e.value.field == "task_args.prompts_file" and f"{bad}:2:" in str(e.value)
+    with pytest.raises(InvalidInputError, match="no such file"):
+        make_task(name, prompts_file=str(tmp_path / "nope.jsonl"))
+
+
+def test_harts_rl_trains_on_a_prompts_file(tmp_path, capsys, monkeypatch):
+    from harts_runtime.cli.rl import main
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": [1, 80, 81]}\n{"prompt": [1, 90]}\n')
+    (tmp_path / "rl.toml").write_text('task_args = {prompts_file = "p.jsonl"}\nforks = {0 = 2}\n')
+    monkeypatch.chdir(tmp_path)
+    argv = ["--flavor", FLAVOR, "--config", "rl.toml", "--prompts", "2", "--sync-sequences", "1"]
+    assert main([*argv, "--steps", "1", "--out", "r", "--dump-episodes", "2"]) == 0
+    recorded = json.loads((tmp_path / "r" / "run.json").read_text())["rl"]["task_args"]["prompts_file"]
+    assert recorded == str(tmp_path / "p.jsonl")  # absolute: the run resumes from any folder
+    prompts = {
+        tuple(r["prompt_tokens"]) for r in map(json.loads, (tmp_path / "r/episodes/step-1.jsonl").open())
+    }
+    assert prompts <= {(1, 80, 81), (1, 90)}
+    capsys.readouterr()
