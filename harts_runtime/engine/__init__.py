@@ -21,16 +21,21 @@ its per-target fields (:mod:`harts_runtime.loss.functions`); it must use step-le
 (``inputs.weights``), which makes the sum over microbatches the step loss in any grouping.
 
 The package, one job per module: :mod:`~harts_runtime.engine.config` (:class:`EngineConfig`, the
-composition of :mod:`harts_runtime.options`), :mod:`~harts_runtime.engine.engine` (:class:`HartsEngine`:
-build, the step loop, the optimizer step, checkpoints), :mod:`~harts_runtime.engine.planning` (the
-one call for a microbatch's call plan: the microbatch below never plans),
-:mod:`~harts_runtime.engine.trajectory_plan`
-(the trajectory-wise baseline's plan-like packing), :mod:`~harts_runtime.engine.load`
-(``build_model``: every source of a job's model built and parallelized by one path, for
-:meth:`HartsEngine.build` and the constructor alike; ``load_pretrained``: a checkpoint folder read
-into a model, sharded over a mesh: parallelized here, then read by :mod:`harts_runtime.hf`) and :mod:`~harts_runtime.engine.process_state`
-(rank, barrier and RNG state of this process), :mod:`~harts_runtime.engine.reference` (the frozen
-reference policy of a KL term: :class:`ReferencePolicy`).
+composition of :mod:`harts_runtime.options`), :mod:`~harts_runtime.engine.engine`
+(:class:`HartsEngine`: its inputs, plan and step loop, and its methods' doors to the modules
+below), :mod:`~harts_runtime.engine.load` (``build_model``: every source of a job's model built and
+parallelized by one path, for :meth:`HartsEngine.build` and the constructor alike;
+``load_pretrained``: a checkpoint folder read into a model, sharded over a mesh: parallelized here,
+then read by :mod:`harts_runtime.hf`), :mod:`~harts_runtime.engine.planning` (the only planner
+calls: the step plan and each microbatch's call plan; the microbatch below never plans),
+:mod:`~harts_runtime.engine.trajectory_plan` (the trajectory-wise baseline's plan-like packing),
+:mod:`~harts_runtime.engine.metrics` (a step's metrics), :mod:`~harts_runtime.engine.optimizer_step`
+(clipping, the optimizer and schedule, the expert-bias update: :class:`StepReport`),
+:mod:`~harts_runtime.engine.checkpoint` (save and load: DCP plus each rank's RNG state),
+:mod:`~harts_runtime.engine.weights` (the weights a rollout engine loads),
+:mod:`~harts_runtime.engine.process_state` (rank, barrier and RNG state of this process) and
+:mod:`~harts_runtime.engine.reference` (the frozen reference policy of a KL term:
+:class:`ReferencePolicy`).
 """
 
 from harts_runtime.engine.config import EngineConfig

@@ -1,19 +1,24 @@
-"""The training engine: :class:`HartsEngine` (build, the step loop, the optimizer step, checkpoints)
-and what its methods return (:class:`EngineOutput`, :class:`StepReport`)."""
+"""The training engine: :class:`HartsEngine` (its inputs, plan and step loop, and the doors to the
+other jobs: the model's build in :mod:`~harts_runtime.engine.load`, the step's metrics in
+:mod:`~harts_runtime.engine.metrics`, the optimizer step in :mod:`~harts_runtime.engine.optimizer_step`,
+checkpoints in :mod:`~harts_runtime.engine.checkpoint`, the weights stream in
+:mod:`~harts_runtime.engine.weights`) and what its methods return (:class:`EngineOutput`,
+:class:`StepReport`)."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
 
-from harts_runtime.engine import process_state
+from harts_runtime.engine.checkpoint import load_engine, save_engine
 from harts_runtime.engine.config import EngineConfig
+from harts_runtime.engine.metrics import step_metrics
+from harts_runtime.engine.optimizer_step import StepReport, grad_norm, optimizer_step
 from harts_runtime.engine.planning import microbatch_call_plan, plan_step
 from harts_runtime.engine.trajectory_plan import TrajectoryPlan
 from harts_runtime.errors import InvalidInputError
@@ -40,19 +45,6 @@ class EngineOutput:
     logprobs: torch.Tensor
     """float32 [P] (float64 for a float64 model): current log-probs of every target, in the caller's per-target order (cpu)."""
     metrics: dict = field(default_factory=dict)
-
-
-@dataclass
-class StepReport:
-    """What :meth:`HartsEngine.optimizer_step` did."""
-
-    step: int
-    """Optimizer steps taken so far (not counting skipped ones)."""
-    grad_norm: float
-    """The global gradient norm before clipping (over every rank's shards)."""
-    lr: float
-    skipped: bool = False
-    reason: str = ""
 
 
 class HartsEngine:
@@ -348,27 +340,7 @@ class HartsEngine:
             vec = self._sum_over_dp(torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=dev))
             sums = dict(zip(keys, vec.tolist()))
         total = result.loss
-        metrics = {
-            "loss": total,
-            "policy_loss": sums["policy_loss"],
-            "router_loss": sums["router_loss"],
-            "semantic_tokens": step.batch.semantic_tokens,
-            "rows": int(sums["rows"]),
-            "compression": step.batch.semantic_tokens / max(1, sums["rows"]),
-            "replay_tokens": int(sums["replay_tokens"]),
-            # the rows KDA executes: compact rows plus the replay rows its forks re-read
-            "compression_with_replay": step.batch.semantic_tokens
-            / max(1, sums["rows"] + sums["replay_tokens"]),
-            "kda_calls": int(sums["num_calls"]),
-            "microbatches": int(sums["microbatches"]),
-            "trajectory_fallbacks": int(sums["trajectory_fallbacks"]),
-            "plan_seconds": plan_s,
-            "fbg_seconds": fbg_s,
-            "slot_seconds": list(result.slot_seconds),
-        }
-        metrics.update({k: v for k, v in sums.items() if k.startswith("loss_fn/")})
-        metrics.update({k: int(v) for k, v in sums.items() if k.startswith("cp_states/")})
-        metrics.update(_rollout_metrics(step, lp_all, self.step, ent_all))
+        metrics = step_metrics(step, sums, lp_all, ent_all, self.step, plan_s, fbg_s, result)
         return EngineOutput(total, lp_all.cpu(), metrics)
 
     def _sum_over_dp(self, t: torch.Tensor) -> torch.Tensor:
@@ -393,58 +365,25 @@ class HartsEngine:
 
     # ------------------------------------------------------------------ optimizer
     def grad_norm(self) -> float:
-        """The global L2 norm of the accumulated gradients over every rank's shards (DTensor
-        gradients are grouped by mesh: dense and expert parameters live on different meshes)."""
-        from torch.distributed.tensor import DTensor
-
-        groups: dict = defaultdict(list)
-        for p in self.model.parameters():
-            if p.grad is not None:
-                g = p.grad
-                groups[id(g.device_mesh) if isinstance(g, DTensor) else None].append(g)
-        sq = 0.0
-        for gs in groups.values():
-            n = torch.nn.utils.get_total_norm(gs, 2.0, error_if_nonfinite=False, foreach=True)
-            if isinstance(n, DTensor):
-                n = n.full_tensor()
-            sq += float(n) ** 2
-        return math.sqrt(sq)
+        """The global L2 norm of the accumulated gradients over every rank's shards
+        (:func:`harts_runtime.engine.optimizer_step.grad_norm`)."""
+        return grad_norm(self.model)
 
     def optimizer_step(self) -> StepReport:
         """Clip, step the optimizer and the LR schedule (none under ``lr_schedule="external"``),
         update the MoE expert biases (their multiplicity-weighted counts summed over ranks first),
         zero the gradients. When the gradient norm is not finite the step is skipped, the gradients
-        dropped, and the report says so."""
-        norm = self.grad_norm()
-        lr = self.optimizer.param_groups[0]["lr"]
-        clip = self.config.optimizer.max_grad_norm
-        if not math.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            for m in self.model.modules():
-                if hasattr(m, "local_tokens_per_expert"):
-                    m.get_buffer("local_tokens_per_expert").zero_()
-            return StepReport(self.step, norm, lr, True, f"non-finite gradient norm {norm}; step skipped")
-        if clip is not None and norm > clip:
-            coef = clip / (norm + 1e-6)
-            with torch.no_grad():
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        if self.mesh is not None:
-            from harts_runtime.parallel import sync_expert_load
-
-            sync_expert_load(self.model, self.mesh)
-        self.model.update_expert_bias()
-        for (
-            moe
-        ) in self.model.moe_layers():  # per-step counts (update_expert_bias resets them only with a bias)
-            moe.get_buffer("local_tokens_per_expert").zero_()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return StepReport(self.step, norm, lr)
+        dropped, and the report says so (:func:`harts_runtime.engine.optimizer_step.optimizer_step`)."""
+        report = optimizer_step(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.mesh,
+            self.config.optimizer.max_grad_norm,
+            self.step,
+        )
+        self.step = report.step
+        return report
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path, *, files: dict | None = None, extra: dict | None = None) -> None:
@@ -460,47 +399,14 @@ class HartsEngine:
         refused, naming it, before anything is written. Loadable by :meth:`load` under another
         parallel configuration. Each rank's RNG state is ``rng-<rank>.pt``: tensors and numbers
         only, read back with ``torch.load(weights_only=True)``."""
-        import io
-
-        from harts_runtime.parallel.checkpoint import save_checkpoint
-
-        if not isinstance(extra, (dict, type(None))):
-            raise InvalidInputError("extra", f"must be a dict, got {type(extra).__name__}")
-        record = dict(extra or {})
-        for k in ("engine_step", "config"):
-            if k in record:
-                raise InvalidInputError(f"extra.{k}", "is the engine's own key")
-        record.update(engine_step=self.step, config=self.config.to_dict())
-        rng = io.BytesIO()
-        torch.save(_rng_record(process_state.rng_state()), rng)
-        rank_files = {f"rng-{process_state.rank()}.pt": rng.getvalue()}
-        save_checkpoint(path, self.model, self.optimizer, extra=record, files=files, rank_files=rank_files)
+        save_engine(self, path, files=files, extra=extra)
 
     def load(self, path) -> dict:
         """Restore what :meth:`save` wrote (under any parallel configuration); returns the extra
         record. A rank without its own saved RNG state takes rank 0's. Nothing read runs code
         (DCP's metadata through a restricted unpickler, the RNG state with ``weights_only=True``;
         :mod:`harts_runtime.parallel.safe_load`)."""
-        from harts_runtime.parallel.checkpoint import load_checkpoint
-
-        extra = load_checkpoint(path, self.model, self.optimizer)
-        if "engine_step" not in extra:
-            raise InvalidInputError(
-                "path", f"{path} is a checkpoint without an engine step (not saved by HartsEngine.save)"
-            )
-        self.step = int(extra["engine_step"])
-        if self.scheduler is not None:
-            self.scheduler.last_epoch = self.step
-            for g, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
-                g["lr"] = base * self.config.lr_factor(self.step)
-        from harts_runtime.parallel.checkpoint_folder import loadable_folder
-
-        folder = loadable_folder(path)
-        own = folder / f"rng-{process_state.rank()}.pt"
-        rng = own if own.exists() else folder / "rng-0.pt"
-        if rng.exists():
-            process_state.set_rng_state(_read_rng(rng))
-        return extra
+        return load_engine(self, path)
 
     def save_pretrained(self, path, model_type: str | None = None) -> None:
         """Write the model as a transformers checkpoint folder (:func:`harts_runtime.hf.save_pretrained`;
@@ -537,88 +443,6 @@ class HartsEngine:
         from harts_runtime.engine.weights import weights
 
         return weights(self.model, names, bucket_bytes, model_type)
-
-
-def _rng_record(state: dict) -> dict:
-    """An RNG state (:func:`process_state.rng_state`) as tensors and numbers only (numpy's legacy
-    ``(name, keys, pos, has_gauss, cached_gaussian)`` with its keys as an int64 tensor), so that
-    ``torch.load(weights_only=True)`` reads it back."""
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    out = {
-        "format": "harts-rng-1",
-        "torch": state["torch"],
-        "numpy": {
-            "name": str(name),
-            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        },
-    }
-    if "cuda" in state:
-        out["cuda"] = list(state["cuda"])
-    return out
-
-
-def _read_rng(file) -> dict:
-    """The RNG state in ``file`` (``rng-N.pt``; one written before it held tensors only has numpy
-    arrays, admitted as arrays of numbers), checked; :class:`InvalidInputError` naming the file."""
-    from harts_runtime.parallel.safe_load import load_weights_only, numpy_array_globals
-
-    rec = load_weights_only(file, allow=numpy_array_globals())
-    try:
-        state: dict[str, Any] = {"torch": rec["torch"]}
-        npy = rec["numpy"]
-        if isinstance(npy, dict):
-            keys = npy["keys"].numpy() if torch.is_tensor(npy["keys"]) else np.asarray(npy["keys"])
-            npy = (npy["name"], keys.astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
-        if not torch.is_tensor(state["torch"]) or state["torch"].dtype != torch.uint8:
-            raise TypeError("torch: not a uint8 tensor")
-        state["numpy"] = tuple(npy)
-        if "cuda" in rec:
-            state["cuda"] = list(rec["cuda"])
-        # numpy types the state as an exact 5-tuple; this one is as read, and set_state checks it.
-        np.random.RandomState().set_state(cast(Any, state["numpy"]))  # checks it before it is applied
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
-        raise InvalidInputError(file.name, f"{file} is not an RNG state ({type(e).__name__}: {e})") from None
-    return state
-
-
-def _rollout_metrics(step: StepInputs, logprobs: torch.Tensor, version: int, entropy=None) -> dict:
-    """The objective's statistics (``objective/*``: :mod:`harts_runtime.loss.statistics`), the
-    train / rollout mismatch (with behaviour log-probs; version lags against ``version``, the
-    optimizer steps taken) and the routing-replay counts of a step."""
-    from harts_runtime.loss.correction import mismatch_metrics
-    from harts_runtime.loss.statistics import step_statistics
-    from harts_runtime.ops.router import replay_metrics
-
-    out = replay_metrics(step)
-    out.update(
-        step_statistics(
-            logprobs,
-            step.old_logprobs,
-            step.advantages,
-            step.loss_mask,
-            step.cu_seqlens,
-            step.config,
-            ref_logprobs=step.ref_logprobs,
-            entropy=entropy,
-        )
-    )
-    if step.behaviour_logprobs is not None:
-        out.update(
-            mismatch_metrics(
-                logprobs,
-                step.behaviour_logprobs,
-                step.loss_mask,
-                step.cu_seqlens,
-                step.config,
-                old_logprobs=step.old_logprobs,
-                weight_versions=step.weight_versions,
-                version=version,
-            )
-        )
-    return out
 
 
 def _no_fewer_rows(call_plan, step: StepInputs, traj, ex) -> bool:
