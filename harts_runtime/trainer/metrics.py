@@ -3,7 +3,7 @@ object per step; a resumed run drops the records past its step first: ``harts-tr
 FILE``, ``harts-rl``'s ``DIR/metrics.jsonl``), TensorBoard event files (``--tensorboard DIR``;
 ``harts-rl``: ``DIR/tb`` when tensorboard is installed), and at the end of an RL run
 ``DIR/reward.png`` (:func:`plot_rewards`, the reward curve) when matplotlib is importable (else a
-note says it was skipped; matplotlib is not a dependency).
+note says it was skipped and which extra brings it: ``rl``).
 
 ``metrics.jsonl`` is never rewritten in place: records are appended (flushed and synced each step),
 and when a resumed run must drop records past its step (or a line a kill cut short) the records it
@@ -123,7 +123,10 @@ def plot_rewards(out_dir) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "reward curve: skipped (matplotlib is not installed; metrics.jsonl has reward_mean per step)"
+        return (
+            "reward curve: skipped (matplotlib is not installed: pip install 'harts[rl]'; metrics.jsonl has "
+            "reward_mean per step)"
+        )
     fig, ax = plt.subplots(figsize=(5, 3))
     ax.plot([r["step"] for r in records], [r["reward_mean"] for r in records])
     ax.set_xlabel("step")
