@@ -151,7 +151,7 @@ def trajectory_varlen(q, k, v, batch, scale):
     """Trajectory-wise baseline: expand to S rows, each trajectory a causal varlen sequence."""
     from torch.nn.attention.varlen import varlen_attn
 
-    from harts_runtime.ops.attention import _pad_head_dims, _repeat_kv
+    from harts_runtime.ops.attention_kernels import _pad_head_dims, _repeat_kv
 
     sem = batch_tensors(batch, q.device)
     qs, ks, vs = q.index_select(0, sem["map"]), k.index_select(0, sem["map"]), v.index_select(0, sem["map"])
