@@ -17,9 +17,14 @@ weights one process would.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from harts_runtime.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from harts_runtime.models import HybridModel
 
 __all__ = ["build_model", "load_pretrained", "prepare_model"]
 
@@ -93,7 +98,9 @@ def prepare_model(model, config, mesh=None):
     return model
 
 
-def build_model(source, config, mesh=None, *, dtype=None, device=None, freeze=None, **overrides):
+def build_model(
+    source, config, mesh=None, *, dtype=None, device=None, freeze=None, **overrides
+) -> tuple[HybridModel, list[str]]:
     """``(model, frozen)``: the :class:`~harts_runtime.models.HybridModel` of ``source``, built and
     parallelized for a job of ``config`` (an :class:`~harts_runtime.engine.EngineConfig`) over
     ``mesh`` (None: one process), and the names of the parameters frozen.
@@ -101,8 +108,8 @@ def build_model(source, config, mesh=None, *, dtype=None, device=None, freeze=No
     ``source``: a transformers checkpoint folder (``str`` / ``Path``; with a mesh made on the meta
     device, parallelized, then each rank reads only its slices: :func:`load_pretrained`), a flavor
     name (:data:`harts_runtime.models.FLAVORS`, random weights), a
-    :class:`~harts_runtime.models.ModelConfig`, or a model already made (a ``HybridModel``, taken as
-    it is, then :func:`prepare_model`). ``dtype``, ``device`` and ``overrides`` (model-config fields:
+    :class:`~harts_runtime.models.ModelConfig`, or a ``HybridModel`` already made (taken as it is,
+    then :func:`prepare_model`). ``dtype``, ``device`` and ``overrides`` (model-config fields:
     ``chunk_size=16``, ``num_layers=2`` for a flavor) apply to the sources that are not a model.
     ``freeze`` (default: for checkpoint folders) freezes the parameters the transformers family
     cannot carry (:func:`harts_runtime.hf.freeze_family_constants`). Raises
@@ -116,7 +123,7 @@ def build_model(source, config, mesh=None, *, dtype=None, device=None, freeze=No
     if checkpoint:  # with a mesh: made on meta, parallelized, then each rank reads its slices
         kw = {} if mesh is None else dict(mesh=mesh, parallelize=config.parallelize_options())
         model = load_pretrained(source, dtype=dtype, device=device, **kw, **overrides)
-    elif isinstance(source, torch.nn.Module):
+    elif isinstance(source, HybridModel):
         given = [k for k, v in (("dtype", dtype), ("device", device)) if v is not None] + list(overrides)
         if given:
             raise InvalidInputError(
