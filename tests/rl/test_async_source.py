@@ -6,6 +6,8 @@ uninterrupted one; a sampler failure is one error naming the step (no hang)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -33,7 +35,7 @@ def _run(tmp_path, name, source_cls=None, **cfg):
     if source_cls is not None:
         src = source_cls(config)
         src.trained_chunk_size = run.source.trained_chunk_size
-        src.attach(run.engine)
+        src.rollout = run.source.rollout  # the run's rollout engine (the engine's weights)
         run.source = src
     if isinstance(run.source, AsyncSource):
         run.source.timeout = WAIT
@@ -84,9 +86,13 @@ def test_window_versions_reproducible_and_resumed_exactly(tmp_path):
     ra = _steps(a, 4)
     assert [(r["version_min"], r["version_max"]) for r in ra] == [(0, 0), (0, 1), (1, 2), (2, 3)]
     assert max(r["staleness_max"] for r in ra) == 1 and "mismatch/lag1/k3" in ra[2]
-    leaf_versions = a.source._versions
-    assert all(set(v) <= {-1, 2, 3} for v in leaf_versions.values())
+    for lf in a.source.last_leaves:  # batch 4: turn 0 at version 2; turn 1 at 3 but its first token
+        v = a.source._versions[id(lf)]  # (drawn from the logits turn 0's last token left, version 2)
+        (_, s0, e0), (_, s1, e1) = lf.segments
+        assert set(v[s0:e0]) == {2} and v[s1] == 2 and set(v[s1 + 1 : e1]) == {3}
+        assert set(v[:s0] + v[e0:s1] + v[e1:]) <= {-1}
     b = _run(tmp_path, "b", steps=4, max_staleness=1)
+    b.source.rollout = _Jittery(b.source.rollout)  # the sampler thread's timing shuffled
     _same(ra, _steps(b, 4))
 
     c = _run(tmp_path, "c", steps=4, max_staleness=1)
@@ -102,6 +108,29 @@ def test_window_versions_reproducible_and_resumed_exactly(tmp_path):
     assert all(torch.equal(wa[k], wd[k]) for k in wa)
 
 
+@pytest.mark.slow
+def test_mini_batches_and_filtered_steps_carry_versions(tmp_path):
+    """K = 2 with two mini-batches and group filtering: every mini-batch trained carries the
+    behaviour log-probs and versions; a step that filtering left without an update still publishes
+    its version (the sampler does not wait for it forever)."""
+    run = _run(tmp_path, "m", steps=4, max_staleness=2, mini_batches=2)
+    seen = []
+    fb = run.engine.forward_backward
+
+    def spy(batch, **kw):
+        if not kw.get("forward_only"):  # (engine.logprobs: the old log-probs and the sync check)
+            seen.append((batch.behaviour_logprobs is not None, batch.weight_versions is not None))
+        return fb(batch, **kw)
+
+    run.engine.forward_backward = spy
+    recs = _steps(run, 4)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4] and seen and all(a and b for a, b in seen)
+    assert sum(r["updates"] for r in recs) == len(seen) == 8
+    # one prompt: step 3 of seed 5 has every leaf at one reward, filtered away (no update)
+    recs = _steps(_run(tmp_path, "f", steps=4, max_staleness=2, prompts=1, filter_groups=True), 4)
+    assert [r["updates"] for r in recs] == [1, 1, 0, 1]
+
+
 def test_switch_point_and_schedule():
     assert switch_turn(1) is None and switch_turn(2) == 0 and switch_turn(3) == 1 and switch_turn(4) == 1
     src = AsyncSource(RLConfig(**{**SMALL, "max_staleness": 2}))
@@ -110,6 +139,40 @@ def test_switch_point_and_schedule():
     zero = AsyncSource(RLConfig(**SMALL))
     assert [zero.start_version(n) for n in (1, 2, 3)] == [0, 1, 2]
     assert zero.switch_version(3) is None
+
+
+class _Jittery:
+    """A rollout engine whose frontiers sleep a random while before each turn's sampling."""
+
+    def __init__(self, inner):
+        import random
+
+        self.inner, self.vocab_size, self.rng = inner, inner.vocab_size, random.Random()
+
+    def load_weights(self, pairs):
+        self.inner.load_weights(pairs)
+
+    def logprobs(self, seqs):
+        return self.inner.logprobs(seqs)
+
+    def open(self, prompts):
+        frontier, rng = self.inner.open(prompts), self.rng
+
+        class Slow:
+            tokens = frontier.tokens
+
+            def sample(self, *a, **k):
+                time.sleep(rng.uniform(0.0, 0.3))
+                return frontier.sample(*a, **k)
+
+            def extend(self, rows):
+                return frontier.extend(rows)
+
+            def fork(self, index):
+                frontier.fork(index)
+                Slow.tokens = frontier.tokens
+
+        return Slow()
 
 
 class _Broken:
