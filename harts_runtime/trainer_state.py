@@ -178,10 +178,12 @@ def step_folder(save_dir, step: int) -> Path:
     return Path(save_dir) / f"step-{step}"
 
 
-def resolve_checkpoint(path) -> Path:
+def resolve_checkpoint(path, check=None, say=None) -> Path:
     """The checkpoint folder ``path`` names: itself when it holds ``trainer.json``, else its
     complete ``step-N`` folder with the largest N; :class:`InvalidInputError` (``resume``)
-    otherwise."""
+    otherwise. ``check(folder)`` (``--fallback``): a ``step-N`` folder it refuses (raising
+    :class:`InvalidInputError`) is skipped, said through ``say(line)``, for the next newest; the
+    last refusal is raised when none passes."""
     p = Path(path)
     if not p.exists():
         raise InvalidInputError("--resume", f"{str(path)!r}: no such folder")
@@ -189,9 +191,19 @@ def resolve_checkpoint(path) -> Path:
         raise InvalidInputError("--resume", f"{str(path)!r} is not a folder")
     if (p / STATE_NAME).is_file():
         return p
-    latest = latest_step(p, STATE_NAME)
-    if latest is not None:
-        return latest
+    found = complete_steps(p, STATE_NAME)
+    if found and check is not None:
+        for i, (_, folder) in enumerate(found):
+            try:
+                check(folder)
+                return folder
+            except InvalidInputError as e:
+                if i == len(found) - 1:
+                    raise
+                if say is not None:
+                    say(f"skipped {folder}: {' '.join(str(e).split())}")
+    if found:
+        return found[0][1]
     if (p / "harts.json").is_file():
         raise InvalidInputError(
             "--resume",

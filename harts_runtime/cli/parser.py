@@ -150,6 +150,12 @@ def _checkpoint_flags(g) -> None:
         "run's --save DIR; a copied checkpoint saves beside itself)",
     )
     g.add_argument(
+        "--fallback",
+        action="store_true",
+        help="with --resume DIR: a newest step-N that does not verify (damaged, unreadable) is skipped, "
+        "said, for the newest one that does",
+    )
+    g.add_argument(
         "--export",
         metavar="DIR",
         default=None,

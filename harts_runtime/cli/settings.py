@@ -13,6 +13,7 @@ import argparse
 import difflib
 import json
 import os
+import sys
 from pathlib import Path
 
 from harts_runtime.cli.parser import build_parser
@@ -29,7 +30,7 @@ __all__ = [
 
 NOT_CONFIG = ("config", "help")
 """Flags a config file cannot set."""
-NOT_INHERITED = ("config", "resume", "steps", "export")
+NOT_INHERITED = ("config", "resume", "steps", "export", "fallback")
 """Settings a resumed run does not take from the checkpoint (``steps``: the trainer decides).
 The rule for outputs: a log continues (``--metrics`` and ``--tensorboard`` are inherited; their
 records past the resumed step are dropped, then the run appends), a result is per run (``--export``
@@ -188,6 +189,16 @@ def parse_command_line(build, argv) -> tuple[argparse.ArgumentParser, argparse.N
     return parser, args, vars(explicit.parse_args(argv))
 
 
+def _intact(folder) -> None:
+    """``--fallback``'s test of a ``step-N`` folder: its ``trainer.json`` reads and every file its
+    manifest lists is whole (size and SHA-256)."""
+    from harts_runtime.parallel.checkpoint_folder import verify_folder
+    from harts_runtime.trainer_state import read_trainer_state
+
+    read_trainer_state(folder)
+    verify_folder(folder, required=True)
+
+
 def resolve_settings(argv) -> tuple[argparse.Namespace, dict, dict | None]:
     """``(settings, given, saved)``: the flag defaults, overridden by a resumed checkpoint's saved
     settings, then by ``--config``, then by the command line. ``given`` maps each setting the config
@@ -208,7 +219,8 @@ def resolve_settings(argv) -> tuple[argparse.Namespace, dict, dict | None]:
     if resume:
         from harts_runtime.trainer_state import read_trainer_state, resolve_checkpoint
 
-        folder = resolve_checkpoint(resume)
+        check = _intact if given_cli.get("fallback", config.get("fallback")) else None
+        folder = resolve_checkpoint(resume, check, lambda line: print(line, file=sys.stderr, flush=True))
         saved = read_trainer_state(folder)
         saved["folder"] = str(folder)
         inherited = saved.get("args", {}) if isinstance(saved.get("args"), dict) else {}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -77,7 +78,7 @@ def _check_schedule(args, done: int, steps: int, total_steps: int) -> None:
 def _record_args(args, model_name: str, data, **resolved) -> dict:
     """The settings saved in ``trainer.json`` (a resumed run inherits them): paths absolute (so a
     run resumes from elsewhere), the values decided at run time filled in."""
-    record = {k: v for k, v in vars(args).items() if k not in ("config", "resume")}
+    record = {k: v for k, v in vars(args).items() if k not in ("config", "resume", "fallback")}
     record.update(resolved)
     for k in ("data", "model", "save", "export", "metrics", "tensorboard"):
         if record.get(k) is not None:
@@ -87,6 +88,25 @@ def _record_args(args, model_name: str, data, **resolved) -> dict:
     if isinstance(data, SyntheticData):
         record["max_len"] = data.fingerprint["max_len"]
     return record
+
+
+def _load(engine, folder) -> None:
+    """Load the resumed checkpoint; refused, the error names the older complete checkpoints beside
+    it that ``--fallback`` would try."""
+    from harts_runtime.errors import InvalidInputError
+    from harts_runtime.trainer_state import STATE_NAME, complete_steps
+
+    try:
+        engine.load(folder)
+    except InvalidInputError as e:
+        here = Path(folder)
+        n = int(here.name[5:]) if here.name.startswith("step-") and here.name[5:].isdigit() else None
+        older = [f.name for k, f in complete_steps(here.parent, STATE_NAME) if n is not None and k < n]
+        if not older:
+            raise
+        text = str(e)[len(e.field) + 2 :] if str(e).startswith(f"{e.field}: ") else str(e)
+        hint = f" (older checkpoints: {', '.join(older)}; --resume {here.parent} --fallback resumes from the newest that loads)"
+        raise InvalidInputError(e.field, text + hint) from None
 
 
 def train(args, given, saved: dict | None, out=None, err=None) -> int:
@@ -185,7 +205,7 @@ def train(args, given, saved: dict | None, out=None, err=None) -> int:
             + (f"; {len(frozen)} parameters the transformers family lacks stay frozen" if frozen else "")
         )
         if saved is not None:
-            engine.load(saved["folder"])
+            _load(engine, saved["folder"])
             how = "same data" if same else "a different data source: starting at its first step"
             note(
                 f"resumed from {saved['folder']}: step {done}, optimizer step {engine.step}, data position "
