@@ -200,7 +200,7 @@ def _leaf_of(d: dict) -> tuple[Leaf, list[int]]:
         int(d["prompt"]),
         [int(t) for t in d["tokens"]],
         tuple(int(i) for i in d["path"]),
-        [tuple(int(x) for x in s) for s in d["segments"]],
+        [(int(s[0]), int(s[1]), int(s[2])) for s in d["segments"]],
         [float(x) for x in d["action_logprobs"]],
         float(d["reward"]),
         None if d["turn_rewards"] is None else [float(x) for x in d["turn_rewards"]],
@@ -293,11 +293,14 @@ class AsyncSource(OnlineSource):
         if self._loaded == version:
             return
         snap = self._wait_version(version)
-        self.rollout.load_weights(iter(snap.pairs))
+        rollout = self.rollout
+        if rollout is None:
+            raise SamplerError("the source has no rollout engine: attach() it first")
+        rollout.load_weights(iter(snap.pairs))
         self._loaded, self._tag = version, snap.tag
         diff = 0.0
-        if snap.check_seqs:
-            theirs = torch.cat(self.rollout.logprobs(snap.check_seqs)).double()
+        if snap.check_seqs and snap.check_ref is not None:
+            theirs = torch.cat(rollout.logprobs(snap.check_seqs)).double()
             diff = float((snap.check_ref - theirs).abs().max())
             if not diff <= snap.atol:
                 raise SyncError(
@@ -332,6 +335,8 @@ class AsyncSource(OnlineSource):
                 rollout = _VersionedRollout(self.rollout, lambda: self._tag, boundary)
                 leaves = self.sampler.sample(rollout)
                 seconds = time.perf_counter() - t0
+                if rollout.frontier is None:
+                    raise RuntimeError("the tree sampler opened no frontier")
                 versions = rollout.frontier.versions
                 if len(versions) != len(leaves) or any(
                     len(v) != len(lf.tokens) for v, lf in zip(versions, leaves)
@@ -351,8 +356,8 @@ class AsyncSource(OnlineSource):
                 self._cond.notify_all()
 
     # ------------------------------------------------------------------ trainer-side waits
-    def _raise_failure(self) -> None:
-        n, e = self._error
+    def _raise_failure(self, error: tuple[int, BaseException]) -> None:
+        n, e = error
         msg = " ".join(str(e).split())
         if isinstance(e, InvalidInputError):
             raise InvalidInputError(e.field, f"step {n} (sampler thread): {msg}") from e
@@ -365,7 +370,7 @@ class AsyncSource(OnlineSource):
         with self._cond:
             while not ready():
                 if self._error is not None:
-                    self._raise_failure()
+                    self._raise_failure(self._error)
                 if self._thread is None or not self._thread.is_alive():
                     raise SamplerError(f"the sampler thread stopped before {what}")
                 if self.timeout is not None and time.perf_counter() - t0 > self.timeout:
