@@ -2,7 +2,8 @@
 may import"): layout/, modules/ and loss/ import no other room; ops/ imports layout/ and modules/
 (the fla-or-reference switch); layers/ import layout/, modules/, ops/ and the kernels; models/
 import layers/ and loss/. Shared by all:
-``harts_runtime.errors`` (and ``testing`` nowhere in production code)."""
+``harts_runtime.errors`` and ``harts_runtime.options`` (the options' declared defaults, such as
+``DEFAULT_CHUNK_SIZE``; torch-free, below every room) (and ``testing`` nowhere in production code)."""
 
 import ast
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "harts_runtime"
-SHARED = {"errors"}
+SHARED = {"errors", "options"}
 ALLOWED = {
     "layout": set(),
     "modules": set(),
