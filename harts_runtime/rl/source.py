@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,7 +91,7 @@ class OnlineSource:
         if cls is OnlineSource and config.max_staleness > 0:
             from harts_runtime.rl.async_source import AsyncSource
 
-            return super().__new__(AsyncSource)
+            return object.__new__(AsyncSource)
         return super().__new__(cls)
 
     def __init__(self, config: RLConfig, *, task=None):
@@ -123,7 +124,7 @@ class OnlineSource:
         self._plan: list[list[int]] = []
         self._times = (0.0, 0.0)
         self._sync = (0.0, 0.0)
-        self.evaluate = None
+        self.evaluate: Callable[[int], dict] | None = None
         """``evaluate(step) -> record`` every ``eval_every`` steps (:mod:`harts_runtime.rl.evaluate`)."""
 
     def chunk_size(self) -> int:

@@ -98,13 +98,24 @@ def _ids(record: dict) -> tuple[list[int], object]:
     return ids, None
 
 
+class _BuiltIn(Task):
+    """A built-in task: its prompts drawn, or read from a file (:class:`PromptsFile`) whose records
+    :meth:`prompt_record` makes prompts."""
+
+    prompts: PromptsFile | None = None
+
+    @staticmethod
+    def prompt_record(record: dict) -> tuple[list[int], object]:
+        return _ids(record)
+
+
 def _arg(name: str, v, lo: int, hi: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise InvalidInputError(f"task_args.{name}", f"must be an integer in [{lo:,}, {hi:,}], got {v!r}")
     return v
 
 
-class TokenSetTask(Task):
+class TokenSetTask(_BuiltIn):
     """Reward: the share of generated tokens in ``[set_start, set_start + set_size)``."""
 
     name = "token-set"
@@ -129,9 +140,6 @@ class TokenSetTask(Task):
                 f"vocabulary of {vocab_size:,} ids (set_start + set_size must be at most {vocab_size // 2:,}; "
                 f"got {self.set_start:,} + {self.set_size:,})",
             )
-
-    prompts: PromptsFile | None = None
-    prompt_record = staticmethod(_ids)
 
     def prompt(self, rng):
         if self.prompts is not None:
@@ -164,7 +172,7 @@ def _number(tokens: Sequence[int]) -> int | None:
     return int("".join(str(t - DIGIT0) for t in tokens))
 
 
-class CalculatorTask(Task):
+class CalculatorTask(_BuiltIn):
     """``a + b`` with a calculator tool (module docstring)."""
 
     name = "calculator"
@@ -172,8 +180,6 @@ class CalculatorTask(Task):
     default_forks = {0: 4, 1: 2}
     CALL_LEN, OBS_LEN, ANSWER_LEN = 6, 5, 4
     prompt_tokens = 7
-
-    prompts: PromptsFile | None = None
 
     @staticmethod
     def prompt_record(record: dict) -> tuple[list[int], object]:
@@ -224,7 +230,7 @@ OBS = 2
 """ragged-set's observation marker."""
 
 
-class RaggedSetTask(Task):
+class RaggedSetTask(_BuiltIn):
     """Ragged multi-turn episodes with stop tokens and per-turn rewards (module docstring)."""
 
     name = "ragged-set"
@@ -276,9 +282,6 @@ class RaggedSetTask(Task):
                 f"ragged-set uses ids up to {top:,} (its prompts, set and stop ids), outside the "
                 f"vocabulary of {vocab_size:,} ids",
             )
-
-    prompts: PromptsFile | None = None
-    prompt_record = staticmethod(_ids)
 
     def prompt(self, rng):
         if self.prompts is not None:
@@ -378,8 +381,9 @@ def make_task(name: str, **kwargs) -> Task:
             kwargs = dict(kwargs)
             path = kwargs.pop("prompts_file")
             task = make_task(name, **kwargs)
-            prompts = PromptsFile(path, task.prompt_record)  # type: ignore[attr-defined]
-            task.prompts = prompts  # type: ignore[attr-defined]
+            assert isinstance(task, _BuiltIn)  # every class of TASKS is
+            prompts = PromptsFile(path, task.prompt_record)
+            task.prompts = prompts
             if task.prompt_tokens is not None:  # the size check counts the longest
                 task.prompt_tokens = max(len(t) for t, _ in prompts.items)
             return task
