@@ -360,6 +360,7 @@ class AsyncSource(OnlineSource):
         n, e = error
         msg = " ".join(str(e).split())
         if isinstance(e, InvalidInputError):
+            msg = msg[len(e.field) + 2 :] if msg.startswith(f"{e.field}: ") else msg
             raise InvalidInputError(e.field, f"step {n} (sampler thread): {msg}") from e
         if isinstance(e, SyncError):
             raise SyncError(f"step {n} (sampler thread): {msg}") from e

@@ -178,8 +178,9 @@ class _Jittery:
 class _Broken:
     """A rollout engine whose frontier fails on the second batch's sampling."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, error=None):
         self.inner, self.vocab_size, self.opened = inner, inner.vocab_size, 0
+        self.error = error or RuntimeError("engine lost")
 
     def load_weights(self, pairs):
         self.inner.load_weights(pairs)
@@ -190,7 +191,7 @@ class _Broken:
     def open(self, prompts):
         self.opened += 1
         if self.opened == 2:
-            raise RuntimeError("engine lost")
+            raise self.error
         return self.inner.open(prompts)
 
 
@@ -200,6 +201,11 @@ def test_sampler_failure_is_one_error_naming_the_step(tmp_path):
     with pytest.raises(SamplerError, match=r"step 2: the sampler thread failed: RuntimeError: engine lost"):
         _steps(run, 3)
     assert not run.source._thread.is_alive()
+    run = _run(tmp_path, "y", AsyncSource, steps=3)
+    bad = InvalidInputError("observation[1]", "an observation is a list of token ids, got int")
+    run.source.rollout = _Broken(run.source.rollout, bad)
+    with pytest.raises(InvalidInputError, match=r"^observation\[1\]: step 2 \(sampler thread\): an obs"):
+        _steps(run, 3)
 
 
 def test_bad_settings_name_the_key():
