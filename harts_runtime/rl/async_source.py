@@ -32,7 +32,7 @@ batches.
 
 **Weights** are handed over, never loaded under the sampler's feet: ``after_step`` publishes a copy
 of the trainer's weights (:meth:`HartsEngine.export_weights(names="transformers")
-<harts_runtime.engine.HartsEngine.export_weights>`, one copy per version in flight) and only the
+<harts_runtime.engine.HartsEngine.export_weights>`; up to ``K + 2`` copies held) and only the
 sampler thread loads them into the rollout engine, at its schedule's points. With
 ``sync_sequences``, the trainer's log-probs of the last batch's sequences are published with the
 weights, the sampler compares the rollout engine's after loading them
@@ -476,6 +476,8 @@ class AsyncSource(OnlineSource):
         with self._cond:
             for k in [k for k in self._rng_after if k < v - 1]:
                 del self._rng_after[k]
+            for k in [k for k in self._checks if k < v]:
+                del self._checks[k]
         self._sync = (diff, time.perf_counter() - t0)
 
     def after_step(self, engine, result, report) -> None:
