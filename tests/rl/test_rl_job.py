@@ -39,7 +39,6 @@ def user_module(tmp_path, monkeypatch):
     return tmp_path / "rl_job_tasks.py"
 
 
-@pytest.mark.slow
 def test_a_custom_tasks_class_is_recorded_and_resumed_by_it(user_module, tmp_path, capsys):
     from harts_runtime.cli.rl import main
 

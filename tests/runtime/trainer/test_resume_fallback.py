@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from harts_runtime.cli import main
 
 BASE = ["--preset", "tiny", "--device", "cpu", "--progress", "off", "--flavor", "debug", "--layers", "1"]
@@ -23,7 +21,6 @@ def _shard(folder):
     return max((p for p in folder.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
 
 
-@pytest.mark.slow
 def test_harts_train_falls_back_to_the_newest_intact_checkpoint(tmp_path, capsys):
     run, m = tmp_path / "run", tmp_path / "m.jsonl"
     assert main([*BASE, "--steps", "3", "--save-every", "1", "--save", str(run), "--metrics", str(m)]) == 0
