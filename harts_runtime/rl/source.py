@@ -328,10 +328,11 @@ class OnlineSource:
 
     def line(self, rec: dict, steps: int) -> str:
         """The step's progress line."""
+        evaluation = f" eval {rec['eval_reward_mean']:.3f}" if "eval_reward_mean" in rec else ""
         if not rec["updates"]:
             return (
                 f"step {rec['step']}/{steps} reward {rec['reward_mean']:.3f}: skipped, all "
-                f"{rec['filtered_groups']} prompts' leaves earned one reward (filter_groups)"
+                f"{rec['filtered_groups']} prompts' leaves earned one reward (filter_groups){evaluation}"
             )
         text = (
             f"step {rec['step']}/{steps} reward {rec['reward_mean']:.3f} loss {rec['loss']:+.4f} "
@@ -341,9 +342,7 @@ class OnlineSource:
         )
         if rec["filtered_groups"]:
             text += f" filtered {rec['filtered_groups']}"
-        if "eval_reward_mean" in rec:
-            text += f" eval {rec['eval_reward_mean']:.3f}"
-        return text
+        return text + evaluation
 
     # ------------------------------------------------------------------ its state in a checkpoint
     def state_files(self, step: int) -> dict[str, str]:
