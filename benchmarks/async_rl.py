@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from harts_runtime.rl import RLConfig  # noqa: E402
 from harts_runtime.rl.async_source import AsyncSource  # noqa: E402
-from harts_runtime.rl.source import RLRun  # noqa: E402
+from harts_runtime.rl.run import RLRun  # noqa: E402
 
 PARTS = ("generate_seconds", "logprobs_seconds", "train_seconds", "sync_seconds", "wait_seconds")
 

@@ -74,7 +74,8 @@ ONLINE_CHUNK_SIZE_DEFAULT = (
 """What ``chunk_size`` None means for the online source (:func:`harts_runtime.rl.source.tree_chunk_size`)."""
 ONLINE_LOSS = {"kl_coef": 0.0, "loss_agg_mode": "token-mean"}
 """The loss an online RL run trains when no loss setting is given: the objective's (GRPO) without a
-KL term (there is no reference policy), token-mean."""
+KL term, token-mean. A ``kl_coef > 0`` gives the run a reference policy: the initial weights, frozen
+(:attr:`harts_runtime.rl.source.OnlineSource.reference`; one process only)."""
 
 
 @cache
@@ -295,7 +296,6 @@ _LOSS_META = {
     "clip_ratio_high": dict(lo=0.0),
     "clip_ratio_c": dict(lo=1.0),
     "kl_coef": dict(lo=0.0),
-    "kl_estimator": dict(choices=("k1", "k2", "k3")),
     "loss_norm": dict(positive=True),
 }
 _PARALLEL = ("tp", "cp", "ep", "dp_replicate", "sequence_parallel")
@@ -318,6 +318,7 @@ _RL_META = {
     "eval_prompts": dict(metavar="N"),
     "gamma": dict(metavar="G"),
     "keep_last": dict(metavar="K"),
+    "max_staleness": dict(metavar="K"),
 }
 
 

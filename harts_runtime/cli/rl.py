@@ -291,7 +291,7 @@ def _run(argv, err, given: dict) -> int:
                 "--resume: a resumed run keeps its settings; give only --steps, --fallback, --export-hf",
                 "--resume",
             )
-        from harts_runtime.rl.source import RLRun
+        from harts_runtime.rl.run import RLRun
 
         run = RLRun.resume(resume, steps=rl.get("steps"), log=say, fallback=bool(run_flags.get("fallback")))
         say(f"resumed {resume} at step {run.step}")
@@ -306,7 +306,7 @@ def _run(argv, err, given: dict) -> int:
         options.setdefault("capacity", resolved.capacity)
         options.setdefault("lr", resolved.lr)
         shape = _preflight(cfg, options)
-        from harts_runtime.rl.source import RLRun
+        from harts_runtime.rl.run import RLRun
 
         run = RLRun(cfg, options, out)
         say(

@@ -12,9 +12,11 @@ One job per module:
 :mod:`harts_runtime.rl.sampler`             the tree sampler (forks ``k`` ways at configured turns)
 :mod:`harts_runtime.rl.advantages`          GRPO and tree-aware advantage estimators
 :mod:`harts_runtime.rl.config`              a run's settings (:class:`RLConfig`)
-:mod:`harts_runtime.rl.source`              the online data source of the job loop (:class:`OnlineSource`), its
-                                            state, and ``harts-rl``'s job (:class:`RLRun`: run folder and
-                                            resume by :class:`harts_runtime.trainer.run_folder.JobRun`)
+:mod:`harts_runtime.rl.source`              the online data source of the job loop (:class:`OnlineSource`) and
+                                            its state
+:mod:`harts_runtime.rl.async_source`        the asynchronous source (:class:`AsyncSource`, ``max_staleness``)
+:mod:`harts_runtime.rl.run`                 ``harts-rl``'s job (:class:`RLRun`: the source picked, run folder
+                                            and resume by :class:`harts_runtime.trainer.run_folder.JobRun`)
 :mod:`harts_runtime.rl.evaluate`            the greedy policy's reward on held-out prompts (``eval_every``)
 ==========================================  =========================================================
 """
@@ -26,10 +28,13 @@ from harts_runtime.rl.config import RLConfig
 from harts_runtime.rl.environment import Task
 
 if TYPE_CHECKING:  # the lazy names below, for type checkers
+    from harts_runtime.rl.async_source import AsyncSource
     from harts_runtime.rl.rollout_engine import Frontier, RolloutEngine, SyncError, check_sync
-    from harts_runtime.rl.source import OnlineSource, RLRun
+    from harts_runtime.rl.run import RLRun, make_source
+    from harts_runtime.rl.source import OnlineSource
 
 __all__ = [
+    "AsyncSource",
     "Frontier",
     "OnlineSource",
     "RLConfig",
@@ -38,11 +43,14 @@ __all__ = [
     "SyncError",
     "Task",
     "check_sync",
+    "make_source",
 ]
 
 _LAZY = {
     "OnlineSource": "harts_runtime.rl.source",
-    "RLRun": "harts_runtime.rl.source",
+    "RLRun": "harts_runtime.rl.run",
+    "make_source": "harts_runtime.rl.run",
+    "AsyncSource": "harts_runtime.rl.async_source",
     "Frontier": "harts_runtime.rl.rollout_engine",
     "RolloutEngine": "harts_runtime.rl.rollout_engine",
     "SyncError": "harts_runtime.rl.rollout_engine",

@@ -1,13 +1,14 @@
-"""The online data source of the job loop (:class:`OnlineSource`) and its state, and ``harts-rl``'s
-job (:class:`RLRun`: an :class:`~harts_runtime.rl.config.RLConfig`'s source and engine, run and
-resumed in its run folder by :class:`harts_runtime.trainer.run_folder.JobRun`).
+"""The online data source of the job loop (:class:`OnlineSource`) and its state (``harts-rl``'s
+job, which picks this source or the asynchronous one, is :class:`harts_runtime.rl.run.RLRun`).
 
 ``next_step(engine)``: the tree sampler's leaves from the rollout engine; the prompts whose leaves
 all earned one reward dropped when ``filter_groups`` is on (their advantages are all zero: they
 train nothing; counted in the record); their old log-probs recomputed by the trainer (a
 forward-only step, unless ``recompute_logprobs`` is off: the sampler's then); the
 :class:`~harts_runtime.rollouts.Rollouts` of the leaves with the estimator's per-token advantages
-(:func:`harts_runtime.rl.advantages.advantages`, discounted by ``gamma``). ``updates(batch)``: the
+(:func:`harts_runtime.rl.advantages.advantages`, discounted by ``gamma``), and with a KL term
+(the loss's ``kl_coef > 0``) the reference policy's log-probs (:attr:`OnlineSource.reference`: the
+initial weights, frozen). ``updates(batch)``: the
 batch trained ``ppo_epochs`` times in ``mini_batches`` optimizer steps each (a prompt's tree kept
 whole in one mini-batch; the old log-probs stay the ones fixed from the rollout, so the clip acts
 from the second update on); nothing when the filter left no prompt. ``after_step``: the weights
@@ -34,24 +35,22 @@ import numpy as np
 import torch
 
 from harts_runtime.errors import InvalidInputError
-from harts_runtime.job_config import ONLINE_LOSS, JobConfig, resolve_total_steps
 from harts_runtime.rl.advantages import advantages
 from harts_runtime.rl.config import RLConfig
 from harts_runtime.rl.rollout_engine import RolloutEngine, check_sync
 from harts_runtime.rl.sampler import Leaf, TreeSampler
-from harts_runtime.rl.tasks import make_task, task_identity
+from harts_runtime.rl.tasks import make_task
 from harts_runtime.rl.text import bind_tokenizer
-from harts_runtime.trainer.run_folder import JobRun
 from harts_runtime.trainer_state import RUN_NAME, latest_checkpoint, read_json, read_run
 
 if TYPE_CHECKING:
+    from harts_runtime.engine.reference import ReferencePolicy
     from harts_runtime.rollouts import Rollouts
 
 __all__ = [
     "RUN_NAME",
     "STATE_NAME",
     "OnlineSource",
-    "RLRun",
     "latest_checkpoint",
     "read_run",
     "read_state",
@@ -84,15 +83,12 @@ class OnlineSource:
     """RL's data source: ``config``'s task (or ``task``), its forks and sampler, over the rollout
     engine ``rollout_factory(engine)`` made by :meth:`attach` (default: the transformers backend).
     A text task without a tokenizer gets the model folder's (:func:`~harts_runtime.rl.text.bind_tokenizer`)
-    before the step's size is checked. With ``config.max_staleness > 0``, ``OnlineSource(config)``
-    is the asynchronous source (:class:`harts_runtime.rl.async_source.AsyncSource`)."""
+    before the step's size is checked. The synchronous source: ``config.max_staleness`` is
+    :class:`harts_runtime.rl.async_source.AsyncSource`'s (:func:`harts_runtime.rl.run.make_source`
+    picks the class)."""
 
-    def __new__(cls, config: RLConfig, **kw):
-        if cls is OnlineSource and config.max_staleness > 0:
-            from harts_runtime.rl.async_source import AsyncSource
-
-            return object.__new__(AsyncSource)
-        return super().__new__(cls)
+    reference: ReferencePolicy | None = None
+    """With a KL term: the reference policy (the engine's weights when :meth:`attach` ran)."""
 
     def __init__(self, config: RLConfig, *, task=None):
         self.config = config
@@ -124,6 +120,7 @@ class OnlineSource:
         self._plan: list[list[int]] = []
         self._times = (0.0, 0.0)
         self._sync = (0.0, 0.0)
+        self.reference = None
         self.evaluate: Callable[[int], dict] | None = None
         """``evaluate(step) -> record`` every ``eval_every`` steps (:mod:`harts_runtime.rl.evaluate`)."""
 
@@ -132,7 +129,24 @@ class OnlineSource:
         return tree_chunk_size(self.task, self.config.device)
 
     def attach(self, engine, rollout_factory=None) -> None:
-        """Make the rollout engine of ``engine`` (it holds the trainer's weights from then on)."""
+        """Make the rollout engine of ``engine`` (it holds the trainer's weights from then on) and,
+        when the engine's loss has a KL term (``kl_coef > 0``), the reference policy: a frozen copy
+        of the engine's weights now (:class:`~harts_runtime.engine.reference.ReferencePolicy`).
+        Attach before any step or checkpoint load: the weights are then the run's initial ones (a
+        resumed run's engine is built from the same model source and seed before its checkpoint
+        loads, so its reference is the uninterrupted run's). One process only: under a mesh a KL
+        term is refused naming ``kl_coef``."""
+        loss = getattr(engine.config, "loss_config", None)
+        if loss is not None and loss.kl_coef > 0:
+            if engine.mesh is not None:
+                raise InvalidInputError(
+                    "kl_coef",
+                    f"{loss.kl_coef} needs a reference policy, which is copied in one process only "
+                    "(no mesh); set kl_coef 0 or run without one",
+                )
+            from harts_runtime.engine.reference import ReferencePolicy
+
+            self.reference = ReferencePolicy(engine)
         if rollout_factory is None:
             from harts_runtime.rl.transformers_backend import TransformersRollout
 
@@ -143,7 +157,8 @@ class OnlineSource:
     def rollouts(self, engine, leaves: list[Leaf], old_logprobs=None):
         """The :class:`~harts_runtime.rollouts.Rollouts` of ``leaves``: per-token advantages of the
         config's estimator (kept in :attr:`last_advantages`), loss mask on the action tokens, old
-        log-probs (``old_logprobs`` [P], or the sampler's)."""
+        log-probs (``old_logprobs`` [P], or the sampler's), and with a :attr:`reference` its
+        log-probs (``ref_logprobs``)."""
         from harts_runtime.rollouts import Rollouts
 
         adv = advantages(self.config.advantage, leaves, self.forks, self.config.gamma)
@@ -162,6 +177,8 @@ class OnlineSource:
                 ro.loss_mask, old_logprobs.float(), torch.zeros_like(old_logprobs.float())
             )
             ro.check(engine.vocab_size)
+        if self.reference is not None:
+            self.reference.attach(ro)
         return ro
 
     def _filter(self, leaves: list[Leaf]) -> list[Leaf]:
@@ -200,8 +217,8 @@ class OnlineSource:
     def updates(self, batch) -> list:
         """The updates of a step's batch: ``ppo_epochs`` passes over ``mini_batches`` mini-batches
         (a prompt's tree whole in one; prompts in their sampled order, split as evenly as they go;
-        at most one mini-batch per prompt), each one optimizer step; the old log-probs are the
-        batch's, fixed from the rollout. None (everything filtered): no update."""
+        at most one mini-batch per prompt), each one optimizer step; the old log-probs (and the
+        reference's) are the batch's, fixed from the rollout. None (everything filtered): no update."""
         self._plan = []
         if batch is None:
             return []
@@ -216,7 +233,8 @@ class OnlineSource:
             index[group[lf.prompt]].append(i)
         fields = {
             name: batch.to_lists(getattr(batch, name), name)
-            for name in ("advantages", "loss_mask", "old_logprobs")
+            for name in ("advantages", "loss_mask", "old_logprobs", "ref_logprobs")
+            if getattr(batch, name) is not None
         }
         minis = []
         for rows in index:
@@ -228,6 +246,11 @@ class OnlineSource:
             )
         self._plan = index * self.config.ppo_epochs
         return minis * self.config.ppo_epochs
+
+    @property
+    def max_updates(self) -> int:
+        """The most optimizer steps one step takes (``ppo_epochs x mini_batches``)."""
+        return self.config.ppo_epochs * self.config.mini_batches
 
     def _sync_atol(self, engine) -> float:
         if self.config.sync_atol is not None:
@@ -458,147 +481,3 @@ def _read_old_state(path: Path):
         return state["sampler"]["generator"], state["sampler"]["env_rng"], step
     except (KeyError, TypeError) as e:
         raise InvalidInputError(path.name, f"{path} is not an RL state ({type(e).__name__}: {e})") from None
-
-
-# ---------------------------------------------------------------------------- harts-rl's job
-def _rl_config(rl: dict, path: Path) -> RLConfig:
-    try:
-        return RLConfig(**rl)
-    except (TypeError, InvalidInputError) as e:
-        raise InvalidInputError(RUN_NAME, f"{path}: {' '.join(str(e).split())}") from None
-
-
-def _normalize(record: dict, path: Path) -> dict:
-    """A run record with its settings' defaults filled in (an older ``run.json`` lacks newer keys)."""
-    return dict(record, rl=_rl_config(dict(record["rl"]), path).to_dict())
-
-
-def _engine_config(options: dict, steps: int):
-    """The engine's config of the run's options; a decaying schedule without ``total_steps`` ends at
-    the run's ``steps`` (a resumed run's new total: :func:`harts_runtime.job_config.resolve_total_steps`,
-    the rule ``harts-train`` follows)."""
-    from harts_runtime.engine import EngineConfig
-    from harts_runtime.loss.objectives import PolicyLossConfig
-
-    options = dict(options)
-    loss = PolicyLossConfig(**options.pop("loss_config"))
-    objective = options.pop("objective")
-    total = resolve_total_steps(options.get("total_steps"), steps, options.get("lr_schedule", "constant"))
-    if total is not None:
-        options["total_steps"] = total
-    return EngineConfig(objective=objective, loss_config=loss, **options)
-
-
-class RLRun(JobRun):
-    """One RL run in ``out_dir``: the :class:`OnlineSource` of ``config`` trained on an engine built
-    for it, in its run folder (:class:`~harts_runtime.trainer.run_folder.JobRun`: ``run.json``,
-    checkpoints, resume). ``engine_options``: flat :class:`EngineConfig` options (``lr``,
-    ``capacity``, ``mode``, ...); the objective is GRPO without a KL term unless ``loss_config``
-    (a dict of :class:`PolicyLossConfig` fields) says otherwise. ``task``: a
-    :class:`~harts_runtime.rl.environment.Task` instead of the config's; the run records its
-    class (:func:`~harts_runtime.rl.tasks.task_identity`), which a resume loads again.
-    ``rollout_factory(engine)``: the rollout engine (default: the transformers backend)."""
-
-    def __init__(
-        self, config: RLConfig, engine_options: dict, out_dir, *, task=None, rollout_factory=None, log=None
-    ):
-        from harts_runtime.engine import HartsEngine
-
-        self.config = config
-        opts = dict(engine_options)
-        opts.setdefault("objective", "grpo")
-        opts.setdefault("loss_config", dict(ONLINE_LOSS))
-        self.engine_options = opts
-        torch.manual_seed(config.seed)
-        source = OnlineSource(config, task=task)
-        self.task, self.forks, self.sampler = source.task, source.forks, source.sampler
-        job = JobConfig(model={"chunk_size": config.chunk_size})
-        self.chunk_size = job.resolve(config.device, "online", chunk_size=source.chunk_size).chunk_size
-        source.trained_chunk_size = self.chunk_size
-        model = config.model if config.model is not None else config.flavor
-        layers: dict[str, Any] = {} if config.layers is None else {"num_layers": config.layers}
-        engine = HartsEngine.build(
-            model,
-            _engine_config(opts, config.steps),
-            device=config.device,
-            chunk_size=self.chunk_size,
-            **layers,
-        )
-        source.attach(engine, rollout_factory)
-        source.episodes_dir = Path(out_dir)
-        record = {"rl": config.to_dict(), "engine": opts, "task": task_identity(source.task)}
-        super().__init__(
-            engine,
-            source,
-            out_dir,
-            record,
-            steps=config.steps,
-            save_every=config.save_every,
-            keep_last=config.keep_last,
-            normalize=_normalize,
-            log=log,
-        )
-        if config.eval_every:
-            from harts_runtime.rl.evaluate import Evaluation
-
-            source.evaluate = Evaluation(config, source)
-        self.rollout = source.rollout
-
-    @property
-    def last_leaves(self):
-        return self.source.last_leaves
-
-    @property
-    def last_output(self):
-        return self.source.last_output
-
-    def rollouts(self, leaves, old_logprobs=None):
-        """The :class:`~harts_runtime.rollouts.Rollouts` of ``leaves`` (:meth:`OnlineSource.rollouts`)."""
-        return self.source.rollouts(self.engine, leaves, old_logprobs)
-
-    _read_state = staticmethod(read_state)
-
-    @classmethod
-    def resume(  # type: ignore[override]
-        cls,
-        out_dir,
-        *,
-        steps: int | None = None,
-        task=None,
-        rollout_factory=None,
-        log=None,
-        fallback: bool = False,
-    ) -> RLRun:
-        """The run of ``out_dir`` at its newest complete checkpoint (``steps``: a new total;
-        ``fallback``: skip checkpoints that do not load, :meth:`JobRun.load_latest`). Its task is the
-        class ``run.json`` records (a custom class loaded by name, :func:`make_task`); a ``task``
-        given instead is used as it is (a note says so where its class differs); a recorded class
-        that no longer loads, or loads as another, is refused naming ``task``."""
-        record = read_run(out_dir)
-        rl = dict(record["rl"])
-        if steps is not None:
-            rl["steps"] = steps
-        config = _rl_config(rl, Path(out_dir) / RUN_NAME)
-        recorded = record.get("task", config.task)
-        if not isinstance(recorded, str):
-            raise InvalidInputError(
-                RUN_NAME, f"{Path(out_dir) / RUN_NAME}: task must be a string, got {recorded!r}"
-            )
-        if task is None:
-            try:
-                task = make_task(recorded, **config.task_args)
-            except InvalidInputError as e:
-                raise InvalidInputError(
-                    "task", f"the run in {out_dir} trained {recorded!r}, which does not load now ({e})"
-                ) from None
-            if task_identity(task) != recorded:
-                raise InvalidInputError(
-                    "task",
-                    f"the run in {out_dir} trained {recorded!r}, which loads as {task_identity(task)!r} now",
-                )
-        elif task_identity(task) != recorded and log is not None:
-            log(f"task: the run trained {recorded!r}; resuming with the given {task_identity(task)!r}")
-        run = cls(config, record["engine"], out_dir, task=task, rollout_factory=rollout_factory, log=log)
-        run.record["task"] = recorded
-        run.load_latest(fallback=fallback)
-        return run

@@ -38,6 +38,9 @@ def step_record(step: int, key, res, rep, dt: float) -> dict:
     for k, v in m.items():  # the loss function's own metrics: step sums of their per-microbatch shares
         if k.startswith("loss_fn/"):
             rec[k] = float(v)
+    for k in sorted(m):  # the objective's statistics over the step (harts_runtime.loss.statistics)
+        if k.startswith("objective/"):
+            rec[k] = float(m[k])
     rec.update(
         grad_norm=float(rep.grad_norm),
         lr=float(rep.lr),

@@ -1,6 +1,6 @@
 """A job in its run folder (:class:`JobRun`): the data source trained by the job loop
 (:func:`harts_runtime.trainer.job.run_job`), its checkpoints and its resume. ``harts-rl``'s runs
-(:class:`harts_runtime.rl.source.RLRun` builds one from its settings) live in one.
+(:class:`harts_runtime.rl.run.RLRun` builds one from its settings) live in one.
 
 A run lives in one folder ``DIR``: ``run.json`` (the run's record: its settings by table,
 :func:`harts_runtime.trainer_state.write_run`), ``metrics.jsonl`` (:mod:`harts_runtime.trainer.metrics`)
@@ -15,7 +15,8 @@ to a temporary file, synced and renamed over the old one, so a kill at any point
 covers: every file it reads is checked against the manifest's size and SHA-256
 (:meth:`HartsEngine.load`), and the step numbers must agree (the folder's ``N``, ``done.json``, the
 engine record's step, and the source's state: ``source.load_state``; the engine's optimizer steps
-at most ``N``), as must ``DIR/run.json`` with the copy saved in the checkpoint (``steps`` aside). A
+at most ``N`` times the source's ``max_updates`` a step, 1 if it has none), as must
+``DIR/run.json`` with the copy saved in the checkpoint (``steps`` aside). A
 missing, damaged or mismatched file is one :class:`~harts_runtime.errors.InvalidInputError` naming
 it; with ``fallback`` the resume takes the newest checkpoint that loads instead, saying which it
 skipped and why. ``keep_last`` keeps the K newest checkpoints
@@ -27,7 +28,9 @@ A source kept in a run folder has, beside the job loop's methods:
 * ``load_state(engine, folder, engine_dir, listed, extra, step, log)``: restore it from the
   checkpoint ``folder`` (``engine_dir``: where the engine's files are, ``listed``: the names its
   manifest covers, ``extra``: the engine record's caller keys, ``step``: ``N``), checked;
-* ``line(record, steps)``: the step's progress line.
+* ``line(record, steps)``: the step's progress line;
+* optionally ``max_updates``: the most optimizer steps one job step takes (PPO epochs x
+  mini-batches; default 1).
 """
 
 from __future__ import annotations
@@ -118,9 +121,12 @@ class JobRun:
         listed = set(read_manifest(where) or {})
         notes: list[str] = []  # said once the checkpoint has loaded (a refused one says only why)
         self.source.load_state(self.engine, folder, where, listed, extra, n, notes.append)
-        if not (0 <= self.engine.step <= n):
+        most = n * getattr(self.source, "max_updates", 1)
+        if not (0 <= self.engine.step <= most):
             raise InvalidInputError(
-                "engine", f"{engine_dir} has {self.engine.step} optimizer steps, more than the job's step {n}"
+                "engine",
+                f"{engine_dir} has {self.engine.step} optimizer steps, more than the job's step {n} "
+                f"allows ({most})",
             )
         if RUN_NAME in listed:
             self._check_run(where / RUN_NAME)

@@ -14,7 +14,8 @@ import torch
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.rl import RLConfig
 from harts_runtime.rl.async_source import AsyncSource, SamplerError, switch_turn
-from harts_runtime.rl.source import OnlineSource, RLRun
+from harts_runtime.rl.run import RLRun
+from harts_runtime.rl.source import OnlineSource
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -132,7 +132,7 @@ ASSERTED_KINDS = len(BAD_VALUES)
 
 def _run(tmp_path, capsys, argv, monkeypatch):
     """``main(argv)`` with the loop's constructor made to fail: a refusal must come before it."""
-    from harts_runtime.rl import source as loop
+    from harts_runtime.rl import run as loop
 
     def no_work(*a, **k):
         raise AssertionError("RLRun was built: the bad value was not refused before any work")

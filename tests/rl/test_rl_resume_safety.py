@@ -132,7 +132,7 @@ def test_a_missing_garbage_or_foreign_run_json_is_one_line_naming_it(run, capsys
 def test_an_old_rl_pt_is_read_without_running_code(run, tmp_path, capsys):
     """A run saved before ``rl.json``: ``step-N/rl.pt`` loads with ``weights_only=True`` (and is
     step-checked); a crafted one is refused naming it, its payload not run."""
-    from harts_runtime.rl.source import RLRun as R
+    from harts_runtime.rl.run import RLRun as R
 
     gen, env, _ = R._read_state(_engine(run) / STATE_NAME)
     (_engine(run) / STATE_NAME).unlink()

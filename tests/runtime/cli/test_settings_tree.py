@@ -184,7 +184,7 @@ def test_harts_rl_names_a_bad_loss_key_and_flag(tmp_path, capsys, monkeypatch):
     """The loss group is harts-rl's too: a config key of the wrong type or choice names the file and
     key, a flag names the flag; both before any work."""
     from harts_runtime.cli.rl import main
-    from harts_runtime.rl import source as loop
+    from harts_runtime.rl import run as loop
 
     def no_work(*a, **k):
         raise AssertionError("RLRun was built: the bad value was not refused before any work")
