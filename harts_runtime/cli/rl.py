@@ -45,6 +45,7 @@ from harts_runtime.errors import InvalidInputError, UsageError
 from harts_runtime.job_config import (
     ONLINE_LOSS,
     JobConfig,
+    declared_flavors,
     group_settings,
     resolve_total_steps,
     rl_defaults,
@@ -260,6 +261,14 @@ def _preflight(cfg: RLConfig, options: dict) -> str:
     task = make_task(cfg.task, **cfg.task_args)
     vocab = None
     if cfg.flavor is not None:
+        online = declared_flavors(families_only=True)
+        if cfg.flavor not in online:
+            kind = "has no transformers family" if cfg.flavor in declared_flavors() else "is unknown"
+            raise InvalidInputError(
+                "flavor",
+                f"{cfg.flavor!r} {kind} (the rollout engine runs a transformers model); "
+                f"choose one of {', '.join(online)}",
+            )
         cfg.check_task(task)  # the tree's size first: cheap, and before torch is imported
         from harts_runtime.models import model_config
 
