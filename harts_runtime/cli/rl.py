@@ -271,14 +271,17 @@ def _preflight(cfg: RLConfig, options: dict) -> str:
             )
         cfg.check_task(task)  # the tree's size first: cheap, and before torch is imported
         from harts_runtime.models import model_config
+        from harts_runtime.models.registry import family_of
 
         kw = {} if cfg.chunk_size is None else {"chunk_size": cfg.chunk_size}
         try:
-            vocab = model_config(cfg.flavor, cfg.layers, **kw).vocab_size
+            model_cfg = model_config(cfg.flavor, cfg.layers, **kw)
         except InvalidInputError as e:
             if e.field != "num_layers":
                 raise
             raise InvalidInputError("layers", str(e)[len(e.field) + 2 :]) from None
+        vocab = model_cfg.vocab_size
+        family_of(model_cfg).check_transformers("flavor")  # the rollout engine's model
     shape = cfg.check_task(task, vocab)
     _check_device(cfg.device)
     return f"{shape.leaves:,} leaves ({cfg.prompts:,} prompts x {shape.leaves_per_prompt:,}), {shape.tokens:,} tokens per step"

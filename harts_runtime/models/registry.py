@@ -66,7 +66,9 @@ class Family:
     families that own a config the highest priority wins (:func:`family_of`). ``flavors``: named
     tiny flavors, name -> ``(num_layers=None, **overrides) -> ModelConfig``. ``prefixes``: ``model_type`` -> key prefix of its checkpoints'
     tensors (:meth:`make_adapter`; e.g. a vision-language folder's ``"model.language_model."``).
-    ``read_only``: the ``model_types`` read but never written.
+    ``read_only``: the ``model_types`` read but never written. ``transformers_min``: the first
+    transformers release that has the ``model_type`` this family writes (its transformers model: the
+    rollout engine, the reference in the tests); None: any (:func:`check_transformers`).
     """
 
     name: str
@@ -79,6 +81,7 @@ class Family:
     flavors: Mapping[str, Callable] = field(default_factory=dict)
     prefixes: Mapping[str, str] = field(default_factory=dict)
     read_only: tuple[str, ...] = ()
+    transformers_min: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -115,6 +118,24 @@ class Family:
             )
         if not isinstance(self.adapter, type):
             raise InvalidInputError("adapter", f"family {self.name!r}: {self.adapter!r} is not a class")
+
+    def check_transformers(self, field: str = "model_type") -> None:
+        """Refuse an installed transformers without this family's model: one
+        :class:`InvalidInputError` naming ``field``, the installed version and the one the family
+        needs (``transformers_min``)."""
+        import transformers
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        if self.model_type in CONFIG_MAPPING_NAMES:
+            return
+        have = f"transformers {transformers.__version__} has no {self.model_type!r} model"
+        if self.transformers_min is None:
+            raise InvalidInputError(field, f"{have}; the {self.name} family needs a transformers that has it")
+        raise InvalidInputError(
+            field,
+            f"{have}; the {self.name} family needs transformers >= {self.transformers_min}: "
+            f"pip install -U 'transformers>={self.transformers_min}'",
+        )
 
     @property
     def model_type(self) -> str:

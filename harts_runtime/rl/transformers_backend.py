@@ -77,11 +77,13 @@ class TransformersRollout(RolloutEngine):
         import transformers
 
         from harts_runtime.hf import save_setup
+        from harts_runtime.models.registry import get_family
 
         _quiet_transformers()
         hf_config, _ = save_setup(engine.model)
         hf_config = _decode_numbers(dict(hf_config))
         model_type = hf_config.pop("model_type")
+        get_family(model_type).check_transformers()
         config = transformers.AutoConfig.for_model(model_type, **hf_config)
         dtype = next(engine.model.parameters()).dtype
         with torch.device(device if device is not None else next(engine.model.parameters()).device):

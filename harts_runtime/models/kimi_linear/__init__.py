@@ -45,6 +45,7 @@ FAMILY = register_family(
         owns=owns,
         priority=30,
         flavors=FLAVORS,
+        transformers_min="5.17.0",  # the first release with its model_type
     )
 )
 """The registered family (:mod:`harts_runtime.models.registry`)."""

@@ -39,6 +39,7 @@ FAMILY = register_family(
         owns=owns,
         priority=40,  # above Kimi-Linear's: Ling-3.0's marks refine KDA / MLA models
         flavors=FLAVORS,
+        transformers_min="5.20.0",  # the first release with its model_type
     )
 )
 """The registered family (:mod:`harts_runtime.models.registry`)."""

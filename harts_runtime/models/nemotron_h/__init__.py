@@ -43,6 +43,7 @@ FAMILY = register_family(
         owns=owns,
         priority=10,
         flavors=FLAVORS,
+        transformers_min="5.3.0",  # the first release with its model_type
     )
 )
 """The registered family (:mod:`harts_runtime.models.registry`)."""

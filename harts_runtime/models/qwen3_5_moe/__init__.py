@@ -84,6 +84,7 @@ FAMILY = register_family(
         owns=owns,
         priority=20,
         flavors=FLAVORS,
+        transformers_min="5.2.0",  # the first release with its model_type
         prefixes={"qwen3_5_moe": "model.language_model."},
         read_only=("qwen3_5_moe",),
     )
