@@ -31,8 +31,8 @@ synchronous loop (:class:`~harts_runtime.rl.source.OnlineSource`), record for re
 batches.
 
 **Weights** are handed over, never loaded under the sampler's feet: ``after_step`` publishes a copy
-of the trainer's weights (:meth:`HartsEngine.export_weights(names="transformers")
-<harts_runtime.engine.HartsEngine.export_weights>`; up to ``K + 2`` copies held) and only the
+of the trainer's weights (:meth:`HartsEngine.weights(names="transformers")
+<harts_runtime.engine.HartsEngine.weights>`, bucket by bucket; up to ``K + 2`` copies held) and only the
 sampler thread loads them into the rollout engine, at its schedule's points. With
 ``sync_sequences``, the trainer's log-probs of the last batch's sequences are published with the
 weights, the sampler compares the rollout engine's after loading them
@@ -70,9 +70,9 @@ import torch
 
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.rl.config import RLConfig
-from harts_runtime.rl.rollout_engine import SyncError
+from harts_runtime.rl.rollout_engine import SyncError, own_routes_rollouts
 from harts_runtime.rl.sampler import Leaf
-from harts_runtime.rl.source import OnlineSource
+from harts_runtime.rl.source import OnlineSource, _leaf_routes, _replays_routes
 
 __all__ = ["AsyncSource", "SamplerError", "switch_turn"]
 
@@ -169,6 +169,9 @@ class _VersionedFrontier:
         self.versions = [list(self.versions[int(i)]) for i in index]
         self.next_version = [self.next_version[int(i)] for i in index]
 
+    def routes(self):
+        return self.inner.routes() if hasattr(self.inner, "routes") else None
+
 
 class _VersionedRollout:
     """What the tree sampler sees: the rollout engine whose frontiers are versioned."""
@@ -192,6 +195,7 @@ def _leaf_record(lf: Leaf, versions: list[int]) -> dict:
     d["path"] = list(lf.path)
     d["segments"] = [list(s) for s in lf.segments]
     d["versions"] = list(versions)
+    d["routes"] = None if lf.routes is None else lf.routes.tolist()
     return d
 
 
@@ -205,6 +209,7 @@ def _leaf_of(d: dict) -> tuple[Leaf, list[int]]:
         float(d["reward"]),
         None if d["turn_rewards"] is None else [float(x) for x in d["turn_rewards"]],
         [bool(x) for x in d["truncated"]],
+        None if d.get("routes") is None else torch.tensor(d["routes"], dtype=torch.long),
     )
     versions = [int(v) for v in d["versions"]]
     if len(versions) != len(lf.tokens):
@@ -274,7 +279,9 @@ class AsyncSource(OnlineSource):
         atexit.register(_close_at_exit, weakref.ref(self))
 
     def _publish(self, version: int, tag: int, engine, seqs, ref) -> None:
-        pairs = [(name, t.detach().clone()) for name, t in engine.export_weights(names="transformers")]
+        from harts_runtime.rl.transformers_backend import weight_pairs
+
+        pairs = [(name, t.detach().clone()) for name, t in weight_pairs(engine)]
         snap = _Snapshot(tag, pairs, seqs, ref, self._sync_atol(engine))
         with self._cond:
             self._snaps[version] = snap
@@ -430,7 +437,8 @@ class AsyncSource(OnlineSource):
         if trained:
             old = None
             if self.config.recompute_logprobs:
-                old = engine.logprobs(Rollouts.from_lists([lf.tokens for lf in trained]))
+                routes = _leaf_routes(trained) if _replays_routes(engine) else None
+                old = engine.logprobs(Rollouts.from_lists([lf.tokens for lf in trained], routes=routes))
             self._rollouts = self._attach_versions(self.rollouts(engine, trained, old), trained)
         self._times = (batch.generate, time.perf_counter() - t1)
         sampled = [v for vs in batch.versions for v in vs if v >= 0]
@@ -455,7 +463,6 @@ class AsyncSource(OnlineSource):
     def _published(self, engine) -> None:
         """Publish the version of the step just trained (``after_step``, or ``record`` for a step
         without an update: the weights unchanged); returns the sync check's ``(diff, seconds)``."""
-        from harts_runtime.rollouts import Rollouts
 
         t0 = time.perf_counter()
         self._done += 1
@@ -466,7 +473,7 @@ class AsyncSource(OnlineSource):
             seqs = [lf.tokens for lf in leaves[:: max(1, len(leaves) // self.config.sync_sequences)]]
             seqs = [list(s) for s in seqs[: self.config.sync_sequences] if len(s) > 1]
             if seqs:
-                ref = engine.logprobs(Rollouts.from_lists(seqs)).double()
+                ref = engine.logprobs(own_routes_rollouts(engine, seqs)).double()
         self._publish(v, engine.step, engine, seqs, ref)
         diff = 0.0
         if seqs:

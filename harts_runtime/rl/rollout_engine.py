@@ -10,8 +10,10 @@ observations may differ in length, and with stop tokens each branch's action end
 length. The built-in backend is
 :class:`harts_runtime.rl.transformers_backend.TransformersRollout` (CPU or GPU). A vLLM backend
 implements the same four methods: ``load_weights`` through vLLM's own weight-update API (the
-checkpoint-spelled pairs of :meth:`HartsEngine.export_weights`), ``logprobs`` with
-``prompt_logprobs``, and a frontier over vLLM requests whose prefix cache sees the forks' sharing.
+checkpoint-spelled pairs of :meth:`HartsEngine.weights(names="checkpoint") <harts_runtime.engine.HartsEngine.weights>`),
+``logprobs`` with ``prompt_logprobs``, and a frontier over vLLM requests whose prefix cache sees the
+forks' sharing (and, for routing replay, :meth:`Frontier.routes` from the routed experts vLLM
+returns).
 
 After each sync, :func:`check_sync` compares the rollout engine's log-probs of a few sampled
 sequences with the trainer's (:meth:`HartsEngine.logprobs`): a sync that left a weight out, or
@@ -25,7 +27,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-__all__ = ["Frontier", "RolloutEngine", "SyncError", "check_sync"]
+__all__ = ["Frontier", "RolloutEngine", "SyncError", "check_sync", "own_routes_rollouts"]
 
 
 class SyncError(RuntimeError):
@@ -57,6 +59,14 @@ class Frontier(ABC):
     def fork(self, index: Sequence[int]) -> None:
         """Keep branches ``index`` in that order (repeats fork a branch: its copies share its prefix)."""
 
+    def routes(self) -> list[torch.Tensor] | None:
+        """Per branch, the MoE experts the engine ran each of its tokens through so far: int
+        ``[len(tokens[i]), M, k]`` (``M`` MoE layers in model order, ``k`` experts per token; -1
+        where not known), prompt and observation tokens included; what the trainer replays with
+        ``routing_replay`` on. None (the default): the engine does not report routes (a dense
+        model, or a backend without them)."""
+        return None
+
 
 class RolloutEngine(ABC):
     """Samples the policy and takes its weights in memory."""
@@ -65,7 +75,9 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def load_weights(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Take the trainer's weights (``(name, tensor)`` pairs, every weight once)."""
+        """Take the trainer's weights (``(name, tensor)`` pairs, every weight once; the sources
+        pass the bucketed stream of :meth:`HartsEngine.weights <harts_runtime.engine.HartsEngine.weights>`
+        flattened, so a tensor is valid only until the next one is drawn: copy it)."""
 
     @abstractmethod
     def logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -76,18 +88,31 @@ class RolloutEngine(ABC):
         """A frontier of one branch per prompt (non-empty; lengths may differ)."""
 
 
+def own_routes_rollouts(engine, sequences: Sequence[Sequence[int]]):
+    """The :class:`~harts_runtime.rollouts.Rollouts` of ``sequences`` for a forward in which
+    every MoE layer routes by its own router: with ``engine``'s routing replay on, routes of -1
+    (the router's own top-k) for every token; otherwise none."""
+    from harts_runtime.rollouts import Rollouts
+
+    seqs = [list(s) for s in sequences]
+    layers = getattr(getattr(engine, "model", None), "_harts_routing_replay", None)
+    if not layers:
+        return Rollouts.from_lists(seqs)
+    m, k = len(layers), int(layers[0].config.top_k)
+    return Rollouts.from_lists(seqs, routes=[torch.full((len(s), m, k), -1, dtype=torch.long) for s in seqs])
+
+
 def check_sync(
     engine, rollout: RolloutEngine, sequences: Sequence[Sequence[int]], atol: float = 2e-3
 ) -> float:
     """Compare ``rollout``'s log-probs of ``sequences`` with the trainer ``engine``'s; returns the
     largest absolute difference, or raises :class:`SyncError` when it exceeds ``atol`` (float32 on
-    both sides agrees to ~1e-6 on the tiny flavors; a weight left out moves it by orders more)."""
-    from harts_runtime.rollouts import Rollouts
-
+    both sides agrees to ~1e-6 on the tiny flavors; a weight left out moves it by orders more).
+    Both sides route by their own routers (:func:`own_routes_rollouts`)."""
     seqs = [list(s) for s in sequences if len(s) > 1]
     if not seqs:
         return 0.0
-    ours = engine.logprobs(Rollouts.from_lists(seqs)).double()
+    ours = engine.logprobs(own_routes_rollouts(engine, seqs)).double()
     theirs = torch.cat(rollout.logprobs(seqs)).double()
     diff = float((ours - theirs).abs().max())
     if not diff <= atol:

@@ -8,8 +8,9 @@ opens on the rollout engine; before turn ``t``, every live branch forks ``forks[
 branch follow in one :meth:`~harts_runtime.rl.environment.Task.observe_batch` call (every turn but
 the last; their lengths may differ). Each leaf is a :class:`Leaf`: its tokens, per-token loss mask
 (action tokens only) and sampling log-probs, its prompt, its *path* (the child taken at each fork,
-root first), per turn where its action tokens lie and whether the cap cut the action, its reward and
-(when the task gives them) its per-turn rewards. The leaves of a prompt share every token up to the
+root first), per turn where its action tokens lie and whether the cap cut the action, its reward,
+(when the task gives them) its per-turn rewards and (when the rollout engine reports them:
+:meth:`~harts_runtime.rl.rollout_engine.Frontier.routes`) the MoE experts of each token. The leaves of a prompt share every token up to the
 fork that separates them, which HARTS's ingestion finds again from the token ids alone.
 """
 
@@ -48,6 +49,9 @@ class Leaf:
     truncated: list[bool] = field(default_factory=list)
     """Per turn: the action reached its cap without a stop token (always False for a task
     without stop tokens, whose actions are all exactly the cap, and for a turn whose cap is 0)."""
+    routes: torch.Tensor | None = None
+    """The MoE experts the rollout engine ran each token through, int ``[len(tokens), M, k]``
+    (None: the engine reports none)."""
 
     def actions(self) -> list[list[int]]:
         return [self.tokens[a:b] for _, a, b in self.segments]
@@ -240,6 +244,17 @@ class TreeSampler:
             Leaf(owner[b], list(frontier.tokens[b]), paths[b], segments[b], logps[b], truncated=cut[b])
             for b in range(len(owner))
         ]
+        routes = frontier.routes() if hasattr(frontier, "routes") else None
+        if routes is not None:
+            if len(routes) != len(leaves) or any(
+                r.dim() != 3 or r.shape[0] != len(lf.tokens) for r, lf in zip(routes, leaves)
+            ):
+                raise RuntimeError(
+                    "the rollout engine's frontier returned routes that are not one [tokens, M, k] "
+                    "tensor per branch"
+                )
+            for lf, r in zip(leaves, routes):
+                lf.routes = r
         rewards = [task.reward(drawn[lf.prompt][1], lf.tokens, lf.actions()) for lf in leaves]
         check_reward(rewards, turns=task.turns)
         for lf, r in zip(leaves, rewards):

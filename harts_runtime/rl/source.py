@@ -8,11 +8,13 @@ forward-only step, unless ``recompute_logprobs`` is off: the sampler's then); th
 :class:`~harts_runtime.rollouts.Rollouts` of the leaves with the estimator's per-token advantages
 (:func:`harts_runtime.rl.advantages.advantages`, discounted by ``gamma``), and with a KL term
 (the loss's ``kl_coef > 0``) the reference policy's log-probs (:attr:`OnlineSource.reference`: the
-initial weights, frozen). ``updates(batch)``: the
+initial weights, frozen); with the engine's ``routing_replay`` the MoE experts the rollout engine
+ran each token through (:attr:`Leaf.routes <harts_runtime.rl.sampler.Leaf.routes>`). ``updates(batch)``: the
 batch trained ``ppo_epochs`` times in ``mini_batches`` optimizer steps each (a prompt's tree kept
 whole in one mini-batch; the old log-probs stay the ones fixed from the rollout, so the clip acts
 from the second update on); nothing when the filter left no prompt. ``after_step``: the weights
-pushed to the rollout engine and :func:`~harts_runtime.rl.rollout_engine.check_sync`. ``record``: the
+pushed to the rollout engine (the bucketed stream of :meth:`HartsEngine.weights
+<harts_runtime.engine.HartsEngine.weights>`) and :func:`~harts_runtime.rl.rollout_engine.check_sync`. ``record``: the
 step's rewards, losses (the updates' mean), rows (one pass over the batch), response lengths, the
 objective's statistics and timings (``generate`` / ``logprobs`` / ``train`` / ``sync`` seconds);
 with ``dump_episodes`` the step's first trees as text (:func:`harts_runtime.rl.episodes.write_episodes`)
@@ -61,6 +63,26 @@ STATE_NAME = "rl.json"
 """The RL state of a checkpoint (in ``step-N/engine/``, listed in its manifest)."""
 _STATE_FORMAT = "harts-rl-state/1"
 _OLD_STATE = "rl.pt"  # step-N/rl.pt: the RL state before rl.json
+
+
+def _replays_routes(engine) -> bool:
+    """Whether ``engine`` runs with ``routing_replay`` (its execution options)."""
+    return bool(getattr(getattr(engine, "config", None), "routing_replay", False))
+
+
+def _leaf_routes(leaves: list[Leaf]) -> list[torch.Tensor]:
+    """The leaves' routes for ``Rollouts(routes=...)``; :class:`InvalidInputError` naming
+    ``routing_replay`` when the rollout engine reported none."""
+    out = []
+    for lf in leaves:
+        if lf.routes is None:
+            raise InvalidInputError(
+                "routing_replay",
+                "is on but the rollout engine reported no MoE routes (a dense model, or a backend "
+                "without Frontier.routes); turn routing_replay off",
+            )
+        out.append(lf.routes)
+    return out
 
 
 def tree_chunk_size(task, device="cpu") -> int:
@@ -170,6 +192,8 @@ class OnlineSource:
         )
         if old_logprobs is None:
             kw["old_logprobs"] = [np.minimum(lf.per_token(), 0.0) for lf in leaves]
+        if _replays_routes(engine):
+            kw["routes"] = _leaf_routes(leaves)
         ro = Rollouts.from_lists([lf.tokens for lf in leaves], **kw)
         if old_logprobs is not None:
             assert ro.loss_mask is not None  # given above
@@ -209,7 +233,8 @@ class OnlineSource:
         if trained:
             old = None
             if self.config.recompute_logprobs:
-                old = engine.logprobs(Rollouts.from_lists([lf.tokens for lf in trained]))
+                routes = _leaf_routes(trained) if _replays_routes(engine) else None
+                old = engine.logprobs(Rollouts.from_lists([lf.tokens for lf in trained], routes=routes))
             self._rollouts = self.rollouts(engine, trained, old)
         self._times = (t1 - t0, time.perf_counter() - t1)
         return self._rollouts
@@ -238,10 +263,14 @@ class OnlineSource:
         }
         minis = []
         for rows in index:
+            extra = {}
+            if batch.routes is not None:
+                extra["routes"] = _leaf_routes([self._trained[i] for i in rows])
             minis.append(
                 type(batch).from_lists(
                     [self._trained[i].tokens for i in rows],
                     **{name: [values[i] for i in rows] for name, values in fields.items()},
+                    **extra,
                 )
             )
         self._plan = index * self.config.ppo_epochs
@@ -259,8 +288,10 @@ class OnlineSource:
 
     def sync(self, engine) -> None:
         """Push the trainer's weights to the rollout engine."""
+        from harts_runtime.rl.transformers_backend import weight_pairs
+
         assert self.rollout is not None  # attach() made it
-        self.rollout.load_weights(engine.export_weights(names="transformers"))
+        self.rollout.load_weights(weight_pairs(engine))
 
     def after_step(self, engine, result, report) -> None:
         """The weight sync and its check (a stale policy raises

@@ -3,8 +3,9 @@ CPU or GPU.
 
 It holds a transformers model of the policy's family (Kimi-Linear, Qwen3-Next, Qwen3.5-MoE, Ling-3.0, Nemotron-H), built
 from the trainer's model config (:func:`harts_runtime.hf.save_setup`), and takes the weights in
-memory from :meth:`HartsEngine.export_weights(names="transformers") <harts_runtime.engine.HartsEngine.export_weights>`
-copied into its tensors in place as they stream in: a missing, unexpected or misshapen tensor raises. Sampling runs the model
+memory from the trainer's weight stream (:meth:`HartsEngine.weights(names="transformers", bucket_bytes=...)
+<harts_runtime.engine.HartsEngine.weights>`, :func:`weight_pairs`), each bucket's tensors copied into
+the model's in place as they stream in: a missing, unexpected or misshapen tensor raises. Sampling runs the model
 incrementally on its own cache (a transformers ``Cache``); a fork repeats cache rows
 (``Cache.reorder_cache``), so forked branches share their prefix state as a prefix cache would.
 
@@ -18,12 +19,19 @@ branches have come to one length again join (their caches' rows concatenated). E
 branch at once (one ``torch.multinomial`` over the groups' rows) and fed to each group in one
 forward, so a frontier whose branches all have one length (the built-in tasks) runs exactly as one
 batch, and a ragged one costs one forward per group (of one length) per token.
+
+Routes (MoE families): a forward hook on each MoE layer's router module (transformers'
+``*TopKRouter`` / ``*TopkRouter``, in model order) records the expert ids the model ran each token
+through, the router's own third output: plain top-k of the softmax for Qwen3.5-MoE, the
+group-limited top-k of the sigmoid scores plus ``e_score_correction_bias`` for Kimi-Linear and
+Ling-3.0. The frontier keeps them per branch and token, prompts (the prefill) and observations
+included (:meth:`Frontier.routes`), as int ``[L, M, k]`` for the trainer's routing replay.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -31,7 +39,25 @@ import torch
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.rl.rollout_engine import Frontier, RolloutEngine
 
-__all__ = ["TransformersRollout"]
+__all__ = ["SYNC_BUCKET_BYTES", "TransformersRollout", "weight_pairs"]
+
+SYNC_BUCKET_BYTES = 1 << 28
+"""The weight sync's bucket (:meth:`HartsEngine.weights`): at most this many bytes of assembled
+full tensors held at once beyond the model."""
+
+
+def weight_pairs(engine, bucket_bytes: int = SYNC_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+    """The trainer's weights as ``(name, tensor)`` pairs in transformers' in-memory spelling, read
+    bucket by bucket from :meth:`HartsEngine.weights(names="transformers", bucket_bytes=...)
+    <harts_runtime.engine.HartsEngine.weights>` (the next bucket is assembled only once the
+    consumer has taken the previous one's tensors)."""
+    for bucket in engine.weights(names="transformers", bucket_bytes=bucket_bytes):
+        yield from bucket
+
+
+def _routers(model) -> list[torch.nn.Module]:
+    """The MoE layers' router modules of a transformers model, in model order (none: dense)."""
+    return [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
 
 
 def _quiet_transformers() -> None:
@@ -64,16 +90,26 @@ class TransformersRollout(RolloutEngine):
     """A transformers causal LM of the trainer's family, synced in memory.
 
     :meth:`from_engine` builds it from a :class:`~harts_runtime.engine.HartsEngine` (its model must
-    have a transformers family: not the ``debug`` flavor) and loads the engine's weights."""
+    have a transformers family: not the ``debug`` flavor) and loads the engine's weights.
+    :attr:`routers`: the MoE routers whose expert ids each forward records (:attr:`last_routes`)."""
 
     def __init__(self, model, vocab_size: int):
         self.model = model.eval()
         self.vocab_size = int(vocab_size)
         self.device = next(model.parameters()).device
         self._cache_kw: str | None = None
+        self.routers = _routers(model)
+        self._captured: list[torch.Tensor] = []
+        self.last_routes: torch.Tensor | None = None
+        """The last forward's expert ids, int64 ``[B, L, M, k]`` (None: no MoE router)."""
+        for r in self.routers:
+            r.register_forward_hook(self._record)
+
+    def _record(self, module, args, output) -> None:
+        self._captured.append(output[2].detach())
 
     @classmethod
-    def from_engine(cls, engine, device=None) -> TransformersRollout:
+    def from_engine(cls, engine, device=None, bucket_bytes: int = SYNC_BUCKET_BYTES) -> TransformersRollout:
         import transformers
 
         from harts_runtime.hf import save_setup
@@ -89,7 +125,7 @@ class TransformersRollout(RolloutEngine):
         with torch.device(device if device is not None else next(engine.model.parameters()).device):
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
         rollout = cls(model, engine.vocab_size)
-        rollout.load_weights(engine.export_weights(names="transformers"))
+        rollout.load_weights(weight_pairs(engine, bucket_bytes))
         return rollout
 
     @torch.no_grad()
@@ -130,7 +166,15 @@ class TransformersRollout(RolloutEngine):
                 params = inspect.signature(self.model.forward).parameters
                 self._cache_kw = "cache" if "cache" in params else "past_key_values"
             kw = {self._cache_kw: cache, "use_cache": True}
+        self._captured = []
         out = self.model(input_ids=ids.to(self.device), **kw)
+        self.last_routes = None
+        if self.routers:
+            got, self._captured = self._captured, []
+            if len(got) != len(self.routers):
+                raise RuntimeError(f"{len(got)} router calls in a forward of {len(self.routers)} MoE layers")
+            b, length = ids.shape
+            self.last_routes = torch.stack(got, 1).view(b, length, len(got), -1).cpu()
         return out.logits.double(), cache
 
     @torch.no_grad()
@@ -221,6 +265,7 @@ class _Frontier(Frontier):
             raise InvalidInputError("prompts", f"a frontier needs non-empty prompts, got lengths {lengths}")
         self.rollout = rollout
         self.tokens = [list(p) for p in prompts]
+        self._routes: list[list[torch.Tensor]] = [[] for _ in prompts]
         by_len: dict[int, list[int]] = {}
         for b, p in enumerate(self.tokens):
             by_len.setdefault(len(p), []).append(b)
@@ -237,11 +282,24 @@ class _Frontier(Frontier):
         cache = DynamicCache(config=self.rollout.model.config)
         ids = torch.tensor([self.tokens[b] for b in branches], dtype=torch.long)
         logits, cache = self.rollout._logits(ids, cache)
+        self._keep_routes(branches)
         return _Group(branches, cache, logits[:, -1])
 
     def _feed(self, group: _Group, ids: torch.Tensor) -> None:
         logits, group.cache = self.rollout._logits(ids, group.cache)
+        self._keep_routes(group.branches)
         group.next = logits[:, -1]
+
+    def _keep_routes(self, branches: list[int]) -> None:
+        routes = self.rollout.last_routes
+        if routes is not None:
+            for r, b in enumerate(branches):
+                self._routes[b].append(routes[r])
+
+    def routes(self) -> list[torch.Tensor] | None:
+        if not self.rollout.routers:
+            return None
+        return [torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long) for parts in self._routes]
 
     def _take(self, group: _Group, branches: list[int]) -> _Group:
         """Split ``branches`` (some of ``group``'s) off into a new group (a copy of their cache);
@@ -340,3 +398,4 @@ class _Frontier(Frontier):
             groups.append(g)
         self._groups = groups
         self.tokens = [list(self.tokens[i]) for i in index]
+        self._routes = [list(self._routes[i]) for i in index]
