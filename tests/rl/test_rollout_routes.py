@@ -185,3 +185,20 @@ def test_harts_rl_trains_with_routing_replay(staleness, tmp_path):
     recs = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in recs] == [1, 2]
     assert all(np.isfinite(r["loss"]) and r["sync_diff"] < 1e-4 for r in recs)
+
+
+def test_in_flight_leaf_records_keep_their_routes():
+    """The asynchronous source's saved in-flight leaves (JSON) carry their routes back exactly."""
+    import json
+
+    from harts_runtime.rl.async_source import _leaf_of, _leaf_record
+    from harts_runtime.rl.sampler import Leaf
+
+    routes = torch.randint(0, 8, (5, 3, 2))
+    lf = Leaf(0, [1, 2, 3, 4, 5], (1,), [(0, 3, 5)], [-0.5, -1.0], 1.0, None, [False], routes)
+    back, versions = _leaf_of(json.loads(json.dumps(_leaf_record(lf, [-1, -1, -1, 0, 0]))))
+    assert back.routes is not None and torch.equal(back.routes, routes) and versions == [-1, -1, -1, 0, 0]
+    plain, _ = _leaf_of(
+        json.loads(json.dumps(_leaf_record(Leaf(0, [1, 2], (), [(0, 1, 2)], [-1.0]), [-1, 0])))
+    )
+    assert plain.routes is None
