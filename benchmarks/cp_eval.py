@@ -50,7 +50,7 @@ Three parts, each usable alone:
 ``python benchmarks/cp_eval.py`` (about 4 minutes on 2 cores: 7 gloo cases) writes ``benchmarks/results/cp_eval.json``
 and the generated block of ``benchmarks/README.md`` (``--no-readme``: not); ``--quick`` runs the
 ``debug`` model at ``cp = 2`` only (both modes); ``--no-measure`` only the model and the
-prediction. ``tests/runtime/test_cp_eval.py`` checks the model's identities and that the README
+prediction. ``tests/benchmarks/test_cp_eval.py`` checks the model's identities and that the README
 block is the JSON's (fast) and runs ``--quick`` (slow).
 """
 

@@ -9,7 +9,7 @@ For each rollout-tree case and logits dtype, runs forward + backward of
 
 and records median time, peak memory above the inputs (CPU: peak RSS of a fresh subprocess per
 measurement; CUDA: ``max_memory_allocated``) and the largest tensor any op produced (a
-TorchDispatchMode watcher, as in ``tests/runtime/test_logprobs.py``).
+TorchDispatchMode watcher, as in ``tests/runtime/loss/test_logprobs.py``).
 
     python benchmarks/logprob_memory.py                          # CPU, ~2-4 min
     python benchmarks/logprob_memory.py --device cuda --out benchmarks/results/logprob_memory_cuda.json

@@ -22,7 +22,7 @@ configurations with ``;``, ``--config`` may also be repeated)::
     torchrun --nproc-per-node 2 benchmarks/parallel_eval.py --device cpu --flavor debug --preset tiny \\
         --capacity 512 --iters 1 --configs 'dp_shard=2;tp=2,sp' --out /tmp/parallel_eval.json
 
-(``tests/runtime/test_benchmarks_smoke.py`` runs it with ``dp_shard=2,ep=2;tp=2,sp`` at T = 24 and
+(``tests/benchmarks/test_benchmarks_smoke.py`` runs it with ``dp_shard=2,ep=2;tp=2,sp`` at T = 24 and
 ``cp2;cp2-states`` on a 192-row tree.) Every process runs with NVLink multicast off
 (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``, set in
 ``os.environ`` on import, before torch.distributed starts; child processes inherit them).

@@ -11,7 +11,7 @@ Marks (registered in pyproject.toml):
 Threads: every test runs with one intra-op thread (``OMP_NUM_THREADS=1``, set here before anything
 imports torch, so the processes tests start inherit it too; an ``OMP_NUM_THREADS`` already in the
 environment wins). The suite's tensors are tiny: a thread team only adds contention, and on a busy
-2-core machine it is ruinous (measured side by side under load: ``tests/runtime/test_kda_layer.py``
+2-core machine it is ruinous (measured side by side under load: ``tests/runtime/layers/test_kda_layer.py``
 and ``test_attention.py`` 3.3x faster in wall time with one thread; the Triton interpreter cases 2-3x).
 """
 

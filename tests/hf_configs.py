@@ -1,5 +1,5 @@
 """Tiny transformers models of the checkpoint families (random weights), shared by the family tests
-(``tests/runtime/test_kimi_linear.py``, ``test_qwen3_next.py``) and the parallel tests: the config
+(``tests/runtime/models/test_kimi_linear.py``, ``test_qwen3_next.py``) and the parallel tests: the config
 classes' keyword sets in one place. transformers is imported inside the functions, so a module
 that imports this one (and the processes it spawns) does not load it until a config is built."""
 

@@ -2,7 +2,7 @@
 # On the lent machine, first of two calls (carry .whl .fa4a): keep FlashAttention-4's first half in
 # /tmp/fa4, install the carried wheels (.whl: fla, grpcio-tools) into /tmp/site, build HARTS into
 # /tmp/harts, then run "$@" (optional) with those on the path. benchmarks/results/gpu_runs.md has the recipe.
-# HARTS_GPU_TMP (default /tmp) moves every /tmp path (tests/runtime/test_gpu_call_scripts.py).
+# HARTS_GPU_TMP (default /tmp) moves every /tmp path (tests/benchmarks/test_gpu_call_scripts.py).
 # HARTS_AUTOTUNE_SEED=DIR copies a kept tuned run's autotune choices (Triton's *.autotune.json files,
 # e.g. benchmarks/results/issue26_gpu/tuned/autotune) into the Triton cache first, so a tuned run
 # compiles the chosen configs instead of benchmarking every config (docs/gpu.md, "The caches").

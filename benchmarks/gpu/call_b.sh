@@ -4,7 +4,7 @@
 # shared nvidia_cutlass_dsl/ folder; then the compiler library unpacked into it), put it on the
 # path (a --target folder's .pth is not read) with its disk compile cache on, then run "$@".
 # site_fa4/.complete marks a finished install: a call that failed part-way is redone whole.
-# HARTS_GPU_TMP (default /tmp) moves every /tmp path (tests/runtime/test_gpu_call_scripts.py).
+# HARTS_GPU_TMP (default /tmp) moves every /tmp path (tests/benchmarks/test_gpu_call_scripts.py).
 set -u
 T=${HARTS_GPU_TMP:-/tmp}
 [ -f "$T/fa4/part.00" ] && [ -d "$T/harts/harts_runtime" ] || { echo "cold machine: run call_a.sh first"; exit 3; }

@@ -15,13 +15,13 @@ OUT=${OUT:?set OUT (the device tool does)}
 te() { timeout "$1" python3 benchmarks/train_eval.py --layers 24 "${@:2}"; }
 tests() { timeout "$1" python3 benchmarks/gpu/run_gpu_tests.py -q -m gpu --import-mode=prepend "${@:2}"; }
 case "$step" in
-  a) bash "$here/call_a.sh" bash -c "$(declare -f tests); tests 400 tests/runtime/test_moe_gpu.py \
-       tests/runtime/test_fused_modules.py tests/kernels/test_kda_gpu.py tests/runtime/test_model.py" ;;
+  a) bash "$here/call_a.sh" bash -c "$(declare -f tests); tests 400 tests/runtime/layers/test_moe_gpu.py \
+       tests/runtime/modules/test_fused_modules.py tests/kernels/test_kda_gpu.py tests/runtime/models/test_hybrid_model.py" ;;
   b) bash "$here/call_b.sh" bash -c "$(declare -f te); te 500 --fast-autotune --sections speedup,breakdown \
        --keep attention,linear_attention --out $OUT/te24_kept2" ;;
   c) bash "$here/call_b.sh" bash -c "$(declare -f te tests); te 200 --fast-autotune --sections speedup \
        --keep attention --out $OUT/te24_kept1; HARTS_TEST_REPORT=$OUT tests 350 \
-       tests/runtime/test_families_gpu.py tests/runtime/test_attention_gpu.py" ;;
+       tests/runtime/models/test_families_gpu.py tests/runtime/ops/test_attention_gpu.py" ;;
   d) bash "$here/call_b.sh" bash -c "$(declare -f te); te 560 --fast-autotune --sections fidelity \
        --fidelity-recompute on --out $OUT/te24_fidelity" ;;
   e) TRITON_CACHE_DIR=${HARTS_GPU_TMP:-/tmp}/tc_tuned bash "$here/call_b.sh" bash -c "$(declare -f te); \

@@ -39,14 +39,14 @@ case "$step" in
   c) bash "$here/call_b.sh" bash -c "$(declare -f te); te 420 --flavor qwen3.5-35b-a3b --layers 8 \
        --slice-microbatches 8 --repeats 1 --sections speedup,microbatches --out $OUT/te_qwen35_slice8" ;;
   d) bash "$here/call_a.sh" bash -c "timeout 200 python3 benchmarks/gpu/run_gpu_tests.py -q -m gpu \
-       --import-mode=prepend tests/runtime/test_rms_norm.py tests/runtime/test_fused_modules.py \
-       tests/runtime/test_moe_gpu.py; timeout 200 python3 benchmarks/layer_speed.py --fast-autotune \
+       --import-mode=prepend tests/kernels/test_rms_norm.py tests/runtime/modules/test_fused_modules.py \
+       tests/runtime/layers/test_moe_gpu.py; timeout 200 python3 benchmarks/layer_speed.py --fast-autotune \
        --cases moe,kda_compact --no-readme --out $OUT/layer_speed.json" ;;
   e) bash "$here/call_b.sh" bash -c "$(declare -f te); \
        te 420 --layers 24 $S8 --out $OUT/te24_slice8; \
        te 60 --layers 24 --slice-microbatches 8 --sections first --out $OUT/te24_first" ;;
   f) bash "$here/call_a.sh" timeout 120 python3 benchmarks/gpu/run_gpu_tests.py -q -m gpu \
-       --import-mode=prepend tests/runtime/test_rms_norm.py ;;
+       --import-mode=prepend tests/kernels/test_rms_norm.py ;;
   g) bash "$here/call_b.sh" bash -c "$(declare -f te); te 330 --layers 24 --slice-microbatches 8 \
        --sections newshapes --newshape-steps 3 --repeats 1 --out $OUT/te24_newshapes" ;;
   t) TRITON_CACHE_DIR=${HARTS_GPU_TMP:-/tmp}/tc_tuned bash "$here/call_b.sh" bash -c "\
@@ -56,12 +56,12 @@ case "$step" in
        split -b 15m -d -a 1 ${HARTS_GPU_TMP:-/tmp}/tcache_tuned.tgz $OUT/tcache_tuned.tgz.; \
        [ \$(ls $OUT/tcache_tuned.tgz.* | wc -l) -le 4 ] || rm $OUT/tcache_tuned.tgz.*; exit \$rc" ;;
   h) bash "$here/call_a.sh" bash -c "timeout 240 python3 benchmarks/gpu/run_gpu_tests.py -q -m gpu \
-       --import-mode=prepend tests/kernels/test_moe_kernels.py tests/runtime/test_moe_gpu.py \
-       tests/runtime/test_fused_modules.py; \
+       --import-mode=prepend tests/kernels/test_moe_kernels.py tests/runtime/layers/test_moe_gpu.py \
+       tests/runtime/modules/test_fused_modules.py; \
        timeout 150 python3 benchmarks/layer_speed.py --fast-autotune --cases moe --no-readme \
        --out $OUT/layer_speed.json" ;;
   i) bash "$here/call_a.sh" timeout 330 python3 benchmarks/gpu/run_gpu_tests.py -q -m gpu \
-       --import-mode=prepend tests/runtime/test_families_gpu.py ;;
+       --import-mode=prepend tests/runtime/models/test_families_gpu.py ;;
   *) echo "unknown step $step: a to i, or t"; exit 2 ;;
 esac 2>&1 | tee "$OUT/$step.log"
 exit "${PIPESTATUS[0]}"

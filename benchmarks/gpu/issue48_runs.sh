@@ -18,9 +18,9 @@ OUT=${OUT:?set OUT (the device tool does)}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 te() { timeout "$1" python3 benchmarks/train_eval.py --fast-autotune --keep attention,linear_attention "${@:2}"; }
 S8="--slice-microbatches 8 --repeats 1 --sections speedup,microbatches,newshapes,breakdown"
-tests="tests/runtime/test_fused_modules.py tests/kernels/test_kda_cp_gpu.py tests/kernels/test_ssd_op.py \
-  tests/runtime/test_mamba2.py tests/kernels/test_moe_kernels.py tests/runtime/test_moe_gpu.py \
-  tests/runtime/test_ling3_layers.py tests/runtime/test_norm_kernels.py"
+tests="tests/runtime/modules/test_fused_modules.py tests/kernels/test_kda_cp_gpu.py tests/kernels/test_ssd_op.py \
+  tests/runtime/layers/test_mamba2.py tests/kernels/test_moe_kernels.py tests/runtime/layers/test_moe_gpu.py \
+  tests/runtime/layers/test_ling3_layers.py tests/kernels/test_norm_kernels.py"
 case "$step" in
   a) bash "$here/call_a.sh" bash -c "nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/gpu.txt; \
        timeout 170 python3 benchmarks/gpu/run_gpu_tests.py -q -rs -m gpu --import-mode=prepend $tests \

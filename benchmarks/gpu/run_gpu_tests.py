@@ -1,6 +1,6 @@
 """pytest with one Triton config per kernel (no autotuning): the GPU tests' runner on the lent
 machine, where a cold full autotune costs minutes (benchmarks/results/gpu_runs.md). Arguments go to pytest, e.g.
-``python3 benchmarks/gpu/run_gpu_tests.py -q -m gpu --import-mode=prepend tests/runtime/test_moe_gpu.py``."""
+``python3 benchmarks/gpu/run_gpu_tests.py -q -m gpu --import-mode=prepend tests/runtime/layers/test_moe_gpu.py``."""
 
 import os
 import sys

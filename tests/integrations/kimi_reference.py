@@ -2,7 +2,7 @@
 
 ``python kimi_reference.py DIR`` reads ``DIR/trajs.json`` (token-id lists), builds a tiny random
 ``KimiLinearForCausalLM`` (``hf_configs.kimi_linear_config``, fixed seed, every parameter perturbed
-as in ``tests/runtime/test_kimi_linear.py``), saves it to ``DIR/hf`` and writes ``DIR/ref.pt``: each
+as in ``tests/runtime/models/test_kimi_linear.py``), saves it to ``DIR/hf`` and writes ``DIR/ref.pt``: each
 trajectory run alone, its next-token log-probs (float64, ``L_i - 1`` per trajectory, concatenated).
 
 verl 0.9.1 pins transformers < 5.11, which has no Kimi-Linear; ``tests/integrations/test_verl.py``

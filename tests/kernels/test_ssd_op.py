@@ -158,7 +158,7 @@ def test_triton_path_under_interpreter_matches_reference():
     and the interpreter)."""
     pytest.importorskip("triton")
     pytest.importorskip("fla")
-    runtime = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runtime")
+    runtime = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the shared helpers
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     out = subprocess.run(
         [sys.executable, "-c", _INTERP_CASE.format(runtime=runtime)],

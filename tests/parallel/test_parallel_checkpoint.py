@@ -40,13 +40,13 @@ needs_transformers = pytest.mark.skipif(  # not imported here: the spawned ranks
     importlib.util.find_spec("transformers") is None, reason="needs transformers"
 )
 
-RUNTIME_TESTS = str(Path(__file__).resolve().parents[1] / "runtime")
+RUNTIME_TESTS = str(Path(__file__).resolve().parents[1] / "runtime" / "models")
 CAPACITY = 30
 LR = 1e-2
 
 
 def _runtime_tests():
-    """The tiny transformers checkpoint builders of tests/runtime (imported in the parent only:
+    """The tiny transformers checkpoint builders of tests/runtime/models (imported in the parent only:
     spawned ranks never import transformers)."""
     if RUNTIME_TESTS not in sys.path:
         sys.path.insert(0, RUNTIME_TESTS)

@@ -2,7 +2,7 @@
 (every rank checksums a share, rank 0 renames after a barrier), a full disk on one rank is the
 same one-line ``InvalidInputError`` naming that rank's file on every rank and leaves the previous
 checkpoint in place, and a bit flipped in rank 1's shard is caught on every rank by the manifest's
-SHA-256 before anything is loaded. The one-process cases: ``tests/runtime/test_checkpoint_safety.py``."""
+SHA-256 before anything is loaded. The one-process cases: ``tests/runtime/engine/test_checkpoint_safety.py``."""
 
 from __future__ import annotations
 

@@ -466,7 +466,7 @@ def test_train_eval_runs_a_checkpoint_folder(checkpoint, tmp_path):
     import os
 
     _, path = checkpoint
-    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "train_eval.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks", "train_eval.py")
     spec = importlib.util.spec_from_file_location("train_eval", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

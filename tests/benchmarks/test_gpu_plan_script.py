@@ -1,6 +1,6 @@
 """CPU test of ``benchmarks/gpu/issue15_runs.sh``, the open issue-15 device calls (benchmarks/results/gpu_runs.md):
 each step runs with the two call scripts stubbed (they run their arguments; their own control flow
-is tests/runtime/test_gpu_call_scripts.py) and a fake ``python3`` that logs its arguments, so the
+is tests/benchmarks/test_gpu_call_scripts.py) and a fake ``python3`` that logs its arguments, so the
 test checks which benchmarks and tests each step starts, with which options, that each step's log
 lands under ``$OUT``, that the command's exit code comes back and that the tuned step packs its
 Triton cache."""
@@ -60,8 +60,8 @@ def run(tmp_path: Path, step: str, rc: int = 0):
 def test_each_step_starts_its_runs_and_logs_under_out(tmp_path):
     expect = {
         "a": [
-            "benchmarks/gpu/run_gpu_tests.py -q -m gpu --import-mode=prepend tests/runtime/test_moe_gpu.py "
-            "tests/runtime/test_fused_modules.py tests/kernels/test_kda_gpu.py tests/runtime/test_model.py"
+            "benchmarks/gpu/run_gpu_tests.py -q -m gpu --import-mode=prepend tests/runtime/layers/test_moe_gpu.py "
+            "tests/runtime/modules/test_fused_modules.py tests/kernels/test_kda_gpu.py tests/runtime/models/test_hybrid_model.py"
         ],
         "b": [
             "benchmarks/train_eval.py --layers 24 --fast-autotune --sections speedup,breakdown "
@@ -71,7 +71,7 @@ def test_each_step_starts_its_runs_and_logs_under_out(tmp_path):
             "benchmarks/train_eval.py --layers 24 --fast-autotune --sections speedup --keep attention "
             "--out OUT/te24_kept1",
             "benchmarks/gpu/run_gpu_tests.py -q -m gpu --import-mode=prepend "
-            "tests/runtime/test_families_gpu.py tests/runtime/test_attention_gpu.py",
+            "tests/runtime/models/test_families_gpu.py tests/runtime/ops/test_attention_gpu.py",
         ],
         "d": [
             "benchmarks/train_eval.py --layers 24 --fast-autotune --sections fidelity "

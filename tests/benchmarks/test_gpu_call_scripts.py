@@ -28,7 +28,7 @@ GPU = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"
 SCRIPTS = sorted(p.name for p in GPU.glob("*.sh"))
 
 SHIM = """#!/bin/sh
-# fake python3 (tests/runtime/test_gpu_call_scripts.py): log the call, fake `-m pip install --target`
+# fake python3 (tests/benchmarks/test_gpu_call_scripts.py): log the call, fake `-m pip install --target`
 printf '%s|%s\\n' "${PYTHONPATH:-}" "$*" >> "$SHIM_LOG"
 [ "$1 $2 $3" = "-m pip install" ] || { echo "shim: not a pip install: $*" >&2; exit 97; }
 target= prev=

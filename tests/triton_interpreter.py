@@ -1,5 +1,5 @@
 """What a subprocess needs to run fla's Triton kernels on the CPU under ``TRITON_INTERPRET=1``
-(shared by test_kda_fla.py and test_fused_modules.py): :func:`prelude` returns the source to put
+(shared by the tests that run fla kernels or our own under the interpreter): :func:`prelude` returns the source to put
 first in the subprocess's code, :func:`run` runs such code with the interpreter switched on."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def run(code: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """``code`` in a fresh interpreter with ``TRITON_INTERPRET=1``, the repository and this folder
     (the test helpers) on the path."""
     here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(os.path.dirname(here))
+    root = os.path.dirname(here)
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, here, env.get("PYTHONPATH")) if p)
     return subprocess.run(

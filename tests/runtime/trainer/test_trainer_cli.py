@@ -286,7 +286,7 @@ def test_readme_synopsis_lists_every_flag_and_no_other():
 
     from harts_runtime.cli import build_parser
 
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     section = text[text.index("## Training steps: `harts-train`") :]
     synopsis = section.split("```")[1]
     harts_lines = [line.split("#")[0] for line in synopsis.splitlines() if not line.startswith("torchrun")]

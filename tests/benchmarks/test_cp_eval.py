@@ -2,7 +2,7 @@
 step (identities, no processes), its predicted table (the README block is the JSON's), the
 ``"states"`` split numbers of its gloo harness, and, ``slow``, its ``--quick`` gloo run (measured
 bytes equal to the model's, in ``"states"`` mode once the runtime has it). The per-layer formulas
-are ``harts_runtime.parallel.cp_cost``'s (``tests/runtime/test_cp_cost.py``)."""
+are ``harts_runtime.parallel.cp_cost``'s (``tests/runtime/parallel/test_cp_cost.py``)."""
 
 import importlib
 import json

@@ -3,7 +3,7 @@ count. The operator against its float32 reference and fla's own ``rms_norm`` und
 interpreter, at a width of one block per row (D = 640) and of many rows per block (D = 48), with
 row counts that give grids of one program up to several programs looping over several blocks; on
 CUDA, bf16 at the model's width against fla, and 21 row counts compile one variant of each kernel.
-(tests/runtime/test_norm_kernels.py covers the launch rule and the other norms.)"""
+(tests/kernels/test_norm_kernels.py covers the launch rule and the other norms.)"""
 
 import importlib
 import importlib.util

@@ -5,7 +5,7 @@ multiplicity q_c. Expanded: the same module on all S semantic rows with weight o
 router z-loss, load-balancing loss, expert-load counts, expert-bias updates and all gradients agree;
 both expert paths (grouped matmul and the per-expert loop) are checked. The grouped path is also
 checked to issue no op that would synchronise the host with a CUDA device (on the CPU, through the
-aten ops it dispatches; tests/runtime/test_moe_gpu.py checks it on the device).
+aten ops it dispatches; tests/runtime/layers/test_moe_gpu.py checks it on the device).
 """
 
 import importlib.util
