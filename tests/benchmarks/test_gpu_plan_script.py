@@ -1,4 +1,4 @@
-"""CPU test of ``benchmarks/gpu/issue15_runs.sh``, the open issue-15 device calls (benchmarks/results/gpu_runs.md):
+"""CPU test of the device-call plan ``benchmarks/gpu/issue15_runs.sh`` (benchmarks/results/gpu_runs.md):
 each step runs with the two call scripts stubbed (they run their arguments; their own control flow
 is tests/benchmarks/test_gpu_call_scripts.py) and a fake ``python3`` that logs its arguments, so the
 test checks which benchmarks and tests each step starts, with which options, that each step's log

@@ -1,5 +1,5 @@
 """harts_kernels.norm: ``l2norm``, ``rms_norm_gated`` and ``rms_norm`` compile one variant per (D,
-dtype, flags), whatever the row count (issue 26).
+dtype, flags), whatever the row count.
 
 * CPU: :func:`launch_config`'s rule (no row count among its inputs; blocks cover D; bounded
   registers); every launch of the three operators over row counts 1..160 passes the same

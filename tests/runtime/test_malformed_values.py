@@ -1,4 +1,4 @@
-"""The small input defects of issue 38 (item 12), each refused at the point of use with one
+"""Malformed values, each refused at the point of use with one
 ``InvalidInputError`` naming the field (and file / line for a rollout file): float64 values beyond
 float32's range, advantages edited to NaN after a step was built, a FIFO as ``--data``, a
 100,000-digit integer, nested token lists and binary token values in Parquet, token ids >= 2^31,

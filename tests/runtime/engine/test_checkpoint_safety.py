@@ -1,4 +1,4 @@
-"""Checkpoints nothing can lose (issue 38, items 8-11): ``HartsEngine.save`` and ``harts-train
+"""Checkpoints nothing can lose: ``HartsEngine.save`` and ``harts-train
 --save`` write a staging folder and rename it into place, so a SIGKILL at any point leaves the
 previous checkpoint or the new one, loadable; a full disk (``RLIMIT_FSIZE``) is one line naming the
 file and leaves nothing half-written; a missing, truncated or bit-flipped file is caught (the
@@ -374,7 +374,7 @@ def test_harts_train_killed_while_saving_over_its_checkpoints_leaves_them_loadab
     capsys.readouterr()
 
 
-# ------------------------------------------------------------------------------------ issue 47: a save deletes nothing it did not write
+# ------------------------------------------------------------------------------------ a save deletes nothing it did not write
 def _tree(root) -> dict:
     """Every file under ``root`` with its bytes (folders as ``name/``)."""
     out = {}
@@ -443,7 +443,7 @@ def test_a_foreign_folder_in_the_staging_place_is_not_removed(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
-# ------------------------------------------------------------------------------------ issue 47: no code runs on load
+# ------------------------------------------------------------------------------------ no code runs on load
 class _Plant:
     """A pickle that creates ``path`` when it is read (a crafted checkpoint's payload)."""
 

@@ -1,4 +1,4 @@
-"""``load_pretrained`` on folders that are not good checkpoints (issue 25): every problem is one
+"""``load_pretrained`` on folders that are not good checkpoints: every problem is one
 ``InvalidInputError`` naming the field (or tensor, or file) and the file, in one line, before
 anything is allocated where it can be known from the headers; never another exception type.
 ``harts-train --model`` prints that line and exits 2. The sharded path (``mesh=``) runs the same

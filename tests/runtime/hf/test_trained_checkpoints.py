@@ -1,5 +1,5 @@
-"""Checkpoints that survive training (issue 25): for every family (Kimi-Linear, Qwen3-Next,
-Qwen3.5-MoE text) a transformers checkpoint loads with exactly the family's parameters (every
+"""Checkpoints that survive training: for the Kimi-Linear, Qwen3-Next and Qwen3.5-MoE text
+families a transformers checkpoint loads with exactly the family's parameters (every
 parameter is read from a checkpoint tensor: Kimi-Linear's KDA has no output-gate bias, unlike fla's
 layer), trains one AdamW step, saves, and reloads to the trained weights bit for bit, both in
 HARTS and in transformers (no missing or unexpected keys, the same tensors)."""

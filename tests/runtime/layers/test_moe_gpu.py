@@ -1,4 +1,4 @@
-"""CompactMoE on CUDA (issue 15, item 3): the grouped path runs forward and backward without host
+"""CompactMoE on CUDA: the grouped path runs forward and backward without host
 synchronisation, and agrees with the fp32 per-expert loop.
 
 The grouped module runs in bf16 (its SwiGLU and gather-sums through harts_kernels.moe's fused

@@ -1,4 +1,5 @@
-"""bf16 parity of the three model families against transformers on CUDA (issue 16's GPU half).
+"""bf16 parity of three model families (Kimi-Linear, Qwen3-Next, Qwen3.5-MoE text) against
+transformers on CUDA.
 
 For tiny random models of each family (every parameter perturbed, Kimi's correction bias
 non-zero) at kernel-friendly shapes (linear-attention head dims 64, chunk 64), with transformers
