@@ -21,7 +21,8 @@ with ``dump_episodes`` the step's first trees as text (:func:`harts_runtime.rl.e
 in the run folder. ``state_files`` / ``load_state``: the RL state a checkpoint carries (``rl.json``:
 the step, the sampler's ``torch.Generator`` and the environment's numpy RNG states), read as JSON
 (a run saved before ``rl.json`` existed has ``step-N/rl.pt``, read with
-``torch.load(weights_only=True)`` and step-checked, but not covered by a manifest).
+``torch.load(weights_only=True)`` and step-checked, but not covered by a manifest); the state's
+format and reader are :mod:`harts_runtime.rl.source_state`.
 """
 
 from __future__ import annotations
@@ -41,9 +42,17 @@ from harts_runtime.rl.advantages import advantages
 from harts_runtime.rl.config import RLConfig
 from harts_runtime.rl.rollout_engine import RolloutEngine, check_sync
 from harts_runtime.rl.sampler import Leaf, TreeSampler
+from harts_runtime.rl.source_state import (
+    _OLD_STATE,
+    _STATE_FORMAT,
+    STATE_NAME,
+    _plain,
+    _read_old_state,
+    read_state,
+)
 from harts_runtime.rl.tasks import make_task
 from harts_runtime.rl.text import bind_tokenizer
-from harts_runtime.trainer_state import RUN_NAME, latest_checkpoint, read_json, read_run
+from harts_runtime.trainer_state import RUN_NAME, latest_checkpoint, read_run
 
 if TYPE_CHECKING:
     from harts_runtime.engine.reference import ReferencePolicy
@@ -58,11 +67,6 @@ __all__ = [
     "read_state",
     "tree_chunk_size",
 ]
-
-STATE_NAME = "rl.json"
-"""The RL state of a checkpoint (in ``step-N/engine/``, listed in its manifest)."""
-_STATE_FORMAT = "harts-rl-state/1"
-_OLD_STATE = "rl.pt"  # step-N/rl.pt: the RL state before rl.json
 
 
 def _replays_routes(engine) -> bool:
@@ -457,58 +461,3 @@ class OnlineSource:
 def _mean(values) -> float | None:
     v = list(values)
     return float(sum(v) / len(v)) if v else None
-
-
-def _plain(obj):
-    """A numpy bit generator's state as JSON values (arrays as lists)."""
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, np.ndarray):
-        return {"ndarray": obj.tolist(), "dtype": str(obj.dtype)}
-    if isinstance(obj, np.integer):
-        return int(obj)
-    return obj
-
-
-def _unplain(obj):
-    if isinstance(obj, dict):
-        if set(obj) == {"ndarray", "dtype"}:
-            return np.asarray(obj["ndarray"], dtype=np.dtype(obj["dtype"]))
-        return {k: _unplain(v) for k, v in obj.items()}
-    return obj
-
-
-def read_state(path: Path):
-    """``(generator state, environment RNG state, step)`` of an ``rl.json``."""
-    state = read_json(path, STATE_NAME, "the RL state")
-    try:
-        if state["format"] != _STATE_FORMAT:
-            raise ValueError(f"format {state['format']!r}, expected {_STATE_FORMAT!r}")
-        step = state["step"]
-        if not isinstance(step, int) or isinstance(step, bool):
-            raise TypeError(f"step {step!r} is not an integer")
-        raw = base64.b64decode(state["sampler"]["generator"], validate=True)
-        generator = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        env_rng = _unplain(state["sampler"]["env_rng"])
-        if not isinstance(env_rng, dict):
-            raise TypeError("sampler.env_rng is not a table")
-    except (KeyError, TypeError, ValueError) as e:
-        raise InvalidInputError(
-            STATE_NAME, f"{path} is not an RL state ({type(e).__name__}: {' '.join(str(e).split())})"
-        ) from None
-    return generator, env_rng, step
-
-
-def _read_old_state(path: Path):
-    from harts_runtime.parallel.safe_load import load_weights_only
-
-    state = load_weights_only(path)
-    try:
-        step = state["step"]
-        if not isinstance(step, int) or isinstance(step, bool):
-            raise TypeError(f"step {step!r} is not an integer")
-        return state["sampler"]["generator"], state["sampler"]["env_rng"], step
-    except (KeyError, TypeError) as e:
-        raise InvalidInputError(path.name, f"{path} is not an RL state ({type(e).__name__}: {e})") from None
