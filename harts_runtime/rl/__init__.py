@@ -12,9 +12,10 @@ One job per module:
 :mod:`harts_runtime.rl.sampler`             the tree sampler (forks ``k`` ways at configured turns)
 :mod:`harts_runtime.rl.advantages`          GRPO and tree-aware advantage estimators
 :mod:`harts_runtime.rl.config`              a run's settings (:class:`RLConfig`)
-:mod:`harts_runtime.rl.source`              the online data source of the job loop (:class:`OnlineSource`) and
-                                            its state
+:mod:`harts_runtime.rl.source`              the online data source of the job loop (:class:`OnlineSource`)
+:mod:`harts_runtime.rl.source_state`        the RL state a checkpoint carries (``rl.json``) and its reader
 :mod:`harts_runtime.rl.async_source`        the asynchronous source (:class:`AsyncSource`, ``max_staleness``)
+:mod:`harts_runtime.rl.async_versions`      per-token weight versions: the switch turn, the versioned frontier
 :mod:`harts_runtime.rl.run`                 ``harts-rl``'s job (:class:`RLRun`: the source picked, run folder
                                             and resume by :class:`harts_runtime.trainer.run_folder.JobRun`)
 :mod:`harts_runtime.rl.evaluate`            the greedy policy's reward on held-out prompts (``eval_every``)
