@@ -8,6 +8,7 @@ microbatch's :class:`~harts_runtime.layout.rows.RowLayout`:
 * :mod:`~harts_runtime.layers.gated_attention`: Qwen3-Next / Qwen3.5 gated GQA, likewise;
 * :mod:`~harts_runtime.layers.mla`: multi-head latent attention, likewise;
 * :mod:`~harts_runtime.layers.moe`: routed SwiGLU experts with multiplicity-weighted statistics;
+* :mod:`~harts_runtime.layers.moe_routing`: the MoE router's top-k and its statistics;
 * :mod:`~harts_runtime.layers.ffn`: the dense SwiGLU FFN;
 * :mod:`~harts_runtime.layers.relu2_mlp`: Nemotron-H's non-gated squared-ReLU MLP.
 """
