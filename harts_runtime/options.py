@@ -20,8 +20,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from harts_planner.call_plan import DEFAULT_CHUNK_SIZE  # the linear-attention chunk size B when none is given
-from harts_planner.step_plan import DEFAULT_CAPACITY
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.regions import KEEPABLE
 
@@ -37,6 +35,14 @@ __all__ = [
     "OptimizerOptions",
     "option_fields",
 ]
+
+# The runtime's defaults of two planner settings, equal to the planner's own (harts_planner.call_plan
+# and step_plan; tests/runtime/test_options_defaults.py pins them): declared here so that the layers
+# and models, which read them, import no planner.
+DEFAULT_CHUNK_SIZE = 64
+"""The linear-attention chunk size B when none is given."""
+DEFAULT_CAPACITY = 65_536
+"""T: the compact rows of a microbatch on a GPU when none is given."""
 
 CP_MODES = ("heads", "states", "auto")
 """How context parallelism runs each mixer: ``heads`` (head-parallel: every mixer's input rows
