@@ -224,7 +224,7 @@ def model_demo(
     if preset not in ("demo", "tiny"):
         raise InvalidInputError("preset", f"choose demo or tiny, got {preset!r}")
     # One intra-op thread: the debug model's tensors are tiny, so a thread team only adds
-    # contention (measured on a busy 2-core machine: one step 1.8 s with one thread, 58 s with two).
+    # contention (on a busy 2-core machine two threads make a step about 30x slower).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -408,7 +408,7 @@ class Rollouts:
     def batch(self):
         """The ``harts_planner.RolloutBatch`` of the token ids (HARTS's ingestion finds the trees).
         Token ids are int32 there: one at or above 2^31 (or below 0) raises
-        :class:`InvalidInputError` naming it (it used to wrap: 2^32 + 5 became 5)."""
+        :class:`InvalidInputError` naming it, never wrapped (2^32 + 5 is not read as 5)."""
         from harts_planner.batch import RolloutBatch
 
         check_token_range(np.asarray(self.tokens), np.asarray(self.offsets), None, "tokens")

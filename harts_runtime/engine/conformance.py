@@ -12,7 +12,7 @@
 
 A class that stops satisfying one fails ``.ci/lint`` here, naming the missing or mistyped member.
 A planner ``CallPlan`` satisfies :class:`~harts_runtime.layout.CallLayoutArrays` at run time only
-(``tests/runtime/test_layout_contract.py``): its arrays are read-only descriptors, which pyright by
+(``tests/runtime/layout/test_layout_contract.py``): its arrays are read-only descriptors, which pyright by
 design does not match against a protocol's attributes.
 """
 

@@ -54,7 +54,7 @@ Expert computation, chosen by ``MoEConfig.grouped``:
   gather-sum kernel on CUDA). The backward is gathers and fixed-order sums too (no atomics, no
   second sort).
 
-Host synchronisation (issue 15): on CUDA the grouped path issues no device-to-host copy and no
+Host synchronisation: on CUDA the grouped path issues no device-to-host copy and no
 data-dependent output shape, forward or backward, when ``torch._grouped_mm`` takes its fast path
 (bf16, compute capability 9.x or 10.x, 16-byte aligned rows: the conditions are in
 :mod:`harts_runtime.ops.grouped_gemm`); anything else takes the padded-bmm fallback, one

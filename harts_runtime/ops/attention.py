@@ -41,7 +41,7 @@ The kernel call is a kept region named ``"attention"`` (:mod:`harts_runtime.ops.
 Kernels that need equal Q/K and V head dims (flash-attn 2, torch varlen) get zero-padded head
 dims; zero columns change neither scores nor outputs (the scale is passed explicitly).
 
-``auto`` (:func:`resolve_backend`, per call) is the fastest backend measured on the H200 that runs
+``auto`` (:func:`resolve_backend`, per call) is the fastest backend (``benchmarks/layer_speed.py``) that runs
 here for the call's head dims and dtype: on CUDA the first available of :data:`CUDA_PREFERENCE` that
 accepts them (``fa4`` only for :data:`FA4_HEAD_DIMS` on SM90), on the CPU ``reference``.
 """
@@ -183,8 +183,8 @@ def available_backends(device: str | torch.device = "cpu") -> list[str]:
 
 
 CUDA_PREFERENCE: tuple[str, ...] = ("fa4", "varlen", "sdpa")
-"""What ``auto`` picks on CUDA, fastest first (``benchmarks/layer_speed.py``'s attention case on the
-H200: fa4 2.05x varlen's fwd+bwd at MLA's 192/128, 1.85x at GQA 128/128): the first of these that is
+"""What ``auto`` picks on CUDA, fastest first (``benchmarks/layer_speed.py``'s attention case: fa4
+about twice as fast as varlen forward and backward at MLA's and GQA's head dims): the first of these that is
 importable here and accepts the head dims, the GPU generation (fa4: SM90, where it was verified)
 and the dtype (the flash kernels: bf16 / fp16; float32 takes the padded SDPA path)."""
 

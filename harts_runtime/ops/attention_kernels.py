@@ -157,7 +157,7 @@ def _varlen_flash_attn(q, k, v, views: AttentionViews, scale: float) -> torch.Te
 
 FA4_HEAD_DIMS = frozenset({(32, 32), (64, 64), (96, 64), (128, 128), (192, 128)})
 """(Dqk, Dv) pairs whose ``fa4`` forward and backward matched the float32 reference on the H200
-(flash-attn-4 4.0.0b36, bf16, tree and forest views; ``tests/runtime/test_attention_gpu.py``).
+(flash-attn-4 4.0.0b36, bf16, tree and forest views; ``tests/runtime/ops/test_attention_gpu.py``).
 Outside them its SM90 kernels were seen to go wrong: Dqk = 48 (Kimi-Linear's tiny test shape,
 32 + 16) gave dq with relative error ~1.0 while out, dk and dv were right, and (64, 32) did not
 compile. ``fa4`` refuses other head dims; ``auto`` takes the next backend for them."""

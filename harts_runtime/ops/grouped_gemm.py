@@ -18,7 +18,7 @@ already sorted by expert (:mod:`harts_runtime.ops.dispatch`):
 grouping), ``"bmm"`` (each group's rows padded into [E, max_count, K], one batched matmul) or
 ``"auto"``: the first where :func:`_grouped_mm_ok` allows it and ``M > 0``, else the second.
 
-Host synchronisation (issue 15): on CUDA ``torch._grouped_mm`` issues no device-to-host copy and
+Host synchronisation: on CUDA ``torch._grouped_mm`` issues no device-to-host copy and
 no data-dependent output shape, forward or backward, when it takes its fast path: bf16 inputs and
 weights, compute capability 9.x or 10.x (PyTorch's ``_grouped_mm_cuda``; other devices and dtypes
 run ``_grouped_mm_fallback``, which copies the offsets to the host), and 16-byte aligned rows (D

@@ -16,9 +16,9 @@ outputs (``torch.mm(..., out_dtype=torch.float32)``, :class:`_Bf16RouterLogits`)
   two exact bf16 products. That is float32's product up to about 2^-16 relative, far below the
   bf16 rounding (2^-8) of the gradients that come out.
 
-What it replaces (24-layer ling-tiny MoE at N = 65,536, D = 1,536, E = 128 on the H200): three
-float32 SIMT GEMMs, 0.55-0.70 ms each of the layer's 27.6 ms (the forward runs twice under
-recomputation), and the float32 copy of ``hidden`` autograd kept for the backward. Everything else
+What it replaces: three float32 SIMT GEMMs, together about 7% of a ling-tiny MoE layer's time (the
+forward runs twice under recomputation; benchmarks/README.md, "Numbers behind the source's design
+notes"), and the float32 copy of ``hidden`` autograd kept for the backward. Everything else
 (float32 or float64 rows, the CPU, a torch without ``out_dtype``) is the plain float32 product.
 
 Routing replay (``EngineConfig(routing_replay=True)``): the rollout engine's expert ids per token

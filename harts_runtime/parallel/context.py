@@ -1,5 +1,5 @@
 """Context parallelism over rollout trees: one microbatch of up to ``C x T`` compact rows on the C
-ranks of a CP group (issue 35; ``docs/parallel.md``, "Context parallelism").
+ranks of a CP group (``docs/parallel.md``, "Context parallelism").
 
 This module is the head-parallel mode (``cp_mode="heads"``) and the row map both modes share; the
 state-passing mode (``cp_mode="states"``, and ``"auto"`` per layer) is
