@@ -75,7 +75,7 @@ from harts_runtime.rl.async_versions import _leaf_of, _leaf_record, _VersionedRo
 from harts_runtime.rl.config import RLConfig
 from harts_runtime.rl.rollout_engine import SyncError, own_routes_rollouts
 from harts_runtime.rl.sampler import Leaf
-from harts_runtime.rl.source import OnlineSource, _leaf_routes, _replays_routes
+from harts_runtime.rl.source import OnlineSource
 
 __all__ = ["AsyncSource", "SamplerError", "switch_turn"]
 
@@ -317,7 +317,6 @@ class AsyncSource(OnlineSource):
         """Step ``n``'s batch from the sampler thread (waiting for it), as
         :meth:`OnlineSource.next_step <harts_runtime.rl.source.OnlineSource.next_step>` makes it,
         with each token's behaviour log-prob and version."""
-        from harts_runtime.rollouts import Rollouts
 
         n = self._done + 1
         if n > self.horizon:
@@ -335,17 +334,9 @@ class AsyncSource(OnlineSource):
         t1 = time.perf_counter()
         leaves = batch.leaves
         self._versions = {id(lf): v for lf, v in zip(leaves, batch.versions)}
-        self.last_leaves = leaves
-        trained = self._filter(leaves)
-        self._trained = trained
-        self._rollouts = None
-        self.last_advantages = []
-        if trained:
-            old = None
-            if self.config.recompute_logprobs:
-                routes = _leaf_routes(trained) if _replays_routes(engine) else None
-                old = engine.logprobs(Rollouts.from_lists([lf.tokens for lf in trained], routes=routes))
-            self._rollouts = self._attach_versions(self.rollouts(engine, trained, old), trained)
+        rollouts = self._step_rollouts(engine, leaves)
+        if rollouts is not None:
+            self._rollouts = self._attach_versions(rollouts, self._trained)
         self._times = (batch.generate, time.perf_counter() - t1)
         sampled = [v for vs in batch.versions for v in vs if v >= 0]
         self._batch_extra = {

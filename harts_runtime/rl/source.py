@@ -224,24 +224,31 @@ class OnlineSource:
     def next_step(self, engine):
         """The step's :class:`~harts_runtime.rollouts.Rollouts`, or None when group filtering left
         no prompt (:meth:`updates` then trains nothing)."""
-        from harts_runtime.rollouts import Rollouts
 
         t0 = time.perf_counter()
         leaves = self.sampler.sample(self.rollout)
         t1 = time.perf_counter()
+        self._rollouts = self._step_rollouts(engine, leaves)
+        self._times = (t1 - t0, time.perf_counter() - t1)
+        return self._rollouts
+
+    def _step_rollouts(self, engine, leaves: list[Leaf]):
+        """The rollouts of a step's sampled ``leaves`` after group filtering, with the old log-probs
+        recomputed by the trainer when ``recompute_logprobs`` (None: no prompt left)."""
+        from harts_runtime.rollouts import Rollouts
+
         self.last_leaves = leaves
         trained = self._filter(leaves)
         self._trained = trained
         self._rollouts = None
         self.last_advantages = []
-        if trained:
-            old = None
-            if self.config.recompute_logprobs:
-                routes = _leaf_routes(trained) if _replays_routes(engine) else None
-                old = engine.logprobs(Rollouts.from_lists([lf.tokens for lf in trained], routes=routes))
-            self._rollouts = self.rollouts(engine, trained, old)
-        self._times = (t1 - t0, time.perf_counter() - t1)
-        return self._rollouts
+        if not trained:
+            return None
+        old = None
+        if self.config.recompute_logprobs:
+            routes = _leaf_routes(trained) if _replays_routes(engine) else None
+            old = engine.logprobs(Rollouts.from_lists([lf.tokens for lf in trained], routes=routes))
+        return self.rollouts(engine, trained, old)
 
     def updates(self, batch) -> list:
         """The updates of a step's batch: ``ppo_epochs`` passes over ``mini_batches`` mini-batches
