@@ -25,7 +25,7 @@ from verl.workers.config.engine import EngineConfig as VerlEngineConfig
 
 from harts_runtime.errors import InvalidInputError
 from harts_runtime.job_config import group_settings, setting
-from harts_runtime.options import ExecutionOptions
+from harts_runtime.options import DEFAULT_CHUNK_SIZE, ExecutionOptions
 
 __all__ = ["HartsActorConfig", "HartsEngineConfig"]
 
@@ -67,7 +67,7 @@ def _parallel_fields(cls):
 
 _MODEL_FIELDS = {"model_dtype": "dtype", "chunk_size": "chunk_size"}
 """The model group's settings a ``harts`` config takes: field -> the tree's setting."""
-_MODEL_DEFAULTS = {"model_dtype": "float32", "chunk_size": 64}
+_MODEL_DEFAULTS = {"model_dtype": "float32", "chunk_size": DEFAULT_CHUNK_SIZE}
 """The backend's defaults of those (the tree's are None: the checkpoint's dtype and chunk size);
 FSDP2 keeps float32 masters under verl's compute ``dtype``."""
 
