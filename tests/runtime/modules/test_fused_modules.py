@@ -126,7 +126,7 @@ def test_fused_features_match_the_reference_under_the_interpreter():
         from harts_runtime.layers.kda import KDAConfig, KDALayer
         from harts_runtime.layout.conv import ConvWindows
         from harts_runtime.modules.norms import GatedRMSNorm, RMSNorm
-        from tests.runtime.test_fused_modules import _set_backend
+        from tests.runtime.modules.test_fused_modules import _set_backend
 
         torch.manual_seed(0)
         win = ConvWindows.from_sequences({RANGES}, {CONTEXT}, {C}, {W})
