@@ -101,7 +101,6 @@ def _check_model(cfg) -> None:
         ModelOptions(chunk_size=cfg.chunk_size)
     except InvalidInputError as e:
         raise InvalidInputError("harts.chunk_size", str(e)[len(e.field) + 2 :]) from None
-    cfg.model_dtype = _ALIASES.get(cfg.model_dtype, cfg.model_dtype)
 
 
 def _check_parallel(cfg) -> None:
