@@ -17,8 +17,11 @@ What vLLM's weight transfer and SGLang's ``update_weights_from_*`` read on the t
 
 ``names``: ``"transformers"`` (a transformers model's in-memory names and fused shapes, what
 ``load_state_dict(strict=True)`` of the rollout model takes; experts as ``[E, 2I, D]`` / ``[E, D,
-I]``) or ``"checkpoint"`` (a checkpoint folder's spelling, what vLLM / SGLang ``load_weights``
-take). Each ``model.layers.<N>.`` block is contiguous in the order.
+I]``), ``"checkpoint"`` (a checkpoint folder's spelling: what ``save_pretrained`` writes, per-expert
+tensors), ``"vllm"`` or ``"sglang"`` (what that engine's ``model.load_weights`` takes for the
+model's family: the checkpoint's tensors and shapes under the engine's names, the rules in
+:mod:`harts_runtime.engine.weight_names`; the checkpoint's names except Qwen3.5-MoE's for vLLM,
+``model.language_model.``). Each ``model.layers.<N>.`` block is contiguous in the order.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 
+from harts_runtime.engine.weight_names import ENGINES, engine_name, engine_rule
 from harts_runtime.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -38,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["NAMES", "WeightEntry", "WeightStream", "weight_manifest", "weights"]
 
-NAMES = ("transformers", "checkpoint")
+NAMES = ("transformers", "checkpoint", "vllm", "sglang")
 """The spellings of the manifest and the stream."""
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -78,11 +82,18 @@ def _holders(t) -> tuple[int, ...]:
 
 
 def _setup(model, names: str, model_type: str | None):
+    """``(adapter, state, order, layer, label)``: ``order`` the adapter's names (in-memory or
+    checkpoint table) in stream order, ``label`` each one's name in the ``names`` spelling."""
     from harts_runtime.hf.save import _check_state, _sharded, save_setup
+    from harts_runtime.models.registry import get_family
 
     if names not in NAMES:
         raise InvalidInputError("names", f"choose one of {NAMES}, got {names!r}")
-    adapter = cast("HFStateDictAdapter", save_setup(model, model_type)[1])
+    hf_config, adapter = save_setup(model, model_type)
+    adapter = cast("HFStateDictAdapter", adapter)
+    rule = None
+    if names in ENGINES:  # refused before any gathering: a family the engine has no loader for
+        rule = engine_rule(names, get_family(hf_config["model_type"]).name)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     _check_state(adapter, state, _sharded(model))
     table = "memory_names" if names == "transformers" else "checkpoint_names"  # the families' tables
@@ -93,20 +104,21 @@ def _setup(model, names: str, model_type: str | None):
     for i, n in enumerate(order):
         first.setdefault(layer[n], i)
     order = sorted(order, key=lambda n: (first[layer[n]], index[n]))
-    return adapter, state, order, layer
+    label = {n: (n if rule is None else engine_name(rule, n)) for n in order}
+    return adapter, state, order, layer, label
 
 
 def weight_manifest(model, names: str = "transformers", model_type: str | None = None) -> list[WeightEntry]:
     """The manifest of ``model``'s weights in stream order (module docstring); no communication.
-    Raises :class:`InvalidInputError` naming ``names`` (unknown) or what the family cannot express
-    (:func:`harts_runtime.hf.save_setup`)."""
-    adapter, state, order, layer = _setup(model, names, model_type)
+    Raises :class:`InvalidInputError` naming ``names`` (unknown, or an engine with no loader for the
+    model's family) or what the family cannot express (:func:`harts_runtime.hf.save_setup`)."""
+    adapter, state, order, layer, label = _setup(model, names, model_type)
     out = []
     for n in order:
         pieces = adapter.pieces(n)
         ours = [state[p.ours] for p in pieces]
         ranks = sorted(set().union(*(_holders(t) for t in ours)))
-        out.append(WeightEntry(n, ours[0].dtype, tuple(adapter.hf_shape(n)), layer[n], tuple(ranks)))
+        out.append(WeightEntry(label[n], ours[0].dtype, tuple(adapter.hf_shape(n)), layer[n], tuple(ranks)))
     return out
 
 
@@ -127,7 +139,7 @@ class WeightStream:
     def __iter__(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         from harts_runtime.hf.save import _quiet_redistribute
 
-        adapter, state, order, _ = _setup(self.model, self.names, self.model_type)
+        adapter, state, order, _, label = _setup(self.model, self.names, self.model_type)
         pieces = {n: adapter.pieces(n) for n in order}
         last_use = {p.ours: i for i, n in enumerate(order) for p in pieces[n]}
         gathered: dict[str, torch.Tensor] = {}
@@ -154,7 +166,7 @@ class WeightStream:
                 if bucket and size + n > self.bucket_bytes:
                     yield bucket
                     bucket, size = [], 0
-                bucket.append((name, t))
+                bucket.append((label[name], t))
                 size += n
                 self.peak_bytes = max(self.peak_bytes, size + held["gathered"])
                 for p in pieces[name]:
