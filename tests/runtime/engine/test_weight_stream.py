@@ -93,7 +93,7 @@ def test_bad_arguments_are_refused_naming_them():
 
     model = _model()
     with pytest.raises(InvalidInputError, match="^names: choose one of"):
-        weight_manifest(model, "vllm")
+        weight_manifest(model, "vlm")
     for bad in (0, -5, 1.5, True):
         with pytest.raises(InvalidInputError, match="^bucket_bytes: must be a positive integer"):
             weights(model, "transformers", bad)
