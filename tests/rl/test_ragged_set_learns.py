@@ -14,12 +14,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.mark.slow
 def test_ragged_set_learns_on_kimi_linear_tiny(tmp_path):
-    """20 steps, ~3 s each on an idle CPU core (seed 0: 0.19 over the first three steps, 0.69 over steps 18-20)."""
+    """10 steps at lr 0.03 (the flavor default 0.01 takes 20). Seeds 0-5: 0.16-0.20 over the first
+    three steps, 0.51-0.63 over the last three (seed 0: 0.20, 0.51)."""
     out = tmp_path / "rs"
-    argv = ["--task", "ragged-set", "--flavor", "kimi-linear-tiny", "--steps", "20", "--out", str(out)]
-    assert main([*argv, "--seed", "0"]) == 0
+    argv = ["--task", "ragged-set", "--flavor", "kimi-linear-tiny", "--steps", "10", "--lr", "0.03"]
+    assert main([*argv, "--out", str(out), "--seed", "0"]) == 0
     recs = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in recs] == list(range(1, 21))
+    assert [r["step"] for r in recs] == list(range(1, 11))
     first = sum(r["reward_mean"] for r in recs[:3]) / 3
     last = sum(r["reward_mean"] for r in recs[-3:]) / 3
     assert first < 0.3 and last > 0.45, (first, last)
