@@ -21,11 +21,12 @@ import numpy as np
 import pytest
 import test_parallel_mamba2
 import torch
+from spawn_cases import SharedSpawns, selected_cases
 from test_parallel_cp import TOL_LOGPROB_CP, T, _batch
 from test_parallel_cp import _build as _build_cp
 from test_parallel_step import _check, _tiny_checkpoint, train_parallel, train_single
 
-from harts_runtime.parallel import ParallelDims, run_distributed
+from harts_runtime.parallel import ParallelDims
 
 CHUNK = 8
 
@@ -118,18 +119,21 @@ def _worker(rank, world, name, path, dims_kw, keep, cp_mode):
     from harts_runtime.microbatch import make_microbatch
     from harts_runtime.parallel.context_states import CpChooser
 
-    if cp_mode == "alternate":  # this process only (spawned)
+    choose = CpChooser.choose
+    if cp_mode == "alternate":  # this process only (spawned), this case only
         CpChooser.choose, cp_mode = _alternate, "auto"
-
-    dims = ParallelDims(world_size=world, **dims_kw)
-    mesh = dims.build_mesh()
-    model, step, plan = _build(name, path, dims.dp, dims.cp)
-    out = train_parallel(model, step, plan, mesh, keep, cp_mode=cp_mode)
-    out["chosen"] = []  # the mode every mixer ran in each of this replica's microbatches
-    for mb in plan.microbatches[mesh.coords["replica"] :: dims.dp]:
-        traj = np.asarray(mb, dtype=np.int64)
-        st = make_microbatch(model, step, traj, "compact", microbatch_call_plan(model, step, traj)).stats
-        out["chosen"].append({k: v for k, v in st.items() if k.startswith("cp_states/")})
+    try:
+        dims = ParallelDims(world_size=world, **dims_kw)
+        mesh = dims.build_mesh()
+        model, step, plan = _build(name, path, dims.dp, dims.cp)
+        out = train_parallel(model, step, plan, mesh, keep, cp_mode=cp_mode)
+        out["chosen"] = []  # the mode every mixer ran in each of this replica's microbatches
+        for mb in plan.microbatches[mesh.coords["replica"] :: dims.dp]:
+            traj = np.asarray(mb, dtype=np.int64)
+            st = make_microbatch(model, step, traj, "compact", microbatch_call_plan(model, step, traj)).stats
+            out["chosen"].append({k: v for k, v in st.items() if k.startswith("cp_states/")})
+    finally:
+        CpChooser.choose = choose
     return out
 
 
@@ -152,9 +156,19 @@ def _split_shape(name, path, cp):
     return receives, back, replay
 
 
+@pytest.fixture(scope="module")
+def spawns(request, checkpoints):
+    """The cases' ranks, one spawn per world size (``spawn_cases``)."""
+    engine = "test_engine_cp_mode_states_reports_the_choice_and_matches_one_process"
+    cases = {engine: (2, _engine_worker, ())}
+    for case, (name, world, dims_kw, keep, cp_mode) in CASES.items():
+        cases[case] = (world, _worker, (name, checkpoints.get(name), dims_kw, keep, cp_mode))
+    return SharedSpawns(cases, selected_cases(request, "test_cp_states_step_matches_one_process", engine))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_cp_states_step_matches_one_process(case, checkpoints):
+def test_cp_states_step_matches_one_process(case, checkpoints, spawns):
     name, world, dims_kw, keep, cp_mode = CASES[case]
     path = checkpoints.get(name)
     dims = ParallelDims(world_size=world, **dims_kw)
@@ -162,7 +176,7 @@ def test_cp_states_step_matches_one_process(case, checkpoints):
     assert receives > 0  # states cross the ranks' cuts (not only whole trees per rank)
     if dims.cp >= 4:
         assert back >= 2 and replay > 0
-    results = run_distributed(_worker, world, name, path, dims_kw, keep, cp_mode, timeout=300)
+    results = spawns.results(case)
     chosen = {v for r in results for mb in r["chosen"] for v in mb.values()}
     both = cp_mode == "alternate" or (cp_mode == "auto" and dims.cp < 8)
     assert chosen == ({0, 1} if both else {1}), chosen  # auto: both ran
@@ -188,12 +202,12 @@ def _engine_worker(rank, world):
 
 
 @pytest.mark.slow
-def test_engine_cp_mode_states_reports_the_choice_and_matches_one_process():
+def test_engine_cp_mode_states_reports_the_choice_and_matches_one_process(request, spawns):
     """``EngineConfig(cp_mode="states")`` under ``cp = 2``: the step's metrics count the microbatches
     each mixer ran by state passing, and the loss and log-probs are one process's."""
     from test_parallel_cp import _engine_single
 
-    results = run_distributed(_engine_worker, 2, timeout=300)
+    results = spawns.results(request.node.name)
     want_loss, want_lp, _, _ = _engine_single()["steps"][0]
     for loss, lp, metrics in results:
         blocks = {k: v for k, v in metrics.items() if k.startswith("cp_states/")}
