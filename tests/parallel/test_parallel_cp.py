@@ -13,9 +13,10 @@ checkpoints. Configurations: ``cp = 2``, ``cp = 4``, ``cp = 2`` with ``dp_shard 
 import numpy as np
 import pytest
 import torch
+from spawn_cases import SharedSpawns, selected_cases
 from test_parallel_step import _check, _full, _tiny_checkpoint, train_parallel, train_single
 
-from harts_runtime.parallel import ParallelConfigError, ParallelDims, run_distributed
+from harts_runtime.parallel import ParallelConfigError, ParallelDims
 
 T = {2: 32, 4: 16, 8: 8}  # per-rank capacity at C = 2 / 4 / 8: microbatches of up to 64 rows each way
 TOL_LOGPROB_CP = 5e-5  # absolute, float32 log-probs (test_parallel_step's 2e-5 elsewhere): measured
@@ -112,12 +113,25 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def spawns(request, checkpoints, tmp_path_factory):
+    """The ranks of this module's multi-process tests, one spawn per world size (``spawn_cases``)."""
+    engine = "test_engine_with_cp_trains_trajectories_longer_than_capacity_and_resumes_in_one_process"
+    edge = "test_cp_microbatches_with_fewer_rows_than_ranks_and_empty_ones"
+    cases = {engine: (2, _engine_worker, (str(tmp_path_factory.mktemp("cp_engine") / "ckpt"),))}
+    for cp_mode in ("heads", "states"):
+        cases[f"{edge}[{cp_mode}]"] = (4, _edge_worker, (cp_mode,))
+    for case, (name, world, dims_kw, keep) in CASES.items():
+        cases[case] = (world, _worker, (name, checkpoints.get(name), dims_kw, keep))
+    return SharedSpawns(cases, selected_cases(request, "test_cp_step_matches_one_process", engine, edge))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_cp_step_matches_one_process(case, checkpoints):
+def test_cp_step_matches_one_process(case, checkpoints, spawns):
     name, world, dims_kw, keep = CASES[case]
     path = checkpoints.get(name)
-    results = run_distributed(_worker, world, name, path, dims_kw, keep, timeout=300)
+    results = spawns.results(case)
     dims = ParallelDims(world_size=world, **dims_kw)
     _check(results, _reference(name, path, dims.dp, dims.cp, keep), tol_logprob=TOL_LOGPROB_CP)
 
@@ -203,12 +217,12 @@ def _engine_single(ckpt=None):
 
 
 @pytest.mark.slow
-def test_engine_with_cp_trains_trajectories_longer_than_capacity_and_resumes_in_one_process(tmp_path):
+def test_engine_with_cp_trains_trajectories_longer_than_capacity_and_resumes_in_one_process(request, spawns):
     """``HartsEngine.build(..., ParallelDims(cp=2))`` at capacity T runs trajectories longer than T
     (microbatches of up to 2T rows) like one process at capacity 2T, and its checkpoint resumes in
     one process."""
-    ckpt = str(tmp_path / "ckpt")
-    results = run_distributed(_engine_worker, 2, ckpt, timeout=300)
+    results = spawns.results(request.node.name)
+    ckpt = spawns.cases[request.node.name][2][0]
     ref = _engine_single()
     for r in results:
         for (loss, lp, norm, mbs), (rl, rlp, rn, rmbs) in zip(r["steps"], ref["steps"]):
@@ -275,8 +289,8 @@ def _edge_worker(rank, world, cp_mode="heads"):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cp_mode", ["heads", "states"])
-def test_cp_microbatches_with_fewer_rows_than_ranks_and_empty_ones(cp_mode):
-    results = run_distributed(_edge_worker, 4, cp_mode, timeout=200)
+def test_cp_microbatches_with_fewer_rows_than_ranks_and_empty_ones(cp_mode, request, spawns):
+    results = spawns.results(request.node.name)
     want, want_grads = _edge_runs()
     for got, grads in results:
         for (loss, lp), (wl, wlp) in zip(got, want):

@@ -22,6 +22,7 @@ not divide ``n_groups`` is one line naming the field.
 import numpy as np
 import pytest
 import torch
+from spawn_cases import SharedSpawns, selected_cases
 from test_parallel_cp import TOL_LOGPROB_CP, T
 from test_parallel_cp import _batch as tree_batch
 from test_parallel_step import TOL_LOGPROB, _check, _full, train_parallel, train_single
@@ -99,11 +100,18 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def spawns(request, checkpoint):
+    """The cases' ranks, one spawn (``spawn_cases``)."""
+    cases = {case: (2, _worker, (checkpoint, dims_kw, keep)) for case, (dims_kw, keep) in CASES.items()}
+    return SharedSpawns(cases, selected_cases(request, "test_nemotron_h_step_matches_one_process"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_nemotron_h_step_matches_one_process(case, checkpoint):
+def test_nemotron_h_step_matches_one_process(case, checkpoint, spawns):
     dims_kw, keep = CASES[case]
-    results = run_distributed(_worker, 2, checkpoint, dims_kw, keep, timeout=300)
+    results = spawns.results(case)
     dims = ParallelDims(world_size=2, **dims_kw)
     ref = train_single(*_build(checkpoint, dims.dp, dims.cp), keep)
     _check(results, ref, tol_logprob=TOL_LOGPROB_CP if dims.cp > 1 else TOL_LOGPROB)

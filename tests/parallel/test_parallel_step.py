@@ -18,6 +18,7 @@ changes the result, and bad configurations are refused with one-line errors nami
 import numpy as np
 import pytest
 import torch
+from spawn_cases import SharedSpawns, selected_cases
 
 from harts_runtime.parallel import (
     ParallelConfigError,
@@ -242,12 +243,21 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def spawns(request, checkpoints):
+    """The cases' ranks, one spawn per world size (``spawn_cases``)."""
+    cases = {}
+    for case, (name, world, dims_kw, keep, plan_kind) in CASES.items():
+        cases[case] = (world, _worker, (name, checkpoints.get(name), dims_kw, keep, plan_kind))
+    return SharedSpawns(cases, selected_cases(request, "test_parallel_step_matches_single_process"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_parallel_step_matches_single_process(case, checkpoints):
+def test_parallel_step_matches_single_process(case, checkpoints, spawns):
     name, world, dims_kw, keep, plan_kind = CASES[case]
     path = checkpoints.get(name)
-    results = run_distributed(_worker, world, name, path, dims_kw, keep, plan_kind, timeout=300)
+    results = spawns.results(case)
     dims = ParallelDims(world_size=world, **dims_kw)
     if plan_kind == "uneven":  # replica 1 ran an empty microbatch in its second slot
         assert sorted(r["padded"] for r in results) == sorted(
