@@ -11,7 +11,8 @@ Two steps, in two virtual environments (the engines pin their own torch):
    builds each family's model class of the engine on the CPU (``--device meta``: shapes only), feeds
    the stream one pair at a time to ``model.load_weights`` and prints, per family, the pairs fed, the
    ones the loader raised on, the parameters loaded (of all), those never loaded, the parameters
-   whose values equal a fed tensor of the same name, and a control: a misnamed tensor, which the
+   whose values equal the fed tensor of their name (through the class's ``hf_to_vllm_mapper``:
+   the unfused ones), and a control: a misnamed tensor, which the
    loader must refuse (``rejected``) or drop (``dropped silently``). A family whose class cannot be
    built on this machine is reported with the error's last line.
 
@@ -37,7 +38,11 @@ VLLM_CLASSES = {  # the class vLLM's registry gives each family's architecture
     "qwen3_5_moe": "vllm.models.qwen3_5:Qwen3_5MoeForCausalLM",
     "nemotron_h": "vllm.model_executor.models.nemotron_h:NemotronHForCausalLM",
     "ling3": "vllm.model_executor.models.bailing_moe_v3:BailingMoeV3ForCausalLM",
+    # the released Qwen3.5-MoE checkpoints' class: the same text model under a vision tower
+    "qwen3_5_moe_vl": "vllm.models.qwen3_5:Qwen3_5MoeForConditionalGeneration",
 }
+CASES = FAMILIES + ("qwen3_5_moe_vl",)
+"""The families, and Qwen3.5-MoE's vision-language class fed the text model's stream."""
 CONTROL = "model.layers.0.not_a_tensor.weight"
 
 
@@ -99,12 +104,106 @@ def write(out: Path) -> None:
             save_file(dict(pairs), out / "streams" / f"{family}.{engine}.safetensors")
             (out / "streams" / f"{family}.{engine}.json").write_text(json.dumps([n for n, _ in pairs]))
         print(f"{family}: {len(pairs)} tensors -> {out / family}")
+    _write_vl(out)
+
+
+def _write_vl(out: Path) -> None:
+    """``DIR/qwen3_5_moe_vl/config.json``: the tiny Qwen3.5-MoE text model under a one-block vision
+    tower (``Qwen3_5MoeForConditionalGeneration``, as the released checkpoints), its streams the
+    text model's."""
+    import shutil
+
+    import transformers
+
+    text = json.loads((out / "qwen3_5_moe" / "config.json").read_text())
+    for k in ("architectures", "transformers_version"):
+        text.pop(k, None)
+    vision = {
+        "depth": 1,
+        "hidden_size": 32,
+        "num_heads": 2,
+        "intermediate_size": 64,
+        "out_hidden_size": text["hidden_size"],
+        "patch_size": 4,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 16,
+        "in_channels": 3,
+    }
+    cfg = transformers.Qwen3_5MoeConfig(
+        text_config=text,
+        vision_config=vision,
+        architectures=["Qwen3_5MoeForConditionalGeneration"],
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+    )
+    cfg.save_pretrained(out / "qwen3_5_moe_vl")
+    for engine in ENGINES:
+        for ext in ("safetensors", "json"):
+            shutil.copy(
+                out / "streams" / f"qwen3_5_moe.{engine}.{ext}",
+                out / "streams" / f"qwen3_5_moe_vl.{engine}.{ext}",
+            )
+    print(f"qwen3_5_moe_vl: the text model's streams -> {out / 'qwen3_5_moe_vl'}")
 
 
 # ---------------------------------------------------------------------------------- step 2
 def _last_line(e: BaseException) -> str:
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and "further information" not in ln]
     return f"{type(e).__name__}: {lines[-1] if lines else ''}"[:300]
+
+
+_STUB = '''"""A stand-in for torchvision: vLLM's Qwen3.5 files import it for image processing only."""
+
+
+class _Meta(type):
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return Any
+
+
+class Any(metaclass=_Meta):
+    def __init__(self, *a, **k):
+        pass
+
+    def __getattr__(self, name):
+        return Any()
+
+    def __call__(self, *a, **k):
+        return Any()
+
+
+def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return Any
+'''
+_STUB_MODULES = (
+    "torchvision",
+    "torchvision.transforms",
+    "torchvision.transforms.functional",
+    "torchvision.transforms.v2",
+    "torchvision.transforms.v2.functional",
+    "torchvision.io",
+    "torchvision.ops",
+    "torchvision.utils",
+)
+
+
+def stub_torchvision(root: Path) -> None:
+    """A torchvision stand-in under ``root`` (with a dist-info: transformers asks its version), put
+    first on ``sys.path`` and ``PYTHONPATH`` (vLLM inspects architectures in a subprocess). PyPI's
+    torchvision builds are CUDA builds whose operators do not register over a CPU torch; no image
+    is processed here."""
+    for name in _STUB_MODULES:
+        path = root.joinpath(*name.split("."))
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "__init__.py").write_text(_STUB)
+    meta = root / "torchvision-0.28.0.dist-info"
+    meta.mkdir(exist_ok=True)
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.28.0\n")
+    sys.path.insert(0, str(root))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
 
 
 def _build_vllm(family: str, folder: Path, device: str):
@@ -150,7 +249,7 @@ def _in_config(vc, model, pairs):
         return model.load_weights(pairs)
 
 
-def load(out: Path, engine: str, families, device: str) -> int:
+def load(out: Path, engine: str, families, device: str, stream: str | None = None) -> int:
     import torch
     from safetensors.torch import load_file
 
@@ -167,8 +266,9 @@ def load(out: Path, engine: str, families, device: str) -> int:
             failures += 1
             continue
         built = time.perf_counter() - t0
-        tensors = load_file(out / "streams" / f"{family}.{engine}.safetensors")
-        order = json.loads((out / "streams" / f"{family}.{engine}.json").read_text())
+        spelling = stream or engine
+        tensors = load_file(out / "streams" / f"{family}.{spelling}.safetensors")
+        order = json.loads((out / "streams" / f"{family}.{spelling}.json").read_text())
         loaded: set[str] = set()
         rejected = []
         for name in order:
@@ -177,23 +277,26 @@ def load(out: Path, engine: str, families, device: str) -> int:
             except Exception as e:
                 rejected.append(f"{name} ({_last_line(e)})")
         params = dict(model.named_parameters())
+        mapper = getattr(model, "hf_to_vllm_mapper", None)  # the class's renames (prefixes)
         same = sum(
             1
             for n, t in tensors.items()
-            if n in params
-            and params[n].device.type != "meta"
-            and params[n].shape == t.shape
-            and torch.equal(params[n].detach(), t)
+            if (m := n if mapper is None else mapper.map_name(n)) in params
+            and params[m].device.type != "meta"
+            and params[m].shape == t.shape
+            and torch.equal(params[m].detach(), t)
         )
         try:
             control = "dropped silently" if not feed([(CONTROL, torch.zeros(4))]) else "loaded (!)"
         except Exception:
             control = "rejected"
-        missing = sorted(set(params) - loaded)
+        vision = sorted(n for n in set(params) - loaded if n.startswith("visual."))  # not ours
+        missing = sorted(set(params) - loaded - set(vision))
         print(
-            f"{family}: built in {built:.1f} s; fed {len(order)}, rejected {len(rejected)}; parameters "
+            f"{family}: built in {built:.1f} s; fed {len(order)} ({spelling}), rejected {len(rejected)}; parameters "
             f"loaded {len(loaded & set(params))} of {len(params)}, never loaded {len(missing)}; "
-            f"equal to the fed tensor of the same name {same}; misnamed control {control}; "
+            f"{f'vision tower (not ours) {len(vision)}; ' if vision else ''}"
+            f"equal to the fed tensor of that name {same}; misnamed control {control}; "
             f"{time.perf_counter() - t0:.1f} s"
         )
         for r in rejected[:5]:
@@ -212,13 +315,22 @@ def main(argv=None) -> int:
     ld = sub.add_parser("load", help="the engine's venv: feed the streams to its load_weights")
     ld.add_argument("dir", type=Path)
     ld.add_argument("--engine", choices=ENGINES, required=True)
-    ld.add_argument("--family", choices=FAMILIES, action="append")
+    ld.add_argument("--family", choices=CASES, action="append")
     ld.add_argument("--device", choices=("cpu", "meta"), default="cpu")
+    ld.add_argument("--stream", choices=ENGINES, help="feed this engine's spelling instead (a control)")
+    ld.add_argument(
+        "--stub-torchvision",
+        type=Path,
+        metavar="DIR",
+        help="write a torchvision stand-in there and import it (vLLM's Qwen3.5 files need one)",
+    )
     args = p.parse_args(argv)
     if args.step == "write":
         write(args.dir)
         return 0
-    return load(args.dir, args.engine, args.family or FAMILIES, args.device)
+    if args.stub_torchvision is not None:
+        stub_torchvision(args.stub_torchvision)
+    return load(args.dir, args.engine, args.family or CASES, args.device, args.stream)
 
 
 if __name__ == "__main__":

@@ -120,7 +120,8 @@ def _rules() -> dict[tuple[str, str], EngineRule]:
             "sglang.srt.models.qwen3_5_text: Qwen3_5MoeForCausalLM; qwen3_5: "
             "Qwen3_5MoeForConditionalGeneration",
             ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
-            # the text class strips model. and drops what then starts language_model. silently
+            # the text class strips model. and its body drops what then starts language_model.
+            # (a logged warning at most)
             skips=("rotary_emb.inv_freq", "*mtp*", "*visual*"),
             also="model.language_model.* for the vision-language class only; fused "
             "experts.gate_up_proj / down_proj",
