@@ -68,7 +68,7 @@ def _rules() -> dict[tuple[str, str], EngineRule]:
             "vllm.model_executor.models.qwen3_next: Qwen3NextForCausalLM",
             ("Qwen3NextForCausalLM",),
             skips=("mtp.*",),
-            also="fused experts.gate_up_proj [E, 2I, D] / experts.down_proj [E, D, I] (FusedMoE)",
+            also="fused 3-D experts.gate_up_proj / experts.down_proj (all experts in one tensor)",
         ),
         EngineRule(
             "vllm",
