@@ -147,3 +147,18 @@ def test_unknown_spelling_is_refused_naming_names(families):
     msg = r"^names: choose one of \('transformers', 'checkpoint', 'vllm', 'sglang'\), got 'VLLM'$"
     with pytest.raises(InvalidInputError, match=msg):
         weights(model, "VLLM")
+
+
+def test_a_family_without_a_loader_is_refused_before_streaming(families, monkeypatch):
+    from harts_runtime import InvalidInputError
+    from harts_runtime.engine import weight_names
+    from harts_runtime.engine.weights import weight_manifest, weights
+
+    model, _ = families["nemotron_h"]
+    monkeypatch.delitem(weight_names.RULES, ("sglang", "nemotron_h"))  # as for a family added later
+    msg = "^names: sglang has no loader for the nemotron_h family$"
+    with pytest.raises(InvalidInputError, match=msg):
+        weight_manifest(model, "sglang")
+    with pytest.raises(InvalidInputError, match=msg):
+        weights(model, "sglang")
+    assert weight_manifest(model, "vllm")  # the other engine's rule still applies
