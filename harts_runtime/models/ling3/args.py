@@ -29,9 +29,20 @@ from harts_runtime.models.hf_config import as_dict, config_value
 from harts_runtime.models.hybrid.args import KDAArgs, MLAArgs, ModelConfig, MoEArgs
 from harts_runtime.options import DEFAULT_CHUNK_SIZE
 
-__all__ = ["FP32_PARAMS", "MODEL_TYPE", "from_hf_config", "to_hf_config"]
+__all__ = [
+    "ARCHITECTURE",
+    "FP32_PARAMS",
+    "MODEL_TYPE",
+    "first_k_dense_replace",
+    "from_hf_config",
+    "layer_group_size",
+    "to_hf_config",
+]
 
 MODEL_TYPE = "bailing_hybrid"
+ARCHITECTURE = "BailingMoeV3ForCausalLM"
+"""The released checkpoints' ``architectures`` (the class vLLM and SGLang serve them with);
+transformers builds ``BailingHybridForCausalLM`` from ``model_type`` whatever it says."""
 FP32_PARAMS = ("ffn.router", "mixer.dt_bias", "mixer.A_log")
 """Parameters kept in float32 in any dtype, as transformers' ``_keep_in_fp32_modules_strict``
 (``gate.weight``, ``dt_bias``, ``A_log``; ``e_score_correction_bias`` is our always-fp32
@@ -241,10 +252,36 @@ def _mtp_layers(base: Mapping) -> int:
     return int(base.get("num_nextn_predict_layers", base.get("num_mtp_layers")) or 0)
 
 
+def layer_group_size(mixers) -> int | None:
+    """The ``layer_group_size`` ``g`` whose schedule is ``mixers`` in the released checkpoints' rule
+    (vLLM's and the checkpoints' own config code: layer ``i`` is MLA when ``(i + 1) % g == 0`` or it
+    lies past the last whole group, ``i >= n // g * g``, else KDA); None when no ``g`` gives
+    ``mixers`` (a model without MLA layers, or one whose last layers after a whole group are KDA
+    layers). transformers reads ``layer_types`` instead (its own rule has no tail of MLA layers)."""
+    n = len(mixers)
+    for g in range(1, n + 1):
+        if all((m == "mla") == ((i + 1) % g == 0 or i >= n // g * g) for i, m in enumerate(mixers)):
+            return g
+    return None
+
+
+def first_k_dense_replace(ffns) -> int | None:
+    """The number of leading dense layers when every later layer is MoE (``first_k_dense_replace``,
+    the rule of the engines and transformers' default), else None."""
+    k = next((i for i, f in enumerate(ffns) if f != "dense"), len(ffns))
+    return k if all(f == "moe" for f in ffns[k:]) else None
+
+
 def to_hf_config(cfg: ModelConfig, base: Mapping | None = None) -> dict:
     """The ``config.json`` dict of a Ling-3.0 ``cfg`` (``base``: fields to keep, e.g. the token
     ids and ``num_nextn_predict_layers`` of the config it was loaded from; the model fields are
     overwritten; without a base no MTP layers are declared).
+    ``architectures`` is the released checkpoints' (:data:`ARCHITECTURE`), and the keys of their
+    config that vLLM's ``BailingMoeV3ForCausalLM`` reads are written from ``cfg``: ``use_bias``,
+    ``moe_shared_expert_intermediate_size``, ``no_kda_lora``,
+    ``gated_attention_proj_granularity_type`` and, when their rule gives the layer schedule,
+    ``layer_group_size`` (:func:`layer_group_size`) and ``first_k_dense_replace``
+    (:func:`first_k_dense_replace`); transformers reads ``layer_types`` / ``mlp_layer_types``.
 
     Raises :class:`InvalidInputError` naming the :class:`ModelConfig` field a Ling-3.0 config
     cannot express (GQA layers, low-rank KDA gates, MLA without the output gate or with
@@ -281,11 +318,18 @@ def to_hf_config(cfg: ModelConfig, base: Mapping | None = None) -> dict:
         )
     n = cfg.num_layers
     out = dict(base or {})
-    for key in ("auto_map", "layer_group_size", "first_k_dense_replace", "head_dim", *_ALIASES):
+    for key in (
+        "auto_map",
+        "layer_group_size",
+        "first_k_dense_replace",
+        "head_dim",
+        "gated_attention_proj_granularity_type",
+        *_ALIASES,
+    ):
         out.pop(key, None)  # superseded by the explicit fields below
     out.update(
         model_type=MODEL_TYPE,
-        architectures=["BailingHybridForCausalLM"],
+        architectures=[ARCHITECTURE],
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.dense_intermediate,
@@ -325,7 +369,19 @@ def to_hf_config(cfg: ModelConfig, base: Mapping | None = None) -> dict:
         share_expert_swiglu_limit_list=list(moe.shared_swiglu_limits or (0.0,) * n),
         num_nextn_predict_layers=_mtp_layers(base or {}),
         dtype=cfg.dtype,
+        # the released checkpoints' keys that vLLM's BailingMoeV3ForCausalLM reads
+        use_bias=False,  # HybridModel's SwiGLU MLPs have no bias
+        moe_shared_expert_intermediate_size=moe.intermediate_size,  # per shared expert (checked above)
+        no_kda_lora=True,  # full-rank f_proj / g_proj (kda.low_rank_gates False, checked above)
     )
+    if "mla" in cfg.mixers:  # g_proj [H, D]: one gate per head
+        out["gated_attention_proj_granularity_type"] = "head_wise"
+    for key, value in (
+        ("layer_group_size", layer_group_size(cfg.mixers)),
+        ("first_k_dense_replace", first_k_dense_replace(cfg.ffns)),
+    ):
+        if value is not None:  # the engines' schedule keys, written when they give ours
+            out[key] = value
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         out.setdefault(key, None)
     return out

@@ -22,7 +22,7 @@ from harts_runtime.models.hf_config import as_dict
 from harts_runtime.models.hybrid.args import GatedAttentionArgs, GDNArgs, ModelConfig, MoEArgs
 from harts_runtime.options import DEFAULT_CHUNK_SIZE
 
-__all__ = ["FAMILIES", "from_hf_config", "to_hf_config"]
+__all__ = ["FAMILIES", "from_hf_config", "full_attention_interval", "to_hf_config"]
 
 _MIXER = {"linear_attention": "gdn", "full_attention": "gated_attention"}
 
@@ -213,9 +213,23 @@ def from_hf_config(
     return ModelConfig(**fields).replace(**overrides)
 
 
+def full_attention_interval(mixers) -> int | None:
+    """The ``full_attention_interval`` ``k`` whose schedule is ``mixers`` (layer ``i`` is full
+    attention when ``(i + 1) % k == 0``, else GDN: transformers' rule when ``layer_types`` is absent,
+    the only one SGLang's Qwen3-Next config knows); None when no period gives ``mixers``. A model
+    without full attention gets ``len(mixers) + 1``."""
+    full = [i for i, m in enumerate(mixers) if m == "gated_attention"]
+    k = full[0] + 1 if full else len(mixers) + 1
+    periodic = all((m == "gated_attention") == ((i + 1) % k == 0) for i, m in enumerate(mixers))
+    return k if periodic else None
+
+
 def to_hf_config(cfg: ModelConfig, base: Mapping | None = None, family: str = "qwen3_next") -> dict:
     """The ``config.json`` dict of ``cfg`` as ``family`` (``qwen3_next`` or ``qwen3_5_moe_text``);
     ``base``: fields to keep (token ids, ...; a ``qwen3_5_moe`` base contributes its text part).
+    Besides ``layer_types`` it writes ``full_attention_interval``
+    (:func:`full_attention_interval`), which SGLang's config requires, when a period gives the
+    layer schedule; a schedule no period gives has no such key (SGLang cannot build it).
 
     Raises :class:`InvalidInputError` naming the :class:`ModelConfig` field the family cannot
     express (other mixers, sigmoid routing, no gated shared expert, plain RMSNorms, ...).
@@ -286,6 +300,9 @@ def to_hf_config(cfg: ModelConfig, base: Mapping | None = None, family: str = "q
         layer_types=["linear_attention" if m == "gdn" else "full_attention" for m in cfg.mixers],
         dtype=cfg.dtype,
     )
+    interval = full_attention_interval(cfg.mixers)
+    if interval is not None:  # the engines' spelling of layer_types (SGLang reads only this)
+        out["full_attention_interval"] = interval
     if has_dense:
         out.update(
             intermediate_size=cfg.dense_intermediate,
