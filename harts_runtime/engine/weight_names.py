@@ -7,9 +7,9 @@ shapes ``save_pretrained`` writes (our ``"checkpoint"`` spelling: per-expert MoE
 folder's prefixes, Mamba2 / GDN ``A_log`` as stored) and does its own fusing (q / k / v into one
 projection, gate / up into one, experts into stacked parameters, ``A_log`` into ``A = -exp(A_log)``
 for Nemotron-H) inside ``load_weights``. So a rule is the checkpoint spelling plus, where an engine's
-registered classes need it, a prefix rename (:attr:`EngineRule.rename`); the shapes are always the
-checkpoint's. What a loader skips (:attr:`EngineRule.skips`: rotary ``inv_freq``, MTP layers) our
-stream never holds. A family an engine has no loader for is refused naming both
+registered classes need it, a prefix rename (:attr:`EngineRule.rename`) or a rename within the layers
+of one mixer kind (:attr:`EngineRule.layer_renames`); the shapes are always the checkpoint's. What a
+loader skips (:attr:`EngineRule.skips`: rotary ``inv_freq``, MTP layers) our stream never holds. A family an engine has no loader for is refused naming both
 (:func:`engine_rule`).
 """
 
@@ -39,6 +39,10 @@ class EngineRule:
     rename: tuple[tuple[str, str], ...] = ()
     """``(checkpoint prefix, engine prefix)`` pairs, the first that matches applies; empty: the loader
     is fed exactly the checkpoint's names."""
+    layer_renames: tuple[tuple[str, str, str], ...] = ()
+    """``(mixer kind, checkpoint suffix, engine suffix)`` triples: in a layer (``layers.<N>.``) whose
+    mixer is of that kind (:attr:`harts_runtime.models.hybrid.args.ModelConfig.mixers`), a name ending
+    in ``.<checkpoint suffix>`` ends in ``.<engine suffix>`` instead; the first that matches applies."""
     skips: tuple[str, ...] = ()
     """What the loader drops without loading (names or name patterns, for the record)."""
     also: str = ""
@@ -47,7 +51,7 @@ class EngineRule:
     @property
     def checkpoint_names(self) -> bool:
         """Whether the loader is fed exactly the checkpoint's names."""
-        return not self.rename
+        return not (self.rename or self.layer_renames)
 
 
 def _rules() -> dict[tuple[str, str], EngineRule]:
@@ -95,6 +99,9 @@ def _rules() -> dict[tuple[str, str], EngineRule]:
             "ling3",
             "vllm.model_executor.models.bailing_moe_v3: BailingMoeV3ForCausalLM",
             ("BailingMoeV3ForCausalLM",),
+            # a KDA layer's output projection is its o_proj (the released checkpoints' name), an
+            # MLA layer's its dense; save_pretrained writes dense for both
+            layer_renames=(("kda", "attention.dense.weight", "attention.o_proj.weight"),),
             skips=("model.layers.{>= num_hidden_layers} (MTP)",),
             also="A_log as [1, 1, H, 1] as well as [H]; unknown names are dropped silently",
         ),
@@ -139,6 +146,9 @@ def _rules() -> dict[tuple[str, str], EngineRule]:
             "ling3",
             "sglang.srt.models.bailing_moe_v3: BailingMoeV3ForCausalLM",
             ("BailingMoeV3ForCausalLM",),
+            # the released checkpoints' KDA name, as for vLLM (this loader's parameters are o_proj
+            # in both layer kinds; it retries a name it lacks with .dense. -> .o_proj.)
+            layer_renames=(("kda", "attention.dense.weight", "attention.o_proj.weight"),),
             skips=("model.mtp*", "model.layers.{>= num_hidden_layers} (MTP)", "inv_freq", "v_head"),
             also="A_log [H] only (reshaped to [1, 1, H, 1] by the loader); unknown names are "
             "dropped silently",
@@ -163,8 +173,14 @@ def engine_rule(engine: str, family: str) -> EngineRule:
     return rule
 
 
-def engine_name(rule: EngineRule, checkpoint_name: str) -> str:
-    """A checkpoint tensor's name as ``rule``'s engine takes it."""
+def engine_name(rule: EngineRule, checkpoint_name: str, mixer: str | None = None) -> str:
+    """A checkpoint tensor's name as ``rule``'s engine takes it; ``mixer``: the mixer kind of the
+    layer the tensor belongs to (None outside the layers)."""
+    if mixer is not None:
+        for kind, old, new in rule.layer_renames:
+            if kind == mixer and checkpoint_name.endswith("." + old):
+                checkpoint_name = checkpoint_name[: -len(old)] + new
+                break
     for old, new in rule.rename:
         if checkpoint_name.startswith(old):
             return new + checkpoint_name[len(old) :]

@@ -21,7 +21,8 @@ I]``), ``"checkpoint"`` (a checkpoint folder's spelling: what ``save_pretrained`
 tensors), ``"vllm"`` or ``"sglang"`` (what that engine's ``model.load_weights`` takes for the
 model's family: the checkpoint's tensors and shapes under the engine's names, the rules in
 :mod:`harts_runtime.engine.weight_names`; the checkpoint's names except Qwen3.5-MoE's for vLLM,
-``model.language_model.``). Each ``model.layers.<N>.`` block is contiguous in the order.
+``model.language_model.``, and Ling-3.0's KDA layers' ``attention.o_proj`` for ``attention.dense``).
+Each ``model.layers.<N>.`` block is contiguous in the order.
 """
 
 from __future__ import annotations
@@ -104,7 +105,11 @@ def _setup(model, names: str, model_type: str | None):
     for i, n in enumerate(order):
         first.setdefault(layer[n], i)
     order = sorted(order, key=lambda n: (first[layer[n]], index[n]))
-    label = {n: (n if rule is None else engine_name(rule, n)) for n in order}
+    mixers = model.config.mixers  # each layer's kind, for the rules' layer_renames
+    label = {
+        n: (n if rule is None else engine_name(rule, n, None if layer[n] is None else mixers[layer[n]]))
+        for n in order
+    }
     return adapter, state, order, layer, label
 
 
