@@ -5,8 +5,9 @@ process (another world size) continuing like the uninterrupted run."""
 
 import pytest
 import torch
+from spawn_cases import SharedSpawns, selected_cases
 
-from harts_runtime.parallel import ParallelDims, run_distributed
+from harts_runtime.parallel import ParallelDims
 
 CAP = 30
 TOL_LOSS = 1e-5
@@ -71,14 +72,34 @@ def _single(ckpt=None):
     return {"steps": steps, "params": {n: p.detach().clone() for n, p in engine.model.named_parameters()}}
 
 
+CASES = {"dp_shard2": dict(dp_shard=2), "tp2-sp": dict(tp=2, sequence_parallel=True)}
+
+
+@pytest.fixture(scope="module")
+def spawns(request, tmp_path_factory):
+    """Both cases' ranks in one spawn (``spawn_cases``), each saving to a folder of its own."""
+    cases = {}
+    for case, dims_kw in CASES.items():
+        cases[case] = (2, _worker, (dims_kw, str(tmp_path_factory.mktemp(case) / "ckpt")))
+    return SharedSpawns(
+        cases,
+        selected_cases(request, "test_engine_on_a_mesh_matches_one_process_and_resumes_elsewhere"),
+        timeout=240,
+    )
+
+
+@pytest.fixture(scope="module")
+def single():
+    """The uninterrupted run in one process (the same for every case)."""
+    return _single()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "dims_kw", [dict(dp_shard=2), dict(tp=2, sequence_parallel=True)], ids=["dp_shard2", "tp2-sp"]
-)
-def test_engine_on_a_mesh_matches_one_process_and_resumes_elsewhere(dims_kw, tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    results = run_distributed(_worker, 2, dims_kw, ckpt, timeout=240)
-    ref = _single()
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_on_a_mesh_matches_one_process_and_resumes_elsewhere(case, spawns, single):
+    results = spawns.results(case)
+    ckpt = spawns.cases[case][2][1]
+    ref = single
     for r in results:
         for (loss, lp, norm), (rl, rlp, rn) in zip(r["steps"], ref["steps"]):
             assert abs(loss - rl) <= TOL_LOSS * max(1.0, abs(rl))
