@@ -43,12 +43,17 @@ FINAL = 3
 """Steps averaged for a run's first / final reward."""
 
 
+def _round(v):
+    return float(f"{v:.6g}") if isinstance(v, float) else v
+
+
 def step_record(rec: dict, wall: float) -> dict:
-    """What a run keeps of one step's record: its wall seconds, :data:`STEP_KEYS` and ``mismatch/*``."""
+    """What a run keeps of one step's record: its wall seconds, :data:`STEP_KEYS` and ``mismatch/*``
+    (floats to 6 significant digits)."""
     out = {"step": int(rec["step"]), "wall": float(wall)}
     out.update({k: rec[k] for k in STEP_KEYS if k in rec})
     out.update({k: float(v) for k, v in rec.items() if k.startswith("mismatch/")})
-    return out
+    return {k: _round(v) for k, v in out.items()}
 
 
 def _mean(values: list) -> float | None:
@@ -85,14 +90,24 @@ def summarize(runs: list[dict]) -> list[dict]:
     """Per (task, K, correction), in the order first met: the seeds, and the mean / sample std / min /
     max over seeds of each run's ``reward_last3``, ``reward_first3`` and ``wall_per_step`` and the
     mean over seeds of the parts and of ``mismatch/k3`` per lag (each recomputed from the run's
-    records by :func:`summarize_run`)."""
+    records by :func:`summarize_run`). A run that failed (``error``) counts in ``failed`` only."""
     groups: dict[tuple, list[dict]] = {}
+    failed: dict[tuple, list] = {}
     for run in runs:
         key = (run["task"], run["max_staleness"], run["is_correction"])
-        groups.setdefault(key, []).append({"seed": run["seed"], **summarize_run(run["records"])})
+        groups.setdefault(key, [])
+        failed.setdefault(key, [])
+        if "error" in run:
+            failed[key].append({"seed": run["seed"], "steps": len(run["records"]), "error": run["error"]})
+        else:
+            groups[key].append({"seed": run["seed"], **summarize_run(run["records"])})
     rows = []
     for (task, k, corr), sums in groups.items():
         row = {"task": task, "max_staleness": k, "is_correction": corr, "seeds": [s["seed"] for s in sums]}
+        row["failed"] = failed[(task, k, corr)]
+        if not sums:
+            rows.append(row)
+            continue
         for key in ("reward_last3", "reward_first3", "wall_per_step"):
             row[key] = _spread([s[key] for s in sums])
         for key in PARTS:
@@ -107,7 +122,14 @@ def summarize(runs: list[dict]) -> list[dict]:
     return rows
 
 
+def _failed(row: dict) -> str:
+    return "; ".join(f"seed {f['seed']} failed at {f['error']}" for f in row.get("failed", []))
+
+
 def summary_line(row: dict) -> str:
+    head = f"{row['task']:<10} K={row['max_staleness']} {row['is_correction']:<9} "
+    if not row["seeds"]:
+        return head + _failed(row)
     r, w = row["reward_last3"], row["wall_per_step"]
     lags = sorted(
         (int(k.split("/")[1][3:]), v)
@@ -116,10 +138,10 @@ def summary_line(row: dict) -> str:
     )
     k3 = ", ".join(f"lag{d} {v:.3f}" for d, v in lags) or "-"
     return (
-        f"{row['task']:<10} K={row['max_staleness']} {row['is_correction']:<9} "
-        f"reward last{FINAL} {r['mean']:.3f} +- {r['std']:.3f} [{r['min']:.3f}, {r['max']:.3f}]  "
+        head + f"reward last{FINAL} {r['mean']:.3f} +- {r['std']:.3f} [{r['min']:.3f}, {r['max']:.3f}]  "
         f"s/step {w['mean']:.3f} +- {w['std']:.3f}  gen {row['generate_seconds']:.3f} "
         f"train {row['train_seconds']:.3f} wait {row['wait_seconds']:.3f}  k3 {k3}  (n={len(row['seeds'])})"
+        + (f"  {_failed(row)}" if row.get("failed") else "")
     )
 
 
@@ -135,7 +157,7 @@ def markdown(result: dict) -> str:
     lines = [
         BEGIN,
         f"{result['flavor']}, {tasks}, {result['prompts']} prompts, {result['steps']} steps, lr {result['lr']}, "
-        f"seeds {', '.join(str(s) for s in result['summary'][0]['seeds'])}, {result['device']} "
+        f"seeds {', '.join(str(s) for s in sorted({r['seed'] for r in result['runs']}))}, {result['device']} "
         f"({result['torch_threads']} torch thread, {result['cpus']} cores). Reward: mean over seeds of the last "
         f"{FINAL} steps' mean reward, +- the sample std over seeds [min, max]; seconds: means over steps 2 to "
         f"{result['steps']}, then over seeds; `mismatch/k3` by the tokens' version lag.",
@@ -145,6 +167,9 @@ def markdown(result: dict) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in result["summary"]:
+        if not row["seeds"]:
+            lines.append(f"| {row['task']} | {row['max_staleness']} | {row['is_correction']} |" + " - |" * 7)
+            continue
         r, w = row["reward_last3"], row["wall_per_step"]
         lags = sorted(
             (int(k.split("/")[1][3:]), v)
@@ -157,6 +182,13 @@ def markdown(result: dict) -> str:
             f"| {r['mean']:.3f} +- {r['std']:.3f} [{r['min']:.2f}, {r['max']:.2f}] | {w['mean']:.3f} +- {w['std']:.3f} "
             f"| {row['generate_seconds']:.3f} | {row['train_seconds']:.3f} | {row['wait_seconds']:.3f} | {k3} |"
         )
+    fails = [
+        f"{row['task']} K = {row['max_staleness']} {row['is_correction']}, {_failed(row)}"
+        for row in result["summary"]
+        if row.get("failed")
+    ]
+    if fails:
+        lines += ["", "Failed runs (left out of the rows above): " + "; ".join(fails) + "."]
     lines.append(END)
     return "\n".join(lines)
 
@@ -185,15 +217,21 @@ def one_run(args, task: str, task_args: dict, k: int, correction: str, seed: int
             src.trained_chunk_size = run.source.trained_chunk_size
             src.attach(run.engine)
             run.source = src
-        records = []
+        records, error = [], None
         try:
             for _ in range(args.steps):
                 t0 = time.perf_counter()
                 rec = run.run_step()
                 records.append(step_record(rec, time.perf_counter() - t0))
+        except Exception as e:  # recorded with the steps before it; the next run goes on
+            error = f"step {len(records) + 1}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            print(f"{task} K={k} {correction} seed {seed} failed: {error}", file=sys.stderr, flush=True)
         finally:
             run.source.close()
-    return {"task": task, "max_staleness": k, "is_correction": correction, "seed": seed, "records": records}
+    out = {"task": task, "max_staleness": k, "is_correction": correction, "seed": seed, "records": records}
+    if error is not None:
+        out["error"] = error
+    return out
 
 
 def plot(runs: list[dict], path: str) -> bool:
@@ -207,6 +245,7 @@ def plot(runs: list[dict], path: str) -> bool:
     except ImportError:
         print("--plot: matplotlib is not installed; no plot written", file=sys.stderr)
         return False
+    runs = [r for r in runs if "error" not in r]  # a failed run's curve stops early
     tasks = list(dict.fromkeys(r["task"] for r in runs))
     ks = sorted({r["max_staleness"] for r in runs})
     corrs = list(dict.fromkeys(r["is_correction"] for r in runs))
@@ -243,6 +282,21 @@ def plot(runs: list[dict], path: str) -> bool:
     fig.savefig(path, dpi=72)
     plt.close(fig)
     return True
+
+
+def _write(path: str, result: dict) -> None:
+    """``result`` as JSON, each step record on one line (the runs last)."""
+    head = json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1)
+    runs = ",\n".join(
+        "  {"
+        + "".join(f"{json.dumps(k)}: {json.dumps(v)}, " for k, v in run.items() if k != "records")
+        + '"records": [\n'
+        + ",\n".join("   " + json.dumps(rec) for rec in run["records"])
+        + "\n  ]}"
+        for run in result["runs"]
+    )
+    with open(path, "w") as f:
+        f.write(head[:-2] + (",\n" if len(head) > 2 else "\n") + ' "runs": [\n' + runs + "\n ]\n}\n")
 
 
 def _task_args(ap, text: str | None) -> dict:
@@ -290,6 +344,8 @@ def main(argv=None) -> int:
             runs = result["runs"]
             if not all("records" in r for r in runs):
                 raise KeyError("records")
+            for r in runs:  # as a run records them (step_record)
+                r["records"] = [{k: _round(v) for k, v in rec.items()} for rec in r["records"]]
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
             ap.error(
                 f"--load: {args.load!r} is not a results file with per-step records ({type(e).__name__}: {e})"
@@ -300,23 +356,7 @@ def main(argv=None) -> int:
 
         from harts_runtime.errors import InvalidInputError
 
-        runs = []
-        for task in args.tasks:
-            for seed in args.seeds:
-                for k in args.staleness:
-                    for corr in args.corrections:
-                        try:
-                            r = one_run(args, task, task_args.get(task, {}), k, corr, seed)
-                        except InvalidInputError as e:
-                            ap.error(str(e))
-                        runs.append(r)
-                        s = summarize_run(r["records"])
-                        print(
-                            json.dumps(
-                                {k_: r[k_] for k_ in ("task", "max_staleness", "is_correction", "seed")} | s
-                            ),
-                            flush=True,
-                        )
+        runs: list[dict] = []
         result = {
             "flavor": args.flavor,
             "layers": args.layers,
@@ -329,13 +369,27 @@ def main(argv=None) -> int:
             "cpus": os.cpu_count(),
             "runs": runs,
         }
+        for task in args.tasks:
+            for seed in args.seeds:
+                for k in args.staleness:
+                    for corr in args.corrections:
+                        try:
+                            r = one_run(args, task, task_args.get(task, {}), k, corr, seed)
+                        except InvalidInputError as e:
+                            ap.error(str(e))
+                        runs.append(r)
+                        head = {k_: r[k_] for k_ in ("task", "max_staleness", "is_correction", "seed")}
+                        s = summarize_run(r["records"]) if r["records"] else {}
+                        print(
+                            json.dumps(head | s | ({"error": r["error"]} if "error" in r else {})), flush=True
+                        )
+                        if args.out:  # what is done so far, should a later run stop the process
+                            _write(args.out, dict(result, summary=summarize(runs)))
     result["summary"] = summarize(result["runs"])
     for row in result["summary"]:
         print(summary_line(row))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
+        _write(args.out, result)
     if args.plot:
         plot(result["runs"], args.plot)
     if args.readme:
