@@ -9,8 +9,8 @@ projection, gate / up into one, experts into stacked parameters, ``A_log`` into 
 for Nemotron-H) inside ``load_weights``. So a rule is the checkpoint spelling plus, where an engine's
 registered classes need it, a prefix rename (:attr:`EngineRule.rename`) or a rename within the layers
 of one mixer kind (:attr:`EngineRule.layer_renames`); the shapes are always the checkpoint's. What a
-loader skips (:attr:`EngineRule.skips`: rotary ``inv_freq``, MTP layers) our stream never holds. A family an engine has no loader for is refused naming both
-(:func:`engine_rule`).
+loader skips (:attr:`EngineRule.skips`: rotary ``inv_freq``, MTP layers) our stream never holds. A
+family an engine has no loader for is refused naming both (:func:`engine_rule`).
 """
 
 from __future__ import annotations
