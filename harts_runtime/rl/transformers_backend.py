@@ -102,6 +102,9 @@ class TransformersRollout(RolloutEngine):
         self._captured: list[torch.Tensor] = []
         self.last_routes: torch.Tensor | None = None
         """The last forward's expert ids, int64 ``[B, L, M, k]`` (None: no MoE router)."""
+        self.scored_routes: list[torch.Tensor] | None = None
+        """Per sequence of the last :meth:`logprobs` call, the expert ids it scored with, int64
+        ``[L, M, k]`` (None: no MoE router)."""
         for r in self.routers:
             r.register_forward_hook(self._record)
 
@@ -180,6 +183,8 @@ class TransformersRollout(RolloutEngine):
     @torch.no_grad()
     def logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * len(sequences)
+        routes: list[torch.Tensor | None] = [None] * len(sequences)
+        self.scored_routes = None
         by_len: dict[int, list[int]] = {}
         for i, s in enumerate(sequences):
             by_len.setdefault(len(s), []).append(i)
@@ -189,7 +194,11 @@ class TransformersRollout(RolloutEngine):
             lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None].to(self.device))[..., 0]
             for j, i in enumerate(rows):
                 out[i] = lp[j].cpu()
+                if self.last_routes is not None:
+                    routes[i] = self.last_routes[j].long()
         assert all(t is not None for t in out)  # every sequence is in one length group
+        if self.routers:
+            self.scored_routes = cast(list[torch.Tensor], routes)
         return cast(list[torch.Tensor], out)
 
     def open(self, prompts: Sequence[Sequence[int]]) -> Frontier:
