@@ -126,16 +126,21 @@ def _failed(row: dict) -> str:
     return "; ".join(f"seed {f['seed']} failed at {f['error']}" for f in row.get("failed", []))
 
 
+def _k3_by_lag(row: dict) -> list[tuple[int, float]]:
+    """``(lag, mean mismatch/k3)`` of a summary row, by lag."""
+    return sorted(
+        (int(k.split("/")[1][3:]), v)
+        for k, v in row.items()
+        if k.startswith("mismatch/lag") and k.endswith("/k3")
+    )
+
+
 def summary_line(row: dict) -> str:
     head = f"{row['task']:<10} K={row['max_staleness']} {row['is_correction']:<9} "
     if not row["seeds"]:
         return head + _failed(row)
     r, w = row["reward_last3"], row["wall_per_step"]
-    lags = sorted(
-        (int(k.split("/")[1][3:]), v)
-        for k, v in row.items()
-        if k.startswith("mismatch/lag") and k.endswith("/k3")
-    )
+    lags = _k3_by_lag(row)
     k3 = ", ".join(f"lag{d} {v:.3f}" for d, v in lags) or "-"
     return (
         head + f"reward last{FINAL} {r['mean']:.3f} +- {r['std']:.3f} [{r['min']:.3f}, {r['max']:.3f}]  "
@@ -171,11 +176,7 @@ def markdown(result: dict) -> str:
             lines.append(f"| {row['task']} | {row['max_staleness']} | {row['is_correction']} |" + " - |" * 7)
             continue
         r, w = row["reward_last3"], row["wall_per_step"]
-        lags = sorted(
-            (int(k.split("/")[1][3:]), v)
-            for k, v in row.items()
-            if k.startswith("mismatch/lag") and k.endswith("/k3")
-        )
+        lags = _k3_by_lag(row)
         k3 = ", ".join(f"{d}: {v:.3f}" for d, v in lags) or "-"
         lines.append(
             f"| {row['task']} | {row['max_staleness']} | {row['is_correction']} | {row['reward_first3']['mean']:.3f} "
