@@ -22,11 +22,18 @@ from harts_planner.rpc import connections
 from harts_planner.rpc.server import SidecarProcess
 
 
-def _nofile(soft: int, hard: int):
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-    return limit
+def _nofile(soft: int, hard: int) -> list[str]:
+    """``python -m harts_planner.cli`` under ``RLIMIT_NOFILE`` (soft, hard), set by the child's own
+    Python before it runs the CLI: a ``preexec_fn`` would run Python between ``fork`` and ``exec`` in
+    a child of this test process, whose gRPC threads (earlier tests' servers and channels) make that
+    unsafe (a sidecar once died of SIGABRT before printing its address, under load in CI)."""
+    code = (
+        "import resource, runpy, sys; "
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard})); "
+        "sys.argv[0] = 'harts-planner'; "
+        "runpy.run_module('harts_planner.cli', run_name='__main__', alter_sys=True)"
+    )
+    return [sys.executable, "-c", code]
 
 
 def _limits_of(pid: int) -> tuple[int, int]:
@@ -40,7 +47,7 @@ def _limits_of(pid: int) -> tuple[int, int]:
 
 def test_a_low_hard_limit_starts_with_a_warning_naming_the_numbers(tmp_path):
     log = tmp_path / "serve.log"
-    with SidecarProcess(workers=2, preexec_fn=_nofile(256, 256), log_path=str(log)) as sidecar:
+    with SidecarProcess(workers=2, command=_nofile(256, 256), log_path=str(log)) as sidecar:
         assert _limits_of(sidecar.pid) == (256, 256)
         with Planner(sidecar.address) as p:
             assert p.health(timeout=5) == "SERVING"
@@ -51,8 +58,7 @@ def test_a_low_hard_limit_starts_with_a_warning_naming_the_numbers(tmp_path):
 
 def test_too_few_descriptors_refuse_to_start():
     proc = subprocess.run(
-        [sys.executable, "-m", "harts_planner.cli", "serve", "--port", "0"],
-        preexec_fn=_nofile(150, 150),
+        [*_nofile(150, 150), "serve", "--port", "0"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -75,7 +81,7 @@ def test_the_soft_limit_is_raised_and_1100_idle_connections_lock_nobody_out(tmp_
     socks = []
     try:
         with SidecarProcess(
-            workers=2, preexec_fn=_nofile(1024, 4096), log_path=str(tmp_path / "serve.log")
+            workers=2, command=_nofile(1024, 4096), log_path=str(tmp_path / "serve.log")
         ) as sidecar:
             assert _limits_of(sidecar.pid)[0] == 4096  # 4,096 + 128 capped at the hard limit
             host, _, port = sidecar.address.rpartition(":")
