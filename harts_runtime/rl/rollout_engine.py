@@ -113,6 +113,11 @@ class RolloutEngine(ABC):
         """A frontier of one branch per prompt (non-empty; lengths may differ)."""
 
 
+def _replay_layers(engine):
+    """The MoE layers of ``engine``'s model while its routing replay is on, else None."""
+    return getattr(getattr(engine, "model", None), "_harts_routing_replay", None)
+
+
 def own_routes_rollouts(engine, sequences: Sequence[Sequence[int]]):
     """The :class:`~harts_runtime.rollouts.Rollouts` of ``sequences`` for a forward in which
     every MoE layer routes by its own router: with ``engine``'s routing replay on, routes of -1
@@ -120,7 +125,7 @@ def own_routes_rollouts(engine, sequences: Sequence[Sequence[int]]):
     from harts_runtime.rollouts import Rollouts
 
     seqs = [list(s) for s in sequences]
-    layers = getattr(getattr(engine, "model", None), "_harts_routing_replay", None)
+    layers = _replay_layers(engine)
     if not layers:
         return Rollouts.from_lists(seqs)
     m, k = len(layers), int(layers[0].config.top_k)
@@ -206,8 +211,7 @@ def check_sync(
         return 0.0
     theirs = torch.cat(rollout.logprobs(seqs)).double()
     routes = getattr(rollout, "scored_routes", None)
-    replay = getattr(getattr(engine, "model", None), "_harts_routing_replay", None)
-    if replay and routes is not None:
+    if _replay_layers(engine) and routes is not None:
         rollouts = Rollouts.from_lists(seqs, routes=[r.long().cpu() for r in routes])
         flips = False
     else:
