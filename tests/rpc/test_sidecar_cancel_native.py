@@ -17,9 +17,10 @@ from harts_planner import RolloutBatch, SegmentTree, synth
 from harts_planner.rpc import codec
 from harts_planner.rpc.server import create_server
 
-#: The slow request: 400 copies of the swe-like tree, segment lengths / 16 (to stay under 2^31 tokens),
-#: T = 65,536 / 16: 844,400 trajectories, a 10 MB request whose step plans for ~7 s on one core.
-COPIES, SCALE = 400, 16
+#: The slow request: 600 copies of the swe-like tree, segment lengths / 16 (to stay under 2^31 tokens),
+#: T = 65,536 / 16: 1,266,600 trajectories, a 19 MB request whose step plans for 10-16 s on one core
+#: (so several seconds of plan remain when the 5 s deadline expires).
+COPIES, SCALE = 600, 16
 
 
 def copies_tree(tree: SegmentTree, copies: int, scale: int = 1) -> SegmentTree:
@@ -41,12 +42,12 @@ def slow_request():
 
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
 def test_an_abandoned_plan_frees_its_thread(slow_request, records, how):
-    # a 13 MB unary request, a 24 MB response: over the default 8 MiB message limit
+    # a 19 MB unary request: over the default 8 MiB message limit
     with create_server("127.0.0.1:0", workers=1, max_message_bytes=64 << 20) as srv, Raw(srv.address) as raw:
-        # deadline: 3 s from the call, so the 13 MB upload and its admission (up to ~2 s on a loaded
-        # 2-core machine; a 1 s deadline could expire before planning began) leave the plan
-        # (~7 s on one core) started and far from done when it expires
-        slow = raw.future("PLAN_STEP", slow_request, timeout=600 if how == "cancel" else 3.0)
+        # deadline: 5 s from the call, so the upload and its admission (up to ~2 s on a loaded 2-core
+        # machine, more beside CI's background stages; a 1 s deadline could expire before planning
+        # began) leave the plan started and seconds from done when it expires
+        slow = raw.future("PLAN_STEP", slow_request, timeout=600 if how == "cancel" else 5.0)
         assert wait_until(lambda: srv.servicer.counts()["planning"] == 1)
         time.sleep(0.5)  # well inside the plan
         if how == "cancel":
