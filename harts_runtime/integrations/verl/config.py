@@ -27,12 +27,17 @@ from harts_runtime.errors import InvalidInputError
 from harts_runtime.job_config import group_settings, setting
 from harts_runtime.options import DEFAULT_CHUNK_SIZE, ExecutionOptions
 
-__all__ = ["HartsActorConfig", "HartsEngineConfig"]
+__all__ = ["HartsActorConfig", "HartsEngineConfig", "dtype_name"]
 
 _FROM_VERL = {"param_dtype": "dtype"}
 """ExecutionOptions fields a verl field sets instead (``harts.dtype``: FSDP2's compute dtype)."""
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 """verl's short dtype names."""
+
+
+def dtype_name(name):
+    """The torch dtype name of a verl dtype setting (``bf16`` -> ``bfloat16``; others unchanged)."""
+    return _ALIASES.get(name, name)
 
 
 def _execution_fields(cls):
@@ -95,7 +100,7 @@ def _check_model(cfg) -> None:
             raise InvalidInputError(f"harts.{name}", f"must be an integer >= {int(s.lo or 1)}, got {v!r}")
         if s.kind is str and not isinstance(v, str):
             raise InvalidInputError(f"harts.{name}", f"must be a string, got {v!r}")
-        if s.choices is not None and _ALIASES.get(v, v) not in s.choices:
+        if s.choices is not None and dtype_name(v) not in s.choices:
             raise InvalidInputError(f"harts.{name}", f"choose one of {', '.join(s.choices)}, got {v!r}")
     try:
         ModelOptions(chunk_size=cfg.chunk_size)
@@ -146,7 +151,7 @@ class HartsEngineConfig(VerlEngineConfig):
             for f in dataclasses.fields(ExecutionOptions)
             if f.name not in _FROM_VERL
         }
-        dtype = _ALIASES.get(self.dtype, self.dtype)
+        dtype = dtype_name(self.dtype)
         given["param_dtype"] = None if dtype in (None, "float32") else dtype
         try:
             execution = ExecutionOptions(**given)

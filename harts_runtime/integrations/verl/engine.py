@@ -73,7 +73,7 @@ from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 
 from harts_runtime.engine import EngineConfig, EngineOutput, HartsEngine
 from harts_runtime.errors import InvalidInputError
-from harts_runtime.integrations.verl.config import _ALIASES, HartsEngineConfig
+from harts_runtime.integrations.verl.config import HartsEngineConfig, dtype_name
 from harts_runtime.integrations.verl.data import gather_rows, harts_logprobs_to_verl, rollouts_of
 from harts_runtime.integrations.verl.loss import VerlLoss, full_weight, row_entropy
 from harts_runtime.loss.functions import zero_loss_fn
@@ -157,7 +157,7 @@ class VerlHartsEngine(BaseEngine):
             path,
             cfg,
             dims,
-            dtype=_ALIASES.get(ec.model_dtype, ec.model_dtype),  # verl's configs are frozen: named here
+            dtype=dtype_name(ec.model_dtype),  # verl's configs are frozen: named here
             device=_device(),
             chunk_size=ec.chunk_size,
         )
